@@ -1,0 +1,42 @@
+"""multimesh's MLIR passes and their registry.
+
+``get_all_passes()`` maps each ``mm-...`` argument to a factory that imports
+the pass module lazily (as xDSL's registry does), so importing this package
+stays cheap. ``docs/passes.md`` is generated from this registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from mlir_passes.base import ModulePass
+
+# argument -> "module:Class". One module per pass; its golden test is
+# tests/filecheck/<module>.mlir.
+_PASSES: dict[str, str] = {
+}
+
+
+def _loader(spec: str) -> Callable[[], type[ModulePass]]:
+    module, cls = spec.split(":")
+
+    def load() -> type[ModulePass]:
+        return getattr(importlib.import_module(f"mlir_passes.{module}"), cls)
+
+    return load
+
+
+def get_all_passes() -> dict[str, Callable[[], type[ModulePass]]]:
+    """Every registered pass: ``{argument: factory returning the pass class}``."""
+    return {arg: _loader(spec) for arg, spec in sorted(_PASSES.items())}
+
+
+def pass_module_name(argument: str) -> str:
+    """The module (and golden-test basename) that implements ``argument``."""
+    return _PASSES[argument].split(":")[0]
+
+
+def register(argument: str, spec: str) -> None:
+    """Register an extra pass (for plugins and tests)."""
+    _PASSES[argument] = spec

@@ -1,0 +1,225 @@
+"""Parse and run pass pipelines that mix multimesh passes with native MLIR ones.
+
+A pipeline string looks like mlir-opt's:
+``builtin.module(mm-a{opt=1},canonicalize,func.func(cse),sdy-propagation-pipeline)``.
+``mm-*`` elements are our Python passes; every other element is handed verbatim
+to jaxlib's ``PassManager`` (consecutive native elements share one run).
+Python passes cannot be found by ``PassManager.parse``, hence this parser.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from multimesh._src.errors import DiagnosticError, PipelineError
+from multimesh._src.mlir import ir, passmanager, print_module
+from mlir_passes import get_all_passes
+from mlir_passes.base import ModulePass
+
+__all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks"]
+
+
+@dataclass(frozen=True)
+class NativeStep:
+    """One or more native (C++) pass elements run through ``PassManager``."""
+
+    text: str  # comma-separated elements, without the builtin.module(...) wrapper
+
+    @property
+    def argument(self) -> str:
+        return self.text
+
+    def pipeline_element(self) -> str:
+        return self.text
+
+    def apply(self, module: ir.Module) -> None:
+        with module.context:
+            try:
+                pm = passmanager.PassManager.parse(f"builtin.module({self.text})")
+            except ValueError as e:
+                raise PipelineError(_clean_native_error(str(e))) from None
+            try:
+                pm.run(module.operation)
+            except ir.MLIRError as e:
+                diags = e.error_diagnostics
+                if diags:
+                    d = diags[0]
+                    raise DiagnosticError(
+                        d.message, d.location, [n.message for n in d.notes]) from None
+                raise DiagnosticError(str(e)) from None
+
+
+def _clean_native_error(msg: str) -> str:
+    first = msg.strip().splitlines()[0] if msg.strip() else msg
+    return f"Invalid native pass pipeline: {first}"
+
+
+Step = ModulePass | NativeStep
+
+
+@dataclass
+class PipelineHooks:
+    """Callbacks around each step: IR printing, dumping, timing."""
+
+    before: Callable[[Step, ir.Module], None] | None = None
+    after: Callable[[Step, ir.Module, float], None] | None = None
+
+
+@dataclass
+class Pipeline:
+    steps: list[Step] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "builtin.module(" + ",".join(s.pipeline_element() for s in self.steps) + ")"
+
+    def run(self, module: ir.Module, hooks: PipelineHooks | None = None,
+            verify: bool = True) -> list[tuple[str, float]]:
+        """Run every step in order; returns ``[(argument, seconds)]``.
+
+        Raises :class:`DiagnosticError` (from a pass) with the failing step's
+        argument attached as ``failed_pass``.
+        """
+        timings = []
+        for step in self.steps:
+            if hooks and hooks.before:
+                hooks.before(step, module)
+            t0 = time.perf_counter()
+            try:
+                step.apply(module)
+                if verify and isinstance(step, ModulePass):
+                    _verify(module, step.argument)
+            except DiagnosticError as e:
+                e.failed_pass = step.argument  # type: ignore[attr-defined]
+                raise
+            dt = time.perf_counter() - t0
+            timings.append((step.argument, dt))
+            if hooks and hooks.after:
+                hooks.after(step, module, dt)
+        return timings
+
+
+def _verify(module: ir.Module, argument: str) -> None:
+    try:
+        ok = module.operation.verify()
+    except ir.MLIRError as e:
+        d = e.error_diagnostics[0] if e.error_diagnostics else None
+        raise DiagnosticError(
+            f"'{argument}' produced invalid IR: {d.message if d else e}",
+            d.location if d else None) from None
+    if not ok:  # pragma: no cover - verify raises in these bindings
+        raise DiagnosticError(f"'{argument}' produced invalid IR.")
+
+
+def _split_top(text: str, what: str) -> list[str]:
+    """Split on commas that are not inside (), {} or quotes."""
+    parts, depth, cur, quote = [], 0, [], False
+    for ch in text:
+        if ch == '"':
+            quote = not quote
+        elif not quote and ch in "({":
+            depth += 1
+        elif not quote and ch in ")}":
+            depth -= 1
+            if depth < 0:
+                raise PipelineError(f"Unbalanced ')' or '}}' in {what} '{text}'.")
+        if ch == "," and depth == 0 and not quote:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if depth != 0 or quote:
+        raise PipelineError(f"Unbalanced brackets or quotes in {what} '{text}'.")
+    tail = "".join(cur).strip()
+    if tail or parts:
+        parts.append(tail)
+    return parts
+
+
+def _parse_options(name: str, text: str) -> dict[str, str]:
+    opts = {}
+    for item in _split_top(text, f"options of '{name}'"):
+        if not item:
+            continue
+        # options are space- or comma-separated in mlir-opt; accept both
+        for piece in item.split():
+            if "=" not in piece:
+                opts[piece] = "true"
+            else:
+                k, v = piece.split("=", 1)
+                opts[k.strip()] = v.strip()
+    return opts
+
+
+def parse_pipeline(text: str | Sequence[str]) -> Pipeline:
+    """Parse ``builtin.module(...)`` (or a bare comma list) into a :class:`Pipeline`."""
+    if not isinstance(text, str):
+        text = ",".join(text)
+    body = text.strip()
+    if body.startswith("builtin.module(") and body.endswith(")"):
+        body = body[len("builtin.module("):-1]
+    elif body.startswith("builtin.module"):
+        raise PipelineError(f"Malformed pass pipeline '{text}': expected 'builtin.module(...)'.")
+    passes = get_all_passes()
+    steps: list[Step] = []
+    native: list[str] = []
+
+    def flush():
+        if native:
+            steps.append(NativeStep(",".join(native)))
+            native.clear()
+
+    for elem in _split_top(body, "pass pipeline"):
+        if not elem:
+            raise PipelineError(f"Empty element in pass pipeline '{text}'.")
+        name = elem
+        opts = ""
+        if "{" in elem:
+            name, rest = elem.split("{", 1)
+            if not rest.endswith("}"):
+                raise PipelineError(f"Malformed options in pass pipeline element '{elem}'.")
+            opts = rest[:-1]
+        name = name.strip()
+        if name.startswith("mm-"):
+            if name not in passes:
+                known = ", ".join(passes)
+                raise PipelineError(
+                    f"'{name}' does not refer to a registered multimesh pass. "
+                    f"Registered passes: {known}.")
+            flush()
+            steps.append(passes[name]().from_options(_parse_options(name, opts)))
+        else:
+            native.append(elem)
+    flush()
+    # Validate native elements eagerly so unknown names are reported before running.
+    for s in steps:
+        if isinstance(s, NativeStep):
+            from multimesh._src.mlir import make_context
+
+            with make_context():
+                try:
+                    passmanager.PassManager.parse(f"builtin.module({s.text})")
+                except ValueError as e:
+                    raise PipelineError(_native_unknown(s.text, str(e))) from None
+    return Pipeline(steps)
+
+
+def _native_unknown(text: str, msg: str) -> str:
+    import re
+
+    m = re.search(r"'([^']+)' does not refer to a registered pass", msg)
+    if m:
+        return (f"'{m.group(1)}' does not refer to a registered pass or pass pipeline. "
+                f"Run `mm-opt --list-passes` to see the available passes.")
+    return _clean_native_error(msg)
+
+
+def dump_dir() -> str | None:
+    """``MULTIMESH_DUMP_IR_TO``: where the compile hook writes IR after each pass."""
+    return os.environ.get("MULTIMESH_DUMP_IR_TO") or None
+
+
+def print_ir(module: ir.Module, debug_info: bool = False) -> str:
+    return print_module(module, debug_info=debug_info)

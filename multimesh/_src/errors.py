@@ -1,0 +1,57 @@
+"""Error classes shared by every layer.
+
+Every user-facing error inherits :class:`MultimeshError` *and* the matching
+builtin, so ``except ValueError`` keeps working for callers that do not know
+about multimesh.
+"""
+
+from __future__ import annotations
+
+
+class MultimeshError(Exception):
+    """Base class of every error raised by multimesh."""
+
+
+class MultimeshValueError(MultimeshError, ValueError):
+    """A value given to a multimesh API is invalid."""
+
+
+class MultimeshTypeError(MultimeshError, TypeError):
+    """An argument given to a multimesh API has the wrong type."""
+
+
+class MeshError(MultimeshValueError):
+    """A task mesh is malformed or does not fit the program's devices."""
+
+
+class LogicalShardingError(MultimeshValueError):
+    """A logical sharding cannot be resolved onto a task's device axes."""
+
+
+class PipelineError(MultimeshValueError):
+    """A pass pipeline string is malformed or names an unknown pass."""
+
+
+class DiagnosticError(MultimeshValueError):
+    """A pass rejected the IR; carries the MLIR location of the offending op.
+
+    ``location`` is an ``ir.Location`` (or None) so that ``mm-opt`` can print
+    ``file:line:col: error: ...`` and ``--verify-diagnostics`` can match it.
+    """
+
+    def __init__(self, message: str, location=None, notes=()):
+        super().__init__(message)
+        self.message = message
+        self.location = location
+        self.notes = tuple(notes)
+
+
+class PassFailure(MultimeshValueError):
+    """A pass failed while compiling a program; names the pass and a repro."""
+
+    def __init__(self, message: str, pass_argument: str, repro: str | None = None,
+                 cause: BaseException | None = None):
+        super().__init__(message)
+        self.pass_argument = pass_argument
+        self.repro = repro
+        self.cause = cause

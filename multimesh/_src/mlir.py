@@ -1,0 +1,155 @@
+"""The one place that imports jaxlib's MLIR bindings.
+
+Every other module gets ``ir``, ``passmanager`` and the dialects from here, so
+a jaxlib upgrade touches one file. Helpers here are tiny and generic; anything
+that knows about multimesh's IR contract lives in ``mlir_passes``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+from jax._src.interpreters.mlir import make_ir_context as _make_ir_context
+from jaxlib.mlir import ir, passmanager
+from jaxlib.mlir.dialects import func, sdy, stablehlo
+
+__all__ = [
+    "ir", "passmanager", "func", "sdy", "stablehlo",
+    "make_context", "parse_module", "print_module", "clone_module",
+    "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
+    "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
+    "symbol_table", "attr_to_py", "py_to_attr",
+]
+
+
+def make_context() -> ir.Context:
+    """A fresh context with every dialect jax emits (func, stablehlo, sdy, mhlo, ...)."""
+    return _make_ir_context()
+
+
+def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Module:
+    ctx = context or make_context()
+    with ctx:
+        return ir.Module.parse(text)
+
+
+def print_module(module: ir.Module | ir.Operation, *, debug_info: bool = False,
+                 generic: bool = False) -> str:
+    op = module.operation if isinstance(module, ir.Module) else module
+    return op.get_asm(enable_debug_info=debug_info, print_generic_op_form=generic)
+
+
+def clone_module(module: ir.Module) -> ir.Module:
+    """A deep copy in the *same* context (jax's ``compiler_ir()`` is cached and shared)."""
+    with module.context:
+        return ir.Module.parse(module.operation.get_asm(enable_debug_info=True,
+                                                         print_generic_op_form=True))
+
+
+def walk(op: ir.Operation, fn: Callable[[ir.Operation], None], *,
+         pre_order: bool = True) -> None:
+    """Call ``fn`` on every op nested in ``op`` (``op`` included)."""
+
+    def cb(o):
+        fn(o)
+        return ir.WalkResult.ADVANCE
+
+    order = ir.WalkOrder.PRE_ORDER if pre_order else ir.WalkOrder.POST_ORDER
+    op.walk(cb, order)
+
+
+def top_level_ops(block: ir.Block) -> list[ir.Operation]:
+    return [o.operation for o in block.operations]
+
+
+def str_attr(s: str) -> ir.Attribute:
+    return ir.StringAttr.get(s)
+
+
+def int_attr(i: int, bits: int = 64) -> ir.Attribute:
+    return ir.IntegerAttr.get(ir.IntegerType.get_signless(bits), int(i))
+
+
+def dict_attr(d: dict) -> ir.Attribute:
+    return ir.DictAttr.get({k: py_to_attr(v) for k, v in d.items()})
+
+
+def py_to_attr(v) -> ir.Attribute:
+    """Python value -> builtin attribute (str, bool, int, float, list/tuple, dict)."""
+    if isinstance(v, ir.Attribute):
+        return v
+    if isinstance(v, bool):
+        return ir.BoolAttr.get(v)
+    if isinstance(v, str):
+        return ir.StringAttr.get(v)
+    if isinstance(v, int):
+        return int_attr(v)
+    if isinstance(v, float):
+        return ir.FloatAttr.get(ir.F64Type.get(), v)
+    if isinstance(v, dict):
+        return dict_attr(v)
+    if isinstance(v, (list, tuple)):
+        return ir.ArrayAttr.get([py_to_attr(x) for x in v])
+    raise TypeError(f"Cannot convert {v!r} of type {type(v).__name__} to an MLIR attribute.")
+
+
+def attr_to_py(a: ir.Attribute):
+    """Builtin attribute -> Python value; the inverse of :func:`py_to_attr`."""
+    for cls, conv in (
+        (ir.StringAttr, lambda x: x.value),
+        (ir.BoolAttr, lambda x: x.value),
+        (ir.IntegerAttr, lambda x: x.value),
+        (ir.FloatAttr, lambda x: x.value),
+        (ir.DenseI64ArrayAttr, lambda x: list(x)),
+        (ir.DenseI32ArrayAttr, lambda x: list(x)),
+    ):
+        if cls.isinstance(a):
+            return conv(cls(a))
+    if ir.ArrayAttr.isinstance(a):
+        return [attr_to_py(x) for x in ir.ArrayAttr(a)]
+    if ir.DictAttr.isinstance(a):
+        d = ir.DictAttr(a)
+        return {d[i].name: attr_to_py(d[i].attr) for i in range(len(d))}
+    return a
+
+
+def get_attr(op: ir.Operation, name: str, default=None):
+    return op.attributes[name] if name in op.attributes else default
+
+
+def set_attr(op: ir.Operation, name: str, value) -> None:
+    op.attributes[name] = py_to_attr(value)
+
+
+def del_attr(op: ir.Operation, name: str) -> None:
+    if name in op.attributes:
+        del op.attributes[name]
+
+
+def symbol_table(module: ir.Module) -> ir.SymbolTable:
+    return ir.SymbolTable(module.operation)
+
+
+_LOC_RE = re.compile(r'loc\("?([^"]*?)"?:(\d+):(\d+)')
+_FLC_RE = re.compile(r'"([^"]+)":(\d+):(\d+)')
+
+
+def file_line_col(loc: ir.Location | None) -> tuple[str, int, int] | None:
+    """The first ``file:line:col`` inside a (possibly fused/named/callsite) location."""
+    if loc is None:
+        return None
+    m = _FLC_RE.search(str(loc))
+    if not m:
+        return None
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def location_of(op: ir.Operation) -> ir.Location:
+    return op.location
+
+
+def iter_funcs(module: ir.Module) -> Iterable[ir.Operation]:
+    for op in module.body.operations:
+        if op.operation.name == "func.func":
+            yield op.operation
