@@ -15,6 +15,16 @@ from mlir_passes.base import ModulePass
 # argument -> "module:Class". One module per pass; its golden test is
 # tests/filecheck/<module>.mlir.
 _PASSES: dict[str, str] = {
+    "mm-import-gspmd": "import_gspmd:ImportGspmdPass",
+    "mm-verify": "verify:VerifyPass",
+    "mm-inline-tasks": "inline_tasks:InlineTasksPass",
+    "mm-assign-tasks": "assign_tasks:AssignTasksPass",
+    "mm-resolve-logical-shardings": "resolve_logical_shardings:ResolveLogicalShardingsPass",
+    "mm-outline-fragments": "outline_fragments:OutlineFragmentsPass",
+    "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",
+    "mm-insert-transfers": "insert_transfers:InsertTransfersPass",
+    "mm-extract-fragments": "extract_fragments:ExtractFragmentsPass",
+    "mm-strip-markers": "strip_markers:StripMarkersPass",
 }
 
 
