@@ -189,7 +189,13 @@ def parse_pipeline(text: str | Sequence[str]) -> Pipeline:
                     f"'{name}' does not refer to a registered multimesh pass. "
                     f"Registered passes: {known}.")
             flush()
-            steps.append(passes[name]().from_options(_parse_options(name, opts)))
+            try:
+                cls = passes[name]()
+            except (ImportError, AttributeError) as e:
+                raise PipelineError(
+                    f"Pass '{name}' is registered but could not be loaded: "
+                    f"{type(e).__name__}: {e}") from None
+            steps.append(cls.from_options(_parse_options(name, opts)))
         else:
             native.append(elem)
     flush()

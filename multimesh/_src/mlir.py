@@ -96,21 +96,21 @@ def py_to_attr(v) -> ir.Attribute:
 
 def attr_to_py(a: ir.Attribute):
     """Builtin attribute -> Python value; the inverse of :func:`py_to_attr`."""
-    for cls, conv in (
-        (ir.StringAttr, lambda x: x.value),
-        (ir.BoolAttr, lambda x: x.value),
-        (ir.IntegerAttr, lambda x: x.value),
-        (ir.FloatAttr, lambda x: x.value),
-        (ir.DenseI64ArrayAttr, lambda x: list(x)),
-        (ir.DenseI32ArrayAttr, lambda x: list(x)),
-    ):
-        if cls.isinstance(a):
-            return conv(cls(a))
-    if ir.ArrayAttr.isinstance(a):
-        return [attr_to_py(x) for x in ir.ArrayAttr(a)]
-    if ir.DictAttr.isinstance(a):
-        d = ir.DictAttr(a)
-        return {d[i].name: attr_to_py(d[i].attr) for i in range(len(d))}
+    a = a.maybe_downcast() if hasattr(a, "maybe_downcast") else a
+    if isinstance(a, ir.StringAttr):
+        return a.value
+    if isinstance(a, ir.BoolAttr):
+        return a.value
+    if isinstance(a, ir.IntegerAttr):
+        return a.value
+    if isinstance(a, ir.FloatAttr):
+        return a.value
+    if isinstance(a, (ir.DenseI64ArrayAttr, ir.DenseI32ArrayAttr)):
+        return list(a)
+    if isinstance(a, ir.ArrayAttr):
+        return [attr_to_py(x) for x in a]
+    if isinstance(a, ir.DictAttr):
+        return {na.name: attr_to_py(na.attr) for na in (a[i] for i in range(len(a)))}
     return a
 
 

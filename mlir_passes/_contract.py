@@ -1,0 +1,129 @@
+"""Shared readers/writers for the ``mm.*`` IR contract (docs/ir.md).
+
+Passes use these instead of poking attributes directly, so the contract is
+spelled in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr
+
+TASK_ATTR = "mm.task"
+TASKS_ATTR = "mm.tasks"
+LOGICAL_TARGET = "mm.logical_sharding"
+TRANSFER_TARGET = "mm.transfer"
+FRAGMENT_CALL_TARGET = "mm.fragment_call"
+DEFAULT_TASK = "mm.default"
+
+
+@dataclass(frozen=True)
+class TaskMeshInfo:
+    """A task's submesh and logical mapping, as stored in ``mm.tasks``."""
+
+    devices: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    logical_axes: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TaskMeshInfo:
+        return cls(tuple(d["devices"]), tuple(d["axis_names"]), tuple(d["axis_sizes"]),
+                   tuple(tuple(p) for p in d["logical_axes"]))
+
+    def to_dict(self) -> dict:
+        return {"devices": list(self.devices), "axis_names": list(self.axis_names),
+                "axis_sizes": list(self.axis_sizes),
+                "logical_axes": [list(p) for p in self.logical_axes]}
+
+    def mesh_key(self) -> tuple:
+        return (self.devices, self.axis_names, self.axis_sizes)
+
+
+def main_func(module: ir.Module) -> ir.Operation:
+    for op in module.body.operations:
+        op = op.operation
+        if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            return op
+    raise DiagnosticError("module has no 'main' function", module.operation.location)
+
+
+def func_by_name(module: ir.Module) -> dict[str, ir.Operation]:
+    out = {}
+    for op in module.body.operations:
+        op = op.operation
+        if op.name == "func.func":
+            out[ir.StringAttr(op.attributes["sym_name"]).value] = op
+    return out
+
+
+def func_name(op: ir.Operation) -> str:
+    return ir.StringAttr(op.attributes["sym_name"]).value
+
+
+def callee_of(call: ir.Operation) -> str:
+    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+
+
+def entry_block(func: ir.Operation) -> ir.Block:
+    return func.regions[0].blocks[0]
+
+
+def read_tasks(module: ir.Module) -> dict[str, TaskMeshInfo]:
+    attrs = module.operation.attributes
+    if TASKS_ATTR not in attrs:
+        return {}
+    return {k: TaskMeshInfo.from_dict(v) for k, v in attr_to_py(attrs[TASKS_ATTR]).items()}
+
+
+def write_tasks(module: ir.Module, tasks: dict[str, TaskMeshInfo]) -> None:
+    with module.context:
+        module.operation.attributes[TASKS_ATTR] = dict_attr(
+            {k: tasks[k].to_dict() for k in sorted(tasks)})
+
+
+def tag_of(op: ir.Operation) -> tuple[str, int] | None:
+    """``(task name, transpose_count)`` of an op tagged in flat form, else None."""
+    if TASK_ATTR not in op.attributes:
+        return None
+    d = attr_to_py(op.attributes[TASK_ATTR])
+    return d["name"], int(d["transpose_count"])
+
+
+def tag_attr(name: str, count: int) -> ir.Attribute:
+    return py_to_attr({"name": name, "transpose_count": count})
+
+
+def is_custom_call(op: ir.Operation, target: str) -> bool:
+    return (op.name == "stablehlo.custom_call"
+            and ir.StringAttr(op.attributes["call_target_name"]).value == target)
+
+
+def value_bytes(v: ir.Value) -> int:
+    """Size in bytes of a ranked tensor value (1 for anything else)."""
+    t = v.type
+    if not isinstance(t, ir.RankedTensorType):
+        try:
+            t = ir.RankedTensorType(t)
+        except (ValueError, TypeError):
+            return 1
+    n = 1
+    for s in t.shape:
+        n *= max(s, 1)
+    et = t.element_type
+    width = getattr(et, "width", None)
+    if width is None:
+        try:
+            width = ir.FloatType(et).width
+        except (ValueError, TypeError):
+            width = 8
+    return n * max(1, width // 8)
+
+
+def num_devices(module: ir.Module) -> int | None:
+    attrs = module.operation.attributes
+    if "mm.num_devices" in attrs:
+        return ir.IntegerAttr(attrs["mm.num_devices"]).value
+    return None

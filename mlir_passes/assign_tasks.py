@@ -1,0 +1,142 @@
+"""``mm-assign-tasks``: give every op outside a task the task of its heaviest neighbour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlir_passes import _contract as c
+from mlir_passes.base import ModulePass
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.mlir import ir
+
+
+@dataclass(frozen=True)
+class AssignTasksPass(ModulePass):
+    """Colour untagged ops of ``@main`` (flat form) by the MultiMesh rule.
+
+    An op outside every task joins the task whose ops it exchanges the most bytes
+    with (operands and users together), repeated forward and backward until
+    nothing changes. An op whose regions hold tagged ops (a loop around a task)
+    takes that task; tasks on different submeshes inside one loop are an error,
+    since a loop body runs on one submesh. Ops still untagged at the end (or every
+    op, in a program with no task at all) go to the implicit task ``mm.default``:
+    all ``num-devices`` devices, no logical mapping, so constraints there resolve
+    to replicated.
+    """
+
+    argument = "mm-assign-tasks"
+    summary = "Give every untagged op in `@main` a task by the heaviest-neighbour rule."
+
+    num_devices: int = 0
+    """Devices of the implicit default task; 0 reads `mm.num_devices` or `mhlo.num_partitions`."""
+
+    def apply(self, module: ir.Module) -> None:
+        with module.context:
+            tasks = c.read_tasks(module)
+            main = c.main_func(module)
+            block = c.entry_block(main)
+            ops = [o.operation for o in block.operations][:-1]  # drop func.return
+            tag: dict[ir.Operation, tuple[str, int]] = {}
+            for op in ops:
+                t = c.tag_of(op)
+                if t is None and len(op.regions):
+                    t = _nested_tag(op, tasks)
+                    if t is not None:
+                        op.attributes[c.TASK_ATTR] = c.tag_attr(*t)
+                if t is not None:
+                    tag[op] = t
+            untagged = [op for op in ops if op not in tag]
+            pos = {op: i for i, op in enumerate(ops)}
+            main_op = main
+
+            def top(o: ir.Operation) -> ir.Operation | None:
+                o = o.operation
+                while True:
+                    p = o.parent
+                    if p is None:
+                        return None
+                    if p == main_op:
+                        return o
+                    o = p.operation
+
+            changed = True
+            while changed and untagged:
+                changed = False
+                for order in (untagged, list(reversed(untagged))):
+                    for op in order:
+                        if op in tag:
+                            continue
+                        best = _heaviest(op, tag, top, pos)
+                        if best is not None:
+                            tag[op] = best
+                            op.attributes[c.TASK_ATTR] = c.tag_attr(*best)
+                            changed = True
+                untagged = [op for op in untagged if op not in tag]
+            if untagged or not tasks:
+                n = self.num_devices or c.num_devices(module) or _num_partitions(module)
+                tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())
+                attr = c.tag_attr(c.DEFAULT_TASK, 0)
+                for op in untagged:
+                    op.attributes[c.TASK_ATTR] = attr
+            c.write_tasks(module, tasks)
+
+
+def _heaviest(op: ir.Operation, tag, top, pos) -> tuple[str, int] | None:
+    """The neighbouring task with the most bytes; ties go to the earliest neighbour."""
+    scores: dict[tuple[str, int], list[int]] = {}
+
+    def add(t, nbytes, where):
+        s = scores.setdefault(t, [0, where])
+        s[0] += nbytes
+        s[1] = min(s[1], where)
+
+    for v in op.operands:
+        owner = v.owner
+        if isinstance(owner, ir.Block):
+            continue
+        o = top(owner)
+        t = tag.get(o)
+        if t is not None:
+            add(t, c.value_bytes(v), pos.get(o, 0))
+    for r in op.results:
+        nbytes = c.value_bytes(r)
+        for use in r.uses:
+            o = top(use.owner)
+            t = tag.get(o)
+            if t is not None:
+                add(t, nbytes, pos.get(o, 1 << 30))
+    if not scores:
+        return None
+    return min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
+
+
+def _nested_tag(op: ir.Operation, tasks) -> tuple[str, int] | None:
+    found: list[tuple[tuple[str, int], ir.Operation]] = []
+
+    def cb(o):
+        t = c.tag_of(o.operation)
+        if t is not None:
+            found.append((t, o.operation))
+        return ir.WalkResult.ADVANCE
+
+    op.walk(cb, ir.WalkOrder.PRE_ORDER)
+    if not found:
+        return None
+    first, _ = found[0]
+    first_mesh = tasks[first[0]].mesh_key() if first[0] in tasks else None
+    for t, o in found[1:]:
+        mesh = tasks[t[0]].mesh_key() if t[0] in tasks else None
+        if mesh != first_mesh:
+            raise DiagnosticError(
+                f"tasks '{first[0]}' and '{t[0]}' run on different submeshes but sit inside "
+                f"the same '{op.name}'; a loop body runs on one submesh. Unroll the loop (a "
+                f"Python for loop, or lax.scan(..., unroll=True)) or give both tasks one submesh",
+                o.location)
+    return first
+
+
+def _num_partitions(module: ir.Module) -> int:
+    attrs = module.operation.attributes
+    if "mhlo.num_partitions" in attrs:
+        return int(ir.IntegerAttr(attrs["mhlo.num_partitions"]).value)
+    return 1

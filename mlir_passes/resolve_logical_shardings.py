@@ -1,0 +1,278 @@
+"""``mm-resolve-logical-shardings``: logical sharding markers -> ``sdy.sharding_constraint``.
+
+Consumes the flat form (docs/ir.md §2), produces the resolved form (§3).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mlir_passes.base import ModulePass
+from mlir_passes.logical_axes import resolve_logical_spec
+from multimesh._src.errors import DiagnosticError, LogicalShardingError
+from multimesh._src.mlir import ir, sdy, walk
+
+__all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
+
+MARKER_TARGET = "mm.logical_sharding"
+
+_INVALID = re.compile(r"[^A-Za-z0-9_]")
+
+
+def mesh_symbol_names(task_names: Iterable[str]) -> dict[str, str]:
+    """``{task: "mesh_<task>"}``, sanitised to ``[A-Za-z0-9_]`` without collisions.
+
+    Task names that are already valid keep ``mesh_<task>`` exactly; the others have
+    every invalid character replaced by ``_`` and, if that name is taken, a
+    ``_1``, ``_2``, ... suffix. The result depends only on the set of names.
+    """
+    names = sorted(set(task_names))
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for t in names:
+        if not _INVALID.search(t) and t:
+            out[t] = f"mesh_{t}"
+            taken.add(out[t])
+    for t in names:
+        if t in out:
+            continue
+        base = "mesh_" + (_INVALID.sub("_", t) or "_")
+        cand, i = base, 1
+        while cand in taken:
+            cand = f"{base}_{i}"
+            i += 1
+        out[t] = cand
+        taken.add(cand)
+    return out
+
+
+def attr_to_py(a: ir.Attribute):
+    """Builtin attribute -> Python value (str, bool, int, float, list, dict).
+
+    Local because ``multimesh._src.mlir.attr_to_py`` relies on ``Attr.isinstance``,
+    which these jaxlib bindings no longer have (attributes come back downcast).
+    """
+    if isinstance(a, ir.StringAttr):
+        return a.value
+    if isinstance(a, ir.BoolAttr):
+        return a.value
+    if isinstance(a, (ir.IntegerAttr, ir.FloatAttr)):
+        return a.value
+    if isinstance(a, (ir.DenseI64ArrayAttr, ir.DenseI32ArrayAttr)):
+        return list(a)
+    if isinstance(a, ir.ArrayAttr):
+        return [attr_to_py(x) for x in a]
+    if isinstance(a, ir.DictAttr):
+        return {a[i].name: attr_to_py(a[i].attr) for i in range(len(a))}
+    return a
+
+
+@dataclass(frozen=True)
+class _Task:
+    name: str
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    logical_axes: tuple[tuple[str, str], ...]
+
+
+def _read_tasks(module: ir.Module) -> dict[str, _Task] | None:
+    attrs = module.operation.attributes
+    if "mm.tasks" not in attrs:
+        return None
+    raw = attr_to_py(attrs["mm.tasks"])
+    loc = module.operation.location
+    if not isinstance(raw, dict):
+        raise DiagnosticError("mm.tasks must be a dictionary of task descriptions", loc)
+    tasks = {}
+    for name, d in raw.items():
+        if not isinstance(d, dict):
+            raise DiagnosticError(f"mm.tasks entry '{name}' must be a dictionary", loc)
+        try:
+            names = tuple(str(a) for a in d.get("axis_names", []))
+            sizes = tuple(int(s) for s in d.get("axis_sizes", []))
+            pairs = tuple((str(p[0]), str(p[1])) for p in d.get("logical_axes", []))
+        except (TypeError, ValueError, IndexError):
+            raise DiagnosticError(
+                f"mm.tasks entry '{name}' is malformed: axis_names must be strings, "
+                f"axis_sizes integers and logical_axes [logical, device] pairs", loc) from None
+        if any(len(p) != 2 for p in d.get("logical_axes", [])):
+            raise DiagnosticError(
+                f"mm.tasks entry '{name}' is malformed: every logical_axes entry must be a "
+                f"[logical, device] pair", loc)
+        if len(names) != len(sizes):
+            raise DiagnosticError(
+                f"mm.tasks entry '{name}' has {len(names)} axis_names but {len(sizes)} "
+                f"axis_sizes", loc)
+        tasks[name] = _Task(name, names, sizes, pairs)
+    return tasks
+
+
+def _task_name_of(op: ir.Operation) -> str | None:
+    """The marker's own ``mm.task`` name, else the nearest enclosing op's."""
+    cur: ir.Operation | None = op
+    while cur is not None:
+        if "mm.task" in cur.attributes:
+            tag = attr_to_py(cur.attributes["mm.task"])
+            if isinstance(tag, dict) and isinstance(tag.get("name"), str):
+                return tag["name"]
+            raise DiagnosticError(
+                "malformed mm.task attribute: expected {name = \"...\", transpose_count = N}",
+                cur.location)
+        parent = cur.parent
+        cur = parent.operation if parent is not None else None
+        if cur is not None and cur.name == "builtin.module":
+            break
+    return None
+
+
+def _is_marker(op: ir.Operation) -> bool:
+    if op.name != "stablehlo.custom_call" or "call_target_name" not in op.attributes:
+        return False
+    target = op.attributes["call_target_name"]
+    return isinstance(target, ir.StringAttr) and target.value == MARKER_TARGET
+
+
+def _marker_axes(op: ir.Operation) -> list[list[str]]:
+    if "mm.axes" not in op.attributes:
+        raise DiagnosticError("logical sharding marker has no mm.axes attribute", op.location)
+    axes = attr_to_py(op.attributes["mm.axes"])
+    if not (isinstance(axes, list)
+            and all(isinstance(a, list) and all(isinstance(n, str) for n in a) for a in axes)):
+        raise DiagnosticError(
+            "mm.axes must be a list with one list of logical axis names per dimension",
+            op.location)
+    return axes
+
+
+def _mesh_attr(task: _Task) -> ir.Attribute:
+    return sdy.MeshAttr.get(
+        [sdy.MeshAxisAttr.get(n, s) for n, s in zip(task.axis_names, task.axis_sizes, strict=True)])
+
+
+@dataclass(frozen=True)
+class ResolveLogicalShardingsPass(ModulePass):
+    """Resolve every ``mm.logical_sharding`` marker against its task's logical mapping.
+
+    A marker's task is its own ``mm.task`` tag, else that of the nearest enclosing
+    tagged op (markers inside ``stablehlo.while`` bodies and other regions). If the
+    task's ``logical_axes`` is empty the marker is erased (an identity). Otherwise the
+    marker's ``mm.axes`` are mapped to device axes with the reference §1.14
+    algorithm (priority order, each device axis once, over-sharding axes skipped,
+    several axes on one dim in mesh order, shard counts must divide) and the marker
+    becomes ``sdy.sharding_constraint %x <@mesh_<task>, [...]>`` with closed
+    dimensions, keeping the marker's ``mm.task`` tag. One ``sdy.mesh @mesh_<task>``
+    per task used is added at the start of the module (task names are sanitised to
+    ``[A-Za-z0-9_]``, see :func:`mesh_symbol_names`). The rewrite is all-or-nothing:
+    every marker is resolved before the IR is touched.
+    """
+
+    argument: ClassVar[str] = "mm-resolve-logical-shardings"
+    summary: ClassVar[str] = (
+        "Replace logical sharding markers by sdy.sharding_constraint ops on each task's mesh.")
+
+    def apply(self, module: ir.Module) -> None:
+        with module.context, ir.Location.unknown():
+            self._apply(module)
+
+    def _apply(self, module: ir.Module) -> None:
+        markers: list[ir.Operation] = []
+
+        def collect(op):
+            if _is_marker(op):
+                markers.append(op)
+
+        walk(module.operation, collect)
+        if not markers:
+            return
+        tasks = _read_tasks(module)
+        sym_names = mesh_symbol_names(tasks or {})
+
+        # Phase 1: resolve everything (may raise); no IR is modified.
+        plan: list[tuple[ir.Operation, _Task | None, tuple[tuple[str, ...], ...]]] = []
+        needed: dict[str, _Task] = {}
+        for op in markers:
+            loc = op.location
+            if len(op.operands) != 1 or len(op.results) != 1:
+                raise DiagnosticError(
+                    f"logical sharding marker must have exactly one operand and one result, "
+                    f"got {len(op.operands)} and {len(op.results)}", loc)
+            name = _task_name_of(op)
+            if name is None:
+                raise DiagnosticError(
+                    "logical sharding marker is not assigned to a task; run mm-assign-tasks "
+                    "first", loc)
+            if tasks is None or name not in tasks:
+                known = ", ".join(f"'{t}'" for t in sorted(tasks or {})) or "none"
+                raise DiagnosticError(
+                    f"logical sharding marker is assigned to task '{name}', which is not in "
+                    f"the module's mm.tasks table (known tasks: {known})", loc)
+            task = tasks[name]
+            axes = _marker_axes(op)
+            if not task.logical_axes:
+                plan.append((op, None, ()))
+                continue
+            ty = op.operands[0].type
+            if not isinstance(ty, ir.RankedTensorType):
+                raise DiagnosticError(
+                    f"logical sharding marker operand must be a ranked tensor, got {ty}", loc)
+            if op.results[0].type != ty:
+                raise DiagnosticError(
+                    f"logical sharding marker must be an identity, but its operand type {ty} "
+                    f"differs from its result type {op.results[0].type}", loc)
+            shape = ty.shape
+            try:
+                spec = resolve_logical_spec(
+                    axes, shape, task.axis_names, task.axis_sizes, task.logical_axes)
+            except LogicalShardingError as e:
+                raise DiagnosticError(str(e), loc) from None
+            plan.append((op, task, spec))
+            needed[name] = task
+
+        # Mesh symbols: reuse an identical existing one, reject a conflicting one.
+        table = ir.SymbolTable(module.operation)
+        to_create: list[tuple[str, ir.Attribute]] = []
+        for name in sorted(needed):
+            sym = sym_names[name]
+            mesh = _mesh_attr(needed[name])
+            if sym in table:
+                existing = table[sym]
+                if existing.operation.name != "sdy.mesh" or \
+                        existing.operation.attributes["mesh"] != mesh:
+                    what = (f"mesh {existing.operation.attributes['mesh']}"
+                            if existing.operation.name == "sdy.mesh"
+                            else f"'{existing.operation.name}' op")
+                    raise DiagnosticError(
+                        f"symbol @{sym} for task '{name}' already exists as {what}, which "
+                        f"differs from the task's mesh {mesh}", existing.operation.location)
+            else:
+                to_create.append((sym, mesh))
+
+        # Phase 2: rewrite.
+        body = module.body
+        anchor = None
+        for o in body.operations:
+            if o.operation.name != "sdy.mesh":
+                anchor = o.operation
+                break
+        for sym, mesh in to_create:
+            ip = ir.InsertionPoint(anchor) if anchor is not None else ir.InsertionPoint(body)
+            sdy.MeshOp(sym, mesh, ip=ip)
+
+        for op, task, spec in plan:
+            operand = op.operands[0]
+            if task is None:
+                op.results[0].replace_all_uses_with(operand)
+                op.erase()
+                continue
+            dims = [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(a) for a in axes],
+                                                  is_closed=True) for axes in spec]
+            sharding = sdy.TensorShardingAttr.get(sym_names[task.name], dims)
+            new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
+                                           loc=op.location, ip=ir.InsertionPoint(op))
+            if "mm.task" in op.attributes:
+                new.operation.attributes["mm.task"] = op.attributes["mm.task"]
+            op.results[0].replace_all_uses_with(new.result)
+            op.erase()

@@ -1,0 +1,97 @@
+"""Thread-local switches: autoshard, ignore_transforms, fast path, recomputation.
+
+Each is a context manager that also works with ``None`` (no change), so
+``context(...)`` can forward all of them. State lives in one thread-local so
+nested contexts restore the previous value on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
+           "context", "state", "program_devices"]
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.autoshard = False
+        self.ignore_transforms = False
+        self.fast_path = True
+        self.recomputation = False
+        self.program_devices = None  # tuple of jax.Device while mjit traces
+
+
+state = _State()
+
+
+@contextlib.contextmanager
+def _set(name: str, value) -> Iterator[None]:
+    if value is None:
+        yield
+        return
+    old = getattr(state, name)
+    setattr(state, name, value)
+    try:
+        yield
+    finally:
+        setattr(state, name, old)
+
+
+def autoshard(autoshard: bool | None = True):
+    """Opens a context where sharding constraints become logical shardings.
+
+    Inside it, :func:`multimesh.jax.with_sharding_constraint` records *logical*
+    axis names that each task resolves through its ``logical_axes`` mapping.
+    """
+    return _set("autoshard", None if autoshard is None else bool(autoshard))
+
+
+def ignore_transforms(ignore: bool | None = True):
+    """Debug context where every multimesh transformation is a no-op.
+
+    ``task`` and ``microbatch`` return their function unchanged and
+    ``with_sharding_constraint`` forwards to :func:`jax.lax.with_sharding_constraint`.
+    """
+    return _set("ignore_transforms", None if ignore is None else bool(ignore))
+
+
+def enable_fast_path(enable: bool | None = True, context_value=None):
+    """(En|dis)ables the native JAX fallthrough for single-task programs.
+
+    When on (the default), a program that partitions into one fragment on all of
+    its devices is compiled as one ordinary jax executable with no runtime
+    dispatch of its own.
+    """
+    del context_value
+    return _set("fast_path", None if enable is None else bool(enable))
+
+
+def enable_recomputation(enable: bool | None = True, context_value=None):
+    """(Dis|en)ables comm-avoiding recompute of inter-task intermediates.
+
+    When on, a value that crosses submeshes and is cheap to recompute from data
+    the consumer already has is recomputed in the consuming fragment instead of
+    being transferred.
+    """
+    del context_value
+    return _set("recomputation", None if enable is None else bool(enable))
+
+
+@contextlib.contextmanager
+def context(autoshard: bool | None = None, enable_recomputation: bool | None = None,
+            enable_fast_path: bool | None = None, ignore_transforms: bool | None = None):
+    """Configures several multimesh contexts in a single ``with`` statement."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_set("autoshard", autoshard))
+        stack.enter_context(_set("recomputation", enable_recomputation))
+        stack.enter_context(_set("fast_path", enable_fast_path))
+        stack.enter_context(_set("ignore_transforms", ignore_transforms))
+        yield
+
+
+def program_devices(devices):
+    """Set while tracing a program: the device list task positions refer to."""
+    return _set("program_devices", None if devices is None else tuple(devices))

@@ -1,0 +1,285 @@
+"""``mjit`` and ``parallelize``: trace → our pass pipeline → per-fragment compile → run."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import tempfile
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from mlir_passes.pipeline import PipelineHooks, parse_pipeline
+from multimesh._src.errors import DiagnosticError, MultimeshValueError, PassFailure
+from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
+from multimesh.jax import _contexts
+from multimesh.jax._task import logical_axes_of, with_sharding_constraint
+from multimesh.runtime import Executor, build_plan
+
+__all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]
+
+
+def default_pipeline(num_devices: int) -> str:
+    """The pass pipeline ``mjit`` runs (also printed in repro commands)."""
+    return ("builtin.module(mm-import-gspmd,mm-inline-tasks,"
+            f"mm-assign-tasks{{num-devices={num_devices}}},mm-resolve-logical-shardings,"
+            "mm-outline-fragments,mm-propagate-shardings)")
+
+
+def _abstract(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                    weak_type=getattr(x, "weak_type", False))
+    return x
+
+
+class MpmdCompiled:
+    """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
+
+    def __init__(self, lowered: MpmdLowered, module: ir.Module):
+        self._lowered = lowered
+        self._module = module
+        self._text = print_module(module)
+        self.plan_data = build_plan(module)
+        self._exec = Executor(self.plan_data, lowered.devices)
+        in_sh = self._exec.input_shardings
+        self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
+        self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
+
+    def __call__(self, *args, **kwargs):
+        flat, tree = jax.tree.flatten((args, kwargs))
+        if tree != self._lowered.in_tree:
+            raise MultimeshValueError(
+                f"Compiled function called with arguments of structure {tree}, but it was "
+                f"compiled for {self._lowered.in_tree}.")
+        flat = [flat[i] for i in self._lowered.dyn_idx]
+        outs = self._exec(*flat)
+        return jax.tree.unflatten(self._lowered.out_tree, outs)
+
+    def as_text(self) -> str:
+        """The program after the full pass pipeline (MPMD form)."""
+        return self._text
+
+    @property
+    def fragments(self) -> list[dict]:
+        out = []
+        for f in self.plan_data.fragments.values():
+            out.append({"name": f.name, "task": f.task,
+                        "direction": "fwd" if f.transpose_count == 0 else "bwd",
+                        "devices": [self._lowered.devices[p].id for p in f.devices],
+                        "module": f.text})
+        return out
+
+    @property
+    def transfers(self) -> list:
+        from multimesh.runtime.plan import Transfer
+
+        return [s for s in self.plan_data.steps if isinstance(s, Transfer)]
+
+    def plan(self) -> str:
+        return self.plan_data.describe()
+
+    def cost_analysis(self) -> dict:
+        total: dict[str, float] = {}
+        for name in self.plan_data.fragments:
+            exe = self._exec.exes[name]
+            ca = exe.xla_executable.cost_analysis()
+            ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+            for k, v in (ca or {}).items():
+                if isinstance(v, (int, float)):
+                    total[k] = total.get(k, 0.0) + v
+        return total
+
+
+class MpmdLowered:
+    """The traced program before our passes; ``compile()`` runs them."""
+
+    def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str):
+        self._text = text
+        self.devices = tuple(devices)
+        self.in_tree = in_tree
+        self.out_tree = out_tree
+        self.dyn_idx = dyn_idx
+        self.pipeline = pipeline
+
+    def as_text(self) -> str:
+        return self._text
+
+    def compiler_ir(self) -> ir.Module:
+        return parse_module(self._text, make_context())
+
+    def compile(self) -> MpmdCompiled:
+        module = self.compiler_ir()
+        module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
+            ir.IntegerType.get_signless(64), len(self.devices)) if False else \
+            _i64(module, len(self.devices))
+        run_pipeline(module, self.pipeline)
+        return MpmdCompiled(self, module)
+
+
+def _i64(module, n):
+    with module.context:
+        return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), n)
+
+
+def run_pipeline(module: ir.Module, pipeline: str) -> None:
+    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line."""
+    dump = os.environ.get("MULTIMESH_DUMP_IR_TO")
+    before = print_module(module, debug_info=True) if True else None
+    counter = [0]
+
+    def after(step, mod, dt):
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            counter[0] += 1
+            safe = step.argument.replace("/", "_")[:60]
+            with open(os.path.join(dump, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
+                f.write(print_module(mod, debug_info=True))
+
+    current = [before]
+
+    def before_hook(step, mod):
+        current[0] = print_module(mod, debug_info=True) if step is not None else current[0]
+
+    pipe = parse_pipeline(pipeline)
+    try:
+        pipe.run(module, PipelineHooks(before=before_hook, after=after))
+    except DiagnosticError as e:
+        failed = getattr(e, "failed_pass", "?")
+        path = os.path.join(dump or tempfile.gettempdir(), "multimesh-failed-input.mlir")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(current[0])
+        where = file_line_col(e.location)
+        loc = f" (at {where[0]}:{where[1]}:{where[2]})" if where else ""
+        repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + failed + ')')}"
+        raise PassFailure(
+            f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
+            f"Reproduce with:\n  {repro}", failed, repro, e) from None
+
+
+class _MJit:
+    def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
+                 static_argnums):
+        self.fun = fun
+        if devices is None and mesh is not None:
+            devices = list(mesh.devices.flat)
+        self.devices = tuple(np.asarray(devices, dtype=object).flat) if devices is not None \
+            else None
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.donate_argnums = tuple(np.atleast_1d(donate_argnums)) if donate_argnums else ()
+        self.static_argnums = tuple(np.atleast_1d(static_argnums)) if static_argnums is not None \
+            and static_argnums != () else ()
+        self._cache: dict = {}
+
+    def _devices(self):
+        return self.devices or tuple(jax.devices())
+
+    def lower(self, *args, **kwargs) -> MpmdLowered:
+        devices = self._devices()
+        static = self.static_argnums
+        dyn_args = [a for i, a in enumerate(args) if i not in static]
+        fun, in_sh, out_sh = self.fun, self.in_shardings, self.out_shardings
+
+        def wrapped(*dargs, **kw):
+            full, it = [], iter(dargs)
+            for i in range(len(args)):
+                full.append(args[i] if i in static else next(it))
+            if in_sh is not None:
+                full = list(_constrain_tree(tuple(full), in_sh))
+            out = fun(*full, **kw)
+            if out_sh is not None:
+                out = _constrain_tree(out, out_sh)
+            return out
+
+        abstract = jax.tree.map(_abstract, (tuple(dyn_args), kwargs))
+        with _contexts.program_devices(devices), _contexts.autoshard(True):
+            traced = jax.jit(wrapped, keep_unused=True).trace(*abstract[0], **abstract[1])
+            lowered = traced.lower()
+        text = lowered.as_text(debug_info=True)
+        flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
+        # positions of dynamic leaves among all leaves (static args carry no leaves)
+        dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
+        in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
+        return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
+                           list(range(len(dyn_flat))), default_pipeline(len(devices)))
+
+    def __call__(self, *args, **kwargs):
+        static = tuple(args[i] for i in self.static_argnums)
+        dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
+        leaves, tree = jax.tree.flatten((tuple(dyn), kwargs))
+        key = (tree, static, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
+                                    bool(getattr(x, "weak_type", False))) for x in leaves))
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self.lower(*args, **kwargs).compile()
+            self._cache[key] = compiled
+        return compiled(*dyn, **kwargs)
+
+
+def _constrain_tree(tree, shardings):
+    def one(x, s):
+        if isinstance(s, NamedSharding):
+            s = s.spec
+        if s is None:
+            return x
+        return with_sharding_constraint(x, s)
+
+    if isinstance(shardings, (NamedSharding,)) or shardings is None or \
+            type(shardings).__name__ == "PartitionSpec":
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings,
+                        is_leaf=lambda s: s is None or isinstance(s, NamedSharding))
+
+
+def mjit(fun: Callable, *, mesh: Mesh | None = None, devices: Sequence | None = None,
+         in_shardings=None, out_shardings=None, donate_argnums=(), static_argnums=()):
+    """Compiles ``fun`` as an MPMD program: each task on its submesh.
+
+    ``devices`` (or ``mesh``) is the program's device list; ``TaskMesh``
+    positions refer to it. ``in_shardings``/``out_shardings`` given as
+    ``NamedSharding``s become logical constraints on the inputs/outputs, so
+    their axis names are interpreted by the task that consumes/produces them.
+    """
+    if not callable(fun):
+        raise MultimeshValueError(f"`mjit` expects a callable, got {type(fun).__name__}.")
+    return _MJit(fun, devices, mesh, in_shardings, out_shardings, donate_argnums, static_argnums)
+
+
+def parallelize(fun: Callable, *, init_params: Callable | None = None,
+                get_input_batch: Callable | None = None, initial_batch=None,
+                devices: Sequence | None = None):
+    """Compiles an abstract ``fun(params, batch)`` into a sharded function.
+
+    Returns ``(sharded_fun, init_sharded_params, get_sharded_batch)`` when
+    ``get_input_batch`` is given, else ``(sharded_fun, init_sharded_params)``.
+    Parameters and the batch are placed where the task that first consumes them
+    wants them.
+    """
+    if get_input_batch is None and initial_batch is None:
+        raise MultimeshValueError(
+            "multimesh.jax.parallelize requires either a get_input_batch function or an "
+            "initial_batch argument.")
+    if init_params is None:
+        raise MultimeshValueError("multimesh.jax.parallelize requires init_params.")
+    with _contexts.autoshard(True):
+        params = jax.eval_shape(init_params)
+        batch = jax.eval_shape(get_input_batch) if initial_batch is None else initial_batch
+    compiled = mjit(fun, devices=devices).lower(params, batch).compile()
+    param_sh, batch_sh = compiled.input_shardings[0]
+
+    def init_sharded_params():
+        return jax.device_put(init_params(), param_sh)
+
+    if initial_batch is not None:
+        return compiled, init_sharded_params
+
+    def get_sharded_batch():
+        return jax.device_put(get_input_batch(), batch_sh)
+
+    return compiled, init_sharded_params, get_sharded_batch

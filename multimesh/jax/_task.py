@@ -1,0 +1,362 @@
+"""``Task``, ``TaskMesh``, ``task`` and logical ``with_sharding_constraint``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import api_util, core
+from jax._src import linear_util as lu
+from jax._src.api_util import flatten_fun
+from jax._src.interpreters import partial_eval as pe
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
+from multimesh.jax import _contexts
+from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
+
+__all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of"]
+
+
+class TaskMesh:
+    """A submesh for a task: device *positions* within the program plus named axes.
+
+    ``devices`` are positions ``0..N-1`` in the program's device list (the
+    ``devices`` given to :func:`mjit`/:func:`parallelize`, all devices by
+    default), not :class:`jax.Device` objects.
+    """
+
+    def __init__(self, *, devices: Sequence[int], axis_sizes: Sequence[int] | None = None,
+                 axis_names: Sequence[str] | None = None, abstract: AbstractMesh | None = None):
+        flat = np.asarray(devices if not isinstance(devices, range) else list(devices))
+        if flat.dtype == object or not np.issubdtype(flat.dtype, np.integer):
+            raise MultimeshTypeError(
+                f"`TaskMesh` devices must be integer positions in the program's device list, "
+                f"got {devices!r}. Use `task(..., mesh=jax.sharding.Mesh(...))` for real devices.")
+        flat = flat.reshape(-1)
+        if abstract is not None:
+            axis_names, axis_sizes = abstract.axis_names, abstract.axis_sizes
+        if axis_names is None and axis_sizes is None:
+            axis_names, axis_sizes = ("x",), (flat.size,)
+        if axis_names is None or axis_sizes is None:
+            raise MeshError("`TaskMesh` needs both `axis_names` and `axis_sizes` (or `abstract`).")
+        axis_names, axis_sizes = tuple(axis_names), tuple(int(s) for s in axis_sizes)
+        if len(axis_names) != len(axis_sizes):
+            raise MeshError(
+                f"`TaskMesh` got {len(axis_names)} axis names {axis_names} but "
+                f"{len(axis_sizes)} axis sizes {axis_sizes}; give one size per name.")
+        if not all(isinstance(n, str) for n in axis_names) or len(set(axis_names)) != len(axis_names):
+            raise MeshError(f"`TaskMesh` axis names must be distinct strings, got {axis_names}.")
+        if any(s < 1 for s in axis_sizes):
+            raise MeshError(f"`TaskMesh` axis sizes must be positive, got {axis_sizes}.")
+        if math.prod(axis_sizes) != flat.size:
+            raise MeshError(
+                f"`TaskMesh` has {flat.size} devices {tuple(int(d) for d in flat)} but axis_sizes "
+                f"{axis_sizes} describe {math.prod(axis_sizes)} devices; the product of the axis "
+                f"sizes must equal the number of devices.")
+        if (flat < 0).any():
+            raise MeshError(f"`TaskMesh` device positions must be non-negative, got {tuple(flat)}.")
+        if len(set(flat.tolist())) != flat.size:
+            raise MeshError(f"`TaskMesh` device positions must be distinct, got {tuple(flat)}.")
+        self.devices = flat.astype(int).reshape(axis_sizes)
+        self.mesh = AbstractMesh(axis_sizes, axis_names)
+
+    @property
+    def abstract_mesh(self) -> AbstractMesh:
+        return self.mesh
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def axis_sizes(self) -> tuple[int, ...]:
+        return tuple(self.mesh.axis_sizes)
+
+    def place(self, devices: Sequence[int]) -> TaskMesh:
+        """An equivalent task mesh (same axes and sizes) on other device positions."""
+        return TaskMesh(devices=devices, abstract=self.mesh)
+
+    def __eq__(self, other):
+        return (isinstance(other, TaskMesh) and self.axis_names == other.axis_names
+                and self.axis_sizes == other.axis_sizes
+                and np.array_equal(self.devices, other.devices))
+
+    def __hash__(self):
+        return hash((self.axis_names, self.axis_sizes, tuple(self.devices.flat)))
+
+    def __repr__(self):
+        return (f"TaskMesh(devices={tuple(int(d) for d in self.devices.flat)}, "
+                f"axis_names={self.axis_names}, axis_sizes={self.axis_sizes})")
+
+
+@dataclasses.dataclass
+class Task:
+    """All options of a named task: its submesh and its logical→device mapping.
+
+    ``logical_axes`` are priority-ordered ``(logical_name, device_axis)`` pairs;
+    ``None`` means the identity mapping over the mesh's axis names.
+    ``extra_axes`` are appended after ``logical_axes`` (lower priority).
+    """
+
+    name: str | None = None
+    mesh: TaskMesh | Mesh | None = None
+    logical_axes: Sequence[tuple[str, str]] | None = None
+    mesh_slice: Mapping[str, int] | None = None
+    extra_axes: Sequence[tuple[str, str]] | None = None
+    split_backprop: tuple[str, str] | None = None
+    loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
+
+    def __post_init__(self):
+        if self.mesh is not None and self.mesh_slice is not None:
+            raise MultimeshValueError(
+                f"Task {self.name!r}: cannot give both a task.mesh and task.mesh_slice.")
+        if self.mesh is not None and not isinstance(self.mesh, (TaskMesh, Mesh)):
+            raise MultimeshTypeError(
+                f"Task {self.name!r}: `mesh` must be a `TaskMesh` or a `jax.sharding.Mesh`, "
+                f"got {type(self.mesh).__name__}.")
+        for field in ("logical_axes", "extra_axes"):
+            pairs = getattr(self, field)
+            if pairs is None:
+                continue
+            pairs = tuple(tuple(p) for p in pairs)
+            for p in pairs:
+                if len(p) != 2 or not all(isinstance(s, str) for s in p):
+                    raise MultimeshValueError(
+                        f"Task {self.name!r}: `{field}` must be (logical_name, device_axis) "
+                        f"string pairs, got {p!r}.")
+            setattr(self, field, pairs)
+
+
+def _program_devices() -> tuple:
+    return _contexts.state.program_devices or tuple(jax.devices())
+
+
+def _positions_of(devices, name: str) -> np.ndarray:
+    """Map jax.Device objects (or ints) to positions in the program's device list."""
+    prog = _program_devices()
+    arr = np.asarray(devices, dtype=object)
+    out = np.empty(arr.shape, dtype=int)
+    index = {d: i for i, d in enumerate(prog)}
+    for idx, d in np.ndenumerate(arr):
+        if isinstance(d, (int, np.integer)):
+            pos = int(d)
+        elif d in index:
+            pos = index[d]
+        else:
+            raise MeshError(
+                f"Task {name!r} uses device {d}, which is not among the program's devices "
+                f"{[dev.id for dev in prog]}.")
+        if not 0 <= pos < len(prog):
+            raise MeshError(
+                f"Task {name!r} uses device position {pos}, outside the program's "
+                f"{len(prog)} devices (valid positions are 0..{len(prog) - 1}).")
+        out[idx] = pos
+    return out
+
+
+def resolve_task_info(spec: Task, name: str) -> TaskInfo:
+    """Turn a :class:`Task` into the IR-level :class:`TaskInfo` for this program."""
+    mesh = spec.mesh
+    if spec.mesh_slice is not None:
+        from multimesh.jax._multimesh import slice_global_mesh  # implicit-task support
+
+        mesh = slice_global_mesh(name, spec.mesh_slice)
+    if mesh is None:
+        n = len(_program_devices())
+        positions, names, sizes = np.arange(n), ("x",), (n,)
+        mapping = (("x", "x"),) if spec.logical_axes is None else tuple(spec.logical_axes)
+    else:
+        if isinstance(mesh, Mesh):
+            positions = _positions_of(mesh.devices, name)
+            names, sizes = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+        else:
+            positions = _positions_of(mesh.devices, name)
+            names, sizes = mesh.axis_names, mesh.axis_sizes
+        mapping = (tuple((a, a) for a in names) if spec.logical_axes is None
+                   else tuple(spec.logical_axes))
+    mapping = mapping + tuple(spec.extra_axes or ())
+    for logical, dev in mapping:
+        if dev not in names:
+            raise MeshError(
+                f"Task {name!r} maps logical axis {logical!r} to unknown device axis {dev!r}; "
+                f"the task mesh has axes {names}.")
+    return TaskInfo(name=name, devices=tuple(int(p) for p in positions.flat),
+                    axis_names=tuple(names), axis_sizes=tuple(int(s) for s in sizes),
+                    logical_axes=mapping)
+
+
+def _legacy_task(name: str, kwargs: dict) -> Task:
+    """The v0.1 spelling ``task(f, devices=..., device_axes=..., logical_axes=...)``."""
+    devices = kwargs.pop("devices", None)
+    device_axes = kwargs.pop("device_axes", None)
+    mesh = kwargs.get("mesh")
+    if mesh is not None and (devices is not None or device_axes is not None):
+        raise MultimeshValueError(
+            f"Task {name!r}: cannot give both `mesh` and `devices`/`device_axes`.")
+    if devices is None:
+        if device_axes is not None:
+            raise MultimeshValueError(f"Task {name!r}: `device_axes` needs `devices`.")
+        return Task(name=name, **kwargs)
+    arr = np.asarray(devices, dtype=object)
+    if device_axes is None:
+        if kwargs.get("logical_axes"):
+            raise MultimeshValueError(
+                f"Task {name!r} given logical_axes but no device_axes; name the device axes "
+                f"with `device_axes=` or pass a `mesh`.")
+        # No axes: every logical constraint in the task resolves to replicated.
+        device_axes, arr = ("x",), arr.reshape(-1)
+        kwargs["logical_axes"] = ()
+    device_axes = tuple(device_axes)
+    if arr.ndim != len(device_axes):
+        raise MeshError(
+            f"Task {name!r}: devices array has {arr.ndim} dims (shape {arr.shape}) but "
+            f"device_axes {device_axes} names {len(device_axes)}.")
+    if all(isinstance(d, (int, np.integer)) for d in arr.flat):
+        mesh = TaskMesh(devices=[int(d) for d in arr.flat], axis_names=device_axes,
+                        axis_sizes=arr.shape)
+    else:
+        mesh = Mesh(arr, device_axes)
+    return Task(name=name, mesh=mesh, **kwargs)
+
+
+def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **kwargs):
+    """Wraps a function in an auto-sharding task context.
+
+    The task runs on its own submesh (``mesh=`` a :class:`TaskMesh` or a
+    :class:`jax.sharding.Mesh`, or ``devices=``/``device_axes=``), and logical
+    sharding constraints inside it resolve through ``logical_axes``.
+    """
+    if _contexts.state.ignore_transforms:
+        return fun
+    if not callable(fun):
+        raise MultimeshTypeError(f"`task` expects a callable, got {type(fun).__name__}.")
+    default_name = name or getattr(fun, "__name__", None) or "task"
+    if task is not None:
+        if kwargs:
+            raise MultimeshValueError(
+                f"Task {default_name!r}: give either `task=` or keyword options, not both "
+                f"(got {sorted(kwargs)}).")
+        spec = task
+    else:
+        valid = {f.name for f in dataclasses.fields(Task)} | {"devices", "device_axes"}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise MultimeshTypeError(
+                f"`task` got unexpected keyword argument(s) {unknown}; valid options are "
+                f"{sorted(valid - {'name'})}.")
+        spec = _legacy_task(default_name, dict(kwargs))
+    task_name = name or spec.name or default_name
+    if spec.mesh is not None:  # validate eagerly where possible
+        if isinstance(spec.mesh, TaskMesh) and spec.logical_axes is not None:
+            for logical, dev in tuple(spec.logical_axes) + tuple(spec.extra_axes or ()):
+                if dev not in spec.mesh.axis_names:
+                    raise MeshError(
+                        f"Task {task_name!r} maps logical axis {logical!r} to unknown device "
+                        f"axis {dev!r}; the task mesh has axes {spec.mesh.axis_names}.")
+
+    def wrapped(*args, **kw):
+        if _contexts.state.ignore_transforms:
+            return fun(*args, **kw)
+        info = resolve_task_info(spec, task_name)
+        args_flat, in_tree = jax.tree.flatten((args, kw))
+        in_avals = tuple(core.shaped_abstractify(x) for x in args_flat)
+        dbg = api_util.debug_info("multimesh.task", fun, args, kw)
+        with _contexts.autoshard(True):
+            jaxpr, out_tree = _trace(fun, in_avals, in_tree, dbg)
+        if any(isinstance(c, core.Tracer) for c in jaxpr.consts):
+            jaxpr, consts = pe.separate_consts(jaxpr)
+        else:
+            consts = []
+        outs = bind_task(info, jaxpr, consts, args_flat)
+        return jax.tree.unflatten(out_tree, outs)
+
+    wrapped.__name__ = task_name
+    wrapped.__wrapped__ = fun
+    wrapped.mm_task = spec
+    return wrapped
+
+
+def _trace(fun, in_avals, in_tree, dbg):
+    f = lu.wrap_init(fun, debug_info=dbg)
+    f, out_tree = flatten_fun(f, in_tree)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(f, in_avals)
+    return core.ClosedJaxpr(jaxpr, consts), out_tree()
+
+
+def logical_axes_of(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """PartitionSpec-like → one tuple of logical names per dimension."""
+    if isinstance(spec, NamedSharding):
+        spec = spec.spec
+    if spec is None:
+        spec = PartitionSpec()
+    if not isinstance(spec, (PartitionSpec, tuple, list)):
+        raise MultimeshTypeError(
+            f"Logical sharding must be a PartitionSpec or NamedSharding, got {spec!r}.")
+    entries = list(spec)
+    if len(entries) > ndim:
+        raise MultimeshValueError(
+            f"Sharding {spec} has {len(entries)} entries but the value has rank {ndim}.")
+    out = []
+    for e in entries + [None] * (ndim - len(entries)):
+        if e is None or e is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        elif isinstance(e, str):
+            out.append((e,))
+        else:
+            out.append(tuple(e))
+    return tuple(out)
+
+
+def with_sharding_constraint(x, axis_resources):
+    """Applies logical sharding annotations to the input(s).
+
+    Inside :func:`autoshard` (entered by ``mjit``, ``parallelize``, tasks and
+    ``MultiMesh``) the names are *logical*: each task maps them to its own device
+    axes. Elsewhere this is :func:`jax.lax.with_sharding_constraint`.
+    """
+    st = _contexts.state
+    if st.ignore_transforms and not isinstance(axis_resources, NamedSharding):
+        # Logical names mean nothing without tasks: a debugging run is plain JAX.
+        return x
+    if st.ignore_transforms or not st.autoshard:
+        return jax.lax.with_sharding_constraint(x, axis_resources)
+    leaves, treedef = jax.tree.flatten(x)
+    if isinstance(axis_resources, (PartitionSpec, NamedSharding)) or axis_resources is None:
+        specs = [axis_resources] * len(leaves)
+    else:
+        specs = _broadcast_prefix(axis_resources, x, len(leaves))
+    out = [_constrain(leaf, s) for leaf, s in zip(leaves, specs)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _broadcast_prefix(prefix, tree, n):
+    try:
+        specs = jax.tree_util.tree_flatten(
+            jax.tree_util.tree_map(
+                lambda s, sub: [s] * len(jax.tree.leaves(sub)), prefix, tree,
+                is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding)) or s is None),
+            is_leaf=lambda s: isinstance(s, list))[0]
+        flat = [s for group in specs for s in group]
+    except ValueError as e:
+        raise MultimeshValueError(
+            f"axis_resources structure does not match the value's structure: {e}") from None
+    if len(flat) != n:
+        raise MultimeshValueError(
+            f"axis_resources of length {len(flat)} does not match args of length {n}.")
+    return flat
+
+
+def _constrain(leaf, spec):
+    ndim = np.ndim(leaf)
+    axes = logical_axes_of(spec, ndim)
+    if not isinstance(leaf, core.Tracer):
+        return leaf  # eager values carry no logical sharding; the marker is a no-op
+    return bind_logical(leaf, axes)
+
+
+Any  # re-exported type hint helper

@@ -1,0 +1,1 @@
+"""Command-line tools (``mm-opt``); kept apart so the library never imports them."""

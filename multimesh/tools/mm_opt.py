@@ -1,0 +1,552 @@
+"""``mm-opt``: run multimesh and native MLIR passes on a saved module, like ``mlir-opt``.
+
+Flags are a subset of mlir-opt's with the same spellings, so golden tests read
+like MLIR/Shardy ones. Differences from mlir-opt (also listed in ``--help``):
+passes are module-level only, ``--mlir-print-ir-*`` dumps once per pipeline step
+(consecutive native passes form one step), and diagnostics without a location
+are reported at ``file:1:1`` (``expected-error@unknown`` matches them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+
+from multimesh._src.errors import DiagnosticError, MultimeshError, PipelineError
+from multimesh._src.mlir import file_line_col, ir, make_context, print_module
+
+__all__ = ["main"]
+
+PROG = "mm-opt"
+SPLIT_MARKER = "// -----"
+_SPLIT_RE = re.compile(r"^[ \t]*// -----")
+_DIRECTIVE_RE = re.compile(
+    r"expected-(error|warning|note|remark)(-re)?"
+    r"(?:@(above|below|unknown|[+-]\d+))?\s*\{\{(.*)\}\}\s*$")
+_SEVERITY = {
+    ir.DiagnosticSeverity.ERROR: "error",
+    ir.DiagnosticSeverity.WARNING: "warning",
+    ir.DiagnosticSeverity.NOTE: "note",
+    ir.DiagnosticSeverity.REMARK: "remark",
+}
+# MLIR attaches the failing op to verifier errors; mlir-opt turns that off under
+# --verify-diagnostics, we drop the note instead.
+_OP_NOTE_PREFIX = "see current operation:"
+
+
+class _Failure(Exception):
+    """Aborts the run with exit code 1 after a message was printed."""
+
+
+@dataclasses.dataclass
+class Diag:
+    """One diagnostic in printable form; ``line`` is None for unknown locations."""
+
+    severity: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    col: int | None = None
+    notes: list[Diag] = dataclasses.field(default_factory=list)
+
+    def flatten(self) -> list[Diag]:
+        out = [self]
+        for n in self.notes:
+            out.extend(n.flatten())
+        return out
+
+
+@dataclasses.dataclass
+class Expected:
+    severity: str
+    text: str
+    regex: bool
+    line: int | None  # None: @unknown
+    dir_line: int
+    dir_col: int
+    matched: bool = False
+
+    def matches(self, message: str) -> bool:
+        if not self.regex:
+            return self.text in message
+        parts = re.split(r"\{\{(.*?)\}\}", self.text)
+        pattern = "".join(p if i % 2 else re.escape(p) for i, p in enumerate(parts))
+        return re.search(pattern, message) is not None
+
+
+@dataclasses.dataclass
+class Chunk:
+    text: str  # padded with newlines so that line numbers match the original file
+    first_line: int  # 1-based line of the chunk's first line in the original file
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the registered ``mm-*`` passes appended to ``--help``."""
+
+    def format_help(self) -> str:
+        return super().format_help() + "\n" + _passes_help()
+
+
+def _make_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "multimesh modular optimizer driver (an mlir-opt work-alike).\n\n"
+            "Differences from mlir-opt: passes run on the module only (native\n"
+            "passes may nest, e.g. func.func(cse)); IR dumps happen once per\n"
+            "pipeline step (consecutive native passes are one step); diagnostics\n"
+            "without a location are reported at file:1:1 (expected-error@unknown)."),
+    )
+    p.add_argument("input", nargs="?", default="-",
+                   help="input file ('-' or none: stdin)")
+    p.add_argument("-o", dest="output", default="-", metavar="FILE",
+                   help="output file ('-': stdout); written atomically, only on success")
+    p.add_argument("-p", "--pass-pipeline", dest="pipeline", default=None,
+                   metavar="PIPELINE",
+                   help="textual pass pipeline, e.g. 'builtin.module(mm-verify,canonicalize)'")
+    p.add_argument("--split-input-file", action="store_true",
+                   help=f"split the input on '{SPLIT_MARKER}' lines and process each chunk "
+                        "independently")
+    p.add_argument("--verify-diagnostics", action="store_true",
+                   help="check that emitted diagnostics match expected-* lines in the input")
+    p.add_argument("--allow-unregistered-dialect", action="store_true",
+                   help="allow operations of unregistered dialects")
+    p.add_argument("--mlir-print-ir-before-all", action="store_true",
+                   help="print the IR before every pipeline step (stderr)")
+    p.add_argument("--mlir-print-ir-after-all", action="store_true",
+                   help="print the IR after every pipeline step (stderr)")
+    p.add_argument("--mlir-print-ir-after-failure", action="store_true",
+                   help="print the IR after the step that failed (stderr)")
+    p.add_argument("--mlir-print-debuginfo", action="store_true",
+                   help="print locations in the output and IR dumps")
+    p.add_argument("--mlir-print-op-generic", action="store_true",
+                   help="print operations in generic form")
+    p.add_argument("--mlir-timing", action="store_true",
+                   help="print a per-pass wall-time report (stderr)")
+    p.add_argument("--dump-pass-pipeline", action="store_true",
+                   help="print the parsed pipeline (stderr)")
+    p.add_argument("--list-passes", action="store_true",
+                   help="list the registered multimesh passes and exit")
+    p.add_argument("--version", action="store_true",
+                   help="print the multimesh and jaxlib versions and exit")
+    return p
+
+
+def _load_passes() -> list[tuple[str, type | None, str]]:
+    """``[(argument, class or None, summary or load error)]``; never raises."""
+    from mlir_passes import get_all_passes
+
+    out = []
+    for arg, factory in get_all_passes().items():
+        try:
+            cls = factory()
+        except Exception as e:  # a pass module that does not exist yet or is broken
+            out.append((arg, None, f"(not available: {type(e).__name__}: {e})"))
+            continue
+        out.append((arg, cls, getattr(cls, "summary", "")))
+    return out
+
+
+def _passes_help() -> str:
+    lines = ["multimesh passes (use in -p, e.g. 'builtin.module(mm-verify)'):"]
+    for arg, _cls, summary in _load_passes():
+        lines.append(f"  {arg:<32} {summary}")
+    lines.append("")
+    lines.append("Any other pipeline element (canonicalize, cse, sdy-*, func.func(...)) is")
+    lines.append("run by jaxlib's native PassManager.")
+    return "\n".join(lines) + "\n"
+
+
+def _list_passes(out) -> None:
+    from mlir_passes.base import option_fields
+
+    for arg, cls, summary in _load_passes():
+        out.write(f"  {arg}\n    {summary}\n")
+        if cls is None:
+            continue
+        for f in option_fields(cls):
+            out.write(f"      {f.name.replace('_', '-')}={f.default!r}\n")
+
+
+def _version() -> str:
+    import multimesh
+
+    try:
+        import jaxlib.version as jv
+
+        jaxlib_version = jv.__version__
+    except Exception:  # pragma: no cover - jaxlib always present
+        jaxlib_version = "unknown"
+    return f"multimesh {multimesh.__version__}\njaxlib {jaxlib_version}\n"
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mm-opt`` console script; returns the exit code."""
+    parser = _make_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help exits 0, usage errors exit 2
+        return int(e.code or 0)
+    try:
+        return _Driver(args).run()
+    except _Failure:
+        return 1
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
+    except Exception as e:  # a bug in mm-opt or a pass: no traceback for users
+        _internal_error(e)
+        return 1
+
+
+def _internal_error(e: BaseException, where: str = "") -> None:
+    where = f" in '{where}'" if where else ""
+    sys.stderr.write(f"{PROG}: internal error{where}: {type(e).__name__}: {e}\n")
+    if os.environ.get("MULTIMESH_TRACEBACK"):
+        traceback.print_exception(e, file=sys.stderr)
+    else:
+        sys.stderr.write(f"{PROG}: note: set MULTIMESH_TRACEBACK=1 to see the traceback\n")
+
+
+class _Driver:
+    """One mm-opt invocation: read, split, parse, run, check, write."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.display = "<stdin>" if args.input in ("-", None) else args.input
+        self.source_lines: list[str] = []
+        self.timings: dict[str, float] = {}
+        self.current_step: str | None = None
+
+    def run(self) -> int:
+        a = self.args
+        if a.version:
+            sys.stdout.write(_version())
+            return 0
+        if a.list_passes:
+            _list_passes(sys.stdout)
+            return 0
+        pipeline = self._parse_pipeline()
+        if pipeline is not None and a.dump_pass_pipeline:
+            sys.stderr.write(f"Pass Manager with {len(pipeline.steps)} steps:\n{pipeline}\n")
+        text = self._read_input()
+        self.source_lines = text.splitlines()
+        chunks = _split(text) if a.split_input_file else [Chunk(text, 1)]
+
+        ctx = make_context()
+        if a.allow_unregistered_dialect:
+            ctx.allow_unregistered_dialects = True
+        emitted: list[Diag] = []
+
+        def handler(d):
+            emitted.append(self._from_ir_diag(d))
+            return True
+
+        handle = ctx.attach_diagnostic_handler(handler)
+        outputs: list[str] = []
+        ok = True
+        try:
+            for chunk in chunks:
+                emitted.clear()
+                t0 = time.perf_counter()
+                out, diags = self._process(chunk, ctx, pipeline)
+                diags = emitted + diags
+                if a.verify_diagnostics:
+                    ok &= self._verify(chunk, diags)
+                else:
+                    for d in diags:
+                        self._print_diag(d)
+                    ok &= not any(d.severity == "error" for d in diags)
+                outputs.append(out if out is not None else "")
+                self._time("(total)", time.perf_counter() - t0)
+        finally:
+            handle.detach()
+        if a.mlir_timing:
+            self._print_timing()
+        result = ("\n" + SPLIT_MARKER + "\n").join(o.rstrip("\n") for o in outputs)
+        result = result + "\n" if result.strip() else result
+        if not ok and a.output not in ("-", None):
+            return 1
+        self._write_output(result)
+        return 0 if ok else 1
+
+    # -- input / output
+
+    def _parse_pipeline(self):
+        if self.args.pipeline is None:
+            return None
+        from mlir_passes.pipeline import parse_pipeline
+
+        try:
+            return parse_pipeline(self.args.pipeline)
+        except MultimeshError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            raise _Failure from None
+
+    def _read_input(self) -> str:
+        if self.args.input in ("-", None):
+            return sys.stdin.read()
+        try:
+            with open(self.args.input, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.stderr.write(f"{PROG}: error: could not open input file '{self.args.input}': "
+                             f"{getattr(e, 'strerror', None) or e}\n")
+            raise _Failure from None
+
+    def _write_output(self, text: str) -> None:
+        path = self.args.output
+        if path in ("-", None):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".mm-opt-", suffix=".tmp", dir=directory)
+        except OSError as e:
+            sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
+            raise _Failure from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
+                raise _Failure from None
+            raise
+
+    # -- one chunk
+
+    def _process(self, chunk: Chunk, ctx: ir.Context, pipeline) -> tuple[str | None, list[Diag]]:
+        """Parse and transform one chunk; returns (printed IR or None, diagnostics)."""
+        t0 = time.perf_counter()
+        try:
+            with ctx:
+                module = ir.Module.parse(chunk.text)
+        except ir.MLIRError as e:
+            diags = [self._from_ir_diag(d) for d in e.error_diagnostics]
+            return None, diags or [Diag("error", str(e), None, None, None)]
+        module = self._relabel(module, ctx)
+        self._time("Parser", time.perf_counter() - t0)
+        if pipeline is not None:
+            try:
+                self._run_pipeline(pipeline, module)
+            except DiagnosticError as e:
+                self._dump_failure(module)
+                return None, [self._from_error(e, chunk)]
+            except ir.MLIRError as e:
+                self._dump_failure(module)
+                return None, [self._from_ir_diag(d) for d in e.error_diagnostics] or [
+                    Diag("error", str(e))]
+            except PipelineError as e:
+                sys.stderr.write(f"{PROG}: error: {e}\n")
+                raise _Failure from None
+            except MultimeshError as e:
+                self._dump_failure(module)
+                return None, [Diag("error", str(e))]
+            except Exception as e:
+                _internal_error(e, self.current_step or "")
+                raise _Failure from None
+        t0 = time.perf_counter()
+        out = self._print(module)
+        self._time("Output", time.perf_counter() - t0)
+        return out, []
+
+    def _run_pipeline(self, pipeline, module: ir.Module) -> None:
+        from mlir_passes.pipeline import PipelineHooks
+
+        a = self.args
+
+        def before(step, mod):
+            self.current_step = step.argument
+            if a.mlir_print_ir_before_all:
+                self._dump(f"IR Dump Before {step.argument}", mod)
+
+        def after(step, mod, dt):
+            self._time(step.argument, dt)
+            if a.mlir_print_ir_after_all:
+                self._dump(f"IR Dump After {step.argument}", mod)
+
+        self.current_step = None
+        pipeline.run(module, PipelineHooks(before=before, after=after))
+
+    def _relabel(self, module: ir.Module, ctx: ir.Context) -> ir.Module:
+        """Give parsed locations the real file name (``Module.parse`` names the buffer "-")."""
+        asm = module.operation.get_asm(enable_debug_info=True, print_generic_op_form=True)
+        esc = self.display.replace("\\", "\\\\").replace('"', '\\"')
+        new, n = re.subn(r'"-":(\d+):(\d+)', lambda m: f'"{esc}":{m.group(1)}:{m.group(2)}', asm)
+        if not n:
+            return module
+        with ctx:
+            return ir.Module.parse(new)
+
+    # -- printing
+
+    def _print(self, module) -> str:
+        return print_module(module, debug_info=self.args.mlir_print_debuginfo,
+                            generic=self.args.mlir_print_op_generic)
+
+    def _dump(self, title: str, module) -> None:
+        sys.stderr.write(f"// -----// {title} //----- //\n{self._print(module)}\n")
+
+    def _dump_failure(self, module) -> None:
+        if self.args.mlir_print_ir_after_failure:
+            self._dump(f"IR Dump After {self.current_step or 'parsing'} Failed", module)
+
+    def _time(self, name: str, dt: float) -> None:
+        self.timings[name] = self.timings.get(name, 0.0) + dt
+
+    def _print_timing(self) -> None:
+        total = self.timings.get("(total)", 0.0) or 1e-12
+        bar = "===" + "-" * 73 + "==="
+        w = sys.stderr.write
+        w(f"{bar}\n{'... Execution time report ...':^79}".rstrip() + f"\n{bar}\n")
+        w(f"  Total Execution Time: {total:.4f} seconds\n\n")
+        w("  ----Wall Time----  ----Name----\n")
+        for name, dt in self.timings.items():
+            if name != "(total)":
+                w(f"  {dt:10.4f} ({100 * dt / total:5.1f}%)  {name}\n")
+        w(f"  {total:10.4f} (100.0%)  Total\n")
+
+    # -- diagnostics
+
+    def _norm_file(self, f: str | None) -> str | None:
+        return self.display if f == "-" else f
+
+    def _from_loc(self, loc) -> tuple[str | None, int | None, int | None]:
+        flc = file_line_col(loc) if loc is not None else None
+        if flc is None:
+            return None, None, None
+        f, line, col = flc
+        return self._norm_file(f), line, col
+
+    def _from_ir_diag(self, d) -> Diag:
+        f, line, col = self._from_loc(d.location)
+        notes = [self._from_ir_diag(n) for n in d.notes]
+        return Diag(_SEVERITY.get(d.severity, "error"), d.message, f, line, col, notes)
+
+    def _from_error(self, e: DiagnosticError, chunk: Chunk) -> Diag:
+        f, line, col = self._from_loc(e.location)
+        diag = Diag("error", e.message, f, line, col)
+        for n in e.notes:
+            if isinstance(n, str):
+                msg, loc = n, None
+            elif isinstance(n, tuple) and len(n) == 2:
+                msg, loc = n
+            else:
+                msg, loc = getattr(n, "message", str(n)), getattr(n, "location", None)
+            nf, nl, nc = self._from_loc(loc)
+            if nl is None:  # MLIR: a note without a location sits on its error's line
+                nf, nl, nc = f, line, col
+            diag.notes.append(Diag("note", str(msg), nf, nl, nc))
+        return diag
+
+    def _print_diag(self, d: Diag) -> None:
+        for x in d.flatten():
+            self._print_one(x.severity, x.message, x.file, x.line, x.col)
+
+    def _print_one(self, severity, message, f, line, col, show_source=True) -> None:
+        if line is None:
+            head = f"{self.display}:1:1: {severity}: "
+            show_source = False
+        else:
+            head = f"{f}:{line}:{col}: {severity}: "
+        sys.stderr.write(head + message + "\n")
+        if show_source and f == self.display and 1 <= line <= len(self.source_lines):
+            src = self.source_lines[line - 1]
+            caret_col = max(col or 1, 1)
+            sys.stderr.write(f"{src}\n{' ' * (caret_col - 1)}^\n")
+
+    def _verify(self, chunk: Chunk, diags: list[Diag]) -> bool:
+        """MLIR's --verify-diagnostics on one chunk; prints mismatches, returns success."""
+        expected = _parse_expectations(chunk)
+        ok = True
+        for d in (x for top in diags for x in top.flatten()):
+            if d.severity == "note" and d.message.startswith(_OP_NOTE_PREFIX):
+                continue
+            in_file = d.line is not None and d.file == self.display
+            want_line = d.line if in_file else None
+            if d.line is not None and not in_file:
+                want_line = -1  # some other file: never expected
+            for exp in expected:
+                if (not exp.matched and exp.severity == d.severity
+                        and exp.line == want_line and exp.matches(d.message)):
+                    exp.matched = True
+                    break
+            else:
+                ok = False
+                self._print_one("error", f"unexpected {d.severity}: {d.message}",
+                                d.file, d.line, d.col)
+        for exp in expected:
+            if not exp.matched:
+                ok = False
+                self._print_one("error",
+                                f'expected {exp.severity} "{exp.text}" was not produced',
+                                self.display, exp.dir_line, exp.dir_col)
+        return ok
+
+
+def _split(text: str) -> list[Chunk]:
+    """Split on ``// -----`` lines, padding each chunk so its line numbers stay put."""
+    lines = text.splitlines(keepends=True)
+    chunks, start = [], 0
+    for i, line in enumerate(lines + [None]):
+        if line is None or _SPLIT_RE.match(line):
+            body = "".join(lines[start:i])
+            chunks.append(Chunk("\n" * start + body, start + 1))
+            start = i + 1
+    return chunks
+
+
+def _parse_expectations(chunk: Chunk) -> list[Expected]:
+    lines = chunk.text.splitlines()
+    out: list[Expected] = []
+    pending_below: list[Expected] = []
+    last_plain: int | None = None
+    for idx, line in enumerate(lines):
+        lineno = idx + 1
+        m = _DIRECTIVE_RE.search(line)
+        if not m:  # as MLIR: any non-directive line, even a blank one
+            for e in pending_below:
+                e.line = lineno
+            pending_below.clear()
+            last_plain = lineno
+            continue
+        severity, is_re, where, body = m.groups()
+        exp = Expected(severity, body, bool(is_re), lineno, lineno, m.start() + 1)
+        if where is None:
+            pass
+        elif where == "unknown":
+            exp.line = None
+        elif where == "below":
+            pending_below.append(exp)
+        elif where == "above":
+            exp.line = last_plain if last_plain is not None else lineno
+        else:
+            exp.line = lineno + int(where)
+        out.append(exp)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+// RUN: mm-opt %s -p 'builtin.module(mm-resolve-logical-shardings)' --split-input-file --verify-diagnostics | filecheck %s
+
+// 1-D mesh: batch -> x.
+// CHECK-LABEL: module attributes {mm.tasks
+// CHECK: sdy.mesh @mesh_t1 = <["x"=8]>
+// CHECK-LABEL: func.func @one_d
+// CHECK-NEXT: %[[C:.*]] = sdy.sharding_constraint %arg0 <@mesh_t1, [{"x"}, {}]> {mm.task = {name = "t1", transpose_count = 0 : i64}} : tensor<8x8xf32>
+// CHECK-NEXT: %[[D:.*]] = sdy.sharding_constraint %[[C]] <@mesh_t1, [{}, {"x"}]> {mm.task = {name = "t1", transpose_count = 1 : i64}} : tensor<8x8xf32>
+// CHECK-NEXT: return %[[D]]
+// CHECK-NOT: mm.logical_sharding
+module attributes {mm.tasks = {t1 = {devices = [0, 1, 2, 3, 4, 5, 6, 7], axis_names = ["x"], axis_sizes = [8], logical_axes = [["batch", "x"], ["model", "x"]]}}} {
+  func.func @one_d(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["model"], []], mm.task = {name = "t1", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    %1 = stablehlo.custom_call @mm.logical_sharding(%0) {mm.axes = [[], ["model"]], mm.task = {name = "t1", transpose_count = 1 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    return %1 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+// 2-D mesh, two device axes on one dim (listed in mesh order), unknown logical
+// name "seq" leaves its dim unsharded.
+// CHECK-LABEL: module attributes {mm.tasks
+// CHECK: sdy.mesh @mesh_t2 = <["x"=4, "y"=2]>
+// CHECK-LABEL: func.func @two_axes
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_t2, [{"x", "y"}, {}]>
+// CHECK-NEXT: sdy.sharding_constraint %arg1 <@mesh_t2, [{}, {"x"}]>
+module attributes {mm.tasks = {t2 = {devices = [0, 1, 2, 3, 4, 5, 6, 7], axis_names = ["x", "y"], axis_sizes = [4, 2], logical_axes = [["batch", "x"], ["embed", "x"], ["model", "y"]]}}} {
+  func.func @two_axes(%arg0: tensor<8x4xf32>, %arg1: tensor<16x16xf32>) -> (tensor<8x4xf32>, tensor<16x16xf32>) {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch", "model"], ["seq"]], mm.task = {name = "t2", transpose_count = 0 : i64}} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    %1 = stablehlo.custom_call @mm.logical_sharding(%arg1) {mm.axes = [["hidden"], ["embed"]], mm.task = {name = "t2", transpose_count = 0 : i64}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+    return %0, %1 : tensor<8x4xf32>, tensor<16x16xf32>
+  }
+}
+
+// -----
+
+// Over-shard skip: dim 0 (size 2) is too small for x=4, so batch -> x is skipped
+// there and x goes to dim 1 through the lower-priority model -> x.
+// CHECK-LABEL: func.func @over_shard
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_t3, [{}, {"x"}]>
+module attributes {mm.tasks = {t3 = {devices = [0, 1, 2, 3], axis_names = ["x"], axis_sizes = [4], logical_axes = [["batch", "x"], ["model", "x"]]}}} {
+  func.func @over_shard(%arg0: tensor<2x8xf32>) -> tensor<2x8xf32> {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"], ["model"]], mm.task = {name = "t3", transpose_count = 0 : i64}} : (tensor<2x8xf32>) -> tensor<2x8xf32>
+    return %0 : tensor<2x8xf32>
+  }
+}
+
+// -----
+
+// Empty logical mapping: the marker is erased and no mesh is created.
+// CHECK-LABEL: module attributes {mm.tasks
+// CHECK-NOT: sdy.mesh
+// CHECK-LABEL: func.func @empty_mapping
+// CHECK-NEXT: %[[A:.*]] = stablehlo.add %arg0, %arg0
+// CHECK-NEXT: return %[[A]]
+module attributes {mm.tasks = {mm.default = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @empty_mapping(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"]], mm.task = {name = "mm.default", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    %1 = stablehlo.add %0, %0 {mm.task = {name = "mm.default", transpose_count = 0 : i64}} : tensor<8xf32>
+    return %1 : tensor<8xf32>
+  }
+}
+
+// -----
+
+// A marker inside a while body takes the enclosing while's task; the new op gets no
+// mm.task of its own (ops nested in a tagged op belong to it).
+// CHECK-LABEL: func.func @in_while
+// CHECK: stablehlo.while({{.*}}) : tensor<i32>, tensor<8xf32> attributes {mm.task = {name = "loop", transpose_count = 0 : i64}}
+// CHECK: } do {
+// CHECK-NEXT: %[[S:.*]] = sdy.sharding_constraint %{{.*}} <@mesh_loop, [{"x"}]> : tensor<8xf32>
+// CHECK-NEXT: stablehlo.return %{{.*}}, %[[S]]
+module attributes {mm.tasks = {loop = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"]]}}} {
+  func.func @in_while(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %c0 = stablehlo.constant {mm.task = {name = "loop", transpose_count = 0 : i64}} dense<0> : tensor<i32>
+    %0:2 = stablehlo.while(%i = %c0, %x = %arg0) : tensor<i32>, tensor<8xf32> attributes {mm.task = {name = "loop", transpose_count = 0 : i64}}
+      cond {
+        %c4 = stablehlo.constant dense<4> : tensor<i32>
+        %p = stablehlo.compare LT, %i, %c4 : (tensor<i32>, tensor<i32>) -> tensor<i1>
+        stablehlo.return %p : tensor<i1>
+      } do {
+        %y = stablehlo.custom_call @mm.logical_sharding(%x) {mm.axes = [["batch"]]} : (tensor<8xf32>) -> tensor<8xf32>
+        stablehlo.return %i, %y : tensor<i32>, tensor<8xf32>
+      }
+    return %0#1 : tensor<8xf32>
+  }
+}
+
+// -----
+
+// Two tasks -> two meshes, created once each, in sorted task order; task names with
+// characters invalid in symbols are sanitised.
+// CHECK-LABEL: module attributes {mm.tasks
+// CHECK-NEXT: sdy.mesh @mesh_layer_1 = <["x"=2]>
+// CHECK-NEXT: sdy.mesh @mesh_stage0 = <["x"=2, "y"=2]>
+// CHECK-NEXT: func.func @two_tasks
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_stage0, [{"x"}, {"y"}]>
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_layer_1, [{"x"}, {}]>
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_stage0, [{}, {"y"}]>
+module attributes {mm.tasks = {stage0 = {devices = [0, 1, 2, 3], axis_names = ["x", "y"], axis_sizes = [2, 2], logical_axes = [["batch", "x"], ["model", "y"]]}, "layer.1" = {devices = [4, 5], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"]]}}} {
+  func.func @two_tasks(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"], ["model"]], mm.task = {name = "stage0", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    %1 = stablehlo.custom_call @mm.logical_sharding(%0) {mm.axes = [["batch"], ["model"]], mm.task = {name = "layer.1", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    %2 = stablehlo.custom_call @mm.logical_sharding(%1) {mm.axes = [[], ["model"]], mm.task = {name = "stage0", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    return %2 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x"], axis_sizes = [4], logical_axes = [["batch", "z"]]}}} {
+  func.func @unknown_device_axis(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    // expected-error@+1 {{Logical axis 'batch' is mapped to device axis 'z', which is not an axis of the task mesh. Valid device axis names are: 'x'.}}
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"]], mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x"], axis_sizes = [4], logical_axes = [["batch", "x"]]}}} {
+  func.func @non_dividing(%arg0: tensor<6x8xf32>) -> tensor<6x8xf32> {
+    // expected-error@+1 {{Cannot shard dimension 0 of tensor of shape (6, 8) over device axis 'x' (size 4): 4 does not evenly divide 6.}}
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"], []], mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<6x8xf32>) -> tensor<6x8xf32>
+    return %0 : tensor<6x8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"]]}}} {
+  func.func @untagged(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    // expected-error@+1 {{logical sharding marker is not assigned to a task; run mm-assign-tasks first}}
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"]]} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"]]}}} {
+  func.func @unknown_task(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    // expected-error@+1 {{logical sharding marker is assigned to task 'nope', which is not in the module's mm.tasks table (known tasks: 't')}}
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"]], mm.task = {name = "nope", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"]]}}} {
+  // expected-error@+1 {{symbol @mesh_t for task 't' already exists as mesh #sdy.mesh<["x"=4]>, which differs from the task's mesh #sdy.mesh<["x"=2]>}}
+  sdy.mesh @mesh_t = <["x"=4]>
+  func.func @conflicting_mesh(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"]], mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
