@@ -135,7 +135,7 @@ def main():
 
     ref_value, ref_grads = jax.value_and_grad(reference_loss)(params_f, batch_f)
     check(bool(jnp.allclose(value, ref_value, rtol=1e-4)), "loss == plain jax")
-    check(all(bool(jnp.allclose(g, r, rtol=1e-4, atol=1e-4)) for g, r in zip(grads, ref_grads)),
+    check(all(bool(jnp.allclose(g, r, rtol=1e-4, atol=1e-4)) for g, r in zip(grads, ref_grads, strict=True)),
           "gradients == plain jax")
 
     if hasattr(compiled, "plan"):

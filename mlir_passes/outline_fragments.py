@@ -150,7 +150,7 @@ def _ensure_meshes(module, tasks, meshes, used) -> None:
         mesh = sdy.MeshAttr.get([sdy.MeshAxisAttr.get(a, s)
                                  for a, s in zip(t.axis_names, t.axis_sizes)])
         ip = ir.InsertionPoint(first) if first is not None else ir.InsertionPoint(module.body)
-        sdy.MeshOp(sym, mesh, ip=ip)
+        sdy.MeshOp(sym, mesh, ip=ip, loc=module.operation.location)
 
 
 def _merge_down(frags, top):

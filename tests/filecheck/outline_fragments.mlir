@@ -1,0 +1,69 @@
+// RUN: mm-opt %s -p 'builtin.module(mm-outline-fragments)' --split-input-file --verify-diagnostics | filecheck %s
+
+// One fragment per (task, direction) in dependency order: @main keeps only the
+// fragment calls and the return; each fragment is private with mm.devices, mm.mesh
+// and mm.task. The constant of a, also used by b, is cloned into b's fragment.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[AF:.*]] = call @a_fwd(%arg0) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+// CHECK-NEXT: %[[BF:.*]] = call @b_fwd(%[[AF]]) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+// CHECK-NEXT: %[[BB:.*]] = call @b_bwd(%[[BF]]) {mm.fragment}
+// CHECK-NEXT: %[[AB:.*]] = call @a_bwd(%[[BB]], %[[AF]]) {mm.fragment} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+// CHECK-NEXT: return %[[BF]], %[[AB]]
+// CHECK-NEXT: }
+// CHECK-NEXT: func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[C:.*]] = stablehlo.constant {mm.task = {name = "a", transpose_count = 0 : i64}} dense<2.000000e+00>
+// CHECK-NEXT: %[[M:.*]] = stablehlo.multiply %arg0, %[[C]]
+// CHECK-NEXT: return %[[M]]
+// CHECK: func.func private @b_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[S:.*]] = stablehlo.sine %arg0
+// CHECK-NEXT: %[[C2:.*]] = stablehlo.constant {mm.task = {name = "b", transpose_count = 0 : i64}} dense<2.000000e+00>
+// CHECK-NEXT: %[[A:.*]] = stablehlo.add %[[S]], %[[C2]]
+// CHECK-NEXT: return %[[A]]
+// CHECK: func.func private @b_bwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 1 : i64}}
+// CHECK-NEXT: stablehlo.cosine %arg0
+// CHECK: func.func private @a_bwd(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 1 : i64}}
+// CHECK-NEXT: stablehlo.multiply %arg0, %arg1
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3], axis_names = ["y"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  sdy.mesh @mesh_b = <["y"=2]>
+  func.func @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>, tensor<8xf32>) {
+    %c = stablehlo.constant {mm.task = {name = "a", transpose_count = 0 : i64}} dense<2.0> : tensor<8xf32>
+    %0 = stablehlo.multiply %arg0, %c {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<8xf32>
+    %1 = stablehlo.sine %0 {mm.task = {name = "b", transpose_count = 0 : i64}} : tensor<8xf32>
+    %2 = stablehlo.add %1, %c {mm.task = {name = "b", transpose_count = 0 : i64}} : tensor<8xf32>
+    %3 = stablehlo.cosine %2 {mm.task = {name = "b", transpose_count = 1 : i64}} : tensor<8xf32>
+    %4 = stablehlo.multiply %3, %0 {mm.task = {name = "a", transpose_count = 1 : i64}} : tensor<8xf32>
+    return %2, %4 : tensor<8xf32>, tensor<8xf32>
+  }
+}
+
+// -----
+
+// A single task: one fragment holding every op.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[F:.*]] = call @a_fwd(%arg0) {mm.fragment}
+// CHECK-NEXT: return %[[F]]
+// CHECK: func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[N:.*]] = stablehlo.negate %arg0
+// CHECK-NEXT: %[[S:.*]] = stablehlo.sine %[[N]]
+// CHECK-NEXT: return %[[S]]
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.negate %arg0 {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<8xf32>
+    %1 = stablehlo.sine %0 {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<8xf32>
+    return %1 : tensor<8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.negate %arg0 {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<8xf32>
+    // expected-error@+1 {{op is not assigned to a task; run mm-assign-tasks first}}
+    %1 = stablehlo.sine %0 : tensor<8xf32>
+    return %1 : tensor<8xf32>
+  }
+}
