@@ -58,6 +58,26 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
 
 // -----
 
+// Without sdy.mesh ops in the input, the pass creates one sdy.mesh @mesh_<task>
+// per task that has a fragment, before @main.
+// CHECK-LABEL: module attributes {mm.tasks
+// CHECK-NEXT: sdy.mesh @mesh_a = <["x"=2]>
+// CHECK-NEXT: sdy.mesh @mesh_b = <["y"=4]>
+// CHECK-NEXT: func.func @main
+// CHECK-NEXT: %[[A:.*]] = call @a_fwd(%arg0) {mm.fragment}
+// CHECK-NEXT: call @b_fwd(%[[A]]) {mm.fragment}
+// CHECK: func.func private @a_fwd({{.*}} attributes {mm.devices = [0, 1], mm.mesh = @mesh_a,
+// CHECK: func.func private @b_fwd({{.*}} attributes {mm.devices = [2, 3, 4, 5], mm.mesh = @mesh_b,
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3, 4, 5], axis_names = ["y"], axis_sizes = [4], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.negate %arg0 {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<8xf32>
+    %1 = stablehlo.sine %0 {mm.task = {name = "b", transpose_count = 0 : i64}} : tensor<8xf32>
+    return %1 : tensor<8xf32>
+  }
+}
+
+// -----
+
 module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
   sdy.mesh @mesh_a = <["x"=2]>
   func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {

@@ -1,0 +1,80 @@
+// RUN: mm-opt %s -p 'builtin.module(mm-propagate-shardings)' --split-input-file --verify-diagnostics | filecheck %s
+
+// Each fragment is propagated alone on its mesh; its arguments and results get
+// closed sdy.sharding, and the @main argument gets mm.sharding (the layout of its
+// first consumer). The value a_fwd hands to b_fwd lives on an equally shaped mesh
+// (["x"=2]), so b_fwd starts from a's layout rebased onto @mesh_b, though nothing
+// in b_fwd constrains it.
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> tensor<8x4xf32>
+// CHECK-NEXT: call @a_fwd(%arg0) {mm.fragment}
+// CHECK-NEXT: call @b_fwd
+// CHECK-LABEL: func.func private @a_fwd
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> (tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>})
+// CHECK-SAME: attributes {mm.devices = [0, 1], mm.mesh = @mesh_a
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_a, [{"x"}, {}]>
+// CHECK-NEXT: stablehlo.sine
+// CHECK-LABEL: func.func private @b_fwd
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_b, [{"x"}, {}]>}) -> (tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_b, [{"x"}, {}]>})
+// CHECK-NEXT: stablehlo.cosine %arg0 : tensor<8x4xf32>
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  sdy.mesh @mesh_b = <["x"=2]>
+  func.func @main(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> {
+    %0 = call @a_fwd(%arg0) {mm.fragment} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    %1 = call @b_fwd(%0) {mm.fragment} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    return %1 : tensor<8x4xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}} {
+    %0 = sdy.sharding_constraint %arg0 <@mesh_a, [{"x"}, {}]> : tensor<8x4xf32>
+    %1 = stablehlo.sine %0 : tensor<8x4xf32>
+    return %1 : tensor<8x4xf32>
+  }
+  func.func private @b_fwd(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> attributes {mm.devices = [2, 3], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 0 : i64}} {
+    %0 = stablehlo.cosine %arg0 : tensor<8x4xf32>
+    return %0 : tensor<8x4xf32>
+  }
+}
+
+// -----
+
+// Meshes of different shapes (["x"=2] vs ["y"=4]): the handed-over value does not
+// keep a's layout; b_fwd's own constraint on %arg1 propagates through the add to
+// its other argument and its result. Each @main argument gets its consumer's layout.
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}, %arg1: tensor<8x4xf32> {mm.sharding = #sdy.sharding<@mesh_b, [{}, {"y"}]>})
+// CHECK-LABEL: func.func private @a_fwd
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> (tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>})
+// CHECK-LABEL: func.func private @b_fwd
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_b, [{}, {"y"}]>}, %arg1: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_b, [{}, {"y"}]>}) -> (tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_b, [{}, {"y"}]>})
+// CHECK-SAME: attributes {mm.devices = [2, 3, 4, 5], mm.mesh = @mesh_b
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3, 4, 5], axis_names = ["y"], axis_sizes = [4], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  sdy.mesh @mesh_b = <["y"=4]>
+  func.func @main(%arg0: tensor<8x4xf32>, %arg1: tensor<8x4xf32>) -> tensor<8x4xf32> {
+    %0 = call @a_fwd(%arg0) {mm.fragment} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    %1 = call @b_fwd(%0, %arg1) {mm.fragment} : (tensor<8x4xf32>, tensor<8x4xf32>) -> tensor<8x4xf32>
+    return %1 : tensor<8x4xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}} {
+    %0 = sdy.sharding_constraint %arg0 <@mesh_a, [{"x"}, {}]> : tensor<8x4xf32>
+    %1 = stablehlo.sine %0 : tensor<8x4xf32>
+    return %1 : tensor<8x4xf32>
+  }
+  func.func private @b_fwd(%arg0: tensor<8x4xf32>, %arg1: tensor<8x4xf32>) -> tensor<8x4xf32> attributes {mm.devices = [2, 3, 4, 5], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 0 : i64}} {
+    %0 = sdy.sharding_constraint %arg1 <@mesh_b, [{}, {"y"}]> : tensor<8x4xf32>
+    %1 = stablehlo.add %arg0, %0 : tensor<8x4xf32>
+    return %1 : tensor<8x4xf32>
+  }
+}
+
+// -----
+
+// The pass needs the MPMD form's @main.
+// expected-error@+1 {{module has no 'main' function}}
+module {
+  sdy.mesh @mesh_a = <["x"=2]>
+  func.func @f(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    return %arg0 : tensor<8xf32>
+  }
+}
