@@ -41,8 +41,6 @@ class AssignTasksPass(ModulePass):
                 t = c.tag_of(op)
                 if t is None and len(op.regions):
                     t = _nested_tag(op, tasks)
-                    if t is not None:
-                        op.attributes[c.TASK_ATTR] = c.tag_attr(*t)
                 if t is not None:
                     tag[op] = t
             untagged = [op for op in ops if op not in tag]
@@ -69,9 +67,13 @@ class AssignTasksPass(ModulePass):
                         best = _heaviest(op, tag, top, pos)
                         if best is not None:
                             tag[op] = best
-                            op.attributes[c.TASK_ATTR] = c.tag_attr(*best)
                             changed = True
                 untagged = [op for op in untagged if op not in tag]
+            # Attributes are written last: in these bindings an Operation's hash
+            # follows its contents, so editing ops would break the maps above.
+            for op in ops:
+                if op in tag:
+                    op.attributes[c.TASK_ATTR] = c.tag_attr(*tag[op])
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
                 tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())

@@ -104,26 +104,37 @@ def _producers(op: ir.Operation, top) -> list[ir.Operation]:
 
 
 def _remat_constants(ops, main) -> None:
+    """Clone constants/iotas into every other task that uses them (planned, then applied).
+
+    Planning happens before any edit: an Operation's hash follows its contents in
+    these bindings, so maps keyed by ops go stale once an op is changed.
+    """
     top = _top_finder(main)
     index = {op: i for i, op in enumerate(ops)}
+    plans = []
     for op in ops:
         if op.name not in _REMAT or len(op.operands):
             continue
         mine = c.tag_of(op)
-        firsts: dict[tuple[str, int], list] = {}
+        groups: dict[tuple[str, int], list] = {}
         for r in op.results:
             for use in r.uses:
                 user = top(use.owner)
                 t = c.tag_of(user) if user is not None else None
                 if t is None or t == mine:
                     continue
-                firsts.setdefault(t, []).append(use)
-        for t, uses in firsts.items():
-            first_user = min((top(u.owner) for u in uses), key=lambda o: index.get(o, 0))
-            clone = op.clone(ip=ir.InsertionPoint(first_user))
-            clone.attributes[c.TASK_ATTR] = c.tag_attr(*t)
-            for u in uses:
-                u.owner.operation.replace_uses_of_with(op.results[0], clone.results[0])
+                groups.setdefault(t, []).append((use.owner.operation, use.operand_number, user))
+        for t, uses in groups.items():
+            first = min((u[2] for u in uses), key=lambda o: index.get(o, 0))
+            plans.append((op, t, first, [(o, k) for o, k, _ in uses]))
+    for op, t, first, uses in plans:
+        clone = op.clone(ip=ir.InsertionPoint(first))
+        clone.attributes[c.TASK_ATTR] = c.tag_attr(*t)
+        for owner, k in uses:
+            owner.operands[k] = clone.results[0]
+    for op, *_ in plans:
+        if all(not list(r.uses) for r in op.results):
+            op.erase()
 
 
 def _fragment_names(keys: list[tuple[str, int]]) -> list[str]:
