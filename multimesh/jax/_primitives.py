@@ -245,6 +245,13 @@ logical_sharding_p.def_abstract_eval(lambda aval, *, axes: aval)
 
 
 def _logical_lowering(ctx, x, *, axes):
+    from multimesh.jax import _contexts
+
+    st = _contexts.state
+    if st.program_devices is None:
+        # Lowered by plain jax (eager or jax.jit, not mjit): logical
+        # names have no task to resolve them, so the marker is the identity.
+        return [x]
     (aval,) = ctx.avals_in
     op = hlo.CustomCallOp(
         [mlir.aval_to_ir_type(ctx.module_context, aval)], [x],
