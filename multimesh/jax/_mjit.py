@@ -15,6 +15,7 @@ from mlir_passes.pipeline import PipelineHooks, parse_pipeline
 from multimesh._src.errors import DiagnosticError, MultimeshValueError, PassFailure
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _contexts
+from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import logical_axes_of, with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
 
@@ -22,10 +23,8 @@ __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompil
 
 
 def default_pipeline(num_devices: int) -> str:
-    """The pass pipeline ``mjit`` runs (also printed in repro commands)."""
-    return ("builtin.module(mm-import-gspmd,mm-inline-tasks,"
-            f"mm-assign-tasks{{num-devices={num_devices}}},mm-resolve-logical-shardings,"
-            "mm-outline-fragments,mm-propagate-shardings)")
+    """The pass pipeline for a plain program (also printed in repro commands)."""
+    return build_pipeline(num_devices)
 
 
 def _abstract(x):
