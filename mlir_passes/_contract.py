@@ -84,16 +84,23 @@ def write_tasks(module: ir.Module, tasks: dict[str, TaskMeshInfo]) -> None:
             {k: tasks[k].to_dict() for k in sorted(tasks)})
 
 
-def tag_of(op: ir.Operation) -> tuple[str, int] | None:
-    """``(task name, transpose_count)`` of an op tagged in flat form, else None."""
+Tag = tuple[str, int, int]
+"""``(task name, transpose_count, microbatch)``; microbatch is -1 outside microbatch loops."""
+
+
+def tag_of(op: ir.Operation) -> Tag | None:
+    """The :data:`Tag` of an op tagged in flat form, else None."""
     if TASK_ATTR not in op.attributes:
         return None
     d = attr_to_py(op.attributes[TASK_ATTR])
-    return d["name"], int(d["transpose_count"])
+    return d["name"], int(d["transpose_count"]), int(d.get("microbatch", -1))
 
 
-def tag_attr(name: str, count: int) -> ir.Attribute:
-    return py_to_attr({"name": name, "transpose_count": count})
+def tag_attr(name: str, count: int, microbatch: int = -1) -> ir.Attribute:
+    d = {"name": name, "transpose_count": count}
+    if microbatch >= 0:
+        d["microbatch"] = microbatch
+    return py_to_attr(d)
 
 
 def is_custom_call(op: ir.Operation, target: str) -> bool:

@@ -36,7 +36,7 @@ class AssignTasksPass(ModulePass):
             main = c.main_func(module)
             block = c.entry_block(main)
             ops = [o.operation for o in block.operations][:-1]  # drop func.return
-            tag: dict[ir.Operation, tuple[str, int]] = {}
+            tag: dict[ir.Operation, c.Tag] = {}
             for op in ops:
                 t = c.tag_of(op)
                 if t is None and len(op.regions):
@@ -83,9 +83,9 @@ class AssignTasksPass(ModulePass):
             c.write_tasks(module, tasks)
 
 
-def _heaviest(op: ir.Operation, tag, top, pos) -> tuple[str, int] | None:
+def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
     """The neighbouring task with the most bytes; ties go to the earliest neighbour."""
-    scores: dict[tuple[str, int], list[int]] = {}
+    scores: dict[c.Tag, list[int]] = {}
 
     def add(t, nbytes, where):
         s = scores.setdefault(t, [0, where])
@@ -112,8 +112,8 @@ def _heaviest(op: ir.Operation, tag, top, pos) -> tuple[str, int] | None:
     return min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
 
 
-def _nested_tag(op: ir.Operation, tasks) -> tuple[str, int] | None:
-    found: list[tuple[tuple[str, int], ir.Operation]] = []
+def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
+    found: list[tuple[c.Tag, ir.Operation]] = []
 
     def cb(o):
         t = c.tag_of(o.operation)

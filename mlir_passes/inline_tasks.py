@@ -72,7 +72,7 @@ def _inline(call: ir.Operation, funcs, tasks, uses) -> None:
         d = attr_to_py(call.attributes[c.TASK_ATTR])
         if "devices" in d:
             _register(tasks, d, call)
-        tag = c.tag_attr(d["name"], int(d["transpose_count"]))
+        tag = c.tag_attr(d["name"], int(d["transpose_count"]), int(d.get("microbatch", -1)))
     if uses.get(name, 0) <= 1:
         body = callee  # only use: move the body instead of cloning it
     else:

@@ -46,8 +46,8 @@ class OutlineFragmentsPass(ModulePass):
             ops = [o.operation for o in block.operations][:-1]
             top = _top_finder(main)
             frag_of: dict[ir.Operation, int] = {}
-            frags: list[tuple[tuple[str, int], list[ir.Operation]]] = []
-            last: dict[tuple[str, int], int] = {}
+            frags: list[tuple[c.Tag, list[ir.Operation]]] = []
+            last: dict[c.Tag, int] = {}
             for op in ops:
                 key = c.tag_of(op)
                 deps = {frag_of[t] for t in _producers(op, top) if t in frag_of}
@@ -116,7 +116,7 @@ def _remat_constants(ops, main) -> None:
         if op.name not in _REMAT or len(op.operands):
             continue
         mine = c.tag_of(op)
-        groups: dict[tuple[str, int], list] = {}
+        groups: dict[c.Tag, list] = {}
         for r in op.results:
             for use in r.uses:
                 user = top(use.owner)
@@ -137,12 +137,14 @@ def _remat_constants(ops, main) -> None:
             op.erase()
 
 
-def _fragment_names(keys: list[tuple[str, int]]) -> list[str]:
+def _fragment_names(keys: list[c.Tag]) -> list[str]:
     seen: dict[str, int] = {}
     out = []
-    for name, count in keys:
+    for name, count, mb in keys:
         safe = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
         base = f"{safe}_{'fwd' if count == 0 else 'bwd' if count == 1 else f'bwd{count}'}"
+        if mb >= 0:
+            base += f"_mb{mb}"
         k = seen.get(base, 0)
         seen[base] = k + 1
         out.append(base if k == 0 else f"{base}_{k}")

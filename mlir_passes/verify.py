@@ -16,8 +16,8 @@ from multimesh._src.mlir import ir
 __all__ = ["VerifyPass"]
 
 _MESH_KEYS = ("devices", "axis_names", "axis_sizes", "logical_axes")
-_CALL_KEYS = ("name", "transpose_count", *_MESH_KEYS)
-_REF_KEYS = ("name", "transpose_count")
+_CALL_KEYS = ("name", "transpose_count", "microbatch", *_MESH_KEYS)
+_REF_KEYS = ("name", "transpose_count", "microbatch")
 _MARKER = "mm.logical_sharding"
 
 
@@ -153,7 +153,7 @@ def _check_task(attr: ir.Attribute, loc, what: str, allowed: tuple[str, ...], *,
         if key not in allowed:
             raise DiagnosticError(
                 f"{what} has unknown key '{key}' (expected {', '.join(allowed)})", loc)
-    required = [k for k in allowed if k != "logical_axes"]
+    required = [k for k in allowed if k not in ("logical_axes", "microbatch")]
     for key in required:
         if key not in d:
             raise DiagnosticError(f"{what} is missing '{key}'", loc)
@@ -252,7 +252,7 @@ def _check_reference(op: ir.Operation, attr: ir.Attribute, table: dict | None) -
             raise DiagnosticError(
                 f"{what} has unexpected key '{key}' (only task calls carry the mesh; "
                 f"expected name, transpose_count)", loc)
-    for key in _REF_KEYS:
+    for key in ("name", "transpose_count"):
         if key not in d:
             raise DiagnosticError(f"{what} is missing '{key}'", loc)
     name = _check_name_and_count(d, what, loc)["name"]

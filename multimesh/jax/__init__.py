@@ -5,6 +5,7 @@ from multimesh.jax._contexts import context as context
 from multimesh.jax._contexts import enable_fast_path as enable_fast_path
 from multimesh.jax._contexts import enable_recomputation as enable_recomputation
 from multimesh.jax._contexts import ignore_transforms as ignore_transforms
+from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._mjit import mjit as mjit
 from multimesh.jax._mjit import parallelize as parallelize
 from multimesh.jax._task import Task as Task

@@ -22,6 +22,8 @@ class _State(threading.local):
         self.fast_path = True
         self.recomputation = False
         self.program_devices = None  # tuple of jax.Device while mjit traces
+        self.microbatch = None  # index of the microbatch being traced, if any
+        self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
 
 
 state = _State()
@@ -95,3 +97,8 @@ def context(autoshard: bool | None = None, enable_recomputation: bool | None = N
 def program_devices(devices):
     """Set while tracing a program: the device list task positions refer to."""
     return _set("program_devices", None if devices is None else tuple(devices))
+
+
+def notes(d: dict):
+    """Collects facts the front end learns while tracing (e.g. the microbatch schedule)."""
+    return _set("trace_notes", d)

@@ -161,6 +161,25 @@ def run_pipeline(module: ir.Module, pipeline: str) -> None:
             f"Reproduce with:\n  {repro}", failed, repro, e) from None
 
 
+def _schedule_options(notes: dict) -> str | None:
+    cfg = notes.get("microbatch")
+    if cfg is None:
+        return None
+    opts = [f"schedule={cfg['schedule']}"]
+    if cfg.get("num_stages"):
+        opts.append(f"num-stages={cfg['num_stages']}")
+    if cfg.get("interleave"):
+        opts.append(f"interleave={cfg['interleave']}")
+    if cfg.get("custom"):
+        import json
+
+        fd, path = tempfile.mkstemp(prefix="multimesh-custom-schedule-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(cfg["custom"], f)
+        opts.append(f"custom-schedule-file={path}")
+    return ",".join(opts)
+
+
 class _MJit:
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
@@ -197,7 +216,9 @@ class _MJit:
             return out
 
         abstract = jax.tree.map(_abstract, (tuple(dyn_args), kwargs))
-        with _contexts.program_devices(devices), _contexts.autoshard(True):
+        notes: dict = {}
+        with _contexts.program_devices(devices), _contexts.autoshard(True), \
+                _contexts.notes(notes):
             traced = jax.jit(wrapped, keep_unused=True).trace(*abstract[0], **abstract[1])
             lowered = traced.lower()
         text = lowered.as_text(debug_info=True)
@@ -206,7 +227,9 @@ class _MJit:
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
         in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
         return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
-                           list(range(len(dyn_flat))), default_pipeline(len(devices)))
+                           list(range(len(dyn_flat))),
+                           build_pipeline(len(devices), schedule=_schedule_options(notes),
+                                          recompute=_contexts.state.recomputation))
 
     def __call__(self, *args, **kwargs):
         static = tuple(args[i] for i in self.static_argnums)

@@ -25,6 +25,12 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
     if recompute:
         steps.append("mm-recompute-transfers")
     steps.append("mm-propagate-shardings")
-    if schedule:
+    if schedule and _registered("mm-schedule-fragments"):
         steps.append(f"mm-schedule-fragments{{{schedule}}}")
     return "builtin.module(" + ",".join(steps) + ")"
+
+
+def _registered(argument: str) -> bool:
+    from mlir_passes import get_all_passes
+
+    return argument in get_all_passes()

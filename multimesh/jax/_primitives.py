@@ -38,6 +38,7 @@ class TaskInfo:
     axis_sizes: tuple[int, ...]
     logical_axes: tuple[tuple[str, str], ...]
     transpose_count: int = 0
+    microbatch: int | None = None
 
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
@@ -51,7 +52,10 @@ class TaskInfo:
         def strs(xs):
             return ir.ArrayAttr.get([ir.StringAttr.get(x) for x in xs])
 
+        extra = {} if self.microbatch is None else {
+            "microbatch": ir.IntegerAttr.get(i64, self.microbatch)}
         return ir.DictAttr.get({
+            **extra,
             "name": ir.StringAttr.get(self.name),
             "transpose_count": ir.IntegerAttr.get(i64, self.transpose_count),
             "devices": ints(self.devices),

@@ -263,6 +263,8 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
+        if _contexts.state.microbatch is not None:
+            info = dataclasses.replace(info, microbatch=_contexts.state.microbatch)
         args_flat, in_tree = jax.tree.flatten((args, kw))
         in_avals = tuple(core.shaped_abstractify(x) for x in args_flat)
         dbg = api_util.debug_info("multimesh.task", fun, args, kw)

@@ -224,8 +224,9 @@ def _fragment(fn: ir.Operation, meshes, syms) -> Fragment:
 def _standalone(fn: ir.Operation, mesh_op: ir.Operation, n: int) -> str:
     """The fragment as its own SPMD module: one mesh, a public @main, no mm.* attributes."""
     m = ir.Module.create(fn.location)
-    m.operation.attributes["sym_name"] = ir.StringAttr.get(
-        "mm_" + ir.StringAttr(fn.attributes["sym_name"]).value)
+    # One generic module name: identical fragments (e.g. the same stage in every
+    # microbatch) then have identical text and compile once.
+    m.operation.attributes["sym_name"] = ir.StringAttr.get("multimesh_fragment")
     m.operation.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
         ir.IntegerType.get_signless(32), n)
     m.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(
