@@ -22,6 +22,8 @@ _PASSES: dict[str, str] = {
     "mm-resolve-logical-shardings": "resolve_logical_shardings:ResolveLogicalShardingsPass",
     "mm-outline-fragments": "outline_fragments:OutlineFragmentsPass",
     "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",
+    "mm-insert-transfers": "insert_transfers:InsertTransfersPass",
+    "mm-extract-fragments": "extract_fragments:ExtractFragmentsPass",
     "mm-strip-markers": "strip_markers:StripMarkersPass",
 }
 

@@ -23,8 +23,8 @@ class PropagateShardingsPass(ModulePass):
     forward fragment hands its residuals to the backward one with no reshard and a
     pipeline stage hands activations to the next with a pure device-to-device
     copy. Afterwards every fragment argument and result carries a closed
-    ``sdy.sharding``, and every ``@main`` argument carries ``mm.sharding`` (the
-    layout of its first consumer), which is where the program wants its inputs.
+    ``sdy.sharding``, and every ``@main`` argument carries ``mm.sharding`` and
+    ``mm.devices`` (the layout of its first consumer), which is where the program wants its inputs.
     """
 
     argument = "mm-propagate-shardings"
@@ -35,8 +35,8 @@ class PropagateShardingsPass(ModulePass):
             main = c.main_func(module)
             funcs = c.func_by_name(module)
             meshes = _meshes(module)
-            # value -> (mesh symbol, sharding attr) as laid out where it lives
-            layout: dict[ir.Value, tuple[str, ir.Attribute]] = {}
+            # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
+            layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
             pm = passmanager.PassManager.parse("builtin.module(sdy-propagation-pipeline)")
             for call in [o.operation for o in c.entry_block(main).operations]:
                 if call.name != "func.call":
@@ -60,11 +60,12 @@ class PropagateShardingsPass(ModulePass):
                 # time, exactly as for a plain jax module.
                 _write(fn, "arg_attrs", arg_sh)
                 _write(fn, "res_attrs", res_sh)
+                devs = fn.attributes["mm.devices"]
                 for v, sh in zip(call.operands, arg_sh):
                     if isinstance(v.owner, ir.Block) and v not in layout:
-                        layout[v] = (mesh_sym, sh)
+                        layout[v] = (mesh_sym, sh, devs)
                 for r, sh in zip(call.results, res_sh):
-                    layout[r] = (mesh_sym, sh)
+                    layout[r] = (mesh_sym, sh, devs)
             blk = c.entry_block(main)
             attrs = []
             old = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else []
@@ -75,6 +76,7 @@ class PropagateShardingsPass(ModulePass):
                     d = {od[k].name: od[k].attr for k in range(len(od))}
                 if a in layout:
                     d["mm.sharding"] = layout[a][1]
+                    d["mm.devices"] = layout[a][2]
                 attrs.append(ir.DictAttr.get(d))
             main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
 

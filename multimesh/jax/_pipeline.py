@@ -27,6 +27,7 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
     steps.append("mm-propagate-shardings")
     if schedule and _registered("mm-schedule-fragments"):
         steps.append(f"mm-schedule-fragments{{{schedule}}}")
+    steps += ["mm-insert-transfers", "mm-extract-fragments"]
     return "builtin.module(" + ",".join(steps) + ")"
 
 

@@ -30,6 +30,7 @@ class Fragment:
     out_layouts: list[Layout]
     in_types: list[tuple[tuple[int, ...], str]]
     out_types: list[tuple[tuple[int, ...], str]]
+    microbatch: int = -1
 
 
 @dataclass
@@ -98,97 +99,77 @@ def _type_info(t) -> tuple[tuple[int, ...], str]:
 
 
 def build_plan(module: ir.Module) -> Plan:
-    """Build a :class:`Plan` from a module in MPMD form."""
+    """Build a :class:`Plan` from a module after ``mm-extract-fragments``."""
     with module.context:
-        syms = {}
-        meshes = {}
+        subs: dict[str, ir.Operation] = {}
         main = None
         for op in module.body.operations:
             op = op.operation
-            if op.name == "func.func":
-                name = ir.StringAttr(op.attributes["sym_name"]).value
-                syms[name] = op
-                if name == "main":
-                    main = op
-            elif op.name == "sdy.mesh":
-                meshes[ir.StringAttr(op.attributes["sym_name"]).value] = op
+            if op.name == "builtin.module":
+                subs[ir.StringAttr(op.attributes["sym_name"]).value] = op
+            elif op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                main = op
         if main is None:
             raise MultimeshValueError("The module has no 'main' function.")
-        num_devices = ir.IntegerAttr(module.operation.attributes["mm.num_devices"]).value \
-            if "mm.num_devices" in module.operation.attributes else 1
+        attrs = module.operation.attributes
+        num_devices = ir.IntegerAttr(attrs["mm.num_devices"]).value \
+            if "mm.num_devices" in attrs else 1
         block = main.regions[0].blocks[0]
-        ids: dict[ir.Value, int] = {}
-        layout_of: dict[int, Layout] = {}
-        inputs: list[Layout | None] = []
-        arg_attrs = _attr_list(main, "arg_attrs", len(block.arguments))
+        ids: dict[ir.Value, int] = {a: i for i, a in enumerate(block.arguments)}
+        input_ids = list(range(len(ids)))
+        arg_attrs = _attr_list(main, "arg_attrs", len(input_ids))
+        inputs: list[Layout] = []
+        for a, d in zip(block.arguments, arg_attrs):
+            rank = len(ir.RankedTensorType(a.type).shape)
+            if d is not None and "mm.sharding" in d and "mm.devices" in d:
+                inputs.append(_layout_from(d["mm.devices"], d["mm.sharding"], subs, main))
+            else:  # unused by any fragment: keep it replicated on every device
+                inputs.append((tuple(range(num_devices)), ("x",), (num_devices,),
+                               tuple(() for _ in range(rank))))
+        layout_of: dict[int, Layout] = dict(enumerate(inputs))
         fragments: dict[str, Fragment] = {}
         steps: list = []
-        for a, attrs in zip(block.arguments, arg_attrs):
-            ids[a] = len(ids)
-            inputs.append(None)
-        input_ids = list(range(len(ids)))
-        counter = [len(ids)]
-
-        def new_id():
-            counter[0] += 1
-            return counter[0] - 1
-
-        pending_input_layouts: dict[int, Layout] = {}
-        transfers_done: dict[tuple[int, Layout], int] = {}
         ret = None
         for op in block.operations:
             op = op.operation
             if op.name == "func.return":
                 ret = op
                 continue
-            if op.name != "func.call":
+            target = (ir.StringAttr(op.attributes["call_target_name"]).value
+                      if op.name == "stablehlo.custom_call" else None)
+            if target == "mm.transfer":
+                src = ids[op.operands[0]]
+                dst = len(ids)
+                ids[op.results[0]] = dst
+                lay = _layout_from(op.attributes["mm.devices"], op.attributes["mm.sharding"],
+                                   subs, main)
+                steps.append(Transfer(src, dst, lay))
+                layout_of[dst] = lay
+            elif target == "mm.fragment_call":
+                fname = ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
+                if fname not in fragments:
+                    fragments[fname] = _fragment(fname, subs[fname])
+                frag = fragments[fname]
+                args = [ids[v] for v in op.operands]
+                for k, (vid, want) in enumerate(zip(args, frag.in_layouts)):
+                    if layout_of[vid] != want:
+                        raise MultimeshValueError(
+                            f"Fragment '{fname}' argument #{k} is laid out as "
+                            f"{layout_of[vid]} but the fragment wants {want}; the module is "
+                            f"missing an mm.transfer (run mm-insert-transfers).")
+                results = []
+                for r, lay in zip(op.results, frag.out_layouts):
+                    rid = len(ids)
+                    ids[r] = rid
+                    layout_of[rid] = lay
+                    results.append(rid)
+                steps.append(Call(fname, args, results))
+            else:
                 raise MultimeshValueError(
-                    f"Expected only fragment calls in @main (MPMD form), found '{op.name}'.")
-            fname = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
-            if fname not in fragments:
-                fragments[fname] = _fragment(syms[fname], meshes, syms)
-            frag = fragments[fname]
-            args = []
-            for v, want in zip(op.operands, frag.in_layouts):
-                vid = ids[v]
-                if vid in input_ids and vid not in pending_input_layouts:
-                    pending_input_layouts[vid] = want
-                    layout_of[vid] = want
-                have = layout_of[vid]
-                if have != want:
-                    key = (vid, want)
-                    if key not in transfers_done:
-                        dst = new_id()
-                        steps.append(Transfer(vid, dst, want))
-                        transfers_done[key] = dst
-                        layout_of[dst] = want
-                    vid = transfers_done[key]
-                args.append(vid)
-            results = []
-            for r, lay in zip(op.results, frag.out_layouts):
-                rid = new_id()
-                ids[r] = rid
-                layout_of[rid] = lay
-                results.append(rid)
-            steps.append(Call(fname, args, results))
-        outputs = []
-        for v in ret.operands:
-            vid = ids[v]
-            if vid in input_ids and vid not in layout_of:
-                # returned unchanged and used by nothing: keep it replicated everywhere
-                lay = (tuple(range(num_devices)), ("x",), (num_devices,),
-                       tuple(() for _ in ir.RankedTensorType(v.type).shape))
-                pending_input_layouts[vid] = lay
-                layout_of[vid] = lay
-            outputs.append(vid)
-        for vid in input_ids:
-            if vid not in pending_input_layouts:
-                v = block.arguments[vid]
-                rank = len(ir.RankedTensorType(v.type).shape)
-                pending_input_layouts[vid] = (tuple(range(num_devices)), ("x",), (num_devices,),
-                                              tuple(() for _ in range(rank)))
-        plan = Plan(num_devices, fragments, steps,
-                    [pending_input_layouts[i] for i in input_ids], input_ids, outputs,
+                    f"Expected only fragment calls and transfers in @main, found '{op.name}'"
+                    + (f" @{target}" if target else "") + "; run mm-extract-fragments.")
+        outputs = [ids[v] for v in ret.operands]
+        plan = Plan(num_devices, fragments, steps, inputs, input_ids, outputs,
                     [layout_of[o] for o in outputs])
         for i, s in enumerate(steps):
             for vid in (s.args if isinstance(s, Call) else [s.src]):
@@ -196,51 +177,69 @@ def build_plan(module: ir.Module) -> Plan:
         return plan
 
 
-def _fragment(fn: ir.Operation, meshes, syms) -> Fragment:
-    name = ir.StringAttr(fn.attributes["sym_name"]).value
-    task = attr_to_py(fn.attributes["mm.task"])
-    devices = tuple(attr_to_py(fn.attributes["mm.devices"]))
-    mesh_sym = ir.FlatSymbolRefAttr(fn.attributes["mm.mesh"]).value
-    mesh = sdy.MeshAttr(meshes[mesh_sym].attributes["mesh"])
+def _mesh_of(sub: ir.Operation):
+    for op in sub.regions[0].blocks[0].operations:
+        if op.operation.name == "sdy.mesh":
+            return op.operation
+    raise MultimeshValueError("A fragment module has no sdy.mesh.")
+
+
+def _layout_from(devices_attr, sharding_attr, subs, main) -> Layout:
+    devices = tuple(attr_to_py(devices_attr))
+    ts = sdy.TensorShardingAttr(sharding_attr)
+    mesh_ref = ts.mesh_or_ref
+    if isinstance(mesh_ref, ir.FlatSymbolRefAttr):
+        name = mesh_ref.value
+        mesh = _find_mesh(main, name)
+    else:
+        mesh = sdy.MeshAttr(mesh_ref)
+    names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
+    sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
+    return devices, names, sizes, _sharding_dims(sharding_attr)
+
+
+def _find_mesh(main: ir.Operation, name: str):
+    top = main.parent
+    for op in top.regions[0].blocks[0].operations:
+        op = op.operation
+        if op.name == "sdy.mesh" and ir.StringAttr(op.attributes["sym_name"]).value == name:
+            return sdy.MeshAttr(op.attributes["mesh"])
+    raise MultimeshValueError(f"Unknown mesh @{name}.")
+
+
+def _fragment(name: str, sub: ir.Operation) -> Fragment:
+    task = attr_to_py(sub.attributes["mm.task"])
+    devices = tuple(attr_to_py(sub.attributes["mm.devices"]))
+    mesh = sdy.MeshAttr(_mesh_of(sub).attributes["mesh"])
     axis_names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
     axis_sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
+    fn = None
+    for op in sub.regions[0].blocks[0].operations:
+        if op.operation.name == "func.func":
+            fn = op.operation
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
 
     def layouts(which, n):
-        out = []
-        for a in _attr_list(fn, which, n):
-            dims = _sharding_dims(a["sdy.sharding"])
-            out.append((devices, axis_names, axis_sizes, dims))
-        return out
+        return [(devices, axis_names, axis_sizes, _sharding_dims(a["sdy.sharding"]))
+                for a in _attr_list(fn, which, n)]
 
-    in_layouts = layouts("arg_attrs", len(ftype.inputs))
-    out_layouts = layouts("res_attrs", len(ftype.results))
-    text = _standalone(fn, meshes[mesh_sym], len(devices))
     return Fragment(name, task["name"], int(task["transpose_count"]), devices, axis_names,
-                    axis_sizes, text, in_layouts, out_layouts,
-                    [_type_info(t) for t in ftype.inputs], [_type_info(t) for t in ftype.results])
+                    axis_sizes, _standalone(sub), layouts("arg_attrs", len(ftype.inputs)),
+                    layouts("res_attrs", len(ftype.results)),
+                    [_type_info(t) for t in ftype.inputs], [_type_info(t) for t in ftype.results],
+                    int(task.get("microbatch", -1)))
 
 
-def _standalone(fn: ir.Operation, mesh_op: ir.Operation, n: int) -> str:
-    """The fragment as its own SPMD module: one mesh, a public @main, no mm.* attributes."""
-    m = ir.Module.create(fn.location)
-    # One generic module name: identical fragments (e.g. the same stage in every
-    # microbatch) then have identical text and compile once.
-    m.operation.attributes["sym_name"] = ir.StringAttr.get("multimesh_fragment")
-    m.operation.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(32), n)
-    m.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(32), 1)
-    mesh_op.clone(ip=ir.InsertionPoint(m.body))
-    f = fn.clone(ip=ir.InsertionPoint(m.body))
-    f.attributes["sym_name"] = ir.StringAttr.get("main")
-    f.attributes["sym_visibility"] = ir.StringAttr.get("public")
+def _standalone(sub: ir.Operation) -> str:
+    """The nested module as its own text, with a generic name and no mm.* attributes.
 
-    def strip(o):
-        for name in [a if isinstance(a, str) else a.name for a in o.attributes]:
-            if name.startswith("mm."):
-                del o.attributes[name]
-        return ir.WalkResult.ADVANCE
-
-    f.walk(strip, ir.WalkOrder.PRE_ORDER)
+    A generic module name makes identical fragments (the same stage in every
+    microbatch) identical text, so they compile once.
+    """
+    m = ir.Module.parse(sub.get_asm())
+    op = m.operation
+    for n in [a if isinstance(a, str) else a.name for a in op.attributes]:
+        if n.startswith("mm."):
+            del op.attributes[n]
+    op.attributes["sym_name"] = ir.StringAttr.get("multimesh_fragment")
     return print_module(m)

@@ -6,7 +6,7 @@
 // (["x"=2]), so b_fwd starts from a's layout rebased onto @mesh_b, though nothing
 // in b_fwd constrains it.
 // CHECK-LABEL: func.func @main
-// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> tensor<8x4xf32>
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> tensor<8x4xf32>
 // CHECK-NEXT: call @a_fwd(%arg0) {mm.fragment}
 // CHECK-NEXT: call @b_fwd
 // CHECK-LABEL: func.func private @a_fwd
@@ -42,7 +42,7 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
 // keep a's layout; b_fwd's own constraint on %arg1 propagates through the add to
 // its other argument and its result. Each @main argument gets its consumer's layout.
 // CHECK-LABEL: func.func @main
-// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}, %arg1: tensor<8x4xf32> {mm.sharding = #sdy.sharding<@mesh_b, [{}, {"y"}]>})
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}, %arg1: tensor<8x4xf32> {mm.devices = [2, 3, 4, 5], mm.sharding = #sdy.sharding<@mesh_b, [{}, {"y"}]>})
 // CHECK-LABEL: func.func private @a_fwd
 // CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> (tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>})
 // CHECK-LABEL: func.func private @b_fwd

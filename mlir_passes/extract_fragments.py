@@ -1,0 +1,90 @@
+"""``mm-extract-fragments``: one standalone SPMD module per fragment, nested in the program."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlir_passes import _contract as c
+from mlir_passes.base import ModulePass
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.mlir import ir, stablehlo
+
+
+@dataclass(frozen=True)
+class ExtractFragmentsPass(ModulePass):
+    """Turn each fragment function into a nested module that XLA can compile as is.
+
+    ``func.func private @layer1_fwd`` becomes
+
+        module @layer1_fwd attributes {mm.devices = [...], mm.task = {...},
+                                      mhlo.num_partitions = 4, mhlo.num_replicas = 1} {
+          sdy.mesh @mesh_layer1 = <...>
+          func.func public @main(...)    // no mm.* attributes inside
+        }
+
+    and each call becomes ``stablehlo.custom_call @mm.fragment_call(...)
+    {mm.fragment = @layer1_fwd}``. ``@main`` then reads as the whole MPMD program:
+    fragment calls, transfers and the return. Fragments with identical bodies get
+    identical nested modules, which the runtime compiles once.
+    """
+
+    argument = "mm-extract-fragments"
+    summary = "Move each fragment into its own nested SPMD module called by `mm.fragment_call`."
+
+    def apply(self, module: ir.Module) -> None:
+        with module.context:
+            main = c.main_func(module)
+            funcs = c.func_by_name(module)
+            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value: o.operation
+                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
+            calls = [o.operation for o in c.entry_block(main).operations
+                     if o.operation.name == "func.call"]
+            for call in calls:
+                if "mm.fragment" not in call.attributes:
+                    raise DiagnosticError(
+                        "call in @main is not a fragment call; run mm-outline-fragments first",
+                        call.location)
+            i32 = ir.IntegerType.get_signless(32)
+            done = set()
+            for call in calls:
+                name = c.callee_of(call)
+                if name not in done:
+                    done.add(name)
+                    fn = funcs[name]
+                    mesh_sym = ir.FlatSymbolRefAttr(fn.attributes["mm.mesh"]).value
+                    n = len(list(fn.attributes["mm.devices"]))
+                    with ir.InsertionPoint(fn), fn.location:
+                        sub = ir.Operation.create("builtin.module", regions=1)
+                    sub.regions[0].blocks.append()
+                    sub.attributes["sym_name"] = ir.StringAttr.get(name)
+                    for key in ("mm.devices", "mm.task"):
+                        sub.attributes[key] = fn.attributes[key]
+                    sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, n)
+                    sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
+                    body = sub.regions[0].blocks[0]
+                    meshes[mesh_sym].clone(ip=ir.InsertionPoint(body))
+                    body.append(fn)
+                    fn.attributes["sym_name"] = ir.StringAttr.get("main")
+                    fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
+                    _strip(fn)
+                with ir.InsertionPoint(call), call.location:
+                    op = stablehlo.CustomCallOp(
+                        [r.type for r in call.results], list(call.operands),
+                        call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
+                        has_side_effect=ir.BoolAttr.get(False),
+                        api_version=ir.IntegerAttr.get(i32, 1))
+                op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(name)
+                for old, new in zip(call.results, op.results):
+                    old.replace_all_uses_with(new)
+                call.erase()
+
+
+def _strip(fn: ir.Operation) -> None:
+    """Drop every ``mm.*`` attribute inside the fragment (XLA sees plain StableHLO + sdy)."""
+    ops = []
+    fn.walk(lambda o: (ops.append(o.operation), ir.WalkResult.ADVANCE)[1], ir.WalkOrder.PRE_ORDER)
+    for o in ops:
+        names = [a if isinstance(a, str) else a.name for a in o.attributes]
+        for n in names:
+            if n.startswith("mm."):
+                del o.attributes[n]
