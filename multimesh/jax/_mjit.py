@@ -44,7 +44,8 @@ class MpmdCompiled:
         self._module = module
         self._text = print_module(module)
         self.plan_data = build_plan(module)
-        self._exec = Executor(self.plan_data, lowered.devices)
+        self._exec = Executor(self.plan_data, lowered.devices,
+                              frozenset(lowered.donated_leaves))
         in_sh = self._exec.input_shardings
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
@@ -97,8 +98,10 @@ class MpmdCompiled:
 class MpmdLowered:
     """The traced program before our passes; ``compile()`` runs them."""
 
-    def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str):
+    def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
+                 donated_leaves=()):
         self._text = text
+        self.donated_leaves = tuple(donated_leaves)
         self.devices = tuple(devices)
         self.in_tree = in_tree
         self.out_tree = out_tree
@@ -226,8 +229,17 @@ class _MJit:
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
         in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
+        donated = []
+        leaf = 0
+        for i, a in enumerate(args):
+            if i in static:
+                continue
+            n = len(jax.tree.leaves(a))
+            if i in self.donate_argnums:
+                donated.extend(range(leaf, leaf + n))
+            leaf += n
         return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
-                           list(range(len(dyn_flat))),
+                           list(range(len(dyn_flat))), donated_leaves=donated, pipeline=
                            build_pipeline(len(devices), schedule=_schedule_options(notes),
                                           recompute=_contexts.state.recomputation))
 

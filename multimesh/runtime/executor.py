@@ -44,10 +44,15 @@ def _dtype(s: str):
     return np.dtype(table[s])
 
 
-def compile_fragment(frag: Fragment, devices: tuple):
-    """Compile (or fetch from cache) one fragment for its devices."""
+def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = ()):
+    """Compile (or fetch from cache) one fragment for its devices.
+
+    ``donors`` are argument positions whose buffers the call may reuse for its
+    outputs (``jax.buffer_donor``); each donor set is its own executable, since a
+    fragment shared by several calls may donate in one call and not in another.
+    """
     sub = tuple(devices[p] for p in frag.devices)
-    key = (frag.text, tuple(d.id for d in sub))
+    key = (frag.text, tuple(d.id for d in sub), donors)
     with _LOCK:
         exe = _COMPILE_CACHE.get(key)
     if exe is not None:
@@ -55,6 +60,8 @@ def compile_fragment(frag: Fragment, devices: tuple):
     in_sh = [layout_sharding(lay, devices) for lay in frag.in_layouts]
     out_sh = [layout_sharding(lay, devices) for lay in frag.out_layouts]
     module = parse_module(frag.text, make_context())
+    if donors:
+        _mark_donors(module, donors)
     exe = pxla.UnloadedMeshExecutable.from_hlo(
         frag.name, module, [_aval(t) for t in frag.in_types], [_aval(t) for t in frag.out_types],
         in_sh, out_sh, tuple_args=False, unordered_effects=[], ordered_effects=[],
@@ -67,12 +74,32 @@ def compile_fragment(frag: Fragment, devices: tuple):
     return exe
 
 
+def _mark_donors(module, donors) -> None:
+    from multimesh._src.mlir import ir
+
+    with module.context:
+        for op in module.body.operations:
+            op = op.operation
+            if op.name != "func.func":
+                continue
+            attrs = list(op.attributes["arg_attrs"])
+            new = []
+            for k, a in enumerate(attrs):
+                d = ir.DictAttr(a)
+                items = {d[i].name: d[i].attr for i in range(len(d))}
+                if k in donors:
+                    items["jax.buffer_donor"] = ir.BoolAttr.get(True)
+                new.append(ir.DictAttr.get(items))
+            op.attributes["arg_attrs"] = ir.ArrayAttr.get(new)
+
+
 class Executor:
     """Runs a :class:`Plan` on a concrete device list."""
 
-    def __init__(self, plan: Plan, devices: tuple):
+    def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset()):
         self.plan = plan
         self.devices = tuple(devices)
+        self.donated = donated
         self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()}
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
@@ -81,7 +108,12 @@ class Executor:
             if isinstance(s, Call):
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
                         and a not in plan.outputs]
-                self._steps.append((0, self.exes[s.fragment], s.args, s.results, drop))
+                donors = tuple(k for k, a in enumerate(s.args)
+                               if a in donated and plan.last_use.get(a) == i
+                               and s.args.count(a) == 1)
+                exe = (compile_fragment(plan.fragments[s.fragment], self.devices, donors)
+                       if donors else self.exes[s.fragment])
+                self._steps.append((0, exe, s.args, s.results, drop))
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
