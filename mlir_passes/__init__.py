@@ -17,10 +17,12 @@ from mlir_passes.base import ModulePass
 _PASSES: dict[str, str] = {
     "mm-import-gspmd": "import_gspmd:ImportGspmdPass",
     "mm-verify": "verify:VerifyPass",
+    "mm-match-tasks": "match_tasks:MatchTasksPass",
     "mm-inline-tasks": "inline_tasks:InlineTasksPass",
     "mm-assign-tasks": "assign_tasks:AssignTasksPass",
     "mm-resolve-logical-shardings": "resolve_logical_shardings:ResolveLogicalShardingsPass",
     "mm-outline-fragments": "outline_fragments:OutlineFragmentsPass",
+    "mm-recompute-transfers": "recompute_transfers:RecomputeTransfersPass",
     "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",
     "mm-insert-transfers": "insert_transfers:InsertTransfersPass",
     "mm-extract-fragments": "extract_fragments:ExtractFragmentsPass",
