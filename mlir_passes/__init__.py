@@ -26,6 +26,7 @@ _PASSES: dict[str, str] = {
     "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",
     "mm-insert-transfers": "insert_transfers:InsertTransfersPass",
     "mm-extract-fragments": "extract_fragments:ExtractFragmentsPass",
+    "mm-schedule-fragments": "schedule_fragments:ScheduleFragmentsPass",
     "mm-strip-markers": "strip_markers:StripMarkersPass",
 }
 

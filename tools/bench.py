@@ -2,7 +2,12 @@
 
     python tools/bench.py [--quick] [--json PATH]
 
+P1  steady-state step time of a 2-stage and a 4-stage MLP value_and_grad under mjit /
+    the same math under one jax.jit over all 8 devices (pairs interleaved, median).
+P2  per-fragment dispatch overhead / one jitted call's dispatch (no blocking).
 P3  mjit(f).lower().compile() time / jax.jit(f).lower().compile() time, one-task program.
+P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
+    (max over the fragments each device runs), summed over devices.
 P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
     P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
 """
@@ -17,6 +22,119 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+
+def _mlp_program(stages: int, width: int, batch: int, layers: int):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.jax import TaskMesh, task, with_sharding_constraint
+
+    per = 8 // stages
+
+    def stage_fn(ws, x):
+        for w in ws:
+            x = jnp.tanh(with_sharding_constraint(x, P("batch", None)) @ w)
+        return x
+
+    tasks = [task(stage_fn, name=f"stage{k}",
+                  mesh=TaskMesh(devices=range(k * per, (k + 1) * per), axis_names=("x",),
+                                axis_sizes=(per,)), logical_axes=(("batch", "x"),))
+             for k in range(stages)]
+
+    def loss(params, x):
+        for t, ws in zip(tasks, params):
+            x = t(ws, x)
+        return (x * x).mean()
+
+    def plain_loss(params, x):
+        for ws in params:
+            for w in ws:
+                x = jnp.tanh(x @ w)
+        return (x * x).mean()
+
+    key = jax.random.key(0)
+    params = [[jax.random.normal(jax.random.fold_in(key, 10 * k + i), (width, width)) / width**0.5
+               for i in range(layers)] for k in range(stages)]
+    x = jax.random.normal(key, (batch, width))
+    return loss, plain_loss, params, x
+
+
+def _p1(stages: int, reps: int) -> float:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.jax import mjit
+
+    loss, plain_loss, params, x = _mlp_program(stages, 512, 256, 2)
+    ours = mjit(jax.value_and_grad(loss)).lower(params, x).compile()
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    xs = jax.device_put(x, NamedSharding(mesh, P("x", None)))
+    ps = jax.device_put(params, NamedSharding(mesh, P()))
+    theirs = jax.jit(jax.value_and_grad(plain_loss))
+    px = jax.device_put(params, ours.input_shardings[0][0])
+    xx = jax.device_put(x, ours.input_shardings[0][1])
+    jax.block_until_ready(ours(px, xx))
+    jax.block_until_ready(theirs(ps, xs))
+    a, b = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(ours(px, xx))
+        a.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.block_until_ready(theirs(ps, xs))
+        b.append(time.perf_counter() - t0)
+    return statistics.median(a) / statistics.median(b)
+
+
+def _p2(reps: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from multimesh.jax import TaskMesh, mjit, task
+
+    n = 8
+    tasks = [task(lambda x: x + 1.0, name=f"t{k}",
+                  mesh=TaskMesh(devices=(k,), axis_names=("x",), axis_sizes=(1,)))
+             for k in range(n)]
+
+    def chain(x):
+        for t in tasks:
+            x = t(x)
+        return x
+
+    x = jnp.ones((4,))
+    compiled = mjit(chain).lower(x).compile()
+    fragments = sum(1 for s in compiled.plan_data.steps if hasattr(s, "fragment"))
+    plain = jax.jit(lambda x: x + 1.0)
+    jax.block_until_ready(compiled(x))
+    jax.block_until_ready(plain(x))
+    a, b = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = compiled(x)
+        a.append((time.perf_counter() - t0) / fragments)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        out = plain(x)
+        b.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return statistics.median(a) / statistics.median(b)
+
+
+def _p7() -> float:
+    import jax
+
+    from multimesh.jax import mjit
+    from multimesh.runtime.memory import simulated_peaks
+
+    loss, _, params, x = _mlp_program(2, 512, 256, 2)
+    compiled = mjit(jax.value_and_grad(loss)).lower(params, x).compile()
+    step_peak, fragment_peak = simulated_peaks(compiled.plan_data, compiled._exec)
+    return sum(step_peak.values()) / sum(fragment_peak.values())
 
 
 def _p3(reps: int) -> float:
@@ -116,6 +234,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write results as JSON to this path")
     args = ap.parse_args(argv)
     res = {}
+    reps = 5 if args.quick else 20
+    res["P1_2stage"] = _p1(2, reps)
+    res["P1_4stage"] = _p1(4, reps)
+    res["P2"] = _p2(50 if args.quick else 500)
+    res["P7"] = _p7()
     res["P3"] = _p3(3 if args.quick else 7)
     n = 250_000
     r, pipe, base = _p4(n)

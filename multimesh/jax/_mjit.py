@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from mlir_passes.pipeline import PipelineHooks, parse_pipeline
 from multimesh._src.errors import DiagnosticError, MultimeshValueError, PassFailure
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
-from multimesh.jax import _contexts
+from multimesh.jax import _contexts, _multimesh
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import logical_axes_of, with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
@@ -87,7 +87,7 @@ class MpmdCompiled:
         total: dict[str, float] = {}
         for name in self.plan_data.fragments:
             exe = self._exec.exes[name]
-            ca = exe.xla_executable.cost_analysis()
+            ca = exe.cost_analysis()
             ca = ca[0] if isinstance(ca, (list, tuple)) else ca
             for k, v in (ca or {}).items():
                 if isinstance(v, (int, float)):
@@ -199,7 +199,11 @@ class _MJit:
         self._cache: dict = {}
 
     def _devices(self):
-        return self.devices or tuple(jax.devices())
+        if self.devices:
+            return self.devices
+        global_mesh = _multimesh.active_multimesh()  # inside `with MultiMesh(...)`
+        return tuple(global_mesh.devices.flat) if global_mesh is not None \
+            else tuple(jax.devices())
 
     def lower(self, *args, **kwargs) -> MpmdLowered:
         devices = self._devices()
@@ -224,7 +228,8 @@ class _MJit:
                 _contexts.notes(notes):
             traced = jax.jit(wrapped, keep_unused=True).trace(*abstract[0], **abstract[1])
             lowered = traced.lower()
-        text = lowered.as_text(debug_info=True)
+            text = lowered.as_text(debug_info=True)
+            implicit = _multimesh.implicit_tasks_option(text)  # registered tasks
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
@@ -241,6 +246,7 @@ class _MJit:
         return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
                            list(range(len(dyn_flat))), donated_leaves=donated, pipeline=
                            build_pipeline(len(devices), schedule=_schedule_options(notes),
+                                          implicit_tasks=implicit,
                                           recompute=_contexts.state.recomputation))
 
     def __call__(self, *args, **kwargs):
@@ -248,7 +254,8 @@ class _MJit:
         dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
         leaves, tree = jax.tree.flatten((tuple(dyn), kwargs))
         key = (tree, static, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
-                                    bool(getattr(x, "weak_type", False))) for x in leaves))
+                                    bool(getattr(x, "weak_type", False))) for x in leaves),
+               _multimesh.compile_token())
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()

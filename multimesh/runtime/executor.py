@@ -13,7 +13,7 @@ import threading
 
 import jax
 import numpy as np
-from jax._src import core
+from jax._src import core, stages, tree_util
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -69,9 +69,22 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         backend=sub[0].client, device_list=xc.DeviceList(sub), committed=True,
         in_layouts=(None,) * len(in_sh), out_layouts=(None,) * len(out_sh),
         compiler_options_kvs=(), num_devices=len(sub))
+    exe = _fast_callable(exe, frag)
     with _LOCK:
         _COMPILE_CACHE[key] = exe
     return exe
+
+
+def _fast_callable(exe, frag: Fragment):
+    """Wrap a MeshExecutable in ``jax.stages.Compiled`` for jax's C++ dispatch path.
+
+    After its first call, ``Compiled.__call__`` dispatches from C++ (a few µs, like
+    a jitted function) instead of the Python argument checks of
+    ``MeshExecutable.call`` (~15 µs). The plan guarantees argument layouts.
+    """
+    args_info = ((tuple(stages.ArgInfo(_aval(t), False) for t in frag.in_types)), {})
+    out_tree = tree_util.tree_structure([0] * len(frag.out_types))
+    return stages.Compiled(exe, [], args_info, out_tree)
 
 
 def _mark_donors(module, donors) -> None:
@@ -124,20 +137,22 @@ class Executor:
     def place_inputs(self, args):
         out = []
         for a, sh in zip(args, self.input_shardings):
-            if not (isinstance(a, jax.Array) and a.sharding == sh):
+            s = getattr(a, "sharding", None)
+            if s is not sh and not (isinstance(a, jax.Array) and s == sh):
                 a = jax.device_put(a, sh)
             out.append(a)
         return out
 
     def __call__(self, *args):
         env = dict(zip(self.plan.input_ids, self.place_inputs(args)))
+        device_put = jax.device_put
         for kind, what, srcs, dsts, drop in self._steps:
             if kind == 0:
-                outs = what.call(*[env[a] for a in srcs])
+                outs = what(*[env[a] for a in srcs])
                 for d, o in zip(dsts, outs):
                     env[d] = o
             else:
-                env[dsts[0]] = jax.device_put(env[srcs[0]], what)
+                env[dsts[0]] = device_put(env[srcs[0]], what)
             for d in drop:
                 del env[d]
         return [env[o] for o in self.plan.outputs]

@@ -1,0 +1,936 @@
+"""Pipeline schedules as plain Python: the unit model, the algorithms and a simulator.
+
+No MLIR here. ``mm-schedule-fragments`` (``schedule_fragments.py``) turns ``@main``'s
+fragment calls into :class:`Unit`\\ s, calls :func:`build_schedule`, and writes the
+result back; the docs, the benchmarks (P6) and the visualiser use this module
+directly, with synthetic pipelines from :func:`pipeline_units`.
+
+Model
+-----
+A **unit** is one fragment call: its position in program order (``index``), the
+submesh it runs on (``mesh``, numbered by first use), its pipeline ``stage``, its
+``microbatch``, its ``kind`` (``"fwd"``, ``"bwd"`` — a whole backward or, when the
+backward is split, the activation-gradient part —, ``"bwd_w"`` — the
+weight-gradient part — or ``"other"``) and the units whose results it reads
+(``deps``). Stages are derived from the forward fragments in program order: a run of
+consecutive forward tasks on one submesh is one stage, so ``embed -> layer1`` on
+submesh 0 and ``layer2 -> loss`` on submesh 1 are stages 0 and 1, and eight layers
+placed round-robin on four submeshes are eight stages, two per submesh
+(interleaving). A backward unit has its forward task's stage. Units without a
+microbatch or a stage are *free*: every schedule runs them as soon as they are
+ready. A call that reads the result of a later microbatch (an accumulation across
+microbatches) gets no stage, so it is free too.
+
+A **schedule** is one dispatch order per submesh that respects ``deps``, plus a
+global order that merges them (what ``@main`` becomes). Every algorithm first
+writes a *plan* per submesh (the textbook order, as slots ``(kind, stage,
+microbatch)``) and then runs it through an event simulator with unit costs; the
+simulator only ever starts a unit whose inputs are done, so a plan that a strange
+program makes impossible degrades into the nearest order that works instead of
+deadlocking (a custom schedule raises instead). The global order is the units
+sorted by their simulated start time, which is a topological merge of the
+per-submesh orders.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from multimesh._src.errors import MultimeshValueError
+
+__all__ = [
+    "KINDS", "SCHEDULES", "ALIASES", "ScheduleError", "Unit", "Call", "Schedule", "Timeline",
+    "units_from_calls", "pipeline_units", "build_schedule", "canonical_schedule_name",
+    "canonicalize_custom_schedule", "unit_label", "default_cost", "simulate",
+    "live_activations", "live_activation_profile", "theoretical_bubble", "format_gantt",
+    "chunk_of",
+]
+
+KINDS = ("fwd", "bwd", "bwd_w", "other")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "custom")
+ALIASES = {"fill-drain": "gpipe", "breadth-first": "gpipe", "wavefront": "1f1b",
+           "pipedream-flush": "1f1b", "zb-h1": "zero-bubble-h1"}
+
+
+class ScheduleError(MultimeshValueError):
+    """A schedule name, option or custom schedule is invalid for the program."""
+
+
+# ---------------------------------------------------------------------------- units
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One fragment call. ``index`` is its position in program order (0..N-1)."""
+
+    index: int
+    mesh: int
+    kind: str
+    microbatch: int | None = None
+    stage: int | None = None
+    deps: tuple[int, ...] = ()
+    task: str = ""
+    fragment: str = ""
+    split: bool = False  # a "bwd" whose weight-gradient part is a separate "bwd_w" unit
+
+    @property
+    def free(self) -> bool:
+        """Not part of the pipeline proper: no microbatch, no stage or kind "other"."""
+        return self.microbatch is None or self.stage is None or self.kind == "other"
+
+
+@dataclass(frozen=True)
+class Call:
+    """A fragment call as the pass reads it from ``@main`` (input to :func:`units_from_calls`)."""
+
+    fragment: str
+    task: str
+    transpose_count: int
+    devices: tuple[int, ...]
+    microbatch: int | None = None
+    split: str | None = None  # None | "activation" | "weight"
+    deps: tuple[int, ...] = ()
+
+
+def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int, ...]]]:
+    """Units (with submeshes and stages) for calls in program order; also the device lists.
+
+    Submeshes are the distinct device lists in order of first use. Stages: see the
+    module docstring.
+    """
+    meshes: list[tuple[int, ...]] = []
+    mesh_of: dict[tuple[int, ...], int] = {}
+    for c in calls:
+        if c.devices not in mesh_of:
+            mesh_of[c.devices] = len(meshes)
+            meshes.append(c.devices)
+    # Stages from the first forward appearance of each task (microbatched calls only).
+    stage_of: dict[str, int] = {}
+    last_mesh = None
+    stage = -1
+    for c in calls:
+        if c.transpose_count != 0 or c.microbatch is None or c.task in stage_of:
+            continue
+        m = mesh_of[c.devices]
+        if m != last_mesh:
+            stage += 1
+            last_mesh = m
+        stage_of[c.task] = stage
+    weight_split = {(c.task, c.microbatch) for c in calls
+                    if c.transpose_count == 1 and c.split == "weight"}
+    # A call that reads a later microbatch's result combines microbatches (a sum over
+    # them, say): it cannot hold its microbatch's slot, so it runs as a free unit.
+    combines = {i for i, c in enumerate(calls) if c.microbatch is not None and any(
+        calls[d].microbatch is not None and calls[d].microbatch > c.microbatch
+        for d in c.deps)}
+    units = []
+    for i, c in enumerate(calls):
+        if c.transpose_count == 0:
+            kind = "fwd"
+        elif c.transpose_count == 1:
+            kind = "bwd_w" if c.split == "weight" else "bwd"
+        else:
+            kind = "other"
+        split = kind == "bwd" and (c.split == "activation"
+                                   or (c.task, c.microbatch) in weight_split)
+        units.append(Unit(i, mesh_of[c.devices], kind, c.microbatch,
+                          stage_of.get(c.task) if c.microbatch is not None and i not in combines
+                          else None,
+                          tuple(sorted(set(c.deps))), c.task, c.fragment, split))
+    return units, meshes
+
+
+def pipeline_units(P: int, M: int, *, interleave: int = 1,
+                   split_backward: bool = False) -> list[Unit]:
+    """The units of a textbook pipeline: ``P`` submeshes, ``M`` microbatches.
+
+    ``P * interleave`` stages, stage ``k`` on submesh ``k % P`` (task ``stage<k>``);
+    per microbatch, in program order, the forwards of every stage, then the
+    backwards from the last stage down (each followed by its weight-gradient part
+    when ``split_backward``). Backward ``k`` reads backward ``k+1`` and forward ``k``.
+    """
+    if P < 1 or M < 1 or interleave < 1:
+        raise ScheduleError("pipeline_units needs P >= 1, M >= 1 and interleave >= 1")
+    S = P * interleave
+    units: list[Unit] = []
+
+    def add(kind, m, k, deps, split=False):
+        units.append(Unit(len(units), k % P, kind, m, k, tuple(sorted(deps)), f"stage{k}",
+                          f"stage{k}_{kind}_{m}", split))
+        return len(units) - 1
+
+    for m in range(M):
+        f = []
+        for k in range(S):
+            f.append(add("fwd", m, k, [f[-1]] if f else []))
+        prev = None
+        for k in reversed(range(S)):
+            b = add("bwd", m, k, [f[k]] + ([prev] if prev is not None else []), split_backward)
+            if split_backward:
+                add("bwd_w", m, k, [b, f[k]])
+            prev = b
+    return units
+
+
+def unit_label(u: Unit) -> str:
+    """The name a custom schedule uses: ``task`` (forward), ``task_bwd``, ``task_bwd_w``."""
+    if u.kind == "fwd":
+        return u.task
+    if u.kind == "bwd":
+        return f"{u.task}_bwd"
+    if u.kind == "bwd_w":
+        return f"{u.task}_bwd_w"
+    return u.fragment or u.task
+
+
+def _short(u: Unit) -> str:
+    letter = {"fwd": "F", "bwd": "B", "bwd_w": "W"}.get(u.kind, "X")
+    return f"{letter}{u.microbatch}" if u.microbatch is not None else f"{letter}*"
+
+
+def default_cost(u: Unit) -> float:
+    """Unit costs: forward 1, weight-gradient part 1, backward 2 (1 when split off)."""
+    if u.kind == "bwd":
+        return 1.0 if u.split else 2.0
+    return 1.0
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-submesh dispatch orders of a program's units, and their global merge."""
+
+    name: str
+    units: tuple[Unit, ...]
+    orders: tuple[tuple[int, ...], ...]  # per submesh, unit indices in dispatch order
+    order: tuple[int, ...]  # every unit index once: the global dispatch order
+    devices: tuple[tuple[int, ...], ...] = ()  # per submesh, its device list
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.orders)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len({u.microbatch for u in self.units if u.microbatch is not None})
+
+    def rows(self) -> list[list[Unit]]:
+        """Per submesh, its units in dispatch order."""
+        return [[self.units[i] for i in row] for row in self.orders]
+
+    def labels(self) -> list[list[str]]:
+        """Per submesh, ``F3``/``B3``/``W3`` (kind + microbatch) in dispatch order."""
+        return [[_short(u) for u in row] for row in self.rows()]
+
+    def timeline(self, cost: Callable[[Unit], float] | None = None,
+                 comm: float = 0.0) -> Timeline:
+        return simulate(self, cost=cost, comm=comm)
+
+    def bubble_fraction(self, cost: Callable[[Unit], float] | None = None) -> float:
+        return self.timeline(cost).bubble_fraction()
+
+    def live_activations(self) -> list[int]:
+        return live_activations(self)
+
+    def to_dict(self) -> dict:
+        """Plain data, units in global order (the i-th fragment call of the scheduled
+        ``@main``); ``deps`` and ``rows`` refer to those positions."""
+        pos = {i: k for k, i in enumerate(self.order)}
+        units = []
+        for i in self.order:
+            u = self.units[i]
+            d = {"fragment": u.fragment, "task": u.task, "kind": u.kind, "mesh": u.mesh,
+                 "deps": sorted(pos[j] for j in u.deps)}
+            if u.microbatch is not None:
+                d["microbatch"] = u.microbatch
+            if u.stage is not None:
+                d["stage"] = u.stage
+            if u.split:
+                d["split"] = True
+            units.append(d)
+        return {"name": self.name, "submeshes": [list(d) for d in self.devices],
+                "units": units, "rows": [[pos[i] for i in row] for row in self.orders]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Schedule:
+        units = tuple(
+            Unit(k, int(u["mesh"]), str(u["kind"]),
+                 int(u["microbatch"]) if "microbatch" in u else None,
+                 int(u["stage"]) if "stage" in u else None,
+                 tuple(int(x) for x in u.get("deps", ())), str(u.get("task", "")),
+                 str(u.get("fragment", "")), bool(u.get("split", False)))
+            for k, u in enumerate(d["units"]))
+        rows = tuple(tuple(int(x) for x in r) for r in d["rows"])
+        return cls(str(d["name"]), units, rows, tuple(range(len(units))),
+                   tuple(tuple(int(x) for x in s) for s in d.get("submeshes", ())))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end time of every unit of a schedule under some cost model."""
+
+    schedule: Schedule
+    start: tuple[float, ...]
+    end: tuple[float, ...]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end, default=0.0)
+
+    def busy(self, mesh: int) -> float:
+        return sum(self.end[i] - self.start[i] for i in self.schedule.orders[mesh])
+
+    def bubble_fraction(self) -> float:
+        """Idle share of ``num_meshes x makespan`` (GPipe/1F1B: (P-1)/(M+P-1))."""
+        g, t = self.schedule.num_meshes, self.makespan
+        if g == 0 or t == 0:
+            return 0.0
+        return 1.0 - sum(self.busy(m) for m in range(g)) / (g * t)
+
+    def events(self, scale: float = 1.0) -> list[tuple[str, str, float, float]]:
+        """``(track, name, start, end)`` per unit, one track per submesh (for trace.py)."""
+        out = []
+        for m, row in enumerate(self.schedule.orders):
+            track = _track_name(self.schedule, m)
+            for i in row:
+                u = self.schedule.units[i]
+                name = f"{u.fragment or u.task} {_short(u)}"
+                out.append((track, name, self.start[i] * scale, self.end[i] * scale))
+        return out
+
+
+def _track_name(s: Schedule, m: int) -> str:
+    if m < len(s.devices):
+        return f"submesh {m} (devices {','.join(str(d) for d in s.devices[m])})"
+    return f"submesh {m}"
+
+
+# ---------------------------------------------------------------------------- names
+
+
+def canonical_schedule_name(name: str | None, custom=None) -> str:
+    """The canonical schedule for a user's ``schedule``/``custom_schedule`` pair."""
+    if custom is not None and name not in (None, "custom"):
+        raise ScheduleError(
+            f"When custom_schedule is provided, schedule must be 'custom' or None, "
+            f"but got '{name}'")
+    if name is None:
+        return "custom" if custom is not None else "gpipe"
+    key = str(name).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in SCHEDULES:
+        aliases = ", ".join(f"{a} = {t}" for a, t in sorted(ALIASES.items()))
+        raise ScheduleError(
+            f"unknown schedule '{name}'; valid schedules: {', '.join(sorted(SCHEDULES))} "
+            f"(aliases: {aliases})")
+    return key
+
+
+# ---------------------------------------------------------------------------- building
+
+
+class _Program:
+    """Index structures over the units shared by the algorithms."""
+
+    def __init__(self, units: Sequence[Unit]):
+        for k, u in enumerate(units):
+            if u.index != k:
+                raise ScheduleError(f"unit {k} has index {u.index}; units must be in "
+                                    "program order with index = position")
+            if u.kind not in KINDS:
+                raise ScheduleError(f"unit {k} has unknown kind '{u.kind}' (one of {KINDS})")
+            for d in u.deps:
+                if not 0 <= d < len(units) or d == k:
+                    raise ScheduleError(f"unit {k} depends on invalid unit {d}")
+        self.units = list(units)
+        self.num_meshes = max((u.mesh for u in units), default=-1) + 1
+        mbs = sorted({u.microbatch for u in units if not u.free})
+        self.mb_rank = {m: r for r, m in enumerate(mbs)}
+        self.M = len(mbs)
+        # Stage -> home submesh (its first forward unit), per submesh its stages.
+        home: dict[int, int] = {}
+        for u in units:
+            if not u.free and u.kind == "fwd":
+                home.setdefault(u.stage, u.mesh)
+        for u in units:
+            if not u.free:
+                home.setdefault(u.stage, u.mesh)
+        self.home = home
+        self.stages_of: list[list[int]] = [[] for _ in range(self.num_meshes)]
+        for s in sorted(home):
+            self.stages_of[home[s]].append(s)
+        # Pipeline submeshes (those with stages) ordered by their first stage.
+        piped = sorted((m for m in range(self.num_meshes) if self.stages_of[m]),
+                       key=lambda m: self.stages_of[m][0])
+        self.rank = {m: r for r, m in enumerate(piped)}
+        self.P = len(piped)
+        # Slot (kind, stage, mb rank) -> units in program order.
+        self.slot: dict[tuple[str, int, int], list[int]] = {}
+        for u in units:
+            if not u.free:
+                self.slot.setdefault((u.kind, u.stage, self.mb_rank[u.microbatch]),
+                                     []).append(u.index)
+        # Activation bookkeeping: (mesh, stage, mb) keys that have a backward.
+        self.has_bwd = {(u.mesh, u.stage, u.microbatch) for u in units
+                        if not u.free and u.kind in ("bwd", "bwd_w")}
+
+
+def _warmup(P: int, r: int, V: int, total: int) -> int:
+    """Forwards before the first backward's steady-state pair (Megatron's formula)."""
+    w = (P - r - 1) if V == 1 else (P - r - 1) * 2 + (V - 1) * P
+    return max(0, min(w, total))
+
+
+def _groups(M: int, size: int) -> list[range]:
+    """Microbatches in groups of ``size``: interleaving runs every chunk over a group
+    before the next group (Megatron's order). A short last group joins the one
+    before: a group smaller than the pipeline leaves its submeshes waiting."""
+    starts = list(range(0, M, size))
+    if len(starts) > 1 and M - starts[-1] < size:
+        starts.pop()
+    return [range(a, starts[k + 1] if k + 1 < len(starts) else M) for k, a in enumerate(starts)]
+
+
+def _plan(prog: _Program, name: str, num_stages: int | None,
+          with_w: bool = True, extra: int = 0) -> list[list[tuple[str, int, int]]]:
+    """Per submesh, the textbook slot order ``(kind, stage, mb rank)``."""
+    M = prog.M
+    P = num_stages or prog.P
+    plans: list[list[tuple[str, int, int]]] = []
+    for m in range(prog.num_meshes):
+        chunks = prog.stages_of[m]
+        V = len(chunks)
+        seq: list[tuple[str, int, int]] = []
+
+        def bwd(s, b, seq=seq):
+            seq.append(("bwd", s, b))
+            if with_w:
+                seq.append(("bwd_w", s, b))
+
+        if not chunks:
+            plans.append(seq)
+            continue
+        if name == "gpipe":
+            for s in chunks:
+                seq += [("fwd", s, b) for b in range(M)]
+            for s in reversed(chunks):
+                for b in range(M):
+                    bwd(s, b)
+        else:  # 1f1b family (also the F/B skeleton of zero-bubble-h1)
+            r = prog.rank[m]
+            fseq, bseq = [], []
+            for group in _groups(M, max(1, prog.P)):
+                for c in chunks:
+                    fseq += [(c, b) for b in group]
+                for c in reversed(chunks):
+                    bseq += [(c, b) for b in group]
+            total = len(fseq)
+            w = min(total, _warmup(P, r, V, total) + extra)
+            for s, b in fseq[:w]:
+                seq.append(("fwd", s, b))
+            for i in range(total - w):
+                s, b = fseq[w + i]
+                seq.append(("fwd", s, b))
+                bwd(*bseq[i])
+            for s, b in bseq[total - w:]:
+                bwd(s, b)
+        plans.append(seq)
+    return plans
+
+
+def _unit_plans(prog: _Program, slot_plans) -> tuple[list[list[int]], dict[int, int]]:
+    """Expand slot plans into unit plans; ``pos[u]`` = rank of ``u`` in its plan.
+
+    Units sit in the plan of the submesh they run on, ordered by the position of
+    their slot in the plan of their stage's home submesh (the same thing, unless a
+    task changes submesh between microbatches).
+    """
+    key: dict[int, tuple[int, int]] = {}
+    for seq in slot_plans:
+        for p, sl in enumerate(seq):
+            for i in prog.slot.get(sl, ()):
+                key[i] = (p, i)
+    plans: list[list[int]] = [[] for _ in range(prog.num_meshes)]
+    for i in sorted(key, key=key.__getitem__):
+        plans[prog.units[i].mesh].append(i)
+    pos = {i: k for row in plans for k, i in enumerate(row)}
+    return plans, pos
+
+
+class _Sim:
+    """Event simulator: each idle submesh asks ``choose`` for a unit among its ready ones."""
+
+    def __init__(self, prog: _Program, cost: Callable[[Unit], float], comm: float = 0.0):
+        self.prog = prog
+        self.cost = cost
+        self.comm = comm
+        n = len(prog.units)
+        self.left = [len(set(u.deps)) for u in prog.units]
+        self.users: list[list[int]] = [[] for _ in range(n)]
+        for u in prog.units:
+            for d in set(u.deps):
+                self.users[d].append(u.index)
+        self.start: list[float | None] = [None] * n
+        self.end: list[float | None] = [None] * n
+        self.done = [False] * n
+        self.ready: list[set[int]] = [set() for _ in range(prog.num_meshes)]
+        self.pending: list[tuple[float, int]] = []  # (available time, unit)
+        self.orders: list[list[int]] = [[] for _ in range(prog.num_meshes)]
+        # live activation keys per submesh, counted at dispatch
+        self.bwd_left: dict[tuple[int, int, int], int] = {}
+        for u in prog.units:
+            if not u.free and u.kind in ("bwd", "bwd_w"):
+                k = (u.mesh, u.stage, u.microbatch)
+                self.bwd_left[k] = self.bwd_left.get(k, 0) + 1
+        self.live = [0] * prog.num_meshes
+        self.peak = [0] * prog.num_meshes
+        self.opened: set[tuple[int, int, int]] = set()
+        for u in prog.units:
+            if self.left[u.index] == 0:
+                self.ready[u.mesh].add(u.index)
+
+    def dispatch(self, i: int, t: float) -> None:
+        u = self.prog.units[i]
+        self.ready[u.mesh].discard(i)
+        c = float(self.cost(u))
+        if not c > 0:
+            raise ScheduleError(f"cost of unit {i} must be positive, got {c}")
+        self.start[i], self.end[i] = t, t + c
+        self.orders[u.mesh].append(i)
+        if not u.free:
+            k = (u.mesh, u.stage, u.microbatch)
+            if u.kind == "fwd" and k in self.bwd_left and k not in self.opened:
+                self.opened.add(k)
+                self.live[u.mesh] += 1
+                self.peak[u.mesh] = max(self.peak[u.mesh], self.live[u.mesh])
+            elif u.kind in ("bwd", "bwd_w") and k in self.bwd_left:
+                self.bwd_left[k] -= 1
+                if self.bwd_left[k] == 0 and k in self.opened:
+                    self.live[u.mesh] -= 1
+
+    def run(self, choose, stall) -> None:
+        n = len(self.prog.units)
+        G = self.prog.num_meshes
+        free_at = [0.0] * G
+        running: list[tuple[float, int]] = []
+        t = 0.0
+        finished = 0
+        while finished < n:
+            progress = True
+            while progress:
+                progress = False
+                for m in range(G):
+                    if free_at[m] <= t and self.ready[m]:
+                        i = choose(m, self.ready[m])
+                        if i is not None:
+                            self.dispatch(i, t)
+                            free_at[m] = self.end[i]
+                            heapq.heappush(running, (self.end[i], i))
+                            progress = True
+            times = [x for x in (running[0][0] if running else None,
+                                 self.pending[0][0] if self.pending else None)
+                     if x is not None]
+            if not times:
+                if any(self.ready):
+                    i = stall()
+                    self.dispatch(i, t)
+                    free_at[self.prog.units[i].mesh] = self.end[i]
+                    heapq.heappush(running, (self.end[i], i))
+                    continue
+                raise ScheduleError("the units' dependencies form a cycle")
+            t = max(t, min(times))
+            while running and running[0][0] <= t:
+                _, i = heapq.heappop(running)
+                self.done[i] = True
+                finished += 1
+                for j in self.users[i]:
+                    self.left[j] -= 1
+                    if self.left[j] == 0:
+                        avail = max((self.end[d] + (self.comm if self.prog.units[d].mesh
+                                                    != self.prog.units[j].mesh else 0.0))
+                                    for d in set(self.prog.units[j].deps))
+                        heapq.heappush(self.pending, (avail, j))
+            while self.pending and self.pending[0][0] <= t:
+                _, j = heapq.heappop(self.pending)
+                self.ready[self.prog.units[j].mesh].add(j)
+
+
+def _run_plans(prog: _Program, plans: list[list[int]], pos: dict[int, int], *,
+               strict: bool, cost, comm: float = 0.0, name: str = "",
+               chooser=None) -> _Sim:
+    sim = _Sim(prog, cost, comm)
+    heads = [0] * prog.num_meshes
+    placed = set()
+
+    def head(m):
+        row = plans[m]
+        while heads[m] < len(row) and row[heads[m]] in placed:
+            heads[m] += 1
+        return row[heads[m]] if heads[m] < len(row) else None
+
+    def take(i):
+        placed.add(i)
+        return i
+
+    def choose(m, ready):
+        free = [i for i in ready if i not in pos]
+        if free:
+            return take(min(free))
+        if chooser is not None:
+            i = chooser(sim, m, ready, head(m))
+            return None if i is None else take(i)
+        h = head(m)
+        return take(h) if h is not None and h in ready else None
+
+    def stall():
+        if strict:
+            raise _deadlock(prog, plans, heads, placed, name)
+        cands = [i for r in sim.ready for i in r]
+        return take(min(cands, key=lambda i: (pos.get(i, -1), i)))
+
+    sim.run(choose, stall)
+    return sim
+
+
+def _deadlock(prog: _Program, plans, heads, placed, name) -> ScheduleError:
+    for m, row in enumerate(plans):
+        k = heads[m]
+        while k < len(row) and row[k] in placed:
+            k += 1
+        if k >= len(row):
+            continue
+        u = prog.units[row[k]]
+        for d in u.deps:
+            if d not in placed:
+                v = prog.units[d]
+                return ScheduleError(
+                    f"{name or 'the'} schedule deadlocks: row {m} runs '{unit_label(u)}' "
+                    f"microbatch {u.microbatch} before its input '{unit_label(v)}' "
+                    f"microbatch {v.microbatch} (row {v.mesh}) can be computed")
+    return ScheduleError(f"{name or 'the'} schedule deadlocks")
+
+
+def _finish(prog: _Program, name: str, sim: _Sim,
+            devices: Sequence[Sequence[int]] | None) -> Schedule:
+    order = sorted(range(len(prog.units)),
+                   key=lambda i: (sim.start[i], prog.units[i].mesh, i))
+    devs = tuple(tuple(d) for d in devices) if devices is not None else ()
+    return Schedule(name, tuple(prog.units), tuple(tuple(r) for r in sim.orders),
+                    tuple(order), devs)
+
+
+def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
+                   num_stages: int | None = None, interleave: int | None = None,
+                   custom: Sequence[Sequence] | None = None,
+                   devices: Sequence[Sequence[int]] | None = None) -> Schedule:
+    """Schedule ``units`` (program order) with the named algorithm.
+
+    ``num_stages``: pipeline depth used for 1F1B's warm-up (default: the number of
+    submeshes with stages); a larger value runs more forwards before the first
+    backward. ``interleave``: if given, every pipeline submesh must run exactly that
+    many stages. ``custom``: one row per submesh (see :func:`canonicalize_custom_schedule`).
+    ``devices``: per submesh device lists, kept for display.
+    """
+    key = canonical_schedule_name(name, custom)
+    prog = _Program(units)
+    if num_stages is not None and num_stages < 1:
+        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
+    if interleave is not None:
+        if interleave < 1:
+            raise ScheduleError(f"interleave must be >= 1, got {interleave}")
+        for m in range(prog.num_meshes):
+            if prog.stages_of[m] and len(prog.stages_of[m]) != interleave:
+                raise ScheduleError(
+                    f"interleave={interleave}, but submesh {m} runs "
+                    f"{len(prog.stages_of[m])} pipeline stage(s) "
+                    f"(stages {prog.stages_of[m]})")
+    if key == "custom":
+        if custom is None:
+            raise ScheduleError("schedule 'custom' needs a custom_schedule")
+        plans, pos = _custom_plans(prog, custom)
+        sim = _run_plans(prog, plans, pos, strict=True, cost=default_cost, name="custom")
+        return _finish(prog, key, sim, devices)
+    if key == "zero-bubble-h1":
+        return _zero_bubble_h1(prog, num_stages, devices)
+    algo = "gpipe" if key == "gpipe" else "1f1b"
+    plans, pos = _feasible_plans(prog, algo, num_stages)
+    sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost, name=key)
+    return _finish(prog, key, sim, devices)
+
+
+def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: bool = True):
+    """The textbook plans; for 1F1B, with the warm-up lengthened just enough that the
+    plans can run as written (interleaving with a microbatch count that the number of
+    submeshes does not divide needs this; a warm-up of everything is GPipe, which
+    always runs). Programs no warm-up fixes fall back to the simulator's repair."""
+    longest = max((len(s) for s in prog.stages_of), default=0) * max(prog.M, 1)
+    first = None
+    for extra in range(0, longest + 1 if algo == "1f1b" else 1):
+        plans, pos = _unit_plans(prog, _plan(prog, algo, num_stages, with_w, extra))
+        first = first or (plans, pos)
+        try:
+            _run_plans(prog, plans, pos, strict=True, cost=default_cost)
+        except ScheduleError:
+            continue
+        return plans, pos
+    return first
+
+
+def _zero_bubble_h1(prog: _Program, num_stages, devices) -> Schedule:
+    """1F1B's order of forwards and (activation-)backwards; each weight-gradient part
+    runs in the first slot where its submesh would otherwise idle, or earlier when
+    deferring it would make the submesh hold more activations than 1F1B's peak on any
+    submesh (ZB-H1's memory bound: the first stage's P)."""
+    ref = _run_plans(prog, *_feasible_plans(prog, "1f1b", num_stages),
+                     strict=False, cost=default_cost)
+    limit = [max(ref.peak, default=0)] * prog.num_meshes
+    plans, pos = _feasible_plans(prog, "1f1b", num_stages, with_w=False)
+    w_pool = {u.index for u in prog.units if not u.free and u.kind == "bwd_w"}
+    for i in w_pool:
+        pos[i] = -1  # scheduled by the chooser, not free
+
+    def chooser(sim: _Sim, m: int, ready: set[int], h: int | None):
+        ws = sorted((i for i in ready if i in w_pool),
+                    key=lambda i: (prog.mb_rank[prog.units[i].microbatch],
+                                   -prog.units[i].stage, i))
+        if h is not None and h in ready:
+            u = prog.units[h]
+            opens = (u.kind == "fwd" and (u.mesh, u.stage, u.microbatch) in prog.has_bwd
+                     and (u.mesh, u.stage, u.microbatch) not in sim.opened)
+            if opens and ws and sim.live[m] + 1 > limit[m]:
+                return ws[0]
+            return h
+        return ws[0] if ws else None
+
+    sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost,
+                     name="zero-bubble-h1", chooser=chooser)
+    return _finish(prog, "zero-bubble-h1", sim, devices)
+
+
+# ---------------------------------------------------------------------------- custom
+
+
+def canonicalize_custom_schedule(rows: Sequence[Sequence], num_microbatches: int
+                                 ) -> list[list[tuple[int, str]]]:
+    """Rows of ``name`` or ``(microbatch, name)`` -> rows of ``(microbatch, name)``.
+
+    A bare ``name`` is that name's next microbatch in the row (its 1st occurrence
+    is microbatch 0, ...; the smallest one not yet listed). Every name must occur exactly ``num_microbatches`` times
+    per row, once per microbatch.
+    """
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise ScheduleError("custom_schedule must be a list of rows (one per submesh), "
+                            f"got {type(rows).__name__}")
+    out = []
+    for r, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise ScheduleError(f"custom_schedule row {r} must be a list of entries, "
+                                f"got {row!r}")
+        seen: dict[str, set[int]] = {}
+        canon = []
+        for k, e in enumerate(row):
+            if isinstance(e, str):
+                mb, name = 0, e
+                while mb in seen.get(e, ()):
+                    mb += 1
+            elif (isinstance(e, Sequence) and len(e) == 2 and isinstance(e[1], str)
+                  and isinstance(e[0], int) and not isinstance(e[0], bool)):
+                mb, name = int(e[0]), e[1]
+            else:
+                raise ScheduleError(
+                    f"custom_schedule row {r} entry {k} must be a task name or a "
+                    f"(microbatch, name) pair, got {e!r}")
+            if not 0 <= mb < num_microbatches:
+                raise ScheduleError(
+                    f"custom_schedule row {r}: microbatch {mb} of task '{name}' is out of "
+                    f"range (there are {num_microbatches} microbatches)")
+            if mb in seen.setdefault(name, set()):
+                raise ScheduleError(
+                    f"task '{name}' appears twice for microbatch {mb} in custom_schedule "
+                    f"row {r}")
+            seen[name].add(mb)
+            canon.append((mb, name))
+        for name, mbs in seen.items():
+            if len(mbs) != num_microbatches:
+                raise ScheduleError(
+                    f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
+                    f"but there are {num_microbatches} microbatches")
+        out.append(canon)
+    return out
+
+
+def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, int]]:
+    rows = canonicalize_custom_schedule(custom, prog.M)
+    if len(rows) != prog.num_meshes:
+        raise ScheduleError(
+            f"custom_schedule has {len(rows)} rows, but the program has "
+            f"{prog.num_meshes} submeshes (one row per submesh, in order of first use)")
+    by_label: list[dict[str, dict[int, list[int]]]] = [{} for _ in range(prog.num_meshes)]
+    for u in prog.units:
+        if not u.free:
+            by_label[u.mesh].setdefault(unit_label(u), {}).setdefault(
+                prog.mb_rank[u.microbatch], []).append(u.index)
+    plans: list[list[int]] = []
+    for r, row in enumerate(rows):
+        labels = by_label[r]
+        names = {name for _, name in row}
+        for name in sorted(names):
+            if name not in labels:
+                known = ", ".join(sorted(labels)) or "none"
+                raise ScheduleError(
+                    f"custom_schedule row {r} names '{name}', which is not a task of "
+                    f"submesh {r} (its tasks: {known})")
+        for name in sorted(labels):
+            if name not in names:
+                raise ScheduleError(
+                    f"task '{name}' has 0 microbatches in custom_schedule row {r}, but "
+                    f"there are {prog.M} microbatches")
+        plan = []
+        for mb, name in row:
+            plan += labels[name].get(mb, [])
+        plans.append(plan)
+    pos = {i: k for row in plans for k, i in enumerate(row)}
+    return plans, pos
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
+             comm: float = 0.0) -> Timeline:
+    """Run the schedule's per-submesh orders: a unit starts when its submesh is free and
+    its inputs are done (``comm`` later when they come from another submesh)."""
+    prog = _Program(schedule.units)
+    plans = [list(r) for r in schedule.orders]
+    pos = {i: k for row in plans for k, i in enumerate(row)}
+    missing = set(range(len(schedule.units))) - set(pos)
+    if missing:
+        raise ScheduleError(f"schedule does not place units {sorted(missing)}")
+    sim = _run_plans(prog, plans, pos, strict=True, cost=cost or default_cost, comm=comm,
+                     name=schedule.name)
+    return Timeline(schedule, tuple(sim.start), tuple(sim.end))
+
+
+def live_activation_profile(schedule: Schedule) -> list[list[int]]:
+    """Per submesh, the number of live activations after each of its dispatches.
+
+    An activation ``(stage, microbatch)`` is live from its first forward unit until its
+    last backward unit (weight-gradient part included) on that submesh; stages
+    without a backward hold nothing. Counted in dispatch order.
+    """
+    out = []
+    bwd_total: dict[tuple[int, int, int], int] = {}
+    for u in schedule.units:
+        if not u.free and u.kind in ("bwd", "bwd_w"):
+            k = (u.mesh, u.stage, u.microbatch)
+            bwd_total[k] = bwd_total.get(k, 0) + 1
+    for row in schedule.rows():
+        live, prof, opened, seen = 0, [], set(), {}
+        for u in row:
+            if not u.free:
+                k = (u.mesh, u.stage, u.microbatch)
+                if u.kind == "fwd" and k in bwd_total and k not in opened:
+                    opened.add(k)
+                    live += 1
+                elif u.kind in ("bwd", "bwd_w") and k in bwd_total:
+                    seen[k] = seen.get(k, 0) + 1
+                    if seen[k] == bwd_total[k] and k in opened:
+                        live -= 1
+            prof.append(live)
+        out.append(prof)
+    return out
+
+
+def live_activations(schedule: Schedule) -> list[int]:
+    """Peak live activations per submesh (1F1B: at most P; GPipe: M)."""
+    return [max(p, default=0) for p in live_activation_profile(schedule)]
+
+
+def theoretical_bubble(name: str, P: int, M: int, interleave: int = 1) -> float | None:
+    """Textbook bubble fraction with this module's unit costs.
+
+    GPipe and 1F1B: (P-1)/(M+P-1); interleaved 1F1B with V stages per submesh:
+    (P-1)/(V*M+P-1); ZB-H1 (forward, activation- and weight-gradient halves all
+    cost 1): the paper's bubble (P-1)(F+B-W) over a step of 3M+(P-1), i.e.
+    (P-1)/(3M+P-1). None where there is no closed form (custom, interleaved GPipe).
+    """
+    key = canonical_schedule_name(name)
+    if key in ("gpipe", "1f1b") and interleave == 1:
+        return (P - 1) / (M + P - 1)
+    if key in ("1f1b", "interleaved-1f1b"):
+        return (P - 1) / (interleave * M + P - 1)
+    if key == "zero-bubble-h1" and interleave == 1:
+        return (P - 1) / (3 * M + P - 1)
+    return None
+
+
+# ---------------------------------------------------------------------------- text Gantt
+
+
+def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None) -> str:
+    """A text Gantt chart: one row per submesh, one cell per unit of time.
+
+    Each unit is drawn as its label (``F``/``B``/``W`` + microbatch; ``X`` for other
+    units, ``*`` without a microbatch; under interleaving a letter for the stage
+    among its submesh's stages, ``a`` first) followed by ``-`` over the rest of its
+    duration; ``.`` is idle time.
+    """
+    tl = simulate(schedule, cost=cost)
+    s = schedule
+    chunk = chunk_of(s)
+    interleaved = any(c > 0 for c in chunk.values())
+
+    def label(u: Unit) -> str:
+        if interleaved and u.index in chunk:
+            return _short(u) + "abcdefghijklmnopqrstuvwxyz"[chunk[u.index] % 26]
+        return _short(u)
+
+    durs = [e - b for b, e in zip(tl.start, tl.end, strict=True)]
+    quantum = _quantum(durs + list(tl.start))
+    width = max([len(label(u)) for u in s.units] + [2]) + 1
+    T = round(tl.makespan / quantum) if s.units else 0
+    names = [f"submesh {m}" for m in range(s.num_meshes)]
+    pad = max((len(n) for n in names), default=0)
+    head = (f"{s.name}: {s.num_meshes} submeshes x {s.num_microbatches} microbatches, "
+            f"makespan {tl.makespan:g}, bubble {100 * tl.bubble_fraction():.1f}%")
+    lines = [head]
+    for m, row in enumerate(s.orders):
+        cells = [".".ljust(width)] * T
+        for i in row:
+            a = round(tl.start[i] / quantum)
+            b = max(a + 1, round(tl.end[i] / quantum))
+            lab = label(s.units[i])
+            cells[a] = lab.ljust(width)
+            for k in range(a + 1, b):
+                cells[k] = "-" * width
+        lines.append(f"{names[m].ljust(pad)} |{''.join(cells).rstrip()}")
+    return "\n".join(lines)
+
+
+def chunk_of(schedule: Schedule) -> dict[int, int]:
+    """Per pipeline unit, which of its submesh's stages it belongs to (0 = the first);
+    non-zero only under interleaving."""
+    stages: dict[int, set[int]] = {}
+    for u in schedule.units:
+        if not u.free:
+            stages.setdefault(u.mesh, set()).add(u.stage)
+    rank = {m: {st: k for k, st in enumerate(sorted(ss))} for m, ss in stages.items()}
+    return {u.index: rank[u.mesh][u.stage] for u in schedule.units if not u.free}
+
+
+def _quantum(values: Iterable[float]) -> float:
+    vals = [v for v in values if v > 1e-12]
+    if not vals:
+        return 1.0
+    q = min(vals)
+    for v in vals:  # coarse gcd so that every boundary lands on a cell
+        r = v / q
+        if abs(r - round(r)) > 1e-6:
+            q = math.gcd(round(q * 1000), round(v * 1000)) / 1000 or q
+    return q
+

@@ -1,0 +1,442 @@
+"""Implicit tasks and MultiMesh contexts: ``register_task``, ``Context``, ``MultiMesh``.
+
+A registered task is a *matcher* (a name or a regular expression searched in each
+op's JAX name stack) plus either a fixed :class:`Task` or a callback
+``callback(matched_name, backprop) -> Task``. Registrations live in contexts: the
+module-level default context and any entered :class:`Context`/:class:`MultiMesh`.
+When :func:`multimesh.jax.mjit` compiles a program it asks this module for the
+active rules (:func:`implicit_tasks_option`): the lowered module is scanned for
+matches, callbacks are called once per distinct ``(matched name, backprop)``,
+each task is resolved to concrete device positions, and the resolved table is
+handed to the ``mm-match-tasks`` pass as a rules file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
+from multimesh.jax import _contexts
+
+__all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
+           "slice_global_mesh", "active_multimesh", "implicit_tasks_option", "compile_token"]
+
+
+# --------------------------------------------------------------------------- registrations
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Registration:
+    matcher: str  # as the user gave it
+    regex: re.Pattern  # with its capture group
+    callback: Callable | None
+    task: object | None  # a Task
+
+    def __repr__(self):
+        what = f"callback={self.callback!r}" if self.callback is not None else f"task={self.task!r}"
+        return f"register_task({self.matcher!r}, {what})"
+
+    def task_for(self, name: str, backprop: bool):
+        from multimesh.jax._task import Task
+
+        if self.callback is None:
+            return self.task
+        result = self.callback(name, backprop)
+        if not isinstance(result, Task):
+            raise MultimeshTypeError(
+                f"The callback registered for task matcher {self.matcher!r} must return a "
+                f"multimesh.jax.Task, but for ({name!r}, backprop={backprop}) it returned "
+                f"{type(result).__name__} {result!r}.")
+        if result.mesh is None and result.mesh_slice is None:
+            raise MultimeshValueError(
+                f"The callback registered for task matcher {self.matcher!r} returned a Task "
+                f"for ({name!r}, backprop={backprop}) with neither `mesh` nor `mesh_slice`; "
+                f"give one of them so the matched ops have a submesh.")
+        return result
+
+
+def _make_registration(matcher, callback, task) -> _Registration:
+    from mlir_passes.match_tasks import compile_matcher
+    from multimesh.jax._task import Task
+
+    if callback is None and task is None:
+        raise MultimeshValueError(
+            f"register_task({matcher!r}) needs either `callback=` (called as "
+            f"callback(matched_name, backprop) -> Task) or `task=` (a Task); it got neither.")
+    if callback is not None and task is not None:
+        raise MultimeshValueError(
+            f"register_task({matcher!r}) got both `callback=` and `task=`; give only one.")
+    if callback is not None and not callable(callback):
+        raise MultimeshTypeError(
+            f"register_task({matcher!r}): `callback` must be callable, got "
+            f"{type(callback).__name__}.")
+    if task is not None:
+        if not isinstance(task, Task):
+            raise MultimeshTypeError(
+                f"register_task({matcher!r}): `task` must be a multimesh.jax.Task, got "
+                f"{type(task).__name__} {task!r}.")
+        if task.mesh is None and task.mesh_slice is None:
+            raise MultimeshValueError(
+                f"register_task({matcher!r}): the Task has neither `mesh` nor `mesh_slice`; "
+                f"give one of them so the matched ops have a submesh.")
+    regex = compile_matcher(matcher)
+    return _Registration(matcher, regex, callback, task)
+
+
+@dataclasses.dataclass
+class _Frame:
+    context: Context
+    live: list  # the registrations in effect while this frame is entered
+
+
+class Context(contextlib.ContextDecorator):
+    """A scope for registered tasks: they take effect only while it is entered.
+
+    Contexts nest; when an op matches tasks of several contexts the innermost
+    context wins, and within one context the earliest registration wins.
+    """
+
+    def __init__(self):
+        self._registrations: list[_Registration] = []
+
+    def register_task(self, matcher: str, *, callback: Callable | None = None,
+                      task=None) -> None:
+        """Register a task for ops whose name stack matches ``matcher``.
+
+        ``matcher`` is a name or a regular expression, searched anywhere in each op's
+        name stack (``re.search``); without a capture group it is wrapped in one, and
+        the first capture group is the *matched name*. Give ``task`` (a
+        :class:`Task`) or ``callback(matched_name, backprop) -> Task``; ``backprop``
+        is true for ops of the backward pass. A task without a ``name`` is named
+        after the matched name.
+        """
+        reg = _make_registration(matcher, callback, task)
+        self._registrations.append(reg)
+        for frame in _stack:
+            if frame.context is self and frame.live is not self._registrations:
+                frame.live.append(reg)
+
+    @property
+    def registered(self) -> tuple[_Registration, ...]:
+        return tuple(self._registrations)
+
+    def __enter__(self):
+        _stack.append(_Frame(self, list(self._registrations)))
+        return self
+
+    def __exit__(self, *exc):
+        for i in range(len(_stack) - 1, 0, -1):
+            if _stack[i].context is self:
+                del _stack[i]
+                break
+        return False
+
+
+_default = Context()
+_stack: list[_Frame] = [_Frame(_default, _default._registrations)]
+_meshes: list[MultiMesh] = []
+
+
+def register_task(matcher: str, *, callback: Callable | None = None, task=None) -> None:
+    """Register a task in the innermost entered :class:`Context` (or globally).
+
+    See :meth:`Context.register_task`. Outside every context the registration is
+    global and lasts until :func:`clear_tasks`.
+    """
+    _stack[-1].context.register_task(matcher, callback=callback, task=task)
+
+
+def clear_tasks() -> None:
+    """Remove every registered task that is in effect (global and entered contexts).
+
+    A context's own registrations come back the next time it is entered.
+    """
+    for frame in _stack:
+        frame.live.clear()
+
+
+@contextlib.contextmanager
+def tasks(configurable: Callable | None = None):
+    """Scope a set of registrations: clear, run ``configurable``, clear on exit.
+
+    ``configurable()`` is called (and its result too, if callable) to register
+    tasks; with ``None`` this context does nothing.
+    """
+    if configurable is None:
+        yield
+        return
+    clear_tasks()
+    try:
+        obj = configurable()
+        if callable(obj):
+            obj()
+        yield
+    finally:
+        clear_tasks()
+
+
+def active_registrations() -> list[_Registration]:
+    """Registrations in priority order: innermost context first, then registration order."""
+    out: list[_Registration] = []
+    for frame in reversed(_stack):
+        out.extend(frame.live)
+    return out
+
+
+def compile_token() -> tuple:
+    """What a compiled program depends on here (for ``mjit``'s cache key)."""
+    return (tuple(active_registrations()), active_multimesh())
+
+
+# --------------------------------------------------------------------------- MultiMesh
+
+
+class MultiMesh(Context):
+    """A global mesh that tasks carve submeshes out of, and a task context.
+
+    ``MultiMesh(global_mesh=mesh)`` wraps a :class:`jax.sharding.Mesh`;
+    ``MultiMesh(axis_sizes=..., axis_names=..., devices=None)`` builds one (from
+    ``jax.devices()`` by default). Entering it (``with`` or as a decorator) turns
+    on :func:`autoshard`, makes it the active global mesh — a task with
+    ``mesh_slice={"stage": 0}`` then runs on ``self.slice(stage=0)`` — and makes its
+    registered tasks take effect. Programs compiled inside use its devices as their
+    device list unless given others.
+    """
+
+    def __init__(self, *, axis_sizes=None, axis_names=None, devices=None,
+                 global_mesh: Mesh | None = None):
+        super().__init__()
+        if global_mesh is not None:
+            if axis_sizes is not None or axis_names is not None or devices is not None:
+                raise MultimeshValueError(
+                    "MultiMesh takes either `global_mesh` or `axis_sizes`/`axis_names`/"
+                    "`devices`, not both.")
+            if not isinstance(global_mesh, Mesh):
+                raise MultimeshTypeError(
+                    f"MultiMesh `global_mesh` must be a jax.sharding.Mesh, got "
+                    f"{type(global_mesh).__name__}.")
+            mesh = global_mesh
+        else:
+            if axis_names is None:
+                raise MultimeshValueError(
+                    "MultiMesh needs `axis_names` (with `axis_sizes` and/or `devices`) or a "
+                    "`global_mesh`.")
+            axis_names = tuple(axis_names)
+            devs = np.asarray(jax.devices() if devices is None else devices, dtype=object)
+            if axis_sizes is not None:
+                axis_sizes = tuple(int(s) for s in axis_sizes)
+                if len(axis_sizes) != len(axis_names):
+                    raise MeshError(
+                        f"MultiMesh got {len(axis_names)} axis names {axis_names} but "
+                        f"{len(axis_sizes)} axis sizes {axis_sizes}.")
+                if int(np.prod(axis_sizes)) != devs.size:
+                    raise MeshError(
+                        f"MultiMesh axis_sizes {axis_sizes} describe {int(np.prod(axis_sizes))}"
+                        f" devices but {devs.size} devices were given.")
+                devs = devs.reshape(axis_sizes)
+            elif devs.ndim != len(axis_names):
+                raise MeshError(
+                    f"MultiMesh devices have shape {devs.shape} but axis_names {axis_names} "
+                    f"name {len(axis_names)} axes; give axis_sizes to reshape them.")
+            mesh = Mesh(devs, axis_names)
+        self.global_mesh = mesh
+        self._exits: list[contextlib.ExitStack] = []
+
+    # Mesh-like surface
+    @property
+    def mesh(self) -> Mesh:
+        return self.global_mesh
+
+    axis_names = property(lambda self: self.global_mesh.axis_names)
+    axis_sizes = property(lambda self: tuple(self.global_mesh.axis_sizes))
+    devices = property(lambda self: self.global_mesh.devices)
+    shape = property(lambda self: self.global_mesh.shape)
+    shape_tuple = property(lambda self: self.global_mesh.shape_tuple)
+    size = property(lambda self: self.global_mesh.size)
+    empty = property(lambda self: self.global_mesh.empty)
+    abstract_mesh = property(lambda self: self.global_mesh.abstract_mesh)
+    axis_types = property(lambda self: self.global_mesh.axis_types)
+    local_devices = property(lambda self: self.global_mesh.local_devices)
+    is_multi_process = property(lambda self: self.global_mesh.is_multi_process)
+    _flat_devices_tuple = property(lambda self: self.global_mesh._flat_devices_tuple)
+
+    def __repr__(self):
+        return f"MultiMesh({self.global_mesh!r})"
+
+    def _slice_devices(self, kw: Mapping[str, int], who: str = "MultiMesh.slice") -> np.ndarray:
+        names = tuple(self.global_mesh.axis_names)
+        shape = self.global_mesh.devices.shape
+        unknown = sorted(set(kw) - set(names))
+        if unknown:
+            raise MeshError(
+                f"{who}: unknown axis name(s) {unknown}; the global mesh has axes {names}.")
+        idx = []
+        for name, size in zip(names, shape, strict=True):
+            if name not in kw:
+                idx.append(slice(None))
+                continue
+            i = kw[name]
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise MeshError(
+                    f"{who}: the index for axis {name!r} must be an integer, got {i!r}.")
+            if not 0 <= int(i) < size:
+                raise MeshError(
+                    f"{who}: index {int(i)} is out of range for axis {name!r} of size {size} "
+                    f"(valid indices are 0..{size - 1}).")
+            idx.append(slice(int(i), int(i) + 1))
+        return self.global_mesh.devices[tuple(idx)]
+
+    def slice(self, **to_slice: int) -> Mesh:
+        """The submesh at ``{axis: index}``; sliced axes stay, with size 1."""
+        devs = self._slice_devices(to_slice)
+        return Mesh(devs, self.global_mesh.axis_names,
+                    axis_types=self.global_mesh.axis_types)
+
+    def single_slice_devices(self, **to_slice: int) -> list:
+        """The devices of :meth:`slice`, flattened in mesh order."""
+        return list(self._slice_devices(to_slice).flat)
+
+    def single_slice_ids(self, **to_slice: int) -> list[int]:
+        """The device ids of :meth:`slice`, flattened in mesh order."""
+        return [d.id for d in self._slice_devices(to_slice).flat]
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(_contexts.autoshard(True))
+        super().__enter__()
+        stack.callback(Context.__exit__, self, None, None, None)
+        _meshes.append(self)
+        stack.callback(_pop_mesh, self)
+        self._exits.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        self._exits.pop().close()
+        return False
+
+
+def _pop_mesh(mm: MultiMesh) -> None:
+    for i in range(len(_meshes) - 1, -1, -1):
+        if _meshes[i] is mm:
+            del _meshes[i]
+            return
+
+
+def active_multimesh() -> MultiMesh | None:
+    """The innermost entered :class:`MultiMesh`, if any."""
+    return _meshes[-1] if _meshes else None
+
+
+def slice_global_mesh(name: str, mesh_slice: Mapping[str, int]) -> Mesh:
+    """The submesh a task's ``mesh_slice`` selects in the active :class:`MultiMesh`."""
+    mm = active_multimesh()
+    if mm is None:
+        raise MeshError(
+            f"Task {name!r} has mesh_slice={dict(mesh_slice)!r}, but no MultiMesh is active. "
+            f"A mesh_slice selects part of the global mesh: compile inside "
+            f"`with MultiMesh(...):` (or decorate the function with the MultiMesh), or give "
+            f"the task a `mesh` instead.")
+    if not isinstance(mesh_slice, Mapping):
+        raise MultimeshTypeError(
+            f"Task {name!r}: `mesh_slice` must be a mapping {{axis_name: index}}, got "
+            f"{type(mesh_slice).__name__} {mesh_slice!r}.")
+    devs = mm._slice_devices(dict(mesh_slice), who=f"Task {name!r} mesh_slice")
+    return Mesh(devs, mm.global_mesh.axis_names, axis_types=mm.global_mesh.axis_types)
+
+
+# --------------------------------------------------------------------------- compile hook
+
+
+def _direction(backprop: bool) -> str:
+    return "backward" if backprop else "forward"
+
+
+def implicit_tasks_option(text: str) -> str | None:
+    """Options text for ``mm-match-tasks`` for the lowered program ``text``, or None.
+
+    Must run while the program's device list is set (``mjit.lower``): task meshes
+    are resolved to positions in it.
+    """
+    regs = active_registrations()
+    if not regs or _contexts.state.ignore_transforms:
+        return None
+    from mlir_passes.match_tasks import find_matches
+    from multimesh._src.mlir import make_context, parse_module
+    from multimesh.jax._task import resolve_task_info
+
+    module = parse_module(text, make_context())
+    hits = find_matches(module, [r.regex for r in regs])
+    if not hits:
+        return None
+    entries: dict[int, list] = {}
+    seen: dict[str, tuple] = {}  # task name -> (TaskInfo, description)
+    for hit in hits:
+        reg = regs[hit.matcher_index]
+        spec = reg.task_for(hit.name, hit.backprop)
+        name = spec.name or hit.name
+        info = resolve_task_info(spec, name)
+        what = (f"match {hit.name!r} ({_direction(hit.backprop)}) of task matcher "
+                f"{reg.matcher!r}")
+        old = seen.get(name)
+        if old is not None:
+            prev, prev_what = old
+            if (prev.devices, prev.axis_names, prev.axis_sizes) != (
+                    info.devices, info.axis_names, info.axis_sizes):
+                raise MultimeshValueError(
+                    f"Task name {name!r} was given two different device sets: {prev_what} "
+                    f"puts it on device positions {list(prev.devices)} "
+                    f"({_axes(prev)}), {what} on {list(info.devices)} ({_axes(info)}). One "
+                    f"task name has one submesh: return a different Task name for each "
+                    f"submesh (e.g. f\"{{name}}_fwd\" / f\"{{name}}_bwd\").")
+            if prev.logical_axes != info.logical_axes:
+                raise MultimeshValueError(
+                    f"Task name {name!r} was given two different logical mappings: {prev_what}"
+                    f" maps {[list(p) for p in prev.logical_axes]}, {what} maps "
+                    f"{[list(p) for p in info.logical_axes]}. Give each mapping its own "
+                    f"task name.")
+        else:
+            seen[name] = (info, what)
+        entries.setdefault(hit.matcher_index, []).append({
+            "match": hit.name, "backprop": hit.backprop,
+            "task": {"name": name, "devices": list(info.devices),
+                     "axis_names": list(info.axis_names),
+                     "axis_sizes": list(info.axis_sizes),
+                     "logical_axes": [list(p) for p in info.logical_axes]}})
+    doc = {"rules": [{"matcher": regs[i].regex.pattern, "matches": entries[i]}
+                     for i in sorted(entries)]}
+    return f"rules-file={_write_rules(doc)}"
+
+
+def _axes(info) -> str:
+    return ", ".join(f"{n}={s}" for n, s in zip(info.axis_names, info.axis_sizes, strict=True))
+
+
+def _write_rules(doc: dict) -> str:
+    """Write the resolved rules where a repro can find them; named by content."""
+    text = json.dumps(doc, indent=1) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    directory = os.environ.get("MULTIMESH_DUMP_IR_TO") or tempfile.gettempdir()
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"multimesh-rules-{digest}.json")
+    if re.search(r"[\s,{}()\"]", path):
+        raise MultimeshValueError(
+            f"Cannot pass the task rules file {path!r} to mm-match-tasks: its path contains "
+            f"spaces, commas, braces or quotes. Set TMPDIR (or MULTIMESH_DUMP_IR_TO) to a "
+            f"plain directory.")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return path

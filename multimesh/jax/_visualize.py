@@ -1,0 +1,115 @@
+"""``visualize_schedule``: a pipeline schedule as a text Gantt chart and a PNG."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+
+from mlir_passes.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
+
+__all__ = ["visualize_schedule", "as_schedule"]
+
+# Forward blue, backward orange, weight-gradient half green, anything else grey.
+COLORS = {"fwd": "#4C78A8", "bwd": "#F58518", "bwd_w": "#54A24B", "other": "#9D9D9D"}
+
+
+def as_schedule(obj) -> Schedule:
+    """A :class:`Schedule` from a compiled program, a module, its text, a dict or itself."""
+    if isinstance(obj, Schedule):
+        return obj
+    if isinstance(obj, Mapping):
+        return Schedule.from_dict(obj)
+    sched = getattr(obj, "schedule", None)
+    if callable(sched) and not isinstance(sched, (Schedule, Mapping)):
+        sched = sched()
+    if sched is not None:
+        return as_schedule(sched)
+    text = None
+    if isinstance(obj, str):
+        text = obj
+    elif hasattr(obj, "as_text") and callable(obj.as_text):
+        text = obj.as_text()
+    module = None
+    if text is not None:
+        if "mm.schedule" not in text:
+            raise ValueError("This program has no pipeline schedule (it is not microbatched: "
+                             "use multimesh.jax.microbatch).")
+        from multimesh._src.mlir import parse_module
+
+        module = parse_module(text)
+    elif hasattr(obj, "operation"):
+        module = obj
+    if module is not None:
+        from mlir_passes.schedule_fragments import read_schedule
+
+        s = read_schedule(module)
+        if s is not None:
+            return s
+        raise ValueError("This program has no pipeline schedule (it is not microbatched: "
+                         "use multimesh.jax.microbatch).")
+    raise TypeError(f"visualize_schedule expects a compiled program, a module or a Schedule, "
+                    f"got {type(obj).__name__}")
+
+
+def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,
+                       cost: Callable[[Unit], float] | None = None) -> str | None:
+    """Print the schedule as a text Gantt chart; with ``path``, also save it as a PNG.
+
+    ``compiled_or_schedule``: what ``mjit(f).lower(...).compile()`` returns, the
+    module after ``mm-schedule-fragments`` (or its text), or a :class:`Schedule`.
+    Times come from a simulation with unit costs (forward 1, backward 2, each half
+    of a split backward 1) unless ``cost`` maps a unit to its duration. The PNG
+    has one row per submesh, forward/backward/weight-gradient boxes in three
+    colours with the microbatch number inside (hatched: a submesh's second stage
+    under interleaving); it needs matplotlib (without it a
+    warning is issued and no file is written). Returns the PNG's path, or None.
+    """
+    sched = as_schedule(compiled_or_schedule)
+    print(format_gantt(sched, cost=cost))
+    if path is None:
+        return None
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no PNG written "
+                      "(pip install matplotlib)", stacklevel=2)
+        return None
+    tl = simulate(sched, cost=cost)
+    chunk = chunk_of(sched)
+    G = sched.num_meshes
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * tl.makespan + 2)), 0.6 * G + 1.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for m, row in enumerate(sched.orders):
+        y = G - 1 - m
+        for i in row:
+            u = sched.units[i]
+            s, e = tl.start[i], tl.end[i]
+            ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), facecolors=COLORS.get(u.kind, "#9D9D9D"),
+                           edgecolors="black", linewidth=0.5,
+                           hatch="//" if chunk.get(i, 0) % 2 else None)
+            label = "" if u.microbatch is None else str(u.microbatch)
+            ax.text((s + e) / 2, y, label, ha="center", va="center", fontsize=8, color="white")
+    ax.set_yticks([G - 1 - m for m in range(G)])
+    ax.set_yticklabels([_row_label(sched, m) for m in range(G)])
+    ax.set_xlim(0, max(tl.makespan, 1.0))
+    ax.set_ylim(-0.6, G - 0.4)
+    ax.set_xlabel("time (unit costs)" if cost is None else "time")
+    ax.set_title(f"{sched.name}: {G} submeshes x {sched.num_microbatches} microbatches, "
+                 f"bubble {100 * tl.bubble_fraction():.1f}%")
+    kinds = [k for k in ("fwd", "bwd", "bwd_w", "other") if any(u.kind == k for u in sched.units)]
+    names = {"fwd": "forward", "bwd": "backward", "bwd_w": "weight gradient", "other": "other"}
+    ax.legend(handles=[Patch(facecolor=COLORS[k], label=names[k]) for k in kinds],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+    return os.fspath(path)
+
+
+def _row_label(s: Schedule, m: int) -> str:
+    if m < len(s.devices):
+        return f"submesh {m}\n({','.join(str(d) for d in s.devices[m])})"
+    return f"submesh {m}"

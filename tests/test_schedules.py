@@ -1,0 +1,533 @@
+"""Pipeline schedules: textbook orders, dependencies, memory, custom schedules, the pass,
+the text Gantt, the PNG and the trace file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlir_passes.schedule_fragments import ScheduleFragmentsPass, read_calls, read_schedule
+from mlir_passes.schedules import (
+    SCHEDULES,
+    Call,
+    Schedule,
+    ScheduleError,
+    Unit,
+    build_schedule,
+    canonicalize_custom_schedule,
+    format_gantt,
+    live_activation_profile,
+    live_activations,
+    pipeline_units,
+    simulate,
+    theoretical_bubble,
+    units_from_calls,
+)
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.mlir import parse_module, print_module
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILTIN = [s for s in SCHEDULES if s != "custom"]
+
+
+def rows(sched: Schedule) -> list[str]:
+    return [" ".join(r) for r in sched.labels()]
+
+
+# ------------------------------------------------------------------ textbook orders
+
+GPIPE_4x8 = ["F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7"] * 4
+
+# PipeDream-flush (Narayanan et al. 2021, fig. 4 top): stage s warms up with P - s
+# forwards, then alternates backward/forward, then drains the backwards.
+ONE_F_ONE_B_4x8 = [
+    "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+    "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+    "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+]
+
+
+def test_gpipe_textbook_order():
+    s = build_schedule(pipeline_units(4, 8), "gpipe")
+    assert rows(s) == GPIPE_4x8
+    for r, row in enumerate(s.rows()):
+        assert {u.mesh for u in row} == {r}
+        assert [u.stage for u in row] == [r] * 16
+
+
+def test_1f1b_textbook_order():
+    assert rows(build_schedule(pipeline_units(4, 8), "1f1b")) == ONE_F_ONE_B_4x8
+
+
+def test_aliases_and_default():
+    units = pipeline_units(4, 8)
+    assert rows(build_schedule(units, "fill-drain")) == GPIPE_4x8
+    assert rows(build_schedule(units, None)) == GPIPE_4x8
+    assert rows(build_schedule(units, "WaveFront")) == ONE_F_ONE_B_4x8
+    assert build_schedule(units, "wavefront").name == "1f1b"
+
+
+def test_split_backward_keeps_w_after_b_in_1f1b():
+    s = build_schedule(pipeline_units(4, 8, split_backward=True), "1f1b")
+    for got, want in zip(rows(s), ONE_F_ONE_B_4x8, strict=True):
+        assert got == " ".join(t if t[0] == "F" else f"{t} W{t[1:]}" for t in want.split())
+
+
+def _megatron_interleaved(P: int, M: int, V: int, r: int) -> list[str]:
+    """Megatron-LM's interleaved 1F1B on rank r (M % P == 0), written independently."""
+    total = M * V
+
+    def chunk(k, forward):
+        c = (k % (P * V)) // P
+        return c if forward else V - 1 - c
+
+    def mb(k):
+        return (k // (P * V)) * P + k % P
+
+    warm = min((P - r - 1) * 2 + (V - 1) * P, total)
+    seq = [f"F{mb(k)}c{chunk(k, True)}" for k in range(warm)]
+    for i in range(total - warm):
+        k = warm + i
+        seq += [f"F{mb(k)}c{chunk(k, True)}", f"B{mb(i)}c{chunk(i, False)}"]
+    seq += [f"B{mb(i)}c{chunk(i, False)}" for i in range(total - warm, total)]
+    return seq
+
+
+@pytest.mark.parametrize("P,M,V", [(4, 8, 2), (2, 4, 2), (2, 6, 3), (4, 16, 2), (3, 6, 2)])
+def test_interleaved_1f1b_is_megatrons(P, M, V):
+    s = build_schedule(pipeline_units(P, M, interleave=V), "interleaved-1f1b")
+    for r, row in enumerate(s.rows()):
+        got = [f"{'F' if u.kind == 'fwd' else 'B'}{u.microbatch}c{u.stage // P}" for u in row]
+        assert got == _megatron_interleaved(P, M, V, r)
+    assert s.bubble_fraction() == pytest.approx(theoretical_bubble("1f1b", P, M, V))
+
+
+@pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (4, 16), (3, 7), (8, 32), (1, 5), (5, 2)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_matches_theory(name, P, M):
+    s = build_schedule(pipeline_units(P, M), name)
+    assert s.bubble_fraction() == pytest.approx((P - 1) / (M + P - 1))
+
+
+# ------------------------------------------------------------------ zero bubble
+
+
+@pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (4, 8), (4, 4), (3, 7), (8, 16)])
+def test_zero_bubble_beats_1f1b(P, M):
+    zb = build_schedule(pipeline_units(P, M, split_backward=True), "zero-bubble-h1")
+    plain = build_schedule(pipeline_units(P, M), "1f1b")
+    split = build_schedule(pipeline_units(P, M, split_backward=True), "1f1b")
+    assert zb.bubble_fraction() < split.bubble_fraction() <= plain.bubble_fraction()
+    assert zb.bubble_fraction() == pytest.approx(theoretical_bubble("zero-bubble-h1", P, M))
+    assert max(live_activations(zb)) <= P  # ZB-H1 keeps 1F1B's peak memory
+
+
+def test_zero_bubble_without_split_is_1f1b():
+    units = pipeline_units(4, 8)
+    assert rows(build_schedule(units, "zero-bubble-h1")) == ONE_F_ONE_B_4x8
+
+
+def test_zero_bubble_runs_weight_gradients_in_bubbles():
+    s = build_schedule(pipeline_units(4, 8, split_backward=True), "zero-bubble-h1")
+    last = rows(s)[3].split()
+    # The last stage runs B right after F and defers the W halves.
+    assert last[:4] == ["F0", "B0", "F1", "B1"]
+    assert last[-4:] == ["W4", "W5", "W6", "W7"]
+
+
+# ------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("P,M", [(4, 8), (2, 4), (4, 2), (8, 16), (3, 3)])
+def test_live_activation_bounds(P, M):
+    f1 = build_schedule(pipeline_units(P, M), "1f1b")
+    gp = build_schedule(pipeline_units(P, M), "gpipe")
+    assert live_activations(f1) == [min(P - r, M) for r in range(P)]
+    assert max(live_activations(f1)) <= P
+    assert live_activations(gp) == [M] * P
+    for prof in live_activation_profile(f1) + live_activation_profile(gp):
+        assert prof[-1] == 0 and min(prof) >= 0
+
+
+def test_num_stages_lengthens_warmup():
+    s = build_schedule(pipeline_units(2, 8), "1f1b", num_stages=4)
+    assert rows(s)[0].startswith("F0 F1 F2 F3 B0")
+    assert live_activations(s) == [4, 3]
+
+
+# ------------------------------------------------------------------ dependencies
+
+
+def check_valid(s: Schedule) -> None:
+    """Every unit once, on its own submesh; global order topological and merging rows."""
+    n = len(s.units)
+    assert sorted(s.order) == list(range(n))
+    assert sorted(i for r in s.orders for i in r) == list(range(n))
+    pos = {i: k for k, i in enumerate(s.order)}
+    for m, row in enumerate(s.orders):
+        assert all(s.units[i].mesh == m for i in row)
+        assert [pos[i] for i in row] == sorted(pos[i] for i in row)
+    for u in s.units:
+        for d in u.deps:
+            assert pos[d] < pos[u.index], (u, s.units[d])
+    simulate(s)  # the per-submesh orders run without deadlock
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(P=st.integers(1, 6), M=st.integers(1, 10), V=st.integers(1, 3), split=st.booleans(),
+       name=st.sampled_from(BUILTIN))
+def test_every_schedule_respects_dependencies(P, M, V, split, name):
+    s = build_schedule(pipeline_units(P, M, interleave=V, split_backward=split), name)
+    check_valid(s)
+    for row in s.rows():  # each (stage, kind) runs every microbatch once, in order
+        seen: dict = {}
+        for u in row:
+            seen.setdefault((u.stage, u.kind), []).append(u.microbatch)
+        assert all(v == list(range(M)) for v in seen.values())
+    if V == 1 and not split and name in ("gpipe", "1f1b"):
+        assert s.bubble_fraction() == pytest.approx((P - 1) / (M + P - 1))
+
+
+@st.composite
+def programs(draw):
+    """Random microbatched programs: a chain of tasks on random submeshes (loop-dependent
+    ones too), forward and backward per microbatch, plus free units and accumulators."""
+    T = draw(st.integers(1, 5))
+    G = draw(st.integers(1, 4))
+    M = draw(st.integers(1, 5))
+    mesh_of = [draw(st.integers(0, G - 1)) for _ in range(T)]
+    moving = draw(st.booleans())
+    split = draw(st.booleans())
+    calls: list[Call] = []
+
+    def dev(m):
+        return (2 * m, 2 * m + 1)
+
+    def add(frag, task, tc, m, mb, deps, sp=None):
+        calls.append(Call(frag, task, tc, dev(m), mb, sp, tuple(deps)))
+        return len(calls) - 1
+
+    pre = add("pre", "pre", 0, 0, None, []) if draw(st.booleans()) else None
+    acc = None
+    for mb in range(M):
+        prev = [pre] if pre is not None else []
+        fw = []
+        for t in range(T):
+            m = (mesh_of[t] + (mb if moving and t == 0 else 0)) % G
+            fw.append(add(f"t{t}_fwd_{mb}", f"t{t}", 0, m, mb, prev))
+            prev = [fw[-1]]
+        for t in reversed(range(T)):
+            m = calls[fw[t]].devices[0] // 2
+            b = add(f"t{t}_bwd_{mb}", f"t{t}", 1, m, mb, prev + [fw[t]],
+                    "activation" if split else None)
+            if split:
+                add(f"t{t}_bwd_w_{mb}", f"t{t}", 1, m, mb, [b, fw[t]], "weight")
+            prev = [b]
+        acc = add(f"acc_{mb}", "acc", 0, 0, None, prev + ([acc] if acc is not None else []))
+    return calls
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=programs(), name=st.sampled_from(BUILTIN))
+def test_random_programs_get_valid_schedules(calls, name):
+    units, devices = units_from_calls(calls)
+    check_valid(build_schedule(units, name, devices=devices))
+
+
+# ------------------------------------------------------------------ stages
+
+
+def test_stages_from_forward_runs():
+    def call(task, dev, tc=0, mb=0, deps=()):
+        return Call(f"{task}_{tc}_{mb}", task, tc, dev, mb, None, deps)
+
+    # embed+layer1 on one submesh, layer2+loss on the next: two stages.
+    calls = [call("embed", (0,)), call("layer1", (0,), deps=(0,)), call("layer2", (1,), deps=(1,)),
+             call("loss", (1,), deps=(2,)), call("loss", (1,), 1, deps=(3,)),
+             call("layer1", (0,), 1, deps=(4,))]
+    units, devices = units_from_calls(calls)
+    assert devices == [(0,), (1,)]
+    assert [u.stage for u in units] == [0, 0, 1, 1, 1, 0]
+    assert [u.kind for u in units] == ["fwd", "fwd", "fwd", "fwd", "bwd", "bwd"]
+    # Round-robin over two submeshes: four stages, two per submesh (interleaving).
+    calls = [call(f"l{k}", (k % 2,), deps=(k - 1,) if k else ()) for k in range(4)]
+    units, _ = units_from_calls(calls)
+    assert [(u.stage, u.mesh) for u in units] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    with pytest.raises(ScheduleError, match="interleave=1, but submesh 0 runs 2 pipeline"):
+        build_schedule(units, "1f1b", interleave=1)
+    build_schedule(units, "1f1b", interleave=2)
+
+
+def test_split_calls_become_bwd_and_bwd_w():
+    calls = [Call("f", "t", 0, (0,), 0), Call("ba", "t", 1, (0,), 0, "activation", (0,)),
+             Call("bw", "t", 1, (0,), 0, "weight", (0, 1))]
+    units, _ = units_from_calls(calls)
+    assert [(u.kind, u.split) for u in units] == [("fwd", False), ("bwd", True),
+                                                  ("bwd_w", False)]
+
+
+# ------------------------------------------------------------------ custom schedules
+
+
+def test_custom_reproduces_1f1b():
+    units = pipeline_units(4, 8)
+    custom = [[(int(t[1:]), f"stage{r}" if t[0] == "F" else f"stage{r}_bwd")
+               for t in row.split()] for r, row in enumerate(ONE_F_ONE_B_4x8)]
+    s = build_schedule(units, "custom", custom=custom)
+    assert rows(s) == ONE_F_ONE_B_4x8
+    assert build_schedule(units, None, custom=custom).name == "custom"
+
+
+def test_custom_bare_names_count_microbatches():
+    units = pipeline_units(2, 2)
+    s = build_schedule(units, "custom", custom=[["stage0", "stage0", "stage0_bwd", "stage0_bwd"],
+                                                ["stage1", "stage1_bwd", "stage1", "stage1_bwd"]])
+    assert rows(s) == ["F0 F1 B0 B1", "F0 B0 F1 B1"]
+    assert canonicalize_custom_schedule([["a", [0, "b"], "a", "b"]], 2) == \
+        [[(0, "a"), (0, "b"), (1, "a"), (1, "b")]]
+
+
+@pytest.mark.parametrize("custom,msg", [
+    ([["stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1", "stage1_bwd", "stage1_bwd"]],
+     "task 'stage0' has 1 microbatches in custom_schedule row 0, but there are 2 microbatches"),
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1"]],
+     "task 'stage1_bwd' has 0 microbatches in custom_schedule row 1, but there are 2"),
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"],
+      ["stage1", "stage1", "stage1_bwd", "stage1_bwd", "nope", "nope"]],
+     "custom_schedule row 1 names 'nope', which is not a task of submesh 1 "
+     "(its tasks: stage1, stage1_bwd)"),
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"]],
+     "custom_schedule has 1 rows, but the program has 2 submeshes"),
+    ([[(0, "stage0"), (0, "stage0"), "stage0_bwd", "stage0_bwd"], []],
+     "task 'stage0' appears twice for microbatch 0 in custom_schedule row 0"),
+    ([[(5, "stage0")], []], "microbatch 5 of task 'stage0' is out of range"),
+    ([[3.5], []], "custom_schedule row 0 entry 0 must be a task name or a (microbatch, name)"),
+    ("stage0", "custom_schedule must be a list of rows"),
+    ([["stage0", "stage0_bwd", "stage0", "stage0_bwd"],
+      [(1, "stage1"), (1, "stage1_bwd"), (0, "stage1"), (0, "stage1_bwd")]],
+     "custom schedule deadlocks: row 0 runs 'stage0_bwd' microbatch 0 before its input "
+     "'stage1_bwd' microbatch 0 (row 1) can be computed"),
+])
+def test_custom_schedule_errors(custom, msg):
+    with pytest.raises(ScheduleError) as e:
+        build_schedule(pipeline_units(2, 2), "custom", custom=custom)
+    assert msg in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_custom_with_other_schedule_is_an_error():
+    with pytest.raises(ScheduleError, match="When custom_schedule is provided, schedule must be "
+                                            "'custom' or None, but got 'gpipe'"):
+        build_schedule(pipeline_units(2, 2), "gpipe", custom=[["stage0"]])
+
+
+def test_unknown_schedule_lists_choices():
+    with pytest.raises(ScheduleError, match="unknown schedule 'zero-bubble-h2'; valid schedules: "
+                                            "1f1b, custom, gpipe, interleaved-1f1b, "
+                                            "zero-bubble-h1"):
+        build_schedule(pipeline_units(2, 2), "zero-bubble-h2")
+
+
+# ------------------------------------------------------------------ the pass
+
+
+def mpmd_module(units: list[Unit], config: str | None = None) -> str:
+    """An MPMD-form module whose @main calls one fragment per unit (program order)."""
+    users = {d for u in units for d in u.deps}
+    roots = [u for u in units if not u.deps]
+    lines = [f"module attributes {{{config}}} {{" if config else "module {"]
+    args = ", ".join(f"%arg{k}: tensor<4xf32>" for k in range(len(roots)))
+    outs = [u for u in units if u.index not in users]
+    lines.append(f"  func.func @main({args}) -> ({', '.join('tensor<4xf32>' for _ in outs)}) {{")
+    root_arg = {u.index: k for k, u in enumerate(roots)}
+    for u in units:
+        ops = [f"%v{d}" for d in u.deps] or [f"%arg{root_arg[u.index]}"]
+        ty = ", ".join("tensor<4xf32>" for _ in ops)
+        lines.append(f"    %v{u.index} = call @f{u.index}({', '.join(ops)}) {{mm.fragment}} : "
+                     f"({ty}) -> tensor<4xf32>")
+    lines.append(f"    return {', '.join(f'%v{u.index}' for u in outs)} : "
+                 f"{', '.join('tensor<4xf32>' for _ in outs)}")
+    lines.append("  }")
+    for u in units:
+        n = max(1, len(u.deps))
+        params = ", ".join(f"%a{k}: tensor<4xf32>" for k in range(n))
+        tc = {"fwd": 0, "bwd": 1, "bwd_w": 1}[u.kind]
+        split = (', mm.split = "weight"' if u.kind == "bwd_w"
+                 else ', mm.split = "activation"' if u.split else "")
+        lines.append(f"  func.func private @f{u.index}({params}) -> tensor<4xf32> attributes "
+                     f"{{mm.devices = [{2 * u.mesh}, {2 * u.mesh + 1}]{split}, mm.task = "
+                     f'{{name = "{u.task}", transpose_count = {tc} : i64, microbatch = '
+                     f"{u.microbatch} : i64}}}} {{")
+        lines.append("    return %a0 : tensor<4xf32>")
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def run_pass(text: str, **options):
+    module = parse_module(text)
+    ScheduleFragmentsPass(**options).apply(module)
+    return module
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("P,M,V,split", [(4, 8, 1, False), (2, 4, 2, False), (3, 5, 1, True)])
+def test_pass_matches_schedule(name, P, M, V, split):
+    units = pipeline_units(P, M, interleave=V, split_backward=split)
+    module = run_pass(mpmd_module(units), schedule=name)
+    got = read_schedule(module)
+    want = build_schedule(units, name)
+    assert got.name == want.name
+    assert rows(got) == rows(want)
+    assert got.devices == tuple((2 * m, 2 * m + 1) for m in range(P))
+    check_valid(got)
+    # @main now holds the calls in the recorded global order, and it still verifies.
+    calls, _, _ = read_calls(module)
+    assert [c.fragment for c in calls] == [u.fragment for u in got.units]
+    assert [c.fragment for c in calls] == [f"f{i}" for i in want.order]
+    assert module.operation.verify()
+    if name == "1f1b" and (P, M, V) == (4, 8, 1):
+        assert rows(got) == ONE_F_ONE_B_4x8
+
+
+def test_pass_options_override_config_and_read_custom_file(tmp_path):
+    units = pipeline_units(2, 2)
+    text = mpmd_module(units, 'mm.schedule_config = {schedule = "gpipe"}')
+    assert rows(read_schedule(run_pass(text))) == ["F0 F1 B0 B1"] * 2
+    assert rows(read_schedule(run_pass(text, schedule="1f1b"))) == ["F0 F1 B0 B1",
+                                                                   "F0 B0 F1 B1"]
+    path = tmp_path / "custom.json"
+    path.write_text(json.dumps([["stage0", "stage0", [1, "stage0_bwd"], [0, "stage0_bwd"]],
+                                ["stage1", "stage1_bwd", "stage1", "stage1_bwd"]]))
+    s = read_schedule(run_pass(text, schedule="custom", custom_schedule_file=str(path)))
+    assert rows(s) == ["F0 F1 B1 B0", "F0 B0 F1 B1"]
+    with pytest.raises(DiagnosticError, match="must be 'custom' or None, but got '1f1b'"):
+        run_pass(text, schedule="1f1b", custom_schedule_file=str(path))
+    with pytest.raises(DiagnosticError, match="cannot read custom schedule file"):
+        run_pass(text, schedule="custom", custom_schedule_file=str(tmp_path / "missing.json"))
+    with pytest.raises(DiagnosticError, match="schedule 'custom' needs a custom schedule"):
+        run_pass(text, schedule="custom")
+    with pytest.raises(DiagnosticError, match="interleave=2, but submesh 0 runs 1"):
+        run_pass(text, interleave=2)
+
+
+def test_pass_from_pipeline_string():
+    from mlir_passes.pipeline import parse_pipeline
+
+    module = parse_module(mpmd_module(pipeline_units(2, 3)))
+    parse_pipeline("builtin.module(mm-schedule-fragments{schedule=1f1b,num-stages=2})").run(module)
+    assert rows(read_schedule(module)) == ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
+    assert "mm.schedule = {name = \"1f1b\"" in print_module(module)
+
+
+def test_schedule_round_trips_through_dict():
+    s = build_schedule(pipeline_units(3, 4, split_backward=True), "zero-bubble-h1",
+                       devices=[(0,), (1,), (2,)])
+    t = Schedule.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert rows(t) == rows(s) and t.devices == s.devices
+    assert t.bubble_fraction() == pytest.approx(s.bubble_fraction())
+    assert live_activations(t) == live_activations(s)
+
+
+# ------------------------------------------------------------------ seeing it
+
+GANTT_1F1B_2x2 = """\
+1f1b: 2 submeshes x 2 microbatches, makespan 9, bubble 33.3%
+submesh 0 |F0 F1 .  .  B0 ---.  B1 ---
+submesh 1 |.  F0 B0 ---F1 B1 ---.  ."""
+
+
+def test_text_gantt():
+    assert format_gantt(build_schedule(pipeline_units(2, 2), "1f1b")) == GANTT_1F1B_2x2
+
+
+def test_visualize_prints_gantt(capsys):
+    from multimesh.jax._visualize import visualize_schedule
+
+    s = build_schedule(pipeline_units(2, 2), "1f1b")
+    assert visualize_schedule(s) is None
+    assert capsys.readouterr().out.strip() == GANTT_1F1B_2x2
+    # From a module after the pass, from its text, from the dict, from a "compiled" object.
+    module = run_pass(mpmd_module(pipeline_units(2, 2)), schedule="1f1b")
+
+    class Compiled:
+        def __init__(self, text):
+            self._text = text
+
+        def as_text(self):
+            return self._text
+
+    for obj in (module, print_module(module), s.to_dict(), Compiled(print_module(module))):
+        visualize_schedule(obj)
+        assert capsys.readouterr().out.strip() == GANTT_1F1B_2x2
+    with pytest.raises(ValueError, match="no pipeline schedule"):
+        visualize_schedule(parse_module("module {}"))
+
+
+def test_visualize_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from multimesh.jax._visualize import visualize_schedule
+
+    s = build_schedule(pipeline_units(4, 8, split_backward=True), "zero-bubble-h1",
+                       devices=[(0, 1), (2, 3), (4, 5), (6, 7)])
+    out = visualize_schedule(s, tmp_path / "zb.png")
+    data = (tmp_path / "zb.png").read_bytes()
+    assert out == str(tmp_path / "zb.png")
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert "zero-bubble-h1: 4 submeshes x 8 microbatches" in capsys.readouterr().out
+
+
+def test_trace_json_one_track_per_submesh(tmp_path):
+    from multimesh.runtime.trace import TraceRecorder, write_trace
+
+    s = build_schedule(pipeline_units(4, 8), "1f1b", devices=[(0, 1), (2, 3), (4, 5), (6, 7)])
+    tl = s.timeline()
+    path = tmp_path / "trace.json"
+    write_trace(tl.events(scale=1e-3), path)
+    trace = json.loads(path.read_text())
+    ev = trace["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in ev if e["name"] == "thread_name"}
+    assert sorted(tracks.values()) == [f"submesh {m} (devices {2 * m},{2 * m + 1})"
+                                       for m in range(4)]
+    slices = [e for e in ev if e["ph"] == "X"]
+    assert len(slices) == len(s.units)
+    assert {e["tid"] for e in slices} == set(tracks)
+    for m, tid in enumerate(sorted(tracks)):
+        mine = sorted((e for e in slices if e["tid"] == tid), key=lambda e: e["ts"])
+        assert [e["name"].split()[-1] for e in mine] == ONE_F_ONE_B_4x8[m].split()
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(mine, mine[1:], strict=False))
+
+    rec = TraceRecorder()
+    with rec.span("submesh 0", "f mb0"):
+        pass
+    rec.record("submesh 1", "transfer x", 0.0, 0.5, cat="transfer", nbytes=16)
+    t = rec.write(tmp_path / "rec.json")
+    names = [e["args"]["name"] for e in t["traceEvents"] if e["name"] == "thread_name"]
+    assert names == ["submesh 0", "submesh 1"]
+    x = [e for e in t["traceEvents"] if e["ph"] == "X"]
+    assert x[1]["cat"] == "transfer" and x[1]["args"] == {"nbytes": 16}
+    assert min(e["ts"] for e in x) == 0.0
+
+
+# ------------------------------------------------------------------ P6
+
+
+def test_p6():
+    spec = importlib.util.spec_from_file_location("bench_schedules",
+                                                  ROOT / "tools" / "bench_schedules.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_schedules", mod)
+    spec.loader.exec_module(mod)
+    res = mod.P6(shapes=((4, 8),))
+    for name in ("gpipe", "1f1b", "interleaved-1f1b"):
+        assert res[f"P6/{name}/P4M8/bubble"] == pytest.approx(res[f"P6/{name}/P4M8/theory"])
+    assert res["P6/zero-bubble-h1/P4M8/bubble"] < res["P6/1f1b/P4M8/bubble"]
+    assert res["P6/1f1b/P4M8/peak_live"] == 4 and res["P6/gpipe/P4M8/peak_live"] == 8
+    assert "zero-bubble-h1" in mod.format_table(mod.P6_rows(shapes=((2, 4),)))

@@ -1,0 +1,85 @@
+"""P6: bubble fraction and peak live activations of each pipeline schedule.
+
+    python tools/bench_schedules.py [--json PATH]
+
+Simulated with unit costs (forward 1, backward 2, each half of a split backward 1)
+on textbook pipelines (``mlir_passes.schedules.pipeline_units``), next to the theory:
+(P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with V
+stages per submesh; zero-bubble-h1 should come out below 1F1B. Peak live
+activations are per submesh, in (stage, microbatch) activations: 1F1B holds at most
+P, GPipe M. ``tools/bench.py`` calls :func:`P6`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlir_passes.schedules import (  # noqa: E402
+    build_schedule,
+    live_activations,
+    pipeline_units,
+    theoretical_bubble,
+)
+
+# (schedule, interleave, split backward): the setups P6 measures.
+SETUPS = (
+    ("gpipe", 1, False),
+    ("1f1b", 1, False),
+    ("interleaved-1f1b", 2, False),
+    ("zero-bubble-h1", 1, True),
+)
+SHAPES = ((2, 4), (4, 8), (4, 16), (8, 32))
+
+
+def P6_rows(shapes=SHAPES, setups=SETUPS) -> list[dict]:
+    """One row per (P, M, schedule): simulated and theoretical bubble, peak activations."""
+    rows = []
+    for P, M in shapes:
+        for name, V, split in setups:
+            sched = build_schedule(pipeline_units(P, M, interleave=V, split_backward=split), name)
+            theory = theoretical_bubble(name, P, M, V)
+            rows.append({"P": P, "M": M, "schedule": name, "interleave": V,
+                         "bubble": sched.bubble_fraction(), "theory": theory,
+                         "peak_live": max(live_activations(sched))})
+    return rows
+
+
+def P6(shapes=SHAPES, setups=SETUPS) -> dict[str, float]:
+    """Flat measures for tools/bench.py: ``P6/<schedule>/P<P>M<M>/{bubble,theory,peak_live}``."""
+    out: dict[str, float] = {}
+    for r in P6_rows(shapes, setups):
+        key = f"P6/{r['schedule']}/P{r['P']}M{r['M']}"
+        out[f"{key}/bubble"] = r["bubble"]
+        if r["theory"] is not None:
+            out[f"{key}/theory"] = r["theory"]
+        out[f"{key}/peak_live"] = float(r["peak_live"])
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'P':>3} {'M':>3}  {'schedule':<18}{'bubble':>8}{'theory':>8}{'peak live':>11}"]
+    for r in rows:
+        theory = f"{r['theory']:.3f}" if r["theory"] is not None else "-"
+        lines.append(f"{r['P']:>3} {r['M']:>3}  {r['schedule']:<18}{r['bubble']:>8.3f}"
+                     f"{theory:>8}{r['peak_live']:>11}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the flat P6 measures as JSON to this path")
+    args = ap.parse_args(argv)
+    print(format_table(P6_rows()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(P6(), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
