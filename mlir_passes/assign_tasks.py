@@ -16,7 +16,8 @@ class AssignTasksPass(ModulePass):
 
     An op outside every task joins the task whose ops it exchanges the most bytes
     with (operands and users together), repeated forward and backward until
-    nothing changes. An op whose regions hold tagged ops (a loop around a task)
+    nothing changes. An op that combines several microbatches of that task (the
+    sums of gradient accumulation) joins it without a microbatch index. An op whose regions hold tagged ops (a loop around a task)
     takes that task; tasks on different submeshes inside one loop are an error,
     since a loop body runs on one submesh. Ops still untagged at the end (or every
     op, in a program with no task at all) go to the implicit task ``mm.default``:
@@ -83,6 +84,9 @@ class AssignTasksPass(ModulePass):
             c.write_tasks(module, tasks)
 
 
+_SLICES = ("stablehlo.slice", "stablehlo.dynamic_slice")
+
+
 def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
     """The neighbouring task with the most bytes; ties go to the earliest neighbour."""
     scores: dict[c.Tag, list[int]] = {}
@@ -109,7 +113,19 @@ def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
                 add(t, nbytes, pos.get(o, 1 << 30))
     if not scores:
         return None
-    return min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
+    best = min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
+    if best[2] >= 0 and op.name in _SLICES and all(
+            isinstance(v.owner, ir.Block) for v in op.operands[:1]):
+        # Cutting a microbatch out of a program input: keep it out of the
+        # microbatch's fragment so every microbatch's fragment has the same body
+        # (and compiles once); the cut runs in a microbatch-free fragment.
+        return best[0], best[1], -1
+    if any(t[:2] == best[:2] and t[2] != best[2] for t in scores):
+        # Joins data of several microbatches (a gradient sum): it belongs to no single
+        # microbatch, so it gets its own fragments that the scheduler runs when ready
+        # instead of pinning microbatch 0's backward behind every other one.
+        return best[0], best[1], -1
+    return best
 
 
 def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:

@@ -7,6 +7,7 @@ from multimesh.jax._contexts import enable_recomputation as enable_recomputation
 from multimesh.jax._contexts import ignore_transforms as ignore_transforms
 from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._mjit import mjit as mjit
+from multimesh.jax._visualize import visualize_schedule as visualize_schedule
 from multimesh.jax._mjit import parallelize as parallelize
 from multimesh.jax._multimesh import Context as Context
 from multimesh.jax._multimesh import MultiMesh as MultiMesh

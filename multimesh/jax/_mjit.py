@@ -65,6 +65,30 @@ class MpmdCompiled:
         return self._text
 
     @property
+    def schedule(self):
+        """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
+        from mlir_passes.schedule_fragments import read_schedule
+
+        return read_schedule(self._module)
+
+    def profile(self, *args, trace_path=None, **kwargs):
+        """Run one step synchronously, timing every fragment and transfer.
+
+        Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
+        (one track per submesh). Blocking after each step makes the timeline readable
+        at the cost of overlap, so use it to inspect, not to benchmark.
+        """
+        from multimesh.runtime.trace import TraceRecorder
+
+        flat, tree = jax.tree.flatten((args, kwargs))
+        rec = TraceRecorder()
+        outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
+        if trace_path is not None:
+            rec.write(trace_path)
+        self.last_trace = rec
+        return jax.tree.unflatten(self._lowered.out_tree, outs)
+
+    @property
     def fragments(self) -> list[dict]:
         out = []
         for f in self.plan_data.fragments.values():
@@ -99,8 +123,9 @@ class MpmdLowered:
     """The traced program before our passes; ``compile()`` runs them."""
 
     def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
-                 donated_leaves=()):
+                 donated_leaves=(), schedule_config=None):
         self._text = text
+        self.schedule_config = schedule_config
         self.donated_leaves = tuple(donated_leaves)
         self.devices = tuple(devices)
         self.in_tree = in_tree
@@ -116,6 +141,12 @@ class MpmdLowered:
 
     def compile(self) -> MpmdCompiled:
         module = self.compiler_ir()
+        if self.schedule_config:
+            from multimesh._src.mlir import py_to_attr
+
+            with module.context:
+                module.operation.attributes["mm.schedule_config"] = py_to_attr(
+                    self.schedule_config)
         module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), len(self.devices)) if False else \
             _i64(module, len(self.devices))
@@ -164,23 +195,29 @@ def run_pipeline(module: ir.Module, pipeline: str) -> None:
             f"Reproduce with:\n  {repro}", failed, repro, e) from None
 
 
-def _schedule_options(notes: dict) -> str | None:
+def _schedule_config(notes: dict) -> dict | None:
+    """The microbatch loop's schedule, stored on the module (so repros replay it)."""
     cfg = notes.get("microbatch")
     if cfg is None:
         return None
-    opts = [f"schedule={cfg['schedule']}"]
+    out = {"schedule": cfg["schedule"]}
     if cfg.get("num_stages"):
-        opts.append(f"num-stages={cfg['num_stages']}")
+        out["num_stages"] = int(cfg["num_stages"])
     if cfg.get("interleave"):
-        opts.append(f"interleave={cfg['interleave']}")
+        out["interleave"] = int(cfg["interleave"])
     if cfg.get("custom"):
-        import json
+        out["custom_schedule"] = [[[int(mb), name] for mb, name in row] for row in cfg["custom"]]
+    return out
 
-        fd, path = tempfile.mkstemp(prefix="multimesh-custom-schedule-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cfg["custom"], f)
-        opts.append(f"custom-schedule-file={path}")
-    return ",".join(opts)
+
+def _wants_split(notes: dict) -> bool:
+    cfg = notes.get("microbatch")
+    return bool(cfg) and cfg["schedule"] == "zero-bubble-h1"
+
+
+def _schedule_options(notes: dict) -> str | None:
+    # The options live in the module's mm.schedule_config; the pass reads them there.
+    return "" if notes.get("microbatch") is not None else None
 
 
 class _MJit:
@@ -244,10 +281,12 @@ class _MJit:
                 donated.extend(range(leaf, leaf + n))
             leaf += n
         return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
-                           list(range(len(dyn_flat))), donated_leaves=donated, pipeline=
-                           build_pipeline(len(devices), schedule=_schedule_options(notes),
-                                          implicit_tasks=implicit,
-                                          recompute=_contexts.state.recomputation))
+                           list(range(len(dyn_flat))), donated_leaves=donated,
+                           schedule_config=_schedule_config(notes),
+                           pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
+                                                   implicit_tasks=implicit,
+                                                   split_backward=_wants_split(notes),
+                                                   recompute=_contexts.state.recomputation))
 
     def __call__(self, *args, **kwargs):
         static = tuple(args[i] for i in self.static_argnums)

@@ -156,3 +156,23 @@ class Executor:
             for d in drop:
                 del env[d]
         return [env[o] for o in self.plan.outputs]
+
+    def run_traced(self, recorder, *args):
+        """Like ``__call__`` but blocks after every step and records its span."""
+        env = dict(zip(self.plan.input_ids, self.place_inputs(args)))
+        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self.plan.steps):
+            if kind == 0:
+                frag = self.plan.fragments[step.fragment]
+                track = f"submesh devices {','.join(str(self.devices[p].id) for p in frag.devices)}"
+                with recorder.span(track, step.fragment):
+                    outs = jax.block_until_ready(what(*[env[a] for a in srcs]))
+                for d, o in zip(dsts, outs):
+                    env[d] = o
+            else:
+                ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
+                with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
+                                   cat="transfer"):
+                    env[dsts[0]] = jax.block_until_ready(jax.device_put(env[srcs[0]], what))
+            for d in drop:
+                del env[d]
+        return [env[o] for o in self.plan.outputs]

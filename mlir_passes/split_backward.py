@@ -1,0 +1,186 @@
+"""``mm-split-backward``: split backward fragments into activation- and weight-gradient halves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlir_passes import _contract as c
+from mlir_passes.base import ModulePass
+from multimesh._src.mlir import func, ir
+
+
+@dataclass(frozen=True)
+class SplitBackwardPass(ModulePass):
+    """Split each backward fragment in two, for zero-bubble pipeline schedules.
+
+    A backward fragment (``transpose_count = 1``) computes the gradient that flows
+    on to the previous stage's backward (on the critical path) and the weight
+    gradients (not needed by anyone until the end of the step). The pass moves
+    the ops needed for the first into ``@<frag>_act`` (``mm.split = "activation"``)
+    and the rest into ``@<frag>_w`` (``mm.split = "weight"``), which takes the
+    intermediates it shares with the first as extra arguments. A scheduler can
+    then run weight halves in the bubbles. Fragments with nothing to split (only
+    one kind of output) are left alone. Runs on the MPMD form right after
+    ``mm-outline-fragments``.
+    """
+
+    argument = "mm-split-backward"
+    summary = "Split backward fragments into activation- and weight-gradient fragments."
+
+    def apply(self, module: ir.Module) -> None:
+        with module.context:
+            main = c.main_func(module)
+            funcs = c.func_by_name(module)
+            block = c.entry_block(main)
+            calls = [o.operation for o in block.operations if o.operation.name == "func.call"]
+            task_of = {}
+            for call in calls:
+                fn = funcs[c.callee_of(call)]
+                task_of[c.callee_of(call)] = c.tag_of(fn)
+            uses: dict[str, int] = {}
+            for call in calls:
+                uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1
+            for call in calls:
+                name = c.callee_of(call)
+                tag = task_of[name]
+                if tag is None or tag[1] != 1 or uses[name] != 1:
+                    continue
+                act = []
+                for j, r in enumerate(call.results):
+                    for use in r.uses:
+                        owner = use.owner.operation
+                        if owner.name != "func.call":
+                            continue
+                        other = task_of.get(c.callee_of(owner))
+                        if other is not None and other[1] == 1 and other[0] != tag[0]:
+                            act.append(j)
+                            break
+                if not act or len(act) == len(call.results):
+                    continue
+                _split(module, main, funcs, call, funcs[name], act)
+
+
+def _split(module, main, funcs, call, fn, act_outputs) -> None:
+    body = c.entry_block(fn)
+    ops = [o.operation for o in body.operations]
+    ret = ops[-1]
+    ops = ops[:-1]
+    index = {op: i for i, op in enumerate(ops)}
+
+    def producer_index(v):
+        owner = v.owner
+        if isinstance(owner, ir.Block):
+            return None
+        return index.get(owner.operation)
+
+    # ops needed for the activation outputs (indices)
+    need: set[int] = set()
+    stack = [producer_index(ret.operands[j]) for j in act_outputs]
+    while stack:
+        i = stack.pop()
+        if i is None or i in need:
+            continue
+        need.add(i)
+        for v in _all_operands(ops[i]):
+            stack.append(producer_index(v))
+    weight_outputs = [j for j in range(len(ret.operands)) if j not in act_outputs]
+    # values defined in the activation half and read by the weight half
+    crossing: list[tuple[int, int]] = []  # (op index, result number)
+    for i, op in enumerate(ops):
+        if i in need:
+            continue
+        for v in _all_operands(op):
+            p = producer_index(v)
+            if p is not None and p in need:
+                key = (p, v.result_number)
+                if key not in crossing:
+                    crossing.append(key)
+    for j in weight_outputs:
+        p = producer_index(ret.operands[j])
+        if p is not None and p in need:
+            key = (p, ret.operands[j].result_number)
+            if key not in crossing:
+                crossing.append(key)
+    name = c.func_name(fn)
+    a_fn = _make_half(fn, f"{name}_act", keep=need, outputs=[("ret", j) for j in act_outputs]
+                      + [("op", k) for k in crossing], split="activation")
+    w_fn = _make_half(fn, f"{name}_w", keep=set(range(len(ops))) - need,
+                      outputs=[("ret", j) for j in weight_outputs], split="weight",
+                      crossing=crossing)
+    # rebuild the call site: act half, then weight half
+    a_args = [call.operands[i] for i in a_fn[1]]
+    with ir.InsertionPoint(call), call.location:
+        a_call = func.CallOp(a_fn[2], ir.FlatSymbolRefAttr.get(f"{name}_act"), a_args)
+    a_call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+    cross_vals = list(a_call.results)[len(act_outputs):]
+    w_args = [call.operands[i] for i in w_fn[1]] + cross_vals
+    with ir.InsertionPoint(call), call.location:
+        w_call = func.CallOp(w_fn[2], ir.FlatSymbolRefAttr.get(f"{name}_w"), w_args)
+    w_call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+    for k, j in enumerate(act_outputs):
+        call.results[j].replace_all_uses_with(a_call.results[k])
+    for k, j in enumerate(weight_outputs):
+        call.results[j].replace_all_uses_with(w_call.results[k])
+    call.erase()
+    fn.erase()
+
+
+def _all_operands(op):
+    vals = list(op.operands)
+    if len(op.regions):
+        inner = set()
+
+        def cb(o):
+            for r in o.results:
+                inner.add(r)
+            for reg in o.regions:
+                for b in reg.blocks:
+                    for a in b.arguments:
+                        inner.add(a)
+            return ir.WalkResult.ADVANCE
+
+        op.walk(cb, ir.WalkOrder.PRE_ORDER)
+
+        def cb2(o):
+            if o.operation != op:
+                for v in o.operands:
+                    if v not in inner:
+                        vals.append(v)
+            return ir.WalkResult.ADVANCE
+
+        op.walk(cb2, ir.WalkOrder.PRE_ORDER)
+    return vals
+
+
+def _make_half(fn, name, *, keep, outputs, split, crossing=()):
+    """Clone ``fn`` keeping ops ``keep``; returns (func, used original arg indices, result types)."""
+    clone = fn.clone(ip=ir.InsertionPoint(fn))
+    clone.attributes["sym_name"] = ir.StringAttr.get(name)
+    clone.attributes["mm.split"] = ir.StringAttr.get(split)
+    body = c.entry_block(clone)
+    ops = [o.operation for o in body.operations]
+    ret, ops = ops[-1], ops[:-1]
+    n_orig = len(body.arguments)
+    # extra block args for crossing values (weight half only)
+    for p, rn in crossing:
+        arg = body.add_argument(ops[p].results[rn].type, fn.location)
+        ops[p].results[rn].replace_all_uses_with(arg)
+    out_vals = [ret.operands[x] if kind == "ret" else ops[x[0]].results[x[1]]
+                for kind, x in outputs]
+    with ir.InsertionPoint(ret), ret.location:
+        func.ReturnOp(out_vals)
+    ret.erase()
+    for i in sorted(set(range(len(ops))) - set(keep), reverse=True):
+        ops[i].erase()
+    used = [i for i, a in enumerate(body.arguments) if list(a.uses) or i >= n_orig]
+    for i in reversed(range(len(body.arguments))):
+        if i not in used:
+            body.erase_argument(i)
+    in_types = [a.type for a in body.arguments]
+    out_types = [v.type for v in out_vals]
+    clone.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(in_types, out_types))
+    for key in ("arg_attrs", "res_attrs"):
+        if key in clone.attributes:
+            del clone.attributes[key]
+    orig_used = [i for i in used if i < n_orig]
+    return clone, orig_used, out_types
