@@ -177,3 +177,66 @@ def test_validation_errors():
             ws, jnp.ones((16, 16)))
     with pytest.raises(ValueError, match="valid schedules are"):
         mm.microbatch(g, dim=0, size=2, schedule="round-robin")
+
+
+def test_loop_dependent_mesh_slice_moves_a_task_per_microbatch():
+    gm = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("x", "y"))
+
+    def emb_body(w, x):
+        return x @ w
+
+    emb = mm.task(emb_body, name="emb", mesh_slice={"x": 0},
+                  loop_dependent_mesh_slice=lambda i: {"x": i % 2})
+    layer = mm.task(lambda w, x: jnp.tanh(x @ w), name="layer",
+                    mesh=mm.TaskMesh(devices=range(4, 8), axis_names=("y",), axis_sizes=(4,)))
+
+    def loss(ws, x):
+        return (layer(ws[1], emb(ws[0], x)) ** 2).sum()
+
+    ws = [jnp.eye(16) * 0.3, jnp.eye(16) * 0.7]
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1)
+    with gm:
+        compiled = mm.mjit(f).lower(ws, x).compile()
+    with mm.ignore_transforms():
+        _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
+    placed = {fr["task"]: fr["devices"] for fr in compiled.fragments if fr["direction"] == "fwd"}
+    assert placed["emb_mb0"] == [0, 1, 2, 3] and placed["emb_mb1"] == [4, 5, 6, 7]
+    assert placed["emb_mb2"] == [0, 1, 2, 3]
+
+
+def test_loop_dependent_mesh_slice_must_keep_the_device_count():
+    gm = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("x", "y"))
+    emb = mm.task(lambda w, x: x @ w, name="emb", mesh_slice={"x": 0},
+                  loop_dependent_mesh_slice=lambda i: {"x": 0, "y": i % 4})
+    f = mm.microbatch(lambda ws, x: emb(ws, x).sum(), dim=0, size=8, argnum=1)
+    with gm, pytest.raises(MultimeshError, match="same number of devices"):
+        mm.mjit(f).lower(jnp.eye(16), jnp.ones((16, 16)))
+
+
+def test_interleaved_1f1b_two_stages_per_submesh():
+    def mk(k):
+        sub = k % 2
+        mesh = mm.TaskMesh(devices=range(4 * sub, 4 * sub + 4), axis_names=("x",),
+                           axis_sizes=(4,))
+        return mm.task(lambda w, x: jnp.tanh(x @ w), name=f"v{k}", mesh=mesh)
+
+    tasks = [mk(k) for k in range(4)]
+
+    def loss(ws, x):
+        for t, w in zip(tasks, ws):
+            x = t(w, x)
+        return (x ** 2).sum()
+
+    ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(4)]
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1,
+                      schedule="interleaved-1f1b", interleave=2)
+    compiled = mm.mjit(f).lower(ws, x).compile()
+    with mm.ignore_transforms():
+        _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
+    sched = compiled.schedule
+    assert len(sched.orders) == 2
+    gp = mm.mjit(mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1,
+                               schedule="gpipe")).lower(ws, x).compile().schedule
+    assert sched.bubble_fraction() <= gp.bubble_fraction()

@@ -8,6 +8,8 @@ P2  per-fragment dispatch overhead / one jitted call's dispatch (no blocking).
 P3  mjit(f).lower().compile() time / jax.jit(f).lower().compile() time, one-task program.
 P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
     (max over the fragments each device runs), summed over devices.
+P6  bubble fraction and peak live activations per schedule, from the unit-cost
+    simulator, next to theory (see tools/bench_schedules.py).
 P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
     P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
 """
@@ -240,6 +242,10 @@ def main(argv=None) -> int:
     res["P2"] = _p2(50 if args.quick else 500)
     res["P7"] = _p7()
     res["P3"] = _p3(3 if args.quick else 7)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_schedules import P6
+
+    res.update(P6())
     n = 250_000
     r, pipe, base = _p4(n)
     res["P4"], res["P4_pipeline_s"], res["P4_parse_print_s"] = r, pipe, base

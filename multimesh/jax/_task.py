@@ -190,6 +190,19 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
                     logical_axes=mapping)
 
 
+def _loop_dependent(spec: Task, name: str, info: TaskInfo, mb: int) -> TaskInfo:
+    """Microbatch ``mb``'s copy of a task whose submesh moves with the microbatch."""
+    where = spec.loop_dependent_mesh_slice(mb)
+    moved = resolve_task_info(dataclasses.replace(spec, mesh=None, mesh_slice=where), name)
+    if len(moved.devices) != len(info.devices):
+        raise MeshError(
+            f"loop dependent submesh ({len(moved.devices)} devices) must have the same number "
+            f"of devices as the default task mesh ({len(info.devices)} devices) for task "
+            f"{name!r}; loop_dependent_mesh_slice({mb}) returned {dict(where)!r}.")
+    # One task name has one submesh, so each placement is its own task.
+    return dataclasses.replace(moved, name=f"{name}_mb{mb}", microbatch=mb)
+
+
 def _legacy_task(name: str, kwargs: dict) -> Task:
     """The v0.1 spelling ``task(f, devices=..., device_axes=..., logical_axes=...)``."""
     devices = kwargs.pop("devices", None)
@@ -263,8 +276,11 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
-        if _contexts.state.microbatch is not None:
-            info = dataclasses.replace(info, microbatch=_contexts.state.microbatch)
+        mb = _contexts.state.microbatch
+        if mb is not None:
+            info = dataclasses.replace(info, microbatch=mb)
+            if spec.loop_dependent_mesh_slice is not None:
+                info = _loop_dependent(spec, task_name, info, mb)
         args_flat, in_tree = jax.tree.flatten((args, kw))
         in_avals = tuple(core.shaped_abstractify(x) for x in args_flat)
         dbg = api_util.debug_info("multimesh.task", fun, args, kw)
