@@ -10,6 +10,8 @@ is collected but skipped.
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -54,9 +56,16 @@ def test_doc_page(page: Path):
     first = text.lstrip("\ufeff").splitlines()[0].strip() if text.strip() else ""
     if first == NO_EXEC:
         pytest.skip(f"{_id(page)} opts out of execution ({NO_EXEC})")
-    code = compile(python_source(text), str(page), "exec")
-    namespace = {"__name__": f"docs.{_id(page)}", "__file__": str(page)}
-    exec(code, namespace)
+    # dont_inherit: the page must not see this file's `from __future__` imports.
+    code = compile(python_source(text), str(page), "exec", dont_inherit=True)
+    name = f"docs.{_id(page)}"
+    module = types.ModuleType(name)
+    module.__file__ = str(page)
+    sys.modules[name] = module  # dataclasses (e.g. linen fields) look their module up
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_python_source_keeps_line_numbers():

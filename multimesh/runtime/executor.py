@@ -87,6 +87,20 @@ def _fast_callable(exe, frag: Fragment):
     return stages.Compiled(exe, [], args_info, out_tree)
 
 
+_REUSE = [xc.ArrayCopySemantics.REUSE_INPUT]
+_NO_LAYOUT = [None]
+
+
+def _move(x, sharding):
+    """``jax.device_put(x, sharding)`` for a jax.Array, minus its Python overhead.
+
+    ``pxla.shard_args`` is what jit uses to place arguments: it copies a same-layout
+    array to other devices in one batched call and reshards otherwise (~7 µs of
+    Python here versus ~35 µs for ``device_put``).
+    """
+    return pxla.shard_args([sharding], _NO_LAYOUT, _REUSE, [x])[0]
+
+
 def _mark_donors(module, donors) -> None:
     from multimesh._src.mlir import ir
 
@@ -145,14 +159,14 @@ class Executor:
 
     def __call__(self, *args):
         env = dict(zip(self.plan.input_ids, self.place_inputs(args)))
-        device_put = jax.device_put
+        move = _move
         for kind, what, srcs, dsts, drop in self._steps:
             if kind == 0:
                 outs = what(*[env[a] for a in srcs])
                 for d, o in zip(dsts, outs):
                     env[d] = o
             else:
-                env[dsts[0]] = device_put(env[srcs[0]], what)
+                env[dsts[0]] = move(env[srcs[0]], what)
             for d in drop:
                 del env[d]
         return [env[o] for o in self.plan.outputs]

@@ -1,0 +1,39 @@
+"""Flax integration: linen and NNX modules as multimesh tasks.
+
+``flax`` (and ``optax`` for :func:`parallelize_step`) are optional extras:
+``import multimesh.jax`` never imports them; importing this package does.
+
+* :func:`task` wraps a linen module class (returns ``Task[<Model>]``), an NNX
+  module instance, or a function whose arguments may hold NNX objects.
+* :func:`shard_axes` / :func:`nnx_shard_axes`: initializers that attach
+  *logical* partitioning names; each task resolves them through its
+  ``logical_axes``.
+* :func:`parallelize_step`: a whole train step (linen ``TrainState`` or NNX
+  model + ``nnx.Optimizer``) compiled as one MPMD program, with every variable
+  placed on the submesh of the task that uses it.
+* :func:`mjit`: :func:`multimesh.jax.mjit` that also accepts NNX modules and
+  optimizers as arguments and writes their state updates back, like ``nnx.jit``.
+"""
+
+from __future__ import annotations
+
+try:
+    import flax  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "multimesh.jax.flax needs flax; install the extra with `pip install multimesh[flax]`."
+    ) from e
+
+from multimesh.jax import with_sharding_constraint as with_sharding_constraint
+from multimesh.jax.flax._linen import parallelize_step as parallelize_step
+from multimesh.jax.flax._linen import shard_axes as shard_axes
+from multimesh.jax.flax._linen import task as task
+from multimesh.jax.flax._nnx import NnxTrainState as NnxTrainState
+from multimesh.jax.flax._nnx import StateSharding as StateSharding
+from multimesh.jax.flax._nnx import TaskModule as TaskModule
+from multimesh.jax.flax._nnx import mjit as mjit
+from multimesh.jax.flax._nnx import mjit as nnx_mjit
+from multimesh.jax.flax._nnx import nnx_shard_axes as nnx_shard_axes
+
+__all__ = ["task", "shard_axes", "nnx_shard_axes", "with_sharding_constraint",
+           "parallelize_step", "mjit", "nnx_mjit", "StateSharding", "TaskModule", "NnxTrainState"]

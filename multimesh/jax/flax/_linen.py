@@ -1,0 +1,398 @@
+"""Linen: ``task`` (module class → ``Task[<Model>]``), ``shard_axes``, ``parallelize_step``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax._src import core
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import multimesh.jax as mm
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax import _contexts
+
+__all__ = ["task", "shard_axes", "parallelize_step"]
+
+_AUTO_NAME = "__multimesh_flax_auto_name__"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def shard_axes(*names: str | None) -> Callable:
+    """Xavier-normal initializer whose parameter carries logical partitioning names.
+
+    ``Dense(features=16, kernel_init=shard_axes("batch", "model"))`` gives a
+    kernel boxed as ``nn.Partitioned(names=("batch", "model"))`` (shown as
+    ``P(batch, model)`` by ``tabulate``). Inside a task the names are *logical*:
+    the task's ``logical_axes`` map them to its device axes.
+    """
+    for n in names:
+        if n is not None and not isinstance(n, str):
+            raise MultimeshTypeError(
+                f"`shard_axes` takes logical axis names (str or None), got {n!r}.")
+    return nn.with_partitioning(nn.initializers.xavier_normal(), tuple(names))
+
+
+def task_spec(name: str | None, task: mm.Task | None, kwargs: dict) -> tuple[mm.Task, str | None]:
+    """Validate the task options once, eagerly, with the core ``task``.
+
+    Returns the :class:`~multimesh.jax.Task` and the explicit task name (or
+    None when the name is left to the caller's default).
+    """
+
+    def placeholder():  # only its options matter
+        return None
+
+    placeholder.__name__ = _AUTO_NAME
+    with mm.ignore_transforms(False):
+        spec = mm.task(placeholder, name, task=task, **kwargs).mm_task
+    explicit = name or (spec.name if spec.name not in (None, _AUTO_NAME) else None)
+    return spec, explicit
+
+
+def is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
+
+
+def is_dynamic(x) -> bool:
+    """Leaves a compiled program takes as traced inputs (like ``jax.jit``: arrays and
+    Python numbers, but not bools); the rest are static."""
+    if isinstance(x, bool):
+        return False
+    return is_array(x) or isinstance(x, (int, float, complex))
+
+
+def split_static(tree):
+    """``tree`` → (array leaves, rebuild(array leaves) -> tree).
+
+    At a task boundary only arrays travel as traced values: every other leaf
+    (Python numbers and bools included) is already a constant of the trace that
+    calls the task, so it stays a Python value inside the task too — as it would
+    be in a plain call of the module.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = [is_array(x) for x in leaves]
+    dyn = [x for x, m in zip(leaves, mask) if m]
+    static = [None if m else x for x, m in zip(leaves, mask)]
+
+    def rebuild(dyn_leaves):
+        it = iter(dyn_leaves)
+        return jax.tree.unflatten(treedef, [next(it) if m else s for m, s in zip(mask, static)])
+
+    return dyn, rebuild
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _box_spec(box) -> P | None:
+    names = getattr(box, "names", None)
+    return None if names is None else P(*names)
+
+
+def logical_specs(boxed) -> list[P | None]:
+    """Flat list, aligned with ``jax.tree.leaves(nn.meta.unbox(boxed))``."""
+    return [_box_spec(b) if _is_box(b) else None
+            for b in jax.tree.leaves(boxed, is_leaf=_is_box)]
+
+
+def _constrain_flat(tree, specs):
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) != len(specs):
+        return tree
+    out = [x if s is None else mm.with_sharding_constraint(x, s) for x, s in zip(leaves, specs)]
+    return jax.tree.unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------- task
+
+
+def task(model, name: str | None = None, *, task: mm.Task | None = None, **kwargs):
+    """Wraps a Flax module in an auto-sharding task context.
+
+    * A linen module **class** gives a module class named ``Task[<Model>]``
+      with the same constructor fields. Its single parameter ``mod`` holds the
+      inner module's ``params`` (``{'params': {...}}``); other collections of the
+      inner module (``batch_stats``, ...) live under ``mod`` in their own
+      collection. Calling it runs the inner module as a task. When ``name`` is
+      given it is also the default linen name of each instance.
+    * An ``nnx.Module`` **instance** gives an NNX module (``TaskModule``) whose
+      attribute ``mod`` is the wrapped module; calling it runs the module as a
+      task and writes its state updates back.
+    * Any other callable becomes a task whose arguments may hold NNX objects.
+
+    Options as for :func:`multimesh.jax.task`: ``mesh`` (a ``TaskMesh`` or a
+    ``jax.sharding.Mesh``), ``devices``/``device_axes``, ``logical_axes``, or a
+    whole ``task=Task(...)``.
+    """
+    spec, explicit = task_spec(name, task, kwargs)
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        return _linen_task_class(model, explicit, spec)
+    if isinstance(model, nn.Module):
+        cls = _linen_task_class(type(model), explicit, spec)
+        values = {f.name: getattr(model, f.name) for f in _model_fields(type(model))}
+        return cls(**values)
+    from multimesh.jax.flax import _nnx
+
+    if _nnx.is_nnx_module(model):
+        return _nnx.TaskModule(model, explicit, spec)
+    if isinstance(model, type) and _nnx.is_nnx_module_class(model):
+        raise MultimeshTypeError(
+            f"`task` takes an NNX module *instance* (NNX modules are built eagerly): write "
+            f"task({model.__name__}(...), ...) instead of task({model.__name__}, ...).")
+    if callable(model):
+        return _nnx.graph_task(model, explicit, spec)
+    raise MultimeshTypeError(
+        f"`multimesh.jax.flax.task` expects a linen Module class, an nnx.Module instance or a "
+        f"callable, got {type(model).__name__}.")
+
+
+def _model_fields(model: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(model) if f.init and f.name not in ("parent", "name")]
+
+
+def _linen_task_class(model: type, explicit_name: str | None, spec: mm.Task) -> type:
+    fields = _model_fields(model)
+    annotations: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"__module__": model.__module__,
+                                 "__qualname__": f"Task[{model.__qualname__}]",
+                                 "__doc__": f"``{model.__name__}`` run as a multimesh task."}
+    for f in fields:
+        annotations[f.name] = f.type
+        kw = {"kw_only": f.kw_only} if f.kw_only is not dataclasses.MISSING else {}
+        if f.default is not dataclasses.MISSING:
+            namespace[f.name] = dataclasses.field(default=f.default, **kw)
+        elif f.default_factory is not dataclasses.MISSING:
+            namespace[f.name] = dataclasses.field(default_factory=f.default_factory, **kw)
+        elif kw.get("kw_only"):
+            namespace[f.name] = dataclasses.field(**kw)
+    namespace["__annotations__"] = annotations
+
+    def __post_init__(self):
+        if explicit_name is not None and self.name is None:
+            object.__setattr__(self, "name", explicit_name)
+        nn.Module.__post_init__(self)
+
+    @nn.compact
+    def __call__(self, *args, **kw):
+        return _call_linen_task(self, model, fields, explicit_name, spec, args, kw)
+
+    namespace["__post_init__"] = __post_init__
+    namespace["__call__"] = __call__
+    cls = type(f"Task[{model.__name__}]", (nn.Module,), namespace)
+    cls.mm_task = spec
+    cls.wrapped_model = model
+    return cls
+
+
+def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
+    inner = model(**{f.name: getattr(self, f.name) for f in fields}, parent=None)
+    rng_streams = sorted(k for k in getattr(self.scope, "rngs", {}) if k != "params")
+    stash: dict[str, Any] = {}
+
+    def init_mod(rng):
+        rngs = {"params": rng, **{k: self.make_rng(k) for k in rng_streams}}
+        with mm.ignore_transforms():  # the inner init is plain flax, nothing to place
+            variables = dict(inner.init(rngs, *args, **kwargs))
+        stash.update(variables)
+        return {"params": variables.get("params", {})}
+
+    mod = self.param("mod", init_mod)  # unboxed
+    collections = (set(stash) | set(self.variables)) - {"params"}
+    others = {}
+    for col in sorted(collections):
+        if col in stash or self.has_variable(col, "mod"):
+            others[col] = self.variable(col, "mod", lambda c=col: stash[c])
+    mutable = [c for c in others if self.is_mutable_collection(c)]
+    rngs = {k: self.make_rng(k) for k in rng_streams}
+    other_vals = {c: nn.meta.unbox(v.value) for c, v in others.items()}
+
+    def apply(params, others_in, rngs_in, *a, **k):
+        return inner.apply({"params": params, **others_in}, *a, rngs=rngs_in or None,
+                           mutable=mutable or False, **k)
+
+    if _contexts.state.ignore_transforms:
+        out = apply(mod["params"], other_vals, rngs, *args, **kwargs)
+    else:
+        specs = _inner_param_specs(self, inner, stash, args, kwargs)
+        dyn, rebuild = split_static((args, kwargs))
+        task_name = explicit_name or ("/".join(self.path) if self.path else model.__name__)
+
+        def body(params, others_in, rngs_in, dyn_leaves):
+            a, k = rebuild(dyn_leaves)
+            return apply(_constrain_flat(params, specs), others_in, rngs_in, *a, **k)
+
+        out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
+    if mutable:
+        out, updates = out
+        for col, val in dict(updates).items():
+            if col in others:
+                others[col].value = val
+            elif self.is_mutable_collection(col):
+                self.put_variable(col, "mod", val)
+    return out
+
+
+def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
+    """Logical partitioning names of the inner params, aligned with their leaves."""
+    raw = stash.get("params")
+    if raw is None:
+        stored = self.get_variable("params", "mod")
+        raw = stored.get("params") if isinstance(stored, dict) else None
+        if raw is None or not any(_is_box(x) for x in jax.tree.leaves(raw, is_leaf=_is_box)):
+            dyn, rebuild = split_static((args, kwargs))
+
+            def init_shapes(d):
+                a, k = rebuild(d)
+                with mm.ignore_transforms():
+                    return inner.init(jax.random.key(0), *a, **k).get("params", {})
+
+            try:
+                abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in dyn]
+                raw = jax.eval_shape(init_shapes, abstract)
+            except Exception:  # e.g. an init that needs more rng streams: no constraints
+                return []
+    return logical_specs(raw)
+
+
+# --------------------------------------------------------------------------- parallelize_step
+
+
+def _batch_avals(global_batch, local_batch):
+    if global_batch is not None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
+                            global_batch)
+    nproc = jax.process_count()
+
+    def one(x):
+        shape = np.shape(x)
+        if shape:
+            shape = (shape[0] * nproc,) + tuple(shape[1:])
+        return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
+
+    return jax.tree.map(one, local_batch)
+
+
+def _check_batches(global_batch, local_batch):
+    if global_batch is None and local_batch is None:
+        raise MultimeshValueError(
+            "parallelize_step needs an example batch: pass `global_batch=` (jax arrays of the "
+            "whole batch) or `local_batch=` (this process's slice of the batch, host data).")
+    if global_batch is not None and local_batch is not None:
+        raise MultimeshValueError(
+            "parallelize_step takes either `global_batch=` or `local_batch=`, not both.")
+
+
+def _default_mesh(mesh):
+    if mesh is None:
+        return Mesh(np.array(jax.devices()), ("x",))
+    if not isinstance(mesh, Mesh):
+        raise MultimeshTypeError(
+            f"parallelize_step: `mesh` must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    return mesh
+
+
+def make_prepare_batch(batch_shardings, batch_avals):
+    """``prepare_batch(host_pytree)``: this process's slice → global arrays on the batch's submesh."""
+
+    def prepare_batch(local):
+        def one(x, sh, aval):
+            if isinstance(x, jax.Array) and x.shape == aval.shape and x.sharding == sh:
+                return x
+            data = np.asarray(x)
+            if data.dtype != aval.dtype:
+                data = data.astype(aval.dtype)
+            return jax.make_array_from_process_local_data(sh, data, aval.shape)
+
+        return jax.tree.map(one, local, batch_shardings, batch_avals)
+
+    return prepare_batch
+
+
+def constrain_linen_state(state):
+    """Logical constraint on every variable leaf: its partitioning names, else ``P()``."""
+
+    def one(x):
+        if _is_box(x):
+            spec = _box_spec(x)
+            return x.replace_boxed(mm.with_sharding_constraint(x.unbox(apply_constraint=False),
+                                                               spec if spec is not None else P()))
+        if hasattr(x, "shape"):
+            return mm.with_sharding_constraint(x, P())
+        return x
+
+    return jax.tree.map(one, state, is_leaf=_is_box)
+
+
+def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
+                     local_batch=None, replicate_inputs: bool = True):
+    """Compiles one training step of ``model`` with ``optimizer`` as an MPMD program.
+
+    ``model(batch)`` must return the scalar loss. For a linen module the state
+    is a ``flax.training.train_state.TrainState`` initialised with
+    ``jax.random.key(42)`` (``state.params`` is the whole variables dict); for an
+    NNX module see :func:`multimesh.jax.flax._nnx.parallelize_step`. Every
+    variable is constrained to its partitioning names (``P()`` if it has none)
+    as *logical* names, so it is placed on the submesh of the task that uses it,
+    sharded by that task's ``logical_axes``.
+
+    Returns ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
+    ``(step_fn, state, mesh, prepare_batch)`` for ``local_batch`` (this
+    process's part of the batch; ``prepare_batch`` turns such host data into
+    the global batch arrays). ``loss, state = step_fn(state, batch)``.
+    """
+    from multimesh.jax.flax import _nnx
+
+    if _nnx.is_nnx_module(model):
+        return _nnx.parallelize_step(model, optimizer, mesh=mesh, global_batch=global_batch,
+                                     local_batch=local_batch, replicate_inputs=replicate_inputs)
+    if not isinstance(model, nn.Module):
+        raise MultimeshTypeError(
+            f"parallelize_step expects a linen or NNX module instance, got "
+            f"{type(model).__name__}.")
+    _check_batches(global_batch, local_batch)
+    mesh = _default_mesh(mesh)
+    from flax.training.train_state import TrainState
+
+    def init_fn(key, batch):
+        variables = model.init(key, batch)
+        return TrainState.create(apply_fn=model.apply, params=variables, tx=optimizer)
+
+    def step_fn(state, inputs):
+        state = constrain_linen_state(state)
+        if replicate_inputs:
+            inputs = jax.tree.map(lambda x: mm.with_sharding_constraint(x, P()), inputs)
+        loss, grads = jax.value_and_grad(state.apply_fn)(state.params, inputs)
+        # Same logical names on the way out: the new state comes back laid out
+        # like the old one, so it feeds the next step without resharding.
+        return loss, constrain_linen_state(state.apply_gradients(grads=grads))
+
+    key = jax.random.key(42)
+    batch_avals = _batch_avals(global_batch, local_batch)
+    with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
+        state_avals = jax.eval_shape(init_fn, key, batch_avals)
+    compiled = mm.mjit(step_fn, devices=list(mesh.devices.flat)).lower(
+        state_avals, batch_avals).compile()
+    state_sh, batch_sh = compiled.input_shardings[0]
+    prepare_batch = make_prepare_batch(batch_sh, batch_avals)
+    init_batch = global_batch if global_batch is not None else local_batch
+    with mm.ignore_transforms():
+        state = jax.jit(init_fn)(key, init_batch)
+    state = place(state, state_sh)
+    if global_batch is not None:
+        return compiled, state, mesh
+    return compiled, state, mesh, prepare_batch
+
+
+def place(tree, shardings):
+    """``jax.device_put`` each leaf onto its sharding (leaves may use different submeshes)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+

@@ -1,0 +1,777 @@
+"""NNX: modules as tasks, an NNX-aware ``mjit``, and an NNX ``parallelize_step``.
+
+NNX objects are mutable Python graphs; jax transformations need pure
+functions of arrays. Like Flax's own NNX transforms, every entry point here
+splits the graph nodes found in the arguments into a static ``GraphDef`` and
+their ``Variable`` values, runs a pure function that merges them back into
+fresh objects, calls the user's code, splits again, and returns the values of
+the Variables that changed. The caller's objects are then updated in place, so
+state updates (parameters, optimizer state, batch statistics, RNG counters)
+behave as they do under ``nnx.jit``.
+
+Only Variables whose value the function actually replaced are returned and
+written back; unchanged parameters are neither outputs of a task nor of the
+program. Structural changes inside (new attributes, changed static fields) are
+rejected with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import multimesh.jax as mm
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax import _contexts
+from multimesh.jax.flax._linen import (
+    _batch_avals,
+    _check_batches,
+    _default_mesh,
+    is_array,
+    is_dynamic,
+    make_prepare_batch,
+)
+
+__all__ = ["TaskModule", "graph_task", "mjit", "StateSharding", "NnxTrainState",
+           "nnx_shard_axes", "parallelize_step", "is_nnx_module"]
+
+StateSharding = nnx.StateSharding
+
+
+def is_nnx_module(x) -> bool:
+    return isinstance(x, nnx.Module)
+
+
+def is_nnx_module_class(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls, nnx.Module)
+
+
+def _is_node(x) -> bool:
+    return nnx.graph.is_graph_node(x)
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _is_spec(x) -> bool:
+    """A sharding entry that applies to a whole (sub)tree."""
+    return x is None or isinstance(x, (P, NamedSharding, nnx.StateSharding))
+
+
+def nnx_shard_axes(*names: str | None, init: Callable | None = None) -> Callable:
+    """NNX initializer (xavier-normal by default) with *logical* partitioning names.
+
+    The names become the Variable's ``out_sharding`` metadata, read by tasks
+    and :func:`parallelize_step` as logical names. Eager sharding is switched
+    off for these Variables: the names are not axes of any global mesh.
+    """
+    for n in names:
+        if n is not None and not isinstance(n, str):
+            raise MultimeshTypeError(
+                f"`nnx_shard_axes` takes logical axis names (str or None), got {n!r}.")
+    return nnx.with_partitioning(init or nnx.initializers.xavier_normal(), tuple(names),
+                                 eager_sharding=False)
+
+
+def _var_spec(v) -> P | None:
+    """Logical names of a Variable from its partitioning metadata (None: no names)."""
+    if not isinstance(v, nnx.Variable):
+        return None
+    meta = v.get_metadata()
+    if meta.get("out_sharding"):
+        return nnx.spmd.get_var_pspec(v)  # applies nnx logical-axis rules, if any are set
+    for key in ("sharding_names", "sharding"):  # older flax spellings
+        names = meta.get(key)
+        if isinstance(names, (tuple, list)) and names:
+            return P(*names)
+    return None
+
+
+def _spec_of(s) -> P | None:
+    if isinstance(s, NamedSharding):
+        return s.spec
+    return s
+
+
+# --------------------------------------------------------------------------- split / merge
+
+
+class _Split:
+    """``(args, kwargs)`` cut into graph nodes, dynamic leaves and static leaves.
+
+    ``values`` holds one entry per Variable (or raw array attribute) of the
+    graph nodes, in the order of ``nnx.to_flat_state``; shared Variables appear
+    once. ``dyn`` holds the array leaves of the non-node part of the tree.
+    """
+
+    def __init__(self, tree, *, allow_abstract: bool = False, scalars_dynamic: bool = True):
+        leaves, self.treedef = jax.tree.flatten(tree, is_leaf=_is_node)
+        self.kinds: list[str] = []
+        nodes, dyn, static = [], [], []
+        for x in leaves:
+            if _is_node(x):
+                self.kinds.append("node")
+                nodes.append(x)
+            elif (is_dynamic(x) if scalars_dynamic else is_array(x)) or (
+                    allow_abstract and isinstance(x, jax.ShapeDtypeStruct)):
+                self.kinds.append("dyn")
+                dyn.append(x)
+            else:
+                self.kinds.append("static")
+                static.append(x)
+        self.nodes = tuple(nodes)
+        self.dyn = dyn
+        self.static = static
+        if nodes:
+            self.graphdef, state = nnx.split(self.nodes)
+            self.flat = list(nnx.to_flat_state(state))
+        else:
+            self.graphdef, self.flat = None, []
+        self.values, self.var_dynamic = [], []
+        for _, leaf in self.flat:
+            val = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            self.var_dynamic.append(is_dynamic(val) or (allow_abstract and
+                                                        isinstance(val, jax.ShapeDtypeStruct)))
+            self.values.append(val)
+
+    # -- what the traced function needs (hashable, cache key)
+    def signature(self):
+        def aval(x):
+            return (tuple(np.shape(x)), str(jax.numpy.result_type(x)) if not _is_key(x)
+                    else str(x.dtype), bool(getattr(x, "weak_type", False)))
+
+        static = tuple(_hashable(s) for s in self.static)
+        var_static = tuple(_hashable(v) for v, d in zip(self.values, self.var_dynamic) if not d)
+        return (self.treedef, tuple(self.kinds), self.graphdef, static, var_static,
+                tuple(p for p, _ in self.flat), tuple(self.var_dynamic),
+                tuple(aval(v) for v, d in zip(self.values, self.var_dynamic) if d),
+                tuple(aval(x) for x in self.dyn))
+
+    def dynamic_values(self) -> list:
+        return [v for v, d in zip(self.values, self.var_dynamic) if d]
+
+    def node_paths(self) -> list[tuple]:
+        return [p for p, _ in self.flat]
+
+    # -- inside the traced function
+    def rebuild(self, var_vals: Sequence, dyn: Sequence):
+        """Fresh objects holding ``var_vals``; returns ((args, kwargs), inner nodes)."""
+        it = iter(var_vals)
+        entries = []
+        for (path, leaf), d, val in zip(self.flat, self.var_dynamic, self.values):
+            v = next(it) if d else val
+            entries.append((path, leaf.replace(value=v) if isinstance(leaf, nnx.Variable) else v))
+        nodes = nnx.merge(self.graphdef, nnx.from_flat_state(entries)) if self.nodes else ()
+        node_it, dyn_it, static_it = iter(nodes), iter(dyn), iter(self.static)
+        leaves = [next(node_it) if k == "node" else next(dyn_it) if k == "dyn" else next(static_it)
+                  for k in self.kinds]
+        return jax.tree.unflatten(self.treedef, leaves), nodes
+
+    def collect(self, nodes, where: str) -> list:
+        """The Variable values of ``nodes`` after the call, aligned with ``values``."""
+        if not self.nodes:
+            return []
+        graphdef, state = nnx.split(nodes)
+        flat = list(nnx.to_flat_state(state))
+        if graphdef != self.graphdef or [p for p, _ in flat] != [p for p, _ in self.flat]:
+            raise MultimeshValueError(
+                f"{where}: an NNX object changed its structure (new or removed attributes, "
+                f"Variables or static fields) inside the call; only Variable values may "
+                f"change. Create the state before the call.")
+        values = [leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf for _, leaf in flat]
+        for (path, _), old, new, dynamic in zip(self.flat, self.values, values,
+                                                self.var_dynamic):
+            if not dynamic and new is not old:
+                raise MultimeshValueError(
+                    f"{where}: the Variable at {'/'.join(map(str, path))} holds a non-array "
+                    f"value ({type(old).__name__}) that was replaced inside the call; only "
+                    f"array values can be updated there.")
+        return values
+
+    # -- outside, after the call
+    def write_back(self, indices: Sequence[int], values: Sequence) -> None:
+        """Set the Variables at flat ``indices`` of the caller's objects to ``values``."""
+        if not indices:
+            return
+        entries = []
+        for i, v in zip(indices, values):
+            path, leaf = self.flat[i]
+            entries.append((path, leaf.replace(value=v) if isinstance(leaf, nnx.Variable) else v))
+        nnx.update(self.nodes, nnx.from_flat_state(entries))
+
+
+def _hashable(x):
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return ("<unhashable>", id(x))
+
+
+def _check_no_nodes(out, where: str):
+    if any(_is_node(x) for x in jax.tree.leaves(out, is_leaf=_is_node)):
+        raise MultimeshValueError(
+            f"{where}: returning NNX objects from a task is not supported; return arrays and "
+            f"update the objects passed in instead (their changes are written back).")
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def graph_task(fun: Callable, name: str | None, spec: mm.Task) -> Callable:
+    """``fun`` as a task whose arguments may hold NNX objects (updates written back)."""
+    default = name or getattr(fun, "__name__", None) or "task"
+
+    def wrapped(*args, **kwargs):
+        return _call_graph_task(fun, default, spec, args, kwargs)
+
+    wrapped.__name__ = default
+    wrapped.__wrapped__ = fun
+    wrapped.mm_task = spec
+    return wrapped
+
+
+def _call_graph_task(fun, name, spec, args, kwargs):
+    if _contexts.state.ignore_transforms:
+        return fun(*args, **kwargs)
+    split = _Split((args, kwargs), scalars_dynamic=False)
+    specs = [_var_spec(leaf) for (_, leaf), d in zip(split.flat, split.var_dynamic) if d]
+    dyn_idx = [i for i, d in enumerate(split.var_dynamic) if d]
+    cell: dict[str, Any] = {}
+    where = f"task {name!r}"
+
+    def body(var_vals, dyn):
+        var_vals = [v if s is None else mm.with_sharding_constraint(v, s)
+                    for v, s in zip(var_vals, specs)]
+        (a, k), nodes = split.rebuild(var_vals, dyn)
+        out = fun(*a, **k)
+        _check_no_nodes(out, where)
+        collected = split.collect(nodes, where)
+        after = [collected[i] for i in dyn_idx]
+        changed = [j for j, (new, old) in enumerate(zip(after, var_vals)) if new is not old]
+        cell["changed"] = changed
+        return out, [after[j] for j in changed]
+
+    out, updates = mm.task(body, name, task=spec)(split.dynamic_values(), split.dyn)
+    split.write_back([dyn_idx[j] for j in cell["changed"]], updates)
+    return out
+
+
+class _TaskOptions:
+    """Static (hashable by identity) holder of a task's options on a TaskModule."""
+
+    def __init__(self, name: str | None, spec: mm.Task):
+        self.name = name
+        self.spec = spec
+
+    def __repr__(self):
+        return f"TaskOptions(name={self.name!r}, mesh={self.spec.mesh!r})"
+
+
+def _default_name(mod, spec: mm.Task) -> str:
+    """``<Class>`` or, with a mesh, ``<Class>_<first>_<last>`` (a task name has one submesh).
+
+    NNX modules do not know their attribute path, so two stages built from the same
+    class get distinct names from their submeshes instead.
+    """
+    base = type(mod).__name__
+    mesh = spec.mesh
+    if mesh is None:
+        return base
+    if isinstance(mesh, Mesh):
+        ids = [d.id for d in mesh.devices.flat]
+    else:
+        ids = [int(d) for d in mesh.devices.flat]
+    return f"{base}_{ids[0]}_{ids[-1]}" if len(ids) > 1 else f"{base}_{ids[0]}"
+
+
+class TaskModule(nnx.Module):
+    """An NNX module run as a multimesh task; the wrapped module is ``self.mod``.
+
+    Made by :func:`multimesh.jax.flax.task` from an ``nnx.Module`` instance.
+    Its state is the wrapped module's state under ``mod`` (as the linen wrapper
+    nests the inner variables under its parameter ``mod``). Calling it runs
+    ``self.mod(*args, **kwargs)`` as a task: Variables with partitioning
+    metadata are constrained to their logical names inside the task, and
+    Variables the call changes (batch statistics, RNG counters, ...) are
+    written back.
+    """
+
+    def __init__(self, mod: nnx.Module, name: str | None = None, spec: mm.Task | None = None):
+        self.mod = mod
+        self.task_options = _TaskOptions(name, spec if spec is not None else mm.Task())
+
+    def __call__(self, *args, **kwargs):
+        opts = self.task_options
+        name = opts.name or _default_name(self.mod, opts.spec)
+
+        def call(mod, *a, **k):
+            return mod(*a, **k)
+
+        return _call_graph_task(call, name, opts.spec, (self.mod, *args), kwargs)
+
+
+# --------------------------------------------------------------------------- mjit
+
+
+def _is_stand_in_leaf(tree) -> bool:
+    return jax.tree.structure(tree) == jax.tree.structure(0)
+
+
+def _broadcast(prefix, tree, where: str) -> list:
+    """One prefix entry per leaf of ``tree`` (a stand-in: graph nodes already leaves)."""
+    if _is_stand_in_leaf(tree):
+        return [prefix]
+    if _is_spec(prefix):
+        return [prefix] * len(jax.tree.leaves(tree))
+    p_children, p_def = jax.tree.flatten(prefix, is_leaf=lambda x: x is not prefix)
+    t_children, t_def = jax.tree.flatten(tree, is_leaf=lambda x: x is not tree)
+    if p_def != t_def:
+        raise MultimeshValueError(
+            f"{where}: sharding prefix {prefix!r} does not match the argument structure "
+            f"{jax.tree.structure(tree)}.")
+    out = []
+    for pc, tc in zip(p_children, t_children):
+        out.extend(_broadcast(pc, tc, where))
+    return out
+
+
+def _match_state(spec_state, rel_path):
+    node = spec_state
+    for k in rel_path:
+        try:
+            node = node[k]
+        except (KeyError, IndexError, TypeError):
+            return None
+    if isinstance(node, nnx.Variable):
+        node = node.get_value()
+    return node if isinstance(node, (P, NamedSharding)) or node is None else None
+
+
+def _node_var_spec(prefix, rel_path, leaf, where: str = "mjit"):
+    if isinstance(prefix, nnx.StateSharding):
+        for flt, sh in zip(prefix.filters, prefix.shardings):
+            if nnx.filterlib.to_predicate(flt)(rel_path, leaf):
+                return _spec_of(sh)
+        return None
+    if isinstance(prefix, Mapping):  # nnx.State or dict of specs, by path
+        return _spec_of(_match_state(prefix, rel_path))
+    if prefix is None or isinstance(prefix, (P, NamedSharding)):
+        return _spec_of(prefix)
+    raise MultimeshValueError(
+        f"{where}: the sharding for an NNX object must be a PartitionSpec, NamedSharding, "
+        f"nnx.StateSharding or a (nnx.State or dict) of specs by path, got {prefix!r}.")
+
+
+def _leaf_spec(prefix, where: str):
+    if prefix is None or isinstance(prefix, (P, NamedSharding)):
+        return _spec_of(prefix)
+    raise MultimeshValueError(
+        f"{where}: the sharding for an array must be a PartitionSpec, NamedSharding or None, "
+        f"got {prefix!r}.")
+
+
+def _states_by_node(paths_and_values, n_nodes: int) -> list:
+    """Per node: an nnx.State by relative path (a lone Variable node: the value itself)."""
+    by_node: dict[int, list] = {}
+    for path, v in paths_and_values:
+        by_node.setdefault(path[0], []).append((path[1:], v))
+    out = []
+    for i in range(n_nodes):
+        entries = by_node.get(i, [])
+        if len(entries) == 1 and entries[0][0] == ():
+            out.append(entries[0][1])
+        else:
+            out.append(nnx.from_flat_state(entries))
+    return out
+
+
+def _arg_specs(split: _Split, shardings, where: str):
+    """Per-Variable and per-dynamic-leaf logical specs from an ``in_shardings`` prefix.
+
+    The prefix covers the positional arguments (keyword arguments stay
+    unconstrained), as for ``jax.jit``.
+    """
+    var_specs: list = [None] * len(split.flat)
+    dyn_specs: list = [None] * len(split.dyn)
+    if shardings is None:
+        return var_specs, dyn_specs
+    stand_in = jax.tree.unflatten(split.treedef, list(range(split.treedef.num_leaves)))[0]
+    if isinstance(shardings, (tuple, list)):
+        prefix = tuple(shardings)
+    else:  # one entry for every positional argument
+        prefix = (shardings,) * len(stand_in)
+    entries = _broadcast(prefix, stand_in, where)
+    node_specs, dyn_i = [], 0
+    for kind, e in zip(split.kinds[:len(entries)], entries):
+        if kind == "node":
+            node_specs.append(e)
+        elif kind == "dyn":
+            dyn_specs[dyn_i] = _leaf_spec(e, where)
+            dyn_i += 1
+    for j, (path, leaf) in enumerate(split.flat):
+        if path[0] < len(node_specs):
+            var_specs[j] = _node_var_spec(node_specs[path[0]], path[1:], leaf, where)
+    return var_specs, dyn_specs
+
+
+def _decode(vals, impls):
+    return [jax.random.wrap_key_data(v, impl=i) if i is not None else v
+            for v, i in zip(vals, impls)]
+
+
+def _encode(vals):
+    impls = [jax.random.key_impl(v) if _is_key(v) else None for v in vals]
+    data = [jax.random.key_data(v) if i is not None else v for v, i in zip(vals, impls)]
+    return data, impls
+
+
+class _NnxMJit:
+    def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
+                 static_argnums):
+        self.fun = fun
+        self.devices = devices
+        self.mesh = mesh
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.donate_argnums = donate_argnums
+        self.static_argnums = tuple(np.atleast_1d(static_argnums)) if static_argnums not in (
+            None, ()) else ()
+        self._cache: dict = {}
+
+    def _split_args(self, args, kwargs, allow_abstract=False):
+        static = tuple(args[i] for i in self.static_argnums)
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        return static, _Split((dyn_args, kwargs), allow_abstract=allow_abstract)
+
+    def lower(self, *args, **kwargs) -> NnxLowered:
+        static, split = self._split_args(args, kwargs, allow_abstract=True)
+        return self._lower(static, split)
+
+    def _lower(self, static, split: _Split) -> NnxLowered:
+        fun, static_argnums, nargs = self.fun, self.static_argnums, len(static)
+        where = f"mjit({getattr(fun, '__name__', 'fun')})"
+        var_specs, dyn_specs = _arg_specs(split, self.in_shardings, where)
+        dyn_idx = [i for i, d in enumerate(split.var_dynamic) if d]
+        var_specs_dyn = [var_specs[i] for i in dyn_idx]
+        var_vals0, var_impls = _encode(split.dynamic_values())
+        dyn0, dyn_impls = _encode(split.dyn)
+        cell: dict[str, Any] = {}
+        out_shardings = self.out_shardings
+
+        def pure(var_vals, dyn):
+            var_vals = _decode(var_vals, var_impls)
+            dyn = _decode(dyn, dyn_impls)
+            var_vals = [v if s is None else mm.with_sharding_constraint(v, s)
+                        for v, s in zip(var_vals, var_specs_dyn)]
+            dyn = [v if s is None else mm.with_sharding_constraint(v, s)
+                   for v, s in zip(dyn, dyn_specs)]
+            (a, k), nodes = split.rebuild(var_vals, dyn)
+            full, it, sit = [], iter(a), iter(static)
+            for i in range(len(a) + nargs):
+                full.append(next(sit) if i in static_argnums else next(it))
+            out = fun(*full, **k)
+            collected = split.collect(nodes, where)
+            after = [collected[i] for i in dyn_idx]
+            changed = [j for j, (new, old) in enumerate(zip(after, var_vals)) if new is not old]
+            upd = [after[j] if var_specs_dyn[j] is None
+                   else mm.with_sharding_constraint(after[j], var_specs_dyn[j]) for j in changed]
+            out_split = _OutSplit(out, nodes, where)
+            out_vars, out_dyn = out_split.values()
+            if out_shardings is not None:
+                ov_specs, od_specs = out_split.specs(out_shardings, where)
+                out_vars = [v if s is None else mm.with_sharding_constraint(v, s)
+                            for v, s in zip(out_vars, ov_specs)]
+                out_dyn = [v if s is None else mm.with_sharding_constraint(v, s)
+                           for v, s in zip(out_dyn, od_specs)]
+            out_vars, ov_impls = _encode(out_vars)
+            out_dyn, od_impls = _encode(out_dyn)
+            upd, upd_impls = _encode(upd)
+            cell.update(changed=[dyn_idx[j] for j in changed], out=out_split,
+                        impls=(ov_impls, od_impls, upd_impls))
+            return (out_vars, out_dyn), upd
+
+        lowered = mm.mjit(pure, devices=self.devices, mesh=self.mesh).lower(var_vals0, dyn0)
+        return NnxLowered(self, lowered, static, split, cell)
+
+    def __call__(self, *args, **kwargs):
+        static, split = self._split_args(args, kwargs)
+        key = (tuple(_hashable(s) for s in static), split.signature())
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._lower(static, split).compile()
+            self._cache[key] = compiled
+        return compiled._run(split)
+
+
+class _OutSplit:
+    """The output of the traced function: graph nodes split into Variable values."""
+
+    def __init__(self, out, inner_in_nodes, where):
+        leaves, self.treedef = jax.tree.flatten(out, is_leaf=_is_node)
+        self.kinds, nodes, self.dyn, self.static = [], [], [], []
+        self.input_refs = []
+        for x in leaves:
+            if _is_node(x):
+                same = [i for i, n in enumerate(inner_in_nodes) if n is x]
+                if same:
+                    self.kinds.append("input")
+                    self.input_refs.append(same[0])
+                else:
+                    self.kinds.append("node")
+                    nodes.append(x)
+            elif is_dynamic(x):
+                self.kinds.append("dyn")
+                self.dyn.append(x)
+            else:
+                self.kinds.append("static")
+                self.static.append(x)
+        self.has_nodes = bool(nodes)
+        if nodes:
+            self.graphdef, state = nnx.split(tuple(nodes))
+            self.flat = list(nnx.to_flat_state(state))
+        else:
+            self.graphdef, self.flat = None, []
+
+    def values(self):
+        vals = [leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+                for _, leaf in self.flat]
+        return vals, list(self.dyn)
+
+    def specs(self, shardings, where):
+        n_nodes = sum(k == "node" for k in self.kinds)
+        stand_in = jax.tree.unflatten(self.treedef, list(range(self.treedef.num_leaves)))
+        entries = _broadcast(shardings, stand_in, where)
+        node_specs, dyn_specs = [], []
+        for kind, e in zip(self.kinds, entries):
+            if kind == "node":
+                node_specs.append(e)
+            elif kind == "dyn":
+                dyn_specs.append(_leaf_spec(e, where))
+        var_specs = []
+        for path, leaf in self.flat:
+            idx = path[0]
+            var_specs.append(_node_var_spec(node_specs[idx], path[1:], leaf, where)
+                             if idx < n_nodes else None)
+        return var_specs, dyn_specs
+
+    def assemble(self, var_vals, dyn_vals, outer_in_nodes):
+        nodes = ()
+        if self.has_nodes:
+            entries = [(p, leaf.replace(value=v) if isinstance(leaf, nnx.Variable) else v)
+                       for (p, leaf), v in zip(self.flat, var_vals)]
+            nodes = nnx.merge(self.graphdef, nnx.from_flat_state(entries))
+        node_it, dyn_it, st_it, ref_it = (iter(nodes), iter(dyn_vals), iter(self.static),
+                                          iter(self.input_refs))
+        leaves = []
+        for k in self.kinds:
+            if k == "node":
+                leaves.append(next(node_it))
+            elif k == "input":
+                leaves.append(outer_in_nodes[next(ref_it)])
+            elif k == "dyn":
+                leaves.append(next(dyn_it))
+            else:
+                leaves.append(next(st_it))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+class NnxLowered:
+    """``mjit(...).lower(...)`` of a function taking NNX objects."""
+
+    def __init__(self, owner: _NnxMJit, lowered, static, split: _Split, cell: dict):
+        self._owner = owner
+        self.lowered = lowered
+        self._static = static
+        self._split = split
+        self._cell = cell
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> NnxCompiled:
+        return NnxCompiled(self, self.lowered.compile())
+
+
+class NnxCompiled:
+    """A compiled MPMD program over NNX objects; call it like the original function.
+
+    ``input_shardings`` mirrors ``(args, kwargs)``: each NNX object is replaced
+    by an ``nnx.State`` of the shardings of its Variables, each array by its
+    sharding (static arguments and static leaves by None). ``fragments``,
+    ``transfers``, ``plan()`` and ``as_text()`` are those of the MPMD program.
+    """
+
+    def __init__(self, lowered: NnxLowered, compiled):
+        self._lowered = lowered
+        self.compiled = compiled
+        split = lowered._split
+        (var_sh, dyn_sh), _ = compiled.input_shardings
+        self.variable_shardings = self._full_var_list(var_sh)
+        self.input_shardings = self._as_user_tree(split, self.variable_shardings, dyn_sh)
+        (ov_sh, od_sh), _upd = compiled.output_shardings
+        self.output_shardings = lowered._cell["out"].treedef.unflatten(
+            _out_stand_in(lowered._cell["out"], ov_sh, od_sh))
+
+    def _full_var_list(self, var_sh):
+        split = self._lowered._split
+        it = iter(var_sh)
+        return [next(it) if d else None for d in split.var_dynamic]
+
+    @staticmethod
+    def _as_user_tree(split: _Split, var_sh, dyn_sh):
+        node_states = _states_by_node(
+            [(p, sh) for (p, _), sh in zip(split.flat, var_sh)], len(split.nodes))
+        node_it, dyn_it = iter(node_states), iter(dyn_sh)
+        leaves = [next(node_it) if k == "node" else next(dyn_it) if k == "dyn" else None
+                  for k in split.kinds]
+        return jax.tree.unflatten(split.treedef, leaves)
+
+    def __getattr__(self, name):
+        if name in ("fragments", "transfers", "plan", "as_text", "cost_analysis", "plan_data"):
+            return getattr(self.compiled, name)
+        raise AttributeError(name)
+
+    def __call__(self, *args, **kwargs):
+        owner = self._lowered._owner
+        static, split = owner._split_args(args, kwargs)
+        if split.signature() != self._lowered._split.signature():
+            raise MultimeshValueError(
+                "compiled function called with arguments whose structure, shapes or dtypes "
+                "differ from those it was compiled for.")
+        return self._run(split)
+
+    def _run(self, split: _Split):
+        cell = self._lowered._cell
+        var_vals, _ = _encode(split.dynamic_values())
+        dyn, _ = _encode(split.dyn)
+        (out_vars, out_dyn), upd = self.compiled(var_vals, dyn)
+        ov_impls, od_impls, upd_impls = cell["impls"]
+        split.write_back(cell["changed"], _decode(upd, upd_impls))
+        return cell["out"].assemble(_decode(out_vars, ov_impls), _decode(out_dyn, od_impls),
+                                    split.nodes)
+
+    def place(self, *args, **kwargs) -> None:
+        """Move the Variables of the NNX objects in ``args`` onto their input shardings."""
+        owner = self._lowered._owner
+        _, split = owner._split_args(args, kwargs)
+        idx = [i for i, d in enumerate(split.var_dynamic) if d]
+        vals = [jax.device_put(split.values[i], self.variable_shardings[i]) for i in idx]
+        split.write_back(idx, vals)
+
+
+def _out_stand_in(out: _OutSplit, ov_sh, od_sh):
+    node_states = _states_by_node([(p, sh) for (p, _), sh in zip(out.flat, ov_sh)],
+                                  sum(k == "node" for k in out.kinds))
+    node_it, dyn_it = iter(node_states), iter(od_sh)
+    return [next(node_it) if k == "node" else next(dyn_it) if k == "dyn" else None
+            for k in out.kinds]
+
+
+def mjit(fun: Callable, *, devices: Sequence | None = None, mesh: Mesh | None = None,
+         in_shardings=None, out_shardings=None, donate_argnums=(), static_argnums=()):
+    """:func:`multimesh.jax.mjit` that also takes NNX modules and optimizers as arguments.
+
+    Like ``nnx.jit``, the NNX objects passed in are split into their Variables
+    around the compiled program, and the Variables the function changes
+    (parameters after an optimizer step, batch statistics, RNG counters) are
+    written back into the caller's objects. NNX objects may also be returned
+    (new objects; an input object returned as is stays the same object).
+
+    ``in_shardings``/``out_shardings`` are prefixes of the positional
+    arguments/outputs, as for ``jax.jit``. For an NNX object the entry is a
+    ``PartitionSpec``/``NamedSharding`` for all its Variables, an
+    ``nnx.StateSharding({filter: spec, ...})`` (first matching filter wins;
+    Variables matching none are unconstrained), or an ``nnx.State`` of specs
+    (e.g. from ``nnx.get_partition_spec``). As with :func:`multimesh.jax.mjit`
+    the axis names are *logical*: the task that consumes a value resolves them.
+    """
+    if not callable(fun):
+        raise MultimeshTypeError(f"`mjit` expects a callable, got {type(fun).__name__}.")
+    return _NnxMJit(fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
+                    static_argnums)
+
+
+# --------------------------------------------------------------------------- parallelize_step
+
+
+class NnxTrainState(nnx.Module):
+    """The state of an NNX :func:`parallelize_step`: ``model`` and ``optimizer``."""
+
+    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+
+def _state_specs(node) -> nnx.State:
+    """Every Variable's logical names (``P()`` when it has none), as an nnx.State."""
+    _, state = nnx.split(node)
+    flat = [(p, (_var_spec(v) or P()) if isinstance(v, nnx.Variable) else P())
+            for p, v in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, global_batch=None,
+                     local_batch=None, replicate_inputs: bool = True):
+    """NNX flavour of :func:`multimesh.jax.flax.parallelize_step`.
+
+    ``model(batch)`` returns the scalar loss. ``optimizer`` is an optax
+    ``GradientTransformation`` (wrapped as ``nnx.Optimizer(model, tx,
+    wrt=nnx.Param)``) or an ``nnx.Optimizer`` already built for ``model``. The
+    state is an :class:`NnxTrainState` holding ``model`` and the optimizer; its
+    Variables are moved in place onto the submeshes of the tasks that use them,
+    constrained to their partitioning metadata (``P()`` when they have none)
+    as logical names. ``loss, state = step_fn(state, batch)`` updates the state
+    in place (and returns it).
+
+    Returns ``(step_fn, state, mesh)`` for ``global_batch`` or
+    ``(step_fn, state, mesh, prepare_batch)`` for ``local_batch``.
+    """
+    _check_batches(global_batch, local_batch)
+    mesh = _default_mesh(mesh)
+    if isinstance(optimizer, nnx.Optimizer):
+        opt = optimizer
+    elif hasattr(optimizer, "init") and hasattr(optimizer, "update"):
+        opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+    else:
+        raise MultimeshTypeError(
+            f"parallelize_step: `optimizer` must be an optax GradientTransformation or an "
+            f"nnx.Optimizer, got {type(optimizer).__name__}.")
+    state = NnxTrainState(model, opt)
+
+    def train_step(state: NnxTrainState, batch):
+        if replicate_inputs:
+            batch = jax.tree.map(lambda x: mm.with_sharding_constraint(x, P()), batch)
+
+        def loss_fn(m):
+            return m(batch)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(state.model)
+        state.optimizer.update(state.model, grads)
+        return loss
+
+    batch_avals = _batch_avals(global_batch, local_batch)
+    jitted = mjit(train_step, devices=list(mesh.devices.flat),
+                  in_shardings=(_state_specs(state), None))
+    compiled = jitted.lower(state, batch_avals).compile()
+    compiled.place(state, batch_avals)
+    batch_sh = compiled.input_shardings[0][1]
+    prepare_batch = make_prepare_batch(batch_sh, batch_avals)
+
+    def step_fn(state, batch):
+        return compiled(state, batch), state
+
+    step_fn.compiled = compiled
+    step_fn.input_shardings = compiled.input_shardings
+    if global_batch is not None:
+        return step_fn, state, mesh
+    return step_fn, state, mesh, prepare_batch
+
