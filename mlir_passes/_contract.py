@@ -134,3 +134,33 @@ def num_devices(module: ir.Module) -> int | None:
     if "mm.num_devices" in attrs:
         return ir.IntegerAttr(attrs["mm.num_devices"]).value
     return None
+
+
+def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
+    """Names of ``sdy.mesh`` symbols that shardings inside ``fn`` refer to (sorted).
+
+    jax itself emits some constraints on meshes of its own (e.g. ``@empty_mesh``
+    for PRNG keys); a fragment extracted into its own module must take those along.
+    """
+    if len(mesh_names) <= 1:
+        return sorted(mesh_names)
+    found: set[str] = set()
+
+    def scan(attr) -> None:
+        text = str(attr)
+        for name in mesh_names:
+            if f"@{name}," in text or f"@{name}>" in text or f"@{name} " in text:
+                found.add(name)
+
+    def cb(op):
+        op = op.operation
+        for key in ("sharding", "sdy.sharding", "in_shardings", "out_shardings"):
+            if key in op.attributes:
+                scan(op.attributes[key])
+        return ir.WalkResult.ADVANCE
+
+    fn.walk(cb, ir.WalkOrder.PRE_ORDER)
+    for key in ("arg_attrs", "res_attrs"):
+        if key in fn.attributes:
+            scan(fn.attributes[key])
+    return sorted(found)

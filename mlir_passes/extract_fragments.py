@@ -63,6 +63,9 @@ class ExtractFragmentsPass(ModulePass):
                     sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
                     body = sub.regions[0].blocks[0]
                     meshes[mesh_sym].clone(ip=ir.InsertionPoint(body))
+                    for other in c.referenced_meshes(fn, set(meshes)):
+                        if other != mesh_sym:
+                            meshes[other].clone(ip=ir.InsertionPoint(body))
                     body.append(fn)
                     fn.attributes["sym_name"] = ir.StringAttr.get("main")
                     fn.attributes["sym_visibility"] = ir.StringAttr.get("public")

@@ -10,6 +10,7 @@ from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir, passmanager, sdy
 
 SHARDING = "sdy.sharding"
+_ALL_MESHES: dict[int, dict] = {}  # module id -> its meshes, while the pass runs
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class PropagateShardingsPass(ModulePass):
             main = c.main_func(module)
             funcs = c.func_by_name(module)
             meshes = _meshes(module)
+            _ALL_MESHES[id(module)] = meshes
             # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
             layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
             pm = passmanager.PassManager.parse("builtin.module(sdy-propagation-pipeline)")
@@ -79,6 +81,7 @@ class PropagateShardingsPass(ModulePass):
                     d["mm.devices"] = layout[a][2]
                 attrs.append(ir.DictAttr.get(d))
             main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+            _ALL_MESHES.pop(id(module), None)
 
 
 def _meshes(module) -> dict[str, ir.Attribute]:
@@ -105,6 +108,10 @@ def _propagate(module, fn, mesh_sym, mesh, hints, pm) -> ir.Operation:
     tmp = ir.Module.create(fn.location)
     with ir.InsertionPoint(tmp.body), fn.location:
         sdy.MeshOp(mesh_sym, mesh)
+    for other in c.referenced_meshes(fn, set(_ALL_MESHES.get(id(module), {}))):
+        if other != mesh_sym:
+            with ir.InsertionPoint(tmp.body), fn.location:
+                sdy.MeshOp(other, _ALL_MESHES[id(module)][other])
     clone = fn.clone(ip=ir.InsertionPoint(tmp.body))
     clone.attributes["sym_name"] = ir.StringAttr.get("main")
     clone.attributes["sym_visibility"] = ir.StringAttr.get("public")

@@ -265,11 +265,6 @@ def test_unnamed_stages_of_one_class_get_distinct_task_names():
     np.testing.assert_allclose(np.asarray(c(model, X)), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: typed PRNG key arrays as mjit inputs fail in mm-propagate-shardings "
-    "(\"'sdy.sharding_constraint' op unknown mesh: @empty_mesh\"); the NNX mjit passes "
-    "jax.random.key_data across the program boundary instead. Drop that workaround (and "
-    "this marker) once plain mm.mjit takes keys."))
 def test_core_mjit_takes_typed_keys():
     out = mm.mjit(lambda k, x: x + jax.random.normal(k, x.shape))(jax.random.key(0), jnp.ones(4))
     assert out.shape == (4,)

@@ -171,3 +171,23 @@ def test_enable_recomputation_removes_a_transfer_and_keeps_numbers():
         np.testing.assert_allclose(out, want, rtol=1e-5)
         assert _ids(out) == [4, 5, 6, 7]
     assert counts == {False: 3, True: 2}
+
+
+def test_prng_keys_cross_the_program_boundary():
+    k = jax.random.key(0)
+    f = lambda k, x: (x + jax.random.normal(k, x.shape), jax.random.split(k))  # noqa: E731
+    out, keys = mm.mjit(f)(k, jnp.ones(4))
+    want, want_keys = f(k, jnp.ones(4))
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    assert keys.dtype == want_keys.dtype
+    np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(want_keys))
+
+
+def test_in_shardings_may_be_a_prefix():
+    from jax.sharding import Mesh, NamedSharding
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    params = {"a": jnp.ones((4, 4)), "b": jnp.ones(4)}
+    f = mm.mjit(lambda p, x: p["a"] @ x + p["b"],
+                in_shardings=(NamedSharding(mesh, P("x")), None))
+    np.testing.assert_allclose(f(params, jnp.ones(4)), params["a"] @ jnp.ones(4) + 1)

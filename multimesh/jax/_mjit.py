@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlir_passes.pipeline import PipelineHooks, parse_pipeline
 from multimesh._src.errors import DiagnosticError, MultimeshValueError, PassFailure
@@ -25,6 +25,11 @@ __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompil
 def default_pipeline(num_devices: int) -> str:
     """The pass pipeline for a plain program (also printed in repro commands)."""
     return build_pipeline(num_devices)
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _abstract(x):
@@ -56,9 +61,15 @@ class MpmdCompiled:
             raise MultimeshValueError(
                 f"Compiled function called with arguments of structure {tree}, but it was "
                 f"compiled for {self._lowered.in_tree}.")
-        flat = [flat[i] for i in self._lowered.dyn_idx]
+        low = self._lowered
+        flat = [flat[i] for i in low.dyn_idx]
+        if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
+            flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
         outs = self._exec(*flat)
-        return jax.tree.unflatten(self._lowered.out_tree, outs)
+        if low.key_outputs:
+            outs = [jax.random.wrap_key_data(o, impl=impl) if impl is not None else o
+                    for o, impl in zip(outs, low.key_outputs)]
+        return jax.tree.unflatten(low.out_tree, outs)
 
     def as_text(self) -> str:
         """The program after the full pass pipeline (MPMD form)."""
@@ -123,8 +134,10 @@ class MpmdLowered:
     """The traced program before our passes; ``compile()`` runs them."""
 
     def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
-                 donated_leaves=(), schedule_config=None):
+                 donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=()):
         self._text = text
+        self.key_inputs = tuple(key_inputs)
+        self.key_outputs = tuple(key_outputs)
         self.schedule_config = schedule_config
         self.donated_leaves = tuple(donated_leaves)
         self.devices = tuple(devices)
@@ -280,8 +293,13 @@ class _MJit:
             if i in self.donate_argnums:
                 donated.extend(range(leaf, leaf + n))
             leaf += n
+        key_in = [_is_key(x) for x in dyn_flat]
+        key_out = [x.dtype._impl if _is_key(x) else None
+                   for x in jax.tree.leaves(traced.out_info)]
         return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
                            list(range(len(dyn_flat))), donated_leaves=donated,
+                           key_inputs=key_in if any(key_in) else (),
+                           key_outputs=key_out if any(k is not None for k in key_out) else (),
                            schedule_config=_schedule_config(notes),
                            pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
                                                    implicit_tasks=implicit,
@@ -303,6 +321,7 @@ class _MJit:
 
 
 def _constrain_tree(tree, shardings):
+    """Apply ``shardings`` (a prefix of ``tree``, as jit's in_shardings) as logical constraints."""
     def one(x, s):
         if isinstance(s, NamedSharding):
             s = s.spec
@@ -310,11 +329,18 @@ def _constrain_tree(tree, shardings):
             return x
         return with_sharding_constraint(x, s)
 
-    if isinstance(shardings, (NamedSharding,)) or shardings is None or \
-            type(shardings).__name__ == "PartitionSpec":
+    def is_spec(s):
+        return s is None or isinstance(s, (NamedSharding, PartitionSpec))
+
+    if is_spec(shardings):
         return jax.tree.map(lambda x: one(x, shardings), tree)
-    return jax.tree.map(one, tree, shardings,
-                        is_leaf=lambda s: s is None or isinstance(s, NamedSharding))
+    try:
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: one(x, s), sub),
+                            shardings, tree, is_leaf=is_spec)
+    except ValueError as e:
+        raise MultimeshValueError(
+            f"`in_shardings`/`out_shardings` must be a prefix of the arguments/outputs "
+            f"(as for jax.jit): {e}") from None
 
 
 def mjit(fun: Callable, *, mesh: Mesh | None = None, devices: Sequence | None = None,
