@@ -4,7 +4,8 @@
 
 P1  steady-state step time of a 2-stage and a 4-stage MLP value_and_grad under mjit /
     the same math under one jax.jit over all 8 devices (pairs interleaved, median).
-P2  per-fragment dispatch overhead / one jitted call's dispatch (no blocking).
+P2  per-fragment dispatch overhead / one jitted call's dispatch (no blocking);
+    P2_transfer: the same for one cross-device transfer.
 P3  mjit(f).lower().compile() time / jax.jit(f).lower().compile() time, one-task program.
 P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
     (max over the fragments each device runs), summed over devices.
@@ -92,39 +93,55 @@ def _p1(stages: int, reps: int) -> float:
     return statistics.median(a) / statistics.median(b)
 
 
-def _p2(reps: int) -> float:
+def _p2(reps: int) -> tuple[float, float]:
+    """(per-fragment dispatch / jit dispatch, per-transfer dispatch / jit dispatch).
+
+    Fragments: a chain of 8 tasks on one device (distinct names, so 8 fragments and
+    no transfers). Transfers: the same chain with each task on its own device.
+    """
     import jax
     import jax.numpy as jnp
 
     from multimesh.jax import TaskMesh, mjit, task
 
-    n = 8
-    tasks = [task(lambda x: x + 1.0, name=f"t{k}",
-                  mesh=TaskMesh(devices=(k,), axis_names=("x",), axis_sizes=(1,)))
-             for k in range(n)]
+    def chain_of(devs):
+        tasks = [task(lambda x: x + 1.0, name=f"t{k}",
+                      mesh=TaskMesh(devices=(d,), axis_names=("x",), axis_sizes=(1,)))
+                 for k, d in enumerate(devs)]
 
-    def chain(x):
-        for t in tasks:
-            x = t(x)
-        return x
+        def chain(x):
+            for t in tasks:
+                x = t(x)
+            return x
+        return chain
 
     x = jnp.ones((4,))
-    compiled = mjit(chain).lower(x).compile()
-    fragments = sum(1 for s in compiled.plan_data.steps if hasattr(s, "fragment"))
     plain = jax.jit(lambda x: x + 1.0)
-    jax.block_until_ready(compiled(x))
-    jax.block_until_ready(plain(x))
-    a, b = [], []
+    same = mjit(chain_of([0] * 8)).lower(x).compile()
+    moving = mjit(chain_of(range(8))).lower(x).compile()
+    x = jax.device_put(x, same.input_shardings[0][0])  # as jit's x: already in place
+    n_frag = sum(1 for s in same.plan_data.steps if hasattr(s, "fragment"))
+    n_move = len(moving.transfers)
+    for f in (same, moving, plain):
+        jax.block_until_ready(f(x))
+    a, b, c = [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        out = compiled(x)
-        a.append((time.perf_counter() - t0) / fragments)
+        out = same(x)
+        a.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        out = moving(x)
+        b.append(time.perf_counter() - t0)
         jax.block_until_ready(out)
         t0 = time.perf_counter()
         out = plain(x)
-        b.append(time.perf_counter() - t0)
+        c.append(time.perf_counter() - t0)
         jax.block_until_ready(out)
-    return statistics.median(a) / statistics.median(b)
+    jit = statistics.median(c)
+    per_fragment = statistics.median(a) / n_frag
+    per_transfer = (statistics.median(b) - statistics.median(a)) / n_move
+    return per_fragment / jit, per_transfer / jit
 
 
 def _p7() -> float:
@@ -239,7 +256,7 @@ def main(argv=None) -> int:
     reps = 5 if args.quick else 20
     res["P1_2stage"] = _p1(2, reps)
     res["P1_4stage"] = _p1(4, reps)
-    res["P2"] = _p2(50 if args.quick else 500)
+    res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
     res["P7"] = _p7()
     res["P3"] = _p3(3 if args.quick else 7)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -51,6 +51,7 @@ class MpmdCompiled:
         self.plan_data = build_plan(module)
         self._exec = Executor(self.plan_data, lowered.devices,
                               frozenset(lowered.donated_leaves))
+        self._all_dynamic = list(lowered.dyn_idx) == list(range(len(lowered.dyn_idx)))
         in_sh = self._exec.input_shardings
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
@@ -62,7 +63,8 @@ class MpmdCompiled:
                 f"Compiled function called with arguments of structure {tree}, but it was "
                 f"compiled for {self._lowered.in_tree}.")
         low = self._lowered
-        flat = [flat[i] for i in low.dyn_idx]
+        if not self._all_dynamic:
+            flat = [flat[i] for i in low.dyn_idx]
         if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
             flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
         outs = self._exec(*flat)

@@ -147,18 +147,26 @@ class Executor:
                 self._steps.append((1, layout_sharding(s.layout, self.devices), [s.src],
                                     [s.dst], drop))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
+        n_values = 1 + max([*plan.input_ids, *(v for st in plan.steps for v in
+                                              (st.results if isinstance(st, Call) else [st.dst]))],
+                           default=0)
+        self._env_template = [None] * n_values
 
     def place_inputs(self, args):
         out = []
         for a, sh in zip(args, self.input_shardings):
             s = getattr(a, "sharding", None)
-            if s is not sh and not (isinstance(a, jax.Array) and s == sh):
-                a = jax.device_put(a, sh)
+            if s is not sh:
+                a = _move(a, sh) if isinstance(a, jax.Array) else jax.device_put(a, sh)
             out.append(a)
         return out
 
     def __call__(self, *args):
-        env = dict(zip(self.plan.input_ids, self.place_inputs(args)))
+        # Values live in a flat list indexed by value id; a slot is cleared after the
+        # value's last use so its buffer can be freed while the step still runs.
+        env = self._env_template.copy()
+        for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
+            env[i] = a
         move = _move
         for kind, what, srcs, dsts, drop in self._steps:
             if kind == 0:
@@ -168,12 +176,14 @@ class Executor:
             else:
                 env[dsts[0]] = move(env[srcs[0]], what)
             for d in drop:
-                del env[d]
+                env[d] = None
         return [env[o] for o in self.plan.outputs]
 
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but blocks after every step and records its span."""
-        env = dict(zip(self.plan.input_ids, self.place_inputs(args)))
+        env = self._env_template.copy()
+        for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
+            env[i] = a
         for (kind, what, srcs, dsts, drop), step in zip(self._steps, self.plan.steps):
             if kind == 0:
                 frag = self.plan.fragments[step.fragment]
@@ -188,5 +198,5 @@ class Executor:
                                    cat="transfer"):
                     env[dsts[0]] = jax.block_until_ready(jax.device_put(env[srcs[0]], what))
             for d in drop:
-                del env[d]
+                env[d] = None
         return [env[o] for o in self.plan.outputs]
