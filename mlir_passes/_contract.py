@@ -88,12 +88,24 @@ Tag = tuple[str, int, int]
 """``(task name, transpose_count, microbatch)``; microbatch is -1 outside microbatch loops."""
 
 
+_TAG_CACHE: dict[ir.Attribute, Tag] = {}
+
+
 def tag_of(op: ir.Operation) -> Tag | None:
     """The :data:`Tag` of an op tagged in flat form, else None."""
-    if TASK_ATTR not in op.attributes:
+    attrs = op.attributes
+    if TASK_ATTR not in attrs:
         return None
-    d = attr_to_py(op.attributes[TASK_ATTR])
-    return d["name"], int(d["transpose_count"]), int(d.get("microbatch", -1))
+    a = attrs[TASK_ATTR]
+    # Attributes are uniqued per context, so a few distinct tags cover a whole module.
+    tag = _TAG_CACHE.get(a)
+    if tag is None:
+        d = attr_to_py(a)
+        tag = d["name"], int(d["transpose_count"]), int(d.get("microbatch", -1))
+        if len(_TAG_CACHE) > 4096:
+            _TAG_CACHE.clear()
+        _TAG_CACHE[a] = tag
+    return tag
 
 
 def tag_attr(name: str, count: int, microbatch: int = -1) -> ir.Attribute:

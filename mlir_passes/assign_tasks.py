@@ -45,6 +45,7 @@ class AssignTasksPass(ModulePass):
                 if t is not None:
                     tag[op] = t
             untagged = [op for op in ops if op not in tag]
+            pretagged = {op for op in ops if op in tag and c.TASK_ATTR in op.attributes}
             pos = {op: i for i, op in enumerate(ops)}
             main_op = main
 
@@ -72,9 +73,13 @@ class AssignTasksPass(ModulePass):
                 untagged = [op for op in untagged if op not in tag]
             # Attributes are written last: in these bindings an Operation's hash
             # follows its contents, so editing ops would break the maps above.
+            attrs: dict = {}
             for op in ops:
-                if op in tag:
-                    op.attributes[c.TASK_ATTR] = c.tag_attr(*tag[op])
+                if op in tag and op not in pretagged:
+                    t = tag[op]
+                    if t not in attrs:
+                        attrs[t] = c.tag_attr(*t)
+                    op.attributes[c.TASK_ATTR] = attrs[t]
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
                 tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())

@@ -39,7 +39,7 @@ class PropagateShardingsPass(ModulePass):
             _ALL_MESHES[id(module)] = meshes
             # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
             layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
-            pm = passmanager.PassManager.parse("builtin.module(sdy-propagation-pipeline)")
+            pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
             for call in [o.operation for o in c.entry_block(main).operations]:
                 if call.name != "func.call":
                     continue
