@@ -176,3 +176,25 @@ def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
         if key in fn.attributes:
             scan(fn.attributes[key])
     return sorted(found)
+
+
+def top_finder(main: ir.Operation):
+    """A function mapping any op nested in ``main`` to its top-level ancestor in ``main``.
+
+    Returns None for ops outside ``main`` (e.g. already moved into a fragment).
+    """
+    def top(o) -> ir.Operation | None:
+        o = o.operation
+        while True:
+            p = o.parent
+            if p is None:
+                return None
+            if p == main:
+                return o
+            o = p.operation
+    return top
+
+
+def fragment_calls(main: ir.Operation) -> list[ir.Operation]:
+    """The ``func.call`` ops at the top level of ``@main`` (MPMD form), in order."""
+    return [o.operation for o in entry_block(main).operations if o.operation.name == "func.call"]

@@ -47,17 +47,7 @@ class AssignTasksPass(ModulePass):
             untagged = [op for op in ops if op not in tag]
             pretagged = {op for op in ops if op in tag and c.TASK_ATTR in op.attributes}
             pos = {op: i for i, op in enumerate(ops)}
-            main_op = main
-
-            def top(o: ir.Operation) -> ir.Operation | None:
-                o = o.operation
-                while True:
-                    p = o.parent
-                    if p is None:
-                        return None
-                    if p == main_op:
-                        return o
-                    o = p.operation
+            top = c.top_finder(main)
 
             changed = True
             while changed and untagged:

@@ -44,7 +44,7 @@ class OutlineFragmentsPass(ModulePass):
                         "op is not assigned to a task; run mm-assign-tasks first", op.location)
             _remat_constants(ops, main)
             ops = [o.operation for o in block.operations][:-1]
-            top = _top_finder(main)
+            top = c.top_finder(main)
             frag_of: dict[ir.Operation, int] = {}
             frags: list[tuple[c.Tag, list[ir.Operation]]] = []
             last: dict[c.Tag, int] = {}
@@ -63,19 +63,6 @@ class OutlineFragmentsPass(ModulePass):
             _ensure_meshes(module, tasks, meshes, {k[0] for k, _ in frags})
             names = _fragment_names([k for k, _ in frags])
             _outline_all(module, main, ret, frags, names, tasks, meshes, top)
-
-
-def _top_finder(main: ir.Operation):
-    def top(o) -> ir.Operation | None:
-        o = o.operation
-        while True:
-            p = o.parent
-            if p is None:
-                return None
-            if p == main:
-                return o
-            o = p.operation
-    return top
 
 
 def _value_top(v: ir.Value, top) -> ir.Operation | None:
@@ -109,7 +96,7 @@ def _remat_constants(ops, main) -> None:
     Planning happens before any edit: an Operation's hash follows its contents in
     these bindings, so maps keyed by ops go stale once an op is changed.
     """
-    top = _top_finder(main)
+    top = c.top_finder(main)
     index = {op: i for i, op in enumerate(ops)}
     plans = []
     for op in ops:
@@ -245,15 +232,13 @@ def _outline_all(module, main, ret, frags, names, tasks, meshes, top) -> None:
         outs.append(outputs)
     # Where each produced value is available in @main after outlining.
     avail: dict[ir.Value, ir.Value] = {}
-    calls = []
-    for i, ((key, fops), name) in enumerate(zip(frags, names)):
+    for i, ((_, fops), name) in enumerate(zip(frags, names)):
         inputs = [avail.get(v, v) for v in ins[i]]
         with ir.InsertionPoint(ret), fops[-1].location:
             call = func.CallOp([v.type for v in outs[i]], ir.FlatSymbolRefAttr.get(name), inputs)
         call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
         for v, r in zip(outs[i], call.results):
             avail[v] = r
-        calls.append(call)
     for j, v in enumerate(list(ret.operands)):
         if v in avail:
             ret.operands[j] = avail[v]

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import ir, passmanager, print_module
 from mlir_passes import get_all_passes
 from mlir_passes.base import ModulePass
+from multimesh._src.errors import DiagnosticError, PipelineError
+from multimesh._src.mlir import ir, passmanager, print_module
 
 __all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks"]
 

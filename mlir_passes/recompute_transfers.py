@@ -50,8 +50,7 @@ class RecomputeTransfersPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            block = c.entry_block(main)
-            calls = [o.operation for o in block.operations if o.operation.name == "func.call"]
+            calls = c.fragment_calls(main)
             producer_of: dict = {}
             for call in calls:
                 for j, r in enumerate(call.results):
@@ -181,8 +180,7 @@ def _rewrite(fn, call, items) -> None:
 
 def _prune_unused_results(module, main, funcs) -> None:
     """Drop fragment results nothing reads any more (values now recomputed downstream)."""
-    block = c.entry_block(main)
-    calls = [o.operation for o in block.operations if o.operation.name == "func.call"]
+    calls = c.fragment_calls(main)
     uses: dict[str, int] = {}
     for call in calls:
         uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1

@@ -13,7 +13,7 @@ from typing import ClassVar
 from mlir_passes.base import ModulePass
 from mlir_passes.logical_axes import resolve_logical_spec
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
-from multimesh._src.mlir import ir, sdy, walk
+from multimesh._src.mlir import attr_to_py, ir, sdy, walk
 
 __all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
 
@@ -47,27 +47,6 @@ def mesh_symbol_names(task_names: Iterable[str]) -> dict[str, str]:
         out[t] = cand
         taken.add(cand)
     return out
-
-
-def attr_to_py(a: ir.Attribute):
-    """Builtin attribute -> Python value (str, bool, int, float, list, dict).
-
-    Local because ``multimesh._src.mlir.attr_to_py`` relies on ``Attr.isinstance``,
-    which these jaxlib bindings no longer have (attributes come back downcast).
-    """
-    if isinstance(a, ir.StringAttr):
-        return a.value
-    if isinstance(a, ir.BoolAttr):
-        return a.value
-    if isinstance(a, (ir.IntegerAttr, ir.FloatAttr)):
-        return a.value
-    if isinstance(a, (ir.DenseI64ArrayAttr, ir.DenseI32ArrayAttr)):
-        return list(a)
-    if isinstance(a, ir.ArrayAttr):
-        return [attr_to_py(x) for x in a]
-    if isinstance(a, ir.DictAttr):
-        return {a[i].name: attr_to_py(a[i].attr) for i in range(len(a))}
-    return a
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,7 @@ class SplitBackwardPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            block = c.entry_block(main)
-            calls = [o.operation for o in block.operations if o.operation.name == "func.call"]
+            calls = c.fragment_calls(main)
             task_of = {}
             for call in calls:
                 fn = funcs[c.callee_of(call)]

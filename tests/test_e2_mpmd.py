@@ -155,10 +155,10 @@ def test_mlp_value_and_grad_pipeline(n_stages, per_stage):
     loss = _make_loss(n_stages, per_stage)
     step = mm.mjit(jax.value_and_grad(loss), devices=jax.devices())
     compiled = step.lower(ws, x).compile()
-    l, grads = compiled(ws, x)
+    value, grads = compiled(ws, x)
     with mm.ignore_transforms():
         l_ref, g_ref = jax.value_and_grad(loss)(ws, x)
-    np.testing.assert_allclose(np.asarray(l), np.asarray(l_ref), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(l_ref), rtol=1e-5)
     assert len(grads) == n_stages
     for i, (g, gr) in enumerate(zip(grads, g_ref)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=1e-5, atol=1e-7)

@@ -73,7 +73,7 @@ def test_gpipe_and_1f1b_orders_are_textbook():
         f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=s)
         orders[s] = mm.mjit(f).lower(ws, x).compile().schedule
     P_, M = 4, 8
-    for stage, row in enumerate(orders["gpipe"].rows()):
+    for row in orders["gpipe"].rows():
         kinds = [(u.kind, u.microbatch) for u in row if not u.free]
         assert kinds == [("fwd", m) for m in range(M)] + [("bwd", m) for m in range(M)]
     for stage, row in enumerate(orders["1f1b"].rows()):

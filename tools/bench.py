@@ -174,7 +174,7 @@ def _p3(reps: int) -> float:
     w = jnp.ones((256, 256)) * 0.01
     x = jnp.ones((64, 256))
     ours, theirs = [], []
-    for i in range(reps):
+    for _ in range(reps):
         jax.clear_caches()
         t0 = time.perf_counter()
         jax.jit(body_plain).lower(w, x).compile() if False else None

@@ -16,7 +16,7 @@ from multimesh._src.errors import DiagnosticError, MultimeshValueError, PassFail
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _contexts, _multimesh
 from multimesh.jax._pipeline import build_pipeline
-from multimesh.jax._task import logical_axes_of, with_sharding_constraint
+from multimesh.jax._task import with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]

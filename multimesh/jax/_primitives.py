@@ -15,12 +15,21 @@ from functools import partial
 
 from jax._src import core, dispatch, source_info_util
 from jax._src import linear_util as lu
-from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.tree_util import tree_flatten, tree_unflatten
-from jax._src.util import merge_lists, safe_map, safe_zip, split_list, subs_list, unzip2, weakref_lru_cache
+from jax._src.util import (
+    merge_lists,
+    safe_map,
+    safe_zip,
+    split_list,
+    subs_list,
+    unzip2,
+    weakref_lru_cache,
+)
 
 map, unsafe_map = safe_map, map
 zip, unsafe_zip = safe_zip, zip

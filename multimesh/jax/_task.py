@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -376,5 +375,3 @@ def _constrain(leaf, spec):
         return leaf  # eager values carry no logical sharding; the marker is a no-op
     return bind_logical(leaf, axes)
 
-
-Any  # re-exported type hint helper

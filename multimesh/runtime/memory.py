@@ -27,9 +27,6 @@ def _shard_bytes(shape, dtype: str, layout) -> int:
 
 def simulated_peaks(plan: Plan, executor) -> tuple[dict[int, int], dict[int, int]]:
     """(peak bytes per device while running the plan, max fragment peak per device)."""
-    info: dict[int, tuple] = {}
-    for vid, lay in zip(plan.input_ids, plan.inputs):
-        info[vid] = None  # inputs: sized on first use below
     live: dict[int, int] = {}  # device position -> bytes
     where: dict[int, list] = {}
     peak: dict[int, int] = {}
