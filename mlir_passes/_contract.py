@@ -27,16 +27,23 @@ class TaskMeshInfo:
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
     logical_axes: tuple[tuple[str, str], ...]
+    split_backprop: tuple[str, str] | None = None
+    """``Task.split_backprop``: name suffixes of the activation and weight halves."""
 
     @classmethod
     def from_dict(cls, d: dict) -> TaskMeshInfo:
+        split = d.get("split_backprop")
         return cls(tuple(d["devices"]), tuple(d["axis_names"]), tuple(d["axis_sizes"]),
-                   tuple(tuple(p) for p in d["logical_axes"]))
+                   tuple(tuple(p) for p in d.get("logical_axes", [])),
+                   tuple(split) if split else None)
 
     def to_dict(self) -> dict:
-        return {"devices": list(self.devices), "axis_names": list(self.axis_names),
-                "axis_sizes": list(self.axis_sizes),
-                "logical_axes": [list(p) for p in self.logical_axes]}
+        d = {"devices": list(self.devices), "axis_names": list(self.axis_names),
+             "axis_sizes": list(self.axis_sizes),
+             "logical_axes": [list(p) for p in self.logical_axes]}
+        if self.split_backprop:
+            d["split_backprop"] = list(self.split_backprop)
+        return d
 
     def mesh_key(self) -> tuple:
         return (self.devices, self.axis_names, self.axis_sizes)

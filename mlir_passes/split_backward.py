@@ -27,6 +27,10 @@ class SplitBackwardPass(ModulePass):
     argument = "mm-split-backward"
     summary = "Split backward fragments into activation- and weight-gradient fragments."
 
+    all: bool = False
+    """Split every backward fragment (zero-bubble schedules); otherwise only tasks whose
+    `mm.tasks` entry has `split_backprop`."""
+
     def apply(self, module: ir.Module) -> None:
         with module.context:
             main = c.main_func(module)
@@ -39,10 +43,15 @@ class SplitBackwardPass(ModulePass):
             uses: dict[str, int] = {}
             for call in calls:
                 uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1
+            tasks = c.read_tasks(module)
             for call in calls:
                 name = c.callee_of(call)
                 tag = task_of[name]
                 if tag is None or tag[1] != 1 or uses[name] != 1:
+                    continue
+                info = tasks.get(tag[0])
+                suffixes = info.split_backprop if info is not None else None
+                if not self.all and not suffixes:
                     continue
                 act = []
                 for j, r in enumerate(call.results):
@@ -56,10 +65,11 @@ class SplitBackwardPass(ModulePass):
                             break
                 if not act or len(act) == len(call.results):
                     continue
-                _split(module, main, funcs, call, funcs[name], act)
+                _split(module, main, funcs, call, funcs[name], act,
+                       suffixes or ("_act", "_w"))
 
 
-def _split(module, main, funcs, call, fn, act_outputs) -> None:
+def _split(module, main, funcs, call, fn, act_outputs, suffixes) -> None:
     body = c.entry_block(fn)
     ops = [o.operation for o in body.operations]
     ret = ops[-1]
@@ -101,20 +111,21 @@ def _split(module, main, funcs, call, fn, act_outputs) -> None:
             if key not in crossing:
                 crossing.append(key)
     name = c.func_name(fn)
-    a_fn = _make_half(fn, f"{name}_act", keep=need, outputs=[("ret", j) for j in act_outputs]
+    a_name, w_name = f"{name}{suffixes[0]}", f"{name}{suffixes[1]}"
+    a_fn = _make_half(fn, a_name, keep=need, outputs=[("ret", j) for j in act_outputs]
                       + [("op", k) for k in crossing], split="activation")
-    w_fn = _make_half(fn, f"{name}_w", keep=set(range(len(ops))) - need,
+    w_fn = _make_half(fn, w_name, keep=set(range(len(ops))) - need,
                       outputs=[("ret", j) for j in weight_outputs], split="weight",
                       crossing=crossing)
     # rebuild the call site: act half, then weight half
     a_args = [call.operands[i] for i in a_fn[1]]
     with ir.InsertionPoint(call), call.location:
-        a_call = func.CallOp(a_fn[2], ir.FlatSymbolRefAttr.get(f"{name}_act"), a_args)
+        a_call = func.CallOp(a_fn[2], ir.FlatSymbolRefAttr.get(a_name), a_args)
     a_call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
     cross_vals = list(a_call.results)[len(act_outputs):]
     w_args = [call.operands[i] for i in w_fn[1]] + cross_vals
     with ir.InsertionPoint(call), call.location:
-        w_call = func.CallOp(w_fn[2], ir.FlatSymbolRefAttr.get(f"{name}_w"), w_args)
+        w_call = func.CallOp(w_fn[2], ir.FlatSymbolRefAttr.get(w_name), w_args)
     w_call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
     for k, j in enumerate(act_outputs):
         call.results[j].replace_all_uses_with(a_call.results[k])

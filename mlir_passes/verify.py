@@ -16,7 +16,8 @@ from multimesh._src.mlir import ir
 __all__ = ["VerifyPass"]
 
 _MESH_KEYS = ("devices", "axis_names", "axis_sizes", "logical_axes")
-_CALL_KEYS = ("name", "transpose_count", "microbatch", *_MESH_KEYS)
+_OPTIONAL_KEYS = ("logical_axes", "microbatch", "split_backprop")
+_CALL_KEYS = ("name", "transpose_count", "microbatch", "split_backprop", *_MESH_KEYS)
 _REF_KEYS = ("name", "transpose_count", "microbatch")
 _MARKER = "mm.logical_sharding"
 
@@ -153,7 +154,7 @@ def _check_task(attr: ir.Attribute, loc, what: str, allowed: tuple[str, ...], *,
         if key not in allowed:
             raise DiagnosticError(
                 f"{what} has unknown key '{key}' (expected {', '.join(allowed)})", loc)
-    required = [k for k in allowed if k not in ("logical_axes", "microbatch")]
+    required = [k for k in allowed if k not in _OPTIONAL_KEYS]
     for key in required:
         if key not in d:
             raise DiagnosticError(f"{what} is missing '{key}'", loc)
@@ -229,7 +230,7 @@ def _check_table(mod_op: ir.Operation) -> dict[str, dict] | None:
         return None
     loc = mod_op.location
     entries = _as_dict(mod_op.attributes["mm.tasks"], "'mm.tasks'", loc)
-    return {name: _check_task(attr, loc, f"'mm.tasks' entry \"{name}\"", _MESH_KEYS,
+    return {name: _check_task(attr, loc, f"'mm.tasks' entry \"{name}\"", (*_MESH_KEYS, "split_backprop"),
                               with_name=False)
             for name, attr in entries.items()}
 

@@ -240,3 +240,27 @@ def test_interleaved_1f1b_two_stages_per_submesh():
     gp = mm.mjit(mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1,
                                schedule="gpipe")).lower(ws, x).compile().schedule
     assert sched.bubble_fraction() <= gp.bubble_fraction()
+
+
+def test_task_split_backprop_splits_and_names_the_backward():
+    def mk(k, split):
+        mesh = mm.TaskMesh(devices=range(4 * k, 4 * k + 4), axis_names=("x",), axis_sizes=(4,))
+        return mm.task(lambda w, x: jnp.tanh(x @ w), name=f"sp{k}", mesh=mesh,
+                       split_backprop=split)
+
+    tasks = [mk(0, None), mk(1, ("_activations", "_gradients"))]
+
+    def loss(ws, x):
+        for t, w in zip(tasks, ws):
+            x = t(w, x)
+        return (x ** 2).sum()
+
+    ws = [jnp.eye(16) * 0.5, jnp.eye(16) * 0.6]
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+    compiled = mm.mjit(f).lower(ws, x).compile()
+    with mm.ignore_transforms():
+        _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
+    names = {fr["name"] for fr in compiled.fragments}
+    assert "sp1_bwd_mb0_activations" in names and "sp1_bwd_mb0_gradients" in names
+    assert not any(n.startswith("sp0_bwd") and n.endswith("_activations") for n in names)

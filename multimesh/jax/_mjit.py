@@ -225,9 +225,12 @@ def _schedule_config(notes: dict) -> dict | None:
     return out
 
 
-def _wants_split(notes: dict) -> bool:
+def _wants_split(notes: dict) -> str | None:
+    """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
     cfg = notes.get("microbatch")
-    return bool(cfg) and cfg["schedule"] == "zero-bubble-h1"
+    if cfg and cfg["schedule"] == "zero-bubble-h1":
+        return "all=true"
+    return "" if notes.get("split_backprop") else None
 
 
 def _schedule_options(notes: dict) -> str | None:

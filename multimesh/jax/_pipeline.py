@@ -11,12 +11,13 @@ __all__ = ["build_pipeline"]
 
 def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
                    recompute: bool = False, schedule: str | None = None,
-                   split_backward: bool = False) -> str:
+                   split_backward: str | None = None) -> str:
     """The ``builtin.module(...)`` string for a program on ``num_devices`` devices.
 
     ``implicit_tasks``: options text for ``mm-match-tasks`` (registered tasks), if any.
     ``recompute``: run the comm-avoiding recompute pass.
-    ``split_backward``: split backward fragments for zero-bubble schedules.
+    ``split_backward``: options for ``mm-split-backward`` ("all=true" for zero-bubble
+    schedules, "" for only tasks with ``split_backprop``), or None.
     ``schedule``: options text for ``mm-schedule-fragments`` if the program is
     microbatched ("" = take them from the module's ``mm.schedule_config``).
     """
@@ -25,8 +26,9 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
         steps.append(f"mm-match-tasks{{{implicit_tasks}}}")
     steps += ["mm-inline-tasks", f"mm-assign-tasks{{num-devices={num_devices}}}",
               "mm-resolve-logical-shardings", "mm-outline-fragments"]
-    if split_backward:
-        steps.append("mm-split-backward")
+    if split_backward is not None:
+        steps.append(f"mm-split-backward{{{split_backward}}}" if split_backward
+                     else "mm-split-backward")
     if recompute:
         steps.append("mm-recompute-transfers")
     steps.append("mm-propagate-shardings")

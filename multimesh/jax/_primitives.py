@@ -48,6 +48,7 @@ class TaskInfo:
     logical_axes: tuple[tuple[str, str], ...]
     transpose_count: int = 0
     microbatch: int | None = None
+    split_backprop: tuple[str, str] | None = None
 
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
@@ -63,6 +64,8 @@ class TaskInfo:
 
         extra = {} if self.microbatch is None else {
             "microbatch": ir.IntegerAttr.get(i64, self.microbatch)}
+        if self.split_backprop:
+            extra["split_backprop"] = strs(self.split_backprop)
         return ir.DictAttr.get({
             **extra,
             "name": ir.StringAttr.get(self.name),

@@ -184,9 +184,16 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
             raise MeshError(
                 f"Task {name!r} maps logical axis {logical!r} to unknown device axis {dev!r}; "
                 f"the task mesh has axes {names}.")
+    split = tuple(spec.split_backprop) if spec.split_backprop else None
+    if split is not None and (len(split) != 2 or not all(isinstance(x, str) for x in split)):
+        raise MultimeshValueError(
+            f"Task {name!r}: `split_backprop` must be two name suffixes "
+            f"(critical, non-critical), got {spec.split_backprop!r}.")
+    if split is not None and _contexts.state.trace_notes is not None:
+        _contexts.state.trace_notes["split_backprop"] = True
     return TaskInfo(name=name, devices=tuple(int(p) for p in positions.flat),
                     axis_names=tuple(names), axis_sizes=tuple(int(s) for s in sizes),
-                    logical_axes=mapping)
+                    logical_axes=mapping, split_backprop=split)
 
 
 def _loop_dependent(spec: Task, name: str, info: TaskInfo, mb: int) -> TaskInfo:
