@@ -44,50 +44,104 @@ class OutlineFragmentsPass(ModulePass):
                         "op is not assigned to a task; run mm-assign-tasks first", op.location)
             _remat_constants(ops, main)
             ops = [o.operation for o in block.operations][:-1]
-            top = c.top_finder(main)
-            frag_of: dict[ir.Operation, int] = {}
-            frags: list[tuple[c.Tag, list[ir.Operation]]] = []
-            last: dict[c.Tag, int] = {}
-            for op in ops:
-                key = c.tag_of(op)
-                deps = {frag_of[t] for t in _producers(op, top) if t in frag_of}
-                f = last.get(key)
-                if f is None or any(d > f for d in deps):
-                    f = len(frags)
-                    frags.append((key, []))
-                    last[key] = f
-                frags[f][1].append(op)
-                frag_of[op] = f
-            frags = _merge_down(frags, top)
+            tags = [c.tag_of(op) for op in ops]
+            uses = _operand_uses(ops, main, block)
+            frag = _merge_down(tags, _assign_fragments(tags, uses), uses)
+            renum = {f: k for k, f in enumerate(sorted(set(frag)))}
+            frag = [renum[f] for f in frag]
+            keys: list = [None] * len(renum)
+            for i, f in enumerate(frag):
+                keys[f] = tags[i]
             meshes = mesh_symbol_names(sorted(tasks))
-            _ensure_meshes(module, tasks, meshes, {k[0] for k, _ in frags})
-            names = _fragment_names([k for k, _ in frags])
-            _outline_all(module, main, ret, frags, names, tasks, meshes, top)
+            _ensure_meshes(module, tasks, meshes, {k[0] for k in keys})
+            names = _fragment_names(keys)
+            _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes)
 
 
-def _value_top(v: ir.Value, top) -> ir.Operation | None:
-    owner = v.owner
-    if isinstance(owner, ir.Block):
-        parent = owner.owner
-        return None if parent is None else top(parent)
-    return top(owner)
+def _operand_uses(ops, main, block):
+    """Per top-level op: ``[(user op, operand number, value, producer index or -1)]``.
 
-
-def _producers(op: ir.Operation, top) -> list[ir.Operation]:
+    Producer index -1 means a program input. Values captured by nested regions are
+    included with the nested user op, so outlining can rewire them too. This is
+    the one scan over operands the pass makes.
+    """
+    index = {op: i for i, op in enumerate(ops)}
+    top = c.top_finder(main)
     out = []
-    for v in op.operands:
-        owner = v.owner
-        if not isinstance(owner, ir.Block):
-            out.append(owner.operation)
-    if len(op.regions):
-        def cb(o):
-            for v in o.operands:
-                t = _value_top(v, top)
-                if t is not None and t != op:
-                    out.append(t)
-            return ir.WalkResult.ADVANCE
-        op.walk(cb, ir.WalkOrder.PRE_ORDER)
+    for op in ops:
+        rec = []
+        for k, v in enumerate(op.operands):
+            owner = v.owner
+            rec.append((op, k, v, -1 if isinstance(owner, ir.Block)
+                        else index[owner.operation]))
+        if len(op.regions):
+            nested: list = []
+
+            def cb(o, nested=nested, op=op):
+                o = o.operation
+                if o == op:
+                    return ir.WalkResult.ADVANCE
+                for k, v in enumerate(o.operands):
+                    owner = v.owner
+                    if isinstance(owner, ir.Block):
+                        if owner == block:
+                            nested.append((o, k, v, -1))
+                        continue
+                    t = top(owner)
+                    if t is not None and t != op:
+                        nested.append((o, k, v, index[t]))
+                return ir.WalkResult.ADVANCE
+
+            op.walk(cb, ir.WalkOrder.PRE_ORDER)
+            rec.extend(nested)
+        out.append(rec)
     return out
+
+
+def _assign_fragments(tags, uses) -> list[int]:
+    """Fragment number per op: its key's latest fragment unless that would need a later one."""
+    frag: list[int] = []
+    last: dict = {}
+    count = 0
+    for i, key in enumerate(tags):
+        f = last.get(key)
+        if f is None or any(p >= 0 and frag[p] > f for _, _, _, p in uses[i]):
+            f = count
+            count += 1
+            last[key] = f
+        frag.append(f)
+    return frag
+
+
+def _merge_down(tags, frag, uses) -> list[int]:
+    """Merge a fragment into the next one of its key when nothing in between needs it.
+
+    Program order can open a fragment early for an op (say a constraint on an
+    input) whose only consumers come much later; sinking it into the next fragment
+    of the same task and direction avoids a tiny extra fragment.
+    """
+    n = max(frag, default=-1) + 1
+    key_of: dict = {}
+    for i, f in enumerate(frag):
+        key_of[f] = tags[i]
+    consumers: list[set[int]] = [set() for _ in range(n)]
+    for j, rec in enumerate(uses):
+        for _, _, _, p in rec:
+            if p >= 0 and frag[p] != frag[j]:
+                consumers[frag[p]].add(frag[j])
+    target = list(range(n))
+    for f in range(n - 1, -1, -1):
+        nxt = next((g for g in range(f + 1, n) if target[g] == g and key_of[g] == key_of[f]),
+                   None)
+        if nxt is not None and all(_final(target, u) >= nxt for u in consumers[f]):
+            target[f] = nxt
+    return [_final(target, f) for f in frag]
+
+
+def _final(target: list[int], f: int) -> int:
+    while target[f] != f:
+        f = target[f]
+    return f
 
 
 def _remat_constants(ops, main) -> None:
@@ -153,118 +207,60 @@ def _ensure_meshes(module, tasks, meshes, used) -> None:
         sdy.MeshOp(sym, mesh, ip=ip, loc=module.operation.location)
 
 
-def _merge_down(frags, top):
-    """Merge a fragment into the next one of its key when nothing in between needs it.
-
-    Program order can open a fragment early for an op (say a constraint on an
-    input) whose only consumers come much later; sinking it into the next fragment
-    of the same task and direction avoids a tiny extra fragment.
-    """
-    frag_of = {op: i for i, (_, ops) in enumerate(frags) for op in ops}
-    alive = [True] * len(frags)
-    ops_of = [list(ops) for _, ops in frags]
-    for i in range(len(frags) - 1, -1, -1):
-        key = frags[i][0]
-        nxt = next((j for j in range(i + 1, len(frags)) if alive[j] and frags[j][0] == key), None)
-        if nxt is None:
-            continue
-        ok = True
-        for op in ops_of[i]:
-            for r in op.results:
-                for use in r.uses:
-                    t = top(use.owner)
-                    j = frag_of.get(t)
-                    if j is not None and j != i and j < nxt:
-                        ok = False
-                        break
-                if not ok:
-                    break
-            if not ok:
-                break
-        if ok:
-            ops_of[nxt] = ops_of[i] + ops_of[nxt]
-            for op in ops_of[i]:
-                frag_of[op] = nxt
-            alive[i] = False
-    return [(frags[i][0], ops_of[i]) for i in range(len(frags)) if alive[i]]
-
-
-def _outline_all(module, main, ret, frags, names, tasks, meshes, top) -> None:
-    frag_of = {op: i for i, (_, ops) in enumerate(frags) for op in ops}
-    main_block = c.entry_block(main)
-    ins: list[list[ir.Value]] = []
-    outs: list[list[ir.Value]] = []
-    for i, (_, fops) in enumerate(frags):
-        inputs, seen = [], set()
-
-        def add(v, inputs=inputs, seen=seen):
-            if v not in seen:
-                seen.add(v)
-                inputs.append(v)
-
-        for op in fops:
-            for v in op.operands:
-                owner = v.owner
-                if isinstance(owner, ir.Block) or frag_of.get(owner.operation) != i:
-                    add(v)
-            if len(op.regions):
-                def cb(o, i=i, add=add):
-                    for v in o.operands:
-                        owner = v.owner
-                        if isinstance(owner, ir.Block):
-                            if owner == main_block:
-                                add(v)
-                            continue
-                        t = top(owner)
-                        if t is not None and frag_of.get(t) != i:
-                            add(v)
-                    return ir.WalkResult.ADVANCE
-                op.walk(cb, ir.WalkOrder.PRE_ORDER)
-        ins.append(inputs)
-        outputs = []
-        for op in fops:
-            for r in op.results:
-                for use in r.uses:
-                    t = top(use.owner)
-                    if t is None or frag_of.get(t) != i:
-                        outputs.append(r)
-                        break
-        outs.append(outputs)
-    # Where each produced value is available in @main after outlining.
+def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes) -> None:
+    n = len(keys)
+    members: list[list[int]] = [[] for _ in range(n)]
+    for i, f in enumerate(frag):
+        members[f].append(i)
+    ins: list[list[ir.Value]] = [[] for _ in range(n)]
+    in_seen: list[set] = [set() for _ in range(n)]
+    out_set: list[dict] = [{} for _ in range(n)]  # value -> (producer, result number)
+    rewire: list[list] = [[] for _ in range(n)]  # (user op, operand number, value)
+    for j, rec in enumerate(uses):
+        f = frag[j]
+        for user, k, v, p in rec:
+            if p >= 0 and frag[p] == f:
+                continue
+            if v not in in_seen[f]:
+                in_seen[f].add(v)
+                ins[f].append(v)
+            rewire[f].append((user, k, v))
+            if p >= 0:
+                out_set[frag[p]].setdefault(v, (p, v.result_number))
+    index = {op: i for i, op in enumerate(ops)}
+    for v in ret.operands:
+        owner = v.owner
+        if not isinstance(owner, ir.Block):
+            p = index[owner.operation]
+            out_set[frag[p]].setdefault(v, (p, v.result_number))
+    outs = [sorted(d, key=d.get) for d in out_set]
     avail: dict[ir.Value, ir.Value] = {}
-    for i, ((_, fops), name) in enumerate(zip(frags, names)):
-        inputs = [avail.get(v, v) for v in ins[i]]
-        with ir.InsertionPoint(ret), fops[-1].location:
-            call = func.CallOp([v.type for v in outs[i]], ir.FlatSymbolRefAttr.get(name), inputs)
+    for f in range(n):
+        inputs = [avail.get(v, v) for v in ins[f]]
+        with ir.InsertionPoint(ret), ops[members[f][-1]].location:
+            call = func.CallOp([v.type for v in outs[f]], ir.FlatSymbolRefAttr.get(names[f]),
+                               inputs)
         call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
-        for v, r in zip(outs[i], call.results):
+        for v, r in zip(outs[f], call.results):
             avail[v] = r
     for j, v in enumerate(list(ret.operands)):
         if v in avail:
             ret.operands[j] = avail[v]
-    for i, ((key, fops), name) in enumerate(zip(frags, names)):
+    for f in range(n):
+        key = keys[f]
         task = tasks[key[0]]
         with ir.InsertionPoint(module.body), main.location:
-            fn = func.FuncOp(name, ir.FunctionType.get([v.type for v in ins[i]],
-                                                       [v.type for v in outs[i]]),
+            fn = func.FuncOp(names[f], ir.FunctionType.get([v.type for v in ins[f]],
+                                                           [v.type for v in outs[f]]),
                              visibility="private")
             body = fn.add_entry_block()
         fn.operation.attributes[c.TASK_ATTR] = c.tag_attr(*key)
         fn.operation.attributes["mm.devices"] = py_to_attr(list(task.devices))
         fn.operation.attributes["mm.mesh"] = ir.FlatSymbolRefAttr.get(meshes[key[0]])
-        remap = dict(zip(ins[i], body.arguments))
-        for op in fops:
-            body.append(op)
-
-        def fix(o, remap=remap):
-            ops = o.operands
-            for k in range(len(ops)):
-                nv = remap.get(ops[k])
-                if nv is not None:
-                    ops[k] = nv
-            return ir.WalkResult.ADVANCE
-
-        for op in fops:
-            op.walk(fix, ir.WalkOrder.PRE_ORDER)
+        remap = dict(zip(ins[f], body.arguments))
+        for i in members[f]:
+            body.append(ops[i])
+        for user, k, v in rewire[f]:
+            user.operands[k] = remap[v]
         with ir.InsertionPoint(body), ret.location:
-            func.ReturnOp(outs[i])
+            func.ReturnOp(outs[f])

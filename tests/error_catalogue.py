@@ -1,0 +1,1510 @@
+"""The error catalogue: every user-facing multimesh error, as data.
+
+Each :class:`Entry` names an error (``id``, kebab-case), its category, how to
+provoke it (a ``trigger()`` for Python errors; ``mm-opt`` argv plus an input file
+for CLI errors), what must come out (exception class or exit code, and a regex the
+message must match) and a short "what it means / how to fix".
+
+``tests/test_error_catalogue.py`` runs every entry; ``tools/gen_errors_doc.py``
+renders ``docs/errors.md`` from it, with each example message captured by running
+the trigger. An entry with ``issue`` set documents an error that is missing,
+unclear or raised with the wrong class today: its ``exc``/``match`` say what we
+*want*, and its test is a strict xfail until the library is fixed.
+
+Python triggers are ``@error(...)``-decorated functions whose body is shown in the
+docs, so keep them short and self-contained (the helpers below are shown too).
+Jax must already be configured for 8 CPU devices when this module is imported
+(the root conftest does it; so does the doc generator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import io
+import os
+import re
+import shlex
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import multimesh.jax as mm
+from multimesh._src.errors import (
+    DiagnosticError,
+    LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
+    MeshError,
+    MultimeshError,
+    MultimeshTypeError,
+    MultimeshValueError,
+    PassFailure,
+    PipelineError,  # noqa: F401
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+API = "API misuse"
+MESHES = "Bad meshes"
+LOGICAL = "Bad logical mappings"
+SHAPES = "Non-dividing shapes"
+SCHEDULES = "Schedule misuse"
+IMPLICIT = "Implicit tasks"
+FLAX = "Flax"
+CLI = "CLI misuse (mm-opt)"
+CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, CLI)
+
+_ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One user-facing error."""
+
+    id: str
+    category: str
+    title: str
+    match: str  # re.search(match, message, re.DOTALL) must succeed
+    fix: str  # what it means / how to fix
+    # Python errors
+    exc: type[BaseException] | None = None
+    trigger: Callable[[], object] | None = None
+    check: Callable[[BaseException], None] | None = None  # extra assertions
+    # CLI errors
+    argv: tuple[str, ...] | None = None  # mm-opt arguments; run in a directory holding in.mlir
+    input_text: str | None = None  # written to in.mlir when given
+    exit_code: int | None = None
+    # known problem: the test is xfail(strict=True, reason=issue) until fixed
+    issue: str | None = None
+    requires: tuple[str, ...] = ()  # optional modules the trigger imports
+
+    @property
+    def is_cli(self) -> bool:
+        return self.argv is not None
+
+    @property
+    def builtin(self) -> type[BaseException] | None:
+        """The builtin exception class ``exc`` also inherits (ValueError, TypeError)."""
+        if self.exc is None:
+            return None
+        for cls in self.exc.__mro__:
+            if cls.__module__ == "builtins" and cls not in (Exception, BaseException, object):
+                return cls
+        return None
+
+    def source(self) -> str:
+        """The trigger's body (Python) or the command line (CLI), for the docs."""
+        if self.is_cli:
+            return "mm-opt " + shlex.join(self.argv)
+        return function_body(self.trigger)
+
+
+ENTRIES: list[Entry] = []
+
+
+def error(id: str, category: str, title: str, exc: type[BaseException], match: str, fix: str,
+          *, issue: str | None = None, check: Callable | None = None,
+          requires: tuple[str, ...] = ()):
+    """Decorator: register the decorated function as the trigger of a Python error."""
+
+    def register(fn):
+        ENTRIES.append(Entry(id=id, category=category, title=title, match=match,
+                             fix=" ".join(fix.split()), exc=exc, trigger=fn, check=check,
+                             issue=issue, requires=requires))
+        return fn
+
+    return register
+
+
+def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: str, *,
+        input_text: str | None = None, issue: str | None = None) -> None:
+    ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
+                         fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
+                         exit_code=exit_code, issue=issue))
+
+
+def function_body(fn: Callable) -> str:
+    """Source of ``fn`` without its decorator and ``def`` line, dedented."""
+    lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def "))
+    while not lines[start].rstrip().endswith(":"):
+        start += 1
+    return textwrap.dedent("\n".join(lines[start + 1:])).strip("\n")
+
+
+# --------------------------------------------------------------------------- helpers
+# Shown in docs/errors.md ("Helpers"); the examples use them.
+
+
+def mesh4(first: int = 0) -> mm.TaskMesh:
+    """A task mesh with one axis ``x`` of size 4 on device positions first..first+3."""
+    return mm.TaskMesh(devices=range(first, first + 4), axis_names=("x",), axis_sizes=(4,))
+
+
+def two_stage():
+    """A two-stage pipeline: task ``s0`` on positions 0-3, ``s1`` on 4-7.
+
+    Returns ``(grad_fn, ws, x)`` where ``grad_fn = value_and_grad(loss)`` and ``x``
+    is a batch of 16 rows.
+    """
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mesh4(0))
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mesh4(4))
+
+    def loss(ws, x):
+        return (s1(ws[1], s0(ws[0], x)) ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16))
+
+
+def layered_model(ws, x):
+    """A plain model whose layers are named scopes ``layer0`` and ``layer1``."""
+    with jax.named_scope("layer0"):
+        x = jnp.tanh(x @ ws[0])
+    with jax.named_scope("layer1"):
+        x = jnp.tanh(x @ ws[1])
+    return x.sum()
+
+
+def layered_args():
+    return [jnp.eye(16), jnp.eye(16)], jnp.ones((8, 16))
+
+
+def global_mesh() -> mm.MultiMesh:
+    """A MultiMesh over the 8 devices with axes ``stage`` (2) and ``x`` (4)."""
+    return mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x"))
+
+
+HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh)
+
+
+def _repro_check(pass_argument: str):
+    def check(e):
+        assert e.pass_argument == pass_argument, e.pass_argument
+        assert e.repro and e.repro.startswith("mm-opt "), e.repro
+        assert pass_argument in e.repro
+
+    return check
+
+
+# =========================================================================== API misuse
+
+
+@error("task-unknown-keyword", API, "`task` got an option it does not know",
+       MultimeshTypeError,
+       r"`task` got unexpected keyword argument\(s\) \['meshes'\]; valid options are \[.*'mesh'",
+       """`task` (and `multimesh.jax.flax.task`) accept the fields of `Task` plus the
+       legacy `devices=`/`device_axes=`. Check the spelling against the valid options
+       listed in the message.""")
+def _():
+    mm.task(lambda x: x, name="t", meshes=mesh4())
+
+
+@error("task-not-callable", API, "`task` wraps something that is not a function",
+       MultimeshTypeError, r"`task` expects a callable, got int",
+       """The first argument of `task` is the function the task runs. Options go in
+       keywords: `task(f, name=..., mesh=...)`.""")
+def _():
+    mm.task(3, name="t")
+
+
+@error("task-spec-and-options", API, "`task` given both `task=` and keyword options",
+       MultimeshValueError,
+       r"Task 't': give either `task=` or keyword options, not both \(got \['logical_axes'\]\)",
+       """Either pass a complete `Task(...)` as `task=`, or pass its fields as keywords;
+       to change one field of an existing Task use `dataclasses.replace(task, ...)`.""")
+def _():
+    mm.task(lambda x: x, name="t", task=mm.Task(mesh=mesh4()), logical_axes=())
+
+
+@error("task-mesh-and-devices", API, "`task` given both `mesh` and `devices`",
+       MultimeshValueError, r"Task 't': cannot give both `mesh` and `devices`/`device_axes`",
+       """`devices=`/`device_axes=` is the older spelling of `mesh=`. Give one of them,
+       preferably `mesh=TaskMesh(...)`.""")
+def _():
+    mm.task(lambda x: x, name="t", mesh=mesh4(), devices=[0, 1, 2, 3], device_axes=("x",))
+
+
+@error("task-device-axes-without-devices", API, "`device_axes` without `devices`",
+       MultimeshValueError, r"Task 't': `device_axes` needs `devices`",
+       """`device_axes` names the axes of the `devices` array; without `devices` there is
+       nothing to name. Use `mesh=TaskMesh(devices=..., axis_names=..., axis_sizes=...)`.""")
+def _():
+    mm.task(lambda x: x, name="t", device_axes=("x",))
+
+
+@error("mjit-not-callable", API, "`mjit` given something that is not a function",
+       MultimeshTypeError, r"`mjit` expects a callable, got int",
+       """`mjit(f, ...)` compiles a function; pass the function itself.""",
+       issue="mm.mjit(3) raises MultimeshValueError; a wrong argument type should be "
+             "MultimeshTypeError (as task/microbatch/flax.mjit do).")
+def _():
+    mm.mjit(3)
+
+
+@error("compiled-wrong-structure", API,
+       "A compiled program called with arguments of another structure", MultimeshValueError,
+       r"Compiled function called with arguments of structure PyTreeDef\(\(\(\*,\), \{\}\)\), "
+       r"but it was compiled for PyTreeDef\(\(\(\*, \*\), \{\}\)\)",
+       """`mjit(f).lower(...).compile()` is specialised to the argument structure it was
+       lowered with. Call it with the same pytree structure, or call `mjit(f)` directly,
+       which recompiles for new structures.""")
+def _():
+    compiled = mm.mjit(lambda x, y: x + y).lower(jnp.ones(4), jnp.ones(4)).compile()
+    compiled(jnp.ones(4))
+
+
+@error("compiled-wrong-shape", API, "A compiled program called with other shapes",
+       MultimeshTypeError, r"(?=.*float32\[5\])(?=.*float32\[4\])",
+       """A compiled program is specialised to the shapes and dtypes it was lowered with.
+       Lower it again for the new shapes, or call `mjit(f)` directly.""",
+       issue="jax's bare TypeError leaks out ('Argument '' compiled with float32[4] and "
+             "called with float32[5]', with empty argument names). Want a "
+             "MultimeshTypeError such as \"Compiled function called with args[0] of type "
+             "float32[5], but it was compiled for float32[4].\"")
+def _():
+    compiled = mm.mjit(lambda x, y: x + y).lower(jnp.ones(4), jnp.ones(4)).compile()
+    compiled(jnp.ones(5), jnp.ones(5))
+
+
+@error("shardings-not-a-prefix", API, "`in_shardings` does not match the arguments",
+       MultimeshValueError,
+       r"`in_shardings`/`out_shardings` must be a prefix of the arguments/outputs "
+       r"\(as for jax.jit\).*length 3.*length 2",
+       """As for `jax.jit`, `in_shardings` is a pytree prefix of the positional arguments
+       (one entry per argument, or one spec for all) and `out_shardings` of the outputs.""")
+def _():
+    mm.mjit(lambda x, y: x + y, in_shardings=(P("batch"), P("batch"), P()))(
+        jnp.ones(4), jnp.ones(4))
+
+
+@error("mjit-duplicate-devices", API, "`mjit` given the same device twice",
+       MultimeshValueError, r"(?i)devices.*(distinct|twice|more than once)",
+       """The program's device list names each device once; task meshes refer to
+       positions in it.""",
+       issue="mjit(f, devices=[d0, d0]) is accepted and fails at run time with jax's bare "
+             "ValueError ('the input arrays must be from distinct devices'). Want an early "
+             "MultimeshValueError: \"`mjit` devices must be distinct, but device 0 appears "
+             "twice in [0, 0].\"")
+def _():
+    mm.mjit(lambda x: x * 2, devices=[jax.devices()[0]] * 2)(jnp.ones(8))
+
+
+@error("mjit-unhashable-static-argument", API, "A static argument is not hashable",
+       MultimeshTypeError, r"static.*1.*hashable",
+       """Arguments named in `static_argnums` are part of the compilation cache key and
+       must be hashable: pass a tuple instead of a list, or make the argument dynamic.""",
+       issue="mjit(f, static_argnums=1)(x, [1]) raises a bare TypeError \"unhashable type: "
+             "'list'\" from the cache lookup. Want a MultimeshTypeError: \"`mjit` static "
+             "argument 1 must be hashable, got list [1].\"")
+def _():
+    mm.mjit(lambda x, n: x * len(n), static_argnums=1)(jnp.ones(8), [1])
+
+
+@error("parallelize-without-batch", API, "`parallelize` without an example batch",
+       MultimeshValueError,
+       r"parallelize requires either a get_input_batch function or an initial_batch argument",
+       """`parallelize` compiles `fun(params, batch)` ahead of time and needs the batch's
+       shapes: pass `get_input_batch=` (a function returning a batch) or
+       `initial_batch=`.""")
+def _():
+    mm.parallelize(lambda params, batch: params, init_params=lambda: jnp.ones(3))
+
+
+@error("parallelize-without-init-params", API, "`parallelize` without `init_params`",
+       MultimeshValueError, r"parallelize requires init_params",
+       """`parallelize` places the parameters where their tasks want them, so it needs
+       the function that creates them.""")
+def _():
+    mm.parallelize(lambda params, batch: params, initial_batch=jnp.ones(3))
+
+
+@error("visualize-not-microbatched", API, "`visualize_schedule` on a program without a pipeline",
+       MultimeshValueError, r"no pipeline schedule.*microbatch",
+       """Only microbatched programs (`microbatch(...)`) have a pipeline schedule to
+       draw.""",
+       issue="visualize_schedule raises a bare ValueError (not a MultimeshError).")
+def _():
+    mm.visualize_schedule(mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compile())
+
+
+@error("visualize-wrong-type", API, "`visualize_schedule` given something else",
+       MultimeshTypeError, r"expects a compiled program, a module or a Schedule, got int",
+       """Pass what `mjit(f).lower(...).compile()` returns, a module after
+       `mm-schedule-fragments` (or its text), or a `Schedule`.""",
+       issue="visualize_schedule raises a bare TypeError (not a MultimeshError).")
+def _():
+    mm.visualize_schedule(3)
+
+
+@error("microbatch-not-callable", API, "`microbatch` given something that is not a function",
+       MultimeshTypeError, r"`microbatch` expects a callable, got int",
+       """`microbatch(fun, dim=..., size=...)` wraps a function.""")
+def _():
+    mm.microbatch(3, dim=0, size=2)
+
+
+@error("microbatch-argnum-out-of-range", API, "`microbatch` argnum beyond the arguments",
+       MultimeshValueError, r"`microbatch` argnum=5 but the function got 2 positional arguments",
+       """`argnum` is the position of the argument to slice into microbatches (the batch,
+       usually 1 for `loss(params, batch)`).""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=5))(ws, x)
+
+
+@error("microbatch-dim-out-of-range", API, "`microbatch` dim beyond the batch's rank",
+       MultimeshValueError, r"`microbatch` dim=3 is out of range for a leaf of shape \(16, 16\)",
+       """`dim` is the batch dimension of every leaf of the microbatched argument.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=3, size=8, argnum=1))(ws, x)
+
+
+# =========================================================================== bad meshes
+
+
+@error("taskmesh-device-count-mismatch", MESHES, "TaskMesh devices and axis sizes disagree",
+       MeshError,
+       r"`TaskMesh` has 6 devices \(0, 1, 2, 3, 4, 5\) but axis_sizes \(2, 2\) describe 4 "
+       r"devices; the product of the axis sizes must equal the number of devices",
+       """A task mesh lays its devices out in a grid of `axis_sizes`; give exactly
+       `prod(axis_sizes)` device positions.""")
+def _():
+    mm.TaskMesh(devices=range(6), axis_names=("x", "y"), axis_sizes=(2, 2))
+
+
+@error("taskmesh-names-sizes-length", MESHES, "TaskMesh axis names and sizes differ in number",
+       MeshError,
+       r"`TaskMesh` got 2 axis names \('x', 'y'\) but 1 axis sizes \(4,\); give one size per name",
+       """Give one size per axis name.""")
+def _():
+    mm.TaskMesh(devices=range(4), axis_names=("x", "y"), axis_sizes=(4,))
+
+
+@error("taskmesh-duplicate-axis-names", MESHES, "TaskMesh axis names repeat", MeshError,
+       r"`TaskMesh` axis names must be distinct strings, got \('x', 'x'\)",
+       """Each axis of a task mesh needs its own name; logical axes are mapped onto these
+       names.""")
+def _():
+    mm.TaskMesh(devices=range(4), axis_names=("x", "x"), axis_sizes=(2, 2))
+
+
+@error("taskmesh-nonpositive-axis-size", MESHES, "TaskMesh axis size below 1", MeshError,
+       r"`TaskMesh` axis sizes must be positive, got \(-2, -2\)",
+       """Axis sizes count devices along each axis and must be at least 1.""")
+def _():
+    mm.TaskMesh(devices=range(4), axis_names=("x", "y"), axis_sizes=(-2, -2))
+
+
+@error("taskmesh-devices-not-positions", MESHES, "TaskMesh given jax devices", MultimeshTypeError,
+       r"`TaskMesh` devices must be integer positions in the program's device list, got "
+       r"\[CpuDevice\(id=0\), CpuDevice\(id=1\)\]",
+       """`TaskMesh` takes *positions* 0..N-1 in the program's device list (the `devices`
+       given to `mjit`, all devices by default), so one program runs on any N devices.
+       For concrete devices use `task(f, mesh=jax.sharding.Mesh(...))`.""")
+def _():
+    mm.TaskMesh(devices=jax.devices()[:2], axis_names=("x",), axis_sizes=(2,))
+
+
+@error("taskmesh-no-devices", MESHES, "TaskMesh with no devices", MeshError,
+       r"(?i)at least one device",
+       """A task mesh needs at least one device position.""",
+       issue="TaskMesh(devices=[]) raises MultimeshTypeError \"devices must be integer "
+             "positions ..., got []\", which is misleading (the list is empty, not of the "
+             "wrong type). Want MeshError \"`TaskMesh` needs at least one device position, "
+             "got [].\"")
+def _():
+    mm.TaskMesh(devices=[])
+
+
+@error("taskmesh-negative-device-position", MESHES, "TaskMesh with a negative device position",
+       MeshError, r"`TaskMesh` device positions must be non-negative, got \(-1, 0\)",
+       """Device positions index the program's device list, from 0.""",
+       issue="the message prints numpy scalars: 'got (np.int64(-1), np.int64(0))'. Want "
+             "plain ints: 'got (-1, 0)'.")
+def _():
+    mm.TaskMesh(devices=[-1, 0], axis_names=("x",), axis_sizes=(2,))
+
+
+@error("taskmesh-duplicate-device-position", MESHES, "TaskMesh lists a device twice", MeshError,
+       r"`TaskMesh` device positions must be distinct, got \(0, 0\)",
+       """Each device appears once in a mesh.""",
+       issue="the message prints numpy scalars: 'got (np.int64(0), np.int64(0))'. Want "
+             "plain ints: 'got (0, 0)' (ideally naming the repeated position).")
+def _():
+    mm.TaskMesh(devices=[0, 0], axis_names=("x",), axis_sizes=(2,))
+
+
+@error("device-position-outside-program", MESHES,
+       "A task mesh uses a position beyond the program's devices", MeshError,
+       r"Task 'far' uses device position 4, outside the program's 4 devices "
+       r"\(valid positions are 0\.\.3\)",
+       """Task mesh positions refer to the program's device list: `mjit(..., devices=...)`,
+       the active `MultiMesh`'s devices, or all of `jax.devices()`. Give the program more
+       devices or move the task with `mesh.place(...)`.""")
+def _():
+    far = mm.task(lambda x: x * 2, name="far", mesh=mesh4(4))
+    mm.mjit(far, devices=jax.devices()[:4])(jnp.ones(8))
+
+
+@error("device-outside-program", MESHES,
+       "A task's jax Mesh uses a device the program does not have", MeshError,
+       r"Task 'far' uses device cpu:4, which is not among the program's devices \[0, 1, 2, 3\]",
+       """A task given a concrete `jax.sharding.Mesh` must use devices of the program's
+       device list.""")
+def _():
+    far = mm.task(lambda x: x * 2, name="far", mesh=Mesh(jax.devices()[4:8], ("x",)))
+    mm.mjit(far, devices=jax.devices()[:4])(jnp.ones(8))
+
+
+@error("legacy-devices-rank-mismatch", MESHES, "`devices` array rank differs from `device_axes`",
+       MeshError,
+       r"Task 't': devices array has 2 dims \(shape \(2, 2\)\) but device_axes \('x',\) names 1",
+       """With the legacy `devices=`/`device_axes=` spelling, the devices array has one
+       dimension per axis name.""")
+def _():
+    mm.task(lambda x: x, name="t", devices=[[0, 1], [2, 3]], device_axes=("x",))
+
+
+@error("task-name-two-submeshes", MESHES, "One task name used with two submeshes", PassFailure,
+       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different submeshes: "
+       r"devices \[0, 1, 2, 3\] with axes \{'x': 4\} and devices \[4, 5, 6, 7\] with axes "
+       r"\{'x': 4\}; a task name has one submesh.*Reproduce with:\n  mm-opt ",
+       """A task name identifies one submesh (and one fragment per direction). Give the two
+       tasks different names.""",
+       check=_repro_check("mm-inline-tasks"))
+def _():
+    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
+    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(4))
+    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
+
+
+@error("tasks-on-two-submeshes-in-one-loop", MESHES,
+       "Tasks on different submeshes inside one loop body", PassFailure,
+       r"multimesh pass 'mm-assign-tasks' failed: tasks 'a' and 'b' run on different submeshes "
+       r"but sit inside the same 'stablehlo.while'; a loop body runs on one submesh\. Unroll "
+       r"the loop.*Reproduce with:\n  mm-opt ",
+       """A loop body is one program on one set of devices, so every task inside a
+       `lax.scan`/`fori_loop`/`while_loop` must share a submesh. Unroll the loop (a Python
+       `for` loop, or `lax.scan(..., unroll=True)`) or put both tasks on one submesh.""",
+       check=_repro_check("mm-assign-tasks"))
+def _():
+    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
+    b = mm.task(lambda x: x + 1, name="b", mesh=mesh4(4))
+
+    def f(x):
+        return lax.scan(lambda c, _: (b(a(c)), None), x, None, length=3)[0]
+
+    mm.mjit(f)(jnp.ones(8))
+
+
+@error("multimesh-device-count-mismatch", MESHES, "MultiMesh axis sizes and devices disagree",
+       MeshError, r"MultiMesh axis_sizes \(2, 2\) describe 4 devices but 8 devices were given",
+       """`MultiMesh(axis_sizes=...)` reshapes its devices (all of `jax.devices()` by
+       default) to `axis_sizes`; the sizes must multiply to the number of devices.""")
+def _():
+    mm.MultiMesh(axis_sizes=(2, 2), axis_names=("stage", "x"))
+
+
+@error("multimesh-global-mesh-and-axes", MESHES, "MultiMesh given both a mesh and axes",
+       MultimeshValueError,
+       r"MultiMesh takes either `global_mesh` or `axis_sizes`/`axis_names`/`devices`, not both",
+       """Either wrap an existing mesh (`MultiMesh(global_mesh=mesh)`) or describe one
+       (`MultiMesh(axis_sizes=..., axis_names=...)`).""")
+def _():
+    mm.MultiMesh(global_mesh=jax.make_mesh((8,), ("x",)), axis_names=("x",))
+
+
+@error("multimesh-slice-out-of-range", MESHES, "MultiMesh.slice index beyond the axis",
+       MeshError,
+       r"MultiMesh\.slice: index 2 is out of range for axis 'stage' of size 2 "
+       r"\(valid indices are 0\.\.1\)",
+       """Slice indices run from 0 to the axis size minus one.""")
+def _():
+    global_mesh().slice(stage=2)
+
+
+@error("loop-dependent-mesh-slice-device-count", MESHES,
+       "A loop-dependent mesh slice changes the number of devices", MeshError,
+       r"loop dependent submesh \(1 devices\) must have the same number of devices as the "
+       r"default task mesh \(4 devices\) for task 'emb'; loop_dependent_mesh_slice\(0\) "
+       r"returned \{'stage': 0, 'x': 0\}",
+       """`loop_dependent_mesh_slice(i)` moves a task to another submesh per microbatch;
+       every placement must have as many devices as the task's `mesh_slice`, so the
+       fragment compiled once runs on each.""")
+def _():
+    emb = mm.task(lambda w, x: x @ w, name="emb", mesh_slice={"stage": 0},
+                  loop_dependent_mesh_slice=lambda i: {"stage": 0, "x": i % 4})
+    f = mm.microbatch(lambda w, x: emb(w, x).sum(), dim=0, size=8, argnum=1)
+    with global_mesh():
+        mm.mjit(f).lower(jnp.eye(16), jnp.ones((16, 16)))
+
+
+# =========================================================================== logical mappings
+
+
+@error("logical-axis-unknown-device-axis", LOGICAL,
+       "A logical axis mapped to a device axis the mesh does not have", MeshError,
+       r"Task 't' maps logical axis 'batch' to unknown device axis 'z'; the task mesh has axes "
+       r"\('x',\)",
+       """`logical_axes` pairs `(logical_name, device_axis)`; every device axis must be an
+       axis name of the task's mesh.""")
+def _():
+    mm.task(lambda x: x, name="t", mesh=mesh4(), logical_axes=(("batch", "z"),))
+
+
+@error("logical-axes-not-pairs", LOGICAL, "`logical_axes` given a single flat pair",
+       MultimeshValueError,
+       r"Task 't': `logical_axes` must be a sequence of \(logical_name, device_axis\) "
+       r"(string )?pairs, got \('batch', 'x'\)",
+       """`logical_axes` is a sequence of pairs, in priority order: write
+       `logical_axes=(("batch", "x"),)` for a single pair.""",
+       issue="logical_axes=('batch', 'x') reports \"must be (logical_name, device_axis) "
+             "string pairs, got ('b', 'a', 't', 'c', 'h')\": the string is exploded into "
+             "characters. Want: \"Task 't': `logical_axes` must be a sequence of "
+             "(logical_name, device_axis) pairs, got ('batch', 'x'); write (('batch', 'x'),) "
+             "for one pair.\"")
+def _():
+    mm.task(lambda x: x, name="t", mesh=mesh4(), logical_axes=("batch", "x"))
+
+
+@error("logical-axes-without-device-axes", LOGICAL,
+       "`logical_axes` with legacy `devices` but no axis names", MultimeshValueError,
+       r"Task 't' given logical_axes but no device_axes; name the device axes with "
+       r"`device_axes=` or pass a `mesh`",
+       """Logical axes map onto named device axes; name them with `device_axes=` or use
+       `mesh=TaskMesh(...)`.""")
+def _():
+    mm.task(lambda x: x, name="t", devices=[0, 1], logical_axes=(("batch", "x"),))
+
+
+@error("task-name-two-logical-mappings", LOGICAL, "One task name used with two logical mappings",
+       PassFailure,
+       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different logical "
+       r"mappings: \[\['batch', 'x'\]\] and \[\]",
+       """A task name has one logical mapping; give differently mapped tasks different
+       names.""",
+       check=_repro_check("mm-inline-tasks"))
+def _():
+    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(), logical_axes=(("batch", "x"),))
+    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(), logical_axes=())
+    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
+
+
+@error("sharding-rank-mismatch", LOGICAL, "A logical sharding with more entries than dims",
+       MultimeshValueError, r"Sharding P\('batch', 'model'\) has 2 entries but the value has rank 1",
+       """A `PartitionSpec` has at most one entry per dimension of the value it
+       constrains.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch", "model")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@error("sharding-not-a-spec", LOGICAL, "A logical sharding that is not a PartitionSpec",
+       MultimeshTypeError, r"Logical sharding must be a PartitionSpec or NamedSharding, got 'batch'",
+       """Write `with_sharding_constraint(x, P("batch"))`, not a bare string.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, "batch"), name="t", mesh=mesh4(),
+                logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@error("sharding-structure-mismatch", LOGICAL,
+       "A pytree of shardings that does not match the value", MultimeshValueError,
+       r"axis_resources structure does not match the value's structure",
+       """For a pytree value, `axis_resources` is one spec for every leaf or a prefix tree
+       of specs with the value's structure.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, (P("batch"), P("batch"))), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)((jnp.ones(8),))
+
+
+# =========================================================================== non-dividing shapes
+
+
+@error("logical-sharding-does-not-divide", SHAPES,
+       "A logical sharding whose device axes do not divide the dimension", PassFailure,
+       r"multimesh pass 'mm-resolve-logical-shardings' failed: Cannot shard dimension 0 of "
+       r"tensor of shape \(6,\) over device axis 'x' \(size 4\): 4 does not evenly divide 6\."
+       r".*Reproduce with:\n  mm-opt \S+ -p 'builtin\.module\(mm-resolve-logical-shardings\)'",
+       """The device axes a logical axis maps to must divide the dimension it shards. Change
+       the shape, map the logical axis to a smaller device axis, or leave that dimension
+       unconstrained. The `mm-opt` command in the message replays the failing pass on the
+       saved input.""",
+       check=_repro_check("mm-resolve-logical-shardings"))
+def _():
+    bad = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")) * 2, name="bad",
+                  mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(bad, devices=jax.devices()[:4])(jnp.ones(6))
+
+
+@error("logical-sharding-does-not-divide-names-task", SHAPES,
+       "A non-dividing sharding over two device axes", PassFailure,
+       r"Task 't'.*logical axis 'model'.*\(at \S*error_catalogue\.py:\d+:\d+\)",
+       """As above: `model` maps to `x` and `y` (2 x 2 = 4 shards), which does not divide
+       6.""",
+       issue="the message names neither the task ('t') nor the logical axis ('model'), and "
+             "its location points into multimesh/jax/_primitives.py instead of the user's "
+             "with_sharding_constraint call (multimesh's own frames should be excluded from "
+             "jax source info, e.g. source_info_util.register_exclusion). Want: \"Task 't': "
+             "cannot shard dimension 1 (logical axis 'model') of tensor of shape (4, 6) over "
+             "device axes 'x' (size 2) and 'y' (size 2): 4 does not evenly divide 6. (at "
+             "user.py:LINE:COL)\"",
+       check=_repro_check("mm-resolve-logical-shardings"))
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P(None, "model")), name="t",
+                mesh=mm.TaskMesh(devices=range(4), axis_names=("x", "y"), axis_sizes=(2, 2)),
+                logical_axes=(("model", "x"), ("model", "y")))
+    mm.mjit(t)(jnp.ones((4, 6)))
+
+
+@error("microbatch-size-does-not-divide", SHAPES, "Microbatch size does not divide the batch",
+       MultimeshValueError,
+       r"`microbatch` size 3 does not divide the batch: dim 0 has size 16, which leaves a "
+       r"remainder of 1\. Choose a size that divides 16",
+       """Unlike MultiMesh, multimesh does not drop a remainder silently: choose a
+       microbatch `size` that divides the batch dimension.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=3, argnum=1))(ws, x)
+
+
+@error("microbatch-unequal-leaves", SHAPES,
+       "Microbatched leaves with different batch sizes", MultimeshValueError,
+       r"`microbatch`.*(different sizes|same size).*dim 0.*\[4, 6\]",
+       """Every leaf of the microbatched argument is sliced along `dim`, so they must all
+       have the same size there.""",
+       issue="the message \"dimensions not the same across all microbatched tensors: sizes "
+             "along dim 0 are [4, 6].\" is not a sentence in multimesh's voice (it does not "
+             "say which API or argument). Want: \"`microbatch` needs every leaf of argument "
+             "0 to have the same size along dim 0, got sizes [4, 6].\" (tests/"
+             "test_microbatch.py::test_validation_errors matches the old text.)")
+def _():
+    f = mm.microbatch(lambda a: a[0].sum() + a[1].sum(), dim=0, size=2)
+    mm.mjit(f)((jnp.ones((4, 2)), jnp.ones((6, 2))))
+
+
+# =========================================================================== schedule misuse
+
+
+@error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",
+       MultimeshValueError,
+       r"Unknown microbatch schedule 'round-robin'; valid schedules are gpipe, 1f1b, "
+       r"interleaved-1f1b, zero-bubble-h1, custom",
+       """Pick one of the listed schedules (aliases such as `fill-drain` and `wavefront`
+       are accepted too); see docs/schedules.md.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="round-robin")
+
+
+@error("microbatch-size-not-positive", SCHEDULES, "Microbatch size below 1",
+       MultimeshValueError, r"`microbatch` size must be a positive integer, got 0",
+       """`size` is the number of rows per microbatch.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=0, argnum=1)
+
+
+@error("custom-schedule-with-other-schedule", SCHEDULES,
+       "`custom_schedule` given with a named schedule", MultimeshValueError,
+       r"When custom_schedule is provided, schedule must be 'custom' or None, but got '1f1b'",
+       """A custom schedule replaces the named ones: drop `schedule=` or set it to
+       `"custom"`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="1f1b", custom_schedule=[["s0"]])
+
+
+@error("custom-schedule-missing", SCHEDULES, "`schedule='custom'` without rows",
+       MultimeshValueError, r"schedule='custom' needs a custom_schedule",
+       """Give the order with `custom_schedule=[[...], ...]`, one row per submesh.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="custom")
+
+
+@error("custom-schedule-wrong-count", SCHEDULES,
+       "A custom schedule row lists a task the wrong number of times", MultimeshValueError,
+       r"task 's0' has 1 microbatch(es)? in custom_schedule row 0, but there are 2 microbatches",
+       """Each name must appear once per microbatch in its row: with 2 microbatches,
+       `"s0"` appears twice.""",
+       issue="the front-end message leaves the task name unquoted ('task s0 has 1 "
+             "microbatches ...'), unlike the same check in mm-schedule-fragments ('task "
+             "'s0_bwd' has 0 microbatches ...'). Quote it.")
+def _():
+    grad_fn, ws, x = two_stage()
+    f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[["s0"], ["s1"]])
+    mm.mjit(f)(ws, x)
+
+
+@error("custom-schedule-bad-entry", SCHEDULES, "A custom schedule entry of the wrong type",
+       MultimeshTypeError,
+       r"custom_schedule row 0 has entry 3\.5; entries are task names or \(microbatch, task "
+       r"name\) pairs",
+       """Write a task name (the next microbatch of it) or an explicit
+       `(microbatch, name)` pair.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]]))(ws, x)
+
+
+@error("custom-schedule-row-count", SCHEDULES, "A custom schedule without a row per submesh",
+       PassFailure,
+       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows, but the "
+       r"program has 2 submeshes \(one row per submesh, in order of first use\)",
+       """Give one row per submesh, in the order the program first uses them.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bwd"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-task-of-other-submesh", SCHEDULES,
+       "A custom schedule row names a task of another submesh", PassFailure,
+       r"custom_schedule row 1 names 'head', which is not a task of submesh 1 "
+       r"\(its tasks: s1, s1_bwd\)",
+       """Row *k* lists only the tasks (`name`, `name_bwd`, `name_bwd_w`) that run on
+       submesh *k*; the message lists them.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd", "head", "head"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-deadlock", SCHEDULES, "A custom schedule that cannot run",
+       PassFailure,
+       r"custom schedule deadlocks: row 0 runs 's0_bwd' microbatch 0 before its input "
+       r"'s1_bwd' microbatch 0 \(row 1\) can be computed",
+       """Each submesh runs its row in order, so a row may not wait for something that
+       another row only computes after waiting for this one. Reorder the rows.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0_bwd", "s0", "s0_bwd"],
+            [(1, "s1"), (1, "s1_bwd"), (0, "s1"), (0, "s1_bwd")]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("interleave-mismatch", SCHEDULES,
+       "`interleave` that does not match the stages per submesh", PassFailure,
+       r"multimesh pass 'mm-schedule-fragments' failed: interleave=3, but submesh 0 runs 1 "
+       r"pipeline stage\(s\) \(stages \[0\]\)",
+       """`interleave` only checks the program: every pipeline submesh must run exactly that
+       many stages (tasks). Drop it or place that many stages on each submesh.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="interleaved-1f1b",
+                      interleave=3)
+    mm.mjit(f)(ws, x)
+
+
+@error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
+       r"interleave.*(positive|>= 1).*0",
+       """`interleave` and `num_stages` are positive integers.""",
+       issue="interleave=0 and num_stages=0 are silently ignored (the microbatch config "
+             "drops falsy values), while -1 is reported late by mm-schedule-fragments. Want "
+             "an eager MultimeshValueError from `microbatch`: \"`microbatch` interleave must "
+             "be a positive integer, got 0.\"")
+def _():
+    grad_fn, ws, x = two_stage()
+    f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="interleaved-1f1b",
+                      interleave=0)
+    mm.mjit(f)(ws, x)
+
+
+@error("two-microbatch-loops", SCHEDULES, "Two microbatch loops with different configurations",
+       MultimeshValueError,
+       r"A program may contain one microbatch loop; found a second one with a different "
+       r"configuration",
+       """A program has one pipeline schedule. Microbatch the whole step once.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    f1 = mm.microbatch(grad_fn, dim=0, size=8, argnum=1)
+    f2 = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="1f1b")
+    mm.mjit(lambda ws, x: (f1(ws, x), f2(ws, x)))(ws, x)
+
+
+# =========================================================================== implicit tasks
+
+
+@error("register-task-matches-empty-string", IMPLICIT, "A matcher that matches nothing at all",
+       MultimeshValueError,
+       r"Task matcher 'x\*' matches the empty string, so it would claim every op of the program",
+       """A matcher that matches the empty string would claim every op. Use a name or a
+       regular expression that needs at least one character, e.g. `r"(layer_\\d+)"`.""")
+def _():
+    mm.register_task("x*", task=mm.Task(mesh_slice={"stage": 0}))
+
+
+@error("register-task-invalid-regex", IMPLICIT, "A matcher that is not a regular expression",
+       MultimeshValueError,
+       r"Task matcher 'layer\(' is not a valid regular expression: missing \), unterminated "
+       r"subpattern at position 5",
+       """Matchers are Python regular expressions; escape special characters
+       (`re.escape(name)`) to match a literal name.""")
+def _():
+    mm.register_task("layer(", task=mm.Task(mesh_slice={"stage": 0}))
+
+
+@error("register-task-matcher-not-a-string", IMPLICIT, "A matcher that is not a string",
+       MultimeshTypeError, r"A task matcher must be a string .*got int 3",
+       """Matchers are names or regular expressions.""",
+       issue="register_task(3, ...) raises MultimeshValueError; a wrong argument type should "
+             "be MultimeshTypeError.")
+def _():
+    mm.register_task(3, task=mm.Task(mesh=mesh4()))
+
+
+@error("register-task-neither-callback-nor-task", IMPLICIT,
+       "`register_task` without a callback or a task", MultimeshValueError,
+       r"register_task\('layer0'\) needs either `callback=` \(called as "
+       r"callback\(matched_name, backprop\) -> Task\) or `task=` \(a Task\); it got neither",
+       """Say where matched ops go: a fixed `task=Task(...)` or a
+       `callback(matched_name, backprop) -> Task`.""")
+def _():
+    mm.register_task("layer0")
+
+
+@error("register-task-callback-and-task", IMPLICIT, "`register_task` with a callback and a task",
+       MultimeshValueError, r"register_task\('layer0'\) got both `callback=` and `task=`; give only one",
+       """Give only one of `callback=` and `task=`.""")
+def _():
+    mm.register_task("layer0", callback=lambda name, backprop: None,
+                     task=mm.Task(mesh_slice={"stage": 0}))
+
+
+@error("register-task-task-without-submesh", IMPLICIT, "A registered Task without a submesh",
+       MultimeshValueError,
+       r"register_task\('layer0'\): the Task has neither `mesh` nor `mesh_slice`; give one of "
+       r"them so the matched ops have a submesh",
+       """A registered task places ops, so it needs a `mesh` or a `mesh_slice` of the
+       active MultiMesh.""")
+def _():
+    mm.register_task("layer0", task=mm.Task(name="x"))
+
+
+@error("register-task-task-not-a-task", IMPLICIT, "`task=` that is not a Task", MultimeshTypeError,
+       r"register_task\('layer0'\): `task` must be a multimesh.jax.Task, got dict "
+       r"\{'mesh_slice': \{'stage': 0\}\}",
+       """Wrap the options in `multimesh.jax.Task(...)`.""")
+def _():
+    mm.register_task("layer0", task={"mesh_slice": {"stage": 0}})
+
+
+@error("register-task-callback-not-callable", IMPLICIT, "`callback=` that is not callable",
+       MultimeshTypeError, r"register_task\('layer0'\): `callback` must be callable, got int",
+       """The callback is called as `callback(matched_name, backprop)` and returns a
+       Task.""")
+def _():
+    mm.register_task("layer0", callback=3)
+
+
+@error("callback-returns-non-task", IMPLICIT, "A task callback that returns something else",
+       MultimeshTypeError,
+       r"The callback registered for task matcher 'layer0' must return a multimesh.jax.Task, but "
+       r"for \('layer0', backprop=False\) it returned dict \{'mesh_slice': \{'stage': 0\}\}",
+       """Return `multimesh.jax.Task(...)` from the callback (for every matched name and
+       both directions).""")
+def _():
+    mm.register_task("layer0", callback=lambda name, backprop: {"mesh_slice": {"stage": 0}})
+    mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("callback-task-without-submesh", IMPLICIT, "A task callback that returns no submesh",
+       MultimeshValueError,
+       r"The callback registered for task matcher 'layer0' returned a Task for \('layer0', "
+       r"backprop=False\) with neither `mesh` nor `mesh_slice`",
+       """The returned Task must say where the matched ops run: give it a `mesh` or a
+       `mesh_slice`.""")
+def _():
+    mm.register_task("layer0", callback=lambda name, backprop: mm.Task(name=name))
+    mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("task-mesh-and-mesh-slice", IMPLICIT, "A Task with both `mesh` and `mesh_slice`",
+       MultimeshValueError, r"^(?!Task None).*both .*mesh.* and .*mesh_slice",
+       """A task's submesh is either a `mesh` or a `mesh_slice` of the active MultiMesh,
+       not both.""",
+       issue="an unnamed Task reports \"Task None: cannot give both a task.mesh and "
+             "task.mesh_slice.\" ('Task None' reads like a bug; the same holds for every "
+             "Task.__post_init__ error). Want: \"`Task` cannot have both `mesh` and "
+             "`mesh_slice`; give one of them.\" (with the name, when there is one).")
+def _():
+    mm.Task(mesh=mesh4(), mesh_slice={"stage": 0})
+
+
+@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no MultiMesh active",
+       MeshError,
+       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but no MultiMesh is active\. A mesh_slice "
+       r"selects part of the global mesh",
+       """Compile inside `with MultiMesh(...):` (or decorate the function with it), or
+       give the task a `mesh` instead.""")
+def _():
+    mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
+    mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("mesh-slice-unknown-axis", IMPLICIT, "A mesh_slice naming an axis the mesh lacks",
+       MeshError,
+       r"Task 'layer0' mesh_slice: unknown axis name\(s\) \['pipe'\]; the global mesh has axes "
+       r"\('stage', 'x'\)",
+       """`mesh_slice` keys are axis names of the active MultiMesh.""")
+def _():
+    mm.register_task("layer0", task=mm.Task(mesh_slice={"pipe": 0}))
+    with global_mesh():
+        mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("mesh-slice-index-out-of-range", IMPLICIT, "A mesh_slice index beyond the axis",
+       MeshError,
+       r"Task 'layer0' mesh_slice: index 5 is out of range for axis 'stage' of size 2 "
+       r"\(valid indices are 0\.\.1\)",
+       """Slice indices run from 0 to the axis size minus one.""")
+def _():
+    mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 5}))
+    with global_mesh():
+        mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("implicit-task-name-two-submeshes", IMPLICIT,
+       "A callback gives one task name two submeshes", MultimeshValueError,
+       r"Task name 'layer' was given two different device sets: match 'layer0' \(forward\) of "
+       r"task matcher 'layer\\\\d' puts it on device positions \[0, 1, 2, 3\].*match 'layer1' "
+       r"\(forward\).* on \[4, 5, 6, 7\].*One task name has one submesh",
+       """A task name identifies one submesh: return a different `Task(name=...)` per
+       submesh, e.g. the matched name itself.""")
+def _():
+    mm.register_task(r"layer\d", callback=lambda name, backprop: mm.Task(
+        name="layer", mesh_slice={"stage": int(name[-1])}))
+    with global_mesh():
+        mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("matcher-empty-capture-group", IMPLICIT, "A matcher whose capture group matches nothing",
+       DiagnosticError,
+       r"matcher 'layer\(\\d\*\)' produced an empty match on the op name stack "
+       r"'jit\(wrapped\)/layer/sin'; its first capture group is the task name",
+       """The first capture group of a matcher is the task name and must match at least one
+       character: use `\\d+` instead of `\\d*`.""")
+def _():
+    mm.register_task(r"layer(\d*)", task=mm.Task(mesh=mesh4()))
+
+    def f(x):
+        with jax.named_scope("layer"):
+            return jnp.sin(x)
+
+    mm.mjit(f).lower(jnp.ones(4))
+
+
+# =========================================================================== Flax
+
+_FLAX = ("flax", "optax")
+
+
+@error("parallelize-step-without-batch", FLAX, "`parallelize_step` without an example batch",
+       MultimeshValueError,
+       r"parallelize_step needs an example batch: pass `global_batch=` \(jax arrays of the "
+       r"whole batch\) or `local_batch=`",
+       """`parallelize_step` compiles the step ahead of time and needs the batch's shapes:
+       pass `global_batch=` (jax arrays) or `local_batch=` (this process's host data).""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    mmf.parallelize_step(Model(), optax.sgd(0.1))
+
+
+@error("parallelize-step-both-batches", FLAX, "`parallelize_step` with both batch kinds",
+       MultimeshValueError,
+       r"parallelize_step takes either `global_batch=` or `local_batch=`, not both",
+       """Give the global batch (jax arrays) or this process's local batch, not both.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    batch = jnp.ones((8, 4))
+    mmf.parallelize_step(Model(), optax.sgd(0.1), global_batch=batch, local_batch=batch)
+
+
+@error("parallelize-step-not-a-module", FLAX, "`parallelize_step` given something else",
+       MultimeshTypeError, r"parallelize_step expects a linen or NNX module instance, got int",
+       """Pass a linen module instance or an NNX module.""", requires=_FLAX)
+def _():
+    import optax
+
+    import multimesh.jax.flax as mmf
+
+    mmf.parallelize_step(3, optax.sgd(0.1), global_batch=jnp.ones((8, 4)))
+
+
+@error("parallelize-step-module-class", FLAX, "`parallelize_step` given a module class",
+       MultimeshTypeError, r"parallelize_step expects a linen or NNX module instance.*Model\(",
+       """Pass an instance, `Model(...)`, not the class.""",
+       issue="passing the class reports \"... module instance, got type.\", which does not "
+             "say what was wrong. Want: \"parallelize_step expects a linen or NNX module "
+             "instance, got the class Model; pass an instance, e.g. Model(...).\"",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    mmf.parallelize_step(Model, optax.sgd(0.1), global_batch=jnp.ones((8, 4)))
+
+
+@error("parallelize-step-bad-optimizer", FLAX, "`parallelize_step` (NNX) given no optimizer",
+       MultimeshTypeError,
+       r"parallelize_step: `optimizer` must be an optax GradientTransformation or an "
+       r"nnx.Optimizer, got int",
+       """Pass an optax transformation (e.g. `optax.adam(1e-3)`) or an `nnx.Optimizer`
+       built for the model.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    import multimesh.jax.flax as mmf
+
+    mmf.parallelize_step(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), 3, global_batch=jnp.ones((8, 4)))
+
+
+@error("parallelize-step-linen-bad-optimizer", FLAX, "`parallelize_step` (linen) given no optimizer",
+       MultimeshTypeError,
+       r"parallelize_step: `optimizer` must be an optax GradientTransformation.*got int",
+       """Pass an optax transformation (e.g. `optax.adam(1e-3)`).""",
+       issue="for a linen model a non-optimizer fails inside TrainState.create with a bare "
+             "AttributeError (\"'int' object has no attribute 'init'\"). Want the same "
+             "MultimeshTypeError the NNX path raises.",
+       requires=_FLAX)
+def _():
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    mmf.parallelize_step(Model(), 3, global_batch=jnp.ones((8, 4)))
+
+
+@error("flax-task-nnx-class", FLAX, "`flax.task` given an NNX module class", MultimeshTypeError,
+       r"`task` takes an NNX module \*instance\* \(NNX modules are built eagerly\): write "
+       r"task\(Linear\(\.\.\.\), \.\.\.\) instead of task\(Linear, \.\.\.\)",
+       """NNX modules are built eagerly: wrap an instance, `task(Model(...), ...)`.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    import multimesh.jax.flax as mmf
+
+    mmf.task(nnx.Linear, name="s0", mesh=mesh4())
+
+
+@error("flax-task-not-callable", FLAX, "`flax.task` given something else", MultimeshTypeError,
+       r"`multimesh.jax.flax.task` expects a linen Module class, an nnx.Module instance or a "
+       r"callable, got int",
+       """Wrap a linen module class, an NNX module instance or a function.""",
+       requires=_FLAX)
+def _():
+    import multimesh.jax.flax as mmf
+
+    mmf.task(3, name="s0", mesh=mesh4())
+
+
+@error("shard-axes-not-a-name", FLAX, "`shard_axes` given something other than a name",
+       MultimeshTypeError, r"`shard_axes` takes logical axis names \(str or None\), got 3",
+       """`shard_axes("batch", None)` takes logical axis names, one per dimension (None for
+       an unsharded dimension).""",
+       requires=_FLAX)
+def _():
+    import multimesh.jax.flax as mmf
+
+    mmf.shard_axes("batch", 3)
+
+
+@error("nnx-task-returns-module", FLAX, "An NNX task that returns a module", MultimeshValueError,
+       r"task 't': returning NNX objects from a task is not supported; return arrays and update "
+       r"the objects passed in instead",
+       """Tasks return arrays; changes to NNX objects passed in are written back
+       automatically.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    import multimesh.jax.flax as mmf
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    t = mmf.task(lambda m, x: m, name="t", mesh=mesh4())
+    mmf.mjit(lambda m, x: t(m, x))(model, jnp.ones((2, 4)))
+
+
+@error("nnx-structure-changed", FLAX, "An NNX object changes structure inside `mjit`",
+       MultimeshValueError,
+       r"mjit\(f\): an NNX object changed its structure \(new or removed attributes, Variables "
+       r"or static fields\) inside the call; only Variable values may change",
+       """Inside `mjit` only Variable values may change. Create new attributes and
+       Variables before the call.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    import multimesh.jax.flax as mmf
+
+    def f(m, x):
+        m.extra = nnx.Param(jnp.ones(3))
+        return m(x)
+
+    mmf.mjit(f)(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
+
+
+@error("nnx-compiled-wrong-arguments", FLAX, "A compiled NNX program called with other shapes",
+       MultimeshValueError, r"(?i)compiled function called with.*\(3, 4\).*\(2, 4\)",
+       """A compiled program is specialised to the shapes and dtypes it was lowered with;
+       lower it again, or call `mjit(f)` directly.""",
+       issue="the message \"compiled function called with arguments whose structure, shapes "
+             "or dtypes differ from those it was compiled for.\" does not say which argument "
+             "differs or how. Want e.g. \"compiled function called with args[1] of shape "
+             "(3, 4) float32, but it was compiled for (2, 4) float32.\"",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    import multimesh.jax.flax as mmf
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    compiled = mmf.mjit(lambda m, x: m(x)).lower(model, jnp.ones((2, 4))).compile()
+    compiled(model, jnp.ones((3, 4)))
+
+
+@error("nnx-bad-sharding-entry", FLAX, "An `in_shardings` entry for an NNX object of a wrong kind",
+       MultimeshValueError,
+       r"mjit\(<lambda>\): the sharding for an NNX object must be a PartitionSpec, "
+       r"NamedSharding, nnx.StateSharding or a \(nnx.State or dict\) of specs by path, got 3",
+       """For an NNX object give a spec for all its Variables, an `nnx.StateSharding`, or
+       an `nnx.State` of specs (e.g. from `nnx.get_partition_spec`).""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    import multimesh.jax.flax as mmf
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    mmf.mjit(lambda m, x: m(x), in_shardings=(3, None))(model, jnp.ones((2, 4)))
+
+
+# =========================================================================== CLI misuse
+
+OK_MLIR = """\
+func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+  %0 = stablehlo.add %arg0, %arg0 : tensor<8xf32>
+  return %0 : tensor<8xf32>
+}
+"""
+
+BAD_TASK_MLIR = """\
+func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+  %0 = func.call @b(%arg0) {mm.task = {name = "a", transpose_count = 0 : i64, devices = [0, 1, 2], axis_names = ["x", "y"], axis_sizes = [4, 1]}} : (tensor<8xf32>) -> tensor<8xf32>
+  return %0 : tensor<8xf32>
+}
+func.func private @b(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+  return %arg0 : tensor<8xf32>
+}
+"""
+
+cli("cli-unknown-pass", "An `mm-*` pass that does not exist",
+    ["in.mlir", "-p", "builtin.module(mm-no-such-pass)"], 1,
+    r"^mm-opt: error: 'mm-no-such-pass' does not refer to a registered multimesh pass\. "
+    r"Registered passes: mm-assign-tasks, ",
+    """Pipeline elements starting with `mm-` are multimesh passes; the message lists them
+    (as does `mm-opt --list-passes`).""",
+    input_text=OK_MLIR)
+
+cli("cli-unknown-native-pass", "A native pass that does not exist",
+    ["in.mlir", "-p", "builtin.module(not-a-pass)"], 1,
+    r"^mm-opt: error: 'not-a-pass' does not refer to a registered pass or pass pipeline",
+    """Other elements go to jaxlib's native PassManager, which knows only the passes
+    registered in jaxlib (canonicalize, cse, sdy-*, ...).""",
+    input_text=OK_MLIR)
+
+cli("cli-malformed-pipeline", "A pipeline with unbalanced parentheses",
+    ["in.mlir", "-p", "builtin.module(mm-verify"], 1,
+    r"^mm-opt: error: Malformed pass pipeline 'builtin\.module\(mm-verify': expected "
+    r"'builtin\.module\(\.\.\.\)'",
+    """Pipelines look like `builtin.module(pass1,pass2{opt=1})`.""",
+    input_text=OK_MLIR)
+
+cli("cli-empty-pipeline-element", "A pipeline with an empty element",
+    ["in.mlir", "-p", "builtin.module(mm-verify,,mm-verify)"], 1,
+    r"^mm-opt: error: Empty element in pass pipeline 'builtin\.module\(mm-verify,,mm-verify\)'",
+    """Remove the doubled comma.""",
+    input_text=OK_MLIR)
+
+cli("cli-unbalanced-options", "Pass options with an unclosed brace",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=gpipe)"], 1,
+    r"^mm-opt: error: Unbalanced brackets or quotes in pass pipeline "
+    r"'mm-schedule-fragments\{schedule=gpipe'",
+    """Options go in braces after the pass: `mm-schedule-fragments{schedule=1f1b}`.""",
+    input_text=OK_MLIR)
+
+cli("cli-unknown-option", "A pass option that does not exist",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{no-such=1})"], 1,
+    r"^mm-opt: error: Pass 'mm-schedule-fragments' has no option 'no-such'\. Valid options: "
+    r"schedule, num-stages, interleave, custom-schedule-file",
+    """Options are spelled in kebab-case; `mm-opt --list-passes` lists each pass's options
+    and defaults.""",
+    input_text=OK_MLIR)
+
+cli("cli-bad-option-value", "A pass option value of the wrong type",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{num-stages=abc})"], 1,
+    r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'num-stages' expects a value of type "
+    r"int, got 'abc'",
+    """Give a value of the option's type (see `mm-opt --list-passes`).""",
+    input_text=OK_MLIR)
+
+cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
+    r"error: unknown schedule 'round-robin'; valid schedules: 1f1b, custom, gpipe, "
+    r"interleaved-1f1b, zero-bubble-h1",
+    """Pick one of the listed schedules or aliases.""",
+    input_text=OK_MLIR)
+
+cli("cli-parse-error", "A malformed input file",
+    ["in.mlir"], 1,
+    r"^in\.mlir:2:8: error: custom op 'foo' is unknown.*\n  %0 = foo\n       \^",
+    """The input is not valid MLIR; the diagnostic gives `file:line:col` and a caret under
+    the offending token. Pass `--allow-unregistered-dialect` for ops of unknown
+    dialects.""",
+    input_text="func.func @f() {\n  %0 = foo\n}\n")
+
+cli("cli-truncated-input", "A truncated input file",
+    ["in.mlir"], 1,
+    r"^in\.mlir:3:28: error: expected operation name in quotes",
+    """The file ends before the function's closing brace (an interrupted dump?); the parser
+    reports the end of the input. Regenerate the file.""",
+    input_text=OK_MLIR.rsplit("}", 1)[0])
+
+cli("cli-missing-input-file", "An input file that does not exist",
+    ["missing.mlir"], 1,
+    r"^mm-opt: error: could not open input file 'missing\.mlir': No such file or directory",
+    """Check the path; `-` (or no input) reads stdin.""")
+
+cli("cli-usage-error", "An unknown command-line flag",
+    ["in.mlir", "--no-such-flag"], 2,
+    r"^usage: mm-opt .*mm-opt: error: unrecognized arguments: --no-such-flag",
+    """Exit code 2 means the command line itself is wrong; `mm-opt --help` lists the
+    flags.""",
+    input_text=OK_MLIR)
+
+cli("cli-pass-error-at-op", "A pass rejects an op (diagnostic with location)",
+    ["in.mlir", "-p", "builtin.module(mm-verify)"], 1,
+    r"^in\.mlir:2:8: error: 'mm\.task' axis_sizes \[4, 1\] multiply to 4 but devices has 3 "
+    r"entries",
+    """Pass errors point at the offending op, `file:line:col`, with a caret. Here the
+    task's `axis_sizes` describe 4 devices but it lists 3.""",
+    input_text=BAD_TASK_MLIR)
+
+cli("cli-verify-diagnostics-mismatch", "`--verify-diagnostics` expectations not met",
+    ["in.mlir", "-p", "builtin.module(mm-verify)", "--verify-diagnostics"], 1,
+    r"(?m)(?=.*^in\.mlir:2:6: error: expected error \"something else\" was not produced$)"
+    r"(?=.*^in\.mlir:3:8: error: unexpected error: 'mm\.task' axis_sizes)",
+    """Each `expected-error` comment must match a diagnostic on its line, and every
+    diagnostic must be expected. Fix the expectation or the input.""",
+    input_text=BAD_TASK_MLIR.replace(
+        "  %0 = func.call", "  // expected-error@+1 {{something else}}\n  %0 = func.call", 1))
+
+cli("cli-unwritable-output", "An output file that cannot be written",
+    ["in.mlir", "-o", "no-such-dir/out.mlir"], 1,
+    r"^mm-opt: error: cannot write 'no-such-dir/out\.mlir': No such file or directory",
+    """The output directory must exist and be writable; the output is written atomically
+    and only on success.""",
+    input_text=OK_MLIR)
+
+cli("cli-unreadable-rules-file", "An `mm-match-tasks` rules file that cannot be read",
+    ["in.mlir", "-p", "builtin.module(mm-match-tasks{rules-file=missing.json})"], 1,
+    r"^mm-opt: error: Pass 'mm-match-tasks': rules-file 'missing\.json': cannot be read: "
+    r"No such file or directory",
+    """The rules file is JSON written by `mjit` (see docs/implicit-tasks.md); check the
+    path.""",
+    input_text=OK_MLIR)
+
+cli("cli-diagnostic-without-location", "A module-level diagnostic",
+    ["in.mlir", "-p", "builtin.module(mm-inline-tasks)"], 1,
+    r"^in\.mlir:1:1: error: module has no 'main' function",
+    """Multimesh pipelines start from `@main`; the module must define it.""",
+    input_text="func.func @f() {\n  return\n}\n",
+    issue="module-level diagnostics are reported at 'in.mlir:0:0' (the module op's "
+          "location), not at file:1:1 as `mm-opt --help` documents; 0:0 is not a position "
+          "an editor can jump to.")
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What running an entry produced."""
+
+    error: BaseException | None = None  # Python entries
+    exit_code: int | None = None  # CLI entries
+    stdout: str = ""
+    message: str = ""  # str(error), or the CLI's stderr
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _cwd(path: Path):
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def run(entry: Entry, workdir: Path) -> Outcome:
+    """Run ``entry`` in the (empty, private) directory ``workdir``."""
+    workdir = Path(workdir)
+    if entry.is_cli:
+        return _run_cli(entry, workdir)
+    # A private dump directory: PassFailure repro files do not race with other runs.
+    dump = workdir / "dump"
+    mm.clear_tasks()
+    try:
+        with _env("MULTIMESH_DUMP_IR_TO", str(dump)):
+            entry.trigger()
+    except Exception as e:  # noqa: BLE001 - any exception is the outcome
+        return Outcome(error=e, message=str(e))
+    finally:
+        mm.clear_tasks()
+    return Outcome()
+
+
+def _run_cli(entry: Entry, workdir: Path) -> Outcome:
+    from multimesh.tools.mm_opt import main
+
+    if entry.input_text is not None:
+        (workdir / "in.mlir").write_text(entry.input_text, encoding="utf-8")
+    out, err = io.StringIO(), io.StringIO()
+    old_stdin = sys.stdin
+    sys.stdin = io.StringIO("")
+    try:
+        # COLUMNS: argparse wraps its usage text to the terminal width.
+        with _cwd(workdir), _env("COLUMNS", "80"), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            code = main(list(entry.argv))
+    finally:
+        sys.stdin = old_stdin
+    return Outcome(exit_code=code, stdout=out.getvalue(), message=err.getvalue())
+
+
+def reproduce(error: PassFailure) -> tuple[int, str]:
+    """Run a PassFailure's ``mm-opt`` repro command in-process: ``(exit code, stderr)``."""
+    from multimesh.tools.mm_opt import main
+
+    argv = shlex.split(error.repro)
+    assert argv[0] == "mm-opt", argv
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv[1:])
+    return code, err.getvalue()
+
+
+_NORMALIZE = (
+    # repro files live in MULTIMESH_DUMP_IR_TO or the temp directory
+    (re.compile(r"'?[^\s']*(multimesh-failed-input\.mlir)'?"), r"$MULTIMESH_DUMP_IR_TO/\1"),
+    (re.compile(r"[^\s']*multimesh-rules-[0-9a-f]+\.json"),
+     "$MULTIMESH_DUMP_IR_TO/multimesh-rules-HASH.json"),
+    # source locations move whenever the file is edited
+    (re.compile(r"(\(at [^()\s]+?):\d+:\d+\)"), r"\1:LINE:COL)"),
+    (re.compile(r"\b0x[0-9a-f]{6,}\b"), "0x..."),
+)
+
+
+def normalize(message: str) -> str:
+    """``message`` with machine- and edit-dependent parts replaced (for the docs)."""
+    message = message.replace(str(ROOT) + os.sep, "")
+    for pattern, repl in _NORMALIZE:
+        message = pattern.sub(repl, message)
+    return message.rstrip()
+
+
+def validate_catalogue() -> list[str]:
+    """Problems with the catalogue itself (ids, categories, classes); empty when fine."""
+    problems = []
+    seen = set()
+    for e in ENTRIES:
+        if not _ID_RE.match(e.id):
+            problems.append(f"{e.id}: id is not kebab-case")
+        if e.id in seen:
+            problems.append(f"{e.id}: duplicate id")
+        seen.add(e.id)
+        if e.category not in CATEGORIES:
+            problems.append(f"{e.id}: unknown category {e.category!r}")
+        if not e.fix.strip() or not e.title.strip():
+            problems.append(f"{e.id}: needs a title and a fix text")
+        try:
+            re.compile(e.match)
+        except re.error as err:
+            problems.append(f"{e.id}: bad regex: {err}")
+        if e.is_cli:
+            if e.exit_code not in (1, 2):
+                problems.append(f"{e.id}: CLI errors exit with 1 or 2")
+        else:
+            if e.trigger is None or e.exc is None:
+                problems.append(f"{e.id}: needs a trigger and an exception class")
+            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (ValueError,
+                                                                            TypeError):
+                problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshError and a "
+                                f"ValueError or TypeError")
+    for cat in CATEGORIES:
+        if not any(e.category == cat for e in ENTRIES):
+            problems.append(f"category {cat!r} has no entry")
+    return problems
