@@ -143,7 +143,7 @@ def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
             raise DiagnosticError(
                 f"tasks '{first[0]}' and '{t[0]}' run on different submeshes but sit inside "
                 f"the same '{op.name}'; a loop body runs on one submesh. Unroll the loop (a "
-                f"Python for loop, or lax.scan(..., unroll=True)) or give both tasks one submesh",
+                f"Python for loop, or lax.scan(..., unroll=True)) or give both tasks one submesh.",
                 o.location)
     return first
 

@@ -107,6 +107,24 @@ def _task_name_of(op: ir.Operation) -> str | None:
     return None
 
 
+_DIM_RE = re.compile(r"^Cannot shard dimension (\d+) ")
+
+
+def _naming_task(message: str, task: _Task, axes: list[list[str]]) -> str:
+    """A non-dividing shard message plus the task and the logical axes behind it."""
+    m = _DIM_RE.match(message)
+    if m is None or int(m.group(1)) >= len(axes):
+        return message
+    mapped = {logical for logical, _ in task.logical_axes}
+    names = [n for n in axes[int(m.group(1))] if n in mapped]
+    if not names:
+        return message
+    noun = "logical axis" if len(names) == 1 else "logical axes"
+    listed = " and ".join(f"'{n}'" for n in names)
+    return (f"{message} Task '{task.name}' maps the dimension's {noun} {listed} to these "
+            f"device axes; change the shape or the task's logical_axes.")
+
+
 def _is_marker(op: ir.Operation) -> bool:
     if op.name != "stablehlo.custom_call" or "call_target_name" not in op.attributes:
         return False
@@ -206,7 +224,7 @@ class ResolveLogicalShardingsPass(ModulePass):
                 spec = resolve_logical_spec(
                     axes, shape, task.axis_names, task.axis_sizes, task.logical_axes)
             except LogicalShardingError as e:
-                raise DiagnosticError(str(e), loc) from None
+                raise DiagnosticError(_naming_task(str(e), task, axes), loc) from None
             plan.append((op, task, spec))
             needed[name] = task
 

@@ -14,8 +14,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from multimesh._src.mlir import print_module
-from multimesh.jax import TaskMesh, mjit, task, with_sharding_constraint as wsc
-from multimesh.jax._mjit import run_pipeline, _i64
+from multimesh.jax import TaskMesh, mjit, task
+from multimesh.jax import with_sharding_constraint as wsc
+from multimesh.jax._mjit import _i64, run_pipeline
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
 

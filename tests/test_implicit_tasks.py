@@ -567,8 +567,8 @@ def test_error_neither_callback_nor_task():
 
 
 def test_error_both_mesh_and_mesh_slice():
-    with pytest.raises(MultimeshValueError, match="cannot give both a task.mesh and "
-                                                  "task.mesh_slice"):
+    with pytest.raises(MultimeshValueError,
+                       match="cannot have both `mesh` and `mesh_slice`; give one of them"):
         mm.Task(mesh=mm.TaskMesh(devices=(0, 1)), mesh_slice={"stage": 0})
 
 

@@ -165,7 +165,7 @@ def test_custom_schedule_runs_and_matches():
 def test_validation_errors():
     loss, ws, _ = _pipeline(2)
     g = jax.value_and_grad(loss)
-    with pytest.raises(MultimeshError, match="dimensions not the same"):
+    with pytest.raises(MultimeshError, match="same size along dim 0, got sizes \\[4, 6\\]"):
         mm.mjit(mm.microbatch(lambda a: a[0].sum() + a[1].sum(), dim=0, size=2))(
             (jnp.ones((4, 2)), jnp.ones((6, 2))))
     with pytest.raises(MultimeshError, match="does not divide"):

@@ -57,8 +57,9 @@ def _canonical_custom(custom, n: int):
         for name, count in seen.items():
             if count != n:
                 raise MultimeshValueError(
-                    f"task {name} has {count} microbatches in custom_schedule row {r}, but there "
-                    f"are {n} microbatches.")
+                    f"task {name!r} has {count} microbatches in "
+                    f"custom_schedule row {r}, but there are {n} microbatches; list each task "
+                    f"once per microbatch.")
         rows.append(out)
     return rows
 
@@ -78,8 +79,14 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     """
     if not callable(fun):
         raise MultimeshTypeError(f"`microbatch` expects a callable, got {type(fun).__name__}.")
-    if not isinstance(size, (int, np.integer)) or size < 1:
-        raise MultimeshValueError(f"`microbatch` size must be a positive integer, got {size!r}.")
+    for option, value in (("size", size), ("interleave", interleave),
+                          ("num_stages", num_stages)):
+        if value is None and option != "size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            shown = int(value) if isinstance(value, np.integer) else value
+            raise MultimeshValueError(
+                f"`microbatch` {option} must be a positive integer, got {shown!r}.")
     if custom_schedule is not None:
         if schedule not in (None, "custom"):
             raise MultimeshValueError(
@@ -115,8 +122,8 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
             sizes.append(shape[dim])
         if len(set(sizes)) != 1:
             raise MultimeshValueError(
-                f"dimensions not the same across all microbatched tensors: sizes along dim "
-                f"{dim} are {sizes}.")
+                f"`microbatch` needs every leaf of argument {argnum} to have the same size "
+                f"along dim {dim}, got sizes {sizes}.")
         total = sizes[0]
         if total % size:
             raise MultimeshValueError(

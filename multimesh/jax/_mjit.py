@@ -12,7 +12,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlir_passes.pipeline import PipelineHooks, parse_pipeline
-from multimesh._src.errors import DiagnosticError, MultimeshValueError, PassFailure
+from multimesh._src.errors import (
+    DiagnosticError,
+    MultimeshTypeError,
+    MultimeshValueError,
+    PassFailure,
+)
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _contexts, _multimesh
 from multimesh.jax._pipeline import build_pipeline
@@ -30,6 +35,45 @@ def default_pipeline(num_devices: int) -> str:
 def _is_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _type_str(shape, dtype) -> str:
+    """``float32[4,8]``: how jax prints an array type."""
+    return f"{dtype}[{','.join(str(int(d)) for d in shape)}]"
+
+
+def _leaf_type(x) -> tuple[tuple[int, ...], object]:
+    """(shape, canonical dtype) of an argument leaf, as the compiled program sees it."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:  # a Python scalar
+        dtype = jax.numpy.result_type(x)
+    return tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+
+
+def _leaf_name(path) -> str:
+    """``args[0]['w']`` / ``kwargs['x']`` for a key path into ``(args, kwargs)``."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(path[1:]))
+
+
+def _check_leaf_types(flat, in_avals, args, kwargs) -> None:
+    """Raise if an argument's shape or dtype differs from what the program was compiled for."""
+    bad = []
+    for i, (x, aval) in enumerate(zip(flat, in_avals)):
+        shape, dtype = _leaf_type(x)
+        if shape != tuple(aval.shape) or dtype != aval.dtype:
+            bad.append((i, shape, dtype, aval))
+    if not bad:
+        return
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+    i, shape, dtype, aval = bad[0]
+    more = (f" ({len(bad) - 1} more argument{'s' if len(bad) > 2 else ''} also "
+            f"differ{'' if len(bad) > 2 else 's'})") if len(bad) > 1 else ""
+    raise MultimeshTypeError(
+        f"Compiled function called with {_leaf_name(paths[i])} of type "
+        f"{_type_str(shape, dtype)}, but it was compiled for "
+        f"{_type_str(aval.shape, aval.dtype)}{more}. Lower it again for the new types, or "
+        f"call the `mjit` function, which compiles for each new set of types.")
 
 
 def _abstract(x):
@@ -63,6 +107,8 @@ class MpmdCompiled:
                 f"Compiled function called with arguments of structure {tree}, but it was "
                 f"compiled for {self._lowered.in_tree}.")
         low = self._lowered
+        if low.in_avals is not None:
+            _check_leaf_types(flat, low.in_avals, args, kwargs)
         if not self._all_dynamic:
             flat = [flat[i] for i in low.dyn_idx]
         if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
@@ -94,6 +140,8 @@ class MpmdCompiled:
         from multimesh.runtime.trace import TraceRecorder
 
         flat, tree = jax.tree.flatten((args, kwargs))
+        if self._lowered.in_avals is not None and tree == self._lowered.in_tree:
+            _check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
         outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
         if trace_path is not None:
@@ -136,8 +184,10 @@ class MpmdLowered:
     """The traced program before our passes; ``compile()`` runs them."""
 
     def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
-                 donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=()):
+                 donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
+                 in_avals=None):
         self._text = text
+        self.in_avals = tuple(in_avals) if in_avals is not None else None
         self.key_inputs = tuple(key_inputs)
         self.key_outputs = tuple(key_outputs)
         self.schedule_config = schedule_config
@@ -238,6 +288,44 @@ def _schedule_options(notes: dict) -> str | None:
     return "" if notes.get("microbatch") is not None else None
 
 
+def _argnums(kind: str, nums) -> tuple[int, ...]:
+    """``static_argnums``/``donate_argnums`` as a tuple of plain ints."""
+    if nums is None:
+        return ()
+    flat = np.atleast_1d(np.asarray(nums, dtype=object)).reshape(-1).tolist()
+    for i in flat:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise MultimeshTypeError(
+                f"`mjit` {kind} must be an int or a sequence of ints, got {nums!r}.")
+    return tuple(int(i) for i in flat)
+
+
+def _resolve_argnums(kind: str, nums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+    """``nums`` with negative indices counted from the end; each must name an argument."""
+    out = []
+    for i in nums:
+        if not -nargs <= i < nargs:
+            valid = f" (valid indices are 0..{nargs - 1})" if nargs else ""
+            raise MultimeshValueError(
+                f"`mjit` {kind} names argument {i}, but the function was called with "
+                f"{nargs} positional argument{'' if nargs == 1 else 's'}{valid}.")
+        out.append(i % nargs)
+    return tuple(out)
+
+
+def _check_distinct_devices(devices) -> None:
+    seen: dict = {}
+    for d in devices:
+        seen[d] = seen.get(d, 0) + 1
+    for d, count in seen.items():
+        if count > 1:
+            times = "twice" if count == 2 else f"{count} times"
+            ids = [getattr(x, "id", x) for x in devices]
+            raise MultimeshValueError(
+                f"`mjit` devices must be distinct, but device {getattr(d, 'id', d)} appears "
+                f"{times} in {ids}.")
+
+
 class _MJit:
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
@@ -248,9 +336,10 @@ class _MJit:
             else None
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
-        self.donate_argnums = tuple(np.atleast_1d(donate_argnums)) if donate_argnums else ()
-        self.static_argnums = tuple(np.atleast_1d(static_argnums)) if static_argnums is not None \
-            and static_argnums != () else ()
+        if self.devices is not None:
+            _check_distinct_devices(self.devices)
+        self.donate_argnums = _argnums("donate_argnums", donate_argnums)
+        self.static_argnums = _argnums("static_argnums", static_argnums)
         self._cache: dict = {}
 
     def _devices(self):
@@ -262,7 +351,8 @@ class _MJit:
 
     def lower(self, *args, **kwargs) -> MpmdLowered:
         devices = self._devices()
-        static = self.static_argnums
+        static = _resolve_argnums("static_argnums", self.static_argnums, len(args))
+        donate = _resolve_argnums("donate_argnums", self.donate_argnums, len(args))
         dyn_args = [a for i, a in enumerate(args) if i not in static]
         fun, in_sh, out_sh = self.fun, self.in_shardings, self.out_shardings
 
@@ -295,7 +385,7 @@ class _MJit:
             if i in static:
                 continue
             n = len(jax.tree.leaves(a))
-            if i in self.donate_argnums:
+            if i in donate:
                 donated.extend(range(leaf, leaf + n))
             leaf += n
         key_in = [_is_key(x) for x in dyn_flat]
@@ -303,6 +393,7 @@ class _MJit:
                    for x in jax.tree.leaves(traced.out_info)]
         return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
                            list(range(len(dyn_flat))), donated_leaves=donated,
+                           in_avals=traced.jaxpr.in_avals,
                            key_inputs=key_in if any(key_in) else (),
                            key_outputs=key_out if any(k is not None for k in key_out) else (),
                            schedule_config=_schedule_config(notes),
@@ -312,8 +403,18 @@ class _MJit:
                                                    recompute=_contexts.state.recomputation))
 
     def __call__(self, *args, **kwargs):
-        static = tuple(args[i] for i in self.static_argnums)
-        dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
+        static_idx = _resolve_argnums("static_argnums", self.static_argnums, len(args)) \
+            if self.static_argnums else ()
+        static = tuple(args[i] for i in static_idx)
+        for i, a in zip(static_idx, static):
+            try:
+                hash(a)
+            except TypeError:
+                raise MultimeshTypeError(
+                    f"`mjit` static argument {i} must be hashable, got {type(a).__name__} "
+                    f"{a!r}. Pass a tuple instead of a list, or make the argument dynamic."
+                ) from None
+        dyn = [a for i, a in enumerate(args) if i not in static_idx]
         leaves, tree = jax.tree.flatten((tuple(dyn), kwargs))
         key = (tree, static, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
                                     bool(getattr(x, "weak_type", False))) for x in leaves),
@@ -358,7 +459,7 @@ def mjit(fun: Callable, *, mesh: Mesh | None = None, devices: Sequence | None = 
     their axis names are interpreted by the task that consumes/produces them.
     """
     if not callable(fun):
-        raise MultimeshValueError(f"`mjit` expects a callable, got {type(fun).__name__}.")
+        raise MultimeshTypeError(f"`mjit` expects a callable, got {type(fun).__name__}.")
     return _MJit(fun, devices, mesh, in_shardings, out_shardings, donate_argnums, static_argnums)
 
 

@@ -70,6 +70,10 @@ def _make_registration(matcher, callback, task) -> _Registration:
     from mlir_passes.match_tasks import compile_matcher
     from multimesh.jax._task import Task
 
+    if not isinstance(matcher, str):
+        raise MultimeshTypeError(
+            f"A task matcher must be a string (a name or a regular expression), got "
+            f"{type(matcher).__name__} {matcher!r}.")
     if callback is None and task is None:
         raise MultimeshValueError(
             f"register_task({matcher!r}) needs either `callback=` (called as "

@@ -17,9 +17,6 @@ from jax._src import core, dispatch, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
-from multimesh._src.mlir import func as func_dialect
-from multimesh._src.mlir import ir
-from multimesh._src.mlir import stablehlo as hlo
 from jax._src.tree_util import tree_flatten, tree_unflatten
 from jax._src.util import (
     merge_lists,
@@ -30,6 +27,10 @@ from jax._src.util import (
     unzip2,
     weakref_lru_cache,
 )
+
+from multimesh._src.mlir import func as func_dialect
+from multimesh._src.mlir import ir
+from multimesh._src.mlir import stablehlo as hlo
 
 map, unsafe_map = safe_map, map
 zip, unsafe_zip = safe_zip, zip

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import api_util, core
+from jax._src import api_util, core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.api_util import flatten_fun
 from jax._src.interpreters import partial_eval as pe
@@ -19,6 +21,56 @@ from multimesh.jax import _contexts
 from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of"]
+
+# Ops traced through multimesh's wrappers (tasks, logical constraints, microbatch
+# loops) get the location of the *user's* call: jax skips excluded files when it
+# picks the frame an op's location points at.
+source_info_util.register_exclusion(os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
+def _plain(x):
+    """``x`` with numpy scalars turned into Python ones (for messages)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+def _who(name: str | None) -> str:
+    """How a message names a task: ``Task 't'``, or ```Task``` when it has no name."""
+    return f"Task {name!r}" if name is not None else "`Task`"
+
+
+def _check_pairs(value, field: str, who: str) -> tuple[tuple[str, str], ...]:
+    """``logical_axes``/``extra_axes``: a sequence of (logical_name, device_axis) pairs."""
+    def is_pair(p):
+        return (isinstance(p, (tuple, list)) and len(p) == 2
+                and all(isinstance(s, str) for s in p))
+
+    what = f"{who}: `{field}` must be a sequence of (logical_name, device_axis) pairs"
+    if isinstance(value, (str, Mapping)) or not hasattr(value, "__iter__"):
+        raise MultimeshTypeError(f"{what}, got {type(value).__name__} {value!r}.")
+    value = tuple(value)
+    if is_pair(value) and not any(isinstance(p, (tuple, list)) for p in value):
+        raise MultimeshValueError(
+            f"{what}, got {value!r}; write ({value!r},) for one pair.")
+    for p in value:
+        if not is_pair(p):
+            raise MultimeshValueError(f"{what}, got {value!r}; {p!r} is not such a pair.")
+    return tuple(tuple(p) for p in value)
+
+
+def _check_split_backprop(value, who: str) -> tuple[str, str] | None:
+    """``split_backprop``: None or two distinct, non-empty name suffixes."""
+    if value is None or (isinstance(value, (tuple, list)) and not value):
+        return None
+    if (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(s, str) and s for s in value) and value[0] != value[1]):
+        return tuple(value)
+    raise MultimeshValueError(
+        f"{who}: `split_backprop` must be two distinct, non-empty name suffixes "
+        f"(critical, non-critical), e.g. ('_activations', '_gradients'), got {value!r}.")
 
 
 class TaskMesh:
@@ -31,12 +83,17 @@ class TaskMesh:
 
     def __init__(self, *, devices: Sequence[int], axis_sizes: Sequence[int] | None = None,
                  axis_names: Sequence[str] | None = None, abstract: AbstractMesh | None = None):
-        flat = np.asarray(devices if not isinstance(devices, range) else list(devices))
+        listed = list(devices) if isinstance(devices, range) else devices
+        flat = np.asarray(listed)
+        if flat.size == 0:
+            raise MeshError(
+                f"`TaskMesh` needs at least one device position, got {_plain(listed)!r}.")
         if flat.dtype == object or not np.issubdtype(flat.dtype, np.integer):
             raise MultimeshTypeError(
                 f"`TaskMesh` devices must be integer positions in the program's device list, "
                 f"got {devices!r}. Use `task(..., mesh=jax.sharding.Mesh(...))` for real devices.")
         flat = flat.reshape(-1)
+        positions = tuple(int(d) for d in flat)
         if abstract is not None:
             axis_names, axis_sizes = abstract.axis_names, abstract.axis_sizes
         if axis_names is None and axis_sizes is None:
@@ -54,13 +111,18 @@ class TaskMesh:
             raise MeshError(f"`TaskMesh` axis sizes must be positive, got {axis_sizes}.")
         if math.prod(axis_sizes) != flat.size:
             raise MeshError(
-                f"`TaskMesh` has {flat.size} devices {tuple(int(d) for d in flat)} but axis_sizes "
+                f"`TaskMesh` has {flat.size} devices {positions} but axis_sizes "
                 f"{axis_sizes} describe {math.prod(axis_sizes)} devices; the product of the axis "
                 f"sizes must equal the number of devices.")
-        if (flat < 0).any():
-            raise MeshError(f"`TaskMesh` device positions must be non-negative, got {tuple(flat)}.")
-        if len(set(flat.tolist())) != flat.size:
-            raise MeshError(f"`TaskMesh` device positions must be distinct, got {tuple(flat)}.")
+        if any(p < 0 for p in positions):
+            raise MeshError(f"`TaskMesh` device positions must be non-negative, got {positions}.")
+        repeated = sorted(p for p, n in collections.Counter(positions).items() if n > 1)
+        if repeated:
+            which = ", ".join(str(p) for p in repeated)
+            raise MeshError(
+                f"`TaskMesh` device positions must be distinct, got {positions}; position"
+                f"{'s' if len(repeated) > 1 else ''} {which} appear"
+                f"{'' if len(repeated) > 1 else 's'} more than once.")
         self.devices = flat.astype(int).reshape(axis_sizes)
         self.mesh = AbstractMesh(axis_sizes, axis_names)
 
@@ -111,24 +173,19 @@ class Task:
     loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
 
     def __post_init__(self):
+        who = _who(self.name)
         if self.mesh is not None and self.mesh_slice is not None:
             raise MultimeshValueError(
-                f"Task {self.name!r}: cannot give both a task.mesh and task.mesh_slice.")
+                f"{who} cannot have both `mesh` and `mesh_slice`; give one of them.")
         if self.mesh is not None and not isinstance(self.mesh, (TaskMesh, Mesh)):
             raise MultimeshTypeError(
-                f"Task {self.name!r}: `mesh` must be a `TaskMesh` or a `jax.sharding.Mesh`, "
+                f"{who}: `mesh` must be a `TaskMesh` or a `jax.sharding.Mesh`, "
                 f"got {type(self.mesh).__name__}.")
         for field in ("logical_axes", "extra_axes"):
             pairs = getattr(self, field)
-            if pairs is None:
-                continue
-            pairs = tuple(tuple(p) for p in pairs)
-            for p in pairs:
-                if len(p) != 2 or not all(isinstance(s, str) for s in p):
-                    raise MultimeshValueError(
-                        f"Task {self.name!r}: `{field}` must be (logical_name, device_axis) "
-                        f"string pairs, got {p!r}.")
-            setattr(self, field, pairs)
+            if pairs is not None:
+                setattr(self, field, _check_pairs(pairs, field, who))
+        self.split_backprop = _check_split_backprop(self.split_backprop, who)
 
 
 def _program_devices() -> tuple:
@@ -184,11 +241,8 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
             raise MeshError(
                 f"Task {name!r} maps logical axis {logical!r} to unknown device axis {dev!r}; "
                 f"the task mesh has axes {names}.")
-    split = tuple(spec.split_backprop) if spec.split_backprop else None
-    if split is not None and (len(split) != 2 or not all(isinstance(x, str) for x in split)):
-        raise MultimeshValueError(
-            f"Task {name!r}: `split_backprop` must be two name suffixes "
-            f"(critical, non-critical), got {spec.split_backprop!r}.")
+    # Checked again here: a Task's fields may have been reassigned after construction.
+    split = _check_split_backprop(spec.split_backprop, _who(name))
     if split is not None and _contexts.state.trace_notes is not None:
         _contexts.state.trace_notes["split_backprop"] = True
     return TaskInfo(name=name, devices=tuple(int(p) for p in positions.flat),

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from mlir_passes.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["visualize_schedule", "as_schedule"]
 
@@ -33,8 +34,9 @@ def as_schedule(obj) -> Schedule:
     module = None
     if text is not None:
         if "mm.schedule" not in text:
-            raise ValueError("This program has no pipeline schedule (it is not microbatched: "
-                             "use multimesh.jax.microbatch).")
+            raise MultimeshValueError(
+                "This program has no pipeline schedule (it is not microbatched: use "
+                "multimesh.jax.microbatch).")
         from multimesh._src.mlir import parse_module
 
         module = parse_module(text)
@@ -46,10 +48,12 @@ def as_schedule(obj) -> Schedule:
         s = read_schedule(module)
         if s is not None:
             return s
-        raise ValueError("This program has no pipeline schedule (it is not microbatched: "
-                         "use multimesh.jax.microbatch).")
-    raise TypeError(f"visualize_schedule expects a compiled program, a module or a Schedule, "
-                    f"got {type(obj).__name__}")
+        raise MultimeshValueError(
+            "This program has no pipeline schedule (it is not microbatched: use "
+            "multimesh.jax.microbatch).")
+    raise MultimeshTypeError(
+        f"visualize_schedule expects a compiled program, a module or a Schedule, got "
+        f"{type(obj).__name__}.")
 
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,

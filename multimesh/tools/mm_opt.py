@@ -4,7 +4,8 @@ Flags are a subset of mlir-opt's with the same spellings, so golden tests read
 like MLIR/Shardy ones. Differences from mlir-opt (also listed in ``--help``):
 passes are module-level only, ``--mlir-print-ir-*`` dumps once per pipeline step
 (consecutive native passes form one step), and diagnostics without a location
-are reported at ``file:1:1`` (``expected-error@unknown`` matches them).
+(or at the implicit top-level module's ``0:0``) are reported at ``file:1:1``
+(``expected-error@unknown`` matches them).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def _make_parser() -> argparse.ArgumentParser:
             "Differences from mlir-opt: passes run on the module only (native\n"
             "passes may nest, e.g. func.func(cse)); IR dumps happen once per\n"
             "pipeline step (consecutive native passes are one step); diagnostics\n"
-            "without a location are reported at file:1:1 (expected-error@unknown)."),
+            "without a location (or at the implicit module's 0:0) are reported at\n"
+            "file:1:1 (expected-error@unknown)."),
     )
     p.add_argument("input", nargs="?", default="-",
                    help="input file ('-' or none: stdin)")
@@ -435,7 +437,7 @@ class _Driver:
 
     def _from_loc(self, loc) -> tuple[str | None, int | None, int | None]:
         flc = file_line_col(loc) if loc is not None else None
-        if flc is None:
+        if flc is None or flc[1] == 0:  # line 0: the implicit module op, not a position
             return None, None, None
         f, line, col = flc
         return self._norm_file(f), line, col

@@ -355,9 +355,15 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         return _nnx.parallelize_step(model, optimizer, mesh=mesh, global_batch=global_batch,
                                      local_batch=local_batch, replicate_inputs=replicate_inputs)
     if not isinstance(model, nn.Module):
+        if isinstance(model, type) and (issubclass(model, nn.Module)
+                                        or _nnx.is_nnx_module_class(model)):
+            raise MultimeshTypeError(
+                f"parallelize_step expects a linen or NNX module instance, got the class "
+                f"{model.__name__}; pass an instance, e.g. {model.__name__}(...).")
         raise MultimeshTypeError(
             f"parallelize_step expects a linen or NNX module instance, got "
             f"{type(model).__name__}.")
+    check_optimizer(optimizer, allow_nnx=False)
     _check_batches(global_batch, local_batch)
     mesh = _default_mesh(mesh)
     from flax.training.train_state import TrainState
@@ -390,6 +396,16 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     if global_batch is not None:
         return compiled, state, mesh
     return compiled, state, mesh, prepare_batch
+
+
+def check_optimizer(optimizer, allow_nnx: bool) -> None:
+    """``optimizer`` must be an optax GradientTransformation (or, for NNX, an nnx.Optimizer)."""
+    if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
+        return
+    kinds = ("an optax GradientTransformation or an nnx.Optimizer" if allow_nnx
+             else "an optax GradientTransformation (e.g. optax.adam(1e-3))")
+    raise MultimeshTypeError(
+        f"parallelize_step: `optimizer` must be {kinds}, got {type(optimizer).__name__}.")
 
 
 def place(tree, shardings):

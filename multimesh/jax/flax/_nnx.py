@@ -33,6 +33,7 @@ from multimesh.jax.flax._linen import (
     _batch_avals,
     _check_batches,
     _default_mesh,
+    check_optimizer,
     is_array,
     is_dynamic,
     make_prepare_batch,
@@ -104,6 +105,67 @@ def _spec_of(s) -> P | None:
 # --------------------------------------------------------------------------- split / merge
 
 
+def _aval_sig(x) -> tuple:
+    """(shape, dtype, weak type) of an array leaf: what a compiled program is specialised to."""
+    return (tuple(int(d) for d in np.shape(x)),
+            str(jax.numpy.result_type(x)) if not _is_key(x) else str(x.dtype),
+            bool(getattr(x, "weak_type", False)))
+
+
+def _describe_aval(sig: tuple) -> str:
+    shape, dtype, weak = sig
+    return f"shape {shape} and dtype {dtype}{' (weakly typed)' if weak else ''}"
+
+
+def _arg_name(path, static_argnums) -> str:
+    """``args[1]``/``kwargs['x']`` (plus the rest of the path) for a path into (dyn_args, kwargs)."""
+    if path[0].idx == 1:
+        return "kwargs" + jax.tree_util.keystr(tuple(path[1:]))
+    static = {int(i) for i in static_argnums}
+    k, pos = path[1].idx, -1
+    while k >= 0:
+        pos += 1
+        if pos not in static:
+            k -= 1
+    return f"args[{pos}]" + jax.tree_util.keystr(tuple(path[2:]))
+
+
+def _describe_mismatch(old: _Split, new: _Split, static_argnums) -> str:
+    """Why ``new`` (the call's arguments) does not fit ``old`` (what was compiled)."""
+    head = "Compiled function called with"
+    tail = " Lower it again for these arguments, or call the `mjit` function directly."
+    if old.treedef != new.treedef or old.kinds != new.kinds:
+        return (f"{head} arguments of structure {new.treedef}, but it was compiled for "
+                f"{old.treedef}.{tail}")
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(new._tree, is_leaf=_is_node)[0]]
+    by_kind: dict[str, list] = {"node": [], "dyn": [], "static": []}
+    for p, k in zip(paths, new.kinds):
+        by_kind[k].append(p)
+    for p, a, b in zip(by_kind["dyn"], old.dyn, new.dyn):
+        if _aval_sig(a) != _aval_sig(b):
+            return (f"{head} {_arg_name(p, static_argnums)} of {_describe_aval(_aval_sig(b))}, "
+                    f"but it was compiled for {_describe_aval(_aval_sig(a))}.{tail}")
+    for p, a, b in zip(by_kind["static"], old.static, new.static):
+        if _hashable(a) != _hashable(b):
+            return (f"{head} {_arg_name(p, static_argnums)} = {b!r}, but it was compiled for "
+                    f"{a!r} (a static, non-array value).{tail}")
+    if (old.graphdef != new.graphdef or old.node_paths() != new.node_paths()
+            or old.var_dynamic != new.var_dynamic):
+        return (f"{head} NNX objects whose structure (attributes, Variables or static "
+                f"fields) differs from the ones it was compiled for.{tail}")
+    for (path, _), dynamic, a, b in zip(new.flat, new.var_dynamic, old.values, new.values):
+        where = f"{_arg_name(by_kind['node'][path[0]], static_argnums)}" + "".join(
+            f".{k}" for k in path[1:])
+        if dynamic and _aval_sig(a) != _aval_sig(b):
+            return (f"{head} the Variable {where} of {_describe_aval(_aval_sig(b))}, but it "
+                    f"was compiled for {_describe_aval(_aval_sig(a))}.{tail}")
+        if not dynamic and _hashable(a) != _hashable(b):
+            return (f"{head} the Variable {where} holding {b!r}, but it was compiled for "
+                    f"{a!r} (a static, non-array value).{tail}")
+    return (f"{head} arguments whose structure, shapes or dtypes differ from those it was "
+            f"compiled for.{tail}")
+
+
 class _Split:
     """``(args, kwargs)`` cut into graph nodes, dynamic leaves and static leaves.
 
@@ -113,6 +175,7 @@ class _Split:
     """
 
     def __init__(self, tree, *, allow_abstract: bool = False, scalars_dynamic: bool = True):
+        self._tree = tree  # for naming leaves in errors
         leaves, self.treedef = jax.tree.flatten(tree, is_leaf=_is_node)
         self.kinds: list[str] = []
         nodes, dyn, static = [], [], []
@@ -144,10 +207,7 @@ class _Split:
 
     # -- what the traced function needs (hashable, cache key)
     def signature(self):
-        def aval(x):
-            return (tuple(np.shape(x)), str(jax.numpy.result_type(x)) if not _is_key(x)
-                    else str(x.dtype), bool(getattr(x, "weak_type", False)))
-
+        aval = _aval_sig
         static = tuple(_hashable(s) for s in self.static)
         var_static = tuple(_hashable(v) for v, d in zip(self.values, self.var_dynamic) if not d)
         return (self.treedef, tuple(self.kinds), self.graphdef, static, var_static,
@@ -643,10 +703,15 @@ class NnxCompiled:
     def __call__(self, *args, **kwargs):
         owner = self._lowered._owner
         static, split = owner._split_args(args, kwargs)
+        for i, new, old in zip(owner.static_argnums, static, self._lowered._static):
+            if _hashable(new) != _hashable(old):
+                raise MultimeshValueError(
+                    f"Compiled function called with static argument {int(i)} = {new!r}, but it "
+                    f"was compiled for {old!r}. Lower it again, or call the `mjit` function "
+                    f"directly.")
         if split.signature() != self._lowered._split.signature():
             raise MultimeshValueError(
-                "compiled function called with arguments whose structure, shapes or dtypes "
-                "differ from those it was compiled for.")
+                _describe_mismatch(self._lowered._split, split, owner.static_argnums))
         return self._run(split)
 
     def _run(self, split: _Split):
@@ -739,12 +804,9 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     mesh = _default_mesh(mesh)
     if isinstance(optimizer, nnx.Optimizer):
         opt = optimizer
-    elif hasattr(optimizer, "init") and hasattr(optimizer, "update"):
-        opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
     else:
-        raise MultimeshTypeError(
-            f"parallelize_step: `optimizer` must be an optax GradientTransformation or an "
-            f"nnx.Optimizer, got {type(optimizer).__name__}.")
+        check_optimizer(optimizer, allow_nnx=True)
+        opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
     state = NnxTrainState(model, opt)
 
     def train_step(state: NnxTrainState, batch):
