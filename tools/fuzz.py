@@ -2,16 +2,18 @@
 
     python tools/fuzz.py --programs 500 --seed 0        # differential MPMD fuzzing
     python tools/fuzz.py --ir 5000 --seed 0             # mm-opt IR fuzzing
-    python tools/fuzz.py --programs 200 --ir 2000 --out fuzz-out
+    python tools/fuzz.py --programs 200 --ir 2000 --out /tmp/fuzz-out
 
 Unlike the hypothesis tests in CI, the long profile keeps going after a failure:
-programs come from ``random_program(seed + i)`` and every failing one is written
-to ``OUT/programs/<kind>-seed<N>.py`` (a standalone repro). IR cases that
-misbehave are written to ``OUT/ir/case<N>.mlir`` with the pipeline in a header
-comment. Failures explained by a known bug (``KNOWN_BUGS`` in tests/fuzz/programs.py,
-``KNOWN_IR_BUGS`` in tests/test_fuzz_ir.py, each pinned by a strict xfail test) are
-counted separately and do not fail the run. Programs run in batches in worker processes, so a hard crash loses one
-program and is reported as such. Exit status 1 if anything failed.
+programs come from ``random_program(seed + i)`` and every failing one is written, as a
+standalone repro, to ``OUT/programs/<kind>-seed<N>.py`` (``OUT`` is ``--out``, by
+default ``$TMPDIR/multimesh-fuzz``); IR cases that misbehave go to
+``OUT/ir/case<N>.mlir`` with the pipeline in a header comment. Failures explained by a
+known bug (``KNOWN_BUGS`` in tests/fuzz/programs.py, ``KNOWN_IR_BUGS`` in
+tests/test_fuzz_ir.py, each pinned by a strict xfail test) are counted separately and
+do not fail the run. Programs run in batches in worker processes and IR cases in a
+restartable worker, so a hard crash or a hang loses one case and is reported as such.
+Exit status 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -106,7 +108,6 @@ def run_ir(n: int, seed: int, out: str) -> dict:
         known_bug,
         make_cases,
         problems,
-        run_in_process,
     )
 
     t0 = time.perf_counter()
@@ -116,32 +117,32 @@ def run_ir(n: int, seed: int, out: str) -> dict:
     stats = collections.Counter()
     by_mut = collections.Counter()
     fails = []
-    runner = IsolatedRunner()
-    with tempfile.TemporaryDirectory() as wd:
-        for i, case in enumerate(cases):
-            r = runner.run(case) if case.isolated else run_in_process(case, wd)
-            found = problems(case, r)
-            known = known_bug(case, found) if found else None
-            if known:
-                stats[f"known:{known}"] += 1
-            elif found:
-                stats["FAIL"] += 1
-                fails.append({"case": i, "seed": case.seed, "mutations": list(case.mutations),
-                              "pipeline": case.pipeline, "problems": found})
-                d = Path(out, "ir")
-                d.mkdir(parents=True, exist_ok=True)
-                (d / f"case{i}.mlir").write_text(
-                    f"// mm-opt THIS -p '{case.pipeline}'\n// " +
-                    describe(case, r, found).split("--- input ---")[0].replace("\n", "\n// ")
-                    + "\n" + case.text)
-                print(f"  FAIL case {i}: {found}", flush=True)
-            else:
-                stats["diagnosed" if r.rc == 1 else "clean"] += 1
-            for m in case.mutations:
-                by_mut[m] += 1
-            if (i + 1) % 500 == 0:
-                print(f"  ... {i + 1}/{len(cases)} IR cases, {time.perf_counter() - t0:.0f} s",
-                      flush=True)
+    runner = IsolatedRunner(timeout=30)
+    for i, case in enumerate(cases):
+        # every case in the worker: a hang or a hard crash costs one case and a restart
+        r = runner.run(case)
+        found = problems(case, r)
+        known = known_bug(case, found) if found else None
+        if known:
+            stats[f"known:{known}"] += 1
+        elif found:
+            stats["FAIL"] += 1
+            fails.append({"case": i, "seed": case.seed, "mutations": list(case.mutations),
+                          "pipeline": case.pipeline, "problems": found})
+            d = Path(out, "ir")
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"case{i}.mlir").write_text(
+                f"// mm-opt THIS -p '{case.pipeline}'\n// " +
+                describe(case, r, found).split("--- input ---")[0].replace("\n", "\n// ")
+                + "\n" + case.text)
+            print(f"  FAIL case {i}: {found}", flush=True)
+        else:
+            stats["diagnosed" if r.rc == 1 else "clean"] += 1
+        for m in case.mutations:
+            by_mut[m] += 1
+        if (i + 1) % 500 == 0:
+            print(f"  ... {i + 1}/{len(cases)} IR cases, {time.perf_counter() - t0:.0f} s",
+                  flush=True)
     runner.close()
     return {"ir_cases": len(cases), "isolated": n_iso, "seconds":
             round(time.perf_counter() - t0, 1), "outcomes": dict(stats),
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ir", type=int, default=0, help="mutated mm-opt inputs to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=50, help="programs per worker process")
-    ap.add_argument("--out", default="fuzz-out", help="where repros and summary.json go")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "multimesh-fuzz"),
+                    help="where repros and summary.json go (default: %(default)s)")
     ap.add_argument("--_worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._worker:
