@@ -7,9 +7,10 @@ spelled in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr
+from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
 
 TASK_ATTR = "mm.task"
 TASKS_ATTR = "mm.tasks"
@@ -31,10 +32,61 @@ class TaskMeshInfo:
     """``Task.split_backprop``: name suffixes of the activation and weight halves."""
 
     @classmethod
-    def from_dict(cls, d: dict) -> TaskMeshInfo:
+    def from_dict(cls, d, loc: ir.Location | None = None,
+                  what: str = f"'{TASK_ATTR}'") -> TaskMeshInfo:
+        """Read a task mesh (``attr_to_py`` of an ``mm.task`` / ``mm.tasks`` entry).
+
+        Checks it as ``mm-verify`` does (keys present and typed, positive axis sizes
+        that multiply to the device count, logical axes as string pairs) and raises
+        :class:`DiagnosticError` at ``loc`` on the first violation; ``what`` names the
+        attribute in the message.
+        """
+        d = _check_dict(d, what, loc)
+        for key in ("devices", "axis_names", "axis_sizes"):
+            if key not in d:
+                raise DiagnosticError(f"{what} is missing '{key}'", loc)
+        devices = _int_list(d["devices"], f"{what} devices", loc)
+        if not devices:
+            raise DiagnosticError(f"{what} devices must not be empty", loc)
+        if (dup := _duplicate(devices)) is not None:
+            raise DiagnosticError(f"{what} devices {_fmt(devices)} list device {dup} twice", loc)
+        if (neg := [x for x in devices if x < 0]):
+            raise DiagnosticError(
+                f"{what} devices {_fmt(devices)} has negative entry {neg[0]}", loc)
+        names = _str_list(d["axis_names"], f"{what} axis_names", loc)
+        if (dup := _duplicate(names)) is not None:
+            raise DiagnosticError(
+                f"{what} axis_names {_fmt(names)} name axis \"{dup}\" twice", loc)
+        sizes = _int_list(d["axis_sizes"], f"{what} axis_sizes", loc)
+        if len(sizes) != len(names):
+            raise DiagnosticError(
+                f"{what} has {len(names)} axis_names {_fmt(names)} but {len(sizes)} "
+                f"axis_sizes {_fmt(sizes)}", loc)
+        if (bad := [s for s in sizes if s <= 0]):
+            raise DiagnosticError(
+                f"{what} axis_sizes {_fmt(sizes)} must be positive, got {bad[0]}", loc)
+        if prod(sizes) != len(devices):
+            raise DiagnosticError(
+                f"{what} axis_sizes {_fmt(sizes)} multiply to {prod(sizes)} but devices has "
+                f"{len(devices)} entries", loc)
+        pairs = []
+        for item in _list(d.get("logical_axes", []), f"{what} logical_axes", "pairs", loc):
+            if (not isinstance(item, list) or len(item) != 2
+                    or not all(isinstance(x, str) for x in item)):
+                raise DiagnosticError(
+                    f"{what} logical_axes entries must be [logical, device] string pairs, "
+                    f"got {_fmt(item)}", loc)
+            # a device axis missing from axis_names is left to mm-resolve-logical-shardings,
+            # which reports it at the marker that uses it
+            pairs.append((item[0], item[1]))
         split = d.get("split_backprop")
-        return cls(tuple(d["devices"]), tuple(d["axis_names"]), tuple(d["axis_sizes"]),
-                   tuple(tuple(p) for p in d.get("logical_axes", [])),
+        if split is not None and split != [] and (
+                not isinstance(split, list) or len(split) != 2
+                or not all(isinstance(x, str) and x for x in split)):
+            raise DiagnosticError(
+                f"{what} split_backprop must be two non-empty name suffixes, got "
+                f"{_fmt(split)}", loc)
+        return cls(tuple(devices), tuple(names), tuple(sizes), tuple(pairs),
                    tuple(split) if split else None)
 
     def to_dict(self) -> dict:
@@ -79,10 +131,18 @@ def entry_block(func: ir.Operation) -> ir.Block:
 
 
 def read_tasks(module: ir.Module) -> dict[str, TaskMeshInfo]:
+    """The module's ``mm.tasks`` table, checked (:class:`DiagnosticError` at the module)."""
     attrs = module.operation.attributes
     if TASKS_ATTR not in attrs:
         return {}
-    return {k: TaskMeshInfo.from_dict(v) for k, v in attr_to_py(attrs[TASKS_ATTR]).items()}
+    loc = module.operation.location
+    table = _check_dict(attr_to_py(attrs[TASKS_ATTR]), f"'{TASKS_ATTR}'", loc)
+    out = {}
+    for k, v in table.items():
+        if not k:
+            raise DiagnosticError(f"'{TASKS_ATTR}' has an entry with an empty task name", loc)
+        out[k] = TaskMeshInfo.from_dict(v, loc, f"'{TASKS_ATTR}' entry \"{k}\"")
+    return out
 
 
 def write_tasks(module: ir.Module, tasks: dict[str, TaskMeshInfo]) -> None:
@@ -99,7 +159,12 @@ _TAG_CACHE: dict[ir.Attribute, Tag] = {}
 
 
 def tag_of(op: ir.Operation) -> Tag | None:
-    """The :data:`Tag` of an op tagged in flat form, else None."""
+    """The :data:`Tag` of an op tagged in flat form, else None.
+
+    A malformed tag (missing or mistyped ``name``/``transpose_count``, empty name) is a
+    :class:`DiagnosticError` at the op. Do not call this inside an ``op.walk`` callback:
+    the bindings turn the exception into a ``RuntimeError``.
+    """
     attrs = op.attributes
     if TASK_ATTR not in attrs:
         return None
@@ -107,12 +172,53 @@ def tag_of(op: ir.Operation) -> Tag | None:
     # Attributes are uniqued per context, so a few distinct tags cover a whole module.
     tag = _TAG_CACHE.get(a)
     if tag is None:
-        d = attr_to_py(a)
-        tag = d["name"], int(d["transpose_count"]), int(d.get("microbatch", -1))
+        what = f"'{TASK_ATTR}' on '{op.name}'"
+        tag = _tag_from_dict(_check_dict(attr_to_py(a), what, op.location), what, op.location)
         if len(_TAG_CACHE) > 4096:
             _TAG_CACHE.clear()
         _TAG_CACHE[a] = tag
     return tag
+
+
+def task_call(call: ir.Operation) -> tuple[Tag, TaskMeshInfo | None]:
+    """Tag and mesh of a task call's ``mm.task`` (mesh None for a flat ``{name,
+    transpose_count}`` reference), checked as ``mm-verify`` does: a
+    :class:`DiagnosticError` at the call on the first violation."""
+    what, loc = f"'{TASK_ATTR}'", call.location
+    d = _check_dict(attr_to_py(call.attributes[TASK_ATTR]), what, loc)
+    tag = _tag_from_dict(d, what, loc)
+    if not any(k in d for k in ("devices", "axis_names", "axis_sizes", "logical_axes")):
+        return tag, None
+    return tag, TaskMeshInfo.from_dict(d, loc, what)
+
+
+def check_task_calls(root: ir.Operation) -> None:
+    """Check the ``mm.task`` of every ``func.call`` under ``root`` (see :func:`task_call`)."""
+    calls: list[ir.Operation] = []
+
+    def cb(op):
+        op = op.operation
+        if op.name == "func.call" and TASK_ATTR in op.attributes:
+            calls.append(op)
+        return ir.WalkResult.ADVANCE
+
+    root.walk(cb, ir.WalkOrder.PRE_ORDER)
+    for call in calls:  # outside the walk: exceptions in callbacks become RuntimeError
+        task_call(call)
+
+
+def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo:
+    """The ``mm.tasks`` entry of a tagged op's task (:class:`DiagnosticError` if none)."""
+    tag = tag_of(op)
+    if tag is None:
+        raise DiagnosticError("op is not assigned to a task", op.location)
+    info = tasks.get(tag[0])
+    if info is None:
+        known = ", ".join(f'"{k}"' for k in sorted(tasks)) or "none"
+        raise DiagnosticError(
+            f"'{TASK_ATTR}' on '{op.name}' names task \"{tag[0]}\" which is not in "
+            f"'{TASKS_ATTR}' (known: {known})", op.location)
+    return info
 
 
 def tag_attr(name: str, count: int, microbatch: int = -1) -> ir.Attribute:
@@ -202,6 +308,167 @@ def top_finder(main: ir.Operation):
     return top
 
 
+INTERNAL_SDY_OPS = ("sdy.data_flow_edge",)
+"""Shardy ops that only its own passes create (jax never emits them); running
+``sdy-propagation-pipeline`` on a module that holds one can crash the process."""
+
+
+def reject_internal_sdy_ops(root: ir.Operation) -> None:
+    """:class:`DiagnosticError` at the first :data:`INTERNAL_SDY_OPS` op under ``root``."""
+    found: list[ir.Operation] = []
+
+    def cb(op):
+        if op.operation.name in INTERNAL_SDY_OPS:
+            found.append(op.operation)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    root.walk(cb, ir.WalkOrder.PRE_ORDER)
+    if found:
+        raise DiagnosticError(
+            f"'{found[0].name}' is internal to Shardy propagation and must not appear in "
+            f"the input", found[0].location)
+
+
 def fragment_calls(main: ir.Operation) -> list[ir.Operation]:
     """The ``func.call`` ops at the top level of ``@main`` (MPMD form), in order."""
     return [o.operation for o in entry_block(main).operations if o.operation.name == "func.call"]
+
+
+# ----------------------------------------------------------------------------- fragments
+
+
+@dataclass(frozen=True)
+class FragmentInfo:
+    """What the MPMD-form passes read off a fragment function (docs/ir.md section 4)."""
+
+    devices: tuple[int, ...]
+    devices_attr: ir.Attribute
+    """``mm.devices`` as written (copied onto transfers and nested modules)."""
+    mesh: str | None
+    """The ``sdy.mesh`` symbol named by ``mm.mesh`` (None when not asked for)."""
+    tag: Tag | None
+
+
+def fragment_info(fn: ir.Operation, meshes=None, *, need_task: bool = False) -> FragmentInfo:
+    """Check and read a fragment's ``mm.devices``, ``mm.mesh`` (and ``mm.task``).
+
+    ``meshes`` maps the module's ``sdy.mesh`` symbol names to their ``MeshAttr`` (or
+    ``sdy.mesh`` op); ``mm.mesh`` must name one of them, over as many devices as
+    ``mm.devices`` lists. With ``meshes=None`` only ``mm.devices`` is read (``mesh``
+    is then None). Violations are a :class:`DiagnosticError` at the fragment.
+    """
+    loc = fn.location
+    what = f"fragment '@{func_name(fn)}'"
+    attrs = fn.attributes
+    keys = ("mm.devices",) + (("mm.mesh",) if meshes is not None else ()) + (
+        (TASK_ATTR,) if need_task else ())
+    for key in keys:
+        if key not in attrs:
+            raise DiagnosticError(f"{what} is missing '{key}'", loc)
+    devices = _int_list(attr_to_py(attrs["mm.devices"]), f"{what} 'mm.devices'", loc)
+    if not devices:
+        raise DiagnosticError(f"{what} 'mm.devices' must not be empty", loc)
+    if (dup := _duplicate(devices)) is not None:
+        raise DiagnosticError(
+            f"{what} 'mm.devices' {_fmt(devices)} list device {dup} twice", loc)
+    if (neg := [x for x in devices if x < 0]):
+        raise DiagnosticError(
+            f"{what} 'mm.devices' {_fmt(devices)} has negative entry {neg[0]}", loc)
+    if meshes is None:
+        return FragmentInfo(tuple(devices), attrs["mm.devices"], None, tag_of(fn))
+    ref = attrs["mm.mesh"]
+    if not isinstance(ref, ir.FlatSymbolRefAttr):
+        raise DiagnosticError(
+            f"{what} 'mm.mesh' must be a symbol reference to an sdy.mesh, got {ref}", loc)
+    mesh = ir.FlatSymbolRefAttr(ref).value
+    if mesh not in meshes:
+        raise DiagnosticError(
+            f"{what} 'mm.mesh' names @{mesh}, which is not an sdy.mesh of the module", loc)
+    m = meshes[mesh]
+    if isinstance(m, ir.OpView | ir.Operation):
+        m = m.operation.attributes["mesh"]
+    size = _mesh_size(m)
+    if size is not None and size != len(devices):
+        raise DiagnosticError(
+            f"{what} 'mm.mesh' @{mesh} has {size} devices but 'mm.devices' {_fmt(devices)} "
+            f"lists {len(devices)}", loc)
+    return FragmentInfo(tuple(devices), attrs["mm.devices"], mesh, tag_of(fn))
+
+
+def _mesh_size(mesh: ir.Attribute) -> int | None:
+    try:
+        m = sdy.MeshAttr(mesh)
+    except (ValueError, TypeError):
+        return None
+    return prod(sdy.MeshAxisAttr(a).size for a in m.axes)
+
+
+# ----------------------------------------------------------------------------- checking
+# On ``attr_to_py`` values; the messages follow mm-verify's (mlir_passes/verify.py).
+
+
+def _fmt(v) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_fmt(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_dict(d, what: str, loc) -> dict:
+    if not isinstance(d, dict):
+        raise DiagnosticError(f"{what} must be a dictionary attribute, got {_fmt(d)}", loc)
+    return d
+
+
+def _list(v, what: str, of: str, loc) -> list:
+    if not isinstance(v, list):
+        raise DiagnosticError(f"{what} must be a list of {of}, got {_fmt(v)}", loc)
+    return v
+
+
+def _int_list(v, what: str, loc) -> list[int]:
+    if not all(_is_int(x) for x in _list(v, what, "integers", loc)):
+        raise DiagnosticError(f"{what} must be a list of integers, got {_fmt(v)}", loc)
+    return v
+
+
+def _str_list(v, what: str, loc) -> list[str]:
+    if not all(isinstance(x, str) for x in _list(v, what, "strings", loc)):
+        raise DiagnosticError(f"{what} must be a list of strings, got {_fmt(v)}", loc)
+    return v
+
+
+def _duplicate(values: list):
+    seen = set()
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    return None
+
+
+def _tag_from_dict(d: dict, what: str, loc) -> Tag:
+    for key in ("name", "transpose_count"):
+        if key not in d:
+            raise DiagnosticError(f"{what} is missing '{key}'", loc)
+    name, count, mb = d["name"], d["transpose_count"], d.get("microbatch", -1)
+    if not isinstance(name, str):
+        raise DiagnosticError(f"{what} name must be a string, got {_fmt(name)}", loc)
+    if not name:
+        raise DiagnosticError(f"{what} name must not be empty", loc)
+    if not _is_int(count):
+        raise DiagnosticError(
+            f"{what} transpose_count must be an integer, got {_fmt(count)}", loc)
+    if count < 0:
+        raise DiagnosticError(f"{what} transpose_count must be >= 0, got {count}", loc)
+    if not _is_int(mb):
+        raise DiagnosticError(f"{what} microbatch must be an integer, got {_fmt(mb)}", loc)
+    return name, count, mb

@@ -124,15 +124,16 @@ def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
 
 
 def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
-    found: list[tuple[c.Tag, ir.Operation]] = []
+    tagged: list[ir.Operation] = []
 
     def cb(o):
-        t = c.tag_of(o.operation)
-        if t is not None:
-            found.append((t, o.operation))
+        if c.TASK_ATTR in o.operation.attributes:
+            tagged.append(o.operation)
         return ir.WalkResult.ADVANCE
 
     op.walk(cb, ir.WalkOrder.PRE_ORDER)
+    # tag_of outside the walk: an exception in a walk callback becomes a RuntimeError
+    found = [(c.tag_of(o), o) for o in tagged]
     if not found:
         return None
     first, _ = found[0]

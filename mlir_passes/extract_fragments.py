@@ -44,6 +44,8 @@ class ExtractFragmentsPass(ModulePass):
                     raise DiagnosticError(
                         "call in @main is not a fragment call; run mm-outline-fragments first",
                         call.location)
+            infos = {n: c.fragment_info(funcs[n], meshes, need_task=True)
+                     for n in map(c.callee_of, calls)}
             i32 = ir.IntegerType.get_signless(32)
             done = set()
             for call in calls:
@@ -51,8 +53,8 @@ class ExtractFragmentsPass(ModulePass):
                 if name not in done:
                     done.add(name)
                     fn = funcs[name]
-                    mesh_sym = ir.FlatSymbolRefAttr(fn.attributes["mm.mesh"]).value
-                    n = len(list(fn.attributes["mm.devices"]))
+                    mesh_sym = infos[name].mesh
+                    n = len(infos[name].devices)
                     with ir.InsertionPoint(fn), fn.location:
                         sub = ir.Operation.create("builtin.module", regions=1)
                     sub.regions[0].blocks.append()

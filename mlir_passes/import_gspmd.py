@@ -278,8 +278,9 @@ class ImportGspmdPass(ModulePass):
     on a multi-result op applies to every result, as in XLA).
 
     Rejects manual shardings, shard_map in GSPMD form (``@SPMDFullToShardShape`` /
-    ``@SPMDShardToFullShape``), malformed strings and modules whose non-maximal
-    shardings use different device counts. Modules without ``mhlo.sharding`` are
+    ``@SPMDShardToFullShape``), malformed strings, modules whose non-maximal
+    shardings use different device counts, and maximal device ids outside the
+    module's devices (``mhlo.num_partitions``). Modules without ``mhlo.sharding`` are
     left untouched.
     """
 
@@ -418,6 +419,24 @@ class ImportGspmdPass(ModulePass):
                 if rank is None or d >= rank:
                     raise DiagnosticError(f"unspecified_dims entry {d} is out of range",
                                           t.op.location)
+        # Maximal device ids: within the module's device count (mhlo.num_partitions, else
+        # that of its tiled shardings); with neither, at least a valid int64 id.
+        count, source = _num_partitions(module), "mhlo.num_partitions"
+        if count is None and first_count is not None:
+            count, source = first_count[0], "its tiled shardings"
+        for t in targets:
+            for s in t.shardings:
+                if s.kind != "maximal":
+                    continue
+                if count is not None and s.device >= count:
+                    raise DiagnosticError(
+                        f"GSPMD sharding '{{maximal device={s.device}}}' names device "
+                        f"{s.device}, but the module has {count} devices ({source})",
+                        t.op.location)
+                if s.device >= 1 << 63:
+                    raise DiagnosticError(
+                        f"GSPMD sharding '{{maximal device={s.device}}}' names device "
+                        f"{s.device}, which is not a valid device id", t.op.location)
         return targets
 
     # -- phase 2: build meshes and rewrite
@@ -524,6 +543,12 @@ class ImportGspmdPass(ModulePass):
         for name, attr in mesh_attrs:
             with ip:
                 sdy.MeshOp(name, attr)
+
+
+def _num_partitions(module: ir.Module) -> int | None:
+    attrs = module.operation.attributes
+    a = attrs["mhlo.num_partitions"] if "mhlo.num_partitions" in attrs else None
+    return ir.IntegerAttr(a).value if isinstance(a, ir.IntegerAttr) else None
 
 
 def _unspecified_dims(op: ir.Operation) -> tuple[int, ...]:

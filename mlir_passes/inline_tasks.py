@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.mlir import attr_to_py, ir, passmanager
+from multimesh._src.mlir import attr_to_py, ir, passmanager, stablehlo
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class InlineTasksPass(ModulePass):
     def apply(self, module: ir.Module) -> None:
         with module.context:
             tasks = c.read_tasks(module)
+            c.check_task_calls(module.operation)  # before any edit, at the faulty call
             funcs = c.func_by_name(module)
             main = c.main_func(module)
             uses: dict[str, int] = {}
@@ -79,8 +80,19 @@ def _inline(call: ir.Operation, funcs, tasks, uses) -> None:
         body = callee.clone()
     uses[name] = uses.get(name, 0) - 1
     blk = c.entry_block(body)
+    ret_op = list(blk.operations)[-1].operation
+    # A task result that is just one of its arguments (an identity task, or the
+    # backward of `x + y`) would leave the task with no op, and the value would stay
+    # where it came from: pin it to the task with an identity op.
+    passthrough = [k for k, v in enumerate(ret_op.operands)
+                   if tag is not None and isinstance(v.owner, ir.Block) and v.owner == blk]
     for arg, operand in zip(blk.arguments, call.operands):
         arg.replace_all_uses_with(operand)
+    if passthrough:
+        with ir.InsertionPoint(ret_op), ret_op.location:
+            barrier = stablehlo.OptimizationBarrierOp([ret_op.operands[k] for k in passthrough])
+        for k, r in zip(passthrough, barrier.results):
+            ret_op.operands[k] = r
     ops = [o.operation for o in blk.operations]
     ret = ops[-1]
     for op in ops[:-1]:

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, sdy, stablehlo
-
-Layout = tuple[tuple[int, ...], str, tuple[tuple[str, ...], ...]]
 
 
 @dataclass(frozen=True)
@@ -26,8 +25,8 @@ class InsertTransfersPass(ModulePass):
 
     right after the producer, so the copy can start as early as possible, and
     rewires the consumer to ``%t``. One transfer per value and destination layout.
-    Two layouts are the same when the device lists are equal, the meshes have the
-    same axes and sizes, and every dimension uses the same axes.
+    Two layouts are the same when every device holds the same piece of the value,
+    whatever the mesh axes are called (``multimesh._src.layouts.layout_key``).
     """
 
     argument = "mm-insert-transfers"
@@ -38,12 +37,12 @@ class InsertTransfersPass(ModulePass):
             main = c.main_func(module)
             funcs = c.func_by_name(module)
             meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value:
-                      str(o.operation.attributes["mesh"])
+                      o.operation.attributes["mesh"]
                       for o in module.body.operations if o.operation.name == "sdy.mesh"}
             block = c.entry_block(main)
             args_attrs = (list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes
                           else [None] * len(block.arguments))
-            where: dict[ir.Value, Layout] = {}
+            where: dict[ir.Value, tuple] = {}
             for a, attrs in zip(block.arguments, args_attrs):
                 d = ir.DictAttr(attrs) if attrs is not None else None
                 if d is not None and "mm.sharding" in d and "mm.devices" in d:
@@ -52,7 +51,7 @@ class InsertTransfersPass(ModulePass):
             calls = [o.operation for o in block.operations if o.operation.name == "func.call"]
             for call in calls:
                 fn = funcs[c.callee_of(call)]
-                devs = fn.attributes["mm.devices"]
+                devs = c.fragment_info(fn, meshes).devices_attr
                 arg_attrs = list(fn.attributes["arg_attrs"]) if "arg_attrs" in fn.attributes \
                     else []
                 for k, v in enumerate(call.operands):
@@ -67,7 +66,11 @@ class InsertTransfersPass(ModulePass):
                         plans.append((call, k, v, want, sh, devs))
                 res_attrs = list(fn.attributes["res_attrs"]) if "res_attrs" in fn.attributes \
                     else []
-                for r, ra in zip(call.results, res_attrs):
+                for j, (r, ra) in enumerate(zip(call.results, res_attrs)):
+                    if "sdy.sharding" not in ir.DictAttr(ra):
+                        raise DiagnosticError(
+                            f"fragment '@{c.callee_of(call)}' result #{j} has no sdy.sharding; "
+                            f"run mm-propagate-shardings first", call.location)
                     where[r] = _layout(devs, ir.DictAttr(ra)["sdy.sharding"], meshes)
             made: dict[tuple, ir.Value] = {}
             for call, k, v, want, sh, devs in plans:
@@ -89,11 +92,15 @@ class InsertTransfersPass(ModulePass):
                 call.operands[k] = t
 
 
-def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, str]) -> Layout:
+def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, str]):
+    """The device -> shard mapping of a value (see ``multimesh._src.layouts``)."""
     ts = sdy.TensorShardingAttr(sharding)
     mesh = ts.mesh_or_ref
-    mesh_key = meshes.get(ir.FlatSymbolRefAttr(mesh).value, "") if isinstance(
-        mesh, ir.FlatSymbolRefAttr) else str(mesh)
-    dims = tuple(tuple(sdy.AxisRefAttr(a).name for a in sdy.DimensionShardingAttr(d).axes)
-                 for d in ts.dimension_shardings)
-    return tuple(attr_to_py(devices)), mesh_key, dims
+    if isinstance(mesh, ir.FlatSymbolRefAttr):
+        mesh = meshes[mesh.value]
+    mesh = sdy.MeshAttr(mesh)
+    names = [sdy.MeshAxisAttr(a).name for a in mesh.axes]
+    sizes = [sdy.MeshAxisAttr(a).size for a in mesh.axes]
+    dims = [[sdy.AxisRefAttr(a).name for a in sdy.DimensionShardingAttr(d).axes]
+            for d in ts.dimension_shardings]
+    return layout_key(attr_to_py(devices), names, sizes, dims)

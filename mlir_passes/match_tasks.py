@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError, MultimeshValueError, PipelineError
-from multimesh._src.mlir import attr_to_py, ir
+from multimesh._src.mlir import ir
 
 __all__ = ["MatchTasksPass", "Match", "find_matches", "compile_matcher", "name_stack",
            "BACKPROP_MARKER"]
@@ -572,9 +572,9 @@ def _explicit_tasks(module: ir.Module) -> dict[str, tuple[c.TaskMeshInfo, str]]:
     while stack:
         op = stack.pop()
         if op.name == "func.call" and c.TASK_ATTR in op.attributes:
-            d = attr_to_py(op.attributes[c.TASK_ATTR])
-            if isinstance(d, dict) and "devices" in d and "name" in d:
-                out.setdefault(d["name"], (c.TaskMeshInfo.from_dict(d), "an explicit task call"))
+            (name, _, _), mesh = c.task_call(op)
+            if mesh is not None:
+                out.setdefault(name, (mesh, "an explicit task call"))
         for region in op.regions:
             for block in region.blocks:
                 stack.extend(x.operation for x in block.operations)

@@ -42,6 +42,7 @@ class OutlineFragmentsPass(ModulePass):
                 if c.tag_of(op) is None:
                     raise DiagnosticError(
                         "op is not assigned to a task; run mm-assign-tasks first", op.location)
+                c.known_task(op, tasks)
             _remat_constants(ops, main)
             ops = [o.operation for o in block.operations][:-1]
             tags = [c.tag_of(op) for op in ops]
@@ -173,7 +174,11 @@ def _remat_constants(ops, main) -> None:
         clone.attributes[c.TASK_ATTR] = c.tag_attr(*t)
         for owner, k in uses:
             owner.operands[k] = clone.results[0]
+    done = []
     for op, *_ in plans:
+        if any(op is d for d in done):
+            continue
+        done.append(op)
         if all(not list(r.uses) for r in op.results):
             op.erase()
 

@@ -40,12 +40,15 @@ class PropagateShardingsPass(ModulePass):
             # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
             layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
             pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
-            for call in [o.operation for o in c.entry_block(main).operations]:
-                if call.name != "func.call":
-                    continue
+            calls = c.fragment_calls(main)
+            # Check every fragment before Shardy sees any (it may crash on bad input).
+            infos = {n: c.fragment_info(funcs[n], meshes) for n in map(c.callee_of, calls)}
+            for n in infos:
+                c.reject_internal_sdy_ops(funcs[n])
+            for call in calls:
                 name = c.callee_of(call)
                 fn = funcs[name]
-                mesh_sym = ir.FlatSymbolRefAttr(fn.attributes["mm.mesh"]).value
+                mesh_sym = infos[name].mesh
                 mesh = meshes[mesh_sym]
                 hints = []
                 for v in call.operands:
@@ -62,7 +65,7 @@ class PropagateShardingsPass(ModulePass):
                 # time, exactly as for a plain jax module.
                 _write(fn, "arg_attrs", arg_sh)
                 _write(fn, "res_attrs", res_sh)
-                devs = fn.attributes["mm.devices"]
+                devs = infos[name].devices_attr
                 for v, sh in zip(call.operands, arg_sh):
                     if isinstance(v.owner, ir.Block) and v not in layout:
                         layout[v] = (mesh_sym, sh, devs)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
-from multimesh._src.mlir import attr_to_py, func, ir
+from multimesh._src.mlir import func, ir
 
 # Free to recompute (MultiMesh's rule): they only describe data the consumer has.
 _FREE = {"stablehlo.constant", "stablehlo.iota", "stablehlo.broadcast_in_dim",
@@ -51,20 +51,20 @@ class RecomputeTransfersPass(ModulePass):
             main = c.main_func(module)
             funcs = c.func_by_name(module)
             calls = c.fragment_calls(main)
+            devices = {n: c.fragment_info(funcs[n]).devices for n in map(c.callee_of, calls)}
             producer_of: dict = {}
             for call in calls:
                 for j, r in enumerate(call.results):
                     producer_of[r] = (call, j)
             plans = []
             for call in calls:
-                fn = funcs[c.callee_of(call)]
-                devs = attr_to_py(fn.attributes["mm.devices"])
+                devs = devices[c.callee_of(call)]
                 for k, v in enumerate(call.operands):
                     if v not in producer_of:
                         continue
                     pcall, j = producer_of[v]
                     pfn = funcs[c.callee_of(pcall)]
-                    if attr_to_py(pfn.attributes["mm.devices"]) == devs:
+                    if devices[c.callee_of(pcall)] == devs:
                         continue
                     tree = _cheap_tree(pfn, pcall, j, self.max_cost)
                     if tree is not None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from mlir_passes.logical_axes import resolve_logical_spec
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
@@ -86,6 +87,7 @@ def _read_tasks(module: ir.Module) -> dict[str, _Task] | None:
                 f"mm.tasks entry '{name}' has {len(names)} axis_names but {len(sizes)} "
                 f"axis_sizes", loc)
         tasks[name] = _Task(name, names, sizes, pairs)
+    c.read_tasks(module)  # the rest of the contract (positive sizes, device count, ...)
     return tasks
 
 
@@ -155,7 +157,8 @@ class ResolveLogicalShardingsPass(ModulePass):
 
     A marker's task is its own ``mm.task`` tag, else that of the nearest enclosing
     tagged op (markers inside ``stablehlo.while`` bodies and other regions). If the
-    task's ``logical_axes`` is empty the marker is erased (an identity). Otherwise the
+    task's ``logical_axes`` is empty the marker becomes a fully replicated constraint
+    on the task's mesh (logical names mean nothing there). Otherwise the
     marker's ``mm.axes`` are mapped to device axes with the reference §1.14
     algorithm (priority order, each device axis once, over-sharding axes skipped,
     several axes on one dim in mesh order, shard counts must divide) and the marker
@@ -208,9 +211,6 @@ class ResolveLogicalShardingsPass(ModulePass):
                     f"the module's mm.tasks table (known tasks: {known})", loc)
             task = tasks[name]
             axes = _marker_axes(op)
-            if not task.logical_axes:
-                plan.append((op, None, ()))
-                continue
             ty = op.operands[0].type
             if not isinstance(ty, ir.RankedTensorType):
                 raise DiagnosticError(
@@ -220,6 +220,14 @@ class ResolveLogicalShardingsPass(ModulePass):
                     f"logical sharding marker must be an identity, but its operand type {ty} "
                     f"differs from its result type {op.results[0].type}", loc)
             shape = ty.shape
+            if not task.logical_axes:
+                # No mapping: every logical name means "replicated" on this task's
+                # devices (MultiMesh's rule). Writing it explicitly also keeps the
+                # value on the task's submesh when the marker is the task's only op.
+                spec = tuple(() for _ in shape)
+                plan.append((op, task, spec))
+                needed[name] = task
+                continue
             try:
                 spec = resolve_logical_spec(
                     axes, shape, task.axis_names, task.axis_sizes, task.logical_axes)

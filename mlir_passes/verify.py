@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from mlir_passes._contract import reject_internal_sdy_ops
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
@@ -31,7 +32,8 @@ class VerifyPass(ModulePass):
     ``mm.logical_sharding`` custom call (one operand, same result type, one
     ``mm.axes`` entry per dimension), the module's ``mm.tasks`` table, and that
     ``mm.task`` on any other op is ``{name, transpose_count}`` naming a table
-    entry. Task calls that share a name must agree on the mesh. The IR is not
+    entry. Task calls that share a name must agree on the mesh. Shardy's internal
+    ``sdy.data_flow_edge`` (which jax never emits) is rejected. The IR is not
     changed; the first violation is reported at the offending op.
     """
 
@@ -41,6 +43,7 @@ class VerifyPass(ModulePass):
     def apply(self, module: ir.Module) -> None:
         _run_mlir_verifier(module)
         mod_op = module.operation
+        reject_internal_sdy_ops(mod_op)
         table = _check_table(mod_op)
         meshes: dict[str, tuple[dict, ir.Location]] = {}
         ops: list[ir.Operation] = []

@@ -163,9 +163,6 @@ def _ids(a):
     return sorted(d.id for d in a.devices())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: constraints in a task with logical_axes=() are "
-                   "erased, so a constraint-only task vanishes and its output stays on the "
-                   "producer's devices (fuzz: erased-constraint-placement)")
 def test_regression_constraint_only_task_with_empty_mapping():
     a = mm.task(jnp.sin, name="a", mesh=mm.TaskMesh(devices=(0, 1, 2, 3)))
     b = mm.task(lambda x: wsc(x, P("x")), name="b", mesh=mm.TaskMesh(devices=(4, 5, 6, 7)),
@@ -183,9 +180,6 @@ def test_regression_constraint_only_task_with_identity_mapping():
     np.testing.assert_allclose(np.asarray(out), np.sin(np.arange(8.0)), rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the gradient of an argument of a task whose "
-                   "backward is the identity (x + y) lives on the devices of the task that "
-                   "produced the cotangent (fuzz: grad-identity-placement)")
 def test_regression_grad_through_identity_backward():
     b = mm.task(lambda x, y: x + y, name="b", mesh=mm.TaskMesh(devices=(2, 3)))
     a = mm.task(jnp.sin, name="a", mesh=mm.TaskMesh(devices=(0, 1)))
@@ -195,9 +189,6 @@ def test_regression_grad_through_identity_backward():
     assert _ids(gx) == [2, 3] and _ids(gy) == [2, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="perf bug: a transfer is planned between two layouts "
-                   "that are physically identical (same devices, replicated) because the two "
-                   "task meshes name their axis differently")
 def test_regression_no_transfer_between_identical_layouts():
     a = mm.task(jnp.sin, name="a", mesh=mm.TaskMesh(devices=(0, 1), axis_names=("x",),
                                                     axis_sizes=(2,)))

@@ -24,8 +24,14 @@ __all__ = [
 
 
 def make_context() -> ir.Context:
-    """A fresh context with every dialect jax emits (func, stablehlo, sdy, mhlo, ...)."""
-    return _make_ir_context()
+    """A fresh context with every dialect jax emits (func, stablehlo, sdy, mhlo, ...).
+
+    Multithreading is off: some malformed inputs make the threaded parser hang
+    (found by fuzzing); our passes are module-level Python anyway.
+    """
+    ctx = _make_ir_context()
+    ctx.enable_multithreading(False)
+    return ctx
 
 
 def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Module:

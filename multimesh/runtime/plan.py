@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, print_module, sdy
 
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
@@ -152,7 +153,8 @@ def build_plan(module: ir.Module) -> Plan:
                 frag = fragments[fname]
                 args = [ids[v] for v in op.operands]
                 for k, (vid, want) in enumerate(zip(args, frag.in_layouts)):
-                    if layout_of[vid] != want:
+                    if layout_of[vid] != want and layout_key(*layout_of[vid]) != \
+                            layout_key(*want):
                         raise MultimeshValueError(
                             f"Fragment '{fname}' argument #{k} is laid out as "
                             f"{layout_of[vid]} but the fragment wants {want}; the module is "

@@ -48,11 +48,13 @@ module attributes {mm.tasks = {t3 = {devices = [0, 1, 2, 3], axis_names = ["x"],
 
 // -----
 
-// Empty logical mapping: the marker is erased and no mesh is created.
+// Empty logical mapping: every logical name means "replicated" on the task's devices,
+// written explicitly on the task's mesh.
 // CHECK-LABEL: module attributes {mm.tasks
-// CHECK-NOT: sdy.mesh
+// CHECK: sdy.mesh @mesh_mm_default = <["x"=2]>
 // CHECK-LABEL: func.func @empty_mapping
-// CHECK-NEXT: %[[A:.*]] = stablehlo.add %arg0, %arg0
+// CHECK-NEXT: %[[C:.*]] = sdy.sharding_constraint %arg0 <@mesh_mm_default, [{}]>
+// CHECK-NEXT: %[[A:.*]] = stablehlo.add %[[C]], %[[C]]
 // CHECK-NEXT: return %[[A]]
 module attributes {mm.tasks = {mm.default = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
   func.func @empty_mapping(%arg0: tensor<8xf32>) -> tensor<8xf32> {

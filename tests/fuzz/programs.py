@@ -687,14 +687,7 @@ KNOWN_GRAD_IDENTITY = "grad-identity-placement"
 # Known library bugs the fuzzer checks leniently, each pinned by a strict xfail test in
 # tests/test_fuzz_mpmd.py. Remove an entry once its bug is fixed (the xfail then XPASSes).
 KNOWN_PASSTHROUGH = "erased-constraint-placement"
-KNOWN_BUGS = {
-    KNOWN_PASSTHROUGH: "a task output that is its argument through constraints only, in a "
-                       "task with logical_axes=(), lives on the producer's devices: the "
-                       "constraints are erased and the task vanishes",
-    KNOWN_GRAD_IDENTITY: "the gradient of a task argument whose backward is the identity "
-                         "(x + y) lives on the devices of the task that produced the "
-                         "cotangent, not on the consuming task's devices",
-}
+KNOWN_BUGS: dict[str, str] = {}  # all fixed: see docs/testing.md
 
 
 @dataclasses.dataclass
