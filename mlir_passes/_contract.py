@@ -382,26 +382,59 @@ def fragment_info(fn: ir.Operation, meshes=None, *, need_task: bool = False) -> 
         raise DiagnosticError(
             f"{what} 'mm.mesh' must be a symbol reference to an sdy.mesh, got {ref}", loc)
     mesh = ir.FlatSymbolRefAttr(ref).value
-    if mesh not in meshes:
+    axes = _mesh_axes(meshes, mesh, f"{what} 'mm.mesh'", loc)
+    if prod(axes.values()) != len(devices):
         raise DiagnosticError(
-            f"{what} 'mm.mesh' names @{mesh}, which is not an sdy.mesh of the module", loc)
-    m = meshes[mesh]
-    if isinstance(m, ir.OpView | ir.Operation):
-        m = m.operation.attributes["mesh"]
-    size = _mesh_size(m)
-    if size is not None and size != len(devices):
-        raise DiagnosticError(
-            f"{what} 'mm.mesh' @{mesh} has {size} devices but 'mm.devices' {_fmt(devices)} "
-            f"lists {len(devices)}", loc)
+            f"{what} 'mm.mesh' @{mesh} has {prod(axes.values())} devices but 'mm.devices' "
+            f"{_fmt(devices)} lists {len(devices)}", loc)
     return FragmentInfo(tuple(devices), attrs["mm.devices"], mesh, tag_of(fn))
 
 
-def _mesh_size(mesh: ir.Attribute) -> int | None:
-    try:
+def check_placement(devices: ir.Attribute, sharding: ir.Attribute, meshes, what: str,
+                    loc) -> None:
+    """Check an ``mm.devices`` / ``mm.sharding`` pair (where an ``@main`` argument lives).
+
+    ``mm.sharding`` must be a ``#sdy.sharding`` on an ``sdy.mesh`` of the module (or an
+    inline mesh) using only that mesh's axes, over as many devices as ``mm.devices``
+    lists; Shardy's verifier does not look at ``mm.*`` attributes. ``meshes`` is as for
+    :func:`fragment_info`. Violations are a :class:`DiagnosticError` at ``loc``.
+    """
+    devs = _int_list(attr_to_py(devices), f"{what} 'mm.devices'", loc)
+    if not sdy.TensorShardingAttr.isinstance(sharding):
+        raise DiagnosticError(f"{what} 'mm.sharding' must be a #sdy.sharding, got {sharding}",
+                              loc)
+    ts = sdy.TensorShardingAttr(sharding)
+    mesh = ts.mesh_or_ref
+    if isinstance(mesh, ir.FlatSymbolRefAttr):
+        name = f"@{mesh.value}"
+        axes = _mesh_axes(meshes, mesh.value, f"{what} 'mm.sharding'", loc)
+    else:
+        name = "its mesh"
         m = sdy.MeshAttr(mesh)
-    except (ValueError, TypeError):
-        return None
-    return prod(sdy.MeshAxisAttr(a).size for a in m.axes)
+        axes = {sdy.MeshAxisAttr(a).name: sdy.MeshAxisAttr(a).size for a in m.axes}
+    for d in ts.dimension_shardings:
+        for a in sdy.DimensionShardingAttr(d).axes:
+            axis = sdy.AxisRefAttr(a).name
+            if axis not in axes:
+                raise DiagnosticError(
+                    f"{what} 'mm.sharding' uses axis \"{axis}\", which is not an axis of "
+                    f"{name}", loc)
+    if prod(axes.values()) != len(devs):
+        raise DiagnosticError(
+            f"{what} 'mm.sharding' is on {name} of {prod(axes.values())} devices but "
+            f"'mm.devices' {_fmt(devs)} lists {len(devs)}", loc)
+
+
+def _mesh_axes(meshes, name: str, what: str, loc) -> dict[str, int]:
+    """Axis sizes of the ``sdy.mesh`` ``@name`` (``meshes`` as for :func:`fragment_info`)."""
+    if name not in meshes:
+        raise DiagnosticError(f"{what} names @{name}, which is not an sdy.mesh of the module",
+                              loc)
+    m = meshes[name]
+    if isinstance(m, ir.OpView | ir.Operation):
+        m = m.operation.attributes["mesh"]
+    m = sdy.MeshAttr(m)
+    return {sdy.MeshAxisAttr(a).name: sdy.MeshAxisAttr(a).size for a in m.axes}
 
 
 # ----------------------------------------------------------------------------- checking

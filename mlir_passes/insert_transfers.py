@@ -46,6 +46,8 @@ class InsertTransfersPass(ModulePass):
             for a, attrs in zip(block.arguments, args_attrs):
                 d = ir.DictAttr(attrs) if attrs is not None else None
                 if d is not None and "mm.sharding" in d and "mm.devices" in d:
+                    c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
+                                      f"@main argument #{a.arg_number}", main.location)
                     where[a] = _layout(d["mm.devices"], d["mm.sharding"], meshes)
             plans = []  # (consumer call, operand index, value, layout, sharding, devices)
             calls = [o.operation for o in block.operations if o.operation.name == "func.call"]

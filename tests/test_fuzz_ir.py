@@ -626,30 +626,7 @@ def run_cli(case: Case, workdir: str, timeout: float = TIMEOUT_S) -> Result:
 # Known library bugs, each pinned by a strict xfail test below (docs/testing.md, "Bugs
 # found"). A run whose problems are all explained by one of these is counted, not failed.
 # Remove an entry when its bug is fixed (its xfail then XPASSes and fails).
-KNOWN_IR_BUGS = {
-    # mm.task tags / mm.tasks entries with a missing or mistyped key
-    "ir-missing-key": r"internal error in '(mm-inline-tasks|mm-assign-tasks|mm-outline-fragments"
-                      r"|mm-match-tasks|mm-split-backward)': (KeyError|TypeError|RuntimeError: "
-                      r"Exception raised in callback)",
-    # mm-inline-tasks accepts name = "" (mm-verify rejects it); the bindings then fail
-    # on the empty key of the mm.tasks dictionary
-    "ir-empty-task-name": r"internal error in '[a-z-]+': RuntimeError: basic_string::_M_construct "
-                          r"null not valid|output does not parse again",
-    # MPMD-form passes on a fragment without mm.devices / mm.mesh / mm.task
-    "ir-fragment-attrs": r"internal error in '(mm-propagate-shardings|mm-insert-transfers|"
-                         r"mm-recompute-transfers|mm-extract-fragments)': KeyError",
-    # a GSPMD device id that does not fit in int64
-    "ir-gspmd-device-overflow": r"internal error in 'mm-import-gspmd': TypeError: get\(\): "
-                                r"incompatible function arguments",
-    "ir-remat-double-erase": r"internal error in 'mm-outline-fragments': RuntimeError: the "
-                             r"operation has been invalidated",
-    "ir-unchecked-mesh": r"internal error in 'mm-resolve-logical-shardings': ZeroDivisionError"
-                         r"|output does not parse again",
-    "ir-data-flow-edge-segfault": r"worker died with exit status -11|killed by signal 11",
-    # Module.parse hangs (nondeterministically) on some invalid inputs whose nested
-    # isolated regions fail verification in parallel; a single-threaded context does not
-    "ir-parallel-verifier-hang": r"killed or hung \((worker|cli)\): timeout",
-}
+KNOWN_IR_BUGS: dict[str, str] = {}
 # symptoms that follow from an internal error (its message may quote a callback's traceback)
 _SECONDARY = ("exit 1 without an error diagnostic", "python traceback")
 
@@ -671,15 +648,6 @@ def parses_single_threaded(text: str) -> bool:
 def known_bug(case: Case, found: list[str]) -> str | None:
     """The KNOWN_IR_BUGS entry that explains every problem of a run, if any."""
     for name, pattern in KNOWN_IR_BUGS.items():
-        if name == "ir-unchecked-mesh" and not re.search(
-                r"axis_sizes = \[[^\]]*(-\d|\b0\b)", case.text):
-            continue
-        if name == "ir-data-flow-edge-segfault" and "sdy.data_flow_edge" not in case.text:
-            continue
-        if name == "ir-empty-task-name" and 'name = ""' not in case.text:
-            continue
-        if name == "ir-parallel-verifier-hang" and parses_single_threaded(case.text):
-            continue
         hit = [f for f in found if re.search(pattern, f)]
         if hit and all(f in hit or f in _SECONDARY for f in found):
             return name
@@ -794,9 +762,9 @@ def test_handful_through_the_cli(tmp_path):
 
 
 # ----------------------------------------------------------------------------- regressions
-# Minimal repros of the bugs IR fuzzing found (KNOWN_IR_BUGS). Strict xfails: each fails
-# until the bug is fixed, then XPASSes, which fails the suite as a reminder to drop the
-# mark and the KNOWN_IR_BUGS entry.
+# Minimal repros of the bugs IR fuzzing found, all fixed (docs/testing.md, "Bugs found").
+# A new bug found by fuzzing goes here as a strict xfail plus a KNOWN_IR_BUGS entry, and
+# both are removed together when it is fixed.
 
 _TASK_CALL = """func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {{
   %0 = func.call @body(%arg0) {{mm.task = {{{task}}}}} : (tensor<8xf32>) -> tensor<8xf32>
@@ -819,6 +787,12 @@ def _assert_clean(case_text: str, r: Result):
     assert not found, (found, r.stderr)
 
 
+def _assert_rejected(case_text: str, r: Result, message: str):
+    """A clean diagnostic (exit 1, no internal error) that says ``message``."""
+    _assert_clean(case_text, r)
+    assert r.rc == 1 and f"error: {message}" in r.stderr, r.stderr
+
+
 def test_verify_accepts_task_call_without_logical_axes(tmp_path):
     """mm-verify treats logical_axes as optional on a task call (docs/ir.md section 1)."""
     text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
@@ -834,17 +808,13 @@ def test_regression_inline_tasks_missing_logical_axes(tmp_path):
     _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"))
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-missing-key: mm-inline-tasks raises KeyError "
-                   "(internal error) on a task call without name (mm-verify: \"'mm.task' is "
-                   "missing 'name'\"); same for transpose_count and axis_names")
 def test_regression_inline_tasks_missing_name(tmp_path):
     text = _TASK_CALL.format(task='transpose_count = 0 : i64, devices = [0, 1], '
                                   'axis_names = ["x"], axis_sizes = [2]')
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"),
+                     "'mm.task' is missing 'name'")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-missing-key: mm-outline-fragments raises "
-                   "KeyError (internal error) when an op's task is missing from mm.tasks")
 def test_regression_outline_task_not_in_table(tmp_path):
     text = """module attributes {mm.tasks = {}} {
   func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
@@ -853,11 +823,10 @@ def test_regression_outline_task_not_in_table(tmp_path):
   }
 }
 """
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-outline-fragments)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-outline-fragments)"),
+                     "'mm.task' on 'stablehlo.negate' names task \"a\" which is not in 'mm.tasks'")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-missing-key: mm-assign-tasks raises KeyError "
-                   "(internal error) on an op tag without transpose_count")
 def test_regression_assign_tag_without_transpose_count(tmp_path):
     text = """module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
   func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
@@ -867,13 +836,11 @@ def test_regression_assign_tag_without_transpose_count(tmp_path):
   }
 }
 """
-    _assert_clean(text, _mm_opt(tmp_path, text,
-                                "builtin.module(mm-assign-tasks{num-devices=8})"))
+    _assert_rejected(text, _mm_opt(tmp_path, text,
+                                "builtin.module(mm-assign-tasks{num-devices=8})"),
+                     "'mm.task' on 'stablehlo.negate' is missing 'transpose_count'")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-unchecked-mesh: mm-inline-tasks does not "
-                   "check the task mesh; axis_sizes = [-1] reaches the output as "
-                   "sdy.mesh <[\"x\"=-1]> with exit 0, and the output does not parse")
 def test_regression_negative_axis_size_gives_unparseable_output(tmp_path):
     text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
                                   'axis_names = ["x"], axis_sizes = [-1], logical_axes = []')
@@ -882,38 +849,48 @@ def test_regression_negative_axis_size_gives_unparseable_output(tmp_path):
     assert r.rc == 1 and "axis_sizes" in r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-empty-task-name: mm-inline-tasks accepts a task "
-                   "call with name = \"\" (mm-verify rejects it) and mm-assign-tasks then fails "
-                   "in the bindings: 'basic_string::_M_construct null not valid' (internal error)")
 def test_regression_empty_task_name(tmp_path):
     text = _TASK_CALL.format(task='name = "", transpose_count = 0 : i64, devices = [0, 1], '
                                   'axis_names = ["x"], axis_sizes = [2], logical_axes = []')
-    _assert_clean(text, _mm_opt(tmp_path, text,
-                                "builtin.module(mm-inline-tasks,mm-assign-tasks{num-devices=8})"))
+    _assert_rejected(text, _mm_opt(tmp_path, text,
+                                "builtin.module(mm-inline-tasks,mm-assign-tasks{num-devices=8})"),
+                     "'mm.task' name must not be empty")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-empty-task-name: mm-inline-tasks alone exits 0 "
-                   "on name = \"\" and prints an mm.tasks dictionary with an empty key, which "
-                   "does not parse again")
 def test_regression_empty_task_name_output_reparses(tmp_path):
     text = _TASK_CALL.format(task='name = "", transpose_count = 0 : i64, devices = [0, 1], '
                                   'axis_names = ["x"], axis_sizes = [2], logical_axes = []')
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"),
+                     "'mm.task' name must not be empty")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-gspmd-device-overflow: a GSPMD maximal device id "
-                   "beyond int64 is an internal error (TypeError) in mm-import-gspmd")
 def test_regression_gspmd_device_id_overflow(tmp_path):
     text = """func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
   %0 = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{maximal device=99999999999999999999}"} : (tensor<8xf32>) -> tensor<8xf32>
   return %0 : tensor<8xf32>
 }
 """
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-import-gspmd)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-import-gspmd)"),
+                     "GSPMD sharding '{maximal device=99999999999999999999}' names device "
+                     "99999999999999999999, which is not a valid device id")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-unchecked-mesh: axis_sizes = [0] on a task "
-                   "gives ZeroDivisionError (internal error) in mm-resolve-logical-shardings")
+def test_gspmd_device_id_beyond_num_partitions(tmp_path):
+    """Device ids must be below the module's device count (mhlo.num_partitions)."""
+    text = """module attributes {mhlo.num_partitions = 8 : i32} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{maximal device=8}"} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
+"""
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-import-gspmd)"),
+                     "GSPMD sharding '{maximal device=8}' names device 8, but the module has "
+                     "8 devices")
+    ok = text.replace("device=8}", "device=7}")
+    _assert_clean(ok, _mm_opt(tmp_path, ok, "builtin.module(mm-import-gspmd)"))
+
+
 def test_regression_zero_axis_size(tmp_path):
     text = """func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
   %0 = func.call @body(%arg0) {mm.task = {name = "t", transpose_count = 0 : i64, devices = [0, 1], axis_names = ["x"], axis_sizes = [0], logical_axes = [["b", "x"]]}} : (tensor<8xf32>) -> tensor<8xf32>
@@ -924,13 +901,11 @@ func.func private @body(%arg0: tensor<8xf32>) -> tensor<8xf32> {
   return %0 : tensor<8xf32>
 }
 """
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks,"
-                                "mm-assign-tasks{num-devices=8},mm-resolve-logical-shardings)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks,"
+                                "mm-assign-tasks{num-devices=8},mm-resolve-logical-shardings)"),
+                     "'mm.task' axis_sizes [0] must be positive")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-remat-double-erase: mm-outline-fragments "
-                   "erases a constant once per consuming task: 'the operation has been "
-                   "invalidated' (internal error) when two other tasks use it")
 def test_regression_constant_used_by_two_other_tasks(tmp_path):
     text = """module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, c = {devices = [4, 5], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
   func.func @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>, tensor<8xf32>) {
@@ -944,21 +919,19 @@ def test_regression_constant_used_by_two_other_tasks(tmp_path):
     _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-outline-fragments)"))
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-fragment-attrs: mm-insert-transfers raises "
-                   "KeyError (internal error) on a fragment without mm.devices")
 def test_regression_insert_transfers_fragment_without_devices(tmp_path):
     seed = next(s for s in load_seeds() if s.source == "insert_transfers.mlir#0")
     text = seed.text.replace("attributes {mm.devices = [0, 1], mm.mesh", "attributes {mm.mesh", 1)
     assert text != seed.text
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-insert-transfers)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-insert-transfers)"),
+                     "fragment '@a_fwd' is missing 'mm.devices'")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-fragment-attrs: mm-propagate-shardings raises "
-                   "KeyError (internal error) on a fragment without mm.devices")
 def test_regression_propagate_fragment_without_devices(tmp_path):
     text = sdy_probes()["barriers"].replace("{mm.devices = [0, 1, 2, 3], mm.mesh", "{mm.mesh")
     assert "mm.devices" not in text
-    _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-propagate-shardings)"))
+    _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-propagate-shardings)"),
+                     "fragment '@a_fwd' is missing 'mm.devices'")
 
 
 _HANG = """module {
@@ -975,10 +948,6 @@ def test_hang_input_is_diagnosed_single_threaded():
     assert not parses_single_threaded(_HANG)
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-parallel-verifier-hang: ir.Module.parse hangs "
-                   "(about 7 runs in 8) on this invalid input in make_context()'s multithreaded "
-                   "context, so mm-opt hangs; with ctx.enable_multithreading(False) it fails "
-                   "cleanly")
 def test_regression_parse_hang(tmp_path):
     path = tmp_path / "hang.mlir"
     path.write_text(_HANG)
@@ -995,18 +964,18 @@ def test_regression_parse_hang(tmp_path):
             pytest.fail("ir.Module.parse hung")
 
 
-@pytest.mark.xfail(strict=True, reason="bug ir-data-flow-edge-segfault: an sdy.data_flow_edge "
-                   "in a fragment segfaults the process in sdy-propagation-pipeline, reached "
-                   "through mm-propagate-shardings (mm-verify accepts the module)")
 def test_regression_data_flow_edge_segfault():
+    """Fixed: mm-verify and mm-propagate-shardings (before Shardy runs) reject the op."""
     runner = IsolatedRunner()
     try:
-        case = Case(0, "regression", (), "builtin.module(mm-verify,mm-propagate-shardings)",
-                    sdy_probes()["data-flow-edge"])
-        r = runner.run(case)
+        for pipeline in ("mm-verify,mm-propagate-shardings", "mm-propagate-shardings"):
+            case = Case(0, "regression", (), f"builtin.module({pipeline})",
+                        sdy_probes()["data-flow-edge"])
+            r = runner.run(case)
+            assert not problems(case, r), r.stderr
+            assert r.rc == 1 and "error: 'sdy.data_flow_edge' is internal" in r.stderr, r.stderr
     finally:
         runner.close()
-    assert not problems(case, r), r.stderr
 
 
 if __name__ == "__main__":  # pragma: no cover
