@@ -821,7 +821,9 @@ def live_activation_profile(schedule: Schedule) -> list[list[int]]:
 
     An activation ``(stage, microbatch)`` is live from its first forward unit until its
     last backward unit (weight-gradient part included) on that submesh; stages
-    without a backward hold nothing. Counted in dispatch order.
+    without a backward hold nothing, and neither does a microbatch whose backward
+    all ran before its forward (a backward that reads no residual, e.g. of a loss
+    with a constant cotangent). Counted in dispatch order.
     """
     out = []
     bwd_total: dict[tuple[int, int, int], int] = {}
@@ -836,7 +838,8 @@ def live_activation_profile(schedule: Schedule) -> list[list[int]]:
                 k = (u.mesh, u.stage, u.microbatch)
                 if u.kind == "fwd" and k in bwd_total and k not in opened:
                     opened.add(k)
-                    live += 1
+                    if seen.get(k, 0) < bwd_total[k]:  # some backward still to come
+                        live += 1
                 elif u.kind in ("bwd", "bwd_w") and k in bwd_total:
                     seen[k] = seen.get(k, 0) + 1
                     if seen[k] == bwd_total[k] and k in opened:

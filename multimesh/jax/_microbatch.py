@@ -33,7 +33,10 @@ def _at(i: int):
     old = st.microbatch
     st.microbatch = i
     try:
-        yield
+        # Also a jax config state in the trace context, so jax's own trace caches
+        # (jax.checkpoint, nested jit) trace each microbatch separately.
+        with _contexts.microbatch_trace_context(i):
+            yield
     finally:
         st.microbatch = old
 
