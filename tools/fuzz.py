@@ -1,11 +1,15 @@
 """Long fuzzing profiles (docs/testing.md).
 
     python tools/fuzz.py --programs 500 --seed 0        # differential MPMD fuzzing
+    python tools/fuzz.py --programs 200 --microbatch 1  # ... microbatched programs only
     python tools/fuzz.py --ir 5000 --seed 0             # mm-opt IR fuzzing
     python tools/fuzz.py --programs 200 --ir 2000 --out /tmp/fuzz-out
 
 Unlike the hypothesis tests in CI, the long profile keeps going after a failure:
-programs come from ``random_program(seed + i)`` and every failing one is written, as a
+programs come from ``random_program(seed + i)`` (``microbatch=FRACTION`` with
+``--microbatch``: that fraction of programs runs under ``mm.microbatch`` with a random
+schedule; 0, the default, draws the same programs as before) and every failing one is
+written, as a
 standalone repro, to ``OUT/programs/<kind>-seed<N>.py`` (``OUT`` is ``--out``, by
 default ``$TMPDIR/multimesh-fuzz``); IR cases that misbehave go to
 ``OUT/ir/case<N>.mlir`` with the pipeline in a header comment. Failures explained by a
@@ -34,15 +38,17 @@ sys.path.insert(0, str(ROOT))
 _ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 
 
-def _program_worker(first: int, count: int, out: str) -> int:
+def _program_worker(first: int, count: int, out: str, microbatch: float = 0.0) -> int:
     """Runs in a subprocess: one JSON line per program on stdout."""
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
     from tests.fuzz.programs import FuzzFailure, check, random_program, render
 
     for seed in range(first, first + count):
-        p = random_program(seed)
+        p = random_program(seed, microbatch=microbatch)
         rec = {"seed": seed, "tasks": len(p.tasks), "grad": p.grad}
+        if p.microbatch:
+            rec["microbatch"] = [p.microbatch.schedule, p.microbatch.num_microbatches]
         t0 = time.perf_counter()
         try:
             o = check(p)
@@ -61,15 +67,17 @@ def _program_worker(first: int, count: int, out: str) -> int:
     return 0
 
 
-def run_programs(n: int, seed: int, out: str, batch: int) -> dict:
+def run_programs(n: int, seed: int, out: str, batch: int, microbatch: float = 0.0) -> dict:
     stats = collections.Counter()
+    schedules = collections.Counter()
     known = collections.Counter()
     fails = []
     t0 = time.perf_counter()
     next_seed, end = seed, seed + n
     while next_seed < end:
         count = min(batch, end - next_seed)
-        cmd = [sys.executable, __file__, "--_worker", str(next_seed), str(count), out]
+        cmd = [sys.executable, __file__, "--_worker", str(next_seed), str(count), out,
+               str(microbatch)]
         err = tempfile.TemporaryFile()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
                                 text=True, env=dict(os.environ, **_ENV), cwd=str(ROOT))
@@ -78,6 +86,8 @@ def run_programs(n: int, seed: int, out: str, batch: int) -> dict:
             rec = json.loads(line)
             done = rec["seed"] + 1
             stats[rec["status"]] += 1
+            if "microbatch" in rec:
+                schedules["{} x {}".format(*rec["microbatch"])] += 1
             for k in rec.get("known", []):
                 known[k] += 1
             if rec["status"] == "FAIL":
@@ -98,7 +108,9 @@ def run_programs(n: int, seed: int, out: str, batch: int) -> dict:
         print(f"  ... {next_seed - seed}/{n} programs, {time.perf_counter() - t0:.0f} s",
               flush=True)
     return {"programs": n, "seconds": round(time.perf_counter() - t0, 1),
-            "outcomes": dict(stats), "known_bugs_touched": dict(known), "failures": fails}
+            "outcomes": dict(stats), "known_bugs_touched": dict(known),
+            "microbatched": sum(schedules.values()),
+            "schedules": dict(sorted(schedules.items())), "failures": fails}
 
 
 def run_ir(n: int, seed: int, out: str) -> dict:
@@ -155,25 +167,32 @@ def main(argv=None) -> int:
     ap.add_argument("--ir", type=int, default=0, help="mutated mm-opt inputs to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=50, help="programs per worker process")
+    ap.add_argument("--microbatch", type=float, default=0.0, metavar="FRACTION",
+                    help="fraction of programs run under mm.microbatch with a random "
+                         "schedule (1: all; default 0: the programs of earlier runs)")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "multimesh-fuzz"),
                     help="where repros and summary.json go (default: %(default)s)")
-    ap.add_argument("--_worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--_worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._worker:
-        return _program_worker(int(a._worker[0]), int(a._worker[1]), a._worker[2])
+        return _program_worker(int(a._worker[0]), int(a._worker[1]), a._worker[2],
+                               float(a._worker[3]))
     if not a.programs and not a.ir:
         a.programs = 500
     summary = {}
     if a.programs:
-        print(f"differential fuzzing: {a.programs} programs from seed {a.seed}", flush=True)
-        summary["programs"] = run_programs(a.programs, a.seed, a.out, a.batch)
+        if not 0.0 <= a.microbatch <= 1.0:
+            ap.error("--microbatch is a fraction between 0 and 1")
+        mb = f", {a.microbatch:.0%} of them microbatched" if a.microbatch else ""
+        print(f"differential fuzzing: {a.programs} programs from seed {a.seed}{mb}", flush=True)
+        summary["programs"] = run_programs(a.programs, a.seed, a.out, a.batch, a.microbatch)
     if a.ir:
         print(f"IR fuzzing: {a.ir} mutated inputs from seed {a.seed}", flush=True)
         summary["ir"] = run_ir(a.ir, a.seed, a.out)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "summary.json").write_text(json.dumps(summary, indent=1))
     for k, s in summary.items():
-        short = {x: y for x, y in s.items() if x not in ("failures", "mutations")}
+        short = {x: y for x, y in s.items() if x not in ("failures", "mutations", "schedules")}
         print(f"{k}: {json.dumps(short)}  failures: {len(s['failures'])}")
     print(f"summary: {Path(a.out, 'summary.json')}")
     return 1 if any(s["failures"] for s in summary.values()) else 0
