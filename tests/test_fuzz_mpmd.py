@@ -14,6 +14,7 @@ for microbatched programs only). Set
 
 from __future__ import annotations
 
+import collections
 import os
 
 import jax
@@ -237,33 +238,40 @@ def test_regression_no_transfer_between_identical_layouts():
     assert not compiled.transfers, compiled.plan()
 
 
-def test_regression_checkpointed_task_keeps_its_microbatch():
+@pytest.mark.parametrize("wrap", [jax.checkpoint, jax.jit])
+def test_regression_checkpointed_task_keeps_its_microbatch(wrap):
+    """Fixed: jax caches the trace of a checkpointed (or nested-jitted) function, so every
+    microbatch's call of ``a`` replayed microbatch 0's trace and was tagged microbatch 0
+    ('a_fwd_mb0_1', '_2'; under jit one fragment for all microbatches); its backwards
+    merged into one 'a_bwd_mb0' and 1F1B on a's submesh became F0 F0 F0 ... B0. The
+    values were right. Found by the fuzzer (jax.checkpoint'd task calls)."""
     a = mm.task(lambda w, x: jnp.sin(x @ w), name="a", mesh=mm.TaskMesh(devices=(0, 1)))
     b = mm.task(lambda w, x: jnp.cos(x @ w), name="b", mesh=mm.TaskMesh(devices=(2, 3)))
+    wa = wrap(a)
 
     def loss(ws, x):
-        return jnp.sum(b(ws[1], jax.checkpoint(a)(ws[0], x)))
+        return jnp.sum(b(ws[1], wa(ws[0], x)))
 
     ws, x = [jnp.eye(4) * 0.5, jnp.eye(4) * 0.7], jnp.linspace(0, 1, 48).reshape(12, 4)
     f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1, schedule="1f1b")
     compiled = mm.mjit(f).lower(ws, x).compile()
-    with mm.ignore_transforms():  # the values are right ...
+    with mm.ignore_transforms():
         ref = jax.value_and_grad(loss)(ws, x)
     for o, r in zip(jax.tree.leaves(compiled(ws, x)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-6)
-    # ... but a's calls are all tagged microbatch 0 ('a_fwd_mb0_1', '_2'), its backwards
-    # merge into one 'a_bwd_mb0' after every forward, and 1F1B on a's submesh degenerates
-    # to F0 F0 F0 ... B0 (b, not checkpointed, gets F0 B0 F1 B1 F2 B2)
-    fwd = sorted(u.microbatch for u in compiled.schedule.units
-                 if u.task == "a" and u.kind == "fwd" and u.microbatch is not None)
-    assert set(fwd) == {0, 1, 2}, fwd
+    units = compiled.schedule.units
+    for kind in ("fwd", "bwd"):  # (checkpoint: a rematerialised forward per microbatch too)
+        mbs = collections.Counter(u.microbatch for u in units if u.task == "a" and
+                                  u.kind == kind and u.microbatch is not None)
+        assert set(mbs) == {0, 1, 2} and len(set(mbs.values())) == 1, (kind, mbs)
 
 
 def test_regression_live_activations_backward_before_forward():
-    """A loss task whose backward reads nothing (``sum(h * 0.5)``: a constant cotangent)
-    may be dispatched backward first: the fuzz program ``random_program(30,
+    """Fixed: a loss task whose backward reads nothing (``sum(h * 0.5)``: a constant
+    cotangent) may be dispatched backward first: the fuzz program ``random_program(30,
     microbatch=True)`` gets the loss submesh row F0 B0 B1 B2 B3 F1 F2 F3 under gpipe, and
-    ``live_activations()`` reports 3 there, not 1. The same order, by hand:"""
+    ``live_activations()`` reported 3 there, not 1 (the late forwards opened activations
+    that nothing closed). The same order, by hand:"""
     from mlir_passes.schedules import Schedule, Unit, live_activation_profile
 
     units = tuple(Unit(2 * m + (kind == "bwd"), 0, kind, m, 0, (), "loss",

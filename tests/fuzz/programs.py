@@ -991,18 +991,21 @@ def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int], known: set[str
     # peak live activations: the library's count against a model written from the
     # docstring of mlir_passes.schedules.live_activation_profile (_expected_live)
     _check_live(p, sched, known, known_bugs)
-    # the same units under every schedule (pure Python, no compile): on every submesh 1F1B
-    # holds no more activations than GPipe; ZB-H1 stays under 1F1B's peak (docs), the
-    # largest over submeshes (a later stage may hold more under ZB-H1 than under 1F1B, as
-    # in the paper). Not with jax.checkpoint, whose mislabelled units (KNOWN_MB_CHECKPOINT)
-    # make the plans infeasible. (ZB-H1's bubble is not always below 1F1B's on these DAGs:
-    # a heuristic, not checked.)
+    # the same units under every schedule (pure Python, no compile): on every submesh that
+    # runs one stage 1F1B holds no more activations than GPipe (with V stages on a submesh
+    # Megatron's warm-up runs up to (P-1)*2 + (V-1)*P forwards first, which on these DAGs
+    # can exceed what GPipe's repaired order holds); ZB-H1 stays under 1F1B's peak (docs),
+    # the largest over submeshes (a later stage may hold more under ZB-H1 than under 1F1B,
+    # as in the paper). Leniently with KNOWN_MB_CHECKPOINT, whose mislabelled units make
+    # the plans infeasible. (ZB-H1's bubble is not always below 1F1B's on these DAGs: a
+    # heuristic, not checked.)
     from mlir_passes.schedules import build_schedule
 
     alt = {name: build_schedule(sched.units, name) for name in _PLAIN_SCHEDULES}
     peak = {name: _check_live(p, a, known, known_bugs) for name, a in alt.items()}
     f1, gp, zb = peak["1f1b"], peak["gpipe"], peak["zero-bubble-h1"]
-    for bad, what in ((any(a > b for a, b in zip(f1, gp)), f"1f1b {f1} > gpipe {gp}"),
+    one_stage = {m for m, k in _stages_per_submesh(sched).items() if k == 1}
+    for bad, what in ((any(f1[m] > gp[m] for m in one_stage), f"1f1b {f1} > gpipe {gp}"),
                       (max(zb, default=0) > max(f1, default=0), f"zero-bubble-h1 {zb} > 1f1b "
                        f"{f1} at the peak")):
         if bad:
