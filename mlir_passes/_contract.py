@@ -46,29 +46,9 @@ class TaskMeshInfo:
             if key not in d:
                 raise DiagnosticError(f"{what} is missing '{key}'", loc)
         devices = _int_list(d["devices"], f"{what} devices", loc)
-        if not devices:
-            raise DiagnosticError(f"{what} devices must not be empty", loc)
-        if (dup := _duplicate(devices)) is not None:
-            raise DiagnosticError(f"{what} devices {_fmt(devices)} list device {dup} twice", loc)
-        if (neg := [x for x in devices if x < 0]):
-            raise DiagnosticError(
-                f"{what} devices {_fmt(devices)} has negative entry {neg[0]}", loc)
         names = _str_list(d["axis_names"], f"{what} axis_names", loc)
-        if (dup := _duplicate(names)) is not None:
-            raise DiagnosticError(
-                f"{what} axis_names {_fmt(names)} name axis \"{dup}\" twice", loc)
         sizes = _int_list(d["axis_sizes"], f"{what} axis_sizes", loc)
-        if len(sizes) != len(names):
-            raise DiagnosticError(
-                f"{what} has {len(names)} axis_names {_fmt(names)} but {len(sizes)} "
-                f"axis_sizes {_fmt(sizes)}", loc)
-        if (bad := [s for s in sizes if s <= 0]):
-            raise DiagnosticError(
-                f"{what} axis_sizes {_fmt(sizes)} must be positive, got {bad[0]}", loc)
-        if prod(sizes) != len(devices):
-            raise DiagnosticError(
-                f"{what} axis_sizes {_fmt(sizes)} multiply to {prod(sizes)} but devices has "
-                f"{len(devices)} entries", loc)
+        check_mesh(devices, names, sizes, what, loc)
         pairs = []
         for item in _list(d.get("logical_axes", []), f"{what} logical_axes", "pairs", loc):
             if (not isinstance(item, list) or len(item) != 2
@@ -477,6 +457,30 @@ def _str_list(v, what: str, loc) -> list[str]:
     if not all(isinstance(x, str) for x in _list(v, what, "strings", loc)):
         raise DiagnosticError(f"{what} must be a list of strings, got {_fmt(v)}", loc)
     return v
+
+
+def check_mesh(devices: list[int], names: list[str], sizes: list[int], what: str,
+               loc) -> None:
+    """The rules of a task mesh (shared by every pass and ``mm-verify``)."""
+    if not devices:
+        raise DiagnosticError(f"{what} devices must not be empty", loc)
+    if (dup := _duplicate(devices)) is not None:
+        raise DiagnosticError(f"{what} devices {_fmt(devices)} list device {dup} twice", loc)
+    if (neg := [x for x in devices if x < 0]):
+        raise DiagnosticError(f"{what} devices {_fmt(devices)} has negative entry {neg[0]}", loc)
+    if (dup := _duplicate(names)) is not None:
+        raise DiagnosticError(f"{what} axis_names {_fmt(names)} name axis \"{dup}\" twice", loc)
+    if len(sizes) != len(names):
+        raise DiagnosticError(
+            f"{what} has {len(names)} axis_names {_fmt(names)} but {len(sizes)} "
+            f"axis_sizes {_fmt(sizes)}", loc)
+    if (bad := [s for s in sizes if s <= 0]):
+        raise DiagnosticError(
+            f"{what} axis_sizes {_fmt(sizes)} must be positive, got {bad[0]}", loc)
+    if prod(sizes) != len(devices):
+        raise DiagnosticError(
+            f"{what} axis_sizes {_fmt(sizes)} multiply to {prod(sizes)} but devices has "
+            f"{len(devices)} entries", loc)
 
 
 def _duplicate(values: list):

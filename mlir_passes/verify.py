@@ -7,8 +7,8 @@ location, turns a confusing failure deep in a pipeline into a one-line error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
 
+from mlir_passes import _contract as c
 from mlir_passes._contract import reject_internal_sdy_ops
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
@@ -165,27 +165,9 @@ def _check_task(attr: ir.Attribute, loc, what: str, allowed: tuple[str, ...], *,
     if with_name:
         out.update(_check_name_and_count(d, what, loc))
     devices = _int_list(d["devices"], f"{what} devices", loc)
-    if not devices:
-        raise DiagnosticError(f"{what} devices must not be empty", loc)
-    if (dup := _duplicate(devices)) is not None:
-        raise DiagnosticError(f"{what} devices {_fmt(devices)} list device {dup} twice", loc)
-    if (neg := [x for x in devices if x < 0]):
-        raise DiagnosticError(f"{what} devices {_fmt(devices)} has negative entry {neg[0]}", loc)
     names = _str_list(d["axis_names"], f"{what} axis_names", loc)
-    if (dup := _duplicate(names)) is not None:
-        raise DiagnosticError(f"{what} axis_names {_fmt(names)} name axis \"{dup}\" twice", loc)
     sizes = _int_list(d["axis_sizes"], f"{what} axis_sizes", loc)
-    if len(sizes) != len(names):
-        raise DiagnosticError(
-            f"{what} has {len(names)} axis_names {_fmt(names)} but {len(sizes)} "
-            f"axis_sizes {_fmt(sizes)}", loc)
-    if (bad := [s for s in sizes if s <= 0]):
-        raise DiagnosticError(
-            f"{what} axis_sizes {_fmt(sizes)} must be positive, got {bad[0]}", loc)
-    if prod(sizes) != len(devices):
-        raise DiagnosticError(
-            f"{what} axis_sizes {_fmt(sizes)} multiply to {prod(sizes)} but devices has "
-            f"{len(devices)} entries", loc)
+    c.check_mesh(devices, names, sizes, what, loc)
     logical = _check_logical_axes(d.get("logical_axes"), names, what, loc)
     out.update(devices=devices, axis_names=names, axis_sizes=sizes, logical_axes=logical)
     return out
