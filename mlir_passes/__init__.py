@@ -25,6 +25,7 @@ _PASSES: dict[str, str] = {
     "mm-split-backward": "split_backward:SplitBackwardPass",
     "mm-recompute-transfers": "recompute_transfers:RecomputeTransfersPass",
     "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",
+    "mm-form-microbatch-loop": "form_microbatch_loop:FormMicrobatchLoopPass",
     "mm-insert-transfers": "insert_transfers:InsertTransfersPass",
     "mm-extract-fragments": "extract_fragments:ExtractFragmentsPass",
     "mm-schedule-fragments": "schedule_fragments:ScheduleFragmentsPass",

@@ -19,6 +19,22 @@ TRANSFER_TARGET = "mm.transfer"
 FRAGMENT_CALL_TARGET = "mm.fragment_call"
 DEFAULT_TASK = "mm.default"
 
+# Microbatch loops (docs/ir.md "Microbatch loops").
+MICROBATCH_ATTR = "mm.microbatch"
+"""``{loop = 0, num_microbatches = M}`` on the front end's loop-body call and sum markers."""
+LOOP_ATTR = "mm.loop"
+"""Loop id on an in-loop op that has no task yet (flat form); tagged ops carry it in the tag."""
+INDEX_TARGET = "mm.microbatch_index"
+"""The microbatch index (``tensor<i32>``) inside the loop body."""
+SUM_TARGET = "mm.microbatch_sum"
+"""The sum over all microbatches of an in-loop value (an op after the loop)."""
+LOOP_TARGET = "mm.microbatch_loop"
+"""MPMD form: the loop itself, a custom call whose body is the function ``mm.body``."""
+BODY_ATTR = "mm.body"
+NUM_MICROBATCHES_ATTR = "mm.num_microbatches"
+LOOP_DEVICES_ATTR = "mm.loop_devices"
+"""On a fragment whose task moves with the microbatch: its device positions per microbatch."""
+
 
 @dataclass(frozen=True)
 class TaskMeshInfo:
@@ -30,6 +46,8 @@ class TaskMeshInfo:
     logical_axes: tuple[tuple[str, str], ...]
     split_backprop: tuple[str, str] | None = None
     """``Task.split_backprop``: name suffixes of the activation and weight halves."""
+    loop_devices: tuple[tuple[int, ...], ...] | None = None
+    """``Task.loop_dependent_mesh_slice``: the device positions in each microbatch."""
 
     @classmethod
     def from_dict(cls, d, loc: ir.Location | None = None,
@@ -66,8 +84,19 @@ class TaskMeshInfo:
             raise DiagnosticError(
                 f"{what} split_backprop must be two non-empty name suffixes, got "
                 f"{_fmt(split)}", loc)
+        loop_devices = d.get("loop_devices")
+        if loop_devices is not None:
+            rows = _list(loop_devices, f"{what} loop_devices", "device lists", loc)
+            for row in rows:
+                row = _int_list(row, f"{what} loop_devices entry", loc)
+                if len(row) != len(devices) or len(set(row)) != len(row) or min(row) < 0:
+                    raise DiagnosticError(
+                        f"{what} loop_devices entries must list {len(devices)} distinct "
+                        f"non-negative device positions (as many as devices), got {_fmt(row)}",
+                        loc)
+            loop_devices = tuple(tuple(r) for r in rows) or None
         return cls(tuple(devices), tuple(names), tuple(sizes), tuple(pairs),
-                   tuple(split) if split else None)
+                   tuple(split) if split else None, loop_devices)
 
     def to_dict(self) -> dict:
         d = {"devices": list(self.devices), "axis_names": list(self.axis_names),
@@ -75,6 +104,8 @@ class TaskMeshInfo:
              "logical_axes": [list(p) for p in self.logical_axes]}
         if self.split_backprop:
             d["split_backprop"] = list(self.split_backprop)
+        if self.loop_devices:
+            d["loop_devices"] = [list(r) for r in self.loop_devices]
         return d
 
     def mesh_key(self) -> tuple:
@@ -132,7 +163,7 @@ def write_tasks(module: ir.Module, tasks: dict[str, TaskMeshInfo]) -> None:
 
 
 Tag = tuple[str, int, int]
-"""``(task name, transpose_count, microbatch)``; microbatch is -1 outside microbatch loops."""
+"""``(task name, transpose_count, loop)``; loop is the microbatch loop's id, -1 outside."""
 
 
 _TAG_CACHE: dict[ir.Attribute, Tag] = {}
@@ -201,11 +232,36 @@ def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo
     return info
 
 
-def tag_attr(name: str, count: int, microbatch: int = -1) -> ir.Attribute:
+def tag_attr(name: str, count: int, loop: int = -1) -> ir.Attribute:
     d = {"name": name, "transpose_count": count}
-    if microbatch >= 0:
-        d["microbatch"] = microbatch
+    if loop >= 0:
+        d["loop"] = loop
     return py_to_attr(d)
+
+
+def loop_of(op: ir.Operation) -> int:
+    """The microbatch loop an op belongs to (flat form), -1 if none."""
+    tag = tag_of(op)
+    if tag is not None:
+        return tag[2]
+    if LOOP_ATTR in op.attributes:
+        return ir.IntegerAttr(op.attributes[LOOP_ATTR]).value
+    return -1
+
+
+def is_loop_marker(op: ir.Operation) -> bool:
+    """``mm.microbatch_index`` / ``mm.microbatch_sum``: loop structure, not task work."""
+    return op.name == "stablehlo.custom_call" and ir.StringAttr(
+        op.attributes["call_target_name"]).value in (INDEX_TARGET, SUM_TARGET)
+
+
+def warn_at(location, message: str) -> None:
+    """A pass warning (``mm-opt`` prints it as ``file:line:col: warning: ...``)."""
+    import warnings
+
+    from multimesh._src.errors import DiagnosticWarning
+
+    warnings.warn(DiagnosticWarning(message, location), stacklevel=2)
 
 
 def is_custom_call(op: ir.Operation, target: str) -> bool:
@@ -496,7 +552,7 @@ def _tag_from_dict(d: dict, what: str, loc) -> Tag:
     for key in ("name", "transpose_count"):
         if key not in d:
             raise DiagnosticError(f"{what} is missing '{key}'", loc)
-    name, count, mb = d["name"], d["transpose_count"], d.get("microbatch", -1)
+    name, count, mb = d["name"], d["transpose_count"], d.get("loop", -1)
     if not isinstance(name, str):
         raise DiagnosticError(f"{what} name must be a string, got {_fmt(name)}", loc)
     if not name:
@@ -506,6 +562,8 @@ def _tag_from_dict(d: dict, what: str, loc) -> Tag:
             f"{what} transpose_count must be an integer, got {_fmt(count)}", loc)
     if count < 0:
         raise DiagnosticError(f"{what} transpose_count must be >= 0, got {count}", loc)
-    if not _is_int(mb):
-        raise DiagnosticError(f"{what} microbatch must be an integer, got {_fmt(mb)}", loc)
+    if not _is_int(mb) or mb < -1:
+        raise DiagnosticError(
+            f"{what} loop must be a microbatch loop id (an integer >= 0), got {_fmt(mb)}",
+            loc)
     return name, count, mb

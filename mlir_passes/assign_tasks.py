@@ -16,8 +16,9 @@ class AssignTasksPass(ModulePass):
 
     An op outside every task joins the task whose ops it exchanges the most bytes
     with (operands and users together), repeated forward and backward until
-    nothing changes. An op that combines several microbatches of that task (the
-    sums of gradient accumulation) joins it without a microbatch index. An op whose regions hold tagged ops (a loop around a task)
+    nothing changes; it keeps its own microbatch loop (``mm.loop``, which moves into
+    its tag). The loop markers ``mm.microbatch_index``/``mm.microbatch_sum`` get no
+    task. An op whose regions hold tagged ops (a loop around a task)
     takes that task; tasks on different submeshes inside one loop are an error,
     since a loop body runs on one submesh. Ops still untagged at the end (or every
     op, in a program with no task at all) go to the implicit task ``mm.default``:
@@ -36,16 +37,23 @@ class AssignTasksPass(ModulePass):
             tasks = c.read_tasks(module)
             main = c.main_func(module)
             block = c.entry_block(main)
-            ops = [o.operation for o in block.operations][:-1]  # drop func.return
+            # drop func.return; loop markers belong to the loop, not to a task, but a sum
+            # passes its task on to what reads it (so it is coloured, never written)
+            ops = [o.operation for o in block.operations][:-1]
+            markers = {op for op in ops if c.is_loop_marker(op)}
+            loop = {op: -1 if op in markers else c.loop_of(op) for op in ops}
             tag: dict[ir.Operation, c.Tag] = {}
             for op in ops:
                 t = c.tag_of(op)
                 if t is None and len(op.regions):
                     t = _nested_tag(op, tasks)
+                    if t is not None:
+                        t = (t[0], t[1], loop[op])
                 if t is not None:
                     tag[op] = t
             untagged = [op for op in ops if op not in tag]
             pretagged = {op for op in ops if op in tag and c.TASK_ATTR in op.attributes}
+            pretagged |= markers
             pos = {op: i for i, op in enumerate(ops)}
             top = c.top_finder(main)
 
@@ -58,28 +66,28 @@ class AssignTasksPass(ModulePass):
                             continue
                         best = _heaviest(op, tag, top, pos)
                         if best is not None:
-                            tag[op] = best
+                            tag[op] = (best[0], best[1], loop[op])
                             changed = True
                 untagged = [op for op in untagged if op not in tag]
-            # Attributes are written last: in these bindings an Operation's hash
-            # follows its contents, so editing ops would break the maps above.
-            attrs: dict = {}
-            for op in ops:
-                if op in tag and op not in pretagged:
-                    t = tag[op]
-                    if t not in attrs:
-                        attrs[t] = c.tag_attr(*t)
-                    op.attributes[c.TASK_ATTR] = attrs[t]
+            untagged = [op for op in untagged if op not in markers]
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
                 tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())
-                attr = c.tag_attr(c.DEFAULT_TASK, 0)
                 for op in untagged:
-                    op.attributes[c.TASK_ATTR] = attr
+                    tag[op] = (c.DEFAULT_TASK, 0, loop[op])
+            # Attributes are written last: in these bindings an Operation's hash
+            # follows its contents, so editing ops would break the maps above.
+            attrs: dict = {}
+            writes = [(op, tag[op] if op not in pretagged else None) for op in ops
+                      if op not in markers]
+            for op, t in writes:
+                if t is not None:
+                    if t not in attrs:
+                        attrs[t] = c.tag_attr(*t)
+                    op.attributes[c.TASK_ATTR] = attrs[t]
+                if c.LOOP_ATTR in op.attributes:  # the loop now lives in the tag
+                    del op.attributes[c.LOOP_ATTR]
             c.write_tasks(module, tasks)
-
-
-_SLICES = ("stablehlo.slice", "stablehlo.dynamic_slice")
 
 
 def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
@@ -108,19 +116,7 @@ def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
                 add(t, nbytes, pos.get(o, 1 << 30))
     if not scores:
         return None
-    best = min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
-    if best[2] >= 0 and op.name in _SLICES and all(
-            isinstance(v.owner, ir.Block) for v in op.operands[:1]):
-        # Cutting a microbatch out of a program input: keep it out of the
-        # microbatch's fragment so every microbatch's fragment has the same body
-        # (and compiles once); the cut runs in a microbatch-free fragment.
-        return best[0], best[1], -1
-    if any(t[:2] == best[:2] and t[2] != best[2] for t in scores):
-        # Joins data of several microbatches (a gradient sum): it belongs to no single
-        # microbatch, so it gets its own fragments that the scheduler runs when ready
-        # instead of pinning microbatch 0's backward behind every other one.
-        return best[0], best[1], -1
-    return best
+    return min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
 
 
 def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:

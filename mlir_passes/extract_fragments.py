@@ -24,7 +24,8 @@ class ExtractFragmentsPass(ModulePass):
 
     and each call becomes ``stablehlo.custom_call @mm.fragment_call(...)
     {mm.fragment = @layer1_fwd}``. ``@main`` then reads as the whole MPMD program:
-    fragment calls, transfers and the return. Fragments with identical bodies get
+    fragment calls, transfers and the return (and a microbatch loop, whose body
+    function is rewritten the same way). Fragments with identical bodies get
     identical nested modules, which the runtime compiles once.
     """
 
@@ -37,7 +38,12 @@ class ExtractFragmentsPass(ModulePass):
             funcs = c.func_by_name(module)
             meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value: o.operation
                       for o in module.body.operations if o.operation.name == "sdy.mesh"}
-            calls = [o.operation for o in c.entry_block(main).operations
+            blocks = [c.entry_block(main)]
+            for op in c.entry_block(main).operations:
+                if c.is_custom_call(op.operation, c.LOOP_TARGET):
+                    body = ir.FlatSymbolRefAttr(op.operation.attributes[c.BODY_ATTR]).value
+                    blocks.append(c.entry_block(funcs[body]))
+            calls = [o.operation for b in blocks for o in b.operations
                      if o.operation.name == "func.call"]
             for call in calls:
                 if "mm.fragment" not in call.attributes:
@@ -59,8 +65,9 @@ class ExtractFragmentsPass(ModulePass):
                         sub = ir.Operation.create("builtin.module", regions=1)
                     sub.regions[0].blocks.append()
                     sub.attributes["sym_name"] = ir.StringAttr.get(name)
-                    for key in ("mm.devices", "mm.task"):
-                        sub.attributes[key] = fn.attributes[key]
+                    for key in ("mm.devices", "mm.task", c.LOOP_DEVICES_ATTR):
+                        if key in fn.attributes:
+                            sub.attributes[key] = fn.attributes[key]
                     sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, n)
                     sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
                     body = sub.regions[0].blocks[0]

@@ -16,7 +16,9 @@ class InlineTasksPass(ModulePass):
 
     Each op that comes out of a task call gets
     ``mm.task = {name = "...", transpose_count = N}``; the task's mesh and logical
-    mapping move to the module's ``mm.tasks`` table. Ops of plain calls inherit
+    mapping move to the module's ``mm.tasks`` table. Ops that come out of a
+    microbatch loop body (a call marked ``mm.microbatch = {loop = L, ...}``) belong to
+    loop ``L``: tagged ops get ``loop = L`` in their tag, untagged ones ``mm.loop = L``. Ops of plain calls inherit
     the tag of the call (if the call itself came out of a task). Calls nested in
     regions (``stablehlo.while`` bodies) are inlined in place. Giving one task
     name two different meshes is an error. Private functions left unreferenced
@@ -69,11 +71,12 @@ def _inline(call: ir.Operation, funcs, tasks, uses) -> None:
     if callee is None:
         raise DiagnosticError(f"call to unknown function '@{name}'", call.location)
     tag = None
+    loop = _call_loop(call)
     if c.TASK_ATTR in call.attributes:
         d = attr_to_py(call.attributes[c.TASK_ATTR])
         if "devices" in d:
             _register(tasks, d, call)
-        tag = c.tag_attr(d["name"], int(d["transpose_count"]), int(d.get("microbatch", -1)))
+        tag = c.tag_attr(d["name"], int(d["transpose_count"]), loop)
     if uses.get(name, 0) <= 1:
         body = callee  # only use: move the body instead of cloning it
     else:
@@ -95,15 +98,39 @@ def _inline(call: ir.Operation, funcs, tasks, uses) -> None:
             ret_op.operands[k] = r
     ops = [o.operation for o in blk.operations]
     ret = ops[-1]
+    loop_attr = (ir.IntegerAttr.get(ir.IntegerType.get_signless(64), loop)
+                 if loop >= 0 else None)
     for op in ops[:-1]:
         op.move_before(call)
-        if tag is not None and c.TASK_ATTR not in op.attributes:
-            op.attributes[c.TASK_ATTR] = tag
+        if c.TASK_ATTR not in op.attributes:
+            if tag is not None:
+                op.attributes[c.TASK_ATTR] = tag
+            elif loop_attr is not None:
+                op.attributes[c.LOOP_ATTR] = loop_attr
+        elif loop_attr is not None:
+            if op.name == "func.call":  # a task call: its ops learn the loop when inlined
+                op.attributes[c.LOOP_ATTR] = loop_attr
+            else:  # tagged by mm-match-tasks: the tag carries the loop
+                t = c.tag_of(op)
+                op.attributes[c.TASK_ATTR] = c.tag_attr(t[0], t[1], loop)
     for res, val in zip(call.results, ret.operands):
         res.replace_all_uses_with(val)
     call.erase()
     if body is not callee:
         body.erase()
+
+
+def _call_loop(call: ir.Operation) -> int:
+    """The microbatch loop the call's ops belong to: the loop it opens, or the one it is in."""
+    if c.MICROBATCH_ATTR in call.attributes:
+        d = attr_to_py(call.attributes[c.MICROBATCH_ATTR])
+        return int(d.get("loop", 0)) if isinstance(d, dict) else 0
+    if c.LOOP_ATTR in call.attributes:
+        return ir.IntegerAttr(call.attributes[c.LOOP_ATTR]).value
+    if c.TASK_ATTR in call.attributes:
+        d = attr_to_py(call.attributes[c.TASK_ATTR])
+        return int(d.get("loop", -1)) if isinstance(d, dict) else -1
+    return -1
 
 
 def _register(tasks, d: dict, call: ir.Operation) -> None:

@@ -49,49 +49,153 @@ class InsertTransfersPass(ModulePass):
                     c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
                                       f"@main argument #{a.arg_number}", main.location)
                     where[a] = _layout(d["mm.devices"], d["mm.sharding"], meshes)
-            plans = []  # (consumer call, operand index, value, layout, sharding, devices)
-            calls = [o.operation for o in block.operations if o.operation.name == "func.call"]
-            for call in calls:
-                fn = funcs[c.callee_of(call)]
-                devs = c.fragment_info(fn, meshes).devices_attr
-                arg_attrs = list(fn.attributes["arg_attrs"]) if "arg_attrs" in fn.attributes \
-                    else []
-                for k, v in enumerate(call.operands):
-                    if k >= len(arg_attrs) or "sdy.sharding" not in ir.DictAttr(arg_attrs[k]):
-                        raise DiagnosticError(
-                            f"fragment '@{c.callee_of(call)}' argument #{k} has no sdy.sharding; "
-                            f"run mm-propagate-shardings first", call.location)
-                    sh = ir.DictAttr(arg_attrs[k])["sdy.sharding"]
-                    want = _layout(devs, sh, meshes)
-                    have = where.get(v)
-                    if have is not None and have != want:
-                        plans.append((call, k, v, want, sh, devs))
-                res_attrs = list(fn.attributes["res_attrs"]) if "res_attrs" in fn.attributes \
-                    else []
-                for j, (r, ra) in enumerate(zip(call.results, res_attrs)):
-                    if "sdy.sharding" not in ir.DictAttr(ra):
-                        raise DiagnosticError(
-                            f"fragment '@{c.callee_of(call)}' result #{j} has no sdy.sharding; "
-                            f"run mm-propagate-shardings first", call.location)
-                    where[r] = _layout(devs, ir.DictAttr(ra)["sdy.sharding"], meshes)
-            made: dict[tuple, ir.Value] = {}
-            for call, k, v, want, sh, devs in plans:
-                key = (v, want)
-                t = made.get(key)
-                if t is None:
-                    owner = v.owner
-                    ip = (ir.InsertionPoint.at_block_begin(block) if isinstance(owner, ir.Block)
-                          else ir.InsertionPoint.after(owner))
-                    with ip, call.location:
-                        op = stablehlo.CustomCallOp(
-                            [v.type], [v], call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
-                            has_side_effect=ir.BoolAttr.get(False),
-                            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-                    op.operation.attributes["mm.devices"] = devs
-                    op.operation.attributes["mm.sharding"] = sh
-                    t = op.results[0]
-                    made[key] = t
-                call.operands[k] = t
+            edges = _Edges(funcs, meshes)
+            for op in [o.operation for o in block.operations]:
+                if op.name == "func.call":
+                    edges.call(op, where)
+                elif c.is_custom_call(op, c.LOOP_TARGET):
+                    _loop(op, where, edges, funcs)
+            edges.insert(block)
+
+
+class _Edges:
+    """The transfers a block needs: one per (value, destination layout)."""
+
+    def __init__(self, funcs, meshes):
+        self.funcs = funcs
+        self.meshes = meshes
+        self.plans = []  # (consumer call, operand index, value, layout, sharding, devices)
+
+    def wants(self, call: ir.Operation, k: int):
+        """(layout, sharding, devices) that fragment argument ``k`` of ``call`` wants."""
+        fn = self.funcs[c.callee_of(call)]
+        devs = c.fragment_info(fn, self.meshes).devices_attr
+        arg_attrs = list(fn.attributes["arg_attrs"]) if "arg_attrs" in fn.attributes else []
+        if k >= len(arg_attrs) or "sdy.sharding" not in ir.DictAttr(arg_attrs[k]):
+            raise DiagnosticError(
+                f"fragment '@{c.callee_of(call)}' argument #{k} has no sdy.sharding; "
+                f"run mm-propagate-shardings first", call.location)
+        sh = ir.DictAttr(arg_attrs[k])["sdy.sharding"]
+        return _layout(devs, sh, self.meshes), sh, devs
+
+    def call(self, call: ir.Operation, where: dict, hoist=None) -> None:
+        fn = self.funcs[c.callee_of(call)]
+        for k, v in enumerate(call.operands):
+            want, sh, devs = self.wants(call, k)
+            have = where.get(v)
+            if have is not None and have != want:
+                if hoist is not None and hoist(call, k, v, want, sh, devs):
+                    continue
+                self.plans.append((call, k, v, want, sh, devs))
+        devs = c.fragment_info(fn, self.meshes).devices_attr
+        res_attrs = list(fn.attributes["res_attrs"]) if "res_attrs" in fn.attributes else []
+        for j, (r, ra) in enumerate(zip(call.results, res_attrs)):
+            if "sdy.sharding" not in ir.DictAttr(ra):
+                raise DiagnosticError(
+                    f"fragment '@{c.callee_of(call)}' result #{j} has no sdy.sharding; "
+                    f"run mm-propagate-shardings first", call.location)
+            where[r] = _layout(devs, ir.DictAttr(ra)["sdy.sharding"], self.meshes)
+
+    def insert(self, block: ir.Block) -> None:
+        made: dict[tuple, ir.Value] = {}
+        for call, k, v, want, sh, devs in self.plans:
+            key = (v, want)
+            t = made.get(key)
+            if t is None:
+                t = _transfer(v, block, call.location, sh, devs)
+                made[key] = t
+            call.operands[k] = t
+        self.plans = []
+
+
+def _transfer(v: ir.Value, block: ir.Block, loc, sh, devs, ip=None) -> ir.Value:
+    """``mm.transfer`` of ``v`` right after its producer (or at ``ip``)."""
+    owner = v.owner
+    if ip is None:
+        ip = (ir.InsertionPoint.at_block_begin(block) if isinstance(owner, ir.Block)
+              else ir.InsertionPoint.after(owner))
+    with ip, loc:
+        op = stablehlo.CustomCallOp(
+            [v.type], [v], call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
+            has_side_effect=ir.BoolAttr.get(False),
+            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
+    op.operation.attributes["mm.devices"] = devs
+    op.operation.attributes["mm.sharding"] = sh
+    return op.results[0]
+
+
+def _loop(loop: ir.Operation, where: dict, edges: _Edges, funcs) -> None:
+    """Transfers of a microbatch loop: inside its body per microbatch, except that an
+    input of the loop that a body fragment wants elsewhere moves once, before the loop."""
+    body_fn = funcs[ir.FlatSymbolRefAttr(loop.attributes[c.BODY_ATTR]).value]
+    body = c.entry_block(body_fn)
+    ret = list(body.operations)[-1].operation
+    n_carry = len(ret.operands)
+    args = list(body.arguments)
+    inner: dict[ir.Value, tuple] = {}
+    outer_of: dict[ir.Value, ir.Value] = {}
+    for k, v in enumerate(loop.operands):
+        a = args[1 + k]
+        outer_of[a] = v
+        if v in where:
+            inner[a] = where[v]
+    hoisted: dict[tuple, ir.Value] = {}  # (outer value, layout) -> new body argument
+    extra: list[ir.Value] = []  # new loop operands (transfers in @main)
+
+    def hoist(call, k, v, want, sh, devs) -> bool:
+        if v not in outer_of or args.index(v) <= n_carry:
+            return False  # the index, a running sum, or a value made inside the loop
+        key = (outer_of[v], want)
+        a = hoisted.get(key)
+        if a is None:
+            outer = outer_of[v]
+            owner = outer.owner
+            ip = (ir.InsertionPoint(loop) if isinstance(owner, ir.Block)
+                  else ir.InsertionPoint.after(owner))
+            extra.append(_transfer(outer, None, call.location, sh, devs, ip=ip))
+            a = body.add_argument(v.type, body_fn.location)
+            hoisted[key] = a
+            inner[a] = want
+        call.operands[k] = a
+        return True
+
+    for op in [o.operation for o in body.operations]:
+        if op.name == "func.call":
+            edges.call(op, inner, hoist)
+    edges.insert(body)
+    for j, v in enumerate(ret.operands):  # a running sum keeps one layout
+        a = args[1 + j]
+        if inner.get(a) is not None and inner.get(v) is not None and inner[a] != inner[v]:
+            raise DiagnosticError(
+                f"running sum #{j} of the microbatch loop changes layout between microbatches",
+                loop.location)
+    if extra:
+        loop = _add_loop_operands(loop, extra, body_fn)
+    for j, r in enumerate(loop.results):
+        if ret.operands[j] in inner:
+            where[r] = inner[ret.operands[j]]
+
+
+def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
+    """The loop op again, with ``extra`` operands (its body has the matching arguments)."""
+    body = c.entry_block(body_fn)
+    with ir.InsertionPoint(loop), loop.location:
+        new = stablehlo.CustomCallOp(
+            [r.type for r in loop.results], list(loop.operands) + list(extra),
+            call_target_name=ir.StringAttr.get(c.LOOP_TARGET),
+            has_side_effect=ir.BoolAttr.get(False),
+            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
+    new = new.operation
+    for name in (c.BODY_ATTR, c.NUM_MICROBATCHES_ATTR, "mm.schedule"):
+        if name in loop.attributes:
+            new.attributes[name] = loop.attributes[name]
+    for old, r in zip(loop.results, new.results):
+        old.replace_all_uses_with(r)
+    loop.erase()
+    ftype = ir.FunctionType(ir.TypeAttr(body_fn.attributes["function_type"]).value)
+    body_fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        [a.type for a in body.arguments], list(ftype.results)))
+    return new
 
 
 def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, str]):

@@ -17,7 +17,7 @@ _REMAT = ("stablehlo.constant", "stablehlo.iota")
 class OutlineFragmentsPass(ModulePass):
     """Outline the tagged ops of ``@main`` into fragment functions.
 
-    Ops are grouped by ``(task, transpose_count)`` in program order; an op joins
+    Ops are grouped by ``(task, transpose_count, loop)`` in program order; an op joins
     its group's latest fragment unless that would make the fragment depend on a
     later one, in which case a new fragment starts (so fragments are always in
     dependency order and never form a cycle). Constants and iotas used by several
@@ -25,7 +25,11 @@ class OutlineFragmentsPass(ModulePass):
     becomes ``func.func private @<task>_<fwd|bwd>[_k]`` with ``mm.task``,
     ``mm.devices`` and ``mm.mesh`` (an ``sdy.mesh`` symbol created for the task);
     ``@main`` is left holding only ``func.call``s marked ``mm.fragment`` and the
-    return.
+    return. A microbatched program keeps its loop markers in ``@main``: the
+    ``mm.microbatch_index`` becomes an argument of the fragments that read it, and
+    each ``mm.microbatch_sum`` moves right after the call that produces what it
+    sums. A fragment of a task whose submesh moves with the microbatch also gets
+    ``mm.loop_devices``.
     """
 
     argument = "mm-outline-fragments"
@@ -38,6 +42,8 @@ class OutlineFragmentsPass(ModulePass):
             block = c.entry_block(main)
             ops = [o.operation for o in block.operations]
             ret = ops.pop()
+            markers = [op for op in ops if c.is_loop_marker(op)]
+            ops = [op for op in ops if not c.is_loop_marker(op)]
             for op in ops:
                 if c.tag_of(op) is None:
                     raise DiagnosticError(
@@ -45,9 +51,11 @@ class OutlineFragmentsPass(ModulePass):
                 c.known_task(op, tasks)
             _remat_constants(ops, main)
             ops = [o.operation for o in block.operations][:-1]
+            ops = [op for op in ops if not c.is_loop_marker(op)]
             tags = [c.tag_of(op) for op in ops]
             uses = _operand_uses(ops, main, block)
-            frag = _merge_down(tags, _assign_fragments(tags, uses), uses)
+            deps = _order_deps(ops, uses, markers)
+            frag = _merge_down(tags, _assign_fragments(tags, deps), deps)
             renum = {f: k for k, f in enumerate(sorted(set(frag)))}
             frag = [renum[f] for f in frag]
             keys: list = [None] * len(renum)
@@ -56,7 +64,7 @@ class OutlineFragmentsPass(ModulePass):
             meshes = mesh_symbol_names(sorted(tasks))
             _ensure_meshes(module, tasks, meshes, {k[0] for k in keys})
             names = _fragment_names(keys)
-            _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes)
+            _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes, markers)
 
 
 def _operand_uses(ops, main, block):
@@ -74,7 +82,7 @@ def _operand_uses(ops, main, block):
         for k, v in enumerate(op.operands):
             owner = v.owner
             rec.append((op, k, v, -1 if isinstance(owner, ir.Block)
-                        else index[owner.operation]))
+                        else index.get(owner.operation, -1)))  # a loop marker: external
         if len(op.regions):
             nested: list = []
 
@@ -90,7 +98,7 @@ def _operand_uses(ops, main, block):
                         continue
                     t = top(owner)
                     if t is not None and t != op:
-                        nested.append((o, k, v, index[t]))
+                        nested.append((o, k, v, index.get(t, -1)))
                 return ir.WalkResult.ADVANCE
 
             op.walk(cb, ir.WalkOrder.PRE_ORDER)
@@ -99,14 +107,39 @@ def _operand_uses(ops, main, block):
     return out
 
 
-def _assign_fragments(tags, uses) -> list[int]:
+def _order_deps(ops, uses, markers) -> list[list[int]]:
+    """Per op, the ops it must follow: its producers, seen through ``mm.microbatch_sum``.
+
+    A value summed over the loop is an input to the fragments after the loop, but
+    they still have to come after the loop's fragment that produces it.
+    """
+    index = {op: i for i, op in enumerate(ops)}
+    through: dict[ir.Value, int] = {}
+    for m in markers:
+        for v in m.operands:
+            owner = v.owner
+            if not isinstance(owner, ir.Block) and owner.operation in index:
+                through[m.results[0]] = index[owner.operation]
+    out = []
+    for rec in uses:
+        d = []
+        for _, _, v, p in rec:
+            if p >= 0:
+                d.append(p)
+            elif v in through:
+                d.append(through[v])
+        out.append(d)
+    return out
+
+
+def _assign_fragments(tags, deps) -> list[int]:
     """Fragment number per op: its key's latest fragment unless that would need a later one."""
     frag: list[int] = []
     last: dict = {}
     count = 0
     for i, key in enumerate(tags):
         f = last.get(key)
-        if f is None or any(p >= 0 and frag[p] > f for _, _, _, p in uses[i]):
+        if f is None or any(frag[p] > f for p in deps[i]):
             f = count
             count += 1
             last[key] = f
@@ -114,7 +147,7 @@ def _assign_fragments(tags, uses) -> list[int]:
     return frag
 
 
-def _merge_down(tags, frag, uses) -> list[int]:
+def _merge_down(tags, frag, deps) -> list[int]:
     """Merge a fragment into the next one of its key when nothing in between needs it.
 
     Program order can open a fragment early for an op (say a constraint on an
@@ -126,9 +159,9 @@ def _merge_down(tags, frag, uses) -> list[int]:
     for i, f in enumerate(frag):
         key_of[f] = tags[i]
     consumers: list[set[int]] = [set() for _ in range(n)]
-    for j, rec in enumerate(uses):
-        for _, _, _, p in rec:
-            if p >= 0 and frag[p] != frag[j]:
+    for j, d in enumerate(deps):
+        for p in d:
+            if frag[p] != frag[j]:
                 consumers[frag[p]].add(frag[j])
     target = list(range(n))
     for f in range(n - 1, -1, -1):
@@ -186,11 +219,9 @@ def _remat_constants(ops, main) -> None:
 def _fragment_names(keys: list[c.Tag]) -> list[str]:
     seen: dict[str, int] = {}
     out = []
-    for name, count, mb in keys:
+    for name, count, _loop in keys:
         safe = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
         base = f"{safe}_{'fwd' if count == 0 else 'bwd' if count == 1 else f'bwd{count}'}"
-        if mb >= 0:
-            base += f"_mb{mb}"
         k = seen.get(base, 0)
         seen[base] = k + 1
         out.append(base if k == 0 else f"{base}_{k}")
@@ -212,7 +243,8 @@ def _ensure_meshes(module, tasks, meshes, used) -> None:
         sdy.MeshOp(sym, mesh, ip=ip, loc=module.operation.location)
 
 
-def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes) -> None:
+def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
+                 markers=()) -> None:
     n = len(keys)
     members: list[list[int]] = [[] for _ in range(n)]
     for i, f in enumerate(frag):
@@ -233,9 +265,11 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes)
             if p >= 0:
                 out_set[frag[p]].setdefault(v, (p, v.result_number))
     index = {op: i for i, op in enumerate(ops)}
-    for v in ret.operands:
+    external = [(ret, k, v) for k, v in enumerate(ret.operands)]
+    external += [(m, k, v) for m in markers for k, v in enumerate(m.operands)]
+    for _, _, v in external:
         owner = v.owner
-        if not isinstance(owner, ir.Block):
+        if not isinstance(owner, ir.Block) and owner.operation in index:
             p = index[owner.operation]
             out_set[frag[p]].setdefault(v, (p, v.result_number))
     outs = [sorted(d, key=d.get) for d in out_set]
@@ -248,9 +282,14 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes)
         call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
         for v, r in zip(outs[f], call.results):
             avail[v] = r
-    for j, v in enumerate(list(ret.operands)):
+    for user, j, v in external:
         if v in avail:
-            ret.operands[j] = avail[v]
+            user.operands[j] = avail[v]
+    for m in markers:  # a sum follows the call that produces what it sums
+        for v in m.operands:
+            owner = v.owner
+            if not isinstance(owner, ir.Block) and owner.operation != m:
+                m.move_after(owner.operation)
     for f in range(n):
         key = keys[f]
         task = tasks[key[0]]
@@ -261,6 +300,9 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes)
             body = fn.add_entry_block()
         fn.operation.attributes[c.TASK_ATTR] = c.tag_attr(*key)
         fn.operation.attributes["mm.devices"] = py_to_attr(list(task.devices))
+        if task.loop_devices and key[2] >= 0:
+            fn.operation.attributes[c.LOOP_DEVICES_ATTR] = py_to_attr(
+                [list(d) for d in task.loop_devices])
         fn.operation.attributes["mm.mesh"] = ir.FlatSymbolRefAttr.get(meshes[key[0]])
         remap = dict(zip(ins[f], body.arguments))
         for i in members[f]:

@@ -1,8 +1,9 @@
-"""``mm-schedule-fragments``: order ``@main``'s fragment calls by a pipeline schedule."""
+"""``mm-schedule-fragments``: the order in which a microbatch loop's fragment calls run."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlir_passes import _contract as c
@@ -16,60 +17,69 @@ from mlir_passes.schedules import (
     units_from_calls,
 )
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.mlir import attr_to_py, dict_attr, ir
+from multimesh._src.mlir import attr_to_py, ir
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
-           "read_calls", "read_schedule"]
+           "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]
 
 SCHEDULE_ATTR = "mm.schedule"
 CONFIG_ATTR = "mm.schedule_config"
-_CONFIG_KEYS = ("schedule", "num_stages", "interleave", "custom_schedule")
+_CONFIG_KEYS = ("schedule", "num_stages", "interleave", "custom_schedule", "unrolling")
 SPLIT_ATTR = "mm.split"
 _SPLITS = ("activation", "weight")
 
 
 @dataclass(frozen=True)
 class ScheduleFragmentsPass(ModulePass):
-    """Reorder the fragment calls of ``@main`` into a pipeline schedule.
+    """Decide the order of every (fragment call, microbatch) of the microbatch loop.
 
-    Input is the MPMD form (``@main`` holds only ``func.call``\\ s marked
-    ``mm.fragment``). Each call is a unit of ``mlir_passes/schedules.py``: its
-    callee's ``mm.task`` gives the task, the direction (``transpose_count``) and the
-    ``microbatch``, ``mm.devices`` the submesh (submeshes are numbered by first
-    use), ``mm.split = "activation" | "weight"`` marks the two halves of a split
-    backward, and SSA uses in ``@main`` give the data dependencies. Stages come from
-    the forward fragments: a run of consecutive forward tasks on one submesh is one
-    stage, so several stages on one submesh mean interleaving.
+    Input is the loop form of ``mm-form-microbatch-loop``: ``@main`` calls
+    ``@microbatch_loop`` once per microbatch through ``mm.microbatch_loop``. Each
+    call of the body, for each of the ``mm.num_microbatches`` microbatches, is a unit
+    of ``mlir_passes/schedules.py``: its callee's ``mm.task`` gives the task and the
+    direction (``transpose_count``), ``mm.devices`` the submesh (submeshes are
+    numbered by first use), ``mm.split = "activation" | "weight"`` marks the halves
+    of a split backward, and SSA uses give the data dependencies (within a
+    microbatch, and from the previous microbatch through the running sums). Stages
+    come from the forward calls: a run of consecutive forward tasks on one submesh
+    is one stage, so several stages on one submesh mean interleaving.
 
-    Schedules: ``gpipe`` (fill-drain; aliases ``fill-drain``, ``breadth-first``),
-    ``1f1b`` (PipeDream-flush, alias ``wavefront``; Megatron's interleaved 1F1B when
-    submeshes run several stages, which ``interleaved-1f1b`` names explicitly),
-    ``zero-bubble-h1`` (1F1B's order with every weight-gradient half moved into idle
-    slots, under 1F1B's peak memory) and ``custom`` (rows from
-    ``custom-schedule-file``, a JSON list of rows, or from ``custom_schedule`` in
-    ``mm.schedule_config``; one row per submesh, entries ``"task"``, ``"task_bwd"``,
-    ``"task_bwd_w"`` or ``[microbatch, name]``, each name once per microbatch).
-    Every schedule is a per-submesh order that respects the data dependencies; the
-    pass rewrites ``@main`` into one global order that merges them (the units sorted
-    by start time in a unit-cost simulation) and records the result as the module
-    attribute ``mm.schedule`` (see docs/ir.md). Calls without a microbatch, or that
-    read a later microbatch's result, run as soon as their inputs are ready. A
-    program with no microbatch index is left unchanged.
+    Schedules: ``gpipe`` (fill-drain; aliases ``fill-drain``, ``breadth-first``;
+    ``unrolling=k`` runs the microbatches in groups of ``k``), ``1f1b``
+    (PipeDream-flush, aliases ``wavefront``, ``pipedream-flush``,
+    ``prefetch-wavefront``; Megatron's interleaved 1F1B when submeshes run several
+    stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
+    order with every weight-gradient half moved into idle slots, under 1F1B's peak
+    memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
+    under twice that memory) and ``custom`` (rows from ``custom-schedule-file``, a
+    JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
+    row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
+    ``[microbatch, name]``, each name once per microbatch).
+
+    The result is recorded on the loop op as ``mm.schedule = {name = "1f1b", order =
+    array<i64: k0, m0, k1, m1, ...>}``: the global dispatch order as (body call,
+    microbatch) pairs, which merges the per-submesh orders (units sorted by start
+    time in a unit-cost simulation). A schedule that cannot do anything (the loop
+    runs on one submesh, or holds no task) is recorded as asked but warned about.
+    A module without a microbatch loop is left unchanged.
 
     Options not given on the command line are read from the module attribute
     ``mm.schedule_config = {schedule = "1f1b", num_stages = 4, interleave = 2,
-    custom_schedule = [...]}`` (every key optional), so a saved module replays alone.
+    unrolling = 2, custom_schedule = [...]}`` (every key optional), so a saved
+    module replays alone.
     """
 
     argument = "mm-schedule-fragments"
-    summary = "Order the fragment calls of `@main` by a pipeline schedule (GPipe, 1F1B, ...)."
+    summary = "Order a microbatch loop's fragment calls by a pipeline schedule (GPipe, 1F1B, ...)."
 
     schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
     """If set, every pipeline submesh must run exactly this many stages."""
+    unrolling: int | None = None
+    """GPipe only: run the microbatches in groups of this many."""
     custom_schedule_file: str | None = None
     """JSON file with the custom schedule's rows (schedule=custom)."""
 
@@ -77,24 +87,35 @@ class ScheduleFragmentsPass(ModulePass):
         with module.context:
             loc = module.operation.location
             try:
-                name, custom, num_stages, interleave = self._config(module)
+                name, custom, num_stages, interleave, unrolling, asked = self._config(module)
             except ScheduleError as e:
                 raise DiagnosticError(str(e), loc) from None
-            calls, ops, ret = read_calls(module)
-            units, devices = units_from_calls(calls)
-            if all(u.free for u in units):
+            loop = find_loop(module)
+            if loop is None:
+                if asked:
+                    c.warn_at(loc, f"schedule '{name}' does not apply: the module has no "
+                                   f"microbatch loop")
                 return
+            info = read_loop(module, loop)
+            units, devices = units_from_calls(loop_calls(info))
             try:
                 sched = build_schedule(units, name, num_stages=num_stages,
-                                       interleave=interleave, custom=custom, devices=devices)
+                                       interleave=interleave, custom=custom, devices=devices,
+                                       unrolling=unrolling)
             except ScheduleError as e:
-                raise DiagnosticError(str(e), loc) from None
-            for i in sched.order:
-                ops[i].move_before(ret)
-            module.operation.attributes[SCHEDULE_ATTR] = dict_attr(sched.to_dict())
+                raise DiagnosticError(str(e), loop.location) from None
+            if asked and name != "gpipe":
+                _warn_if_idle(sched, name, loop.location, info)
+            S = len(info.calls)
+            pairs = []
+            for u in sched.order:
+                pairs += [u % S, u // S]
+            loop.attributes[SCHEDULE_ATTR] = ir.DictAttr.get({
+                "name": ir.StringAttr.get(sched.name),
+                "order": ir.DenseI64ArrayAttr.get(pairs)})
 
     def _config(self, module: ir.Module):
-        """``(schedule, custom rows, num_stages, interleave)``: options over mm.schedule_config."""
+        """``(schedule, custom rows, num_stages, interleave, unrolling, asked)``."""
         attrs = module.operation.attributes
         cfg = attr_to_py(attrs[CONFIG_ATTR]) if CONFIG_ATTR in attrs else {}
         if not isinstance(cfg, dict) or set(cfg) - set(_CONFIG_KEYS):
@@ -102,6 +123,7 @@ class ScheduleFragmentsPass(ModulePass):
                 f"'{CONFIG_ATTR}' must be a dictionary with keys among "
                 f"{', '.join(_CONFIG_KEYS)}, got {cfg}")
         name = self.schedule if self.schedule is not None else cfg.get("schedule")
+        asked = name is not None
         if self.custom_schedule_file:
             try:
                 with open(self.custom_schedule_file, encoding="utf-8") as f:
@@ -114,6 +136,7 @@ class ScheduleFragmentsPass(ModulePass):
             custom = cfg.get("custom_schedule")
         else:
             custom = None
+        asked = asked or custom is not None
         name = canonical_schedule_name(name, custom)
         if name == "custom" and custom is None:
             raise ScheduleError(
@@ -121,58 +144,184 @@ class ScheduleFragmentsPass(ModulePass):
                 f"or set custom_schedule in the module attribute '{CONFIG_ATTR}'")
         num_stages = self.num_stages if self.num_stages is not None else cfg.get("num_stages")
         interleave = self.interleave if self.interleave is not None else cfg.get("interleave")
-        return name, custom, num_stages, interleave
+        unrolling = self.unrolling if self.unrolling is not None else cfg.get("unrolling")
+        return name, custom, num_stages, interleave, unrolling, asked
 
 
-def read_calls(module: ir.Module) -> tuple[list[Call], list[ir.Operation], ir.Operation]:
-    """``@main``'s fragment calls as :class:`Call`\\ s (program order), the call ops and
-    the return op. Raises :class:`DiagnosticError` outside the MPMD form."""
+def _warn_if_idle(sched: Schedule, name: str, loc, info) -> None:
+    tasks = {cl.task for cl in info.calls}
+    if tasks <= {c.DEFAULT_TASK}:
+        c.warn_at(loc, f"schedule '{name}' does not apply: the microbatch loop holds no task, "
+                       f"so it runs on all devices as one pipeline stage; place the work in "
+                       f"tasks (task(...) or register_task) on different submeshes to "
+                       f"pipeline it")
+        return
+    stages = {u.stage for u in sched.units if u.stage is not None}
+    if len(stages) <= 1:
+        c.warn_at(loc, f"schedule '{name}' does not apply: the microbatch loop has a single "
+                       f"pipeline stage (all of its tasks run on one submesh), so every "
+                       f"schedule runs the microbatches one after another")
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class LoopCall:
+    """One fragment call of the loop body, as the schedule sees it."""
+
+    fragment: str
+    task: str
+    transpose_count: int
+    devices: tuple[int, ...]
+    split: str | None
+    deps: tuple[int, ...]  # body calls of the same microbatch it reads
+    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (running sums)
+
+
+@dataclass(frozen=True)
+class LoopInfo:
+    op: ir.Operation
+    body: ir.Operation
+    num_microbatches: int
+    calls: tuple[LoopCall, ...]
+
+
+def find_loop(module: ir.Module) -> ir.Operation | None:
+    """The ``mm.microbatch_loop`` op of ``@main``, if any (at most one)."""
     main = c.main_func(module)
-    funcs = c.func_by_name(module)
-    block = c.entry_block(main)
+    loops = [o.operation for o in c.entry_block(main).operations
+             if c.is_custom_call(o.operation, c.LOOP_TARGET)]
+    if len(loops) > 1:
+        raise DiagnosticError("only one microbatch loop per program is supported",
+                              loops[1].location)
+    return loops[0] if loops else None
+
+
+def _callee(op: ir.Operation) -> str | None:
+    if op.name == "func.call":
+        return c.callee_of(op)
+    if c.is_custom_call(op, c.FRAGMENT_CALL_TARGET):
+        return ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
+    return None
+
+
+def _fragment_attrs(module: ir.Module, name: str):
+    """The op holding a fragment's attributes: its function, or its nested module."""
+    for op in module.body.operations:
+        op = op.operation
+        if op.name in ("func.func", "builtin.module") and "sym_name" in op.attributes and \
+                ir.StringAttr(op.attributes["sym_name"]).value == name:
+            return op
+    return None
+
+
+def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
+    """The loop's body calls (before or after ``mm-extract-fragments``)."""
+    if c.BODY_ATTR not in loop.attributes or c.NUM_MICROBATCHES_ATTR not in loop.attributes:
+        raise DiagnosticError(
+            f"'{c.LOOP_TARGET}' needs '{c.BODY_ATTR}' and '{c.NUM_MICROBATCHES_ATTR}'",
+            loop.location)
+    body_name = ir.FlatSymbolRefAttr(loop.attributes[c.BODY_ATTR]).value
+    body = _fragment_attrs(module, body_name)
+    if body is None or body.name != "func.func":
+        raise DiagnosticError(f"'{c.LOOP_TARGET}' body @{body_name} is not a function",
+                              loop.location)
+    M = ir.IntegerAttr(loop.attributes[c.NUM_MICROBATCHES_ATTR]).value
+    block = c.entry_block(body)
     ops = [o.operation for o in block.operations]
-    ret = ops.pop()
-    index: dict[ir.Value, int] = {}
-    calls = []
-    for k, op in enumerate(ops):
-        if op.name != "func.call" or "mm.fragment" not in op.attributes:
+    ret = ops[-1]
+    producer: dict[ir.Value, int] = {}
+    calls_ops = []
+    for op in ops[:-1]:
+        name = _callee(op)
+        if name is not None:
+            for r in op.results:
+                producer[r] = len(calls_ops)
+            calls_ops.append((op, name))
+        elif c.is_custom_call(op, c.TRANSFER_TARGET):
+            src = op.operands[0]
+            if src in producer:
+                producer[op.results[0]] = producer[src]
+        else:
             raise DiagnosticError(
-                f"mm-schedule-fragments expects @main to hold only fragment calls (MPMD form, "
-                f"after mm-outline-fragments), found '{op.name}'", op.location)
-        callee = c.callee_of(op)
-        fn = funcs.get(callee)
-        if fn is None:
-            raise DiagnosticError(f"fragment call to unknown function @{callee}", op.location)
-        task = dict(attr_to_py(fn.attributes[c.TASK_ATTR])) if c.TASK_ATTR in fn.attributes \
-            else {}
-        if c.TASK_ATTR in op.attributes:
-            task.update(attr_to_py(op.attributes[c.TASK_ATTR]))
-        if "name" not in task or "transpose_count" not in task:
-            raise DiagnosticError(f"fragment @{callee} has no 'mm.task' with a name and a "
-                                  "transpose_count", op.location)
-        if "mm.devices" not in fn.attributes:
-            raise DiagnosticError(f"fragment @{callee} has no 'mm.devices'", op.location)
+                f"the microbatch loop body may hold only fragment calls and transfers, found "
+                f"'{op.name}'", op.location)
+    n_carry = len(ret.operands)  # arguments: the index, the running sums, the invariants
+    carry_of_arg = {block.arguments[1 + j]: j for j in range(n_carry)}
+    carry_producer = [producer.get(v) for v in ret.operands]
+    out = []
+    for op, name in calls_ops:
+        holder = _fragment_attrs(module, name)
+        if holder is None:
+            raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
+        task = attr_to_py(holder.attributes[c.TASK_ATTR]) if c.TASK_ATTR in \
+            holder.attributes else {}
+        if "name" not in task or "transpose_count" not in task or \
+                "mm.devices" not in holder.attributes:
+            raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
+                                  f"and 'mm.devices'", op.location)
         split = None
-        for holder in (fn, op):
-            if SPLIT_ATTR in holder.attributes:
-                split = attr_to_py(holder.attributes[SPLIT_ATTR])
+        for h in (holder, op):
+            if SPLIT_ATTR in h.attributes:
+                split = attr_to_py(h.attributes[SPLIT_ATTR])
         if split is not None and split not in _SPLITS:
             raise DiagnosticError(
-                f"fragment @{callee} has {SPLIT_ATTR} = {split!r}; expected \"activation\" "
-                "or \"weight\"", op.location)
-        deps = [index[v] for v in op.operands if v in index]
-        mb = task.get("microbatch")
-        calls.append(Call(callee, str(task["name"]), int(task["transpose_count"]),
-                          tuple(int(d) for d in attr_to_py(fn.attributes["mm.devices"])),
-                          None if mb is None else int(mb), split, tuple(deps)))
-        for r in op.results:  # keyed by value: an Operation's hash follows its contents
-            index[r] = k
-    return calls, ops, ret
+                f"fragment @{name} has {SPLIT_ATTR} = {split!r}; expected \"activation\" or "
+                f"\"weight\"", op.location)
+        deps, carried = set(), set()
+        for v in op.operands:
+            src = v
+            while not isinstance(src.owner, ir.Block) and \
+                    c.is_custom_call(src.owner.operation, c.TRANSFER_TARGET):
+                src = src.owner.operation.operands[0]
+            if src in producer:
+                deps.add(producer[src])
+            elif src in carry_of_arg and carry_producer[carry_of_arg[src]] is not None:
+                carried.add(carry_producer[carry_of_arg[src]])
+        out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
+                            tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
+                            split, tuple(sorted(deps)), tuple(sorted(carried))))
+    return LoopInfo(loop, body, int(M), tuple(out))
+
+
+def loop_calls(info: LoopInfo) -> list[Call]:
+    """The loop unrolled into schedule :class:`Call`\\ s, microbatch-major (unit
+    ``m * S + k`` is body call ``k`` of microbatch ``m``)."""
+    S = len(info.calls)
+    out = []
+    for m in range(info.num_microbatches):
+        for cl in info.calls:
+            deps = [m * S + d for d in cl.deps]
+            if m > 0:
+                deps += [(m - 1) * S + d for d in cl.carried]
+            out.append(Call(cl.fragment, cl.task, cl.transpose_count, cl.devices, m, cl.split,
+                            tuple(deps)))
+    return out
 
 
 def read_schedule(module: ir.Module) -> Schedule | None:
-    """The schedule ``mm-schedule-fragments`` recorded on ``module``, if any."""
-    attrs = module.operation.attributes
-    if SCHEDULE_ATTR not in attrs:
-        return None
-    return Schedule.from_dict(attr_to_py(attrs[SCHEDULE_ATTR]))
+    """The schedule ``mm-schedule-fragments`` recorded on the module's loop, if any."""
+    with module.context:
+        if not any(op.operation.name == "func.func" for op in module.body.operations):
+            return None
+        loop = find_loop(module)
+        if loop is None or SCHEDULE_ATTR not in loop.attributes:
+            return None
+        info = read_loop(module, loop)
+        d = ir.DictAttr(loop.attributes[SCHEDULE_ATTR])
+        name = ir.StringAttr(d["name"]).value
+        pairs = list(ir.DenseI64ArrayAttr(d["order"]))
+    units, devices = units_from_calls(loop_calls(info))
+    S = len(info.calls)
+    order = tuple(pairs[2 * j + 1] * S + pairs[2 * j] for j in range(len(pairs) // 2))
+    return schedule_from_order(name, units, order, devices)
+
+
+def schedule_from_order(name: str, units, order: Sequence[int], devices) -> Schedule:
+    meshes = max((u.mesh for u in units), default=-1) + 1
+    rows: list[list[int]] = [[] for _ in range(meshes)]
+    for i in order:
+        rows[units[i].mesh].append(i)
+    return Schedule(name, tuple(units), tuple(tuple(r) for r in rows), tuple(order),
+                    tuple(tuple(d) for d in devices))

@@ -50,8 +50,9 @@ __all__ = [
 ]
 
 KINDS = ("fwd", "bwd", "bwd_w", "other")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "custom")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "zero-bubble-h2", "custom")
 ALIASES = {"fill-drain": "gpipe", "breadth-first": "gpipe", "wavefront": "1f1b",
+           "prefetch-wavefront": "1f1b", "zb-h2": "zero-bubble-h2",
            "pipedream-flush": "1f1b", "zb-h1": "zero-bubble-h1"}
 
 
@@ -397,8 +398,14 @@ def _groups(M: int, size: int) -> list[range]:
 
 
 def _plan(prog: _Program, name: str, num_stages: int | None,
-          with_w: bool = True, extra: int = 0) -> list[list[tuple[str, int, int]]]:
-    """Per submesh, the textbook slot order ``(kind, stage, mb rank)``."""
+          with_w: bool = True, extra: int = 0, h2: bool = False,
+          unrolling: int | None = None) -> list[list[tuple[str, int, int]]]:
+    """Per submesh, the textbook slot order ``(kind, stage, mb rank)``.
+
+    ``h2``: ZB-H2's warm-up, about twice 1F1B's (``2(P - r) - 1`` forwards on the
+    ``r``-th pipeline submesh). ``unrolling``: GPipe in groups of that many
+    microbatches, each group filling and draining before the next.
+    """
     M = prog.M
     P = num_stages or prog.P
     plans: list[list[tuple[str, int, int]]] = []
@@ -416,11 +423,14 @@ def _plan(prog: _Program, name: str, num_stages: int | None,
             plans.append(seq)
             continue
         if name == "gpipe":
-            for s in chunks:
-                seq += [("fwd", s, b) for b in range(M)]
-            for s in reversed(chunks):
-                for b in range(M):
-                    bwd(s, b)
+            k = unrolling or M
+            for lo in range(0, M, k):
+                group = range(lo, min(M, lo + k))
+                for s in chunks:
+                    seq += [("fwd", s, b) for b in group]
+                for s in reversed(chunks):
+                    for b in group:
+                        bwd(s, b)
         else:  # 1f1b family (also the F/B skeleton of zero-bubble-h1)
             r = prog.rank[m]
             fseq, bseq = [], []
@@ -430,7 +440,10 @@ def _plan(prog: _Program, name: str, num_stages: int | None,
                 for c in reversed(chunks):
                     bseq += [(c, b) for b in group]
             total = len(fseq)
-            w = min(total, _warmup(P, r, V, total) + extra)
+            w = _warmup(P, r, V, total)
+            if h2:
+                w = 2 * (P - r) - 1 if V == 1 else 2 * w + 1
+            w = min(total, w + extra)
             for s, b in fseq[:w]:
                 seq.append(("fwd", s, b))
             for i in range(total - w):
@@ -627,17 +640,25 @@ def _finish(prog: _Program, name: str, sim: _Sim,
 def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
                    num_stages: int | None = None, interleave: int | None = None,
                    custom: Sequence[Sequence] | None = None,
-                   devices: Sequence[Sequence[int]] | None = None) -> Schedule:
+                   devices: Sequence[Sequence[int]] | None = None,
+                   unrolling: int | None = None) -> Schedule:
     """Schedule ``units`` (program order) with the named algorithm.
 
     ``num_stages``: pipeline depth used for 1F1B's warm-up (default: the number of
     submeshes with stages); a larger value runs more forwards before the first
     backward. ``interleave``: if given, every pipeline submesh must run exactly that
     many stages. ``custom``: one row per submesh (see :func:`canonicalize_custom_schedule`).
-    ``devices``: per submesh device lists, kept for display.
+    ``devices``: per submesh device lists, kept for display. ``unrolling`` (GPipe only):
+    fill and drain the pipeline in groups of that many microbatches.
     """
     key = canonical_schedule_name(name, custom)
     prog = _Program(units)
+    if unrolling is not None:
+        if key != "gpipe":
+            raise ScheduleError(
+                f"unrolling={unrolling} applies to the gpipe schedule only, not '{key}'")
+        if unrolling < 1:
+            raise ScheduleError(f"unrolling must be >= 1, got {unrolling}")
     if num_stages is not None and num_stages < 1:
         raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
     if interleave is not None:
@@ -655,15 +676,16 @@ def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
         plans, pos = _custom_plans(prog, custom)
         sim = _run_plans(prog, plans, pos, strict=True, cost=default_cost, name="custom")
         return _finish(prog, key, sim, devices)
-    if key == "zero-bubble-h1":
-        return _zero_bubble_h1(prog, num_stages, devices)
+    if key in ("zero-bubble-h1", "zero-bubble-h2"):
+        return _zero_bubble(prog, num_stages, devices, h2=key == "zero-bubble-h2")
     algo = "gpipe" if key == "gpipe" else "1f1b"
-    plans, pos = _feasible_plans(prog, algo, num_stages)
+    plans, pos = _feasible_plans(prog, algo, num_stages, unrolling=unrolling)
     sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost, name=key)
     return _finish(prog, key, sim, devices)
 
 
-def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: bool = True):
+def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: bool = True,
+                    h2: bool = False, unrolling: int | None = None):
     """The textbook plans; for 1F1B, with the warm-up lengthened just enough that the
     plans can run as written (interleaving with a microbatch count that the number of
     submeshes does not divide needs this; a warm-up of everything is GPipe, which
@@ -671,7 +693,8 @@ def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: b
     longest = max((len(s) for s in prog.stages_of), default=0) * max(prog.M, 1)
     first = None
     for extra in range(0, longest + 1 if algo == "1f1b" else 1):
-        plans, pos = _unit_plans(prog, _plan(prog, algo, num_stages, with_w, extra))
+        plans, pos = _unit_plans(prog, _plan(prog, algo, num_stages, with_w, extra, h2,
+                                             unrolling))
         first = first or (plans, pos)
         try:
             _run_plans(prog, plans, pos, strict=True, cost=default_cost)
@@ -681,15 +704,17 @@ def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: b
     return first
 
 
-def _zero_bubble_h1(prog: _Program, num_stages, devices) -> Schedule:
-    """1F1B's order of forwards and (activation-)backwards; each weight-gradient part
-    runs in the first slot where its submesh would otherwise idle, or earlier when
+def _zero_bubble(prog: _Program, num_stages, devices, h2: bool = False) -> Schedule:
+    """ZB-H1: 1F1B's order of forwards and (activation-)backwards; each weight-gradient
+    part runs in the first slot where its submesh would otherwise idle, or earlier when
     deferring it would make the submesh hold more activations than 1F1B's peak on any
-    submesh (ZB-H1's memory bound: the first stage's P)."""
+    submesh (ZB-H1's memory bound: the first stage's P). ZB-H2 (Qi et al.): the same
+    with about twice 1F1B's warm-up, so the forwards fill the start-up bubble, under
+    twice that memory bound."""
     ref = _run_plans(prog, *_feasible_plans(prog, "1f1b", num_stages),
                      strict=False, cost=default_cost)
-    limit = [max(ref.peak, default=0)] * prog.num_meshes
-    plans, pos = _feasible_plans(prog, "1f1b", num_stages, with_w=False)
+    limit = [max(ref.peak, default=0) * (2 if h2 else 1)] * prog.num_meshes
+    plans, pos = _feasible_plans(prog, "1f1b", num_stages, with_w=False, h2=h2)
     w_pool = {u.index for u in prog.units if not u.free and u.kind == "bwd_w"}
     for i in w_pool:
         pos[i] = -1  # scheduled by the chooser, not free
@@ -707,9 +732,10 @@ def _zero_bubble_h1(prog: _Program, num_stages, devices) -> Schedule:
             return h
         return ws[0] if ws else None
 
-    sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost,
-                     name="zero-bubble-h1", chooser=chooser)
-    return _finish(prog, "zero-bubble-h1", sim, devices)
+    name = "zero-bubble-h2" if h2 else "zero-bubble-h1"
+    sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost, name=name,
+                     chooser=chooser)
+    return _finish(prog, name, sim, devices)
 
 
 # ---------------------------------------------------------------------------- custom

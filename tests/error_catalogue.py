@@ -679,7 +679,9 @@ def _():
 @error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",
        MultimeshValueError,
        r"Unknown microbatch schedule 'round-robin'; valid schedules are gpipe, 1f1b, "
-       r"interleaved-1f1b, zero-bubble-h1, custom",
+       r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, custom \(aliases: breadth-first = "
+       r"gpipe, fill-drain = gpipe, pipedream-flush = 1f1b, prefetch-wavefront = 1f1b, "
+       r"wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
        """Pick one of the listed schedules (aliases such as `fill-drain` and `wavefront`
        are accepted too); see docs/schedules.md.""")
 def _():
@@ -798,10 +800,10 @@ def _():
     mm.mjit(f)(ws, x)
 
 
-@error("two-microbatch-loops", SCHEDULES, "Two microbatch loops with different configurations",
+@error("two-microbatch-loops", SCHEDULES, "Two microbatch loops in one program",
        MultimeshValueError,
-       r"A program may contain one microbatch loop; found a second one with a different "
-       r"configuration",
+       r"A program may contain one microbatch loop, but this one calls a second `microbatch` "
+       r"function\. Microbatch one function that does all of the work\.",
        """A program has one pipeline schedule. Microbatch the whole step once.""")
 def _():
     grad_fn, ws, x = two_stage()
@@ -816,7 +818,7 @@ def _():
        r"\(critical, non-critical\), e\.g\. \('_activations', '_gradients'\), got '_w'\.",
        """`split_backprop=(critical, non_critical)` gives the suffixes appended to the
        names of the two halves of the task's backward fragments (e.g.
-       `t_bwd_mb0_activations`); give two different, non-empty suffixes.""")
+       `t_bwd_activations`); give two different, non-empty suffixes.""")
 def _():
     mm.task(lambda w, x: x @ w, name="t", mesh=mesh4(), split_backprop="_w")
 
@@ -1253,7 +1255,7 @@ cli("cli-unbalanced-options", "Pass options with an unclosed brace",
 cli("cli-unknown-option", "A pass option that does not exist",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{no-such=1})"], 1,
     r"^mm-opt: error: Pass 'mm-schedule-fragments' has no option 'no-such'\. Valid options: "
-    r"schedule, num-stages, interleave, custom-schedule-file",
+    r"schedule, num-stages, interleave, unrolling, custom-schedule-file",
     """Options are spelled in kebab-case; `mm-opt --list-passes` lists each pass's options
     and defaults.""",
     input_text=OK_MLIR)
@@ -1268,7 +1270,7 @@ cli("cli-bad-option-value", "A pass option value of the wrong type",
 cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
     r"error: unknown schedule 'round-robin'; valid schedules: 1f1b, custom, gpipe, "
-    r"interleaved-1f1b, zero-bubble-h1",
+    r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2",
     """Pick one of the listed schedules or aliases.""",
     input_text=OK_MLIR)
 

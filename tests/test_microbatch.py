@@ -113,13 +113,26 @@ def test_live_activations_bounds():
     assert max(live["gpipe"]) == 8
 
 
-def test_identical_fragments_compile_once():
+def test_each_fragment_compiles_once_and_runs_per_microbatch():
+    from multimesh.runtime import executor
+
     loss, ws, _ = _pipeline(2)
-    x = jnp.ones((32, 16))
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
     f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+    executor._COMPILE_CACHE.clear()
+    before = executor.xla_compiles
     compiled = mm.mjit(f).lower(ws, x).compile()
-    texts = {fr["module"] for fr in compiled.fragments}
-    assert len(texts) < len(compiled.fragments) / 2
+    names = sorted(fr["name"] for fr in compiled.fragments)
+    # forward and backward per stage, and each stage's zero accumulators
+    assert names == ["s0_acc_init", "s0_bwd", "s0_fwd", "s1_acc_init", "s1_bwd", "s1_fwd"]
+    assert executor.xla_compiles - before == len(names)
+    per = compiled.calls_per_submesh()
+    assert per[(0, 1, 2, 3)] == ["s0_acc_init", "s0_fwd@0", "s0_fwd@1", "s0_bwd@0", "s0_fwd@2",
+                                 "s0_bwd@1", "s0_fwd@3", "s0_bwd@2", "s0_bwd@3"]
+    assert per[(4, 5, 6, 7)] == ["s1_acc_init"] + [
+        f"s1_{d}@{m}" for m in range(4) for d in ("fwd", "bwd")]
+    with mm.ignore_transforms():
+        _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
 
 
 def test_png_and_trace(tmp_path, capsys):
@@ -200,9 +213,13 @@ def test_loop_dependent_mesh_slice_moves_a_task_per_microbatch():
         compiled = mm.mjit(f).lower(ws, x).compile()
     with mm.ignore_transforms():
         _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
-    placed = {fr["task"]: fr["devices"] for fr in compiled.fragments if fr["direction"] == "fwd"}
-    assert placed["emb_mb0"] == [0, 1, 2, 3] and placed["emb_mb1"] == [4, 5, 6, 7]
-    assert placed["emb_mb2"] == [0, 1, 2, 3]
+    placed = {(c["direction"], c["microbatch"]): c["devices"] for c in compiled.calls
+              if c["task"] == "emb" and c["microbatch"] is not None}
+    for m in range(4):  # one traced task, placed per microbatch
+        want = [0, 1, 2, 3] if m % 2 == 0 else [4, 5, 6, 7]
+        assert placed["fwd", m] == want and placed["bwd", m] == want
+    # its gradient is summed across the two submeshes it moves between
+    assert sorted(d.id for d in compiled(ws, x)[1][0].devices()) == [4, 5, 6, 7]
 
 
 def test_loop_dependent_mesh_slice_must_keep_the_device_count():
@@ -262,5 +279,5 @@ def test_task_split_backprop_splits_and_names_the_backward():
     with mm.ignore_transforms():
         _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
     names = {fr["name"] for fr in compiled.fragments}
-    assert "sp1_bwd_mb0_activations" in names and "sp1_bwd_mb0_gradients" in names
+    assert "sp1_bwd_activations" in names and "sp1_bwd_gradients" in names
     assert not any(n.startswith("sp0_bwd") and n.endswith("_activations") for n in names)

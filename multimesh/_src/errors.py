@@ -55,3 +55,17 @@ class PassFailure(MultimeshValueError):
         self.pass_argument = pass_argument
         self.repro = repro
         self.cause = cause
+
+
+class MultimeshWarning(UserWarning):
+    """An option, rule or schedule had no effect (or less than asked): multimesh says why."""
+
+
+class DiagnosticWarning(MultimeshWarning):
+    """A pass's warning about the IR; carries the MLIR location it concerns (see
+    :class:`DiagnosticError`), so ``mm-opt`` prints ``file:line:col: warning: ...``."""
+
+    def __init__(self, message: str, location=None):
+        super().__init__(message)
+        self.message = message
+        self.location = location

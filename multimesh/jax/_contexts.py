@@ -11,8 +11,6 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from jax._src import config as _jax_config
-
 __all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
            "context", "state", "program_devices"]
 
@@ -24,7 +22,7 @@ class _State(threading.local):
         self.fast_path = True
         self.recomputation = False
         self.program_devices = None  # tuple of jax.Device while mjit traces
-        self.microbatch = None  # index of the microbatch being traced, if any
+        self.microbatch_loop = None  # number of microbatches while a loop body is traced
         self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
 
 
@@ -104,12 +102,3 @@ def program_devices(devices):
 def notes(d: dict):
     """Collects facts the front end learns while tracing (e.g. the microbatch schedule)."""
     return _set("trace_notes", d)
-
-
-# The microbatch being traced, as a jax config state that is part of jax's trace
-# context: caches keyed on traced functions (jax.checkpoint's, nested jits') then
-# tell microbatches apart instead of replaying microbatch 0's trace.
-microbatch_trace_context = _jax_config.int_state(
-    "multimesh_microbatch", -1,
-    help="Index of the microbatch multimesh is tracing (-1: none). Internal.",
-    include_in_trace_context=True)

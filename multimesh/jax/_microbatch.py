@@ -1,109 +1,116 @@
-"""``microbatch``: unroll a function over slices of its batch and sum the results.
+"""``microbatch``: one traced microbatch, repeated by the runtime, outputs summed.
 
-Each slice is traced with the microbatch index set, so every task call inside
-carries it (``mm.task = {..., microbatch = i}``); the schedule pass then orders the
-resulting fragments per submesh. Unlike MultiMesh, a batch that ``size`` does not
-divide is an error rather than a silently dropped remainder.
+``fun`` is traced once, on one microbatch: the traced body takes the microbatch
+index and slices its microbatch out of the full batch itself. The body becomes
+the ``mm_microbatch`` primitive (``_primitives.py``); under ``mjit`` the passes
+turn it into a loop whose fragments the runtime plan calls once per microbatch,
+in the order of the pipeline schedule. So the program, the pass pipeline and the
+compiled fragments are the same size for 2 microbatches or 64. Unlike MultiMesh,
+a batch that ``size`` does not divide is an error rather than a silently dropped
+remainder.
 """
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax import lax
+from jax._src import api_util, core
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from mlir_passes.schedules import (
+    ALIASES,
+    SCHEDULES,
+    ScheduleError,
+    canonical_schedule_name,
+    canonicalize_custom_schedule,
+)
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _contexts
+from multimesh.jax._primitives import bind_microbatch
 from multimesh.jax._task import with_sharding_constraint
 
 __all__ = ["microbatch", "SCHEDULES"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "custom")
-_ALIASES = {"fill-drain": "gpipe", "breadth-first": "gpipe", "wavefront": "1f1b",
-            "interleaved": "interleaved-1f1b"}
+
+def _check_positive(option: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        shown = int(value) if isinstance(value, np.integer) else value
+        raise MultimeshValueError(
+            f"`microbatch` {option} must be a positive integer, got {shown!r}.")
 
 
-@contextlib.contextmanager
-def _at(i: int):
-    st = _contexts.state
-    old = st.microbatch
-    st.microbatch = i
+def _schedule_name(schedule, custom_schedule) -> str | None:
+    """The canonical schedule name (or None for the default), checked early."""
+    if custom_schedule is not None:
+        if isinstance(custom_schedule, (str, bytes)) or not all(
+                isinstance(row, Sequence) and not isinstance(row, (str, bytes))
+                for row in custom_schedule):
+            raise MultimeshTypeError(
+                f"`microbatch` custom_schedule must be a list of rows (one per submesh), each "
+                f"a list of task names or (microbatch, task name) pairs, got "
+                f"{custom_schedule!r}.")
+    if schedule is None and custom_schedule is None:
+        return None
+    if schedule is not None and not isinstance(schedule, str):
+        raise MultimeshTypeError(
+            f"`microbatch` schedule must be a string, got {type(schedule).__name__} "
+            f"{schedule!r}.")
     try:
-        # Also a jax config state in the trace context, so jax's own trace caches
-        # (jax.checkpoint, nested jit) trace each microbatch separately.
-        with _contexts.microbatch_trace_context(i):
-            yield
-    finally:
-        st.microbatch = old
-
-
-def _canonical_custom(custom, n: int):
-    rows = []
-    for r, row in enumerate(custom):
-        seen: dict[str, int] = {}
-        out = []
-        for entry in row:
-            if isinstance(entry, str):
-                name, mb = entry, seen.get(entry, 0)
-            elif isinstance(entry, (tuple, list)) and len(entry) == 2:
-                mb, name = int(entry[0]), str(entry[1])
-            else:
-                raise MultimeshTypeError(
-                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
-                    f"(microbatch, task name) pairs.")
-            seen[name] = seen.get(name, 0) + 1
-            out.append((mb, name))
-        for name, count in seen.items():
-            if count != n:
-                raise MultimeshValueError(
-                    f"task {name!r} has {count} microbatches in "
-                    f"custom_schedule row {r}, but there are {n} microbatches; list each task "
-                    f"once per microbatch.")
-        rows.append(out)
-    return rows
+        name = canonical_schedule_name(schedule, custom_schedule)
+    except ScheduleError as e:
+        if schedule is not None and custom_schedule is None:
+            aliases = ", ".join(f"{a} = {t}" for a, t in sorted(ALIASES.items()))
+            raise MultimeshValueError(
+                f"Unknown microbatch schedule {schedule!r}; valid schedules are "
+                f"{', '.join(SCHEDULES)} (aliases: {aliases}).") from None
+        raise MultimeshValueError(f"{e}.") from None
+    if name == "custom" and custom_schedule is None:
+        raise MultimeshValueError("schedule='custom' needs a custom_schedule.")
+    return name
 
 
 def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                interleave: int | None = None, num_stages: int | None = None,
                schedule: str | None = None, unrolling: int | None = None,
                arg_shardings=None, custom_schedule: Sequence[Sequence] | None = None):
-    """Unrolls ``fun`` over microbatches of argument ``argnum`` and sums the outputs.
+    """Runs ``fun`` on microbatches of argument ``argnum`` and sums the outputs.
 
-    The argument (an array or pytree) is sliced along ``dim`` into pieces of
+    The argument (an array or pytree) is cut along ``dim`` into pieces of
     ``size``; ``fun`` runs on each piece and every output leaf is summed across
     pieces, which is gradient accumulation for ``value_and_grad`` functions.
-    ``schedule`` picks the pipeline order: ``"gpipe"`` (default), ``"1f1b"``,
-    ``"interleaved-1f1b"``, ``"zero-bubble-h1"`` or ``"custom"`` (with
-    ``custom_schedule``, one row of task names per submesh).
+    ``fun`` is traced once; the pipeline schedule decides in which order each
+    task's fragment runs for each microbatch: ``"gpipe"`` (default),
+    ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble-h1"``,
+    ``"zero-bubble-h2"`` or ``"custom"`` (with ``custom_schedule``, one row of
+    task names per submesh). ``unrolling=k`` (GPipe only) runs the microbatches
+    in groups of ``k``, fill-drain within each group, so at most ``k``
+    microbatches' activations are alive at once.
     """
     if not callable(fun):
         raise MultimeshTypeError(f"`microbatch` expects a callable, got {type(fun).__name__}.")
-    for option, value in (("size", size), ("interleave", interleave),
-                          ("num_stages", num_stages)):
-        if value is None and option != "size":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            shown = int(value) if isinstance(value, np.integer) else value
-            raise MultimeshValueError(
-                f"`microbatch` {option} must be a positive integer, got {shown!r}.")
-    if custom_schedule is not None:
-        if schedule not in (None, "custom"):
-            raise MultimeshValueError(
-                "When custom_schedule is provided, schedule must be 'custom' or None, but got "
-                f"'{schedule}'.")
-        schedule = "custom"
-    if schedule is not None:
-        schedule = _ALIASES.get(schedule, schedule)
-        if schedule not in SCHEDULES:
-            raise MultimeshValueError(
-                f"Unknown microbatch schedule {schedule!r}; valid schedules are "
-                f"{', '.join(SCHEDULES)}.")
-        if schedule == "custom" and custom_schedule is None:
-            raise MultimeshValueError("schedule='custom' needs a custom_schedule.")
+    _check_positive("size", size)
+    for option, value in (("interleave", interleave), ("num_stages", num_stages),
+                          ("unrolling", unrolling)):
+        if value is not None:
+            _check_positive(option, value)
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise MultimeshTypeError(f"`microbatch` dim must be an integer, got {dim!r}.")
+    if isinstance(argnum, bool) or not isinstance(argnum, (int, np.integer)) or argnum < 0:
+        raise MultimeshValueError(
+            f"`microbatch` argnum must be a non-negative integer (the position of the "
+            f"argument to cut into microbatches), got {argnum!r}.")
+    name = _schedule_name(schedule, custom_schedule)
+    if unrolling is not None and name not in (None, "gpipe"):
+        raise MultimeshValueError(
+            f"`microbatch` unrolling={unrolling} applies to the GPipe schedule only (it bounds "
+            f"how many microbatches fill the pipeline before they drain), but the schedule is "
+            f"{name!r}. Drop `unrolling`, or use schedule='gpipe'.")
 
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:
@@ -112,57 +119,151 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
             raise MultimeshValueError(
                 f"`microbatch` argnum={argnum} but the function got {len(args)} positional "
                 f"arguments.")
-        x = args[argnum]
-        leaves = jax.tree.leaves(x)
-        if not leaves:
-            raise MultimeshValueError("`microbatch` argument has no array leaves to slice.")
-        sizes = []
-        for leaf in leaves:
-            shape = np.shape(leaf)
-            if not -len(shape) <= dim < len(shape):
-                raise MultimeshValueError(
-                    f"`microbatch` dim={dim} is out of range for a leaf of shape {shape}.")
-            sizes.append(shape[dim])
-        if len(set(sizes)) != 1:
-            raise MultimeshValueError(
-                f"`microbatch` needs every leaf of argument {argnum} to have the same size "
-                f"along dim {dim}, got sizes {sizes}.")
-        total = sizes[0]
-        if total % size:
-            raise MultimeshValueError(
-                f"`microbatch` size {size} does not divide the batch: dim {dim} has size "
-                f"{total}, which leaves a remainder of {total % size}. Choose a size that "
-                f"divides {total}.")
-        n = total // size
+        n = _num_microbatches(args[argnum], dim, size, argnum)
         if n == 1:
+            if name is not None or unrolling is not None:
+                warnings.warn(
+                    f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
+                    f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
+                    f"to order.", MultimeshWarning, stacklevel=2)
             return fun(*args, **kwargs)
-        custom = _canonical_custom(custom_schedule, n) if custom_schedule is not None else None
-        notes = _contexts.state.trace_notes
-        if notes is not None:
-            cfg = {"schedule": schedule or "gpipe", "num_microbatches": n,
-                   "num_stages": num_stages, "interleave": interleave, "custom": custom}
-            if notes.get("microbatch") not in (None, cfg):
-                raise MultimeshValueError(
-                    "A program may contain one microbatch loop; found a second one with a "
-                    "different configuration.")
-            notes["microbatch"] = cfg
+        custom = (canonicalize_custom(custom_schedule, n)
+                  if custom_schedule is not None else None)
+        _note_loop(name, n, num_stages, interleave, unrolling, custom)
+        x = args[argnum]
         if arg_shardings is not None:
             if isinstance(arg_shardings, (PartitionSpec, NamedSharding)):
                 x = jax.tree.map(lambda leaf: with_sharding_constraint(leaf, arg_shardings), x)
             else:
                 x = with_sharding_constraint(x, arg_shardings)
-        acc = None
-        for i in range(n):
-            xi = jax.tree.map(
-                lambda leaf, i=i: lax.slice_in_dim(leaf, i * size, (i + 1) * size, axis=dim), x)
-            call_args = list(args)
-            call_args[argnum] = xi
-            with _at(i):
-                out = fun(*call_args, **kwargs)
-            acc = out if acc is None else jax.tree.map(lambda a, b: a + b, acc, out)
-        return acc
+        return _run(fun, args, kwargs, argnum, x, dim, size, n)
 
     wrapped.__name__ = getattr(fun, "__name__", "microbatch")
     wrapped.__wrapped__ = fun
-    del unrolling
     return wrapped
+
+
+def canonicalize_custom(custom_schedule, n: int):
+    for r, row in enumerate(custom_schedule):
+        for entry in row:
+            if not isinstance(entry, str) and not (
+                    isinstance(entry, (tuple, list)) and len(entry) == 2
+                    and isinstance(entry[1], str) and isinstance(entry[0], (int, np.integer))
+                    and not isinstance(entry[0], bool)):
+                raise MultimeshTypeError(
+                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
+                    f"(microbatch, task name) pairs.")
+    try:
+        return canonicalize_custom_schedule(custom_schedule, n)
+    except ScheduleError as e:
+        raise MultimeshValueError(f"{e}.") from None
+
+
+def _num_microbatches(x, dim: int, size: int, argnum: int) -> int:
+    leaves = jax.tree.leaves(x)
+    if not leaves:
+        raise MultimeshValueError("`microbatch` argument has no array leaves to slice.")
+    sizes = []
+    for leaf in leaves:
+        shape = np.shape(leaf)
+        if not -len(shape) <= dim < len(shape):
+            raise MultimeshValueError(
+                f"`microbatch` dim={dim} is out of range for a leaf of shape {shape}.")
+        sizes.append(shape[dim])
+    if len(set(sizes)) != 1:
+        raise MultimeshValueError(
+            f"`microbatch` needs every leaf of argument {argnum} to have the same size "
+            f"along dim {dim}, got sizes {sizes}.")
+    total = sizes[0]
+    if total % size:
+        raise MultimeshValueError(
+            f"`microbatch` size {size} does not divide the batch: dim {dim} has size "
+            f"{total}, which leaves a remainder of {total % size}. Choose a size that "
+            f"divides {total}.")
+    return total // size
+
+
+def _note_loop(name, n, num_stages, interleave, unrolling, custom) -> None:
+    """Record the loop's schedule for ``mjit`` (one loop per program)."""
+    st = _contexts.state
+    if st.microbatch_loop is not None:
+        raise MultimeshValueError(
+            "`microbatch` was called inside another `microbatch` function; nested microbatch "
+            "loops are not supported. Microbatch the outer function only.")
+    notes = st.trace_notes
+    if notes is None:
+        return
+    cfg = {"schedule": name or "gpipe", "num_microbatches": n, "num_stages": num_stages,
+           "interleave": interleave, "unrolling": unrolling, "custom": custom,
+           "requested": name is not None}
+    if notes.get("microbatch") is not None:
+        raise MultimeshValueError(
+            "A program may contain one microbatch loop, but this one calls a second "
+            "`microbatch` function. Microbatch one function that does all of the work.")
+    notes["microbatch"] = cfg
+
+
+def _is_operand(x) -> bool:
+    return isinstance(x, (core.Tracer, jax.Array, np.ndarray, np.generic))
+
+
+def _run(fun, args, kwargs, argnum, x, dim, size, n):
+    """Trace ``fun`` once on microbatch ``i`` (a traced index) and bind the loop."""
+    x_leaves, x_tree = jax.tree.flatten(x)
+    rest = (tuple(a for k, a in enumerate(args) if k != argnum), kwargs)
+    rest_leaves, rest_tree = jax.tree.flatten(rest)
+    dyn = [k for k, leaf in enumerate(rest_leaves) if _is_operand(leaf)]
+    operands = list(x_leaves) + [rest_leaves[k] for k in dyn]
+    out_tree_cell = []
+
+    def body(i, *flat):
+        xs_full, dyn_vals = flat[:len(x_leaves)], flat[len(x_leaves):]
+        xs = [lax.dynamic_slice_in_dim(leaf, i * size, size, axis=dim, allow_negative_indices=False)
+              for leaf in xs_full]
+        leaves = list(rest_leaves)
+        for k, v in zip(dyn, dyn_vals):
+            leaves[k] = v
+        others, kw = jax.tree.unflatten(rest_tree, leaves)
+        call = list(others)
+        call.insert(argnum, jax.tree.unflatten(x_tree, xs))
+        out = fun(*call, **kw)
+        flat_out, tree = jax.tree.flatten(out)
+        out_tree_cell.append(tree)
+        return flat_out
+
+    in_avals = [core.ShapedArray((), np.dtype(np.int32))] + [
+        core.shaped_abstractify(v) for v in operands]
+    dbg = api_util.debug_info("multimesh.microbatch", fun, args, kwargs)
+    st = _contexts.state
+    old = st.microbatch_loop
+    st.microbatch_loop = n
+    try:
+        with _contexts.autoshard(True):
+            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+                lu.wrap_init(body, debug_info=dbg.with_unknown_names()), in_avals)
+    finally:
+        st.microbatch_loop = old
+    out_tree = out_tree_cell[-1]
+    # Outputs that are just an input (or a constant) need no loop: n copies of it.
+    invars = {v: k for k, v in enumerate(jaxpr.invars)}
+    through = {}
+    for k, v in enumerate(jaxpr.outvars):
+        if isinstance(v, core.Literal):
+            through[k] = v.val
+        elif invars.get(v, 0) > 0:  # an input other than the index
+            through[k] = operands[invars[v] - 1]
+        elif v in set(jaxpr.constvars):
+            through[k] = consts[jaxpr.constvars.index(v)]
+    keep = [k not in through for k in range(len(jaxpr.outvars))]
+    outs: list = [None] * len(jaxpr.outvars)
+    if any(keep):
+        body_jaxpr, _ = pe.dce_jaxpr(jaxpr, keep, instantiate=True)
+        body_jaxpr = pe.convert_constvars_jaxpr(body_jaxpr)
+        closed = core.ClosedJaxpr(body_jaxpr, ())
+        results = iter(bind_microbatch(closed, len(consts), [*consts, *operands], n))
+        for k in range(len(outs)):
+            if keep[k]:
+                outs[k] = next(results)
+    for k, v in through.items():
+        outs[k] = jax.numpy.asarray(v) * n
+    return jax.tree.unflatten(out_tree, outs)

@@ -160,6 +160,30 @@ class MpmdCompiled:
         return out
 
     @property
+    def calls(self) -> list[dict]:
+        """Every fragment call of one run, in dispatch order: ``fragment``, ``task``,
+        ``direction``, ``microbatch`` (None outside the loop) and ``devices`` (ids)."""
+        out = []
+        for s in self.plan_data.calls():
+            f = self.plan_data.fragments[s.fragment]
+            out.append({"fragment": s.fragment, "task": f.task,
+                        "direction": "fwd" if f.transpose_count == 0 else "bwd",
+                        "microbatch": s.microbatch,
+                        "devices": [self._lowered.devices[p].id
+                                    for p in self.plan_data.call_devices(s)]})
+        return out
+
+    def calls_per_submesh(self) -> dict[tuple[int, ...], list[str]]:
+        """Per submesh (its device ids), the fragment calls it runs, in dispatch order,
+        as ``name`` or ``name@microbatch`` inside the microbatch loop."""
+        out: dict[tuple[int, ...], list[str]] = {}
+        for c in self.calls:
+            label = c["fragment"] if c["microbatch"] is None else \
+                f"{c['fragment']}@{c['microbatch']}"
+            out.setdefault(tuple(c["devices"]), []).append(label)
+        return out
+
+    @property
     def transfers(self) -> list:
         from multimesh.runtime.plan import Transfer
 
@@ -261,15 +285,20 @@ def run_pipeline(module: ir.Module, pipeline: str) -> None:
 
 
 def _schedule_config(notes: dict) -> dict | None:
-    """The microbatch loop's schedule, stored on the module (so repros replay it)."""
+    """The microbatch loop's schedule, stored on the module (so repros replay it).
+
+    Only what the program asked for: the pass warns about a schedule that cannot
+    apply, and a default GPipe was not asked for.
+    """
     cfg = notes.get("microbatch")
     if cfg is None:
         return None
-    out = {"schedule": cfg["schedule"]}
-    if cfg.get("num_stages"):
-        out["num_stages"] = int(cfg["num_stages"])
-    if cfg.get("interleave"):
-        out["interleave"] = int(cfg["interleave"])
+    out = {}
+    if cfg.get("requested"):
+        out["schedule"] = cfg["schedule"]
+    for key in ("num_stages", "interleave", "unrolling"):
+        if cfg.get(key):
+            out[key] = int(cfg[key])
     if cfg.get("custom"):
         out["custom_schedule"] = [[[int(mb), name] for mb, name in row] for row in cfg["custom"]]
     return out
@@ -278,7 +307,7 @@ def _schedule_config(notes: dict) -> dict | None:
 def _wants_split(notes: dict) -> str | None:
     """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
     cfg = notes.get("microbatch")
-    if cfg and cfg["schedule"] == "zero-bubble-h1":
+    if cfg and cfg["schedule"] in ("zero-bubble-h1", "zero-bubble-h2"):
         return "all=true"
     return "" if notes.get("split_backprop") else None
 

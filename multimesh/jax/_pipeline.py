@@ -19,7 +19,8 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
     ``split_backward``: options for ``mm-split-backward`` ("all=true" for zero-bubble
     schedules, "" for only tasks with ``split_backprop``), or None.
     ``schedule``: options text for ``mm-schedule-fragments`` if the program is
-    microbatched ("" = take them from the module's ``mm.schedule_config``).
+    microbatched ("" = take them from the module's ``mm.schedule_config``); the
+    loop is formed (``mm-form-microbatch-loop``) just before it.
     """
     steps = ["mm-import-gspmd"]
     if implicit_tasks:
@@ -33,6 +34,7 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
         steps.append("mm-recompute-transfers")
     steps.append("mm-propagate-shardings")
     if schedule is not None:
+        steps.append("mm-form-microbatch-loop")
         steps.append(f"mm-schedule-fragments{{{schedule}}}" if schedule
                      else "mm-schedule-fragments")
     steps += ["mm-insert-transfers", "mm-extract-fragments"]

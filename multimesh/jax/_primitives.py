@@ -48,8 +48,9 @@ class TaskInfo:
     axis_sizes: tuple[int, ...]
     logical_axes: tuple[tuple[str, str], ...]
     transpose_count: int = 0
-    microbatch: int | None = None
     split_backprop: tuple[str, str] | None = None
+    loop_devices: tuple[tuple[int, ...], ...] | None = None
+    """``Task.loop_dependent_mesh_slice``: the task's device positions in each microbatch."""
 
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
@@ -63,10 +64,11 @@ class TaskInfo:
         def strs(xs):
             return ir.ArrayAttr.get([ir.StringAttr.get(x) for x in xs])
 
-        extra = {} if self.microbatch is None else {
-            "microbatch": ir.IntegerAttr.get(i64, self.microbatch)}
+        extra = {}
         if self.split_backprop:
             extra["split_backprop"] = strs(self.split_backprop)
+        if self.loop_devices:
+            extra["loop_devices"] = ir.ArrayAttr.get([ints(d) for d in self.loop_devices])
         return ir.DictAttr.get({
             **extra,
             "name": ir.StringAttr.get(self.name),
@@ -296,3 +298,191 @@ def _logical_batcher(vals, dims, *, axes):
 
 
 batching.primitive_batchers[logical_sharding_p] = _logical_batcher
+
+
+# ----------------------------------------------------------------------------
+# mm_microbatch
+#
+# One traced microbatch. The body is a closed jaxpr over ``(*consts, i, *args)``
+# where ``i`` is the microbatch index (an int32 scalar the loop supplies) and the
+# body slices its own microbatch out of the full batch with it; the result is the
+# sum of the body's outputs over ``i = 0..num_microbatches-1``. Under ``mjit`` it
+# lowers to one call of the body between an ``mm.microbatch_index`` marker and
+# ``mm.microbatch_sum`` markers, which the passes turn into a loop that the
+# runtime plan repeats; anywhere else it is an ordinary ``fori_loop``.
+
+microbatch_p = core.Primitive("mm_microbatch")
+microbatch_p.multiple_results = True
+dispatch.simple_impl(microbatch_p)
+
+INDEX_TARGET = "mm.microbatch_index"
+SUM_TARGET = "mm.microbatch_sum"
+
+
+def bind_microbatch(jaxpr: core.ClosedJaxpr, num_consts: int, operands,
+                    num_microbatches: int):
+    return microbatch_p.bind(*operands, jaxpr=jaxpr, num_consts=num_consts,
+                             num_microbatches=num_microbatches)
+
+
+def _mb_abstract_eval(*in_avals, jaxpr, num_consts, num_microbatches):
+    del in_avals, num_consts, num_microbatches
+    return jaxpr.out_avals, core.positional_effects(jaxpr)
+
+
+microbatch_p.def_effectful_abstract_eval(_mb_abstract_eval)
+
+
+def _body_outputs(jaxpr, num_consts, operands, i):
+    consts, args = split_list(list(operands), [num_consts])
+    return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *consts, i, *args)
+
+
+def _add(a, b):
+    import jax.numpy as jnp
+
+    return jnp.add(a, b)  # bool outputs add as logical or, like jnp
+
+
+def unrolled(*operands, jaxpr, num_consts, num_microbatches):
+    """The loop as straight-line code: body(i) for every i, summed."""
+    import jax.numpy as jnp
+
+    acc = None
+    for i in range(num_microbatches):
+        outs = _body_outputs(jaxpr, num_consts, operands, jnp.int32(i))
+        acc = outs if acc is None else [_add(a, o) for a, o in zip(acc, outs)]
+    return acc
+
+
+def _fori(*operands, jaxpr, num_consts, num_microbatches):
+    import jax.numpy as jnp
+    from jax import lax
+
+    def step(i, acc):
+        outs = _body_outputs(jaxpr, num_consts, operands, i)
+        return [_add(a, o) for a, o in zip(acc, outs)]
+
+    zeros = [jnp.zeros(a.shape, a.dtype) for a in jaxpr.out_avals]
+    return lax.fori_loop(0, num_microbatches, step, zeros)
+
+
+def _warn_unrolled(what: str) -> None:
+    import warnings
+
+    from multimesh._src.errors import MultimeshWarning
+
+    warnings.warn(
+        f"A `microbatch` function is transformed from the outside ({what}), so its loop is "
+        f"unrolled into straight-line code: the result is the same, but no pipeline schedule "
+        f"applies. To pipeline, apply the transformation inside: "
+        f"microbatch(jax.value_and_grad(loss), ...).", MultimeshWarning, stacklevel=4)
+
+
+def _mb_jvp(primals, tangents, *, jaxpr, num_consts, num_microbatches):
+    import jax
+
+    _warn_unrolled("jax.grad, jax.jvp or jax.linearize")
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    f = partial(unrolled, jaxpr=jaxpr, num_consts=num_consts,
+                num_microbatches=num_microbatches)
+    return jax.jvp(lambda *xs: f(*xs), tuple(primals), tuple(tangents))
+
+
+ad.primitive_jvps[microbatch_p] = _mb_jvp
+
+
+def _mb_batch(vals, dims, *, jaxpr, num_consts, num_microbatches):
+    import jax
+
+    _warn_unrolled("jax.vmap")
+    f = partial(unrolled, jaxpr=jaxpr, num_consts=num_consts,
+                num_microbatches=num_microbatches)
+    outs = jax.vmap(lambda *xs: f(*xs), in_axes=tuple(dims), out_axes=0)(*vals)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[microbatch_p] = _mb_batch
+
+
+def _mb_dce(used_outputs, eqn):
+    if not any(used_outputs) and not pe.has_effects(eqn):
+        return [False] * len(eqn.invars), None
+    closed = eqn.params["jaxpr"]
+    nc = eqn.params["num_consts"]
+    keep = [False] * nc + [True] + [False] * (len(closed.jaxpr.invars) - nc - 1)
+    new_jaxpr, used_in = pe.dce_jaxpr(closed.jaxpr, list(used_outputs), instantiate=keep)
+    used_operands = used_in[:nc] + used_in[nc + 1:]
+    new_params = dict(eqn.params, jaxpr=core.ClosedJaxpr(new_jaxpr, closed.consts),
+                      num_consts=sum(used_in[:nc]))
+    new_invars = [v for v, u in zip(eqn.invars, used_operands) if u]
+    new_eqn = pe.new_jaxpr_eqn(
+        new_invars, [v for v, u in zip(eqn.outvars, used_outputs) if u], eqn.primitive,
+        new_params, core.eqn_effects(new_params["jaxpr"], new_invars), eqn.source_info,
+        eqn.ctx)
+    return used_operands, new_eqn
+
+
+pe.dce_rules[microbatch_p] = _mb_dce
+
+
+def _mb_lowering(ctx, *operands, jaxpr, num_consts, num_microbatches):
+    from multimesh.jax import _contexts
+
+    if _contexts.state.program_devices is None:  # plain jax: an ordinary loop
+        return mlir.lower_fun(partial(_fori, jaxpr=jaxpr, num_consts=num_consts,
+                                      num_microbatches=num_microbatches),
+                              multiple_results=True)(ctx, *operands)
+    i64 = ir.IntegerType.get_signless(64)
+    loop = ir.IntegerAttr.get(i64, 0)
+    info = ir.DictAttr.get({"loop": loop,
+                            "num_microbatches": ir.IntegerAttr.get(i64, num_microbatches)})
+    index_type = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+    index = _marker(INDEX_TARGET, [], index_type)
+    index.attributes["mm.loop"] = loop
+    const_args_and_avals = core.jaxpr_const_args(jaxpr.jaxpr)
+    const_args, const_avals = unzip2(const_args_and_avals)
+    const_arg_values = [
+        mlir.ir_constants(c, const_lowering=ctx.const_lowering, aval=aval)
+        for c, aval in const_args_and_avals]
+    index_aval = core.ShapedArray((), np_int32())
+    in_avals = (*const_avals, *ctx.avals_in[:num_consts], index_aval,
+                *ctx.avals_in[num_consts:])
+    func_op, output_types, effects = mlir.lower_called_computation(
+        "mm_microbatch_body", jaxpr, ctx.module_context, len(const_args), in_avals,
+        ctx.avals_out, ctx.tokens_in)
+    flat_output_types, treedef = mlir.ir_tree_registry.flatten(output_types)
+    tokens = [ctx.tokens_in.get(eff) for eff in effects]
+    call_args = (*ctx.dim_var_values, *tokens, *const_arg_values, *operands[:num_consts],
+                 index.results[0], *operands[num_consts:])
+    flat_args, _ = mlir.ir_tree_registry.flatten(call_args)
+    call = func_dialect.CallOp(
+        flat_output_types, ir.FlatSymbolRefAttr.get(func_op.name.value), flat_args)
+    call.operation.attributes["mm.microbatch"] = info
+    out_nodes = treedef.unflatten(call.results)
+    tokens, out_nodes = split_list(out_nodes, [len(effects)])
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet(dict(zip(effects, tokens)))))
+    sums = []
+    for v in out_nodes:
+        s = _marker(SUM_TARGET, [v], v.type)
+        s.attributes["mm.microbatch"] = info
+        sums.append(s.results[0])
+    return sums
+
+
+def np_int32():
+    import numpy as np
+
+    return np.dtype(np.int32)
+
+
+def _marker(target: str, operands, result_type) -> ir.Operation:
+    op = hlo.CustomCallOp(
+        [result_type], list(operands), call_target_name=ir.StringAttr.get(target),
+        has_side_effect=ir.BoolAttr.get(False), api_version=mlir.i32_attr(1),
+        called_computations=ir.ArrayAttr.get([]), backend_config=ir.StringAttr.get(""),
+        operand_layouts=None, result_layouts=None)
+    return op.operation
+
+
+mlir.register_lowering(microbatch_p, _mb_lowering)

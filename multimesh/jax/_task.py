@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -16,7 +17,12 @@ from jax._src.api_util import flatten_fun
 from jax._src.interpreters import partial_eval as pe
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
+from multimesh._src.errors import (
+    MeshError,
+    MultimeshTypeError,
+    MultimeshValueError,
+    MultimeshWarning,
+)
 from multimesh.jax import _contexts
 from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
 
@@ -250,17 +256,37 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
                     logical_axes=mapping, split_backprop=split)
 
 
-def _loop_dependent(spec: Task, name: str, info: TaskInfo, mb: int) -> TaskInfo:
-    """Microbatch ``mb``'s copy of a task whose submesh moves with the microbatch."""
-    where = spec.loop_dependent_mesh_slice(mb)
-    moved = resolve_task_info(dataclasses.replace(spec, mesh=None, mesh_slice=where), name)
-    if len(moved.devices) != len(info.devices):
-        raise MeshError(
-            f"loop dependent submesh ({len(moved.devices)} devices) must have the same number "
-            f"of devices as the default task mesh ({len(info.devices)} devices) for task "
-            f"{name!r}; loop_dependent_mesh_slice({mb}) returned {dict(where)!r}.")
-    # One task name has one submesh, so each placement is its own task.
-    return dataclasses.replace(moved, name=f"{name}_mb{mb}", microbatch=mb)
+def _loop_dependent(spec: Task, name: str, info: TaskInfo, n: int) -> TaskInfo:
+    """``info`` with the task's device positions in each of the loop's ``n`` microbatches."""
+    placements = []
+    for mb in range(n):
+        where = spec.loop_dependent_mesh_slice(mb)
+        moved = resolve_task_info(dataclasses.replace(spec, mesh=None, mesh_slice=where), name)
+        if len(moved.devices) != len(info.devices):
+            raise MeshError(
+                f"loop dependent submesh ({len(moved.devices)} devices) must have the same "
+                f"number of devices as the default task mesh ({len(info.devices)} devices) for "
+                f"task {name!r}; loop_dependent_mesh_slice({mb}) returned {dict(where)!r}.")
+        if (moved.axis_names, moved.axis_sizes) != (info.axis_names, info.axis_sizes):
+            raise MeshError(
+                f"Task {name!r}: loop_dependent_mesh_slice({mb}) returned {dict(where)!r}, a "
+                f"submesh with axes {dict(zip(moved.axis_names, moved.axis_sizes))}, but the "
+                f"task's mesh has axes {dict(zip(info.axis_names, info.axis_sizes))}; every "
+                f"microbatch's submesh must have the same shape.")
+        placements.append(moved.devices)
+    return dataclasses.replace(info, loop_devices=tuple(placements))
+
+
+def loop_placement(spec: Task, name: str, info: TaskInfo) -> TaskInfo:
+    """Apply ``spec.loop_dependent_mesh_slice`` inside a microbatch loop (warn outside)."""
+    n = _contexts.state.microbatch_loop
+    if n is None:
+        warnings.warn(
+            f"Task {name!r} has a loop_dependent_mesh_slice, but it is not called inside a "
+            f"`microbatch` function, so it runs on its default submesh "
+            f"{list(info.devices)}.", MultimeshWarning, stacklevel=3)
+        return info
+    return _loop_dependent(spec, name, info, n)
 
 
 def _legacy_task(name: str, kwargs: dict) -> Task:
@@ -336,11 +362,8 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
-        mb = _contexts.state.microbatch
-        if mb is not None:
-            info = dataclasses.replace(info, microbatch=mb)
-            if spec.loop_dependent_mesh_slice is not None:
-                info = _loop_dependent(spec, task_name, info, mb)
+        if spec.loop_dependent_mesh_slice is not None:
+            info = loop_placement(spec, task_name, info)
         args_flat, in_tree = jax.tree.flatten((args, kw))
         in_avals = tuple(core.shaped_abstractify(x) for x in args_flat)
         dbg = api_util.debug_info("multimesh.task", fun, args, kw)

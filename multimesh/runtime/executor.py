@@ -19,10 +19,12 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.mlir import make_context, parse_module
-from multimesh.runtime.plan import Call, Fragment, Layout, Plan
+from multimesh.runtime.plan import Call, Fragment, Layout, Plan, moved
 
 _COMPILE_CACHE: dict[tuple, object] = {}
 _LOCK = threading.Lock()
+xla_compiles = 0
+"""How many fragment executables XLA has compiled in this process (for tests/benchmarks)."""
 
 
 def layout_sharding(layout: Layout, devices: tuple) -> NamedSharding:
@@ -44,24 +46,32 @@ def _dtype(s: str):
     return np.dtype(table[s])
 
 
-def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = ()):
+def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
+                     positions: tuple[int, ...] | None = None):
     """Compile (or fetch from cache) one fragment for its devices.
 
     ``donors`` are argument positions whose buffers the call may reuse for its
     outputs (``jax.buffer_donor``); each donor set is its own executable, since a
     fragment shared by several calls may donate in one call and not in another.
+    ``positions``: run it on these device positions instead of its own (a task
+    that moves with the microbatch).
     """
-    sub = tuple(devices[p] for p in frag.devices)
+    home = frag.devices
+    positions = positions or home
+    sub = tuple(devices[p] for p in positions)
     key = (frag.text, tuple(d.id for d in sub), donors)
     with _LOCK:
         exe = _COMPILE_CACHE.get(key)
     if exe is not None:
         return exe
-    in_sh = [layout_sharding(lay, devices) for lay in frag.in_layouts]
-    out_sh = [layout_sharding(lay, devices) for lay in frag.out_layouts]
+    in_sh = [layout_sharding(moved(lay, home, positions), devices) for lay in frag.in_layouts]
+    out_sh = [layout_sharding(moved(lay, home, positions), devices)
+              for lay in frag.out_layouts]
     module = parse_module(frag.text, make_context())
     if donors:
         _mark_donors(module, donors)
+    global xla_compiles
+    xla_compiles += 1
     exe = pxla.UnloadedMeshExecutable.from_hlo(
         frag.name, module, [_aval(t) for t in frag.in_types], [_aval(t) for t in frag.out_types],
         in_sh, out_sh, tuple_args=False, unordered_effects=[], ordered_effects=[],
@@ -133,13 +143,14 @@ class Executor:
         self._steps = []
         for i, s in enumerate(plan.steps):
             if isinstance(s, Call):
+                frag = plan.fragments[s.fragment]
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
                         and a not in plan.outputs]
                 donors = tuple(k for k, a in enumerate(s.args)
                                if a in donated and plan.last_use.get(a) == i
-                               and s.args.count(a) == 1)
-                exe = (compile_fragment(plan.fragments[s.fragment], self.devices, donors)
-                       if donors else self.exes[s.fragment])
+                               and s.args.count(a) == 1 and k not in frag.donors)
+                exe = (compile_fragment(frag, self.devices, donors, s.devices)
+                       if donors or s.devices else self.exes[s.fragment])
                 self._steps.append((0, exe, s.args, s.results, drop))
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
@@ -147,10 +158,13 @@ class Executor:
                 self._steps.append((1, layout_sharding(s.layout, self.devices), [s.src],
                                     [s.dst], drop))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
-        n_values = 1 + max([*plan.input_ids, *(v for st in plan.steps for v in
-                                              (st.results if isinstance(st, Call) else [st.dst]))],
-                           default=0)
+        n_values = 1 + max([*plan.input_ids, *plan.constants,
+                            *(v for st in plan.steps for v in
+                              (st.results if isinstance(st, Call) else [st.dst]))], default=0)
         self._env_template = [None] * n_values
+        for vid, (value, lay) in plan.constants.items():  # the microbatch indices
+            self._env_template[vid] = jax.device_put(np.int32(value),
+                                                     layout_sharding(lay, self.devices))
 
     def place_inputs(self, args):
         out = []

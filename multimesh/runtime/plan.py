@@ -1,9 +1,13 @@
 """Read the MPMD form of a module (docs/ir.md §4) into a runnable plan.
 
 The plan is plain data: fragments (a standalone SPMD module each, its devices
-and argument/result layouts) and, per call, which values feed it. Transfers are
-decided here, once, by comparing where a value lives with where its consumer
-wants it, so the hot loop in :mod:`executor` does no sharding comparisons.
+and argument/result layouts) and the steps of one run, in dispatch order: fragment
+calls, transfers, and the values they read and write. A microbatch loop is
+instantiated here: its body's calls and transfers are repeated once per
+microbatch, in the order its ``mm.schedule`` records, with the running sums
+chained from one microbatch to the next. Transfers are decided here, once, by
+comparing where a value lives with where its consumer wants it, so the hot loop in
+:mod:`executor` does no sharding comparisons.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from multimesh._src.mlir import attr_to_py, ir, print_module, sdy
 
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
 """(device positions, mesh axis names, mesh axis sizes, per-dim axes)."""
+
+FRAGMENT_CALL = "mm.fragment_call"
+TRANSFER = "mm.transfer"
+LOOP = "mm.microbatch_loop"
 
 
 @dataclass
@@ -31,7 +39,10 @@ class Fragment:
     out_layouts: list[Layout]
     in_types: list[tuple[tuple[int, ...], str]]
     out_types: list[tuple[tuple[int, ...], str]]
-    microbatch: int = -1
+    loop_devices: tuple[tuple[int, ...], ...] | None = None
+    """Device positions per microbatch, for a task placed by ``loop_dependent_mesh_slice``."""
+    donors: tuple[int, ...] = ()
+    """Arguments the fragment itself donates (``jax.buffer_donor``: running sums)."""
 
 
 @dataclass
@@ -46,6 +57,9 @@ class Call:
     fragment: str
     args: list[int]
     results: list[int]
+    devices: tuple[int, ...] | None = None
+    """Where this call runs when not on the fragment's own devices (a moving task)."""
+    microbatch: int | None = None
 
 
 @dataclass
@@ -58,20 +72,31 @@ class Plan:
     outputs: list[int]
     out_layouts: list[Layout]
     last_use: dict[int, int] = field(default_factory=dict)
+    constants: dict[int, tuple[int, Layout]] = field(default_factory=dict)
+    """Value id -> (int32 value, layout): the microbatch index where a fragment reads it."""
+    num_microbatches: int | None = None
+    schedule_name: str | None = None
 
     def describe(self) -> str:
         """A readable plan: one line per fragment call and transfer."""
         lines = [f"multimesh plan over {self.num_devices} devices:"]
         for s in self.steps:
             if isinstance(s, Call):
-                f = self.fragments[s.fragment]
-                lines.append(f"  {s.fragment:<24} devices {list(f.devices)}  "
+                mb = f" mb {s.microbatch}" if s.microbatch is not None else ""
+                lines.append(f"  {s.fragment:<24} devices {list(self.call_devices(s))}{mb}  "
                              f"args {s.args} -> {s.results}")
             else:
                 lines.append(f"  transfer %{s.src} -> %{s.dst} onto devices {list(s.layout[0])} "
                              f"{_spec_str(s.layout[3])}")
         lines.append(f"  outputs {self.outputs}")
         return "\n".join(lines)
+
+    def call_devices(self, call: Call) -> tuple[int, ...]:
+        return call.devices or self.fragments[call.fragment].devices
+
+    def calls(self) -> list[Call]:
+        """Every fragment call of one run, in dispatch order."""
+        return [s for s in self.steps if isinstance(s, Call)]
 
 
 def _spec_str(dims) -> str:
@@ -99,84 +124,262 @@ def _type_info(t) -> tuple[tuple[int, ...], str]:
     return tuple(rt.shape), str(rt.element_type)
 
 
+def _target(op: ir.Operation) -> str | None:
+    if op.name != "stablehlo.custom_call":
+        return None
+    return ir.StringAttr(op.attributes["call_target_name"]).value
+
+
+def same_layout(a: Layout, b: Layout) -> bool:
+    return a == b or layout_key(*a) == layout_key(*b)
+
+
+def moved(layout: Layout, home: tuple[int, ...], devices: tuple[int, ...]) -> Layout:
+    """``layout`` of a fragment on ``home`` devices, for the fragment run on ``devices``."""
+    where = dict(zip(home, devices))
+    return (tuple(where.get(p, p) for p in layout[0]),) + layout[1:]
+
+
 def build_plan(module: ir.Module) -> Plan:
     """Build a :class:`Plan` from a module after ``mm-extract-fragments``."""
     with module.context:
-        subs: dict[str, ir.Operation] = {}
-        main = None
+        return _Builder(module).build()
+
+
+class _Builder:
+    def __init__(self, module: ir.Module):
+        self.module = module
+        self.subs: dict[str, ir.Operation] = {}
+        self.funcs: dict[str, ir.Operation] = {}
         for op in module.body.operations:
             op = op.operation
             if op.name == "builtin.module":
-                subs[ir.StringAttr(op.attributes["sym_name"]).value] = op
-            elif op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
-                main = op
-        if main is None:
+                self.subs[ir.StringAttr(op.attributes["sym_name"]).value] = op
+            elif op.name == "func.func":
+                self.funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op
+        self.main = self.funcs.get("main")
+        if self.main is None:
             raise MultimeshValueError("The module has no 'main' function.")
         attrs = module.operation.attributes
-        num_devices = ir.IntegerAttr(attrs["mm.num_devices"]).value \
+        self.num_devices = ir.IntegerAttr(attrs["mm.num_devices"]).value \
             if "mm.num_devices" in attrs else 1
-        block = main.regions[0].blocks[0]
-        ids: dict[ir.Value, int] = {a: i for i, a in enumerate(block.arguments)}
-        input_ids = list(range(len(ids)))
-        arg_attrs = _attr_list(main, "arg_attrs", len(input_ids))
+        self.fragments: dict[str, Fragment] = {}
+        self.steps: list = []
+        self.layout_of: dict[int, Layout] = {}
+        self.moving: set[int] = set()  # values made by (or for) a task that moves
+        self.constants: dict[int, tuple[int, Layout]] = {}
+        self.const_ids: dict[tuple, int] = {}
+        self.next_id = 0
+        self.num_microbatches = None
+        self.schedule_name = None
+
+    def new_id(self, layout: Layout | None) -> int:
+        i = self.next_id
+        self.next_id += 1
+        if layout is not None:
+            self.layout_of[i] = layout
+        return i
+
+    def build(self) -> Plan:
+        block = self.main.regions[0].blocks[0]
+        arg_attrs = _attr_list(self.main, "arg_attrs", len(block.arguments))
+        ids: dict[ir.Value, int] = {}
         inputs: list[Layout] = []
         for a, d in zip(block.arguments, arg_attrs):
             rank = len(ir.RankedTensorType(a.type).shape)
             if d is not None and "mm.sharding" in d and "mm.devices" in d:
-                inputs.append(_layout_from(d["mm.devices"], d["mm.sharding"], subs, main))
+                lay = self._layout(d["mm.devices"], d["mm.sharding"])
             else:  # unused by any fragment: keep it replicated on every device
-                inputs.append((tuple(range(num_devices)), ("x",), (num_devices,),
-                               tuple(() for _ in range(rank))))
-        layout_of: dict[int, Layout] = dict(enumerate(inputs))
-        fragments: dict[str, Fragment] = {}
-        steps: list = []
+                lay = (tuple(range(self.num_devices)), ("x",), (self.num_devices,),
+                       tuple(() for _ in range(rank)))
+            inputs.append(lay)
+            ids[a] = self.new_id(lay)
+        input_ids = list(range(len(inputs)))
         ret = None
         for op in block.operations:
             op = op.operation
             if op.name == "func.return":
                 ret = op
-                continue
-            target = (ir.StringAttr(op.attributes["call_target_name"]).value
-                      if op.name == "stablehlo.custom_call" else None)
-            if target == "mm.transfer":
-                src = ids[op.operands[0]]
-                dst = len(ids)
-                ids[op.results[0]] = dst
-                lay = _layout_from(op.attributes["mm.devices"], op.attributes["mm.sharding"],
-                                   subs, main)
-                steps.append(Transfer(src, dst, lay))
-                layout_of[dst] = lay
-            elif target == "mm.fragment_call":
-                fname = ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
-                if fname not in fragments:
-                    fragments[fname] = _fragment(fname, subs[fname])
-                frag = fragments[fname]
-                args = [ids[v] for v in op.operands]
-                for k, (vid, want) in enumerate(zip(args, frag.in_layouts)):
-                    if layout_of[vid] != want and layout_key(*layout_of[vid]) != \
-                            layout_key(*want):
-                        raise MultimeshValueError(
-                            f"Fragment '{fname}' argument #{k} is laid out as "
-                            f"{layout_of[vid]} but the fragment wants {want}; the module is "
-                            f"missing an mm.transfer (run mm-insert-transfers).")
-                results = []
-                for r, lay in zip(op.results, frag.out_layouts):
-                    rid = len(ids)
-                    ids[r] = rid
-                    layout_of[rid] = lay
-                    results.append(rid)
-                steps.append(Call(fname, args, results))
+            elif _target(op) == LOOP:
+                self._loop(op, ids)
             else:
-                raise MultimeshValueError(
-                    f"Expected only fragment calls and transfers in @main, found '{op.name}'"
-                    + (f" @{target}" if target else "") + "; run mm-extract-fragments.")
+                self._op(op, ids)
         outputs = [ids[v] for v in ret.operands]
-        plan = Plan(num_devices, fragments, steps, inputs, input_ids, outputs,
-                    [layout_of[o] for o in outputs])
-        for i, s in enumerate(steps):
+        plan = Plan(self.num_devices, self.fragments, self.steps, inputs, input_ids, outputs,
+                    [self.layout_of[o] for o in outputs], constants=self.constants,
+                    num_microbatches=self.num_microbatches, schedule_name=self.schedule_name)
+        for i, s in enumerate(self.steps):
             for vid in (s.args if isinstance(s, Call) else [s.src]):
                 plan.last_use[vid] = i
         return plan
+
+    # -- one op of @main or of a loop body ------------------------------------------
+
+    def _op(self, op: ir.Operation, ids: dict, microbatch: int | None = None,
+            index: ir.Value | None = None) -> None:
+        target = _target(op)
+        if target == TRANSFER:
+            src = ids[op.operands[0]]
+            lay = self._layout(op.attributes["mm.devices"], op.attributes["mm.sharding"])
+            if src in self.moving and same_layout(self.layout_of[src], lay):
+                ids[op.results[0]] = src  # this microbatch's producer is there already
+                return
+            dst = self.new_id(lay)
+            ids[op.results[0]] = dst
+            self.steps.append(Transfer(src, dst, lay))
+        elif target == FRAGMENT_CALL:
+            name = ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
+            frag = self._fragment(name)
+            devices = None
+            if frag.loop_devices is not None and microbatch is not None:
+                devices = frag.loop_devices[microbatch % len(frag.loop_devices)]
+                if devices == frag.devices:
+                    devices = None
+            args = [self._arg(v, k, frag, devices, ids, index, name)
+                    for k, v in enumerate(op.operands)]
+            results = []
+            for r, lay in zip(op.results, frag.out_layouts):
+                if devices is not None:
+                    lay = moved(lay, frag.devices, devices)
+                rid = self.new_id(lay)
+                ids[r] = rid
+                if frag.loop_devices is not None:
+                    self.moving.add(rid)
+                results.append(rid)
+            self.steps.append(Call(name, args, results, devices, microbatch))
+        else:
+            raise MultimeshValueError(
+                f"Expected only fragment calls, transfers and a microbatch loop in the "
+                f"program, found '{op.name}'" + (f" @{target}" if target else "") +
+                "; run mm-extract-fragments.")
+
+    def _arg(self, v, k, frag, devices, ids, index, name) -> int:
+        want = frag.in_layouts[k]
+        if devices is not None:
+            want = moved(want, frag.devices, devices)
+        if index is not None and v == index:
+            return self._index(want)
+        vid = ids[v]
+        have = self.layout_of[vid]
+        if same_layout(have, want):
+            return vid
+        if vid in self.moving or frag.loop_devices is not None:
+            # a task that moves with the microbatch: the IR's transfers are for its
+            # default devices, this microbatch needs its own
+            dst = self.new_id(want)
+            self.moving.add(dst)
+            self.steps.append(Transfer(vid, dst, want))
+            return dst
+        raise MultimeshValueError(
+            f"Fragment '{name}' argument #{k} is laid out as {have} but the fragment wants "
+            f"{want}; the module is missing an mm.transfer (run mm-insert-transfers).")
+
+    def _index(self, want: Layout) -> int:
+        mb = self._microbatch
+        key = (mb, layout_key(*want))
+        vid = self.const_ids.get(key)
+        if vid is None:
+            vid = self.new_id(want)
+            self.const_ids[key] = vid
+            self.constants[vid] = (mb, want)
+        return vid
+
+    # -- the microbatch loop --------------------------------------------------------
+
+    def _loop(self, loop: ir.Operation, ids: dict) -> None:
+        body_name = ir.FlatSymbolRefAttr(loop.attributes["mm.body"]).value
+        body = self.funcs.get(body_name)
+        if body is None:
+            raise MultimeshValueError(f"The microbatch loop's body @{body_name} is missing.")
+        M = ir.IntegerAttr(loop.attributes["mm.num_microbatches"]).value
+        self.num_microbatches = M
+        block = body.regions[0].blocks[0]
+        ops = [o.operation for o in block.operations]
+        ret = ops.pop()
+        args = list(block.arguments)
+        n_carry = len(ret.operands)
+        # Body ops grouped per call: the call, then the transfers of its results.
+        units: list[list[ir.Operation]] = []
+        before: list[ir.Operation] = []
+        for op in ops:
+            if _target(op) == FRAGMENT_CALL:
+                units.append(before + [op])
+                before = []
+            elif units and _target(op) == TRANSFER and not isinstance(
+                    op.operands[0].owner, ir.Block):
+                units[-1].append(op)
+            else:
+                before.append(op)
+        if before:
+            raise MultimeshValueError(
+                f"The microbatch loop body @{body_name} ends with ops that no call reads.")
+        order = self._order(loop, len(units), M)
+        self.schedule_name = (attr_to_py(loop.attributes["mm.schedule"]).get("name")
+                              if "mm.schedule" in loop.attributes else None)
+        outer = [ids[v] for v in loop.operands]
+        envs: list[_Env] = []
+        for m in range(M):
+            first = 0 if m == 0 else n_carry
+            env = _Env({args[1 + j]: outer[j] for j in range(first, len(outer))})
+            if m > 0:  # running sums come from the previous microbatch, when it made them
+                env.carried = {args[1 + j]: (envs[m - 1], v)
+                               for j, v in enumerate(ret.operands)}
+            envs.append(env)
+        for k, m in order:
+            self._microbatch = m
+            for op in units[k]:
+                self._op(op, envs[m], microbatch=m, index=args[0])
+        for r, v in zip(loop.results, ret.operands):
+            ids[r] = envs[M - 1][v]
+
+    def _order(self, loop: ir.Operation, S: int, M: int) -> list[tuple[int, int]]:
+        """(body call, microbatch) pairs in dispatch order: the recorded schedule, or
+        microbatch after microbatch."""
+        if "mm.schedule" in loop.attributes:
+            d = ir.DictAttr(loop.attributes["mm.schedule"])
+            pairs = list(ir.DenseI64ArrayAttr(d["order"]))
+            order = [(pairs[2 * j], pairs[2 * j + 1]) for j in range(len(pairs) // 2)]
+            if sorted(order) != [(k, m) for k in range(S) for m in range(M)]:
+                raise MultimeshValueError(
+                    "The microbatch loop's mm.schedule does not list every (call, "
+                    "microbatch) pair exactly once; run mm-schedule-fragments again.")
+            return order
+        return [(k, m) for m in range(M) for k in range(S)]
+
+    # -- reading fragments and layouts -----------------------------------------------
+
+    def _layout(self, devices_attr, sharding_attr) -> Layout:
+        devices = tuple(attr_to_py(devices_attr))
+        ts = sdy.TensorShardingAttr(sharding_attr)
+        mesh_ref = ts.mesh_or_ref
+        if isinstance(mesh_ref, ir.FlatSymbolRefAttr):
+            mesh = _find_mesh(self.module, mesh_ref.value)
+        else:
+            mesh = sdy.MeshAttr(mesh_ref)
+        names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
+        sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
+        return devices, names, sizes, _sharding_dims(sharding_attr)
+
+    def _fragment(self, name: str) -> Fragment:
+        frag = self.fragments.get(name)
+        if frag is None:
+            sub = self.subs.get(name)
+            if sub is None:
+                raise MultimeshValueError(f"Fragment call to unknown fragment '{name}'.")
+            frag = self.fragments[name] = _fragment(name, sub)
+        return frag
+
+
+class _Env(dict):
+    """Value ids of one microbatch; a running sum is looked up in the previous one."""
+
+    carried: dict = {}
+
+    def __missing__(self, key):
+        if key in self.carried:
+            env, v = self.carried[key]
+            return env[v]
+        raise KeyError(key)
 
 
 def _mesh_of(sub: ir.Operation):
@@ -186,23 +389,8 @@ def _mesh_of(sub: ir.Operation):
     raise MultimeshValueError("A fragment module has no sdy.mesh.")
 
 
-def _layout_from(devices_attr, sharding_attr, subs, main) -> Layout:
-    devices = tuple(attr_to_py(devices_attr))
-    ts = sdy.TensorShardingAttr(sharding_attr)
-    mesh_ref = ts.mesh_or_ref
-    if isinstance(mesh_ref, ir.FlatSymbolRefAttr):
-        name = mesh_ref.value
-        mesh = _find_mesh(main, name)
-    else:
-        mesh = sdy.MeshAttr(mesh_ref)
-    names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
-    sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
-    return devices, names, sizes, _sharding_dims(sharding_attr)
-
-
-def _find_mesh(main: ir.Operation, name: str):
-    top = main.parent
-    for op in top.regions[0].blocks[0].operations:
+def _find_mesh(module: ir.Module, name: str):
+    for op in module.body.operations:
         op = op.operation
         if op.name == "sdy.mesh" and ir.StringAttr(op.attributes["sym_name"]).value == name:
             return sdy.MeshAttr(op.attributes["mesh"])
@@ -212,6 +400,9 @@ def _find_mesh(main: ir.Operation, name: str):
 def _fragment(name: str, sub: ir.Operation) -> Fragment:
     task = attr_to_py(sub.attributes["mm.task"])
     devices = tuple(attr_to_py(sub.attributes["mm.devices"]))
+    loop_devices = None
+    if "mm.loop_devices" in sub.attributes:
+        loop_devices = tuple(tuple(d) for d in attr_to_py(sub.attributes["mm.loop_devices"]))
     mesh = sdy.MeshAttr(_mesh_of(sub).attributes["mesh"])
     axis_names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
     axis_sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
@@ -220,23 +411,26 @@ def _fragment(name: str, sub: ir.Operation) -> Fragment:
         if op.operation.name == "func.func":
             fn = op.operation
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+    arg_attrs = _attr_list(fn, "arg_attrs", len(ftype.inputs))
 
     def layouts(which, n):
         return [(devices, axis_names, axis_sizes, _sharding_dims(a["sdy.sharding"]))
                 for a in _attr_list(fn, which, n)]
 
+    donors = tuple(k for k, a in enumerate(arg_attrs)
+                   if a is not None and "jax.buffer_donor" in a)
     return Fragment(name, task["name"], int(task["transpose_count"]), devices, axis_names,
                     axis_sizes, _standalone(sub), layouts("arg_attrs", len(ftype.inputs)),
                     layouts("res_attrs", len(ftype.results)),
                     [_type_info(t) for t in ftype.inputs], [_type_info(t) for t in ftype.results],
-                    int(task.get("microbatch", -1)))
+                    loop_devices, donors)
 
 
 def _standalone(sub: ir.Operation) -> str:
     """The nested module as its own text, with a generic name and no mm.* attributes.
 
-    A generic module name makes identical fragments (the same stage in every
-    microbatch) identical text, so they compile once.
+    A generic module name makes identical fragments identical text, so they
+    compile once.
     """
     m = ir.Module.parse(sub.get_asm())
     op = m.operation

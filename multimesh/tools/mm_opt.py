@@ -18,9 +18,15 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 
-from multimesh._src.errors import DiagnosticError, MultimeshError, PipelineError
+from multimesh._src.errors import (
+    DiagnosticError,
+    DiagnosticWarning,
+    MultimeshError,
+    PipelineError,
+)
 from multimesh._src.mlir import file_line_col, ir, make_context, print_module
 
 __all__ = ["main"]
@@ -350,9 +356,18 @@ class _Driver:
             return None, diags or [Diag("error", str(e), None, None, None)]
         module = self._relabel(module, ctx)
         self._time("Parser", time.perf_counter() - t0)
+        warned: list[Diag] = []
         if pipeline is not None:
             try:
-                self._run_pipeline(pipeline, module)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", DiagnosticWarning)
+                    self._run_pipeline(pipeline, module)
+                for w in caught:  # a pass's warnings are diagnostics, like MLIR's
+                    if isinstance(w.message, DiagnosticWarning):
+                        f, line, col = self._from_loc(w.message.location)
+                        warned.append(Diag("warning", w.message.message, f, line, col))
+                    else:
+                        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             except DiagnosticError as e:
                 self._dump_failure(module)
                 return None, [self._from_error(e, chunk)]
@@ -372,7 +387,7 @@ class _Driver:
         t0 = time.perf_counter()
         out = self._print(module)
         self._time("Output", time.perf_counter() - t0)
-        return out, []
+        return out, warned
 
     def _run_pipeline(self, pipeline, module: ir.Module) -> None:
         from mlir_passes.pipeline import PipelineHooks

@@ -95,3 +95,24 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
     return %0#1 : tensor<8xf32>
   }
 }
+
+// -----
+
+// In a microbatch loop an untagged op keeps its own loop (its mm.loop moves into the
+// tag) and joins its heaviest neighbour's task; the loop markers get no task.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[I:.*]] = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64}
+// CHECK-NEXT: stablehlo.dynamic_slice %arg0, %[[I]], sizes = [2] {mm.task = {loop = 0 : i64, name = "t", transpose_count = 0 : i64}}
+// CHECK-NEXT: stablehlo.sine %{{.*}} {mm.task = {loop = 0 : i64, name = "t", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[S:.*]] = stablehlo.custom_call @mm.microbatch_sum(%{{.*}}) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}}
+// CHECK-NEXT: stablehlo.negate %[[S]] {mm.task = {name = "t", transpose_count = 0 : i64}}
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<2xf32> {
+    %0 = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    %1 = stablehlo.dynamic_slice %arg0, %0, sizes = [2] {mm.loop = 0 : i64} : (tensor<8xf32>, tensor<i32>) -> tensor<2xf32>
+    %2 = stablehlo.sine %1 {mm.task = {name = "t", transpose_count = 0 : i64, loop = 0 : i64}} : tensor<2xf32>
+    %3 = stablehlo.custom_call @mm.microbatch_sum(%2) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}} : (tensor<2xf32>) -> tensor<2xf32>
+    %4 = stablehlo.negate %3 : tensor<2xf32>
+    return %4 : tensor<2xf32>
+  }
+}

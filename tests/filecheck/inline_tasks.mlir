@@ -99,3 +99,32 @@ module {
     return %0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// A microbatch loop body (a call marked mm.microbatch) is inlined like any call; its
+// ops belong to the loop: untagged ones get mm.loop, task ops get loop in their tag.
+// The markers around it stay.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[I:.*]] = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64}
+// CHECK-NEXT: %[[S:.*]] = stablehlo.dynamic_slice %arg0, %[[I]], sizes = [2] {mm.loop = 0 : i64}
+// CHECK-NEXT: %[[T:.*]] = stablehlo.sine %[[S]] {mm.task = {loop = 0 : i64, name = "t", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[SUM:.*]] = stablehlo.custom_call @mm.microbatch_sum(%[[T]])
+// CHECK-NEXT: return %[[SUM]]
+module {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<2xf32> {
+    %0 = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    %1 = func.call @body(%0, %arg0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}} : (tensor<i32>, tensor<8xf32>) -> tensor<2xf32>
+    %2 = stablehlo.custom_call @mm.microbatch_sum(%1) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}} : (tensor<2xf32>) -> tensor<2xf32>
+    return %2 : tensor<2xf32>
+  }
+  func.func private @body(%i: tensor<i32>, %x: tensor<8xf32>) -> tensor<2xf32> {
+    %0 = stablehlo.dynamic_slice %x, %i, sizes = [2] : (tensor<8xf32>, tensor<i32>) -> tensor<2xf32>
+    %1 = func.call @t(%0) {mm.task = {name = "t", transpose_count = 0 : i64, devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}} : (tensor<2xf32>) -> tensor<2xf32>
+    return %1 : tensor<2xf32>
+  }
+  func.func private @t(%arg0: tensor<2xf32>) -> tensor<2xf32> {
+    %0 = stablehlo.sine %arg0 : tensor<2xf32>
+    return %0 : tensor<2xf32>
+  }
+}

@@ -87,3 +87,30 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
     return %1 : tensor<8xf32>
   }
 }
+
+// -----
+
+// A microbatch loop: fragments never mix ops of the loop with ops outside it. The
+// index stays in @main and becomes an argument of the loop fragment that reads it;
+// the sum stays too, right after the call that makes what it sums, and what reads
+// the sum comes after it.
+// CHECK-LABEL: func.func @main(%arg0: tensor<8xf32>, %arg1: tensor<2xf32>)
+// CHECK-NEXT: %[[I:.*]] = stablehlo.custom_call @mm.microbatch_index()
+// CHECK-NEXT: %[[W:.*]] = call @a_fwd(%arg1) {mm.fragment}
+// CHECK-NEXT: %[[L:.*]] = call @a_fwd_1(%arg0, %[[I]], %[[W]]) {mm.fragment}
+// CHECK-NEXT: %[[S:.*]] = stablehlo.custom_call @mm.microbatch_sum(%[[L]])
+// CHECK-NEXT: %[[P:.*]] = call @a_fwd_2(%[[S]], %[[W]]) {mm.fragment}
+// CHECK-NEXT: return %[[S]], %[[P]]
+// CHECK: func.func private @a_fwd_1(%arg0: tensor<8xf32>, %arg1: tensor<i32>, %arg2: tensor<2xf32>) -> tensor<2xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {loop = 0 : i64, name = "a", transpose_count = 0 : i64}}
+// CHECK-NEXT: stablehlo.dynamic_slice %arg0, %arg1
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>, %arg1: tensor<2xf32>) -> (tensor<2xf32>, tensor<2xf32>) {
+    %w = stablehlo.negate %arg1 {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<2xf32>
+    %0 = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    %1 = stablehlo.dynamic_slice %arg0, %0, sizes = [2] {mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} : (tensor<8xf32>, tensor<i32>) -> tensor<2xf32>
+    %2 = stablehlo.multiply %1, %w {mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} : tensor<2xf32>
+    %3 = stablehlo.custom_call @mm.microbatch_sum(%2) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}} : (tensor<2xf32>) -> tensor<2xf32>
+    %4 = stablehlo.add %3, %w {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<2xf32>
+    return %3, %4 : tensor<2xf32>, tensor<2xf32>
+  }
+}

@@ -25,13 +25,13 @@ module {
     %1 = call @a_bwd(%0#0, %arg0) {mm.fragment} : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
     return %1, %0#1 : tensor<4x4xf32>, tensor<4x4xf32>
   }
-  func.func private @b_bwd(%arg0: tensor<4x4xf32>, %arg1: tensor<4x4xf32>) -> (tensor<4x4xf32>, tensor<4x4xf32>) attributes {mm.devices = [2, 3], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 1 : i64, microbatch = 0 : i64}} {
+  func.func private @b_bwd(%arg0: tensor<4x4xf32>, %arg1: tensor<4x4xf32>) -> (tensor<4x4xf32>, tensor<4x4xf32>) attributes {mm.devices = [2, 3], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 1 : i64, loop = 0 : i64}} {
     %0 = stablehlo.tanh %arg0 : tensor<4x4xf32>
     %1 = stablehlo.dot_general %0, %arg1, contracting_dims = [1] x [0] : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
     %2 = stablehlo.dot_general %0, %arg1, contracting_dims = [0] x [0] : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
     return %1, %2 : tensor<4x4xf32>, tensor<4x4xf32>
   }
-  func.func private @a_bwd(%arg0: tensor<4x4xf32>, %arg1: tensor<4x4xf32>) -> tensor<4x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 1 : i64, microbatch = 0 : i64}} {
+  func.func private @a_bwd(%arg0: tensor<4x4xf32>, %arg1: tensor<4x4xf32>) -> tensor<4x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 1 : i64, loop = 0 : i64}} {
     %0 = stablehlo.multiply %arg0, %arg1 : tensor<4x4xf32>
     return %0 : tensor<4x4xf32>
   }

@@ -925,18 +925,21 @@ def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int], known: set[str
     fragment, every fragment call once, the drawn schedule, ``M`` microbatches."""
     mb = p.microbatch
     frags = compiled.fragments
-    pipelined = [fr for fr in frags if _MB_NAME.search(fr["name"])]
+    # the microbatch loop runs its fragments once per microbatch (glue included: every
+    # op of the traced microbatch is in the loop)
+    in_loop = [c for c in compiled.calls if c["microbatch"] is not None]
     sched = compiled.schedule
-    if not pipelined:  # no task call survived: nothing to pipeline (the loss is glue)
-        if sched is not None and any(not u.free for u in sched.units):
-            raise FuzzFailure("schedule", "pipelined units but no microbatched fragment", p)
-        return
     if sched is None:
-        raise FuzzFailure("schedule", f"{len(pipelined)} microbatched fragments but "
-                          f"compiled.schedule is None; plan:\n{compiled.plan()}", p)
+        raise FuzzFailure("schedule", f"a microbatched program without compiled.schedule; "
+                          f"plan:\n{compiled.plan()}", p)
+    per_mb = collections.Counter(c["microbatch"] for c in in_loop)
+    if sorted(per_mb) != list(range(mb.num_microbatches)) or len(set(per_mb.values())) != 1 \
+            or len(in_loop) != len(sched.units):
+        raise FuzzFailure("schedule", f"fragment calls per microbatch {dict(per_mb)} for "
+                          f"{len(sched.units)} schedule units; plan:\n{compiled.plan()}", p)
     # devices in the schedule are positions in mjit's device list, as in mm.devices
     rows = [tuple(dev_ids[x] for x in sub) for sub in sched.devices]
-    used = {tuple(fr["devices"]) for fr in frags}
+    used = {tuple(c["devices"]) for c in in_loop}
     if len(sched.orders) != len(rows) or len(set(rows)) != len(rows) or set(rows) != used:
         raise FuzzFailure("schedule", f"schedule rows on submeshes {rows}, fragments run on "
                           f"{sorted(used)}; plan:\n{compiled.plan()}", p)
