@@ -48,6 +48,9 @@ class TaskMeshInfo:
     """``Task.split_backprop``: name suffixes of the activation and weight halves."""
     loop_devices: tuple[tuple[int, ...], ...] | None = None
     """``Task.loop_dependent_mesh_slice``: the device positions in each microbatch."""
+    forward: str | None = None
+    """For a backward task named apart from its forward (a registered task's callback
+    returning ``layer0_bwd`` for the backward of ``layer0_fwd``): the forward's name."""
 
     @classmethod
     def from_dict(cls, d, loc: ir.Location | None = None,
@@ -95,8 +98,12 @@ class TaskMeshInfo:
                         f"non-negative device positions (as many as devices), got {_fmt(row)}",
                         loc)
             loop_devices = tuple(tuple(r) for r in rows) or None
+        forward = d.get("forward")
+        if forward is not None and (not isinstance(forward, str) or not forward):
+            raise DiagnosticError(f"{what} forward must be a task name, got {_fmt(forward)}",
+                                  loc)
         return cls(tuple(devices), tuple(names), tuple(sizes), tuple(pairs),
-                   tuple(split) if split else None, loop_devices)
+                   tuple(split) if split else None, loop_devices, forward)
 
     def to_dict(self) -> dict:
         d = {"devices": list(self.devices), "axis_names": list(self.axis_names),
@@ -106,6 +113,8 @@ class TaskMeshInfo:
             d["split_backprop"] = list(self.split_backprop)
         if self.loop_devices:
             d["loop_devices"] = [list(r) for r in self.loop_devices]
+        if self.forward:
+            d["forward"] = self.forward
         return d
 
     def mesh_key(self) -> tuple:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
+from mlir_passes.match_tasks import BACKPROP_MARKER, name_stack
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
 
@@ -15,7 +16,9 @@ class AssignTasksPass(ModulePass):
     """Colour untagged ops of ``@main`` (flat form) by the MultiMesh rule.
 
     An op outside every task joins the task whose ops it exchanges the most bytes
-    with (operands and users together), repeated forward and backward until
+    with (operands and users together), preferring tasks of its own direction (an op
+    of a backward pass, ``transpose(jvp(...))`` in its name, joins a backward task
+    when it has one as a neighbour), repeated forward and backward until
     nothing changes; it keeps its own microbatch loop (``mm.loop``, which moves into
     its tag). The loop markers ``mm.microbatch_index``/``mm.microbatch_sum`` get no
     task. An op whose regions hold tagged ops (a loop around a task)
@@ -56,6 +59,7 @@ class AssignTasksPass(ModulePass):
             pretagged |= markers
             pos = {op: i for i, op in enumerate(ops)}
             top = c.top_finder(main)
+            backward = {op: _is_backward(op) for op in untagged}
 
             changed = True
             while changed and untagged:
@@ -64,7 +68,7 @@ class AssignTasksPass(ModulePass):
                     for op in order:
                         if op in tag:
                             continue
-                        best = _heaviest(op, tag, top, pos)
+                        best = _heaviest(op, tag, top, pos, backward.get(op, False))
                         if best is not None:
                             tag[op] = (best[0], best[1], loop[op])
                             changed = True
@@ -90,8 +94,18 @@ class AssignTasksPass(ModulePass):
             c.write_tasks(module, tasks)
 
 
-def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
-    """The neighbouring task with the most bytes; ties go to the earliest neighbour."""
+def _is_backward(op: ir.Operation) -> bool:
+    """Whether jax traced the op for a backward pass (``transpose(jvp(...))`` in its name)."""
+    stack = name_stack(op.location)
+    return stack is not None and BACKPROP_MARKER in stack
+
+
+def _heaviest(op: ir.Operation, tag, top, pos, backward: bool) -> c.Tag | None:
+    """The neighbouring task with the most bytes; ties go to the earliest neighbour.
+
+    Neighbours of the op's own direction win over the others (glue of a backward
+    pass joins a backward task, not the forward whose residuals it reads).
+    """
     scores: dict[c.Tag, list[int]] = {}
 
     def add(t, nbytes, where):
@@ -116,7 +130,8 @@ def _heaviest(op: ir.Operation, tag, top, pos) -> c.Tag | None:
                 add(t, nbytes, pos.get(o, 1 << 30))
     if not scores:
         return None
-    return min(scores.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
+    same = {t: v for t, v in scores.items() if (t[1] > 0) == backward}
+    return min((same or scores).items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
 
 
 def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:

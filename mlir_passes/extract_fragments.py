@@ -65,7 +65,7 @@ class ExtractFragmentsPass(ModulePass):
                         sub = ir.Operation.create("builtin.module", regions=1)
                     sub.regions[0].blocks.append()
                     sub.attributes["sym_name"] = ir.StringAttr.get(name)
-                    for key in ("mm.devices", "mm.task", c.LOOP_DEVICES_ATTR):
+                    for key in ("mm.devices", "mm.task", "mm.split", c.LOOP_DEVICES_ATTR):
                         if key in fn.attributes:
                             sub.attributes[key] = fn.attributes[key]
                     sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, n)

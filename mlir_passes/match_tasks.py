@@ -28,6 +28,7 @@ registered callbacks) and runs this pass before ``mm-inline-tasks``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -364,10 +365,11 @@ def _fail(where: str, msg: str):
 def _parse_task(d, where: str) -> _RuleTask:
     if not isinstance(d, dict):
         _fail(where, f"a task must be a JSON object, got {d!r}")
-    unknown = sorted(set(d) - {"name", "devices", "axis_names", "axis_sizes", "logical_axes"})
+    keys = ("name", "devices", "axis_names", "axis_sizes", "logical_axes", "split_backprop",
+            "loop_devices")
+    unknown = sorted(set(d) - set(keys))
     if unknown:
-        _fail(where, f"unknown task key(s) {unknown}; valid keys are name, devices, "
-                     f"axis_names, axis_sizes, logical_axes")
+        _fail(where, f"unknown task key(s) {unknown}; valid keys are {', '.join(keys)}")
     name = d.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         _fail(where, f"task name must be a non-empty string, got {name!r}")
@@ -399,8 +401,22 @@ def _parse_task(d, where: str) -> _RuleTask:
         if dev not in names:
             _fail(where, f"logical axis '{logical}' maps to unknown device axis '{dev}'; the "
                          f"task's axes are {names}")
-    return _RuleTask(name, c.TaskMeshInfo(tuple(devices), tuple(names), tuple(sizes),
-                                          tuple(tuple(p) for p in pairs)))
+    split = d.get("split_backprop")
+    if split is not None and (not isinstance(split, list) or len(split) != 2 or not all(
+            isinstance(x, str) and x for x in split) or split[0] == split[1]):
+        _fail(where, f"task 'split_backprop' must be two distinct, non-empty name suffixes, "
+                     f"got {split!r}")
+    moving = d.get("loop_devices")
+    if moving is not None and (not isinstance(moving, list) or not all(
+            isinstance(row, list) and len(row) == len(devices) and len(set(row)) == len(row)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row)
+            for row in moving)):
+        _fail(where, f"task 'loop_devices' must list, per microbatch, {len(devices)} distinct "
+                     f"device positions, got {moving!r}")
+    return _RuleTask(name, c.TaskMeshInfo(
+        tuple(devices), tuple(names), tuple(sizes), tuple(tuple(p) for p in pairs),
+        tuple(split) if split else None,
+        tuple(tuple(row) for row in moving) if moving else None))
 
 
 def parse_rules(doc, source: str) -> list[_Rule]:
@@ -542,6 +558,7 @@ class MatchTasksPass(ModulePass):
                 known[name] = tasks[name] = rt.mesh
                 owners.setdefault(name, what)
                 names[hit] = name
+            _pair_backwards(tasks, names)
             # 2. Decide which callee bodies are cloned.
             symbols = _assign_symbols(module, scan, main_plan)
             funcs = c.func_by_name(module)
@@ -557,6 +574,16 @@ class MatchTasksPass(ModulePass):
             for (_callee, plan), sym in symbols.items():
                 _apply(funcs[sym], plan, names, symbols)
             c.write_tasks(module, tasks)
+
+
+def _pair_backwards(tasks: dict, names: dict) -> None:
+    """Record on each backward task named apart from its forward (same match, other
+    direction) the forward's name, so schedules give both one pipeline stage."""
+    forward = {(h.matcher_index, h.name): n for h, n in names.items() if not h.backprop}
+    for h, n in names.items():
+        f = forward.get((h.matcher_index, h.name))
+        if h.backprop and f is not None and f != n and tasks[n].forward != f:
+            tasks[n] = dataclasses.replace(tasks[n], forward=f)
 
 
 def _describe(info: c.TaskMeshInfo) -> str:

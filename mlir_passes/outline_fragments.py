@@ -221,7 +221,9 @@ def _fragment_names(keys: list[c.Tag]) -> list[str]:
     out = []
     for name, count, _loop in keys:
         safe = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
-        base = f"{safe}_{'fwd' if count == 0 else 'bwd' if count == 1 else f'bwd{count}'}"
+        direction = "fwd" if count == 0 else "bwd" if count == 1 else f"bwd{count}"
+        # a task already named for its direction (layer0_bwd) keeps its name
+        base = safe if safe.endswith(f"_{direction}") else f"{safe}_{direction}"
         k = seen.get(base, 0)
         seen[base] = k + 1
         out.append(base if k == 0 else f"{base}_{k}")

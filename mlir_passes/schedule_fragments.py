@@ -177,6 +177,7 @@ class LoopCall:
     split: str | None
     deps: tuple[int, ...]  # body calls of the same microbatch it reads
     carried: tuple[int, ...]  # body calls of the previous microbatch it reads (running sums)
+    forward: str | None = None  # the forward task of a backward named apart from it
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                 f"the microbatch loop body may hold only fragment calls and transfers, found "
                 f"'{op.name}'", op.location)
     n_carry = len(ret.operands)  # arguments: the index, the running sums, the invariants
+    tasks = c.read_tasks(module)
     carry_of_arg = {block.arguments[1 + j]: j for j in range(n_carry)}
     carry_producer = [producer.get(v) for v in ret.operands]
     out = []
@@ -279,9 +281,11 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                 deps.add(producer[src])
             elif src in carry_of_arg and carry_producer[carry_of_arg[src]] is not None:
                 carried.add(carry_producer[carry_of_arg[src]])
+        info = tasks.get(str(task["name"]))
         out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
                             tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
-                            split, tuple(sorted(deps)), tuple(sorted(carried))))
+                            split, tuple(sorted(deps)), tuple(sorted(carried)),
+                            info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
 
 
@@ -296,7 +300,7 @@ def loop_calls(info: LoopInfo) -> list[Call]:
             if m > 0:
                 deps += [(m - 1) * S + d for d in cl.carried]
             out.append(Call(cl.fragment, cl.task, cl.transpose_count, cl.devices, m, cl.split,
-                            tuple(deps)))
+                            tuple(deps), cl.forward))
     return out
 
 

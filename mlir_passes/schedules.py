@@ -76,6 +76,7 @@ class Unit:
     task: str = ""
     fragment: str = ""
     split: bool = False  # a "bwd" whose weight-gradient part is a separate "bwd_w" unit
+    own_name: bool = False  # a backward task named apart from its forward (``layer0_bwd``)
 
     @property
     def free(self) -> bool:
@@ -94,6 +95,7 @@ class Call:
     microbatch: int | None = None
     split: str | None = None  # None | "activation" | "weight"
     deps: tuple[int, ...] = ()
+    forward: str | None = None  # a backward task's forward, when named apart from it
 
 
 def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int, ...]]]:
@@ -120,6 +122,7 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
             stage += 1
             last_mesh = m
         stage_of[c.task] = stage
+    _backward_stages(calls, stage_of, mesh_of)
     weight_split = {(c.task, c.microbatch) for c in calls
                     if c.transpose_count == 1 and c.split == "weight"}
     # A call that reads a later microbatch's result combines microbatches (a sum over
@@ -140,8 +143,34 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
         units.append(Unit(i, mesh_of[c.devices], kind, c.microbatch,
                           stage_of.get(c.task) if c.microbatch is not None and i not in combines
                           else None,
-                          tuple(sorted(set(c.deps))), c.task, c.fragment, split))
+                          tuple(sorted(set(c.deps))), c.task, c.fragment, split,
+                          kind != "fwd" and c.forward is not None))
     return units, meshes
+
+
+def _backward_stages(calls: Sequence[Call], stage_of: dict[str, int], mesh_of) -> None:
+    """Stages of backward tasks named apart from their forward (``layer0_bwd`` next to
+    ``layer0_fwd``, as MultiMesh callbacks name them): their forward's (``Call.forward``,
+    which ``mm-match-tasks`` records), else the stage of the forward on the same submesh
+    whose results the backward reads (the latest such), else the only stage of that
+    submesh."""
+    by_mesh: dict[tuple[int, ...], set[int]] = {}
+    for c in calls:
+        if c.transpose_count and c.forward in stage_of and c.task not in stage_of:
+            stage_of[c.task] = stage_of[c.forward]
+    for c in calls:
+        if c.transpose_count == 0 and c.task in stage_of:
+            by_mesh.setdefault(c.devices, set()).add(stage_of[c.task])
+    for c in calls:
+        if c.transpose_count == 0 or c.microbatch is None or c.task in stage_of:
+            continue
+        read = [stage_of[calls[d].task] for d in c.deps
+                if calls[d].transpose_count == 0 and calls[d].task in stage_of
+                and calls[d].devices == c.devices and calls[d].microbatch == c.microbatch]
+        if read:
+            stage_of[c.task] = max(read)
+        elif len(by_mesh.get(c.devices, ())) == 1:
+            stage_of[c.task] = next(iter(by_mesh[c.devices]))
 
 
 def pipeline_units(P: int, M: int, *, interleave: int = 1,
@@ -177,13 +206,15 @@ def pipeline_units(P: int, M: int, *, interleave: int = 1,
 
 
 def unit_label(u: Unit) -> str:
-    """The name a custom schedule uses: ``task`` (forward), ``task_bwd``, ``task_bwd_w``."""
+    """The name a custom schedule uses: ``task`` (forward), ``task_bwd``, ``task_bwd_w``;
+    a backward task named apart from its forward by a callback keeps its own name
+    (``layer0_bwd``, ``layer0_bwd_w``)."""
     if u.kind == "fwd":
         return u.task
     if u.kind == "bwd":
-        return f"{u.task}_bwd"
+        return u.task if u.own_name else f"{u.task}_bwd"
     if u.kind == "bwd_w":
-        return f"{u.task}_bwd_w"
+        return f"{u.task}_w" if u.own_name else f"{u.task}_bwd_w"
     return u.fragment or u.task
 
 

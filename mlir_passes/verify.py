@@ -17,7 +17,7 @@ from multimesh._src.mlir import ir
 __all__ = ["VerifyPass"]
 
 _MESH_KEYS = ("devices", "axis_names", "axis_sizes", "logical_axes")
-_OPTIONAL_KEYS = ("logical_axes", "loop", "split_backprop", "loop_devices")
+_OPTIONAL_KEYS = ("logical_axes", "loop", "split_backprop", "loop_devices", "forward")
 _CALL_KEYS = ("name", "transpose_count", "loop", "split_backprop", "loop_devices", *_MESH_KEYS)
 _REF_KEYS = ("name", "transpose_count", "loop")
 _MARKER = "mm.logical_sharding"
@@ -216,7 +216,8 @@ def _check_table(mod_op: ir.Operation) -> dict[str, dict] | None:
     loc = mod_op.location
     entries = _as_dict(mod_op.attributes["mm.tasks"], "'mm.tasks'", loc)
     return {name: _check_task(attr, loc, f"'mm.tasks' entry \"{name}\"",
-                              (*_MESH_KEYS, "split_backprop", "loop_devices"), with_name=False)
+                              (*_MESH_KEYS, "split_backprop", "loop_devices", "forward"),
+                              with_name=False)
             for name, attr in entries.items()}
 
 

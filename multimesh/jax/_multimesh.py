@@ -377,7 +377,7 @@ def implicit_tasks_option(text: str) -> str | None:
         return None
     from mlir_passes.match_tasks import find_matches
     from multimesh._src.mlir import make_context, parse_module
-    from multimesh.jax._task import resolve_task_info
+    from multimesh.jax._task import loop_placement, resolve_task_info
 
     module = parse_module(text, make_context())
     hits = find_matches(module, [r.regex for r in regs])
@@ -390,6 +390,8 @@ def implicit_tasks_option(text: str) -> str | None:
         spec = reg.task_for(hit.name, hit.backprop)
         name = spec.name or hit.name
         info = resolve_task_info(spec, name)
+        if spec.loop_dependent_mesh_slice is not None:
+            info = loop_placement(spec, name, info, _num_microbatches())
         what = (f"match {hit.name!r} ({_direction(hit.backprop)}) of task matcher "
                 f"{reg.matcher!r}")
         old = seen.get(name)
@@ -411,15 +413,25 @@ def implicit_tasks_option(text: str) -> str | None:
                     f"task name.")
         else:
             seen[name] = (info, what)
+        task = {"name": name, "devices": list(info.devices),
+                "axis_names": list(info.axis_names), "axis_sizes": list(info.axis_sizes),
+                "logical_axes": [list(p) for p in info.logical_axes]}
+        if info.split_backprop:
+            task["split_backprop"] = list(info.split_backprop)
+        if info.loop_devices:
+            task["loop_devices"] = [list(d) for d in info.loop_devices]
         entries.setdefault(hit.matcher_index, []).append({
-            "match": hit.name, "backprop": hit.backprop,
-            "task": {"name": name, "devices": list(info.devices),
-                     "axis_names": list(info.axis_names),
-                     "axis_sizes": list(info.axis_sizes),
-                     "logical_axes": [list(p) for p in info.logical_axes]}})
+            "match": hit.name, "backprop": hit.backprop, "task": task})
     doc = {"rules": [{"matcher": regs[i].regex.pattern, "matches": entries[i]}
                      for i in sorted(entries)]}
     return f"rules-file={_write_rules(doc)}"
+
+
+def _num_microbatches() -> int | None:
+    """The program's microbatch count, once its microbatch loop has been traced."""
+    notes = _contexts.state.trace_notes or {}
+    cfg = notes.get("microbatch")
+    return cfg["num_microbatches"] if cfg else None
 
 
 def _axes(info) -> str:

@@ -277,9 +277,10 @@ def _loop_dependent(spec: Task, name: str, info: TaskInfo, n: int) -> TaskInfo:
     return dataclasses.replace(info, loop_devices=tuple(placements))
 
 
-def loop_placement(spec: Task, name: str, info: TaskInfo) -> TaskInfo:
-    """Apply ``spec.loop_dependent_mesh_slice`` inside a microbatch loop (warn outside)."""
-    n = _contexts.state.microbatch_loop
+def loop_placement(spec: Task, name: str, info: TaskInfo, n: int | None = None) -> TaskInfo:
+    """Apply ``spec.loop_dependent_mesh_slice`` inside a microbatch loop of ``n``
+    microbatches (default: the loop being traced); warn outside one."""
+    n = n if n is not None else _contexts.state.microbatch_loop
     if n is None:
         warnings.warn(
             f"Task {name!r} has a loop_dependent_mesh_slice, but it is not called inside a "

@@ -3,10 +3,11 @@
 // Implicit tasks: ops are claimed by the JAX name stack in their location. The
 // rules (inline JSON) are tried in order; the first capture group is the matched
 // name. Forward ops (no transpose(jvp ...) in the stack) get transpose_count 0,
-// backward ops 1, and every task used joins the module's mm.tasks table.
+// backward ops 1, and every task used joins the module's mm.tasks table; a backward
+// named apart from its forward (layer0_bwd for the match layer0) records the forward.
 // Prefix pitfall: a plain "layer_1" would also claim layer_10; the first rule is
 // anchored with a negative lookahead, so layer_10 stays unclaimed.
-// CHECK: module attributes {mm.tasks = {layer0 = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = {{\[\["batch", "x"\]\]}}}, layer0_bwd = {axis_names = ["x"], axis_sizes = [2], devices = [2, 3], logical_axes = {{\[\["x", "x"\]\]}}}, layer1 = {axis_names = ["x"], axis_sizes = [2], devices = [4, 5], logical_axes = {{\[\["x", "x"\]\]}}}, layer_1 = {axis_names = ["x"], axis_sizes = [2], devices = [6, 7], logical_axes = {{\[\["x", "x"\]\]}}}}}
+// CHECK: module attributes {mm.tasks = {layer0 = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = {{\[\["batch", "x"\]\]}}}, layer0_bwd = {axis_names = ["x"], axis_sizes = [2], devices = [2, 3], forward = "layer0", logical_axes = {{\[\["x", "x"\]\]}}}, layer1 = {axis_names = ["x"], axis_sizes = [2], devices = [4, 5], logical_axes = {{\[\["x", "x"\]\]}}}, layer_1 = {axis_names = ["x"], axis_sizes = [2], devices = [6, 7], logical_axes = {{\[\["x", "x"\]\]}}}}}
 // CHECK-LABEL: func.func @main
 // CHECK-NEXT: stablehlo.sine %arg0 {mm.task = {name = "layer0", transpose_count = 0 : i64}}
 // CHECK-NEXT: stablehlo.cosine %{{.*}} {mm.task = {name = "layer1", transpose_count = 0 : i64}}
