@@ -332,17 +332,105 @@ def constrain_linen_state(state):
     return jax.tree.map(one, state, is_leaf=_is_box)
 
 
+@dataclasses.dataclass(frozen=True)
+class MicrobatchOptions:
+    """How ``parallelize_step`` pipelines the gradient over microbatches (see
+    :func:`multimesh.jax.microbatch`); ``reduction`` turns the per-microbatch sum into
+    the mean (the full batch's loss for a loss that averages over its batch)."""
+
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    interleave: int | None = None
+    num_stages: int | None = None
+    unrolling: int | None = None
+    custom_schedule: object = None
+    reduction: str = "mean"
+
+    @property
+    def active(self) -> bool:
+        return self.num_microbatches is not None or self.microbatch_size is not None
+
+    def check(self) -> None:
+        if self.num_microbatches is not None and self.microbatch_size is not None:
+            raise MultimeshValueError(
+                "parallelize_step takes `num_microbatches` or `microbatch_size`, not both.")
+        for name in ("num_microbatches", "microbatch_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise MultimeshValueError(
+                    f"parallelize_step `{name}` must be a positive integer, got {v!r}.")
+        if self.reduction not in ("mean", "sum"):
+            raise MultimeshValueError(
+                f"parallelize_step `microbatch_reduction` must be 'mean' or 'sum', got "
+                f"{self.reduction!r}.")
+        pipelining = ("schedule", "interleave", "num_stages", "unrolling", "custom_schedule")
+        given = [n for n in pipelining if getattr(self, n) is not None]
+        if given and not self.active:
+            raise MultimeshValueError(
+                f"parallelize_step got {', '.join(f'`{n}`' for n in given)} but no "
+                f"`num_microbatches` or `microbatch_size`: a pipeline schedule orders "
+                f"microbatches, so say how to cut the batch.")
+
+    def size(self, batch_avals) -> int:
+        """Rows per microbatch, from the batch's leading dimension."""
+        rows = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch_avals) if np.shape(x)}
+        if len(rows) != 1:
+            raise MultimeshValueError(
+                f"parallelize_step microbatches the batch along its leading dimension, but "
+                f"the batch's leaves have leading sizes {sorted(rows)}.")
+        total = rows.pop()
+        if self.microbatch_size is not None:
+            return self.microbatch_size
+        if total % self.num_microbatches:
+            raise MultimeshValueError(
+                f"parallelize_step num_microbatches={self.num_microbatches} does not divide "
+                f"the batch of {total} rows.")
+        return total // self.num_microbatches
+
+    def wrap(self, grad_fn, batch_avals):
+        """``grad_fn(params, batch) -> (loss, grads)`` over microbatches, reduced."""
+        size = self.size(batch_avals)
+        total = int(np.shape(jax.tree.leaves(batch_avals)[0])[0])
+        n = total // size
+        step = mm.microbatch(grad_fn, dim=0, size=size, argnum=1, schedule=self.schedule,
+                             interleave=self.interleave, num_stages=self.num_stages,
+                             unrolling=self.unrolling, custom_schedule=self.custom_schedule)
+        if self.reduction == "sum" or n == 1:
+            return step
+
+        def mean(params, batch):
+            loss, grads = step(params, batch)
+            return loss / n, jax.tree.map(lambda g: g / n, grads)
+
+        return mean
+
+
 def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
-                     local_batch=None, replicate_inputs: bool = True):
+                     local_batch=None, replicate_inputs: bool = True, *,
+                     num_microbatches: int | None = None, microbatch_size: int | None = None,
+                     schedule: str | None = None, interleave: int | None = None,
+                     num_stages: int | None = None, unrolling: int | None = None,
+                     custom_schedule=None, microbatch_reduction: str = "mean",
+                     init_state=None, rng=None):
     """Compiles one training step of ``model`` with ``optimizer`` as an MPMD program.
 
     ``model(batch)`` must return the scalar loss. For a linen module the state
-    is a ``flax.training.train_state.TrainState`` initialised with
-    ``jax.random.key(42)`` (``state.params`` is the whole variables dict); for an
-    NNX module see :func:`multimesh.jax.flax._nnx.parallelize_step`. Every
-    variable is constrained to its partitioning names (``P()`` if it has none)
-    as *logical* names, so it is placed on the submesh of the task that uses it,
-    sharded by that task's ``logical_axes``.
+    is a ``flax.training.train_state.TrainState`` initialised with ``rng``
+    (default ``jax.random.key(42)``; ``state.params`` is the whole variables dict),
+    or built from ``init_state`` (a ``TrainState`` or a variables dict, e.g. a
+    restored checkpoint); for an NNX module see
+    :func:`multimesh.jax.flax._nnx.parallelize_step`. Every variable is
+    constrained to its partitioning names (``P()`` if it has none) as *logical*
+    names, so it is placed on the submesh of the task that uses it, sharded by
+    that task's ``logical_axes``.
+
+    ``num_microbatches`` or ``microbatch_size`` pipelines the gradient: the batch
+    is cut along its leading dimension and the step is
+    ``microbatch(value_and_grad(loss), ..., schedule=schedule, interleave=...,
+    num_stages=..., unrolling=..., custom_schedule=...)``; the loss and gradients
+    are the mean over microbatches (``microbatch_reduction="mean"``, the same as
+    the whole batch for a loss that averages over it) or their sum (``"sum"``).
 
     Returns ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
     ``(step_fn, state, mesh, prepare_batch)`` for ``local_batch`` (this
@@ -351,9 +439,18 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     """
     from multimesh.jax.flax import _nnx
 
+    mb = MicrobatchOptions(num_microbatches, microbatch_size, schedule, interleave, num_stages,
+                           unrolling, custom_schedule, microbatch_reduction)
+    mb.check()
     if _nnx.is_nnx_module(model):
+        if init_state is not None or rng is not None:
+            raise MultimeshValueError(
+                "parallelize_step: an NNX module carries its own values; to start from a "
+                "checkpoint, load it into the module (and the optimizer) before the call "
+                "instead of passing `init_state`/`rng`.")
         return _nnx.parallelize_step(model, optimizer, mesh=mesh, global_batch=global_batch,
-                                     local_batch=local_batch, replicate_inputs=replicate_inputs)
+                                     local_batch=local_batch, replicate_inputs=replicate_inputs,
+                                     microbatching=mb)
     if not isinstance(model, nn.Module):
         if isinstance(model, type) and (issubclass(model, nn.Module)
                                         or _nnx.is_nnx_module_class(model)):
@@ -372,30 +469,57 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         variables = model.init(key, batch)
         return TrainState.create(apply_fn=model.apply, params=variables, tx=optimizer)
 
+    batch_avals = _batch_avals(global_batch, local_batch)
+
+    def grad_fn(params, inputs):
+        return jax.value_and_grad(model.apply)(params, inputs)
+
+    if mb.active:
+        grad_fn = mb.wrap(grad_fn, batch_avals)
+
     def step_fn(state, inputs):
         state = constrain_linen_state(state)
         if replicate_inputs:
             inputs = jax.tree.map(lambda x: mm.with_sharding_constraint(x, P()), inputs)
-        loss, grads = jax.value_and_grad(state.apply_fn)(state.params, inputs)
+        loss, grads = grad_fn(state.params, inputs)
         # Same logical names on the way out: the new state comes back laid out
         # like the old one, so it feeds the next step without resharding.
         return loss, constrain_linen_state(state.apply_gradients(grads=grads))
 
-    key = jax.random.key(42)
-    batch_avals = _batch_avals(global_batch, local_batch)
-    with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
-        state_avals = jax.eval_shape(init_fn, key, batch_avals)
+    key = jax.random.key(42) if rng is None else rng
+    if init_state is None:
+        with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
+            state_avals = jax.eval_shape(init_fn, key, batch_avals)
+    else:
+        init_state = _initial_state(init_state, model, optimizer)
+        state_avals = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
+            init_state)
     compiled = mm.mjit(step_fn, devices=list(mesh.devices.flat)).lower(
         state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
-    init_batch = global_batch if global_batch is not None else local_batch
-    with mm.ignore_transforms():
-        state = jax.jit(init_fn)(key, init_batch)
-    state = place(state, state_sh)
+    if init_state is None:
+        init_batch = global_batch if global_batch is not None else local_batch
+        with mm.ignore_transforms():
+            init_state = jax.jit(init_fn)(key, init_batch)
+    state = place(init_state, state_sh)
     if global_batch is not None:
         return compiled, state, mesh
     return compiled, state, mesh, prepare_batch
+
+
+def _initial_state(given, model, optimizer):
+    """A ``TrainState`` from ``init_state``: one as it is, or a variables dict."""
+    from flax.training.train_state import TrainState
+
+    if isinstance(given, TrainState):
+        return given
+    if isinstance(given, dict) or hasattr(given, "keys"):
+        return TrainState.create(apply_fn=model.apply, params=given, tx=optimizer)
+    raise MultimeshTypeError(
+        f"parallelize_step `init_state` must be a flax TrainState or a variables dict "
+        f"(e.g. {{'params': ...}} restored from a checkpoint), got {type(given).__name__}.")
 
 
 def check_optimizer(optimizer, allow_nnx: bool) -> None:

@@ -696,7 +696,8 @@ class NnxCompiled:
         return jax.tree.unflatten(split.treedef, leaves)
 
     def __getattr__(self, name):
-        if name in ("fragments", "transfers", "plan", "as_text", "cost_analysis", "plan_data"):
+        if name in ("fragments", "transfers", "plan", "as_text", "cost_analysis", "plan_data",
+                    "schedule", "calls", "calls_per_submesh"):
             return getattr(self.compiled, name)
         raise AttributeError(name)
 
@@ -784,8 +785,21 @@ def _state_specs(node) -> nnx.State:
     return nnx.from_flat_state(flat)
 
 
+def _warn_unstepped(model) -> None:
+    import warnings
+
+    from multimesh._src.errors import MultimeshWarning
+
+    others = nnx.state(model, nnx.Not(nnx.Param))
+    if jax.tree.leaves(others):
+        warnings.warn(
+            "parallelize_step with microbatches: the module has variables that are not "
+            "nnx.Param (batch statistics, RNG streams, ...); every microbatch reads them, but "
+            "the step does not update them.", MultimeshWarning, stacklevel=3)
+
+
 def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, global_batch=None,
-                     local_batch=None, replicate_inputs: bool = True):
+                     local_batch=None, replicate_inputs: bool = True, microbatching=None):
     """NNX flavour of :func:`multimesh.jax.flax.parallelize_step`.
 
     ``model(batch)`` returns the scalar loss. ``optimizer`` is an optax
@@ -809,18 +823,30 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
         opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
     state = NnxTrainState(model, opt)
 
+    batch_avals = _batch_avals(global_batch, local_batch)
+    piped = microbatching is not None and microbatching.active
+    if piped:
+        _warn_unstepped(model)
+
     def train_step(state: NnxTrainState, batch):
         if replicate_inputs:
             batch = jax.tree.map(lambda x: mm.with_sharding_constraint(x, P()), batch)
+        if not piped:
+            def loss_fn(m):
+                return m(batch)
 
-        def loss_fn(m):
-            return m(batch)
+            loss, grads = nnx.value_and_grad(loss_fn)(state.model)
+        else:
+            graphdef, params, rest = nnx.split(state.model, nnx.Param, ...)
 
-        loss, grads = nnx.value_and_grad(loss_fn)(state.model)
+            def loss_of(p, b):
+                return nnx.merge(graphdef, p, rest)(b)
+
+            loss, grads = microbatching.wrap(jax.value_and_grad(loss_of), batch_avals)(
+                params, batch)
         state.optimizer.update(state.model, grads)
         return loss
 
-    batch_avals = _batch_avals(global_batch, local_batch)
     jitted = mjit(train_step, devices=list(mesh.devices.flat),
                   in_shardings=(_state_specs(state), None))
     compiled = jitted.lower(state, batch_avals).compile()
