@@ -324,6 +324,19 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy(m) for m in range(g)) / (g * t)
 
+    def stage_bubble_fraction(self) -> float:
+        """Idle share of each submesh's own span, from its first unit to its last, summed
+        over submeshes: the bubble a submesh sees when steps overlap (ZB-H2's zero)."""
+        span = idle = 0.0
+        for m, row in enumerate(self.schedule.orders):
+            if not row:
+                continue
+            a = min(self.start[i] for i in row)
+            b = max(self.end[i] for i in row)
+            span += b - a
+            idle += (b - a) - self.busy(m)
+        return idle / span if span else 0.0
+
     def events(self, scale: float = 1.0) -> list[tuple[str, str, float, float]]:
         """``(track, name, start, end)`` per unit, one track per submesh (for trace.py)."""
         out = []
@@ -917,14 +930,16 @@ def theoretical_bubble(name: str, P: int, M: int, interleave: int = 1) -> float 
     GPipe and 1F1B: (P-1)/(M+P-1); interleaved 1F1B with V stages per submesh:
     (P-1)/(V*M+P-1); ZB-H1 (forward, activation- and weight-gradient halves all
     cost 1): the paper's bubble (P-1)(F+B-W) over a step of 3M+(P-1), i.e.
-    (P-1)/(3M+P-1). None where there is no closed form (custom, interleaved GPipe).
+    (P-1)/(3M+P-1); ZB-H2 the same over one step (its gain is inside each submesh's
+    span, :meth:`Timeline.stage_bubble_fraction`, which is 0). None where there is no
+    closed form (custom, interleaved GPipe).
     """
     key = canonical_schedule_name(name)
     if key in ("gpipe", "1f1b") and interleave == 1:
         return (P - 1) / (M + P - 1)
     if key in ("1f1b", "interleaved-1f1b"):
         return (P - 1) / (interleave * M + P - 1)
-    if key == "zero-bubble-h1" and interleave == 1:
+    if key in ("zero-bubble-h1", "zero-bubble-h2") and interleave == 1:
         return (P - 1) / (3 * M + P - 1)
     return None
 

@@ -13,6 +13,9 @@ P6  bubble fraction and peak live activations per schedule, from the unit-cost
     simulator, next to theory (see tools/bench_schedules.py).
 P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
     P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
+P8  compile phases of a pipelined transformer for M = 1, 4, 16, 64 microbatches, and
+    the whole compile at M=16 over jax.jit of the same step with a lax.scan over
+    microbatches (see tools/bench_microbatch.py).
 """
 
 from __future__ import annotations
@@ -262,6 +265,9 @@ def main(argv=None) -> int:
     from bench_schedules import P6
 
     res.update(P6())
+    from bench_microbatch import P8
+
+    res.update(P8(reps=1 if args.quick else 3))
     n = 250_000
     r, pipe, base = _p4(n)
     res["P4"], res["P4_pipeline_s"], res["P4_parse_print_s"] = r, pipe, base

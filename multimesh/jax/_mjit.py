@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -88,13 +89,18 @@ def _abstract(x):
 class MpmdCompiled:
     """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
 
-    def __init__(self, lowered: MpmdLowered, module: ir.Module):
+    def __init__(self, lowered: MpmdLowered, module: ir.Module, times: dict | None = None):
         self._lowered = lowered
         self._module = module
         self._text = print_module(module)
+        t0 = time.perf_counter()
         self.plan_data = build_plan(module)
+        t1 = time.perf_counter()
         self._exec = Executor(self.plan_data, lowered.devices,
                               frozenset(lowered.donated_leaves))
+        self.compile_times = {**(times or {}), "plan": t1 - t0,
+                              "xla": time.perf_counter() - t1}
+        """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
         self._all_dynamic = list(lowered.dyn_idx) == list(range(len(lowered.dyn_idx)))
         in_sh = self._exec.input_shardings
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
@@ -207,6 +213,9 @@ class MpmdCompiled:
 class MpmdLowered:
     """The traced program before our passes; ``compile()`` runs them."""
 
+    trace_seconds = 0.0
+    """How long tracing and lowering took (the first phase of ``compile_times``)."""
+
     def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
                  donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
                  in_avals=None):
@@ -229,6 +238,7 @@ class MpmdLowered:
         return parse_module(self._text, make_context())
 
     def compile(self) -> MpmdCompiled:
+        t0 = time.perf_counter()
         module = self.compiler_ir()
         if self.schedule_config:
             from multimesh._src.mlir import py_to_attr
@@ -240,7 +250,8 @@ class MpmdLowered:
             ir.IntegerType.get_signless(64), len(self.devices)) if False else \
             _i64(module, len(self.devices))
         run_pipeline(module, self.pipeline)
-        return MpmdCompiled(self, module)
+        return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
+                                           "passes": time.perf_counter() - t0})
 
 
 def _i64(module, n):
@@ -396,6 +407,7 @@ class _MJit:
                 out = _constrain_tree(out, out_sh)
             return out
 
+        t0 = time.perf_counter()
         abstract = jax.tree.map(_abstract, (tuple(dyn_args), kwargs))
         notes: dict = {}
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
@@ -404,6 +416,7 @@ class _MJit:
             lowered = traced.lower()
             text = lowered.as_text(debug_info=True)
             implicit = _multimesh.implicit_tasks_option(text)  # registered tasks
+        trace_seconds = time.perf_counter() - t0
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
@@ -420,7 +433,7 @@ class _MJit:
         key_in = [_is_key(x) for x in dyn_flat]
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
-        return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
+        low = MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
                            list(range(len(dyn_flat))), donated_leaves=donated,
                            in_avals=traced.jaxpr.in_avals,
                            key_inputs=key_in if any(key_in) else (),
@@ -430,6 +443,8 @@ class _MJit:
                                                    implicit_tasks=implicit,
                                                    split_backward=_wants_split(notes),
                                                    recompute=_contexts.state.recomputation))
+        low.trace_seconds = trace_seconds
+        return low
 
     def __call__(self, *args, **kwargs):
         static_idx = _resolve_argnums("static_argnums", self.static_argnums, len(args)) \

@@ -1,0 +1,183 @@
+"""P8: compile time of a pipelined transformer against the number of microbatches.
+
+    python tools/bench_microbatch.py [--quick] [--json PATH]
+
+A transformer-like model (d=256, sequences of 128, 2 stages x 8 layers, each stage a
+task on 4 devices) trained with ``microbatch(value_and_grad(loss), schedule="1f1b")``
+for M = 1, 4, 16 and 64 microbatches of 2 sequences. For each M it reports the
+phases of ``mjit(step).lower(...).compile()`` (trace + lower, the pass pipeline, the
+runtime plan, XLA), the number of XLA compilations and of distinct fragments, and,
+side by side, ``jax.jit`` of the same step with a ``lax.scan`` over the microbatches
+(sharded over the same 8 devices). Caches (ours and jax's) are cleared before every
+compile; each figure is the median of the repetitions.
+
+Goals (issue 10): everything but XLA grows by at most 1.2x from M=1 to M=64, and the
+whole compile at M=16 is within 1.3x of the jax.jit + scan compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+D, SEQ, LAYERS, STAGES, MB_SIZE = 256, 128, 8, 2, 2
+
+
+def _model():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import multimesh.jax as mm
+
+    def layer(p, x):
+        def norm(h):
+            mu = h.mean(-1, keepdims=True)
+            return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-6)
+
+        h = norm(x)
+        heads = 4
+        q, k, v = (jnp.einsum("bsd,de->bse", h, p[n]).reshape(*h.shape[:2], heads, -1)
+                   for n in ("wq", "wk", "wv"))
+        att = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k) / (D // heads) ** 0.5, -1)
+        o = jnp.einsum("bhqk,bkhe->bqhe", att, v).reshape(x.shape)
+        x = x + o @ p["wo"]
+        return x + jax.nn.gelu(norm(x) @ p["w1"]) @ p["w2"]
+
+    def stage(ps, x):
+        x = mm.with_sharding_constraint(x, P("batch", None, None))
+        for p in ps:
+            x = layer(p, x)
+        return x
+
+    per = 8 // STAGES
+    tasks = [mm.task(stage, name=f"stage{k}",
+                     mesh=mm.TaskMesh(devices=range(per * k, per * k + per)),
+                     logical_axes=(("batch", "x"),)) for k in range(STAGES)]
+
+    def loss(params, x):
+        for t, ps in zip(tasks, params):
+            x = t(ps, x)
+        return (x ** 2).mean()
+
+    key = jax.random.key(0)
+    shapes = {"wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D), "w1": (D, 4 * D),
+              "w2": (4 * D, D)}
+    params = [[{n: jax.random.normal(jax.random.fold_in(key, 100 * s + 10 * i + j), sh) / D
+                for j, (n, sh) in enumerate(shapes.items())} for i in range(LAYERS)]
+              for s in range(STAGES)]
+    return loss, params
+
+
+def _clear():
+    import jax
+
+    from multimesh.runtime import executor
+
+    executor._COMPILE_CACHE.clear()
+    jax.clear_caches()
+
+
+def _ours(loss, params, x, M):
+    import jax
+
+    import multimesh.jax as mm
+    from multimesh.runtime import executor
+
+    _clear()
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB_SIZE, argnum=1,
+                         schedule="1f1b")
+    before = executor.xla_compiles
+    compiled = mm.mjit(step).lower(params, x).compile()
+    times = dict(compiled.compile_times)
+    times["total"] = sum(times.values())
+    times["xla_compiles"] = executor.xla_compiles - before
+    times["fragments"] = len(compiled.fragments)
+    times["calls"] = len(compiled.calls)
+    return times
+
+
+def _jit_scan(loss, params, x, M):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import multimesh.jax as mm
+
+    _clear()
+
+    def step(params, x):
+        xs = x.reshape(M, MB_SIZE, *x.shape[1:])
+        vg = jax.value_and_grad(loss)
+
+        def body(acc, xm):
+            v, g = vg(params, xm)
+            return jax.tree.map(jax.numpy.add, acc, (v, g)), None
+
+        zero = jax.tree.map(jax.numpy.zeros_like, (jax.numpy.zeros(()), params))
+        return jax.lax.scan(body, zero, xs)[0]
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    t0 = time.perf_counter()
+    with mm.ignore_transforms():
+        jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "x")))
+                ).lower(params, x).compile()
+    return time.perf_counter() - t0
+
+
+def P8(ms=(1, 4, 16, 64), reps=3) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    loss, params = _model()
+    out = {}
+    rows = []
+    for M in ms:
+        x = jax.random.normal(jax.random.key(1), (M * MB_SIZE, SEQ, D), jnp.float32)
+        runs = [_ours(loss, params, x, M) for _ in range(reps)]
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        jit = statistics.median(_jit_scan(loss, params, x, M) for _ in range(reps))
+        med["jit_scan"] = jit
+        rows.append((M, med))
+        for k, v in med.items():
+            out[f"P8_M{M}_{k}"] = v
+    base = rows[0][1]
+    last = rows[-1][1]
+    non_xla = ("trace_lower", "passes", "plan")
+    out["P8_non_xla_growth_M1_to_M64"] = (sum(last[k] for k in non_xla)
+                                          / sum(base[k] for k in non_xla))
+    m16 = dict(rows)[16] if 16 in dict(rows) else last
+    out["P8_total_over_jit_scan_M16"] = m16["total"] / m16["jit_scan"]
+    print(f"{'M':>4} {'trace+lower':>12} {'passes':>8} {'plan':>8} {'xla':>8} {'total':>8} "
+          f"{'jit+scan':>9} {'compiles':>9} {'fragments':>10} {'calls':>6}")
+    for M, r in rows:
+        print(f"{M:>4} {r['trace_lower']:>12.3f} {r['passes']:>8.3f} {r['plan']:>8.3f} "
+              f"{r['xla']:>8.3f} {r['total']:>8.3f} {r['jit_scan']:>9.3f} "
+              f"{int(r['xla_compiles']):>9} {int(r['fragments']):>10} {int(r['calls']):>6}")
+    print(f"non-XLA growth M={ms[0]} -> M={ms[-1]}: "
+          f"{out['P8_non_xla_growth_M1_to_M64']:.2f}x; total / jit+scan at M=16: "
+          f"{out['P8_total_over_jit_scan_M16']:.2f}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one repetition")
+    ap.add_argument("--json", help="write results as JSON to this path")
+    args = ap.parse_args(argv)
+    res = P8(reps=1 if args.quick else 3)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
