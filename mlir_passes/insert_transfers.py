@@ -159,10 +159,11 @@ def _loop(loop: ir.Operation, where: dict, edges: _Edges, funcs) -> None:
         call.operands[k] = a
         return True
 
+    inside = _Edges(edges.funcs, edges.meshes)
     for op in [o.operation for o in body.operations]:
         if op.name == "func.call":
-            edges.call(op, inner, hoist)
-    edges.insert(body)
+            inside.call(op, inner, hoist)
+    inside.insert(body)
     for j, v in enumerate(ret.operands):  # a running sum keeps one layout
         a = args[1 + j]
         if inner.get(a) is not None and inner.get(v) is not None and inner[a] != inner[v]:

@@ -281,3 +281,103 @@ def test_task_split_backprop_splits_and_names_the_backward():
     names = {fr["name"] for fr in compiled.fragments}
     assert "sp1_bwd_activations" in names and "sp1_bwd_gradients" in names
     assert not any(n.startswith("sp0_bwd") and n.endswith("_activations") for n in names)
+
+
+def test_program_size_does_not_grow_with_microbatches():
+    loss, ws, _ = _pipeline(2)
+    sizes = {}
+    for M in (2, 16):
+        x = jnp.linspace(0, 1, 8 * M * 16).reshape(8 * M, 16)
+        f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+        lowered = mm.mjit(f).lower(ws, x)
+        compiled = lowered.compile()
+        text = compiled.as_text()
+        ops = [ln for ln in lowered.as_text().splitlines() if " = " in ln]
+        sizes[M] = (len(ops), len(compiled.fragments), text.count("mm.fragment_call"))
+        with mm.ignore_transforms():
+            _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
+        assert sum(c["microbatch"] is not None for c in compiled.calls) == 4 * M
+    assert sizes[2] == sizes[16]
+
+
+def test_outputs_that_do_not_depend_on_the_microbatch():
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+
+    def f(ws, x):
+        return ws[0], 3, loss(ws, x), jnp.int32(2) * jnp.sum(x > 0.5)
+
+    out = mm.mjit(mm.microbatch(f, dim=0, size=8, argnum=1))(ws, x)
+    np.testing.assert_allclose(out[0], 4 * ws[0])
+    assert int(out[1]) == 12
+    with mm.ignore_transforms():
+        np.testing.assert_allclose(out[2], sum(loss(ws, x[8 * m:8 * m + 8]) for m in range(4)),
+                                   rtol=1e-5)
+    assert int(out[3]) == 2 * int(jnp.sum(x > 0.5)) and out[3].dtype == jnp.int32
+
+
+def test_arg_shardings_constrain_the_whole_batch():
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1,
+                      arg_shardings=P("batch", None))
+    out = mm.mjit(f)(ws, x)
+    with mm.ignore_transforms():
+        _check(out, jax.value_and_grad(loss)(ws, x))
+
+
+def test_transformations_around_microbatch_unroll_with_a_warning():
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(loss, dim=0, size=8, argnum=1, schedule="1f1b")
+    with pytest.warns(mm.MultimeshWarning, match="unrolled into straight-line code"):
+        out = mm.mjit(jax.value_and_grad(f))(ws, x)
+    with mm.ignore_transforms():
+        _check(out, jax.value_and_grad(loss)(ws, x))
+    with pytest.warns(mm.MultimeshWarning, match="jax.vmap"):
+        batched = jax.vmap(lambda w: f([w, ws[1]], x))(jnp.stack([ws[0], 2 * ws[0]]))
+    with mm.ignore_transforms():
+        np.testing.assert_allclose(batched[1], loss([2 * ws[0], ws[1]], x), rtol=1e-5)
+
+
+def test_plain_jax_runs_the_loop():
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1)
+    with mm.ignore_transforms():
+        ref = jax.value_and_grad(loss)(ws, x)
+    _check(jax.jit(f)(ws, x), ref)  # tasks and the loop lower as plain jax
+
+
+def test_one_microbatch_with_a_schedule_warns_and_nesting_is_rejected():
+    loss, ws, _ = _pipeline(2)
+    x = jnp.ones((8, 16))
+    with pytest.warns(mm.MultimeshWarning, match="exactly one microbatch"):
+        mm.mjit(mm.microbatch(loss, dim=0, size=8, argnum=1, schedule="1f1b"))(ws, x)
+    inner = mm.microbatch(loss, dim=0, size=4, argnum=1)
+    outer = mm.microbatch(lambda ws, x: inner(ws, x), dim=0, size=8, argnum=1)
+    with pytest.raises(MultimeshError, match="nested microbatch loops are not supported"):
+        mm.mjit(outer)(ws, jnp.ones((16, 16)))
+
+
+def test_unrolling_groups_gpipe_and_is_gpipe_only():
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 64 * 16).reshape(64, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, unrolling=2)
+    compiled = mm.mjit(f).lower(ws, x).compile()
+    assert compiled.schedule.labels()[0] == ["F0", "F1", "B0", "B1", "F2", "F3", "B2", "B3",
+                                              "F4", "F5", "B4", "B5", "F6", "F7", "B6", "B7"]
+    with mm.ignore_transforms():
+        _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
+    with pytest.raises(MultimeshError, match="unrolling=2 applies to the GPipe schedule only"):
+        mm.microbatch(loss, dim=0, size=8, argnum=1, unrolling=2, schedule="1f1b")
+
+
+@pytest.mark.parametrize("alias,name", [("zb-h1", "zero-bubble-h1"), ("pipedream-flush", "1f1b"),
+                                        ("prefetch-wavefront", "1f1b"),
+                                        ("fill-drain", "gpipe"), ("zb-h2", "zero-bubble-h2")])
+def test_schedule_aliases(alias, name):
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=alias)
+    assert mm.mjit(f).lower(ws, x).compile().schedule.name == name

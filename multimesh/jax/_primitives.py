@@ -371,6 +371,11 @@ def _warn_unrolled(what: str) -> None:
     import warnings
 
     from multimesh._src.errors import MultimeshWarning
+    from multimesh.jax import _contexts
+
+    notes = _contexts.state.trace_notes
+    if notes is not None and notes.get("microbatch") is not None:
+        notes["microbatch"] = None  # no loop left for a schedule to order
 
     warnings.warn(
         f"A `microbatch` function is transformed from the outside ({what}), so its loop is "
