@@ -23,7 +23,7 @@ __all__ = ["ImportMpmdPass", "MeshTensor", "parse_mesh_tensor", "parse_meshes_op
 
 _MAIN_OPS = ("mpmd.fragment_call", "mpmd.transfer", "func.return")
 _UNPARTITIONED = ("mpmd.named_computation", "mpmd.call", "mpmd.fragment", "mpmd.assign",
-                  "mpmd.unassign", "mpmd.named_tensor", "mpmd.for")
+                  "mpmd.unassign", "mpmd.named_tensor")
 _DROPPED_FUNC_ATTRS = ("mesh_shape", "reserved_hbm_bytes")
 _DONATION_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
 _MEMORY_KIND_ATTRS = ("mhlo.memory_kind",)
@@ -55,16 +55,18 @@ class ImportMpmdPass(ModulePass):
             func.func public @main(...)      // every argument and result has a sharding
           }
 
-    One ``sdy.mesh`` per mesh comes from the ``topology`` on ``@main`` (else from
-    the fragments' ``mesh_shape``); implicit (absent) shardings become explicit
-    replicated ones. A fragment's task is its origins' names joined by ``+`` (the
-    mesh name when it has none) and the highest transpose count among them. The
-    partitioner's donation attributes are dropped inside fragments: multimesh's
-    runtime donates buffers itself (a ``jax.buffer_donor`` on an ``@main`` argument
-    is kept, so callers can honour it). Rejected with a diagnostic: any other op in
-    ``@main`` (``mpmd.reduce``/``mpmd.broadcast`` across meshes, ``mpmd.for``, an
-    unpartitioned module), memory kinds other than ``device``, ``unreduced`` axes or
-    sub-axes in a sharding that crosses a fragment boundary, and meshes missing from
+    One ``sdy.mesh`` per mesh comes from the ``topology`` on ``@main``; implicit
+    (absent) shardings become explicit replicated ones. A fragment's task is its
+    origins' names joined by ``+`` (the mesh name when it has none) and the highest
+    transpose count among them. The partitioner's donation attributes are dropped
+    inside fragments: multimesh's runtime donates buffers itself (a
+    ``jax.buffer_donor`` on an ``@main`` argument is kept, so callers can honour it).
+    Rejected with a diagnostic: any other op in ``@main`` (an unpartitioned module,
+    whose cross-mesh ``mpmd.reduce`` and ``mpmd.broadcast`` the partitioner has not
+    yet lowered into transfers and fragments; ``mpmd.for`` loops), memory kinds other
+    than ``device``, ``unreduced`` axes or sub-axes in a sharding that crosses a
+    fragment boundary, a call whose operand or result layout differs from its
+    fragment's (the mpmd verifier does not compare shardings), and meshes missing from
     ``meshes`` or of the wrong size.
     """
 
@@ -185,7 +187,7 @@ def parse_mesh_tensor(t: ir.Type) -> MeshTensor | None:
     mesh, tensor = _unquote(parts[0]), ir.Type.parse(parts[1])
     sharding = memory_kind = None
     for p in parts[2:]:
-        key, _, value = p.partition("=")
+        key, _, value = (x.strip() for x in p.partition("="))
         if key == "sharding":
             sharding = ir.Attribute.parse("#sdy.sharding" + value)
         elif key == "memory_kind":
@@ -346,8 +348,13 @@ class _Importer:
         self._check_positions()
         # Values in @main: where each one lives, as (mesh, sharding or None).
         self.value_mesh: dict[ir.Value, MeshTensor] = {}
-        for a, mt in zip(block.arguments, arg_types):
-            self._check_value(mt, f"@main argument #{a.arg_number}", main.location)
+        arg_dicts = _arg_attr_dicts(main, "arg_attrs", len(block.arguments))
+        for a, mt, d in zip(block.arguments, arg_types, arg_dicts):
+            what = f"@main argument #{a.arg_number}"
+            for key in _MEMORY_KIND_ATTRS:
+                if key in d and attr_to_py(d[key]) != "device":
+                    raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
+            self._check_value(mt, what, main.location)
             self.value_mesh[a] = mt
         for op in ops:
             if op.name == "mpmd.fragment_call":
@@ -361,9 +368,15 @@ class _Importer:
     def _unsupported(self, op: ir.Operation) -> DiagnosticError:
         if op.name in ("mpmd.reduce", "mpmd.broadcast"):
             return DiagnosticError(
-                f"'{op.name}' across meshes cannot run on multimesh's runtime, which has no "
-                f"cross-mesh collectives; keep the reduction inside one mesh (partition "
-                f"without 'mpmd_infer_cross_mesh_reductions')", op.location)
+                f"'{op.name}' in @main: a cross-mesh {op.name[5:]} cannot run as an op "
+                f"(multimesh's runtime has no cross-mesh collectives); Shardy's partitioner "
+                f"lowers it into transfers and fragments, so partition with phases=ALL first",
+                op.location)
+        if op.name == "mpmd.for":
+            return DiagnosticError(
+                "'mpmd.for' in @main: multimesh runs flat programs of fragment calls and "
+                "transfers; unroll the loop before partitioning (e.g. one mpmd.call per "
+                "microbatch)", op.location)
         if op.name in _UNPARTITIONED:
             return DiagnosticError(
                 f"'{op.name}' in @main: the module is not partitioned yet; run Shardy's "
@@ -401,33 +414,33 @@ class _Importer:
         return frag
 
     def _mesh_shapes(self) -> dict[str, ir.Attribute]:
-        """Each mesh's axes: the topology, else the fragments' ``mesh_shape``."""
-        shapes: dict[str, ir.Attribute] = dict(self.topology or {})
+        """Each mesh's axes, from the topology; a fragment's ``mesh_shape`` must agree."""
+        if self.topology is None:  # the mpmd verifier already demands one
+            raise DiagnosticError("@main has no mpmd 'topology'; is this the output of "
+                                  "Shardy's MPMD partitioner?", self.main.location)
+        shapes: dict[str, ir.Attribute] = dict(self.topology)
+        for mt in self.arg_types:
+            if mt.mesh not in shapes:
+                raise DiagnosticError(
+                    f"@main has an argument on mesh \"{mt.mesh}\", which is not in the "
+                    f"topology {sorted(shapes)}", self.main.location)
         for call in self.calls:
             mesh = ir.StringAttr(call.attributes["mesh_name"]).value
             frag = self.fragments[ir.FlatSymbolRefAttr(call.attributes["callee"]).value]
             if mesh not in shapes:
-                if self.topology is not None:
-                    raise DiagnosticError(
-                        f"fragment call on mesh \"{mesh}\", which is not in the topology "
-                        f"{sorted(self.topology)}", call.location)
-                shapes[mesh] = frag.mesh_shape
-            elif _axes(shapes[mesh]) != _axes(frag.mesh_shape):
+                raise DiagnosticError(
+                    f"fragment call on mesh \"{mesh}\", which is not in the topology "
+                    f"{sorted(shapes)}", call.location)
+            if _axes(shapes[mesh]) != _axes(frag.mesh_shape):
                 raise DiagnosticError(
                     f"fragment '@{c.func_name(frag.fn)}' has mesh_shape "
                     f"{_mesh_str(frag.mesh_shape)} but mesh \"{mesh}\" is "
                     f"{_mesh_str(shapes[mesh])}", call.location)
         for mesh, shape in shapes.items():
-            m = sdy.MeshAttr(shape)
-            if len(m.device_ids):
+            if len(sdy.MeshAttr(shape).device_ids):
                 raise DiagnosticError(
                     f"mesh \"{mesh}\" has explicit device_ids; give the device order in the "
                     f"pass's 'meshes' option instead", self.main.location)
-        for mt in self.arg_types:
-            if mt.mesh not in shapes:
-                raise DiagnosticError(
-                    f"@main has an argument on mesh \"{mt.mesh}\", whose shape is unknown: "
-                    f"no topology on @main and no fragment runs there", self.main.location)
         return shapes
 
     def _check_positions(self) -> None:
