@@ -18,7 +18,7 @@ from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
 
-__all__ = ["ImportMpmdPass", "MeshTensor", "parse_mesh_tensor", "parse_meshes_option",
+__all__ = ["ImportMpmdPass", "MESHES_ATTR", "MeshTensor", "parse_mesh_tensor", "parse_meshes_option",
            "read_topology"]
 
 _MAIN_OPS = ("mpmd.fragment_call", "mpmd.transfer", "func.return")
@@ -76,15 +76,48 @@ class ImportMpmdPass(ModulePass):
 
     meshes: str = ""
     """Device positions of each mesh, row-major over its axes: ``m1=0-3;m2=4-7`` or
-    ``m1=0,1,2,3;m2=4,5,6,7`` (quote a value with commas on the command line)."""
+    ``m1=0,1,2,3;m2=4,5,6,7`` (quote a value with commas on the command line). When
+    empty, the module attribute ``mm.meshes = {m1 = [0, 1, 2, 3], ...}`` gives them."""
 
     def __post_init__(self):
         parse_meshes_option(self.meshes)  # fail while the pipeline is parsed
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
-            plan = _Importer(module, parse_meshes_option(self.meshes)).check()
+            positions = parse_meshes_option(self.meshes)
+            source = "option 'meshes'"
+            attrs = module.operation.attributes
+            if MESHES_ATTR in attrs:
+                recorded = _read_meshes_attr(attrs[MESHES_ATTR], module.operation.location)
+                if positions and positions != recorded:
+                    raise DiagnosticError(
+                        f"option 'meshes' ({_format_meshes(positions)}) disagrees with the "
+                        f"module's '{MESHES_ATTR}' ({_format_meshes(recorded)}); give one",
+                        module.operation.location)
+                if not positions:
+                    positions, source = recorded, f"'{MESHES_ATTR}'"
+            plan = _Importer(module, positions, source).check()
             plan.rewrite()
+
+
+MESHES_ATTR = "mm.meshes"
+"""Module attribute ``{m1 = [0, 1, 2, 3], ...}``: the mesh map when the option is not given
+(``compile_mpmd`` sets it, so a failing module saved for a repro replays as is)."""
+
+
+def _read_meshes_attr(attr: ir.Attribute, loc) -> dict[str, tuple[int, ...]]:
+    value = attr_to_py(attr)
+    if not isinstance(value, dict) or not all(
+            isinstance(v, list) and all(isinstance(p, int) and not isinstance(p, bool)
+                                        and p >= 0 for p in v) for v in value.values()):
+        raise DiagnosticError(
+            f"'{MESHES_ATTR}' must map mesh names to lists of device positions, got {attr}",
+            loc)
+    return {k: tuple(v) for k, v in value.items()}
+
+
+def _format_meshes(positions: dict[str, tuple[int, ...]]) -> str:
+    return ";".join(f"{k}={','.join(map(str, v))}" for k, v in positions.items())
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -310,9 +343,11 @@ class _Fragment:
 class _Importer:
     """Checks everything first (:meth:`check`), then rewrites (:meth:`rewrite`)."""
 
-    def __init__(self, module: ir.Module, positions: dict[str, tuple[int, ...]]):
+    def __init__(self, module: ir.Module, positions: dict[str, tuple[int, ...]],
+                 source: str):
         self.module = module
         self.positions = positions
+        self.source = source  # where the mesh map came from, for messages
 
     # ---------------------------------------------------------------- checking
 
@@ -445,6 +480,7 @@ class _Importer:
 
     def _check_positions(self) -> None:
         known = sorted(self.mesh_shapes)
+        src = self.source
         if not self.positions:
             raise DiagnosticError(
                 f"mm-import-mpmd needs the device positions of every mesh; set its option "
@@ -452,19 +488,23 @@ class _Importer:
         for mesh in self.positions:
             if mesh not in self.mesh_shapes:
                 raise DiagnosticError(
-                    f"option 'meshes' names mesh \"{mesh}\", which the program does not have "
+                    f"{src} names mesh \"{mesh}\", which the program does not have "
                     f"(its meshes: {', '.join(known)})", self.main.location)
         for mesh in known:
             if mesh not in self.positions:
                 raise DiagnosticError(
-                    f"option 'meshes' gives no device positions for mesh \"{mesh}\" (it gives "
+                    f"{src} gives no device positions for mesh \"{mesh}\" (it gives "
                     f"{', '.join(sorted(self.positions))})", self.main.location)
             size = prod(_axes(self.mesh_shapes[mesh])[1])
             if len(self.positions[mesh]) != size:
                 raise DiagnosticError(
                     f"mesh \"{mesh}\" {_mesh_str(self.mesh_shapes[mesh])} has {size} devices "
-                    f"but option 'meshes' gives it {len(self.positions[mesh])}: "
+                    f"but {src} gives it {len(self.positions[mesh])}: "
                     f"{list(self.positions[mesh])}", self.main.location)
+        for mesh, pos in self.positions.items():
+            if len(set(pos)) != len(pos):
+                raise DiagnosticError(f"{src} lists a device of mesh \"{mesh}\" twice: "
+                                      f"{list(pos)}", self.main.location)
 
     def _check_value(self, mt: MeshTensor, what: str, loc) -> None:
         if mt.memory_kind not in (None, "device"):
@@ -633,6 +673,8 @@ class _Importer:
             if sym not in still_used:
                 op.erase()
         attrs = module.operation.attributes
+        if MESHES_ATTR in attrs:  # now spelled out as mm.devices everywhere
+            del attrs[MESHES_ATTR]
         attrs[c.TASKS_ATTR] = py_to_attr({k: tasks[k] for k in sorted(tasks)})
         if "mm.num_devices" not in attrs:
             top = max(p for ps in self.positions.values() for p in ps)

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mlir_passes.import_mpmd import parse_mesh_tensor, read_topology
+from mlir_passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh._src.mlir import ir, make_context, parse_module, print_module, sdy
+from multimesh._src.mlir import ir, make_context, parse_module, print_module, py_to_attr, sdy
 from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devices
 from multimesh.runtime.executor import _dtype
 
@@ -76,6 +76,7 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
             f"{type(program).__name__}.")
     info = _ProgramInfo(text)
     positions = _positions(meshes, info, devices)
+    text = info.with_meshes(positions)  # so a repro of a failing import replays as is
     n_in, n_out = len(info.arg_types), len(info.result_types)
     if kept is None:
         kept = list(range(n_in))
@@ -90,7 +91,7 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
         flat_avals[i] = t
     lowered = MpmdLowered(
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
-        res_tree, kept, _pipeline(positions), donated_leaves=info.donated,
+        res_tree, kept, _PIPELINE, donated_leaves=info.donated,
         in_avals=flat_avals if kept == list(range(n_leaves)) else None)
     return lowered.compile()
 
@@ -100,7 +101,7 @@ class _ProgramInfo:
 
     def __init__(self, text: str):
         try:
-            module = parse_module(text, make_context())
+            self.module = module = parse_module(text, make_context())
         except ir.MLIRError as e:
             raise MultimeshValueError(
                 f"`compile_mpmd` could not parse the program: {e}") from None
@@ -126,6 +127,13 @@ class _ProgramInfo:
                     d = ir.DictAttr(a)
                     if any(k in d for k in _DONATION):
                         self.donated.append(i)
+
+    def with_meshes(self, positions: dict[str, tuple[int, ...]]) -> str:
+        """The program with its mesh map recorded for ``mm-import-mpmd`` (``mm.meshes``)."""
+        with self.module.context:
+            self.module.operation.attributes[MESHES_ATTR] = py_to_attr(
+                {k: list(v) for k, v in positions.items()})
+        return print_module(self.module, debug_info=True)
 
     @staticmethod
     def _aval(t, what: str):
@@ -177,6 +185,10 @@ def _positions(meshes, info: _ProgramInfo, devices) -> dict[str, tuple[int, ...]
                 raise MultimeshTypeError(
                     f"`compile_mpmd` meshes[{name!r}] must be a sequence of device positions "
                     f"or a jax.sharding.Mesh, got {value!r}.") from None
+            if len(set(pos)) != len(pos):
+                raise MultimeshValueError(
+                    f"`compile_mpmd` meshes[{name!r}] lists a device position twice: "
+                    f"{list(pos)}.")
             bad = [p for p in pos if not 0 <= p < len(devices)]
             if bad:
                 raise MultimeshValueError(
@@ -216,15 +228,4 @@ def _tree(kind: str, tree, n: int, what: str):
     return tree
 
 
-def _ranges(pos: tuple[int, ...]) -> str:
-    """``(0, 1, 2, 3)`` -> ``"0-3"``; other lists comma-separated."""
-    if len(pos) > 1 and list(pos) == list(range(pos[0], pos[0] + len(pos))):
-        return f"{pos[0]}-{pos[-1]}"
-    return ",".join(str(p) for p in pos)
-
-
-def _pipeline(positions: dict[str, tuple[int, ...]]) -> str:
-    value = ";".join(f"{k}={_ranges(v)}" for k, v in positions.items())
-    if "," in value:
-        value = f'"{value}"'
-    return f"builtin.module(mm-import-mpmd{{meshes={value}}},mm-verify)"
+_PIPELINE = "builtin.module(mm-import-mpmd,mm-verify)"

@@ -1,6 +1,6 @@
 // RUN: mm-opt %S/Inputs/import_mpmd_2stage.mlir -p 'builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-7},mm-verify)' | filecheck %s --check-prefix=TWO
 // RUN: mm-opt %S/Inputs/import_mpmd_1f1b.mlir -p 'builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-7},mm-verify)' | filecheck %s --check-prefix=PIPE
-// RUN: mm-opt %s -p 'builtin.module(mm-import-mpmd{meshes="m1=1,0;m2=3,2"},mm-verify)' --split-input-file | filecheck %s
+// RUN: mm-opt %s -p 'builtin.module(mm-import-mpmd,mm-verify)' --split-input-file | filecheck %s
 
 
 // The partitioner's 2-stage value_and_grad (Inputs/import_mpmd_2stage.mlir; m1 is
@@ -76,10 +76,12 @@
 // PIPE-COUNT-7: module @p{{[0-6]}}_stage
 // PIPE-NOT:   module @
 
-// Hand-written: positions given out of order, a fragment merging a forward and a backward origin
+// Hand-written, the mesh map given by the module attribute mm.meshes (which
+// compile_mpmd sets) instead of the option: positions given out of order, a fragment merging a forward and a backward origin
 // (the highest transpose count), one without origins (its task is the mesh name),
 // and one function called on two meshes (a second nested module).
 // CHECK-LABEL: module attributes
+// CHECK-NOT:   mm.meshes
 // CHECK-SAME:  mm.num_devices = 4 : i64
 // CHECK-SAME:  mm.tasks = {a = {axis_names = ["x"], axis_sizes = [2], devices = [1, 0], logical_axes = []}, m2 = {axis_names = ["x"], axis_sizes = [2], devices = [3, 2], logical_axes = []}}
 // CHECK-NEXT:  sdy.mesh @mesh_m1 = <["x"=2]>
@@ -96,7 +98,7 @@
 // CHECK-NEXT:    sdy.mesh @mesh = <["x"=2]>
 !m1 = !mpmd.mesh_tensor<"m1", tensor<8xf32>, sharding=<@mesh, [{"x"}]>>
 !m2 = !mpmd.mesh_tensor<"m2", tensor<8xf32>, sharding=<@mesh, [{"x"}]>>
-module {
+module attributes {mm.meshes = {m1 = [1, 0], m2 = [3, 2]}} {
   sdy.mesh @mesh = <["x"=2]>
   func.func public @main(%arg0: !m1) -> !m2 attributes {topology = #mpmd.topology<<"m1" : <["x"=2]>>, <"m2" : <["x"=2]>>>} {
     %0 = mpmd.fragment_call<mesh="m1", origin=["a", "a"(1)]> @f(%arg0) : (!m1) -> !m1
@@ -120,7 +122,7 @@ module {
 // CHECK-NEXT:    func.func public @main
 // CHECK:         sdy.sharding_constraint %arg0 <@empty_mesh, [{}]>
 !r1 = !mpmd.mesh_tensor<"m1", tensor<2xui32>>
-module {
+module attributes {mm.meshes = {m1 = [1, 0], m2 = [3, 2]}} {
   sdy.mesh @empty_mesh = <[]>
   sdy.mesh @mesh = <["x"=4]>
   func.func public @main(%arg0: !r1) -> !r1 attributes {topology = #mpmd.topology<<"m1" : <["x"=2]>>, <"m2" : <["x"=2]>>>} {

@@ -160,3 +160,14 @@ func.func public @main(%arg0: !m1) -> !m1 attributes {topology = #mpmd.topology<
   } : !m1
   return %0 : !m1
 }
+
+// -----
+
+// The option and the module's mm.meshes disagree.
+!m1 = !mpmd.mesh_tensor<"m1", tensor<8xf32>>
+// expected-error@+1 {{option 'meshes' (m1=0,1,2,3;m2=4,5;m3=6) disagrees with the module's 'mm.meshes' (m1=4,5,6,7;m2=0,1;m3=2); give one}}
+module attributes {mm.meshes = {m1 = [4, 5, 6, 7], m2 = [0, 1], m3 = [2]}} {
+  func.func public @main(%arg0: !m1) -> !m1 attributes {topology = #mpmd.topology<<"m1" : <["x"=4]>>, <"m2" : <["x"=2]>>, <"m3" : <["x"=1]>>>} {
+    return %arg0 : !m1
+  }
+}
