@@ -484,7 +484,8 @@ class _Importer:
         if not self.positions:
             raise DiagnosticError(
                 f"mm-import-mpmd needs the device positions of every mesh; set its option "
-                f"'meshes', e.g. meshes={_example(self.mesh_shapes)}", self.main.location)
+                f"'meshes' (or the module attribute '{MESHES_ATTR}'), e.g. "
+                f"meshes={_example(self.mesh_shapes)}", self.main.location)
         for mesh in self.positions:
             if mesh not in self.mesh_shapes:
                 raise DiagnosticError(

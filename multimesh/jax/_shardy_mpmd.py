@@ -52,7 +52,7 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
     devices = tuple(jax.devices()) if devices is None else tuple(
         np.asarray(devices, dtype=object).flat)
     _check_distinct_devices(devices)
-    kept = None
+    kept = in_avals = None
     if hasattr(program, "mpmd_module") and hasattr(program, "topology"):  # the front end
         if getattr(program, "const_args", None):
             raise MultimeshValueError(
@@ -64,6 +64,8 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
         in_tree = program.input_tree if in_tree is None else in_tree
         out_tree = program.output_tree if out_tree is None else out_tree
         kept = sorted(program.kept_inputs_indices)
+        n_leaves = program.input_tree.num_leaves  # unused inputs are not in the module
+        in_avals = list(program.global_flat_input_abstract_values)
         text = print_module(program.mpmd_module, debug_info=True)
     elif isinstance(program, ir.Module):
         text = print_module(program, debug_info=True)
@@ -78,21 +80,18 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
     positions = _positions(meshes, info, devices)
     text = info.with_meshes(positions)  # so a repro of a failing import replays as is
     n_in, n_out = len(info.arg_types), len(info.result_types)
-    if kept is None:
-        kept = list(range(n_in))
+    if kept is None:  # a module: one leaf per @main argument
+        kept, n_leaves = list(range(n_in)), n_in
     elif len(kept) != n_in:
         raise MultimeshValueError(
-            f"The lowered Shardy program keeps {len(kept)} inputs but its module takes {n_in}.")
-    n_leaves = max(kept, default=-1) + 1 if in_tree is None else in_tree.num_leaves
+            f"`compile_mpmd`: the lowered Shardy program keeps {len(kept)} inputs but its "
+            f"module takes {n_in}.")
     args_tree = _tree("in_tree", in_tree, n_leaves, "@main argument")
     res_tree = _tree("out_tree", out_tree, n_out, "@main result")
-    flat_avals = [None] * n_leaves
-    for i, t in zip(kept, info.arg_types):
-        flat_avals[i] = t
     lowered = MpmdLowered(
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
         res_tree, kept, _PIPELINE, donated_leaves=info.donated,
-        in_avals=flat_avals if kept == list(range(n_leaves)) else None)
+        in_avals=info.arg_types if in_avals is None else in_avals)
     return lowered.compile()
 
 
