@@ -348,6 +348,10 @@ class _Importer:
         self.module = module
         self.positions = positions
         self.source = source  # where the mesh map came from, for messages
+        # Types and attributes are uniqued per context: one program repeats a few of them.
+        self._types: dict[ir.Type, MeshTensor | None] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        self._checked: set[tuple] = set()
 
     # ---------------------------------------------------------------- checking
 
@@ -362,7 +366,7 @@ class _Importer:
         for op in ops:
             if op.name not in _MAIN_OPS:
                 raise self._unsupported(op)
-        arg_types = [parse_mesh_tensor(a.type) for a in block.arguments]
+        arg_types = [self._mesh_tensor(a.type) for a in block.arguments]
         for a, mt in zip(block.arguments, arg_types):
             if mt is None:
                 raise DiagnosticError(
@@ -507,21 +511,36 @@ class _Importer:
                 raise DiagnosticError(f"{src} lists a device of mesh \"{mesh}\" twice: "
                                       f"{list(pos)}", self.main.location)
 
+    def _mesh_tensor(self, t: ir.Type) -> MeshTensor | None:
+        if t not in self._types:
+            self._types[t] = parse_mesh_tensor(t)
+        return self._types[t]
+
     def _check_value(self, mt: MeshTensor, what: str, loc) -> None:
+        key = (mt.mesh, mt.sharding, mt.memory_kind)
+        if key in self._checked:
+            return
         if mt.memory_kind not in (None, "device"):
             raise _memory_kind_error(mt.memory_kind, what, loc)
         _check_boundary_sharding(mt.sharding, _axes(self.mesh_shapes[mt.mesh])[0], what, loc)
+        self._checked.add(key)
 
     def _result_type(self, op: ir.Operation, k: int) -> MeshTensor:
-        mt = parse_mesh_tensor(op.results[k].type)
+        mt = self._mesh_tensor(op.results[k].type)
         if mt is None:
             raise DiagnosticError(f"result #{k} of '{op.name}' is not an !mpmd.mesh_tensor",
                                   op.location)
         return mt
 
     def _layout(self, mesh: str, axes_of: ir.Attribute, sharding, t: ir.Type):
-        names, sizes = _axes(axes_of)
-        return layout_key(self.positions[mesh], names, sizes, _dims(sharding, _rank(t)))
+        rank = _rank(t)
+        key = (mesh, axes_of, sharding, rank)
+        out = self._layouts.get(key)
+        if out is None:
+            names, sizes = _axes(axes_of)
+            out = layout_key(self.positions[mesh], names, sizes, _dims(sharding, rank))
+            self._layouts[key] = out
+        return out
 
     def _check_call(self, call: ir.Operation) -> None:
         mesh = ir.StringAttr(call.attributes["mesh_name"]).value
