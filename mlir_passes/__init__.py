@@ -16,6 +16,7 @@ from mlir_passes.base import ModulePass
 # tests/filecheck/<module>.mlir.
 _PASSES: dict[str, str] = {
     "mm-import-gspmd": "import_gspmd:ImportGspmdPass",
+    "mm-import-mpmd": "import_mpmd:ImportMpmdPass",
     "mm-verify": "verify:VerifyPass",
     "mm-match-tasks": "match_tasks:MatchTasksPass",
     "mm-inline-tasks": "inline_tasks:InlineTasksPass",

@@ -56,7 +56,17 @@ class FormMicrobatchLoopPass(ModulePass):
             if not index_ops and not sums:
                 return
             funcs = c.func_by_name(module)
+            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value:
+                      o.operation.attributes["mesh"]
+                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
             num = _num_microbatches(sums, index_ops, module)
+            for op in ops:
+                if op.name == "func.call":
+                    if c.callee_of(op) not in funcs:
+                        raise DiagnosticError(
+                            f"fragment call to unknown function @{c.callee_of(op)}",
+                            op.location)
+                    c.fragment_info(funcs[c.callee_of(op)], meshes, need_task=True)
             inloop = _loop_calls(ops, funcs)
             _check_structure(ops, inloop, sums, funcs)
             acc = _plan_accumulators(sums, inloop, funcs)
@@ -295,7 +305,8 @@ class _Builder:
                 call, rn, _ = carries[k]
                 fn = self.funcs[c.callee_of(call)]
                 types.append(self._result_type(call, rn))
-                attrs.append(list(fn.attributes["res_attrs"])[rn])
+                attrs.append(list(fn.attributes["res_attrs"])[rn] if "res_attrs" in
+                             fn.attributes else ir.DictAttr.get({}))
             with ir.InsertionPoint(self.module.body), self.main.location:
                 init = func.FuncOp(name, ir.FunctionType.get([], types), visibility="private")
                 body = init.add_entry_block()

@@ -58,8 +58,9 @@ SHAPES = "Non-dividing shapes"
 SCHEDULES = "Schedule misuse"
 IMPLICIT = "Implicit tasks"
 FLAX = "Flax"
+SHARDY = "Shardy:MPMD programs"
 CLI = "CLI misuse (mm-opt)"
-CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, CLI)
+CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, SHARDY, CLI)
 
 _ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -181,7 +182,16 @@ def global_mesh() -> mm.MultiMesh:
     return mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x"))
 
 
-HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh)
+def partitioned_identity() -> str:
+    """The smallest Shardy:MPMD-partitioned program: ``@main`` returns its argument,
+    which lives on mesh ``m1`` (``x=4``)."""
+    t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
+    return (f"func.func public @main(%x: {t}) -> {t} attributes "
+            f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
+            f"  return %x : {t}\n}}\n")
+
+
+HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity)
 
 
 def _repro_check(pass_argument: str):
@@ -1198,6 +1208,81 @@ def _():
     mmf.mjit(lambda m, x: m(x), in_shardings=(3, None))(model, jnp.ones((2, 4)))
 
 
+# =========================================================================== Shardy:MPMD
+
+
+@error("compile-mpmd-not-a-program", SHARDY, "`compile_mpmd` given something that is not a module",
+       MultimeshTypeError,
+       r"`compile_mpmd` expects a module partitioned by Shardy:MPMD \(MLIR text or an "
+       r"ir\.Module\) or a program lowered by Shardy's front end, got function",
+       """Pass the partitioner's output (`apply_mpmd_partitioning(...).mpmd_module` or its
+       text), or what Shardy's `mpmd.jit(f, config).lower(...)` returns; to compile a jax
+       function with tasks use `mjit`.""")
+def _():
+    mm.compile_mpmd(lambda x: x, {"m1": range(4)})
+
+
+@error("compile-mpmd-not-partitioned", SHARDY, "`compile_mpmd` given a module that is not partitioned",
+       MultimeshValueError,
+       r"`compile_mpmd`: @main argument #0 has type tensor<8xf32>, not an !mpmd.mesh_tensor; "
+       r"pass the output of Shardy's MPMD partitioner",
+       """A partitioned program's `@main` takes `!mpmd.mesh_tensor`s. Run
+       `jaxlib._sdy_mpmd.apply_mpmd_partitioning(..., phases=ALL)` on the
+       `named_computation` module first (docs/shardy-mpmd.md).""")
+def _():
+    mm.compile_mpmd("func.func @main(%x: tensor<8xf32>) -> tensor<8xf32> {\n"
+                    "  return %x : tensor<8xf32>\n}\n", {"m1": range(4)})
+
+
+@error("compile-mpmd-no-meshes", SHARDY, "`compile_mpmd` without the mesh map",
+       MultimeshValueError,
+       r"`compile_mpmd` needs `meshes`: the device positions of each mesh of the program "
+       r"\('m1'\), e.g. \{'m1': range\(0, 4\), 'm2': range\(4, 8\)\}",
+       """The mpmd dialect names meshes but no devices. Say where each mesh's devices are:
+       positions in `devices` (default `jax.devices()`) or a `jax.sharding.Mesh`. Programs
+       lowered by Shardy's front end carry their topology and need no map.""")
+def _():
+    mm.compile_mpmd(partitioned_identity())
+
+
+@error("compile-mpmd-unknown-mesh", SHARDY, "`compile_mpmd` given a mesh the program does not have",
+       MultimeshValueError,
+       r"`compile_mpmd` meshes has mesh 'm2', which the program does not have; its meshes are "
+       r"'m1'",
+       """The names in `meshes` must be the program's mesh names (its `topology`).""")
+def _():
+    mm.compile_mpmd(partitioned_identity(), {"m1": range(4), "m2": range(4, 8)})
+
+
+@error("compile-mpmd-mesh-size", SHARDY, "`compile_mpmd` given the wrong number of devices for a mesh",
+       MultimeshValueError,
+       r"`compile_mpmd` meshes\['m1'\] has 2 devices, but the program's mesh 'm1' has 4 "
+       r"\(axes \{'x': 4\}\)",
+       """Give each mesh as many devices as its axes multiply to, in row-major order over
+       its axes.""")
+def _():
+    mm.compile_mpmd(partitioned_identity(), {"m1": [0, 1]})
+
+
+@error("compile-mpmd-bad-position", SHARDY, "`compile_mpmd` given a device position out of range",
+       MultimeshValueError,
+       r"`compile_mpmd` meshes\['m1'\] has device position 8, but there are 8 devices "
+       r"\(valid positions are 0\.\.7\)",
+       """Positions index `devices` (default `jax.devices()`).""")
+def _():
+    mm.compile_mpmd(partitioned_identity(), {"m1": range(6, 10)})
+
+
+@error("compile-mpmd-bad-tree", SHARDY, "`compile_mpmd` given a tree that does not fit the program",
+       MultimeshValueError,
+       r"`compile_mpmd` in_tree has 2 leaves but the program has 1 @main argument\.",
+       """`in_tree` is the treedef of the positional arguments (`jax.tree.structure(args)`)
+       and must have one leaf per `@main` argument; `out_tree` one per result.""")
+def _():
+    mm.compile_mpmd(partitioned_identity(), {"m1": range(4)},
+                    in_tree=jax.tree.structure((0, 0)))
+
+
 # =========================================================================== CLI misuse
 
 OK_MLIR = """\
@@ -1339,6 +1424,23 @@ cli("cli-diagnostic-without-location", "A module-level diagnostic",
     """Multimesh pipelines start from `@main`; the module must define it.""",
     input_text="func.func @f() {\n  return\n}\n")
 
+
+
+cli("cli-import-mpmd-bad-meshes", "An `mm-import-mpmd` mesh map that cannot be read",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1})"], 1,
+    r"^mm-opt: error: Pass 'mm-import-mpmd' option 'meshes': entry 'm1' is not of the form "
+    r"name=positions\. Expected 'name=positions;\.\.\.', e\.g\. 'm1=0-3;m2=4,5,6,7'\.",
+    """Give each mesh its device positions: `meshes=m1=0-3;m2=4-7` (quote lists with
+    commas: `meshes="m1=0,2,4,6;m2=1,3,5,7"`).""",
+    input_text=OK_MLIR)
+
+cli("cli-import-mpmd-no-meshes", "`mm-import-mpmd` without a mesh map",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd)"], 1,
+    r"^in\.mlir:1:1: error: mm-import-mpmd needs the device positions of every mesh; set its "
+    r"option 'meshes' \(or the module attribute 'mm\.meshes'\), e\.g\. meshes=m1=0-3",
+    """The mpmd dialect has no device ids; the pass needs to know which devices each mesh
+    is. `compile_mpmd` records the map it is given as `mm.meshes` on the module.""",
+    input_text=partitioned_identity())
 
 # --------------------------------------------------------------------------- running
 

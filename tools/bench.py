@@ -16,6 +16,12 @@ P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of 
 P8  compile phases of a pipelined transformer for M = 1, 4, 16, 64 microbatches, and
     the whole compile at M=16 over jax.jit of the same step with a lax.scan over
     microbatches (see tools/bench_microbatch.py).
+P5  partitioning time of a 2-stage x 4-microbatch 1F1B value_and_grad step: multimesh's
+    pipeline (parse + run_pipeline, as .compile() runs it) on the step written with
+    tasks / Shardy's apply_mpmd_partitioning (parse + partition) on the same step
+    written with named computations. P5_passes: ours without run_pipeline's hooks;
+    P5_import: parse + mm-import-mpmd + mm-verify of Shardy's output, / theirs.
+    (--only P5 runs just this one.)
 """
 
 from __future__ import annotations
@@ -249,13 +255,109 @@ def _p4(num_ops: int) -> tuple[float, float, float]:
     return pipe / base, pipe, base
 
 
+class _quiet:
+    """Shardy's partitioner logs ~40 lines per call (fds 1 and 2); keep them out of the
+    report."""
+
+    def __enter__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = [os.dup(1), os.dup(2)]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc):
+        for fd, saved in zip((1, 2), self._saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def _p5(reps: int) -> dict[str, float]:
+    """Partitioning time of the same 2 x 4 1F1B step: multimesh's passes / Shardy's."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sdy_mpmd
+
+    from mlir_passes.pipeline import parse_pipeline
+    from multimesh._src.mlir import ir, make_context, parse_module, py_to_attr
+    from multimesh.jax import mjit
+    from multimesh.jax._mjit import run_pipeline
+
+    program = sdy_mpmd.TwoStage(4, width=64, batch=16, m1=(("x", 4),), m2=(("x", 4),))
+    params, xs = program.args()
+    lowered = mjit(program.multimesh()).lower(params, xs)
+    ours_text = lowered.as_text()
+    theirs_text = program.lowered_text()
+    sdy = sdy_mpmd.partitioner()
+    n_in, n_out = 3, 3
+    meshes = [(k, list(v)) for k, v in program.meshes.items()]
+    assignment = {"stage1": ("m1", 0), "stage2": ("m2", 1)}
+    with _quiet():
+        imported = sdy_mpmd.partition(theirs_text, program.meshes, assignment,
+                                      schedule="1F1B")
+    import_pipeline = "builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-7},mm-verify)"
+
+    def ours_module():  # what MpmdLowered.compile() parses and annotates
+        m = parse_module(ours_text, make_context())
+        with m.context:
+            m.operation.attributes["mm.schedule_config"] = py_to_attr(lowered.schedule_config)
+            m.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
+                ir.IntegerType.get_signless(64), 8)
+        return m
+
+    def ours():
+        run_pipeline(ours_module(), lowered.pipeline)
+
+    def ours_passes():
+        parse_pipeline(lowered.pipeline).run(ours_module())
+
+    def theirs():
+        m = parse_module(theirs_text, make_context())
+        with m.context:
+            sdy.apply_mpmd_partitioning(
+                m, "main", meshes, assignment, [None] * n_in, [None] * n_out, [],
+                partitioning_options={"mpmd_pipeline_schedule": "1F1B"},
+                fragment_merge_rules=[], fragment_schedule_rules=[],
+                phases=sdy.PartitioningPhase.ALL)
+
+    def import_():
+        parse_pipeline(import_pipeline).run(parse_module(imported, make_context()))
+
+    times: dict[str, list[float]] = {"ours": [], "passes": [], "theirs": [], "import": []}
+    with _quiet():
+        for f in (ours, ours_passes, theirs, import_):  # warm-up
+            f()
+        for _ in range(reps):
+            for key, f in (("ours", ours), ("theirs", theirs), ("passes", ours_passes),
+                           ("import", import_)):
+                t0 = time.perf_counter()
+                f()
+                times[key].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"P5": med["ours"] / med["theirs"], "P5_passes": med["passes"] / med["theirs"],
+            "P5_import": med["import"] / med["theirs"], "P5_ours_ms": 1e3 * med["ours"],
+            "P5_passes_ms": 1e3 * med["passes"], "P5_shardy_ms": 1e3 * med["theirs"],
+            "P5_import_ms": 1e3 * med["import"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller P4x4")
     ap.add_argument("--json", help="write results as JSON to this path")
+    ap.add_argument("--only", choices=["P5", "P8"], help="run one benchmark")
     args = ap.parse_args(argv)
     res = {}
     reps = 5 if args.quick else 20
+    if args.only == "P5":
+        res.update(_p5(10 if args.quick else 30))
+        return _report(res, args.json)
+    if args.only == "P8":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_microbatch import P8
+
+        res.update(P8(reps=1 if args.quick else 3))
+        return _report(res, args.json)
     res["P1_2stage"] = _p1(2, reps)
     res["P1_4stage"] = _p1(4, reps)
     res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
@@ -273,11 +375,16 @@ def main(argv=None) -> int:
     res["P4"], res["P4_pipeline_s"], res["P4_parse_print_s"] = r, pipe, base
     r4, pipe4, base4 = _p4(4 * n)
     res["P4x4"], res["P4x4_pipeline_s"], res["P4x4_parse_print_s"] = r4, pipe4, base4
+    res.update(_p5(10 if args.quick else 30))
+    return _report(res, args.json)
+
+
+def _report(res: dict, path: str | None) -> int:
     print(f"{'measure':<22}{'value':>10}")
     for k, v in res.items():
         print(f"{k:<22}{v:>10.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=2)
     return 0
 

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 
 from jax._src.interpreters.mlir import make_ir_context as _make_ir_context
 from jaxlib.mlir import ir, passmanager
-from jaxlib.mlir.dialects import func, sdy, stablehlo
+from jaxlib.mlir.dialects import func, mpmd, sdy, stablehlo
 
 __all__ = [
-    "ir", "passmanager", "func", "sdy", "stablehlo",
+    "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
     "make_context", "parse_module", "print_module", "clone_module",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",

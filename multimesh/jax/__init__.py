@@ -15,6 +15,7 @@ from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._multimesh import clear_tasks as clear_tasks
 from multimesh.jax._multimesh import register_task as register_task
 from multimesh.jax._multimesh import tasks as tasks
+from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
 from multimesh.jax._task import Task as Task
 from multimesh.jax._task import TaskMesh as TaskMesh
 from multimesh.jax._task import task as task

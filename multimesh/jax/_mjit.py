@@ -101,8 +101,13 @@ class MpmdCompiled:
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
-        self._all_dynamic = list(lowered.dyn_idx) == list(range(len(lowered.dyn_idx)))
+        n_leaves = lowered.in_tree.num_leaves
+        self._all_dynamic = list(lowered.dyn_idx) == list(range(n_leaves))
         in_sh = self._exec.input_shardings
+        if not self._all_dynamic:  # leaves the program does not take have no sharding
+            in_sh = [None] * n_leaves
+            for i, sh in zip(lowered.dyn_idx, self._exec.input_shardings):
+                in_sh[i] = sh
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 

@@ -1,0 +1,774 @@
+"""``mm-import-mpmd``: Shardy's partitioned MPMD form -> multimesh's MPMD form (docs/ir.md §4).
+
+Shardy's MPMD partitioner (``jaxlib._sdy_mpmd.apply_mpmd_partitioning``) emits a
+``@main`` of ``mpmd.fragment_call``s and ``mpmd.transfer``s over
+``!mpmd.mesh_tensor<"m1", tensor<..>, sharding=<@mesh, ..>>`` values, plus one
+private function per fragment. Only Pathways can run that. This pass rewrites it
+into what ``multimesh.runtime.build_plan`` reads, so stock jax runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from mlir_passes import _contract as c
+from mlir_passes.base import ModulePass
+from multimesh._src.errors import DiagnosticError, PipelineError
+from multimesh._src.layouts import layout_key
+from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
+
+__all__ = ["ImportMpmdPass", "MESHES_ATTR", "MeshTensor", "parse_mesh_tensor", "parse_meshes_option",
+           "read_topology"]
+
+_MAIN_OPS = ("mpmd.fragment_call", "mpmd.transfer", "func.return")
+_UNPARTITIONED = ("mpmd.named_computation", "mpmd.call", "mpmd.fragment", "mpmd.assign",
+                  "mpmd.unassign", "mpmd.named_tensor")
+_DROPPED_FUNC_ATTRS = ("mesh_shape", "reserved_hbm_bytes")
+_DONATION_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
+_MEMORY_KIND_ATTRS = ("mhlo.memory_kind",)
+
+
+@dataclass(frozen=True)
+class ImportMpmdPass(ModulePass):
+    """Turns a module partitioned by Shardy:MPMD into multimesh's MPMD form.
+
+    Input: the output of ``jaxlib._sdy_mpmd.apply_mpmd_partitioning`` (or
+    ``MpmdLowered.as_text("mpmd")`` from Shardy's JAX front end): ``@main`` holds
+    only ``mpmd.fragment_call``, ``mpmd.transfer`` and ``return`` over
+    ``!mpmd.mesh_tensor`` values; each fragment is a ``func.func`` with
+    ``mesh_shape`` and ``sdy.sharding``s on one mesh. The mpmd dialect names meshes
+    but no devices, so ``meshes`` says which device positions each mesh is.
+
+    Output (docs/ir.md §4), in the partitioner's order of calls, which becomes the
+    dispatch order:
+
+        module attributes {mm.tasks = {stage1 = {devices = [0, 1, 2, 3], ...}}} {
+          sdy.mesh @mesh_m1 = <["x"=4]>
+          func.func @main(%arg0: tensor<8x8xf32> {mm.devices = [0, 1, 2, 3],
+                                                  mm.sharding = #sdy.sharding<@mesh_m1, ..>})
+            %0 = stablehlo.custom_call @mm.fragment_call(%arg0) {mm.fragment = @p0_stage0_fwd}
+            %1 = stablehlo.custom_call @mm.transfer(%0) {mm.devices = [4, 5, 6, 7], ...}
+          module @p0_stage0_fwd attributes {mm.devices = [0, 1, 2, 3],
+              mm.task = {name = "stage1", transpose_count = 0 : i64}, ...} {
+            sdy.mesh @mesh = <["x"=4]>      // the fragment's own `mesh_shape`
+            func.func public @main(...)      // every argument and result has a sharding
+          }
+
+    One ``sdy.mesh`` per mesh comes from the ``topology`` on ``@main``; implicit
+    (absent) shardings become explicit replicated ones. A fragment's task is its
+    origins' names joined by ``+`` (the mesh name when it has none) and the highest
+    transpose count among them. The partitioner's donation attributes are dropped
+    inside fragments: multimesh's runtime donates buffers itself (a
+    ``jax.buffer_donor`` on an ``@main`` argument is kept, so callers can honour it).
+    Rejected with a diagnostic: any other op in ``@main`` (an unpartitioned module,
+    whose cross-mesh ``mpmd.reduce`` and ``mpmd.broadcast`` the partitioner has not
+    yet lowered into transfers and fragments; ``mpmd.for`` loops), memory kinds other
+    than ``device``, ``unreduced`` axes or sub-axes in a sharding that crosses a
+    fragment boundary, a call whose operand or result layout differs from its
+    fragment's (the mpmd verifier does not compare shardings), and meshes missing from
+    ``meshes`` or of the wrong size.
+    """
+
+    argument = "mm-import-mpmd"
+    summary = ("Turn Shardy's partitioned MPMD form (`mpmd.fragment_call`, `mpmd.transfer`, "
+               "`!mpmd.mesh_tensor`) into multimesh's MPMD form.")
+
+    meshes: str = ""
+    """Device positions of each mesh, row-major over its axes: ``m1=0-3;m2=4-7`` or
+    ``m1=0,1,2,3;m2=4,5,6,7`` (quote a value with commas on the command line). When
+    empty, the module attribute ``mm.meshes = {m1 = [0, 1, 2, 3], ...}`` gives them."""
+
+    def __post_init__(self):
+        parse_meshes_option(self.meshes)  # fail while the pipeline is parsed
+
+    def apply(self, module: ir.Module) -> None:
+        with module.context:
+            positions = parse_meshes_option(self.meshes)
+            source = "option 'meshes'"
+            attrs = module.operation.attributes
+            if MESHES_ATTR in attrs:
+                recorded = _read_meshes_attr(attrs[MESHES_ATTR], module.operation.location)
+                if positions and positions != recorded:
+                    raise DiagnosticError(
+                        f"option 'meshes' ({_format_meshes(positions)}) disagrees with the "
+                        f"module's '{MESHES_ATTR}' ({_format_meshes(recorded)}); give one",
+                        module.operation.location)
+                if not positions:
+                    positions, source = recorded, f"'{MESHES_ATTR}'"
+            plan = _Importer(module, positions, source).check()
+            plan.rewrite()
+
+
+MESHES_ATTR = "mm.meshes"
+"""Module attribute ``{m1 = [0, 1, 2, 3], ...}``: the mesh map when the option is not given
+(``compile_mpmd`` sets it, so a failing module saved for a repro replays as is)."""
+
+
+def _read_meshes_attr(attr: ir.Attribute, loc) -> dict[str, tuple[int, ...]]:
+    value = attr_to_py(attr)
+    if not isinstance(value, dict) or not all(
+            isinstance(v, list) and all(isinstance(p, int) and not isinstance(p, bool)
+                                        and p >= 0 for p in v) for v in value.values()):
+        raise DiagnosticError(
+            f"'{MESHES_ATTR}' must map mesh names to lists of device positions, got {attr}",
+            loc)
+    return {k: tuple(v) for k, v in value.items()}
+
+
+def _format_meshes(positions: dict[str, tuple[int, ...]]) -> str:
+    return ";".join(f"{k}={','.join(map(str, v))}" for k, v in positions.items())
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_meshes_option(text: str) -> dict[str, tuple[int, ...]]:
+    """``"m1=0-3;m2=4,5,6,7"`` -> ``{"m1": (0, 1, 2, 3), "m2": (4, 5, 6, 7)}``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        name, eq, spec = entry.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise _option_error(f"entry '{entry}' is not of the form name=positions")
+        if name in out:
+            raise _option_error(f"mesh '{name}' is given twice")
+        positions: list[int] = []
+        for item in (i.strip() for i in spec.split(",")):
+            lo, dash, hi = item.partition("-")
+            try:
+                if dash:
+                    first, last = int(lo), int(hi)
+                    if last < first:
+                        raise ValueError
+                    positions.extend(range(first, last + 1))
+                else:
+                    positions.append(int(item))
+            except ValueError:
+                raise _option_error(
+                    f"mesh '{name}' has device position '{item}', which is not an integer "
+                    f"or an increasing range a-b") from None
+        if any(p < 0 for p in positions):
+            raise _option_error(f"mesh '{name}' has a negative device position")
+        if len(set(positions)) != len(positions):
+            raise _option_error(f"mesh '{name}' lists a device position twice: {positions}")
+        out[name] = tuple(positions)
+    return out
+
+
+def _option_error(what: str) -> PipelineError:
+    return PipelineError(
+        f"Pass 'mm-import-mpmd' option 'meshes': {what}. Expected "
+        f"'name=positions;...', e.g. 'm1=0-3;m2=4,5,6,7'.")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes."""
+    parts, cur, depth, quote, escape = [], [], 0, False, False
+    for ch in text:
+        if quote:
+            cur.append(ch)
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                quote = False
+            continue
+        if ch == '"':
+            quote = True
+        elif ch in "<[{(":
+            depth += 1
+        elif ch in ">]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur).strip())
+    return parts
+
+
+def _unquote(text: str) -> str:
+    if len(text) < 2 or text[0] != '"' or text[-1] != '"':
+        raise ValueError(text)
+    return text[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+
+
+@dataclass(frozen=True)
+class MeshTensor:
+    """The parameters of an ``!mpmd.mesh_tensor`` type (the bindings have no class for it)."""
+
+    mesh: str
+    tensor: ir.Type
+    sharding: ir.Attribute | None  # #sdy.sharding, None = fully replicated
+    memory_kind: str | None
+
+
+_MESH_TENSOR = "!mpmd.mesh_tensor<"
+
+
+def parse_mesh_tensor(t: ir.Type) -> MeshTensor | None:
+    """Read an ``!mpmd.mesh_tensor`` type; None for any other type."""
+    text = str(t)
+    if not text.startswith(_MESH_TENSOR) or not text.endswith(">"):
+        return None
+    parts = _split_top(text[len(_MESH_TENSOR):-1])
+    mesh, tensor = _unquote(parts[0]), ir.Type.parse(parts[1])
+    sharding = memory_kind = None
+    for p in parts[2:]:
+        key, _, value = (x.strip() for x in p.partition("="))
+        if key == "sharding":
+            sharding = ir.Attribute.parse("#sdy.sharding" + value)
+        elif key == "memory_kind":
+            memory_kind = _unquote(value)
+        else:
+            raise ValueError(f"unknown mesh_tensor parameter in {text}")
+    return MeshTensor(mesh, tensor, sharding, memory_kind)
+
+
+def read_topology(main: ir.Operation) -> dict[str, ir.Attribute] | None:
+    """``{mesh name: #sdy.mesh}`` from ``@main``'s ``topology`` attribute (None if absent)."""
+    if "topology" not in main.attributes:
+        return None
+    text = str(main.attributes["topology"])
+    prefix = "#mpmd.topology<"
+    if not text.startswith(prefix) or not text.endswith(">"):
+        raise DiagnosticError(f"'topology' on @main is not an #mpmd.topology, got {text}",
+                              main.location)
+    out = {}
+    for entry in _split_top(text[len(prefix):-1]):
+        inner = entry[1:-1] if entry.startswith("<") and entry.endswith(">") else entry
+        name, sep, mesh = inner.partition(" : ")
+        if not sep:
+            raise DiagnosticError(f"cannot read mesh '{entry}' of the topology on @main",
+                                  main.location)
+        out[_unquote(name.strip())] = ir.Attribute.parse("#sdy.mesh" + mesh.strip())
+    return out
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+def _axes(mesh: ir.Attribute) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    m = sdy.MeshAttr(mesh)
+    axes = [sdy.MeshAxisAttr(a) for a in m.axes]
+    return tuple(a.name for a in axes), tuple(a.size for a in axes)
+
+
+def _mesh_str(mesh: ir.Attribute) -> str:
+    names, sizes = _axes(mesh)
+    return "[" + ", ".join(f'"{n}"={s}' for n, s in zip(names, sizes)) + "]"
+
+
+def _dims(sharding: ir.Attribute | None, rank: int) -> tuple[tuple[str, ...], ...]:
+    if sharding is None:
+        return tuple(() for _ in range(rank))
+    ts = sdy.TensorShardingAttr(sharding)
+    return tuple(tuple(sdy.AxisRefAttr(a).name for a in sdy.DimensionShardingAttr(d).axes)
+                 for d in ts.dimension_shardings)
+
+
+def _rank(t: ir.Type) -> int:
+    return len(ir.RankedTensorType(t).shape)
+
+
+def _replicated(mesh_ref: str, rank: int) -> ir.Attribute:
+    dim = sdy.DimensionShardingAttr.get([], is_closed=True)
+    return sdy.TensorShardingAttr.get(mesh_ref, [dim] * rank)
+
+
+def _on_mesh(sharding: ir.Attribute | None, mesh_ref: str, rank: int) -> ir.Attribute:
+    """``sharding`` re-pointed at ``@mesh_ref`` (replicated when None)."""
+    if sharding is None:
+        return _replicated(mesh_ref, rank)
+    ts = sdy.TensorShardingAttr(sharding)
+    return sdy.TensorShardingAttr.get(mesh_ref, list(ts.dimension_shardings),
+                                      list(ts.replicated_axes), list(ts.unreduced_axes))
+
+
+def _check_boundary_sharding(sharding: ir.Attribute | None, axes: tuple[str, ...], what: str,
+                             loc) -> None:
+    """A sharding the runtime moves values by: known axes, no unreduced or sub-axes."""
+    if sharding is None:
+        return
+    ts = sdy.TensorShardingAttr(sharding)
+    if len(ts.unreduced_axes):
+        raise DiagnosticError(
+            f"{what} has unreduced axes {sharding}; multimesh moves only fully reduced "
+            f"values between fragments", loc)
+    for d in ts.dimension_shardings:
+        for a in sdy.DimensionShardingAttr(d).axes:
+            ref = sdy.AxisRefAttr(a)
+            if ref.sub_axis_info is not None:
+                raise DiagnosticError(
+                    f"{what} shards over sub-axis {a} in {sharding}; multimesh moves values "
+                    f"between fragments only on whole mesh axes", loc)
+            if ref.name not in axes:
+                raise DiagnosticError(
+                    f"{what} uses axis \"{ref.name}\" in {sharding}, which is not an axis of "
+                    f"its mesh {list(axes)}", loc)
+
+
+def _memory_kind_error(kind: str, what: str, loc) -> DiagnosticError:
+    return DiagnosticError(
+        f"{what} has memory kind \"{kind}\"; multimesh runs values in device memory only "
+        f"(no host offloading)", loc)
+
+
+def _arg_attr_dicts(fn: ir.Operation, key: str, n: int) -> list[dict[str, ir.Attribute]]:
+    if key not in fn.attributes:
+        return [{} for _ in range(n)]
+    out = []
+    for a in ir.ArrayAttr(fn.attributes[key]):
+        d = ir.DictAttr(a)
+        out.append({d[i].name: d[i].attr for i in range(len(d))})
+    return out
+
+
+@dataclass
+class _Fragment:
+    fn: ir.Operation
+    mesh_shape: ir.Attribute
+    args: list[dict[str, ir.Attribute]]
+    results: list[dict[str, ir.Attribute]]
+    in_types: list[ir.Type]
+    out_types: list[ir.Type]
+    mesh_syms: list[str]  # the module's sdy.mesh symbols its shardings name
+
+
+class _Importer:
+    """Checks everything first (:meth:`check`), then rewrites (:meth:`rewrite`)."""
+
+    def __init__(self, module: ir.Module, positions: dict[str, tuple[int, ...]],
+                 source: str):
+        self.module = module
+        self.positions = positions
+        self.source = source  # where the mesh map came from, for messages
+        # Types and attributes are uniqued per context: one program repeats a few of them.
+        self._types: dict[ir.Type, MeshTensor | None] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        self._checked: set[tuple] = set()
+
+    # ---------------------------------------------------------------- checking
+
+    def check(self) -> _Importer:
+        module = self.module
+        self.main = main = c.main_func(module)
+        self.block = block = c.entry_block(main)
+        self.funcs = c.func_by_name(module)
+        self.sdy_meshes = {c.func_name(o.operation): o.operation
+                           for o in module.body.operations if o.operation.name == "sdy.mesh"}
+        ops = [o.operation for o in block.operations]
+        for op in ops:
+            if op.name not in _MAIN_OPS:
+                raise self._unsupported(op)
+        arg_types = [self._mesh_tensor(a.type) for a in block.arguments]
+        for a, mt in zip(block.arguments, arg_types):
+            if mt is None:
+                raise DiagnosticError(
+                    f"@main argument #{a.arg_number} has type {a.type}, not an "
+                    f"!mpmd.mesh_tensor; is this the output of Shardy's MPMD partitioner?",
+                    main.location)
+        self.arg_types = arg_types
+        self.topology = read_topology(main)
+        self.calls = [op for op in ops if op.name == "mpmd.fragment_call"]
+        self.transfers = [op for op in ops if op.name == "mpmd.transfer"]
+        self.ret = ops[-1]
+        self.fragments: dict[str, _Fragment] = {}
+        for call in self.calls:
+            name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            if name not in self.fragments:
+                self.fragments[name] = self._read_fragment(name, call)
+        self.mesh_shapes = self._mesh_shapes()
+        self._check_positions()
+        # Values in @main: where each one lives, as (mesh, sharding or None).
+        self.value_mesh: dict[ir.Value, MeshTensor] = {}
+        arg_dicts = _arg_attr_dicts(main, "arg_attrs", len(block.arguments))
+        for a, mt, d in zip(block.arguments, arg_types, arg_dicts):
+            what = f"@main argument #{a.arg_number}"
+            for key in _MEMORY_KIND_ATTRS:
+                if key in d and attr_to_py(d[key]) != "device":
+                    raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
+            self._check_value(mt, what, main.location)
+            self.value_mesh[a] = mt
+        for op in ops:
+            if op.name == "mpmd.fragment_call":
+                self._check_call(op)
+            elif op.name == "mpmd.transfer":
+                dst = self._result_type(op, 0)
+                self._check_value(dst, "the transfer's result", op.location)
+                self.value_mesh[op.results[0]] = dst
+        return self
+
+    def _unsupported(self, op: ir.Operation) -> DiagnosticError:
+        if op.name in ("mpmd.reduce", "mpmd.broadcast"):
+            return DiagnosticError(
+                f"'{op.name}' in @main: a cross-mesh {op.name[5:]} cannot run as an op "
+                f"(multimesh's runtime has no cross-mesh collectives); Shardy's partitioner "
+                f"lowers it into transfers and fragments, so partition with phases=ALL first",
+                op.location)
+        if op.name == "mpmd.for":
+            return DiagnosticError(
+                "'mpmd.for' in @main: multimesh runs flat programs of fragment calls and "
+                "transfers; unroll the loop before partitioning (e.g. one mpmd.call per "
+                "microbatch)", op.location)
+        if op.name in _UNPARTITIONED:
+            return DiagnosticError(
+                f"'{op.name}' in @main: the module is not partitioned yet; run Shardy's "
+                f"apply_mpmd_partitioning with phases=ALL first", op.location)
+        return DiagnosticError(
+            f"'{op.name}' in @main cannot run: multimesh runs only 'mpmd.fragment_call', "
+            f"'mpmd.transfer' and 'return' there", op.location)
+
+    def _read_fragment(self, name: str, call: ir.Operation) -> _Fragment:
+        fn = self.funcs.get(name)
+        if fn is None:
+            raise DiagnosticError(f"fragment '@{name}' is not a function of the module",
+                                  call.location)
+        if "mesh_shape" not in fn.attributes:
+            raise DiagnosticError(
+                f"fragment '@{name}' has no 'mesh_shape'; is this the output of Shardy's "
+                f"MPMD partitioner?", fn.location)
+        mesh_shape = fn.attributes["mesh_shape"]
+        axes = _axes(mesh_shape)[0]
+        ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+        frag = _Fragment(fn, mesh_shape, _arg_attr_dicts(fn, "arg_attrs", len(ftype.inputs)),
+                         _arg_attr_dicts(fn, "res_attrs", len(ftype.results)),
+                         list(ftype.inputs), list(ftype.results), [])
+        for kind, dicts in (("argument", frag.args), ("result", frag.results)):
+            for k, d in enumerate(dicts):
+                what = f"fragment '@{name}' {kind} #{k}"
+                for key in _MEMORY_KIND_ATTRS:
+                    if key in d:
+                        kind_ = attr_to_py(d[key])
+                        if kind_ != "device":
+                            raise _memory_kind_error(kind_, what, fn.location)
+                sh = d.get("sdy.sharding")
+                _check_boundary_sharding(sh, axes, what, fn.location)
+        frag.mesh_syms = _own_mesh_first(frag, c.referenced_meshes(fn, set(self.sdy_meshes)))
+        return frag
+
+    def _mesh_shapes(self) -> dict[str, ir.Attribute]:
+        """Each mesh's axes, from the topology; a fragment's ``mesh_shape`` must agree."""
+        if self.topology is None:  # the mpmd verifier already demands one
+            raise DiagnosticError("@main has no mpmd 'topology'; is this the output of "
+                                  "Shardy's MPMD partitioner?", self.main.location)
+        shapes: dict[str, ir.Attribute] = dict(self.topology)
+        for mt in self.arg_types:
+            if mt.mesh not in shapes:
+                raise DiagnosticError(
+                    f"@main has an argument on mesh \"{mt.mesh}\", which is not in the "
+                    f"topology {sorted(shapes)}", self.main.location)
+        for call in self.calls:
+            mesh = ir.StringAttr(call.attributes["mesh_name"]).value
+            frag = self.fragments[ir.FlatSymbolRefAttr(call.attributes["callee"]).value]
+            if mesh not in shapes:
+                raise DiagnosticError(
+                    f"fragment call on mesh \"{mesh}\", which is not in the topology "
+                    f"{sorted(shapes)}", call.location)
+            if _axes(shapes[mesh]) != _axes(frag.mesh_shape):
+                raise DiagnosticError(
+                    f"fragment '@{c.func_name(frag.fn)}' has mesh_shape "
+                    f"{_mesh_str(frag.mesh_shape)} but mesh \"{mesh}\" is "
+                    f"{_mesh_str(shapes[mesh])}", call.location)
+        for mesh, shape in shapes.items():
+            if len(sdy.MeshAttr(shape).device_ids):
+                raise DiagnosticError(
+                    f"mesh \"{mesh}\" has explicit device_ids; give the device order in the "
+                    f"pass's 'meshes' option instead", self.main.location)
+        return shapes
+
+    def _check_positions(self) -> None:
+        known = sorted(self.mesh_shapes)
+        src = self.source
+        if not self.positions:
+            raise DiagnosticError(
+                f"mm-import-mpmd needs the device positions of every mesh; set its option "
+                f"'meshes' (or the module attribute '{MESHES_ATTR}'), e.g. "
+                f"meshes={_example(self.mesh_shapes)}", self.main.location)
+        for mesh in self.positions:
+            if mesh not in self.mesh_shapes:
+                raise DiagnosticError(
+                    f"{src} names mesh \"{mesh}\", which the program does not have "
+                    f"(its meshes: {', '.join(known)})", self.main.location)
+        for mesh in known:
+            if mesh not in self.positions:
+                raise DiagnosticError(
+                    f"{src} gives no device positions for mesh \"{mesh}\" (it gives "
+                    f"{', '.join(sorted(self.positions))})", self.main.location)
+            size = prod(_axes(self.mesh_shapes[mesh])[1])
+            if len(self.positions[mesh]) != size:
+                raise DiagnosticError(
+                    f"mesh \"{mesh}\" {_mesh_str(self.mesh_shapes[mesh])} has {size} devices "
+                    f"but {src} gives it {len(self.positions[mesh])}: "
+                    f"{list(self.positions[mesh])}", self.main.location)
+        for mesh, pos in self.positions.items():
+            if len(set(pos)) != len(pos):
+                raise DiagnosticError(f"{src} lists a device of mesh \"{mesh}\" twice: "
+                                      f"{list(pos)}", self.main.location)
+
+    def _mesh_tensor(self, t: ir.Type) -> MeshTensor | None:
+        if t not in self._types:
+            self._types[t] = parse_mesh_tensor(t)
+        return self._types[t]
+
+    def _check_value(self, mt: MeshTensor, what: str, loc) -> None:
+        key = (mt.mesh, mt.sharding, mt.memory_kind)
+        if key in self._checked:
+            return
+        if mt.memory_kind not in (None, "device"):
+            raise _memory_kind_error(mt.memory_kind, what, loc)
+        _check_boundary_sharding(mt.sharding, _axes(self.mesh_shapes[mt.mesh])[0], what, loc)
+        self._checked.add(key)
+
+    def _result_type(self, op: ir.Operation, k: int) -> MeshTensor:
+        mt = self._mesh_tensor(op.results[k].type)
+        if mt is None:
+            raise DiagnosticError(f"result #{k} of '{op.name}' is not an !mpmd.mesh_tensor",
+                                  op.location)
+        return mt
+
+    def _layout(self, mesh: str, axes_of: ir.Attribute, sharding, t: ir.Type):
+        rank = _rank(t)
+        key = (mesh, axes_of, sharding, rank)
+        out = self._layouts.get(key)
+        if out is None:
+            names, sizes = _axes(axes_of)
+            out = layout_key(self.positions[mesh], names, sizes, _dims(sharding, rank))
+            self._layouts[key] = out
+        return out
+
+    def _check_call(self, call: ir.Operation) -> None:
+        mesh = ir.StringAttr(call.attributes["mesh_name"]).value
+        name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        frag = self.fragments[name]
+        if len(call.operands) != len(frag.in_types) or len(call.results) != len(frag.out_types):
+            raise DiagnosticError(
+                f"call of '@{name}' has {len(call.operands)} operands and {len(call.results)} "
+                f"results but the fragment takes {len(frag.in_types)} and returns "
+                f"{len(frag.out_types)}", call.location)
+        for k, v in enumerate(call.operands):
+            mt = self.value_mesh[v]
+            if mt.mesh != mesh:
+                raise DiagnosticError(
+                    f"operand #{k} of the call of '@{name}' on mesh \"{mesh}\" lives on mesh "
+                    f"\"{mt.mesh}\" (a transfer is missing)", call.location)
+            want = self._layout(mesh, frag.mesh_shape, frag.args[k].get("sdy.sharding"),
+                                frag.in_types[k])
+            have = self._layout(mesh, self.mesh_shapes[mesh], mt.sharding, mt.tensor)
+            if want != have:
+                raise DiagnosticError(
+                    f"operand #{k} of the call of '@{name}' is laid out as "
+                    f"{mt.sharding or 'replicated'} but the fragment wants "
+                    f"{frag.args[k].get('sdy.sharding', 'replicated')}", call.location)
+        for k, r in enumerate(call.results):
+            mt = self._result_type(call, k)
+            self._check_value(mt, f"result #{k} of the call of '@{name}'", call.location)
+            want = self._layout(mesh, frag.mesh_shape, frag.results[k].get("sdy.sharding"),
+                                frag.out_types[k])
+            have = self._layout(mesh, self.mesh_shapes[mesh], mt.sharding, mt.tensor)
+            if mt.mesh != mesh or want != have:
+                raise DiagnosticError(
+                    f"result #{k} of the call of '@{name}' is typed {r.type} but the fragment "
+                    f"returns it on mesh \"{mesh}\" as "
+                    f"{frag.results[k].get('sdy.sharding', 'replicated')}", call.location)
+            self.value_mesh[r] = mt
+
+    # ---------------------------------------------------------------- rewriting
+
+    def rewrite(self) -> None:
+        module, main, block = self.module, self.main, self.block
+        taken = set(self.funcs) | set(self.sdy_meshes)
+        mesh_sym = {}
+        for mesh in sorted(self.mesh_shapes):
+            sym = _fresh(f"mesh_{_safe(mesh)}", taken)
+            mesh_sym[mesh] = sym
+        devices = {m: py_to_attr(list(p)) for m, p in self.positions.items()}
+        # Tasks: one per (origins, mesh); a name on two meshes gets the mesh appended.
+        tasks: dict[str, dict] = {}
+        modules: dict[tuple[str, str], str] = {}  # (fragment, mesh) -> nested module name
+        frag_tasks: dict[tuple[str, str], tuple[str, int]] = {}
+        for call in self.calls:
+            mesh = ir.StringAttr(call.attributes["mesh_name"]).value
+            name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            task, count = _task_of(call, mesh)
+            names, sizes = _axes(self.mesh_shapes[mesh])
+            entry = {"devices": list(self.positions[mesh]), "axis_names": list(names),
+                     "axis_sizes": list(sizes), "logical_axes": []}
+            if task in tasks and tasks[task] != entry:
+                task = f"{task}@{mesh}"
+            tasks[task] = entry
+            key = (name, mesh)
+            if key not in modules:
+                modules[key] = name if not any(k[0] == name for k in modules) else \
+                    _fresh(f"{name}_{_safe(mesh)}", taken)
+                taken.add(modules[key])
+                frag_tasks[key] = (task, count)
+            else:  # several calls, several origins: keep the highest transpose count
+                old_task, old_count = frag_tasks[key]
+                frag_tasks[key] = (old_task, max(old_count, count))
+        i32 = ir.IntegerType.get_signless(32)
+        # Top-level meshes, before @main.
+        with ir.InsertionPoint(main), main.location:
+            for mesh in sorted(self.mesh_shapes):
+                sdy.MeshOp(mesh_sym[mesh], self.mesh_shapes[mesh])
+        # Nested fragment modules (cloned when one function runs on two meshes).
+        moved: set[str] = set()
+        for (name, mesh), sub_name in modules.items():
+            frag = self.fragments[name]
+            fn = frag.fn if name not in moved else frag.fn.clone(
+                ip=ir.InsertionPoint(module.body))
+            moved.add(name)
+            with ir.InsertionPoint(module.body), fn.location:
+                sub = ir.Operation.create("builtin.module", regions=1)
+            sub.regions[0].blocks.append()
+            task, count = frag_tasks[(name, mesh)]
+            sub.attributes["sym_name"] = ir.StringAttr.get(sub_name)
+            sub.attributes["mm.devices"] = devices[mesh]
+            sub.attributes["mm.task"] = c.tag_attr(task, count)
+            sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
+                i32, len(self.positions[mesh]))
+            sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
+            body = sub.regions[0].blocks[0]
+            own = frag.mesh_syms[0] if frag.mesh_syms else "mesh"
+            with ir.InsertionPoint(body), fn.location:
+                sdy.MeshOp(own, frag.mesh_shape)
+                for sym in frag.mesh_syms[1:]:
+                    shape = self.sdy_meshes[sym].attributes["mesh"]
+                    sdy.MeshOp(sym, shape if _is_empty(shape) else frag.mesh_shape)
+            body.append(fn)
+            _to_fragment_main(fn, frag, own)
+        # @main: plain tensors placed by mm.devices / mm.sharding.
+        arg_dicts = _arg_attr_dicts(main, "arg_attrs", len(block.arguments))
+        new_arg_attrs = []
+        for a, mt, d in zip(block.arguments, self.arg_types, arg_dicts):
+            d = dict(d)
+            d["mm.devices"] = devices[mt.mesh]
+            d["mm.sharding"] = _on_mesh(mt.sharding, mesh_sym[mt.mesh], _rank(mt.tensor))
+            new_arg_attrs.append(ir.DictAttr.get(d))
+            a.set_type(mt.tensor)
+        for call in self.calls:
+            mesh = ir.StringAttr(call.attributes["mesh_name"]).value
+            name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            with ir.InsertionPoint(call), call.location:
+                op = stablehlo.CustomCallOp(
+                    [self.value_mesh[r].tensor for r in call.results], list(call.operands),
+                    call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
+                    has_side_effect=ir.BoolAttr.get(False),
+                    api_version=ir.IntegerAttr.get(i32, 1))
+            op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(
+                modules[(name, mesh)])
+            for old, new in zip(call.results, op.results):
+                old.replace_all_uses_with(new)
+            call.erase()
+        for t in self.transfers:
+            dst = self.value_mesh[t.results[0]]
+            with ir.InsertionPoint(t), t.location:
+                op = stablehlo.CustomCallOp(
+                    [dst.tensor], list(t.operands),
+                    call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
+                    has_side_effect=ir.BoolAttr.get(False),
+                    api_version=ir.IntegerAttr.get(i32, 1))
+            op.operation.attributes["mm.devices"] = devices[dst.mesh]
+            op.operation.attributes["mm.sharding"] = _on_mesh(
+                dst.sharding, mesh_sym[dst.mesh], _rank(dst.tensor))
+            t.results[0].replace_all_uses_with(op.results[0])
+            t.erase()
+        ftype = ir.FunctionType.get([a.type for a in block.arguments],
+                                    [v.type for v in self.ret.operands])
+        main.attributes["function_type"] = ir.TypeAttr.get(ftype)
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(new_arg_attrs)
+        if "topology" in main.attributes:
+            del main.attributes["topology"]
+        still_used: set[str] = set()  # by functions that are not fragments (left alone)
+        for op in module.body.operations:
+            op = op.operation
+            if op.name == "func.func" and op != main:
+                still_used.update(c.referenced_meshes(op, set(self.sdy_meshes)))
+        for sym, op in self.sdy_meshes.items():  # other users moved into fragment modules
+            if sym not in still_used:
+                op.erase()
+        attrs = module.operation.attributes
+        if MESHES_ATTR in attrs:  # now spelled out as mm.devices everywhere
+            del attrs[MESHES_ATTR]
+        attrs[c.TASKS_ATTR] = py_to_attr({k: tasks[k] for k in sorted(tasks)})
+        if "mm.num_devices" not in attrs:
+            top = max(p for ps in self.positions.values() for p in ps)
+            attrs["mm.num_devices"] = py_to_attr(top + 1)
+
+
+def _example(shapes: dict[str, ir.Attribute]) -> str:
+    parts, start = [], 0
+    for mesh in sorted(shapes):
+        n = prod(_axes(shapes[mesh])[1])
+        parts.append(f"{mesh}={start}-{start + n - 1}" if n > 1 else f"{mesh}={start}")
+        start += n
+    return ";".join(parts)
+
+
+def _task_of(call: ir.Operation, mesh: str) -> tuple[str, int]:
+    names: list[str] = []
+    count = 0
+    for o in ir.ArrayAttr(call.attributes["origin"]):
+        u = mpmd.UserOriginAttr(o)
+        if u.user_name not in names:
+            names.append(u.user_name)
+        count = max(count, u.transpose_count)
+    return ("+".join(names) if names else mesh), count
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
+def _own_mesh_first(frag: _Fragment, syms: list[str]) -> list[str]:
+    """The ``sdy.mesh`` symbols a fragment names, the one its boundary shardings use first.
+
+    That one becomes the fragment's ``mesh_shape`` in its module (the runtime reads a
+    fragment's layouts against the first mesh there)."""
+    for d in (*frag.args, *frag.results):
+        sh = d.get("sdy.sharding")
+        if sh is not None:
+            ref = sdy.TensorShardingAttr(sh).mesh_or_ref
+            if isinstance(ref, ir.FlatSymbolRefAttr):
+                own = ir.FlatSymbolRefAttr(ref).value
+                return [own, *(s for s in syms if s != own)]
+    if "mesh" in syms:
+        return ["mesh", *(s for s in syms if s != "mesh")]
+    return syms
+
+
+def _is_empty(mesh: ir.Attribute) -> bool:
+    return not len(sdy.MeshAttr(mesh).axes)
+
+
+def _to_fragment_main(fn: ir.Operation, frag: _Fragment, mesh_ref: str) -> None:
+    """The nested module's public ``@main``: explicit shardings, no partitioner extras."""
+    fn.attributes["sym_name"] = ir.StringAttr.get("main")
+    fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
+    for key in _DROPPED_FUNC_ATTRS:
+        if key in fn.attributes:
+            del fn.attributes[key]
+    for key, dicts, types in (("arg_attrs", frag.args, frag.in_types),
+                              ("res_attrs", frag.results, frag.out_types)):
+        new = []
+        for d, t in zip(dicts, types):
+            d = {k: v for k, v in d.items()
+                 if k not in _DONATION_ATTRS and k not in _MEMORY_KIND_ATTRS}
+            if "sdy.sharding" not in d:
+                d["sdy.sharding"] = _replicated(mesh_ref, _rank(t))
+            new.append(ir.DictAttr.get(d))
+        fn.attributes[key] = ir.ArrayAttr.get(new)
