@@ -80,7 +80,7 @@ class Pipeline:
         """Run every step in order; returns ``[(argument, seconds)]``.
 
         Raises :class:`DiagnosticError` (from a pass) with the failing step's
-        argument attached as ``failed_pass``.
+        argument attached as ``failed_pass`` (and with its options as ``failed_element``).
         """
         timings = []
         for step in self.steps:
@@ -93,6 +93,7 @@ class Pipeline:
                     _verify(module, step.argument)
             except DiagnosticError as e:
                 e.failed_pass = step.argument  # type: ignore[attr-defined]
+                e.failed_element = step.pipeline_element()  # with its options, for repros
                 raise
             dt = time.perf_counter() - t0
             timings.append((step.argument, dt))

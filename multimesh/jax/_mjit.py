@@ -294,7 +294,8 @@ def run_pipeline(module: ir.Module, pipeline: str) -> None:
             f.write(current[0])
         where = file_line_col(e.location)
         loc = f" (at {where[0]}:{where[1]}:{where[2]})" if where else ""
-        repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + failed + ')')}"
+        element = getattr(e, "failed_element", failed)
+        repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
         raise PassFailure(
             f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
             f"Reproduce with:\n  {repro}", failed, repro, e) from None
