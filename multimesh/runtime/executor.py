@@ -10,6 +10,7 @@ use so their buffers are freed as soon as the device is done with them.
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -18,8 +19,9 @@ from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import make_context, parse_module
-from multimesh.runtime.plan import Call, Fragment, Layout, Plan, moved
+from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 
 _COMPILE_CACHE: dict[tuple, object] = {}
 _LOCK = threading.Lock()
@@ -51,8 +53,8 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     """Compile (or fetch from cache) one fragment for its devices.
 
     ``donors`` are argument positions whose buffers the call may reuse for its
-    outputs (``jax.buffer_donor``); each donor set is its own executable, since a
-    fragment shared by several calls may donate in one call and not in another.
+    outputs (``jax.buffer_donor``); the cache key is the fragment's text, the
+    devices and the donors, so identical fragments compile once.
     ``positions``: run it on these device positions instead of its own (a task
     that moves with the microbatch).
     """
@@ -64,6 +66,7 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         exe = _COMPILE_CACHE.get(key)
     if exe is not None:
         return exe
+    t0 = time.perf_counter()
     in_sh = [layout_sharding(moved(lay, home, positions), devices) for lay in frag.in_layouts]
     out_sh = [layout_sharding(moved(lay, home, positions), devices)
               for lay in frag.out_layouts]
@@ -80,6 +83,12 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         in_layouts=(None,) * len(in_sh), out_layouts=(None,) * len(out_sh),
         compiler_options_kvs=(), num_devices=len(sub))
     exe = _fast_callable(exe, frag)
+    level = compile_log_level()
+    if logger.isEnabledFor(level):
+        logger.log(level, "multimesh: XLA compiled fragment %s on devices %s%s in %.3f s",
+                   frag.name, [d.id for d in sub],
+                   f" (donating arguments {list(donors)})" if donors else "",
+                   time.perf_counter() - t0)
     with _LOCK:
         _COMPILE_CACHE[key] = exe
     return exe
@@ -131,27 +140,33 @@ def _mark_donors(module, donors) -> None:
 
 
 class Executor:
-    """Runs a :class:`Plan` on a concrete device list."""
+    """Runs a :class:`Plan` on a concrete device list.
+
+    Each (fragment, devices) pair compiles once, with the argument donations its
+    calls share (a donation only some calls could make is skipped and the donated
+    input is deleted after its last use instead). Everything that does not depend
+    on the values is decided here: which executable each call runs, which arrays
+    each step frees, and which transfers move together. A transfer is dispatched
+    as late as its first consumer allows, so the transfers that a point of the
+    schedule needs go out in one batched call.
+    """
 
     def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset()):
         self.plan = plan
         self.devices = tuple(devices)
         self.donated = donated
-        self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()}
+        before = xla_compiles
+        exes = self._compile_calls()
+        self.xla_compiles = xla_compiles - before
+        """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
-        self._steps = []
+        self._steps = []  # per plan step, for run_traced
         for i, s in enumerate(plan.steps):
             if isinstance(s, Call):
-                frag = plan.fragments[s.fragment]
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
                         and a not in plan.outputs]
-                donors = tuple(k for k, a in enumerate(s.args)
-                               if a in donated and plan.last_use.get(a) == i
-                               and s.args.count(a) == 1 and k not in frag.donors)
-                exe = (compile_fragment(frag, self.devices, donors, s.devices)
-                       if donors or s.devices else self.exes[s.fragment])
-                self._steps.append((0, exe, s.args, s.results, drop))
+                self._steps.append((0, exes[i], s.args, s.results, drop))
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
@@ -165,6 +180,44 @@ class Executor:
         for vid, (value, lay) in plan.constants.items():  # the microbatch indices
             self._env_template[vid] = jax.device_put(np.int32(value),
                                                      layout_sharding(lay, self.devices))
+        self._program = _program(plan, exes, self._steps, self._skipped_donations,
+                                 self._consumed)
+        self.batched_transfers = sum(1 for op in self._program if op[0] == 1)
+        """Batched copy calls per run (each moves one or more arrays)."""
+
+    def _compile_calls(self) -> dict[int, object]:
+        """The executable of every call (by step index), compiling only what is used."""
+        plan = self.plan
+        wants: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+        for i, s in enumerate(plan.steps):
+            if isinstance(s, Call):
+                frag = plan.fragments[s.fragment]
+                donors = tuple(k for k, a in enumerate(s.args)
+                               if a in self.donated and plan.last_use.get(a) == i
+                               and s.args.count(a) == 1 and k not in frag.donors)
+                wants.setdefault((s.fragment, s.devices), []).append((i, donors))
+        exes: dict[int, object] = {}
+        self.exes = {}
+        """Fragment name -> one of its executables (for cost and memory analysis)."""
+        self._skipped_donations: dict[int, list[int]] = {}
+        self._consumed: dict[int, set[int]] = {}  # call -> values it donates (or deletes)
+        for (name, positions), calls in wants.items():
+            common = set(calls[0][1]).intersection(*(d for _, d in calls[1:]))
+            exe = compile_fragment(plan.fragments[name], self.devices, tuple(sorted(common)),
+                                   positions)
+            self.exes.setdefault(name, exe)
+            for i, donors in calls:
+                exes[i] = exe
+                skipped = [plan.steps[i].args[k] for k in donors if k not in common]
+                if skipped:
+                    self._skipped_donations[i] = skipped
+                args = plan.steps[i].args
+                self._consumed[i] = {args[k] for k in donors} | {
+                    args[k] for k in plan.fragments[name].donors}
+        for name, frag in plan.fragments.items():  # a fragment no call runs (none today)
+            if name not in self.exes:
+                self.exes[name] = compile_fragment(frag, self.devices)
+        return exes
 
     def place_inputs(self, args):
         out = []
@@ -181,15 +234,24 @@ class Executor:
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
+        get = env.__getitem__
+        copy = xc.batched_copy_array_to_devices_with_sharding
         move = _move
-        for kind, what, srcs, dsts, drop in self._steps:
-            if kind == 0:
-                outs = what(*[env[a] for a in srcs])
-                for d, o in zip(dsts, outs):
+        for op in self._program:
+            kind = op[0]
+            if kind == 0:  # (0, exe, args, results, delete, drop)
+                outs = op[1](*map(get, op[2]))
+                for d, o in zip(op[3], outs):
                     env[d] = o
-            else:
-                env[dsts[0]] = move(env[srcs[0]], what)
-            for d in drop:
+                for d in op[4]:  # donated, but this call's executable cannot reuse it
+                    env[d].delete()
+            elif kind == 1:  # (1, srcs, dsts, device lists, shardings, semantics, drop)
+                outs = copy(list(map(get, op[1])), op[3], op[4], op[5])
+                for d, o in zip(op[2], outs):
+                    env[d] = o
+            else:  # (2, src, dst, sharding, drop): a reshard
+                env[op[2]] = move(env[op[1]], op[3])
+            for d in op[-1]:
                 env[d] = None
         return [env[o] for o in self.plan.outputs]
 
@@ -214,3 +276,110 @@ class Executor:
             for d in drop:
                 env[d] = None
         return [env[o] for o in self.plan.outputs]
+
+
+def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
+             consumed: dict) -> list[tuple]:
+    """The steps of one run as flat tuples for :meth:`Executor.__call__`.
+
+    Calls keep the plan's order. A transfer may go anywhere between its place in
+    the plan and its first reader (a call, another transfer, or the end of the run),
+    but never past a call that donates its source (``consumed``: call -> values).
+    The fewest points that cover every transfer's range are chosen (interval
+    stabbing), and the transfers at one point that only copy shards to other devices
+    (same layout, other devices) go out in one
+    ``batched_copy_array_to_devices_with_sharding`` call: the arrays that one point of
+    the schedule needs cross in one host call.
+    """
+    n = len(plan.steps)
+    layout = _value_layouts(plan)
+    first_read: dict[int, int] = {}
+    for i, s in enumerate(plan.steps):
+        for v in (s.args if isinstance(s, Call) else [s.src]):
+            first_read.setdefault(v, i)
+    gone: dict[int, list[int]] = {}  # value -> calls that donate it
+    for i, values in consumed.items():
+        for v in values:
+            gone.setdefault(v, []).append(i)
+    moved_by = {s.dst for s in plan.steps if isinstance(s, Transfer)}
+    ranges = []  # (latest slot, transfer index); slot j = just before plan step j
+    for i, s in enumerate(plan.steps):
+        if isinstance(s, Transfer):
+            hi = min([first_read.get(s.dst, n), *(j for j in gone.get(s.src, ()) if j > i)])
+            ranges.append((hi, i))
+    before: dict[int, list[int]] = {}  # slot -> transfers dispatched there, in one batch
+    point = None
+    for hi, i in sorted(ranges):
+        if plan.steps[i].src in moved_by:  # reads another transfer: its own batch, later
+            before.setdefault(hi, []).append(i)
+        elif point is not None and i <= point:
+            before[point].append(i)
+        else:
+            point = hi
+            before.setdefault(point, []).append(i)
+    order: list[int | list[int]] = []  # a call's step index, or a batch of transfers
+    for i in range(n + 1):
+        if i in before:
+            order.append(before[i])
+        if i < n and isinstance(plan.steps[i], Call):
+            order.append(i)
+    last_read: dict[int, int] = {}  # in the new order: when each value can be dropped
+    for k, item in enumerate(order):
+        for i in (item if isinstance(item, list) else [item]):
+            s = plan.steps[i]
+            for v in (s.args if isinstance(s, Call) else [s.src]):
+                last_read[v] = k
+    outputs = set(plan.outputs)
+
+    def drops(k: int, reads) -> tuple[int, ...]:
+        return tuple(sorted({v for v in reads if last_read.get(v) == k and v not in outputs}))
+
+    program: list[tuple] = []
+    for k, item in enumerate(order):
+        if not isinstance(item, list):
+            s = plan.steps[item]
+            program.append((0, _dispatcher(exes[item]), tuple(s.args), tuple(s.results),
+                            tuple(skipped.get(item, ())), drops(k, s.args)))
+            continue
+        transfers = [plan.steps[i] for i in item]
+        shardings = [steps[i][1] for i in item]
+        copies = [j for j, t in enumerate(transfers) if _plain_copy(layout[t.src], t.layout)]
+        ops: list[tuple] = [(2, t.src, t.dst, sh, ()) for j, (t, sh) in
+                            enumerate(zip(transfers, shardings)) if j not in copies]
+        if copies:
+            ops.append((1, tuple(transfers[j].src for j in copies),
+                        tuple(transfers[j].dst for j in copies),
+                        [shardings[j]._internal_device_list for j in copies],
+                        [shardings[j] for j in copies],
+                        [xc.ArrayCopySemantics.REUSE_INPUT] * len(copies), ()))
+        ops[-1] = ops[-1][:-1] + (drops(k, [t.src for t in transfers]),)
+        program.extend(ops)
+    return program
+
+
+def _value_layouts(plan: Plan) -> dict[int, Layout]:
+    """Where every value of one run lives."""
+    out: dict[int, Layout] = dict(zip(plan.input_ids, plan.inputs))
+    out.update({vid: lay for vid, (_, lay) in plan.constants.items()})
+    for s in plan.steps:
+        if isinstance(s, Call):
+            frag = plan.fragments[s.fragment]
+            for r, lay in zip(s.results, frag.out_layouts):
+                out[r] = moved(lay, frag.devices, s.devices) if s.devices else lay
+        else:
+            out[s.dst] = s.layout
+    return out
+
+
+def _plain_copy(src: Layout | None, dst: Layout) -> bool:
+    """Whether moving from ``src`` to ``dst`` only copies each shard to another device:
+    the same mesh shape and per-dimension axes (then shard ``i`` goes to device ``i``)."""
+    return src is not None and src[1:] == dst[1:] and len(src[0]) == len(dst[0])
+
+
+def _dispatcher(exe):
+    """What a call dispatches through: the C++ function that ``jax.stages.Compiled``
+    makes on its first call (made now), else the ``Compiled`` itself."""
+    if getattr(exe, "_call", None) is None and hasattr(exe, "_executable"):
+        exe._call = exe._executable.create_cpp_call(exe._params)
+    return getattr(exe, "_call", None) or exe
