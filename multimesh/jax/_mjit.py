@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shlex
 import tempfile
@@ -12,13 +13,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlir_passes.pipeline import PipelineHooks, parse_pipeline
+from mlir_passes.pipeline import VERIFIER, PipelineHooks, parse_pipeline
 from multimesh._src.errors import (
     DiagnosticError,
     MultimeshTypeError,
     MultimeshValueError,
     PassFailure,
 )
+from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _contexts, _multimesh
 from multimesh.jax._pipeline import build_pipeline
@@ -92,15 +94,23 @@ class MpmdCompiled:
     def __init__(self, lowered: MpmdLowered, module: ir.Module, times: dict | None = None):
         self._lowered = lowered
         self._module = module
-        self._text = print_module(module)
+        self._text = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
         self.plan_data = build_plan(module)
         t1 = time.perf_counter()
+        _log_phase(lowered, "built the runtime plan", t1 - t0,
+                   f"{len(self.plan_data.fragments)} fragments, "
+                   f"{len(self.plan_data.calls())} calls, "
+                   f"{len(self.plan_data.steps) - len(self.plan_data.calls())} transfers")
         self._exec = Executor(self.plan_data, lowered.devices,
                               frozenset(lowered.donated_leaves))
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
+        _log_phase(lowered, "compiled the fragments with XLA", self.compile_times["xla"],
+                   f"{self._exec.xla_compiles} XLA compilations")
+        _log_phase(lowered, "finished compiling", sum(self.compile_times.values()),
+                   ", ".join(f"{k} {v:.3f} s" for k, v in self.compile_times.items()))
         n_leaves = lowered.in_tree.num_leaves
         self._all_dynamic = list(lowered.dyn_idx) == list(range(n_leaves))
         in_sh = self._exec.input_shardings
@@ -132,6 +142,8 @@ class MpmdCompiled:
 
     def as_text(self) -> str:
         """The program after the full pass pipeline (MPMD form)."""
+        if self._text is None:
+            self._text = print_module(self._module)
         return self._text
 
     @property
@@ -221,10 +233,14 @@ class MpmdLowered:
     trace_seconds = 0.0
     """How long tracing and lowering took (the first phase of ``compile_times``)."""
 
-    def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
+    def __init__(self, text: str | bytes, devices, in_tree, out_tree, dyn_idx, pipeline: str,
                  donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
-                 in_avals=None):
-        self._text = text
+                 in_avals=None, module: ir.Module | None = None, name: str = "mjit"):
+        # ``text``: the program as MLIR text or bytecode; ``module``: it, already parsed
+        # (the first compile() takes it instead of parsing again).
+        self._program = text
+        self._parsed = module
+        self.name = name
         self.in_avals = tuple(in_avals) if in_avals is not None else None
         self.key_inputs = tuple(key_inputs)
         self.key_outputs = tuple(key_outputs)
@@ -237,26 +253,39 @@ class MpmdLowered:
         self.pipeline = pipeline
 
     def as_text(self) -> str:
-        return self._text
+        if isinstance(self._program, bytes):  # bytecode from jax: print it once, on demand
+            self._program = print_module(parse_module(self._program, make_context()),
+                                         debug_info=True)
+        return self._program
 
     def compiler_ir(self) -> ir.Module:
-        return parse_module(self._text, make_context())
+        return parse_module(self._program, make_context())
+
+    def _input_module(self) -> ir.Module:
+        """What the pass pipeline starts from: the program plus its compile options."""
+        module = self.compiler_ir()
+        _annotate(module, self.schedule_config, len(self.devices))
+        return module
 
     def compile(self) -> MpmdCompiled:
         t0 = time.perf_counter()
-        module = self.compiler_ir()
-        if self.schedule_config:
-            from multimesh._src.mlir import py_to_attr
-
-            with module.context:
-                module.operation.attributes["mm.schedule_config"] = py_to_attr(
-                    self.schedule_config)
-        module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
-            ir.IntegerType.get_signless(64), len(self.devices)) if False else \
-            _i64(module, len(self.devices))
-        run_pipeline(module, self.pipeline)
+        module, self._parsed = self._parsed, None
+        if module is None:
+            module = self._input_module()
+        else:
+            _annotate(module, self.schedule_config, len(self.devices))
+        run_pipeline(module, self.pipeline, source=self._input_module, name=self.name)
         return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
                                            "passes": time.perf_counter() - t0})
+
+
+def _annotate(module: ir.Module, schedule_config, num_devices: int) -> None:
+    with module.context:
+        if schedule_config:
+            from multimesh._src.mlir import py_to_attr
+
+            module.operation.attributes["mm.schedule_config"] = py_to_attr(schedule_config)
+        module.operation.attributes["mm.num_devices"] = _i64(module, num_devices)
 
 
 def _i64(module, n):
@@ -264,13 +293,35 @@ def _i64(module, n):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), n)
 
 
-def run_pipeline(module: ir.Module, pipeline: str) -> None:
-    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line."""
+def _log_phase(lowered, what: str, seconds: float, detail: str = "") -> None:
+    level = compile_log_level()
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s: %s in %.3f s%s", lowered.name, what, seconds,
+                   f" ({detail})" if detail else "")
+
+
+def run_pipeline(module: ir.Module, pipeline: str,
+                 source: Callable[[], ir.Module] | None = None,
+                 name: str = "multimesh") -> list[tuple[str, float]]:
+    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line.
+
+    Nothing is printed while the passes succeed. When one fails, the module it
+    received is rebuilt (``source()``, a fresh copy of the input, with the passes
+    before it run again) and written to the repro file. Without ``source`` a bytecode
+    snapshot of the input is kept, which costs a fraction of printing it. Each pass's
+    time is logged (see :mod:`multimesh._src.log`); ``MULTIMESH_DUMP_IR_TO`` still
+    dumps the module after every pass. Returns ``[(pass, seconds)]``.
+    """
     dump = os.environ.get("MULTIMESH_DUMP_IR_TO")
-    before = print_module(module, debug_info=True) if True else None
+    if source is None:
+        source = _snapshot(module)
     counter = [0]
+    level = compile_log_level()
+    log = logger.isEnabledFor(level)
 
     def after(step, mod, dt):
+        if log:
+            logger.log(level, "%s: pass %s took %.4f s", name, step.argument, dt)
         if dump:
             os.makedirs(dump, exist_ok=True)
             counter[0] += 1
@@ -278,20 +329,16 @@ def run_pipeline(module: ir.Module, pipeline: str) -> None:
             with open(os.path.join(dump, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
                 f.write(print_module(mod, debug_info=True))
 
-    current = [before]
-
-    def before_hook(step, mod):
-        current[0] = print_module(mod, debug_info=True) if step is not None else current[0]
-
     pipe = parse_pipeline(pipeline)
     try:
-        pipe.run(module, PipelineHooks(before=before_hook, after=after))
+        timings = pipe.run(module, PipelineHooks(after=after if log or dump else None),
+                           replay=source)
     except DiagnosticError as e:
         failed = getattr(e, "failed_pass", "?")
         path = os.path.join(dump or tempfile.gettempdir(), "multimesh-failed-input.mlir")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            f.write(current[0])
+            f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
         where = file_line_col(e.location)
         loc = f" (at {where[0]}:{where[1]}:{where[2]})" if where else ""
         element = getattr(e, "failed_element", failed)
@@ -299,6 +346,27 @@ def run_pipeline(module: ir.Module, pipeline: str) -> None:
         raise PassFailure(
             f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
             f"Reproduce with:\n  {repro}", failed, repro, e) from None
+    if log:
+        verify = dict(timings).get(VERIFIER)
+        if verify is not None:
+            logger.log(level, "%s: verified the module in %.4f s", name, verify)
+    return timings
+
+
+def _snapshot(module: ir.Module) -> Callable[[], ir.Module]:
+    """A function returning a fresh copy of ``module`` as it is now (MLIR bytecode)."""
+    data, ctx = _bytecode(module), module.context
+    return lambda: parse_module(data, ctx)
+
+
+def _failed_input(pipe, index: int | None, source: Callable[[], ir.Module]) -> str:
+    """The failing pass's input, with locations: the steps before it, replayed."""
+    if index is not None:
+        try:
+            return print_module(pipe.input_of(index, source), debug_info=True)
+        except Exception:  # noqa: BLE001 - a replay that fails differently: fall back
+            pass
+    return print_module(source(), debug_info=True)
 
 
 def _schedule_config(notes: dict) -> dict | None:
@@ -420,8 +488,11 @@ class _MJit:
                 _contexts.notes(notes):
             traced = jax.jit(wrapped, keep_unused=True).trace(*abstract[0], **abstract[1])
             lowered = traced.lower()
-            text = lowered.as_text(debug_info=True)
-            implicit = _multimesh.implicit_tasks_option(text)  # registered tasks
+            # jax's module moves into our context as bytecode (no text printed or parsed)
+            # and is parsed once: the registered-task scan and compile() share it.
+            program = _bytecode(lowered.compiler_ir("stablehlo"))
+            module = parse_module(program, make_context())
+            implicit = _multimesh.implicit_tasks_option(module)  # registered tasks
         trace_seconds = time.perf_counter() - t0
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
@@ -439,7 +510,7 @@ class _MJit:
         key_in = [_is_key(x) for x in dyn_flat]
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
-        low = MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
+        low = MpmdLowered(program, devices, in_tree_dyn, lowered.out_tree,
                            list(range(len(dyn_flat))), donated_leaves=donated,
                            in_avals=traced.jaxpr.in_avals,
                            key_inputs=key_in if any(key_in) else (),
@@ -448,8 +519,10 @@ class _MJit:
                            pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
                                                    implicit_tasks=implicit,
                                                    split_backward=_wants_split(notes),
-                                                   recompute=_contexts.state.recomputation))
+                                                   recompute=_contexts.state.recomputation),
+                          module=module, name=f"mjit({_fun_name(self.fun)})")
         low.trace_seconds = trace_seconds
+        _log_phase(low, "traced and lowered", trace_seconds)
         return low
 
     def __call__(self, *args, **kwargs):
@@ -474,6 +547,16 @@ class _MJit:
             compiled = self.lower(*args, **kwargs).compile()
             self._cache[key] = compiled
         return compiled(*dyn, **kwargs)
+
+
+def _bytecode(module: ir.Module) -> bytes:
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
+
+
+def _fun_name(fun) -> str:
+    return getattr(fun, "__name__", None) or type(fun).__name__
 
 
 def _constrain_tree(tree, shardings):
