@@ -8,6 +8,7 @@ A pass must leave verifiable IR or raise; it never half-rewrites silently.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -16,7 +17,16 @@ from typing import ClassVar
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir
 
-__all__ = ["ModulePass", "DiagnosticError", "option_fields"]
+__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_each_pass",
+           "VERIFY_EACH_ENV"]
+
+VERIFY_EACH_ENV = "MULTIMESH_VERIFY_EACH_PASS"
+
+
+def verify_each_pass() -> bool:
+    """``MULTIMESH_VERIFY_EACH_PASS=1``: verify the module after every pass (debugging);
+    passes that run MLIR pass managers of their own verify inside them too."""
+    return os.environ.get(VERIFY_EACH_ENV, "") not in ("", "0", "false", "False")
 
 
 @dataclass(frozen=True)

@@ -20,21 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mlir_passes import get_all_passes
-from mlir_passes.base import ModulePass
+from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, passmanager, print_module
 
 __all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks", "verify_each_pass",
            "VERIFY_EACH_ENV"]
 
-VERIFY_EACH_ENV = "MULTIMESH_VERIFY_EACH_PASS"
 VERIFIER = "(verifier)"
 """The name of the final verification in :meth:`Pipeline.run`'s timings."""
-
-
-def verify_each_pass() -> bool:
-    """``MULTIMESH_VERIFY_EACH_PASS=1``: verify the module after every pass (debugging)."""
-    return os.environ.get(VERIFY_EACH_ENV, "") not in ("", "0", "false", "False")
 
 
 @dataclass(frozen=True)
@@ -123,6 +117,12 @@ class Pipeline:
             except DiagnosticError as e:
                 _blame(e, step, index)
                 raise
+            except Exception:
+                # A pass that crashes may have been handed invalid IR by an earlier one
+                # (verified only at the end): name that one if so.
+                if replay is not None and verify and not verify_each and index:
+                    self._find_breaker(replay, index)
+                raise
             dt = time.perf_counter() - t0
             timings.append((step.argument, dt))
             if hooks and hooks.after:
@@ -133,20 +133,21 @@ class Pipeline:
                 _verify(module, None)
             except DiagnosticError as e:
                 if replay is not None:
-                    self._find_breaker(replay)
+                    self._find_breaker(replay, len(self.steps))
                 last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
                 _blame(e, self.steps[last], last)
                 raise
             timings.append((VERIFIER, time.perf_counter() - t0))
         return timings
 
-    def _find_breaker(self, replay: Callable[[], ir.Module]) -> None:
-        """Replay the pipeline verifying after every pass; raises the first failure."""
+    def _find_breaker(self, replay: Callable[[], ir.Module], end: int) -> None:
+        """Replay the first ``end`` steps verifying after every pass; raises the first
+        failure (the pass that produced invalid IR), else returns."""
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.run(replay(), verify_each=True)
+            Pipeline(self.steps[:end]).run(replay(), verify_each=True)
 
     def input_of(self, index: int, replay: Callable[[], ir.Module]) -> ir.Module:
         """The module that step ``index`` received: the input with the steps before it

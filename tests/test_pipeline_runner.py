@@ -185,6 +185,12 @@ def test_compile_phases_are_logged(caplog):
     for f in compiled.fragments:
         assert re.search(rf"XLA compiled fragment {f['name']} on devices", text), f["name"]
     assert "finished compiling" in text
+    # the same figures, on the compiled program
+    names = [n for n, _ in compiled.pass_times]
+    assert names[0] == "mm-import-gspmd" and names[-1] == "(verifier)", names
+    assert sum(t for _, t in compiled.pass_times) <= compiled.compile_times["passes"]
+    assert set(compiled.xla_times) == {f["name"] for f in compiled.fragments}
+    assert sum(compiled.xla_times.values()) <= compiled.compile_times["xla"]
     caplog.clear()
     executor._COMPILE_CACHE.clear()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="multimesh"):
@@ -192,3 +198,39 @@ def test_compile_phases_are_logged(caplog):
     ours = [r for r in caplog.records if r.name == "multimesh"]
     assert ours and all(r.levelno == logging.WARNING for r in ours)
     assert any("pass mm-propagate-shardings took" in r.getMessage() for r in ours)
+
+
+def test_crash_after_invalid_ir_names_the_pass_that_broke_it():
+    """Verification only at the end lets a later pass see broken IR; if it crashes,
+    replaying with verification after each pass names the pass that broke the IR."""
+    from dataclasses import dataclass
+
+    from mlir_passes.base import ModulePass
+    from mlir_passes.pipeline import Pipeline
+    from multimesh._src.errors import DiagnosticError
+    from multimesh._src.mlir import make_context, parse_module
+
+    @dataclass(frozen=True)
+    class Breaks(ModulePass):
+        argument = "test-breaks"
+        summary = "Makes the IR invalid."
+
+        def apply(self, module):
+            _break_ir(module)
+
+    @dataclass(frozen=True)
+    class Crashes(ModulePass):
+        argument = "test-crashes"
+        summary = "Crashes."
+
+        def apply(self, module):
+            raise KeyError("d0")
+
+    text = "func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n  return %a : tensor<2xf32>\n}\n"
+    ctx = make_context()
+    pipe = Pipeline([Breaks(), Crashes()])
+    with pytest.raises(KeyError):
+        pipe.run(parse_module(text, ctx))
+    with pytest.raises(DiagnosticError, match="'test-breaks' produced invalid IR") as e:
+        pipe.run(parse_module(text, ctx), replay=lambda: parse_module(text, ctx))
+    assert e.value.failed_index == 0
