@@ -91,8 +91,12 @@ def _abstract(x):
 class MpmdCompiled:
     """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
 
-    def __init__(self, lowered: MpmdLowered, module: ir.Module, times: dict | None = None):
+    def __init__(self, lowered: MpmdLowered, module: ir.Module, times: dict | None = None,
+                 pass_times: list | None = None):
         self._lowered = lowered
+        self.pass_times = list(pass_times or [])
+        """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
+        final verification); ``compile_times["passes"]`` is their total plus parsing."""
         self._module = module
         self._text = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
@@ -107,6 +111,8 @@ class MpmdCompiled:
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
+        self.xla_times = dict(self._exec.xla_seconds)
+        """Fragment name -> seconds XLA took to compile it (about 0 when cached)."""
         _log_phase(lowered, "compiled the fragments with XLA", self.compile_times["xla"],
                    f"{self._exec.xla_compiles} XLA compilations")
         _log_phase(lowered, "finished compiling", sum(self.compile_times.values()),
@@ -274,9 +280,9 @@ class MpmdLowered:
             module = self._input_module()
         else:
             _annotate(module, self.schedule_config, len(self.devices))
-        run_pipeline(module, self.pipeline, source=self._input_module, name=self.name)
+        timings = run_pipeline(module, self.pipeline, source=self._input_module, name=self.name)
         return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
-                                           "passes": time.perf_counter() - t0})
+                                           "passes": time.perf_counter() - t0}, timings)
 
 
 def _annotate(module: ir.Module, schedule_config, num_devices: int) -> None:

@@ -199,12 +199,16 @@ class Executor:
         exes: dict[int, object] = {}
         self.exes = {}
         """Fragment name -> one of its executables (for cost and memory analysis)."""
+        self.xla_seconds: dict[str, float] = {}
+        """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
         self._skipped_donations: dict[int, list[int]] = {}
         self._consumed: dict[int, set[int]] = {}  # call -> values it donates (or deletes)
         for (name, positions), calls in wants.items():
             common = set(calls[0][1]).intersection(*(d for _, d in calls[1:]))
+            t0 = time.perf_counter()
             exe = compile_fragment(plan.fragments[name], self.devices, tuple(sorted(common)),
                                    positions)
+            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + time.perf_counter() - t0
             self.exes.setdefault(name, exe)
             for i, donors in calls:
                 exes[i] = exe
