@@ -264,6 +264,44 @@ def is_loop_marker(op: ir.Operation) -> bool:
         op.attributes["call_target_name"]).value in (INDEX_TARGET, SUM_TARGET)
 
 
+def loop_body(loop: ir.Operation, funcs: dict[str, ir.Operation]) -> tuple[ir.Operation, int]:
+    """The body function and microbatch count of an ``mm.microbatch_loop``, checked.
+
+    The body takes the index (``tensor<i32>``) and then one argument per loop operand
+    (the running sums first), and returns one value per loop result (the new sums).
+    """
+    loc = loop.location
+    attrs = loop.attributes
+    if BODY_ATTR not in attrs or not isinstance(attrs[BODY_ATTR], ir.FlatSymbolRefAttr):
+        raise DiagnosticError(f"'{LOOP_TARGET}' needs '{BODY_ATTR}', a symbol reference to "
+                              f"its body function", loc)
+    name = ir.FlatSymbolRefAttr(attrs[BODY_ATTR]).value
+    fn = funcs.get(name)
+    if fn is None:
+        raise DiagnosticError(f"'{LOOP_TARGET}' body @{name} is not a function of the module",
+                              loc)
+    num = attrs[NUM_MICROBATCHES_ATTR] if NUM_MICROBATCHES_ATTR in attrs else None
+    if not isinstance(num, ir.IntegerAttr) or isinstance(num, ir.BoolAttr) or \
+            ir.IntegerAttr(num).value < 1:
+        raise DiagnosticError(f"'{LOOP_TARGET}' needs '{NUM_MICROBATCHES_ATTR}', an integer "
+                              f">= 1", loc)
+    block = entry_block(fn)
+    ops = list(block.operations)
+    if len(block.arguments) != 1 + len(loop.operands):
+        raise DiagnosticError(
+            f"'{LOOP_TARGET}' passes {len(loop.operands)} operands, but its body @{name} "
+            f"takes {len(block.arguments)} arguments (the index and one per operand)", loc)
+    if str(block.arguments[0].type) != "tensor<i32>":
+        raise DiagnosticError(
+            f"the first argument of the loop body @{name} is the microbatch index, a "
+            f"tensor<i32>, got {block.arguments[0].type}", loc)
+    if not ops or len(ops[-1].operation.operands) != len(loop.results):
+        raise DiagnosticError(
+            f"'{LOOP_TARGET}' has {len(loop.results)} results, but its body @{name} does not "
+            f"return as many running sums", loc)
+    return fn, ir.IntegerAttr(num).value
+
+
 def warn_at(location, message: str) -> None:
     """A pass warning (``mm-opt`` prints it as ``file:line:col: warning: ...``)."""
     import warnings

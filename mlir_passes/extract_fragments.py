@@ -41,8 +41,8 @@ class ExtractFragmentsPass(ModulePass):
             blocks = [c.entry_block(main)]
             for op in c.entry_block(main).operations:
                 if c.is_custom_call(op.operation, c.LOOP_TARGET):
-                    body = ir.FlatSymbolRefAttr(op.operation.attributes[c.BODY_ATTR]).value
-                    blocks.append(c.entry_block(funcs[body]))
+                    body, _ = c.loop_body(op.operation, funcs)
+                    blocks.append(c.entry_block(body))
             calls = [o.operation for b in blocks for o in b.operations
                      if o.operation.name == "func.call"]
             for call in calls:

@@ -219,16 +219,9 @@ def _fragment_attrs(module: ir.Module, name: str):
 
 def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
     """The loop's body calls (before or after ``mm-extract-fragments``)."""
-    if c.BODY_ATTR not in loop.attributes or c.NUM_MICROBATCHES_ATTR not in loop.attributes:
-        raise DiagnosticError(
-            f"'{c.LOOP_TARGET}' needs '{c.BODY_ATTR}' and '{c.NUM_MICROBATCHES_ATTR}'",
-            loop.location)
-    body_name = ir.FlatSymbolRefAttr(loop.attributes[c.BODY_ATTR]).value
-    body = _fragment_attrs(module, body_name)
-    if body is None or body.name != "func.func":
-        raise DiagnosticError(f"'{c.LOOP_TARGET}' body @{body_name} is not a function",
-                              loop.location)
-    M = ir.IntegerAttr(loop.attributes[c.NUM_MICROBATCHES_ATTR]).value
+    funcs = {c.func_name(o.operation): o.operation for o in module.body.operations
+             if o.operation.name == "func.func"}
+    body, M = c.loop_body(loop, funcs)
     block = c.entry_block(body)
     ops = [o.operation for o in block.operations]
     ret = ops[-1]
