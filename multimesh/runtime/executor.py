@@ -200,8 +200,8 @@ class Executor:
             env[i] = a
         for (kind, what, srcs, dsts, drop), step in zip(self._steps, self.plan.steps):
             if kind == 0:
-                frag = self.plan.fragments[step.fragment]
-                track = f"submesh devices {','.join(str(self.devices[p].id) for p in frag.devices)}"
+                where = self.plan.call_devices(step)
+                track = f"submesh devices {','.join(str(self.devices[p].id) for p in where)}"
                 with recorder.span(track, step.fragment):
                     outs = jax.block_until_ready(what(*[env[a] for a in srcs]))
                 for d, o in zip(dsts, outs):
