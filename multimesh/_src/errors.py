@@ -55,3 +55,8 @@ class PassFailure(MultimeshValueError):
         self.pass_argument = pass_argument
         self.repro = repro
         self.cause = cause
+
+
+class MultimeshWarning(UserWarning):
+    """Something multimesh did differently from what was asked, or an option that
+    matched nothing; the program still compiles."""

@@ -1,6 +1,7 @@
 """multimesh's public JAX API (MultiMesh-compatible)."""
 
 from multimesh._src.errors import MultimeshError as MultimeshError
+from multimesh._src.errors import MultimeshWarning as MultimeshWarning
 from multimesh.jax._contexts import autoshard as autoshard
 from multimesh.jax._contexts import context as context
 from multimesh.jax._contexts import enable_fast_path as enable_fast_path
