@@ -21,7 +21,7 @@ from multimesh._src.errors import (
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _contexts, _multimesh
 from multimesh.jax._pipeline import build_pipeline
-from multimesh.jax._task import with_sharding_constraint
+from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]
@@ -375,6 +375,7 @@ class _MJit:
             lowered = traced.lower()
             text = lowered.as_text(debug_info=True)
             implicit = _multimesh.implicit_tasks_option(text)  # registered tasks
+        warn_renamed_tasks(notes)
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
