@@ -470,19 +470,6 @@ def _():
     mm.task(lambda x: x, name="t", devices=[[0, 1], [2, 3]], device_axes=("x",))
 
 
-@error("task-name-two-submeshes", MESHES, "One task name used with two submeshes", PassFailure,
-       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different submeshes: "
-       r"devices \[0, 1, 2, 3\] with axes \{'x': 4\} and devices \[4, 5, 6, 7\] with axes "
-       r"\{'x': 4\}; a task name has one submesh.*Reproduce with:\n  mm-opt ",
-       """A task name identifies one submesh (and one fragment per direction). Give the two
-       tasks different names.""",
-       check=_repro_check("mm-inline-tasks"))
-def _():
-    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
-    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(4))
-    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
-
-
 @error("tasks-on-two-submeshes-in-one-loop", MESHES,
        "Tasks on different submeshes inside one loop body", PassFailure,
        r"multimesh pass 'mm-assign-tasks' failed: tasks 'a' and 'b' run on different submeshes "
@@ -548,13 +535,19 @@ def _():
 
 
 @error("logical-axis-unknown-device-axis", LOGICAL,
-       "A logical axis mapped to a device axis the mesh does not have", MeshError,
-       r"Task 't' maps logical axis 'batch' to unknown device axis 'z'; the task mesh has axes "
-       r"\('x',\)",
-       """`logical_axes` pairs `(logical_name, device_axis)`; every device axis must be an
-       axis name of the task's mesh.""")
+       "A logical axis that is used maps to a device axis the mesh does not have", PassFailure,
+       r"multimesh pass 'mm-resolve-logical-shardings' failed: Logical axis 'batch' is mapped to "
+       r"device axis 'z', which is not an axis of the mesh of task 't'\. Valid device axis names "
+       r"are: 'x'\..*Reproduce with:\n  mm-opt ",
+       """`logical_axes` pairs `(logical_name, device_axis)`. A pair may name a device axis
+       the task's mesh lacks (one map shared by submeshes of different shapes), but a
+       constraint inside the task that uses its logical name needs that axis: add it to
+       the mesh, or map the name to an axis the mesh has.""",
+       check=_repro_check("mm-resolve-logical-shardings"))
 def _():
-    mm.task(lambda x: x, name="t", mesh=mesh4(), logical_axes=(("batch", "z"),))
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name="t", mesh=mesh4(),
+                logical_axes=(("batch", "z"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 @error("logical-axes-not-pairs", LOGICAL, "`logical_axes` given a single flat pair",
@@ -575,19 +568,6 @@ def _():
        `mesh=TaskMesh(...)`.""")
 def _():
     mm.task(lambda x: x, name="t", devices=[0, 1], logical_axes=(("batch", "x"),))
-
-
-@error("task-name-two-logical-mappings", LOGICAL, "One task name used with two logical mappings",
-       PassFailure,
-       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different logical "
-       r"mappings: \[\['batch', 'x'\]\] and \[\]",
-       """A task name has one logical mapping; give differently mapped tasks different
-       names.""",
-       check=_repro_check("mm-inline-tasks"))
-def _():
-    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(), logical_axes=(("batch", "x"),))
-    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(), logical_axes=())
-    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
 
 
 @error("sharding-rank-mismatch", LOGICAL, "A logical sharding with more entries than dims",
