@@ -904,12 +904,13 @@ def _():
     mm.Task(mesh=mesh4(), mesh_slice={"stage": 0})
 
 
-@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no MultiMesh active",
+@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no global mesh to slice",
        MeshError,
-       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but no MultiMesh is active\. A mesh_slice "
-       r"selects part of the global mesh",
-       """Compile inside `with MultiMesh(...):` (or decorate the function with it), or
-       give the task a `mesh` instead.""")
+       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but there is no global mesh to slice\. A "
+       r"mesh_slice selects part of the global mesh",
+       """A mesh_slice cuts the current global mesh: the entered `MultiMesh`, else jax's
+       mesh (`jax.set_mesh(mesh)` or `with mesh:`). Compile inside one of them (or
+       decorate the function with the MultiMesh), or give the task a `mesh` instead.""")
 def _():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     mm.mjit(layered_model).lower(*layered_args())
