@@ -225,6 +225,7 @@ class _Scanner:
         self.matchers = list(matchers)
         self.memo: dict[tuple[str, str], object] = {}
         self.hits: dict[Match, ir.Location] = {}  # first op of each match, in order
+        self.stacks: set[str] = set()  # every name stack an op was matched against
         self.trivial: set[str] = set()  # callees whose original body must stay untagged
         self.active: set[str] = set()
 
@@ -236,6 +237,7 @@ class _Scanner:
         return _plan(tags, calls)
 
     def _match(self, stack: str, loc: ir.Location) -> Match | None:
+        self.stacks.add(stack)
         for idx, rx in enumerate(self.matchers):
             m = rx.search(stack)
             if m is None:
@@ -323,17 +325,22 @@ def _plan(tags: list, calls: list):
     return (tuple(tags), tuple((p, v) for p, v in calls if v is not None))
 
 
-def find_matches(module: ir.Module, matchers: Iterable[str | re.Pattern]) -> list[Match]:
+def find_matches(module: ir.Module, matchers: Iterable[str | re.Pattern],
+                 stacks: set[str] | None = None) -> list[Match]:
     """Distinct ``(matcher, matched name, backprop)`` triples that would claim ops.
 
     Uses exactly the rules of the pass: the first matcher found in an op's name
     stack wins; ops of explicit task calls (and of ops already tagged) are never
-    claimed. ``mjit`` calls this to learn which callbacks to evaluate.
+    claimed. ``mjit`` calls this to learn which callbacks to evaluate. ``stacks``,
+    if given, receives every name stack that was matched against (to explain a
+    matcher that claimed nothing).
     """
     rxs = [m if isinstance(m, re.Pattern) else compile_matcher(m) for m in matchers]
     with module.context:
         scan = _Scanner(module, rxs)
         scan.run()
+    if stacks is not None:
+        stacks.update(scan.stacks)
     return list(scan.hits)
 
 

@@ -15,18 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
+from multimesh._src.errors import (
+    MeshError,
+    MultimeshTypeError,
+    MultimeshValueError,
+    MultimeshWarning,
+)
 from multimesh.jax import _contexts
 
 __all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
@@ -123,9 +130,32 @@ class Context(contextlib.ContextDecorator):
         the first capture group is the *matched name*. Give ``task`` (a
         :class:`Task`) or ``callback(matched_name, backprop) -> Task``; ``backprop``
         is true for ops of the backward pass. A task without a ``name`` is named
-        after the matched name.
+        after the matched name. Registering a matcher this context already has
+        replaces its rule (with a :class:`MultimeshWarning`, unless the rule is the
+        same). A compiled program in which a matcher claims no op warns too.
         """
         reg = _make_registration(matcher, callback, task)
+        old = next((r for r in self._registrations if r.matcher == matcher), None)
+        if old is not None:
+            frames = [f for f in _stack if f.context is self]
+            in_effect = not frames or any(old in f.live for f in frames)  # not cleared
+            if in_effect and old.callback is reg.callback and old.task == reg.task:
+                return  # the same rule again: nothing changes
+            if in_effect:
+                warnings.warn(
+                    f"register_task({matcher!r}): this matcher is already registered in this "
+                    f"context; the new {_what(reg)} replaces the earlier {_what(old)} "
+                    f"(keeping its priority). Register a different matcher to keep both.",
+                    MultimeshWarning, stacklevel=_user_level())
+            self._registrations[self._registrations.index(old)] = reg
+            for frame in frames:
+                if frame.live is self._registrations:
+                    continue
+                if old in frame.live:
+                    frame.live[frame.live.index(old)] = reg
+                else:
+                    frame.live.append(reg)
+            return
         self._registrations.append(reg)
         for frame in _stack:
             if frame.context is self and frame.live is not self._registrations:
@@ -406,6 +436,66 @@ def slice_global_mesh(name: str, mesh_slice: Mapping[str, int]) -> Mesh:
 # --------------------------------------------------------------------------- compile hook
 
 
+def _what(reg: _Registration) -> str:
+    return "callback" if reg.callback is not None else "task"
+
+
+def _user_level() -> int:
+    """``stacklevel`` of the first frame outside multimesh (for warnings)."""
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_unmatched(regs: list[_Registration], hits, stacks: set[str]) -> None:
+    """A registered matcher that claims no op of a compiled program is almost always a
+    typo (or a rule for another program): say so, with the names it might have meant.
+
+    A rule that an inner context overrides (the ops it matches go to the inner
+    context's rule) is meant to be quiet there and is not reported.
+    """
+    claimed = {h.matcher_index for h in hits}
+    owner = [id(frame) for frame in reversed(_stack) for _ in frame.live]
+    for i, reg in enumerate(regs):
+        if i in claimed:
+            continue
+        matching = [st for st in stacks if reg.regex.search(st)]
+        if matching:
+            winners = {next(j for j, r in enumerate(regs) if r.regex.search(st))
+                       for st in matching}
+            if all(owner[j] != owner[i] for j in winners):
+                continue  # overridden by an inner context, on purpose
+            why = ("every op it matches is claimed by a rule registered before it in the "
+                   "same context")
+            hint = ""
+        else:
+            why = "no op's name stack contains a match"
+            hint = _near_names(reg, stacks)
+        warnings.warn(
+            f"Task matcher {reg.matcher!r} claimed no op of this program: {why}, so it "
+            f"places nothing.{hint}", MultimeshWarning, stacklevel=_user_level())
+
+
+def _near_names(reg: _Registration, stacks: set[str]) -> str:
+    scopes = sorted({part for st in stacks for part in st.split("/")[:-1]
+                     if part and not part.startswith(("jit(", "pjit(", "transpose(", "jvp("))})
+    if not scopes:
+        return ""
+    folded = [m for m in scopes if re.search(reg.regex.pattern, m, re.IGNORECASE)]
+    if folded:
+        return f" Ignoring case it would match {', '.join(map(repr, folded[:3]))}."
+    text = re.sub(r"\\[dDwWsS][+*?]?|[()\[\]^$+*?|{}]", "", reg.matcher).lower()
+    near = difflib.get_close_matches(text, [m.lower() for m in scopes], n=3, cutoff=0.6)
+    by_lower = {m.lower(): m for m in scopes}
+    if near:
+        return f" Did you mean {', '.join(repr(by_lower[n]) for n in near)}?"
+    return ""
+
+
 def _direction(backprop: bool) -> str:
     return "backward" if backprop else "forward"
 
@@ -424,7 +514,9 @@ def implicit_tasks_option(text: str) -> str | None:
     from multimesh.jax._task import resolve_task_info
 
     module = parse_module(text, make_context())
-    hits = find_matches(module, [r.regex for r in regs])
+    stacks: set[str] = set()
+    hits = find_matches(module, [r.regex for r in regs], stacks)
+    _warn_unmatched(regs, hits, stacks)
     if not hits:
         return None
     entries: dict[int, list] = {}
