@@ -246,6 +246,9 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     # task uses its logical name (one map shared by submeshes of different shapes):
     # mm-resolve-logical-shardings reports it there.
     mapping = mapping + tuple(spec.extra_axes or ())
+    if _contexts.state.trace_notes is not None:  # which in_shardings names are logical
+        _contexts.state.trace_notes.setdefault("logical_names", set()).update(
+            logical for logical, _ in mapping)
     # Checked again here: a Task's fields may have been reassigned after construction.
     split = _check_split_backprop(spec.split_backprop, _who(name))
     if split is not None and _contexts.state.trace_notes is not None:
