@@ -21,8 +21,9 @@ class AssignTasksPass(ModulePass):
     takes that task; tasks on different submeshes inside one loop are an error,
     since a loop body runs on one submesh. Ops still untagged at the end (or every
     op, in a program with no task at all) go to the implicit task ``mm.default``:
-    all ``num-devices`` devices, no logical mapping, so constraints there resolve
-    to replicated.
+    all ``num-devices`` devices (on a mesh ``x``, unless the module's ``mm.tasks``
+    already has an ``mm.default`` entry: the program's own mesh), no logical
+    mapping, so constraints there resolve to replicated.
     """
 
     argument = "mm-assign-tasks"
@@ -72,7 +73,9 @@ class AssignTasksPass(ModulePass):
                     op.attributes[c.TASK_ATTR] = attrs[t]
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
-                tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())
+                # A caller may have given mm.default its mesh (the program's own mesh).
+                tasks.setdefault(c.DEFAULT_TASK,
+                                 c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ()))
                 attr = c.tag_attr(c.DEFAULT_TASK, 0)
                 for op in untagged:
                     op.attributes[c.TASK_ATTR] = attr

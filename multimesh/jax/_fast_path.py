@@ -45,7 +45,7 @@ class FastPath:
     """What ``MpmdLowered.compile`` needs to build the ``jax.jit`` executable."""
 
     def __init__(self, wrapped, in_tree, abstract_leaves, in_avals, pins, devices, donated,
-                 text):
+                 text, default_mesh=None):
         self.wrapped = wrapped
         self.in_avals = tuple(in_avals)
         self.in_tree = in_tree
@@ -54,6 +54,7 @@ class FastPath:
         self.devices = tuple(devices)
         self.donated = tuple(donated)
         self.text = text
+        self.default_mesh = default_mesh  # (names, sizes) of the program's mesh, if given
 
     def compile(self) -> FastCompiled:
         if self.pins:  # the pinned inputs' mesh (one, see eligible)
@@ -61,7 +62,8 @@ class FastPath:
             mesh = Mesh(np.array([self.devices[p] for p in pos], dtype=object).reshape(sizes),
                         names)
         else:
-            mesh = Mesh(np.array(self.devices, dtype=object), ("x",))
+            names, sizes = self.default_mesh or (("x",), (len(self.devices),))
+            mesh = Mesh(np.array(self.devices, dtype=object).reshape(sizes), names)
         replicated = NamedSharding(mesh, PartitionSpec())
         in_sh = tuple(layout_sharding(self.pins[i], self.devices) if i in self.pins
                       else replicated for i in range(len(self.abstract_leaves)))

@@ -214,6 +214,7 @@ class MpmdLowered:
         return parse_module(self._text, make_context())
 
     fast = None  # a FastPath when the program takes enable_fast_path's jax.jit route
+    default_mesh = None  # (axis names, sizes) of the implicit default task, if not x=N
 
     def compile(self) -> MpmdCompiled:
         if self.fast is not None:
@@ -228,6 +229,14 @@ class MpmdLowered:
         module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), len(self.devices)) if False else \
             _i64(module, len(self.devices))
+        if self.default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
+            from multimesh._src.mlir import py_to_attr
+
+            names, sizes = self.default_mesh
+            with module.context:
+                module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
+                    "devices": list(range(len(self.devices))), "axis_names": list(names),
+                    "axis_sizes": list(sizes), "logical_axes": []}})
         run_pipeline(module, self.pipeline)
         return MpmdCompiled(self, module)
 
@@ -343,6 +352,7 @@ class _MJit:
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
         self.fun = fun
+        self.mesh = mesh
         if devices is None and mesh is not None:
             devices = list(mesh.devices.flat)
         self.devices = tuple(np.asarray(devices, dtype=object).flat) if devices is not None \
@@ -365,6 +375,16 @@ class _MJit:
         global_mesh = _multimesh.active_multimesh()  # inside `with MultiMesh(...)`
         return tuple(global_mesh.devices.flat) if global_mesh is not None \
             else tuple(jax.devices())
+
+    def _program_mesh(self, devices) -> Mesh | None:
+        """The mesh the program's devices came from (``mjit(mesh=...)``, the MultiMesh):
+        the implicit default task runs on it, named as the caller named it."""
+        outer = _multimesh.active_multimesh() if self.devices is None or \
+            self.mesh is not None else None
+        for mesh in (self.mesh, outer):
+            if mesh is not None and tuple(mesh.devices.flat) == tuple(devices):
+                return getattr(mesh, "global_mesh", mesh)
+        return None
 
     def lower(self, *args, **kwargs) -> MpmdLowered:
         devices = self._devices()
@@ -421,9 +441,13 @@ class _MJit:
                                                   implicit_tasks=implicit,
                                                   split_backward=_wants_split(notes),
                                                   recompute=_contexts.state.recomputation))
+        mesh = self._program_mesh(devices)
+        if mesh is not None:
+            low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
         if _fast_path.eligible(text, implicit, notes, pins, len(devices)):
             low.fast = _fast_path.FastPath(wrapped, in_tree_dyn, jax.tree.leaves(abstract),
-                                           traced.jaxpr.in_avals, pins, devices, donated, text)
+                                           traced.jaxpr.in_avals, pins, devices, donated, text,
+                                           low.default_mesh)
         return low
 
     def __call__(self, *args, **kwargs):

@@ -381,7 +381,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     batch_avals = _batch_avals(global_batch, local_batch)
     with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
         state_avals = jax.eval_shape(init_fn, key, batch_avals)
-    compiled = mm.mjit(step_fn, devices=list(mesh.devices.flat)).lower(
+    compiled = mm.mjit(step_fn, mesh=mesh).lower(
         state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
