@@ -35,6 +35,12 @@ __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes
 source_info_util.register_exclusion(os.path.dirname(os.path.dirname(__file__)) + os.sep)
 
 
+# jax's own, captured at import: MultiMesh's plugin init installs the logical
+# with_sharding_constraint as jax.lax.with_sharding_constraint, and programs written
+# for it (e.g. the implicit Flax tutorial) may do the same here.
+_jax_with_sharding_constraint = jax.lax.with_sharding_constraint
+
+
 def _plain(x):
     """``x`` with numpy scalars turned into Python ones (for messages)."""
     if isinstance(x, np.generic):
@@ -332,7 +338,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
                 f"{sorted(valid - {'name'})}.")
         spec = _legacy_task(default_name, dict(kwargs))
     task_name = name or spec.name or default_name
-    explicit = bool(name or spec.name)
+    explicit = bool(name) or (task is not None and bool(task.name))  # not fun.__name__
 
     def wrapped(*args, **kw):
         if _contexts.state.ignore_transforms:
@@ -439,7 +445,7 @@ def with_sharding_constraint(x, axis_resources):
         # Logical names mean nothing without tasks: a debugging run is plain JAX.
         return x
     if st.ignore_transforms or not st.autoshard:
-        return jax.lax.with_sharding_constraint(x, axis_resources)
+        return _jax_with_sharding_constraint(x, axis_resources)
     leaves, treedef = jax.tree.flatten(x)
     if isinstance(axis_resources, (PartitionSpec, NamedSharding)) or axis_resources is None:
         specs = [axis_resources] * len(leaves)
