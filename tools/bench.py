@@ -11,6 +11,9 @@ P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
     (max over the fragments each device runs), summed over devices.
 P6  bubble fraction and peak live activations per schedule, from the unit-cost
     simulator, next to theory (see tools/bench_schedules.py).
+P8  enable_fast_path on a program with no task (48-layer MLP value_and_grad):
+    P8_compile = mjit compile time with the fast path / without it (pass pipeline +
+    runtime); P8_call = one call (dispatch + run, small arrays) with / without it.
 P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
     P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
 """
@@ -246,18 +249,62 @@ def _p4(num_ops: int) -> tuple[float, float, float]:
     return pipe / base, pipe, base
 
 
+def _p8(reps: int) -> tuple[float, float]:
+    """(fast-path compile / MPMD compile, fast-path call / MPMD call) of a task-less MLP."""
+    import jax
+    import jax.numpy as jnp
+
+    from multimesh.jax import enable_fast_path, mjit
+    from multimesh.runtime import executor
+
+    def plain(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return (x * x).mean()
+
+    ws = [jnp.eye(64) * 0.5 for _ in range(48)]
+    x = jnp.ones((16, 64))
+    step = jax.value_and_grad(plain)
+    compile_s = {True: [], False: []}
+    compiled = {}
+    for _ in range(reps):
+        for fast in (True, False):
+            jax.clear_caches()
+            executor._COMPILE_CACHE.clear()
+            with enable_fast_path(fast):
+                t0 = time.perf_counter()
+                compiled[fast] = mjit(step).lower(ws, x).compile()
+                compile_s[fast].append(time.perf_counter() - t0)
+    assert compiled[True].fast_path and not compiled[False].fast_path
+    calls = {True: [], False: []}
+    for c in compiled.values():
+        jax.block_until_ready(c(ws, x))
+    for _ in range(50 * reps):
+        for fast in (True, False):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[fast](ws, x))
+            calls[fast].append(time.perf_counter() - t0)
+    med = statistics.median
+    return (med(compile_s[True]) / med(compile_s[False]),
+            med(calls[True]) / med(calls[False]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller P4x4")
     ap.add_argument("--json", help="write results as JSON to this path")
+    ap.add_argument("--only", help="run only these measures, e.g. P8 or P1,P3")
     args = ap.parse_args(argv)
     res = {}
     reps = 5 if args.quick else 20
+    if args.only:
+        return _only(args, reps)
     res["P1_2stage"] = _p1(2, reps)
     res["P1_4stage"] = _p1(4, reps)
     res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
     res["P7"] = _p7()
     res["P3"] = _p3(3 if args.quick else 7)
+    res["P8_compile"], res["P8_call"] = _p8(3 if args.quick else 7)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_schedules import P6
 
@@ -267,6 +314,10 @@ def main(argv=None) -> int:
     res["P4"], res["P4_pipeline_s"], res["P4_parse_print_s"] = r, pipe, base
     r4, pipe4, base4 = _p4(4 * n)
     res["P4x4"], res["P4x4_pipeline_s"], res["P4x4_parse_print_s"] = r4, pipe4, base4
+    return _report(res, args)
+
+
+def _report(res: dict, args) -> int:
     print(f"{'measure':<22}{'value':>10}")
     for k, v in res.items():
         print(f"{k:<22}{v:>10.3f}")
@@ -274,6 +325,21 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+def _only(args, reps: int) -> int:
+    """Run the measures named by --only (those that need no generated module)."""
+    runs = {"P1": lambda: {"P1_2stage": _p1(2, reps), "P1_4stage": _p1(4, reps)},
+            "P2": lambda: dict(zip(("P2", "P2_transfer"), _p2(200 if args.quick else 2000))),
+            "P3": lambda: {"P3": _p3(3 if args.quick else 7)},
+            "P7": lambda: {"P7": _p7()},
+            "P8": lambda: dict(zip(("P8_compile", "P8_call"), _p8(3 if args.quick else 7)))}
+    res = {}
+    for name in args.only.split(","):
+        if name not in runs:
+            raise SystemExit(f"--only: unknown measure {name!r}; choose from {sorted(runs)}")
+        res.update(runs[name]())
+    return _report(res, args)
 
 
 if __name__ == "__main__":

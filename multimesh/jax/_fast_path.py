@@ -18,6 +18,7 @@ import re
 
 import jax
 import numpy as np
+from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh.jax import _contexts
@@ -44,10 +45,11 @@ def eligible(text: str, implicit, notes: dict, pins: dict, num_devices: int) -> 
 class FastPath:
     """What ``MpmdLowered.compile`` needs to build the ``jax.jit`` executable."""
 
-    def __init__(self, wrapped, in_tree, abstract_leaves, in_avals, pins, devices, donated,
+    def __init__(self, jaxpr, in_tree, out_tree, abstract_leaves, pins, devices, donated,
                  text, default_mesh=None):
-        self.wrapped = wrapped
-        self.in_avals = tuple(in_avals)
+        self.jaxpr = jaxpr  # closed jaxpr over the flat dynamic leaves
+        self.out_tree = out_tree
+        self.in_avals = tuple(jaxpr.in_avals)
         self.in_tree = in_tree
         self.abstract_leaves = abstract_leaves
         self.pins = pins
@@ -67,19 +69,17 @@ class FastPath:
         replicated = NamedSharding(mesh, PartitionSpec())
         in_sh = tuple(layout_sharding(self.pins[i], self.devices) if i in self.pins
                       else replicated for i in range(len(self.abstract_leaves)))
-        in_tree, wrapped = self.in_tree, self.wrapped
-
-        def flat(*leaves):
-            args, kwargs = jax.tree.unflatten(in_tree, leaves)
-            return wrapped(*args, **kwargs)
+        # The program as traced for the MPMD path: no second trace of the user's code.
+        flat = core.jaxpr_as_fun(self.jaxpr)
 
         # Without a sharded input every value is replicated, as on the MPMD path (the
         # implicit task has no logical mapping); otherwise jax propagates from the inputs.
         out_sh = replicated if not self.pins else None
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh,
                          donate_argnums=self.donated, keep_unused=True)
-        with _contexts.autoshard(True):  # markers of in_shardings lower to identities here
-            lowered = jitted.lower(*self.abstract_leaves)
+        # (The only logical markers left are those of physical in_shardings; outside
+        # mjit's trace they lower to identities.)
+        lowered = jitted.lower(*self.abstract_leaves)
         return FastCompiled(self, lowered.compile(), in_sh)
 
 
@@ -93,7 +93,7 @@ class FastCompiled:
         self._compiled = compiled
         self._in_sh = in_shardings
         self.input_shardings = jax.tree.unflatten(fast.in_tree, list(in_shardings))
-        self.output_shardings = compiled.output_shardings
+        self.output_shardings = jax.tree.unflatten(fast.out_tree, compiled.output_shardings)
         self.fragments: list = []
         self.transfers: list = []
         self.schedule = None
@@ -103,7 +103,7 @@ class FastCompiled:
 
         leaves = check_call(self._fast.in_tree, self._fast.in_avals, args, kwargs)
         leaves = [_place(x, sh) for x, sh in zip(leaves, self._in_sh)]
-        return self._compiled(*leaves)
+        return jax.tree.unflatten(self._fast.out_tree, self._compiled(*leaves))
 
     def as_text(self) -> str:
         """The program as ``jax.jit`` compiled it (StableHLO before XLA)."""

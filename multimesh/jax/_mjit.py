@@ -445,9 +445,9 @@ class _MJit:
         if mesh is not None:
             low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
         if _fast_path.eligible(text, implicit, notes, pins, len(devices)):
-            low.fast = _fast_path.FastPath(wrapped, in_tree_dyn, jax.tree.leaves(abstract),
-                                           traced.jaxpr.in_avals, pins, devices, donated, text,
-                                           low.default_mesh)
+            low.fast = _fast_path.FastPath(traced.jaxpr, in_tree_dyn, lowered.out_tree,
+                                           jax.tree.leaves(abstract), pins, devices, donated,
+                                           text, low.default_mesh)
         return low
 
     def __call__(self, *args, **kwargs):
