@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
@@ -449,6 +449,20 @@ def _():
 def _():
     far = mm.task(lambda x: x * 2, name="far", mesh=mesh4(4))
     mm.mjit(far, devices=jax.devices()[:4])(jnp.ones(8))
+
+
+@error("physical-in-sharding-outside-program", MESHES,
+       "A physical input sharding on devices the program does not have", MeshError,
+       r"`mjit` in_shardings for args\[0\] is NamedSharding\(.*\), on devices \[4, 5, 6, 7\], "
+       r"but the program runs on devices \[0, 1, 2, 3\]\. No task maps its axis names "
+       r"\['d'\], so it is a physical sharding",
+       """A `NamedSharding` in `in_shardings` whose axis names no task maps fixes where the
+       input lives (as for `jax.jit`), so it must use the program's devices. Pass
+       `devices=`/`mesh=` to `mjit`, or write the sharding with logical names a task maps
+       (e.g. `P("batch")`).""")
+def _():
+    sharding = NamedSharding(Mesh(jax.devices()[4:8], ("d",)), P("d"))
+    mm.mjit(lambda x: x * 2, devices=jax.devices()[:4], in_shardings=sharding)(jnp.ones(8))
 
 
 @error("device-outside-program", MESHES,
