@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from multimesh._src.errors import MeshError
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
+from multimesh.jax._task import logical_axes_of  # per-dim names; here mesh axis names
 
 __all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits"]
 
@@ -93,16 +94,8 @@ def layout_of(sharding, ndim: int, devices: tuple) -> Layout | None:
     mesh = sharding.mesh
     if any(d not in index for d in mesh.devices.flat):
         return None
-    dims = []
-    for e in tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)):
-        if e is None or e is PartitionSpec.UNCONSTRAINED:
-            dims.append(())
-        elif isinstance(e, str):
-            dims.append((e,))
-        else:
-            dims.append(tuple(e))
     return (tuple(index[d] for d in mesh.devices.flat), tuple(mesh.axis_names),
-            tuple(int(s) for s in mesh.devices.shape), tuple(dims))
+            tuple(int(s) for s in mesh.devices.shape), logical_axes_of(sharding.spec, ndim))
 
 
 def plan_pins(leaves, specs: list, mapped: set[str], devices: tuple,
