@@ -25,8 +25,9 @@ class AssignTasksPass(ModulePass):
     takes that task; tasks on different submeshes inside one loop are an error,
     since a loop body runs on one submesh. Ops still untagged at the end (or every
     op, in a program with no task at all) go to the implicit task ``mm.default``:
-    all ``num-devices`` devices, no logical mapping, so constraints there resolve
-    to replicated.
+    all ``num-devices`` devices (on a mesh ``x``, unless the module's ``mm.tasks``
+    already has an ``mm.default`` entry: the program's own mesh), no logical
+    mapping, so constraints there resolve to replicated.
     """
 
     argument = "mm-assign-tasks"
@@ -76,7 +77,9 @@ class AssignTasksPass(ModulePass):
             untagged = [op for op in untagged if op not in markers]
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
-                tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())
+                # A caller may have given mm.default its mesh (the program's own mesh).
+                tasks.setdefault(c.DEFAULT_TASK,
+                                 c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ()))
                 for op in untagged:
                     tag[op] = (c.DEFAULT_TASK, 0, loop[op])
             # Attributes are written last: in these bindings an Operation's hash

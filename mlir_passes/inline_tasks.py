@@ -18,11 +18,14 @@ class InlineTasksPass(ModulePass):
     ``mm.task = {name = "...", transpose_count = N}``; the task's mesh and logical
     mapping move to the module's ``mm.tasks`` table. Ops that come out of a
     microbatch loop body (a call marked ``mm.microbatch = {loop = L, ...}``) belong to
-    loop ``L``: tagged ops get ``loop = L`` in their tag, untagged ones ``mm.loop = L``. Ops of plain calls inherit
-    the tag of the call (if the call itself came out of a task). Calls nested in
-    regions (``stablehlo.while`` bodies) are inlined in place. Giving one task
-    name two different meshes is an error. Private functions left unreferenced
-    are removed.
+    loop ``L``: tagged ops get ``loop = L`` in their tag, untagged ones ``mm.loop = L``.
+    Ops of plain calls inherit the tag of the call (if the call itself came out of a task). Calls nested in
+    regions (``stablehlo.while`` bodies) are inlined in place. A task name that
+    comes with a second, different mesh or logical mapping (one function wrapped
+    twice, ``task(f, mesh=a)`` and ``task(f, mesh=b)``) names a new task: the
+    first keeps the name, the others become ``name.1``, ``name.2``, ... in
+    program order (MultiMesh uniquifies colours the same way). Private functions
+    left unreferenced are removed.
     """
 
     argument = "mm-inline-tasks"
@@ -34,6 +37,7 @@ class InlineTasksPass(ModulePass):
             c.check_task_calls(module.operation)  # before any edit, at the faulty call
             funcs = c.func_by_name(module)
             main = c.main_func(module)
+            names = _Names(tasks, _call_names(module))
             uses: dict[str, int] = {}
             while True:
                 calls = _collect_calls(main)
@@ -43,7 +47,7 @@ class InlineTasksPass(ModulePass):
                 for call in _collect_calls_module(module):
                     uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1
                 for call in calls:
-                    _inline(call, funcs, tasks, uses)
+                    _inline(call, funcs, names, uses)
             c.write_tasks(module, tasks)
             pm = passmanager.PassManager.parse("builtin.module(symbol-dce)")
             pm.run(module.operation)
@@ -65,7 +69,7 @@ def _collect_calls_module(module: ir.Module) -> list[ir.Operation]:
     return _collect_calls(module.operation)
 
 
-def _inline(call: ir.Operation, funcs, tasks, uses) -> None:
+def _inline(call: ir.Operation, funcs, names: _Names, uses) -> None:
     name = c.callee_of(call)
     callee = funcs.get(name)
     if callee is None:
@@ -74,9 +78,8 @@ def _inline(call: ir.Operation, funcs, tasks, uses) -> None:
     loop = _call_loop(call)
     if c.TASK_ATTR in call.attributes:
         d = attr_to_py(call.attributes[c.TASK_ATTR])
-        if "devices" in d:
-            _register(tasks, d, call)
-        tag = c.tag_attr(d["name"], int(d["transpose_count"]), loop)
+        task = names.allocate(d) if "devices" in d else d["name"]
+        tag = c.tag_attr(task, int(d["transpose_count"]), loop)
     if uses.get(name, 0) <= 1:
         body = callee  # only use: move the body instead of cloning it
     else:
@@ -133,19 +136,38 @@ def _call_loop(call: ir.Operation) -> int:
     return -1
 
 
-def _register(tasks, d: dict, call: ir.Operation) -> None:
-    info = c.TaskMeshInfo.from_dict(d)
-    old = tasks.get(d["name"])
-    if old is not None and old.mesh_key() != info.mesh_key():
-        raise DiagnosticError(
-            f"task '{d['name']}' was given two different submeshes: devices "
-            f"{list(old.devices)} with axes {dict(zip(old.axis_names, old.axis_sizes))} and "
-            f"devices {list(info.devices)} with axes "
-            f"{dict(zip(info.axis_names, info.axis_sizes))}; a task name has one submesh",
-            call.location)
-    if old is not None and old.logical_axes != info.logical_axes:
-        raise DiagnosticError(
-            f"task '{d['name']}' was given two different logical mappings: "
-            f"{[list(p) for p in old.logical_axes]} and {[list(p) for p in info.logical_axes]}",
-            call.location)
-    tasks[d["name"]] = info
+def _call_names(module: ir.Module) -> set[str]:
+    """Every task name a call of the module uses (so a new name never takes one)."""
+    out = set()
+    for call in _collect_calls_module(module):
+        if c.TASK_ATTR in call.attributes:
+            d = attr_to_py(call.attributes[c.TASK_ATTR])
+            if isinstance(d, dict) and isinstance(d.get("name"), str):
+                out.add(d["name"])
+    return out
+
+
+class _Names:
+    """Task names, one per distinct (name, mesh, logical mapping) in program order."""
+
+    def __init__(self, tasks: dict[str, c.TaskMeshInfo], taken: set[str]):
+        self.tasks = tasks
+        self.taken = set(taken) | set(tasks)
+        self.given: dict[tuple[str, c.TaskMeshInfo], str] = {}
+
+    def allocate(self, d: dict) -> str:
+        info = c.TaskMeshInfo.from_dict(d)
+        key = (d["name"], info)
+        name = self.given.get(key)
+        if name is None:
+            name = d["name"]
+            old = self.tasks.get(name)
+            if old is not None and old != info:
+                k = 1
+                while f"{d['name']}.{k}" in self.taken:
+                    k += 1
+                name = f"{d['name']}.{k}"
+            self.taken.add(name)
+            self.tasks[name] = info
+            self.given[key] = name
+        return name

@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
@@ -461,6 +461,20 @@ def _():
     mm.mjit(far, devices=jax.devices()[:4])(jnp.ones(8))
 
 
+@error("physical-in-sharding-outside-program", MESHES,
+       "A physical input sharding on devices the program does not have", MeshError,
+       r"`mjit` in_shardings for args\[0\] is NamedSharding\(.*\), on devices \[4, 5, 6, 7\], "
+       r"but the program runs on devices \[0, 1, 2, 3\]\. No task maps its axis names "
+       r"\['d'\], so it is a physical sharding",
+       """A `NamedSharding` in `in_shardings` whose axis names no task maps fixes where the
+       input lives (as for `jax.jit`), so it must use the program's devices. Pass
+       `devices=`/`mesh=` to `mjit`, or write the sharding with logical names a task maps
+       (e.g. `P("batch")`).""")
+def _():
+    sharding = NamedSharding(Mesh(jax.devices()[4:8], ("d",)), P("d"))
+    mm.mjit(lambda x: x * 2, devices=jax.devices()[:4], in_shardings=sharding)(jnp.ones(8))
+
+
 @error("device-outside-program", MESHES,
        "A task's jax Mesh uses a device the program does not have", MeshError,
        r"Task 'far' uses device cpu:4, which is not among the program's devices \[0, 1, 2, 3\]",
@@ -478,19 +492,6 @@ def _():
        dimension per axis name.""")
 def _():
     mm.task(lambda x: x, name="t", devices=[[0, 1], [2, 3]], device_axes=("x",))
-
-
-@error("task-name-two-submeshes", MESHES, "One task name used with two submeshes", PassFailure,
-       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different submeshes: "
-       r"devices \[0, 1, 2, 3\] with axes \{'x': 4\} and devices \[4, 5, 6, 7\] with axes "
-       r"\{'x': 4\}; a task name has one submesh.*Reproduce with:\n  mm-opt ",
-       """A task name identifies one submesh (and one fragment per direction). Give the two
-       tasks different names.""",
-       check=_repro_check("mm-inline-tasks"))
-def _():
-    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
-    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(4))
-    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
 
 
 @error("tasks-on-two-submeshes-in-one-loop", MESHES,
@@ -558,13 +559,19 @@ def _():
 
 
 @error("logical-axis-unknown-device-axis", LOGICAL,
-       "A logical axis mapped to a device axis the mesh does not have", MeshError,
-       r"Task 't' maps logical axis 'batch' to unknown device axis 'z'; the task mesh has axes "
-       r"\('x',\)",
-       """`logical_axes` pairs `(logical_name, device_axis)`; every device axis must be an
-       axis name of the task's mesh.""")
+       "A logical axis that is used maps to a device axis the mesh does not have", PassFailure,
+       r"multimesh pass 'mm-resolve-logical-shardings' failed: Logical axis 'batch' is mapped to "
+       r"device axis 'z', which is not an axis of the mesh of task 't'\. Valid device axis names "
+       r"are: 'x'\..*Reproduce with:\n  mm-opt ",
+       """`logical_axes` pairs `(logical_name, device_axis)`. A pair may name a device axis
+       the task's mesh lacks (one map shared by submeshes of different shapes), but a
+       constraint inside the task that uses its logical name needs that axis: add it to
+       the mesh, or map the name to an axis the mesh has.""",
+       check=_repro_check("mm-resolve-logical-shardings"))
 def _():
-    mm.task(lambda x: x, name="t", mesh=mesh4(), logical_axes=(("batch", "z"),))
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name="t", mesh=mesh4(),
+                logical_axes=(("batch", "z"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 @error("logical-axes-not-pairs", LOGICAL, "`logical_axes` given a single flat pair",
@@ -585,19 +592,6 @@ def _():
        `mesh=TaskMesh(...)`.""")
 def _():
     mm.task(lambda x: x, name="t", devices=[0, 1], logical_axes=(("batch", "x"),))
-
-
-@error("task-name-two-logical-mappings", LOGICAL, "One task name used with two logical mappings",
-       PassFailure,
-       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different logical "
-       r"mappings: \[\['batch', 'x'\]\] and \[\]",
-       """A task name has one logical mapping; give differently mapped tasks different
-       names.""",
-       check=_repro_check("mm-inline-tasks"))
-def _():
-    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(), logical_axes=(("batch", "x"),))
-    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(), logical_axes=())
-    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
 
 
 @error("sharding-rank-mismatch", LOGICAL, "A logical sharding with more entries than dims",
@@ -936,12 +930,13 @@ def _():
     mm.Task(mesh=mesh4(), mesh_slice={"stage": 0})
 
 
-@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no MultiMesh active",
+@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no global mesh to slice",
        MeshError,
-       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but no MultiMesh is active\. A mesh_slice "
-       r"selects part of the global mesh",
-       """Compile inside `with MultiMesh(...):` (or decorate the function with it), or
-       give the task a `mesh` instead.""")
+       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but there is no global mesh to slice\. A "
+       r"mesh_slice selects part of the global mesh",
+       """A mesh_slice cuts the current global mesh: the entered `MultiMesh`, else jax's
+       mesh (`jax.set_mesh(mesh)` or `with mesh:`). Compile inside one of them (or
+       decorate the function with the MultiMesh), or give the task a `mesh` instead.""")
 def _():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     mm.mjit(layered_model).lower(*layered_args())

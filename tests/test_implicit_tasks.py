@@ -575,8 +575,8 @@ def test_error_both_mesh_and_mesh_slice():
 def test_error_mesh_slice_outside_multimesh():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     params, x = float_args()
-    with pytest.raises(MeshError, match=r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but no "
-                                        r"MultiMesh is active"):
+    with pytest.raises(MeshError, match=r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but "
+                                        r"there is no global mesh to slice"):
         mm.mjit(model).lower(params, x)
 
 

@@ -13,6 +13,9 @@ P6  bubble fraction and peak live activations per schedule, from the unit-cost
     simulator, next to theory (see tools/bench_schedules.py).
 P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
     P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
+P9  enable_fast_path on a program with no task (48-layer MLP value_and_grad):
+    P9_compile = mjit compile time with the fast path / without it (pass pipeline +
+    runtime); P9_call = one call (dispatch + run, small arrays) with / without it.
 P8  compile phases of a pipelined transformer for M = 1, 4, 16, 64 microbatches, and
     the whole compile at M=16 over jax.jit of the same step with a lax.scan over
     microbatches (see tools/bench_microbatch.py).
@@ -21,7 +24,8 @@ P5  partitioning time of a 2-stage x 4-microbatch 1F1B value_and_grad step: mult
     tasks / Shardy's apply_mpmd_partitioning (parse + partition) on the same step
     written with named computations. P5_passes: ours without run_pipeline's hooks;
     P5_import: parse + mm-import-mpmd + mm-verify of Shardy's output, / theirs.
-    (--only P5 runs just this one.)
+
+--only P1,P9 runs just the named measures.
 """
 
 from __future__ import annotations
@@ -341,42 +345,94 @@ def _p5(reps: int) -> dict[str, float]:
             "P5_import_ms": 1e3 * med["import"]}
 
 
+def _p9(reps: int) -> tuple[float, float]:
+    """(fast-path compile / MPMD compile, fast-path call / MPMD call) of a task-less MLP."""
+    import jax
+    import jax.numpy as jnp
+
+    from multimesh.jax import enable_fast_path, mjit
+    from multimesh.runtime import executor
+
+    def plain(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return (x * x).mean()
+
+    ws = [jnp.eye(64) * 0.5 for _ in range(48)]
+    x = jnp.ones((16, 64))
+    step = jax.value_and_grad(plain)
+    compile_s = {True: [], False: []}
+    compiled = {}
+    for _ in range(reps):
+        for fast in (True, False):
+            jax.clear_caches()
+            executor._COMPILE_CACHE.clear()
+            with enable_fast_path(fast):
+                t0 = time.perf_counter()
+                compiled[fast] = mjit(step).lower(ws, x).compile()
+                compile_s[fast].append(time.perf_counter() - t0)
+    assert compiled[True].fast_path and not compiled[False].fast_path
+    calls = {True: [], False: []}
+    for c in compiled.values():
+        jax.block_until_ready(c(ws, x))
+    for _ in range(50 * reps):
+        for fast in (True, False):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[fast](ws, x))
+            calls[fast].append(time.perf_counter() - t0)
+    med = statistics.median
+    return (med(compile_s[True]) / med(compile_s[False]),
+            med(calls[True]) / med(calls[False]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller P4x4")
     ap.add_argument("--json", help="write results as JSON to this path")
-    ap.add_argument("--only", choices=["P5", "P8"], help="run one benchmark")
+    ap.add_argument("--only", help="run only these measures, e.g. P8 or P1,P3")
     args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    runs = _measures(args)
+    names = args.only.split(",") if args.only else list(runs)
     res = {}
-    reps = 5 if args.quick else 20
-    if args.only == "P5":
-        res.update(_p5(10 if args.quick else 30))
-        return _report(res, args.json)
-    if args.only == "P8":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    for name in names:
+        if name not in runs:
+            raise SystemExit(f"--only: unknown measure {name!r}; choose from {sorted(runs)}")
+        res.update(runs[name]())
+    return _report(res, args.json)
+
+
+def _measures(args) -> dict:
+    """Every measure, by name, in the order a full run takes them."""
+    quick = args.quick
+    reps = 5 if quick else 20
+
+    def p4():
+        n = 250_000
+        r, pipe, base = _p4(n)
+        r4, pipe4, base4 = _p4(4 * n)
+        return {"P4": r, "P4_pipeline_s": pipe, "P4_parse_print_s": base, "P4x4": r4,
+                "P4x4_pipeline_s": pipe4, "P4x4_parse_print_s": base4}
+
+    def p6():
+        from bench_schedules import P6
+
+        return P6()
+
+    def p8():
         from bench_microbatch import P8
 
-        res.update(P8(reps=1 if args.quick else 3))
-        return _report(res, args.json)
-    res["P1_2stage"] = _p1(2, reps)
-    res["P1_4stage"] = _p1(4, reps)
-    res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
-    res["P7"] = _p7()
-    res["P3"] = _p3(3 if args.quick else 7)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_schedules import P6
+        return P8(reps=1 if quick else 3)
 
-    res.update(P6())
-    from bench_microbatch import P8
-
-    res.update(P8(reps=1 if args.quick else 3))
-    n = 250_000
-    r, pipe, base = _p4(n)
-    res["P4"], res["P4_pipeline_s"], res["P4_parse_print_s"] = r, pipe, base
-    r4, pipe4, base4 = _p4(4 * n)
-    res["P4x4"], res["P4x4_pipeline_s"], res["P4x4_parse_print_s"] = r4, pipe4, base4
-    res.update(_p5(10 if args.quick else 30))
-    return _report(res, args.json)
+    return {"P1": lambda: {"P1_2stage": _p1(2, reps), "P1_4stage": _p1(4, reps)},
+            "P2": lambda: dict(zip(("P2", "P2_transfer"), _p2(200 if quick else 2000))),
+            "P7": lambda: {"P7": _p7()},
+            "P3": lambda: {"P3": _p3(3 if quick else 7)},
+            "P9": lambda: dict(zip(("P9_compile", "P9_call"), _p9(3 if quick else 7))),
+            "P6": p6,
+            "P8": p8,
+            "P4": p4,
+            "P5": lambda: _p5(10 if quick else 30)}
 
 
 def _report(res: dict, path: str | None) -> int:

@@ -58,7 +58,9 @@ class PassFailure(MultimeshValueError):
 
 
 class MultimeshWarning(UserWarning):
-    """An option, rule or schedule had no effect (or less than asked): multimesh says why."""
+    """Something multimesh did differently from what was asked, an option, rule or
+    schedule that had no effect, or a rule that matched nothing; the program still
+    compiles."""
 
 
 class DiagnosticWarning(MultimeshWarning):

@@ -20,9 +20,9 @@ from multimesh._src.errors import (
     PassFailure,
 )
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
-from multimesh.jax import _contexts, _multimesh
+from multimesh.jax import _contexts, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
-from multimesh.jax._task import with_sharding_constraint
+from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]
@@ -77,6 +77,19 @@ def _check_leaf_types(flat, in_avals, args, kwargs) -> None:
         f"call the `mjit` function, which compiles for each new set of types.")
 
 
+def check_call(in_tree, in_avals, args, kwargs) -> list:
+    """The leaves of a compiled program's arguments, checked against what it was
+    compiled for (structure, shapes and dtypes)."""
+    flat, tree = jax.tree.flatten((args, kwargs))
+    if tree != in_tree:
+        raise MultimeshValueError(
+            f"Compiled function called with arguments of structure {tree}, but it was "
+            f"compiled for {in_tree}.")
+    if in_avals is not None:
+        _check_leaf_types(flat, in_avals, args, kwargs)
+    return flat
+
+
 def _abstract(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -111,15 +124,11 @@ class MpmdCompiled:
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
+    fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+
     def __call__(self, *args, **kwargs):
-        flat, tree = jax.tree.flatten((args, kwargs))
-        if tree != self._lowered.in_tree:
-            raise MultimeshValueError(
-                f"Compiled function called with arguments of structure {tree}, but it was "
-                f"compiled for {self._lowered.in_tree}.")
         low = self._lowered
-        if low.in_avals is not None:
-            _check_leaf_types(flat, low.in_avals, args, kwargs)
+        flat = check_call(low.in_tree, low.in_avals, args, kwargs)
         if not self._all_dynamic:
             flat = [flat[i] for i in low.dyn_idx]
         if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
@@ -242,7 +251,12 @@ class MpmdLowered:
     def compiler_ir(self) -> ir.Module:
         return parse_module(self._text, make_context())
 
+    fast = None  # a FastPath when the program takes enable_fast_path's jax.jit route
+    default_mesh = None  # (axis names, sizes) of the implicit default task, if not x=N
+
     def compile(self) -> MpmdCompiled:
+        if self.fast is not None:
+            return self.fast.compile()
         t0 = time.perf_counter()
         module = self.compiler_ir()
         if self.schedule_config:
@@ -254,6 +268,14 @@ class MpmdLowered:
         module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), len(self.devices)) if False else \
             _i64(module, len(self.devices))
+        if self.default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
+            from multimesh._src.mlir import py_to_attr
+
+            names, sizes = self.default_mesh
+            with module.context:
+                module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
+                    "devices": list(range(len(self.devices))), "axis_names": list(names),
+                    "axis_sizes": list(sizes), "logical_axes": []}})
         run_pipeline(module, self.pipeline)
         return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
                                            "passes": time.perf_counter() - t0})
@@ -376,6 +398,7 @@ class _MJit:
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
         self.fun = fun
+        self.mesh = mesh
         if devices is None and mesh is not None:
             devices = list(mesh.devices.flat)
         self.devices = tuple(np.asarray(devices, dtype=object).flat) if devices is not None \
@@ -387,6 +410,10 @@ class _MJit:
         self.donate_argnums = _argnums("donate_argnums", donate_argnums)
         self.static_argnums = _argnums("static_argnums", static_argnums)
         self._cache: dict = {}
+        self._placed: dict = {}  # (key, committed input shardings) -> compiled
+        # Pin committed inputs even where the program constrains them (parallelize's
+        # initial_batch); see multimesh.jax._inputs.
+        self.pin_committed = False
 
     def _devices(self):
         if self.devices:
@@ -394,6 +421,16 @@ class _MJit:
         global_mesh = _multimesh.active_multimesh()  # inside `with MultiMesh(...)`
         return tuple(global_mesh.devices.flat) if global_mesh is not None \
             else tuple(jax.devices())
+
+    def _program_mesh(self, devices) -> Mesh | None:
+        """The mesh the program's devices came from (``mjit(mesh=...)``, the MultiMesh):
+        the implicit default task runs on it, named as the caller named it."""
+        outer = _multimesh.active_multimesh() if self.devices is None or \
+            self.mesh is not None else None
+        for mesh in (self.mesh, outer):
+            if mesh is not None and tuple(mesh.devices.flat) == tuple(devices):
+                return getattr(mesh, "global_mesh", mesh)
+        return None
 
     def lower(self, *args, **kwargs) -> MpmdLowered:
         devices = self._devices()
@@ -423,9 +460,12 @@ class _MJit:
             text = lowered.as_text(debug_info=True)
             implicit = _multimesh.implicit_tasks_option(text)  # registered tasks
         trace_seconds = time.perf_counter() - t0
+        warn_renamed_tasks(notes)
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
+        text, pins = _pin_inputs(text, self.in_shardings, args, static, dyn_args, kwargs,
+                                 dyn_flat, notes, devices, self.pin_committed)
         in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
         donated = []
         leaf = 0
@@ -440,15 +480,22 @@ class _MJit:
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
         low = MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
-                           list(range(len(dyn_flat))), donated_leaves=donated,
-                           in_avals=traced.jaxpr.in_avals,
-                           key_inputs=key_in if any(key_in) else (),
-                           key_outputs=key_out if any(k is not None for k in key_out) else (),
-                           schedule_config=_schedule_config(notes),
-                           pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
-                                                   implicit_tasks=implicit,
-                                                   split_backward=_wants_split(notes),
-                                                   recompute=_contexts.state.recomputation))
+                          list(range(len(dyn_flat))), donated_leaves=donated,
+                          in_avals=traced.jaxpr.in_avals,
+                          key_inputs=key_in if any(key_in) else (),
+                          key_outputs=key_out if any(k is not None for k in key_out) else (),
+                          schedule_config=_schedule_config(notes),
+                          pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
+                                                  implicit_tasks=implicit,
+                                                  split_backward=_wants_split(notes),
+                                                  recompute=_contexts.state.recomputation))
+        mesh = self._program_mesh(devices)
+        if mesh is not None:
+            low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
+        if _fast_path.eligible(text, implicit, notes, pins, len(devices)):
+            low.fast = _fast_path.FastPath(traced.jaxpr, in_tree_dyn, lowered.out_tree,
+                                           jax.tree.leaves(abstract), pins, devices, donated,
+                                           text, low.default_mesh)
         low.trace_seconds = trace_seconds
         return low
 
@@ -468,12 +515,33 @@ class _MJit:
         leaves, tree = jax.tree.flatten((tuple(dyn), kwargs))
         key = (tree, static, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
                                     bool(getattr(x, "weak_type", False))) for x in leaves),
-               _multimesh.compile_token())
+               _multimesh.compile_token(), _contexts.state.fast_path)
+        placed = _inputs.committed_key(leaves)
+        if any(p is not None for p in placed):  # committed inputs are physical shardings
+            compiled = self._placed.get((key, placed))
+            if compiled is None:
+                base = self._cache.get(key)
+                compiled = base if base is not None and _inputs.fits(base, leaves) \
+                    else self.lower(*args, **kwargs).compile()
+                self._placed[(key, placed)] = compiled
+            return compiled(*dyn, **kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()
             self._cache[key] = compiled
         return compiled(*dyn, **kwargs)
+
+
+def _pin_inputs(text, in_shardings, args, static, dyn_args, kwargs, dyn_flat, notes,
+                devices, force: bool) -> tuple[str, dict]:
+    """Pin physical input shardings (``_inputs``) on the lowered program's arguments."""
+    specs = _inputs.leaf_in_shardings(in_shardings, args, static,
+                                      len(jax.tree.leaves(kwargs)))
+    paths = [_leaf_name(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path((tuple(dyn_args), kwargs))[0]]
+    pins, drop, committed = _inputs.plan_pins(
+        dyn_flat, specs, notes.get("logical_names", set()), tuple(devices), paths)
+    return _inputs.pin_module(text, pins, drop, set() if force else committed)
 
 
 def _constrain_tree(tree, shardings):
@@ -532,7 +600,9 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     with _contexts.autoshard(True):
         params = jax.eval_shape(init_params)
         batch = jax.eval_shape(get_input_batch) if initial_batch is None else initial_batch
-    compiled = mjit(fun, devices=devices).lower(params, batch).compile()
+    program = mjit(fun, devices=devices)
+    program.pin_committed = initial_batch is not None  # its shardings are kept (MultiMesh)
+    compiled = program.lower(params, batch).compile()
     param_sh, batch_sh = compiled.input_shardings[0]
 
     def init_sharded_params():

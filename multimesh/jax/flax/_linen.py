@@ -122,8 +122,10 @@ def task(model, name: str | None = None, *, task: mm.Task | None = None, **kwarg
       with the same constructor fields. Its single parameter ``mod`` holds the
       inner module's ``params`` (``{'params': {...}}``); other collections of the
       inner module (``batch_stats``, ...) live under ``mod`` in their own
-      collection. Calling it runs the inner module as a task. When ``name`` is
-      given it is also the default linen name of each instance.
+      collection. Calling it runs the inner module as a task. ``name`` names the
+      *task* only, as in MultiMesh: an instance without a linen ``name`` is
+      auto-named by Flax from the class, ``Task[<Model>]_0``, ``Task[<Model>]_1``,
+      ... (which fixes the parameter paths and so Flax's initial values).
     * An ``nnx.Module`` **instance** gives an NNX module (``TaskModule``) whose
       attribute ``mod`` is the wrapped module; calling it runs the module as a
       task and writes its state updates back.
@@ -176,16 +178,10 @@ def _linen_task_class(model: type, explicit_name: str | None, spec: mm.Task) -> 
             namespace[f.name] = dataclasses.field(**kw)
     namespace["__annotations__"] = annotations
 
-    def __post_init__(self):
-        if explicit_name is not None and self.name is None:
-            object.__setattr__(self, "name", explicit_name)
-        nn.Module.__post_init__(self)
-
     @nn.compact
     def __call__(self, *args, **kw):
         return _call_linen_task(self, model, fields, explicit_name, spec, args, kw)
 
-    namespace["__post_init__"] = __post_init__
     namespace["__call__"] = __call__
     cls = type(f"Task[{model.__name__}]", (nn.Module,), namespace)
     cls.mm_task = spec
@@ -495,7 +491,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         state_avals = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
             init_state)
-    compiled = mm.mjit(step_fn, devices=list(mesh.devices.flat)).lower(
+    compiled = mm.mjit(step_fn, mesh=mesh).lower(
         state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)

@@ -847,7 +847,7 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
         state.optimizer.update(state.model, grads)
         return loss
 
-    jitted = mjit(train_step, devices=list(mesh.devices.flat),
+    jitted = mjit(train_step, mesh=mesh,
                   in_shardings=(_state_specs(state), None))
     compiled = jitted.lower(state, batch_avals).compile()
     compiled.place(state, batch_avals)
