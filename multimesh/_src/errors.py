@@ -55,3 +55,8 @@ class PassFailure(MultimeshValueError):
         self.pass_argument = pass_argument
         self.repro = repro
         self.cause = cause
+
+
+class DonationError(MultimeshValueError):
+    """A compiled program got an argument whose buffer is gone (donated or deleted), or
+    the same array both donated and passed as another argument."""

@@ -94,11 +94,18 @@ class MpmdCompiled:
         self._text = print_module(module)
         self.plan_data = build_plan(module)
         self._exec = Executor(self.plan_data, lowered.devices,
-                              frozenset(lowered.donated_leaves))
+                              frozenset(lowered.donated_leaves), leaf_name=self._arg_name)
         self._all_dynamic = list(lowered.dyn_idx) == list(range(len(lowered.dyn_idx)))
         in_sh = self._exec.input_shardings
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
+
+    def _arg_name(self, i: int) -> str:
+        """``args[0]['w']``: how errors name the executor's argument ``i``."""
+        low = self._lowered
+        leaves = jax.tree.unflatten(low.in_tree, list(range(low.in_tree.num_leaves)))
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(leaves)[0]]
+        return _leaf_name(paths[low.dyn_idx[i]])
 
     def __call__(self, *args, **kwargs):
         flat, tree = jax.tree.flatten((args, kwargs))
