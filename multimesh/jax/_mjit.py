@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlir_passes.pipeline import PipelineHooks, parse_pipeline
+from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
     MultimeshTypeError,
@@ -347,7 +348,7 @@ class _MJit:
             _check_distinct_devices(self.devices)
         self.donate_argnums = _argnums("donate_argnums", donate_argnums)
         self.static_argnums = _argnums("static_argnums", static_argnums)
-        self._cache: dict = {}
+        self._cache = LRUCache("multimesh mjit programs")
 
     def _devices(self):
         if self.devices:

@@ -18,11 +18,14 @@ from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.caches import LRUCache
 from multimesh._src.mlir import make_context, parse_module
 from multimesh.runtime.guards import check_args
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan
 
-_COMPILE_CACHE: dict[tuple, object] = {}
+# Compiled fragments by (text, device ids, donors), shared by every program; emptied
+# by jax.clear_caches() / multimesh.clear_caches().
+_COMPILE_CACHE = LRUCache("multimesh compiled fragments", max_size=512)
 _LOCK = threading.Lock()
 
 
