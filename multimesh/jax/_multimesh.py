@@ -20,6 +20,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 
 import jax
@@ -98,7 +99,7 @@ def _make_registration(matcher, callback, task) -> _Registration:
     return _Registration(matcher, regex, callback, task)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Frame:
     context: Context
     live: list  # the registrations in effect while this frame is entered
@@ -113,6 +114,7 @@ class Context(contextlib.ContextDecorator):
 
     def __init__(self):
         self._registrations: list[_Registration] = []
+        self._frames: list[_Frame] = []  # where this context is entered, in any thread
 
     def register_task(self, matcher: str, *, callback: Callable | None = None,
                       task=None) -> None:
@@ -126,30 +128,51 @@ class Context(contextlib.ContextDecorator):
         after the matched name.
         """
         reg = _make_registration(matcher, callback, task)
-        self._registrations.append(reg)
-        for frame in _stack:
-            if frame.context is self and frame.live is not self._registrations:
-                frame.live.append(reg)
+        with _LOCK:
+            self._registrations.append(reg)
+            for frame in self._frames:
+                if frame.live is not self._registrations:
+                    frame.live.append(reg)
 
     @property
     def registered(self) -> tuple[_Registration, ...]:
         return tuple(self._registrations)
 
     def __enter__(self):
-        _stack.append(_Frame(self, list(self._registrations)))
+        with _LOCK:
+            frame = _Frame(self, list(self._registrations))
+            self._frames.append(frame)
+        _local.frames.append(frame)
         return self
 
     def __exit__(self, *exc):
-        for i in range(len(_stack) - 1, 0, -1):
-            if _stack[i].context is self:
-                del _stack[i]
-                break
-        return False
+        frames = _local.frames
+        for i in range(len(frames) - 1, 0, -1):
+            if frames[i].context is self:
+                with _LOCK:
+                    self._frames.remove(frames[i])
+                del frames[i]
+                return False
+        raise MultimeshValueError(
+            f"{type(self).__name__}.__exit__ was called without a matching __enter__ in "
+            f"this thread; use the context in a `with` statement (or as a decorator) so "
+            f"that every exit has its enter.")
 
 
+_LOCK = threading.Lock()
 _default = Context()
-_stack: list[_Frame] = [_Frame(_default, _default._registrations)]
-_meshes: list[MultiMesh] = []
+_default_frame = _Frame(_default, _default._registrations)
+
+
+class _Stacks(threading.local):
+    """Entered contexts and MultiMeshes are per thread; the default context is shared."""
+
+    def __init__(self):
+        self.frames: list[_Frame] = [_default_frame]
+        self.meshes: list[tuple[MultiMesh, object]] = []  # (mesh, autoshard token)
+
+
+_local = _Stacks()
 
 
 def register_task(matcher: str, *, callback: Callable | None = None, task=None) -> None:
@@ -158,7 +181,7 @@ def register_task(matcher: str, *, callback: Callable | None = None, task=None) 
     See :meth:`Context.register_task`. Outside every context the registration is
     global and lasts until :func:`clear_tasks`.
     """
-    _stack[-1].context.register_task(matcher, callback=callback, task=task)
+    _local.frames[-1].context.register_task(matcher, callback=callback, task=task)
 
 
 def clear_tasks() -> None:
@@ -166,8 +189,9 @@ def clear_tasks() -> None:
 
     A context's own registrations come back the next time it is entered.
     """
-    for frame in _stack:
-        frame.live.clear()
+    with _LOCK:
+        for frame in _local.frames:
+            frame.live.clear()
 
 
 @contextlib.contextmanager
@@ -193,14 +217,15 @@ def tasks(configurable: Callable | None = None):
 def active_registrations() -> list[_Registration]:
     """Registrations in priority order: innermost context first, then registration order."""
     out: list[_Registration] = []
-    for frame in reversed(_stack):
+    for frame in reversed(_local.frames):
         out.extend(frame.live)
     return out
 
 
 def compile_token() -> tuple:
-    """What a compiled program depends on here (for ``mjit``'s cache key)."""
-    return (tuple(active_registrations()), active_multimesh())
+    """What a compiled program depends on in this thread (for ``mjit``'s cache key):
+    the registered tasks, the active MultiMesh and the context switches."""
+    return (tuple(active_registrations()), active_multimesh(), _contexts.compile_state())
 
 
 # --------------------------------------------------------------------------- MultiMesh
@@ -255,7 +280,6 @@ class MultiMesh(Context):
                     f"name {len(axis_names)} axes; give axis_sizes to reshape them.")
             mesh = Mesh(devs, axis_names)
         self.global_mesh = mesh
-        self._exits: list[contextlib.ExitStack] = []
 
     # Mesh-like surface
     @property
@@ -316,30 +340,35 @@ class MultiMesh(Context):
         return [d.id for d in self._slice_devices(to_slice).flat]
 
     def __enter__(self):
-        stack = contextlib.ExitStack()
-        stack.enter_context(_contexts.autoshard(True))
+        token = _contexts.push("autoshard", True)
         super().__enter__()
-        stack.callback(Context.__exit__, self, None, None, None)
-        _meshes.append(self)
-        stack.callback(_pop_mesh, self)
-        self._exits.append(stack)
+        _local.meshes.append((self, token))
         return self
 
     def __exit__(self, *exc):
-        self._exits.pop().close()
+        # Exits may come in any order (two MultiMeshes closed out of order): each one
+        # undoes only its own entries, and autoshard comes back once all are closed.
+        meshes = _local.meshes
+        for i in range(len(meshes) - 1, -1, -1):
+            if meshes[i][0] is self:
+                _, token = meshes.pop(i)
+                break
+        else:
+            raise MultimeshValueError(
+                "MultiMesh.__exit__ was called without a matching __enter__ in this "
+                "thread; use the MultiMesh in a `with` statement (or as a decorator) so "
+                "that every exit has its enter.")
+        try:
+            super().__exit__(*exc)
+        finally:
+            _contexts.pop(token)
         return False
 
 
-def _pop_mesh(mm: MultiMesh) -> None:
-    for i in range(len(_meshes) - 1, -1, -1):
-        if _meshes[i] is mm:
-            del _meshes[i]
-            return
-
-
 def active_multimesh() -> MultiMesh | None:
-    """The innermost entered :class:`MultiMesh`, if any."""
-    return _meshes[-1] if _meshes else None
+    """The innermost :class:`MultiMesh` entered in this thread, if any."""
+    meshes = _local.meshes
+    return meshes[-1][0] if meshes else None
 
 
 def slice_global_mesh(name: str, mesh_slice: Mapping[str, int]) -> Mesh:
