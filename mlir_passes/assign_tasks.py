@@ -27,9 +27,15 @@ class AssignTasksPass(ModulePass):
 
     argument = "mm-assign-tasks"
     summary = "Give every untagged op in `@main` a task by the heaviest-neighbour rule."
+    consumes = ("flat",)
 
     num_devices: int = 0
     """Devices of the implicit default task; 0 reads `mm.num_devices` or `mhlo.num_partitions`."""
+
+    def __post_init__(self):
+        if self.num_devices < 0:
+            raise self.bad_option("num_devices", "a positive device count, or 0 to read it "
+                                                 "from the module")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

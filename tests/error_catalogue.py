@@ -1267,9 +1267,10 @@ cli("cli-bad-option-value", "A pass option value of the wrong type",
 
 cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
-    r"error: unknown schedule 'round-robin'; valid schedules: 1f1b, custom, gpipe, "
-    r"interleaved-1f1b, zero-bubble-h1",
-    """Pick one of the listed schedules or aliases.""",
+    r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
+    r"'round-robin'; valid schedules: 1f1b, custom, gpipe, interleaved-1f1b, zero-bubble-h1",
+    """Pick one of the listed schedules or aliases. Options given on the command line are
+    checked before the input is read.""",
     input_text=OK_MLIR)
 
 cli("cli-parse-error", "A malformed input file",

@@ -571,7 +571,7 @@ module attributes {mm.schedule_config = {schedule = "1f1b", custom_schedule = [[
 // The MPMD form is required.
 module {
   func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
-    // expected-error@+1 {{mm-schedule-fragments expects @main to hold only fragment calls (MPMD form, after mm-outline-fragments), found 'stablehlo.sine'}}
+    // expected-error@+1 {{mm-schedule-fragments expects a module in MPMD form, but this one is in flat form (one @main, ops tagged with their task, docs/ir.md sections 2-3); run mm-outline-fragments first}}
     %0 = stablehlo.sine %arg0 : tensor<8xf32>
     return %0 : tensor<8xf32>
   }
