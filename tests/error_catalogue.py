@@ -1425,7 +1425,8 @@ def reproduce(error: PassFailure) -> tuple[int, str]:
 
 _NORMALIZE = (
     # repro files live in MULTIMESH_DUMP_IR_TO or the temp directory
-    (re.compile(r"'?[^\s']*(multimesh-failed-input\.mlir)'?"), r"$MULTIMESH_DUMP_IR_TO/\1"),
+    (re.compile(r"'?[^\s']*?([^\s'/]+-\d+/)?(multimesh-failed-input[\w-]*\.mlir)'?"),
+     r"$MULTIMESH_DUMP_IR_TO/\1\2"),
     (re.compile(r"[^\s']*multimesh-rules-[0-9a-f]+\.json"),
      "$MULTIMESH_DUMP_IR_TO/multimesh-rules-HASH.json"),
     # source locations move whenever the file is edited

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import tempfile
 from collections.abc import Callable, Sequence
 
 import jax
@@ -20,7 +19,7 @@ from multimesh._src.errors import (
     PassFailure,
 )
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
-from multimesh.jax import _contexts, _multimesh
+from multimesh.jax import _contexts, _dump, _multimesh
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
@@ -223,7 +222,7 @@ class MpmdLowered:
         module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), len(self.devices)) if False else \
             _i64(module, len(self.devices))
-        run_pipeline(module, self.pipeline)
+        run_pipeline(module, self.pipeline, getattr(self, "name", None))
         return MpmdCompiled(self, module)
 
 
@@ -232,36 +231,40 @@ def _i64(module, n):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), n)
 
 
-def run_pipeline(module: ir.Module, pipeline: str) -> None:
-    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line."""
-    dump = os.environ.get("MULTIMESH_DUMP_IR_TO")
-    before = print_module(module, debug_info=True) if True else None
+def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None) -> None:
+    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line.
+
+    With ``MULTIMESH_DUMP_IR_TO`` set, the input and the module after every pass go to
+    a directory of this program's own (``_dump.program_dir``; ``name`` names it).
+    Passes leave the module untouched when they fail, so the repro is the module as
+    the failure left it: no copy is printed before each pass.
+    """
+    root = _dump.dump_root()
+    where = _dump.program_dir(root, name) if root else None
     counter = [0]
 
+    def write(label: str, mod) -> None:
+        safe = label.replace("/", "_")[:60]
+        with open(os.path.join(where, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
+            f.write(print_module(mod, debug_info=True))
+        counter[0] += 1
+
     def after(step, mod, dt):
-        if dump:
-            os.makedirs(dump, exist_ok=True)
-            counter[0] += 1
-            safe = step.argument.replace("/", "_")[:60]
-            with open(os.path.join(dump, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
-                f.write(print_module(mod, debug_info=True))
-
-    current = [before]
-
-    def before_hook(step, mod):
-        current[0] = print_module(mod, debug_info=True) if step is not None else current[0]
+        if where:
+            write(step.argument, mod)
 
     pipe = parse_pipeline(pipeline)
+    if where:
+        write("input", module)
     try:
-        pipe.run(module, PipelineHooks(before=before_hook, after=after))
+        pipe.run(module, PipelineHooks(after=after))
     except DiagnosticError as e:
         failed = getattr(e, "failed_pass", "?")
-        path = os.path.join(dump or tempfile.gettempdir(), "multimesh-failed-input.mlir")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        path = _dump.repro_path(where)
         with open(path, "w") as f:
-            f.write(current[0])
-        where = file_line_col(e.location)
-        loc = f" (at {where[0]}:{where[1]}:{where[2]})" if where else ""
+            f.write(print_module(module, debug_info=True))
+        where_loc = file_line_col(e.location)
+        loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
         repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + failed + ')')}"
         raise PassFailure(
             f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
@@ -399,7 +402,7 @@ class _MJit:
         key_in = [_is_key(x) for x in dyn_flat]
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
-        return MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
+        low = MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
                            list(range(len(dyn_flat))), donated_leaves=donated,
                            in_avals=traced.jaxpr.in_avals,
                            key_inputs=key_in if any(key_in) else (),
@@ -409,6 +412,8 @@ class _MJit:
                                                    implicit_tasks=implicit,
                                                    split_backward=_wants_split(notes),
                                                    recompute=_contexts.state.recomputation))
+        low.name = getattr(self.fun, "__name__", None)  # names its MULTIMESH_DUMP_IR_TO dir
+        return low
 
     def __call__(self, *args, **kwargs):
         static_idx = _resolve_argnums("static_argnums", self.static_argnums, len(args)) \

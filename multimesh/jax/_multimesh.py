@@ -468,7 +468,7 @@ def _write_rules(doc: dict) -> str:
             f"spaces, commas, braces or quotes. Set TMPDIR (or MULTIMESH_DUMP_IR_TO) to a "
             f"plain directory.")
     if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
