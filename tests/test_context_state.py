@@ -274,3 +274,31 @@ def test_nnx_mjit_cache_key_holds_the_context_state():
     y = f(model, x)
     assert _ids(y) == [4, 5, 6, 7]
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ item 9: values, not errors
+
+
+def test_a_string_axis_name_is_one_name_as_for_jax_mesh():
+    mesh = mm.TaskMesh(devices=range(2), axis_names="xy", axis_sizes=(2,))
+    assert mesh.axis_names == ("xy",) and mesh.axis_sizes == (2,)
+    assert jax.sharding.Mesh(np.array(jax.devices()[:2]), "xy").axis_names == ("xy",)
+    multi = mm.MultiMesh(axis_sizes=(8,), axis_names="stage")
+    assert multi.axis_names == ("stage",)
+    t = mm.task(lambda x: x * 2, name="t", devices=[0, 1], device_axes="xy")
+    y = mm.mjit(t)(jnp.arange(4.0))
+    np.testing.assert_array_equal(y, [0, 2, 4, 6])
+    assert _ids(y) == [0, 1]
+
+
+def test_negative_microbatch_argnum_counts_from_the_end():
+    loss, plain, ws, x = _two_stage()
+    grad = jax.value_and_grad(loss)
+    got = mm.mjit(mm.microbatch(grad, dim=0, size=4, argnum=-1))(ws, x)
+    want = mm.mjit(mm.microbatch(grad, dim=0, size=4, argnum=1))(ws, x)
+    ref = jax.value_and_grad(plain)(ws, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert _ids(got[1][1]) == [4, 5, 6, 7]

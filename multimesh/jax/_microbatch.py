@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts
+from multimesh.jax import _checks, _contexts
 from multimesh.jax._task import with_sharding_constraint
 
 __all__ = ["microbatch", "SCHEDULES"]
@@ -82,6 +82,9 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     """
     if not callable(fun):
         raise MultimeshTypeError(f"`microbatch` expects a callable, got {type(fun).__name__}.")
+    argnum = _checks.argnum(argnum, "`microbatch`")
+    if custom_schedule is not None:
+        _checks.custom_schedule(custom_schedule)
     for option, value in (("size", size), ("interleave", interleave),
                           ("num_stages", num_stages)):
         if value is None and option != "size":
@@ -108,11 +111,8 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:
             return fun(*args, **kwargs)
-        if argnum >= len(args):
-            raise MultimeshValueError(
-                f"`microbatch` argnum={argnum} but the function got {len(args)} positional "
-                f"arguments.")
-        x = args[argnum]
+        index = _checks.resolve_argnum(argnum, len(args), "`microbatch`")
+        x = args[index]
         leaves = jax.tree.leaves(x)
         if not leaves:
             raise MultimeshValueError("`microbatch` argument has no array leaves to slice.")
@@ -156,7 +156,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
             xi = jax.tree.map(
                 lambda leaf, i=i: lax.slice_in_dim(leaf, i * size, (i + 1) * size, axis=dim), x)
             call_args = list(args)
-            call_args[argnum] = xi
+            call_args[index] = xi
             with _at(i):
                 out = fun(*call_args, **kwargs)
             acc = out if acc is None else jax.tree.map(lambda a, b: a + b, acc, out)

@@ -19,7 +19,7 @@ from multimesh._src.errors import (
     PassFailure,
 )
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
-from multimesh.jax import _contexts, _dump, _multimesh
+from multimesh.jax import _checks, _contexts, _dump, _multimesh
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
@@ -343,8 +343,7 @@ class _MJit:
         self.fun = fun
         if devices is None and mesh is not None:
             devices = list(mesh.devices.flat)
-        self.devices = tuple(np.asarray(devices, dtype=object).flat) if devices is not None \
-            else None
+        self.devices = _checks.program_devices(devices) if devices is not None else None
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         if self.devices is not None:

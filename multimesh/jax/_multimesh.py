@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts
+from multimesh.jax import _checks, _contexts
 
 __all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
            "slice_global_mesh", "active_multimesh", "implicit_tasks_option", "compile_token"]
@@ -261,10 +261,10 @@ class MultiMesh(Context):
                 raise MultimeshValueError(
                     "MultiMesh needs `axis_names` (with `axis_sizes` and/or `devices`) or a "
                     "`global_mesh`.")
-            axis_names = tuple(axis_names)
+            axis_names = _checks.axis_names(axis_names, "MultiMesh")
             devs = np.asarray(jax.devices() if devices is None else devices, dtype=object)
             if axis_sizes is not None:
-                axis_sizes = tuple(int(s) for s in axis_sizes)
+                axis_sizes = _checks.axis_sizes(axis_sizes, "MultiMesh")
                 if len(axis_sizes) != len(axis_names):
                     raise MeshError(
                         f"MultiMesh got {len(axis_names)} axis names {axis_names} but "
