@@ -38,7 +38,7 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
     """``(stage, op)``: the module's form and the first op that shows it (None if none).
 
     A module without ``@main`` has no stage (None): the passes that need ``@main``
-    say so themselves.
+    say so themselves. Neither has one whose ``@main`` only returns: it is in every form.
     """
     main, fragment_fn, other_fn = None, None, False
     for op in module.body.operations:
@@ -57,6 +57,8 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
     if main is None:
         return None, None
     first = _first_op(main)
+    if first is None or first.name == "func.return":
+        return None, None  # nothing but the return: every form at once (an identity program)
     if fragment_fn is not None:
         return MPMD, _first_call(main, fragment=True) or fragment_fn
     if other_fn:  # callees remain: task bodies not inlined yet (or composites' bodies)

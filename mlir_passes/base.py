@@ -36,6 +36,8 @@ class ModulePass:
     """The forms of docs/ir.md the pass accepts (``mlir_passes._stages.STAGES``); None: any."""
     requires: ClassVar[tuple[str, ...]] = ()
     """Passes that must have run before, besides those that reach ``consumes``."""
+    mutates: ClassVar[bool] = True
+    """False for passes that only read the module (no snapshot is taken for them)."""
 
     def apply(self, module: ir.Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -49,6 +51,9 @@ class ModulePass:
         """
         if self.consumes is not None:
             check_stage(module, self.argument, self.consumes, self.requires)
+        if not self.mutates:
+            self.apply(module)
+            return
         with unchanged_on_error(module):
             self.apply(module)
             if verify:

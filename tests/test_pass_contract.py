@@ -176,3 +176,51 @@ def test_a_failing_native_step_is_undone_too():
     with pytest.raises(DiagnosticError, match="half way"):
         Pipeline([Breaks("canonicalize")]).run(module)
     assert _snapshot(module) == before
+
+
+def test_stages_follow_the_pipeline():
+    """stage_of reads each form of docs/ir.md as the default pipeline produces it."""
+    from mlir_passes._stages import stage_of
+    from multimesh.jax._mjit import default_pipeline
+
+    text = """
+    func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = func.call @t(%arg0) {mm.task = {name = "t", transpose_count = 0 : i64,
+          devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}
+          : (tensor<8xf32>) -> tensor<8xf32>
+      %1 = stablehlo.cosine %0 : tensor<8xf32>
+      return %1 : tensor<8xf32>
+    }
+    func.func private @t(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = stablehlo.sine %arg0 : tensor<8xf32>
+      return %0 : tensor<8xf32>
+    }
+    """
+    module = _parse(text)
+    seen = [stage_of(module)[0]]
+    for step in parse_pipeline(default_pipeline(8)).steps:
+        step.run(module)
+        seen.append(stage_of(module)[0])
+    assert seen == ["front-end", "front-end", "flat", "flat", "flat", "mpmd", "mpmd", "mpmd",
+                    "extracted"]
+    identity = _parse("func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {\n"
+                      "  return %arg0 : tensor<8xf32>\n}\n")
+    assert stage_of(identity) == (None, None)
+    parse_pipeline(default_pipeline(8)).run(identity)  # every pass accepts it
+
+
+def test_strip_markers_checks_every_marker_before_its_first_edit():
+    text = """
+    func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = stablehlo.sine %arg0 {mm.task = {name = "t", transpose_count = 0 : i64}} : tensor<8xf32>
+      %1 = stablehlo.custom_call @mm.logical_sharding(%0, %0) : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+      return %1 : tensor<8xf32>
+    }
+    """
+    from mlir_passes.strip_markers import StripMarkersPass
+
+    module = _parse(text)
+    before = _snapshot(module)
+    with pytest.raises(DiagnosticError, match="exactly one operand and one result"):
+        StripMarkersPass().apply(module)  # apply, not run: no snapshot to fall back on
+    assert _snapshot(module) == before
