@@ -387,8 +387,9 @@ def _():
     grad_fn, ws, x = two_stage()
     step = mm.mjit(lambda ws, x: [w - 0.1 * g for w, g in zip(ws, grad_fn(ws, x)[1])],
                    donate_argnums=0)
-    new_ws = step(ws, x)
-    step(ws, x)  # `ws` was donated to the first call
+    old = ws
+    ws = step(ws, x)  # a training loop passes on what the step returned
+    step(old, x)  # but `old` was donated to the first call
 
 
 @error("compiled-donated-and-read", API, "One array passed as a donated and another argument",
