@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from multimesh._src.caches import WeakKeyCache
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
 
@@ -175,7 +176,24 @@ Tag = tuple[str, int, int]
 """``(task name, transpose_count, loop)``; loop is the microbatch loop's id, -1 outside."""
 
 
-_TAG_CACHE: dict[ir.Attribute, Tag] = {}
+_TAG_CACHES = WeakKeyCache("multimesh task tags of plain MLIR contexts")
+"""Per-context tag caches for contexts that take no Python attributes (plain ``ir.Context``)."""
+
+
+def _tag_cache(ctx: ir.Context) -> dict[int, Tag]:
+    """The tag cache of one context: ``{attribute pointer: tag}``.
+
+    It lives on the context, so it goes when the context goes: a cache keyed by the
+    attributes themselves would keep every compiled program's context alive. Within
+    a context, attributes are uniqued and never freed, so their pointers are stable keys.
+    """
+    d = getattr(ctx, "__dict__", None)
+    if d is None:
+        return _TAG_CACHES.setdefault(ctx, {})
+    cache = d.get("_mm_tag_cache")
+    if cache is None:
+        cache = d["_mm_tag_cache"] = {}
+    return cache
 
 
 def tag_of(op: ir.Operation) -> Tag | None:
@@ -190,13 +208,13 @@ def tag_of(op: ir.Operation) -> Tag | None:
         return None
     a = attrs[TASK_ATTR]
     # Attributes are uniqued per context, so a few distinct tags cover a whole module.
-    tag = _TAG_CACHE.get(a)
+    cache = _tag_cache(a.context)
+    key = hash(a)
+    tag = cache.get(key)
     if tag is None:
         what = f"'{TASK_ATTR}' on '{op.name}'"
         tag = _tag_from_dict(_check_dict(attr_to_py(a), what, op.location), what, op.location)
-        if len(_TAG_CACHE) > 4096:
-            _TAG_CACHE.clear()
-        _TAG_CACHE[a] = tag
+        cache[key] = tag
     return tag
 
 

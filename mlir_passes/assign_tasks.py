@@ -32,9 +32,15 @@ class AssignTasksPass(ModulePass):
 
     argument = "mm-assign-tasks"
     summary = "Give every untagged op in `@main` a task by the heaviest-neighbour rule."
+    consumes = ("flat",)
 
     num_devices: int = 0
     """Devices of the implicit default task; 0 reads `mm.num_devices` or `mhlo.num_partitions`."""
+
+    def __post_init__(self):
+        if self.num_devices < 0:
+            raise self.bad_option("num_devices", "a positive device count, or 0 to read it "
+                                                 "from the module")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -155,11 +161,16 @@ def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
     for t, o in found[1:]:
         mesh = tasks[t[0]].mesh_key() if t[0] in tasks else None
         if mesh != first_mesh:
+            if op.name in ("stablehlo.case", "stablehlo.if"):  # lax.cond / lax.switch
+                why = ("the branches of a conditional (lax.cond, lax.switch) run on one "
+                       "submesh. Call the tasks outside the conditional (select the result "
+                       "with jnp.where) or give both tasks one submesh.")
+            else:
+                why = ("a loop body runs on one submesh. Unroll the loop (a Python for loop, "
+                       "or lax.scan(..., unroll=True)) or give both tasks one submesh.")
             raise DiagnosticError(
                 f"tasks '{first[0]}' and '{t[0]}' run on different submeshes but sit inside "
-                f"the same '{op.name}'; a loop body runs on one submesh. Unroll the loop (a "
-                f"Python for loop, or lax.scan(..., unroll=True)) or give both tasks one submesh.",
-                o.location)
+                f"the same '{op.name}'; {why}", o.location)
     return first
 
 

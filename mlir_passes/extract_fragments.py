@@ -31,6 +31,8 @@ class ExtractFragmentsPass(ModulePass):
 
     argument = "mm-extract-fragments"
     summary = "Move each fragment into its own nested SPMD module called by `mm.fragment_call`."
+    consumes = ("mpmd",)
+    requires = ("mm-propagate-shardings",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

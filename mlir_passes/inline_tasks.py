@@ -30,6 +30,7 @@ class InlineTasksPass(ModulePass):
 
     argument = "mm-inline-tasks"
     summary = "Inline every `func.call` into `@main`, tagging task ops with `mm.task`."
+    consumes = ("front-end", "flat")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

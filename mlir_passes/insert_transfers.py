@@ -31,6 +31,8 @@ class InsertTransfersPass(ModulePass):
 
     argument = "mm-insert-transfers"
     summary = "Insert an explicit `mm.transfer` on every edge that changes devices or sharding."
+    consumes = ("mpmd",)
+    requires = ("mm-propagate-shardings",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

@@ -514,6 +514,7 @@ class MatchTasksPass(ModulePass):
 
     argument = "mm-match-tasks"
     summary = "Tag ops whose JAX name stack matches a registered task rule (implicit tasks)."
+    consumes = ("front-end", "flat")
 
     rules: str = ""
     """Inline rules: compact JSON `{"rules":[...]}` (no spaces)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mlir_passes import get_all_passes
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import ir, passmanager, print_module
+from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
 
 __all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks"]
 
@@ -34,6 +34,12 @@ class NativeStep:
 
     def pipeline_element(self) -> str:
         return self.text
+
+    def run(self, module: ir.Module, *, verify: bool = True) -> None:
+        """Run the passes; on failure the module is left as it was (as for ModulePass)."""
+        del verify  # the PassManager verifies after each pass itself
+        with unchanged_on_error(module):
+            self.apply(module)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -80,7 +86,9 @@ class Pipeline:
         """Run every step in order; returns ``[(argument, seconds)]``.
 
         Raises :class:`DiagnosticError` (from a pass) with the failing step's
-        argument attached as ``failed_pass`` (and with its options as ``failed_element``).
+        argument attached as ``failed_pass`` (and with its options as ``failed_element``);
+        the module is then exactly the failing step's input (every step runs through
+        ``run``, which restores it on error).
         """
         timings = []
         for step in self.steps:
@@ -88,9 +96,7 @@ class Pipeline:
                 hooks.before(step, module)
             t0 = time.perf_counter()
             try:
-                step.apply(module)
-                if verify and isinstance(step, ModulePass):
-                    _verify(module, step.argument)
+                step.run(module, verify=verify)
             except DiagnosticError as e:
                 e.failed_pass = step.argument  # type: ignore[attr-defined]
                 e.failed_element = step.pipeline_element()  # with its options, for repros
@@ -100,18 +106,6 @@ class Pipeline:
             if hooks and hooks.after:
                 hooks.after(step, module, dt)
         return timings
-
-
-def _verify(module: ir.Module, argument: str) -> None:
-    try:
-        ok = module.operation.verify()
-    except ir.MLIRError as e:
-        d = e.error_diagnostics[0] if e.error_diagnostics else None
-        raise DiagnosticError(
-            f"'{argument}' produced invalid IR: {d.message if d else e}",
-            d.location if d else None) from None
-    if not ok:  # pragma: no cover - verify raises in these bindings
-        raise DiagnosticError(f"'{argument}' produced invalid IR.")
 
 
 def _split_top(text: str, what: str) -> list[str]:

@@ -37,6 +37,7 @@ class PropagateShardingsPass(ModulePass):
 
     argument = "mm-propagate-shardings"
     summary = "Propagate shardings inside each fragment with Shardy, one submesh at a time."
+    consumes = ("mpmd",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

@@ -176,6 +176,7 @@ class ResolveLogicalShardingsPass(ModulePass):
     argument: ClassVar[str] = "mm-resolve-logical-shardings"
     summary: ClassVar[str] = (
         "Replace logical sharding markers by sdy.sharding_constraint ops on each task's mesh.")
+    consumes = ("flat",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context, ir.Location.unknown():

@@ -16,7 +16,7 @@ from mlir_passes.schedules import (
     canonical_schedule_name,
     units_from_calls,
 )
-from multimesh._src.errors import DiagnosticError
+from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import attr_to_py, ir
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
@@ -71,6 +71,7 @@ class ScheduleFragmentsPass(ModulePass):
 
     argument = "mm-schedule-fragments"
     summary = "Order a microbatch loop's fragment calls by a pipeline schedule (GPipe, 1F1B, ...)."
+    consumes = ("mpmd",)
 
     schedule: str | None = None
     """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
@@ -82,6 +83,17 @@ class ScheduleFragmentsPass(ModulePass):
     """GPipe only: run the microbatches in groups of this many."""
     custom_schedule_file: str | None = None
     """JSON file with the custom schedule's rows (schedule=custom)."""
+
+    def __post_init__(self):
+        # Options given on the command line are checked before any module is read.
+        if self.schedule is not None and str(self.schedule).strip().lower() != "custom":
+            try:
+                canonical_schedule_name(self.schedule)
+            except ScheduleError as e:
+                raise PipelineError(f"Pass '{self.argument}' option 'schedule': {e}.") from None
+        for option in ("num_stages", "interleave", "unrolling"):
+            if getattr(self, option) is not None and getattr(self, option) < 1:
+                raise self.bad_option(option, "a positive integer")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh._src.errors import (
     DiagnosticError,
+    DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
     MultimeshError,
@@ -81,6 +82,7 @@ class Entry:
     # CLI errors
     argv: tuple[str, ...] | None = None  # mm-opt arguments; run in a directory holding in.mlir
     input_text: str | None = None  # written to in.mlir when given
+    input_bytes: bytes | None = None  # written to in.mlir as is (not UTF-8 text)
     exit_code: int | None = None
     # known problem: the test is xfail(strict=True, reason=issue) until fixed
     issue: str | None = None
@@ -125,10 +127,11 @@ def error(id: str, category: str, title: str, exc: type[BaseException], match: s
 
 
 def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: str, *,
-        input_text: str | None = None, issue: str | None = None) -> None:
+        input_text: str | None = None, input_bytes: bytes | None = None,
+        issue: str | None = None) -> None:
     ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
                          fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
-                         exit_code=exit_code, issue=issue))
+                         input_bytes=input_bytes, exit_code=exit_code, issue=issue))
 
 
 def function_body(fn: Callable) -> str:
@@ -382,6 +385,81 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=3, size=8, argnum=1))(ws, x)
 
 
+@error("compiled-deleted-argument", API, "A donated (deleted) array passed again",
+       DonationError,
+       r"Compiled function called with args\[0\]\[0\] of type float32\[16,16\], an array that "
+       r"has been deleted: its buffer was donated to an earlier call \(`donate_argnums`\)",
+       """A donated argument's buffer belongs to the call it was donated to: the array you
+       passed is deleted afterwards. Pass the array that call returned in its place (for
+       example `ws, loss = step(ws, x)`), as in a training loop. Plain `jax.jit` crashes on
+       several devices here; multimesh checks before dispatching anything.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    step = mm.mjit(lambda ws, x: [w - 0.1 * g for w, g in zip(ws, grad_fn(ws, x)[1])],
+                   donate_argnums=0)
+    old = ws
+    ws = step(ws, x)  # a training loop passes on what the step returned
+    step(old, x)  # but `old` was donated to the first call
+
+
+@error("compiled-donated-and-read", API, "One array passed as a donated and another argument",
+       DonationError,
+       r"Compiled function called with the same array as args\[0\] and args\[1\], but "
+       r"args\[0\] is donated \(`donate_argnums`\) and args\[1\] is not donated",
+       """A donated buffer is consumed by the call, so it cannot also be read as another
+       argument. Pass a copy (`jnp.array(w, copy=True)`) as one of them, or do not donate
+       it.""")
+def _():
+    a = mm.task(lambda a, b: a * 2 + b, name="a", mesh=mesh4(0))
+    w = jnp.ones(8)
+    mm.mjit(lambda a_, b_: a(a_, b_), donate_argnums=0)(w, w)
+
+
+@error("mjit-devices-not-devices", API, "`mjit` given device positions instead of devices",
+       MultimeshTypeError,
+       r"`mjit` devices must be jax.Device objects, but entry 0 is int 0\. Device positions",
+       """`mjit(devices=...)` is the program's device list: `jax.Device`s such as
+       `jax.devices()[:4]`. Integer positions into that list are what `TaskMesh(devices=...)`
+       takes.""")
+def _():
+    mm.mjit(lambda x: x * 2, devices=list(range(8)))
+
+
+@error("mjit-no-devices", API, "`mjit` given an empty device list", MultimeshValueError,
+       r"`mjit` devices is empty; give at least one jax.Device",
+       """An empty list used to be ignored silently (the program ran on every device).
+       Give the devices, or leave `devices=None` for all of `jax.devices()`.""")
+def _():
+    mm.mjit(lambda x: x * 2, devices=[])
+
+
+@error("task-name-not-a-string", API, "A task name that is not a string", MultimeshTypeError,
+       r"`task` name must be a string, got int 7",
+       """Task names appear in the IR, in fragment names and in schedules; give a
+       string.""")
+def _():
+    mm.task(lambda x: x, name=7, mesh=mesh4())
+
+
+@error("microbatch-negative-argnum-out-of-range", API,
+       "`microbatch` negative argnum beyond the arguments", MultimeshValueError,
+       r"`microbatch` argnum=-5 but the function got 2 positional arguments \(valid: -2\.\.1\)",
+       """Negative `argnum`s count from the end, as in Python indexing; it must name one of
+       the positional arguments.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=-5))(ws, x)
+
+
+@error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
+       MultimeshValueError,
+       r"MultiMesh\.__exit__ was called without a matching __enter__ in this thread",
+       """Enter a MultiMesh (or Context) with `with` or use it as a decorator; a manual
+       `__exit__` must follow an `__enter__` in the same thread.""")
+def _():
+    global_mesh().__exit__(None, None, None)
+
+
 # =========================================================================== bad meshes
 
 
@@ -511,6 +589,28 @@ def _():
         return lax.scan(lambda c, _: (b(a(c)), None), x, None, length=3)[0]
 
     mm.mjit(f)(jnp.ones(8))
+
+
+@error("taskmesh-fractional-axis-size", MESHES, "TaskMesh axis size that is not an integer",
+       MultimeshTypeError, r"`TaskMesh` axis sizes must be integers, got 2\.7 \(float\)",
+       """Axis sizes count devices; a float used to be truncated silently (2.7 became 2).""")
+def _():
+    mm.TaskMesh(devices=range(2), axis_names=("x",), axis_sizes=(2.7,))
+
+
+@error("tasks-on-two-submeshes-in-one-cond", MESHES,
+       "Tasks on different submeshes in the branches of one `lax.cond`", PassFailure,
+       r"multimesh pass 'mm-assign-tasks' failed: tasks '.' and '.' run on different submeshes "
+       r"but sit inside the same 'stablehlo.case'; the branches of a conditional \(lax\.cond, "
+       r"lax\.switch\) run on one submesh",
+       """A conditional is one op on one set of devices, so every task in its branches must
+       share a submesh. Call both tasks outside the conditional and pick the result with
+       `jnp.where`, or put them on one submesh.""",
+       check=_repro_check("mm-assign-tasks"))
+def _():
+    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
+    b = mm.task(lambda x: x + 1, name="b", mesh=mesh4(4))
+    mm.mjit(lambda p, x: lax.cond(p, a, b, x))(True, jnp.ones(8))
 
 
 @error("multimesh-device-count-mismatch", MESHES, "MultiMesh axis sizes and devices disagree",
@@ -825,6 +925,17 @@ def _():
        `t_bwd_activations`); give two different, non-empty suffixes.""")
 def _():
     mm.task(lambda w, x: x @ w, name="t", mesh=mesh4(), split_backprop="_w")
+
+
+@error("custom-schedule-a-string", SCHEDULES, "`custom_schedule` given as a string",
+       MultimeshTypeError,
+       r"`microbatch` custom_schedule must be a list of rows, one per submesh, each a list of "
+       r"task names or \(microbatch, task name\) pairs, got str 's0 s1'",
+       """A string used to be read character by character. Give one list per submesh, e.g.
+       `[["s0", "s0_bwd"], ["s1", "s1_bwd"]]`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule="s0 s1")
 
 
 # =========================================================================== implicit tasks
@@ -1287,6 +1398,20 @@ func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
 }
 """
 
+MPMD_MLIR = """\
+module attributes {mm.tasks = {t = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = []}}} {
+  sdy.mesh @mesh_t = <["x"=2]>
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @t_fwd(%arg0) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func private @t_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_t, mm.task = {name = "t", transpose_count = 0 : i64}} {
+    %0 = stablehlo.sine %arg0 : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
+"""
+
 BAD_TASK_MLIR = """\
 func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
   %0 = func.call @b(%arg0) {mm.task = {name = "a", transpose_count = 0 : i64, devices = [0, 1, 2], axis_names = ["x", "y"], axis_sizes = [4, 1]}} : (tensor<8xf32>) -> tensor<8xf32>
@@ -1349,9 +1474,11 @@ cli("cli-bad-option-value", "A pass option value of the wrong type",
 
 cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
-    r"error: unknown schedule 'round-robin'; valid schedules: 1f1b, custom, gpipe, "
-    r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2",
-    """Pick one of the listed schedules or aliases.""",
+    r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
+    r"'round-robin'; valid schedules: 1f1b, custom, gpipe, interleaved-1f1b, zero-bubble-h1, "
+    r"zero-bubble-h2",
+    """Pick one of the listed schedules or aliases. Options given on the command line are
+    checked before the input is read.""",
     input_text=OK_MLIR)
 
 cli("cli-parse-error", "A malformed input file",
@@ -1412,6 +1539,42 @@ cli("cli-unreadable-rules-file", "An `mm-match-tasks` rules file that cannot be 
     """The rules file is JSON written by `mjit` (see docs/implicit-tasks.md); check the
     path.""",
     input_text=OK_MLIR)
+
+cli("cli-option-out-of-range", "A pass option value outside its range",
+    ["in.mlir", "-p", "builtin.module(mm-assign-tasks{num-devices=-3})"], 1,
+    r"^mm-opt: error: Pass 'mm-assign-tasks' option 'num-devices' must be a positive device "
+    r"count, or 0 to read it from the module, got -3\.",
+    """Option values are checked when the pipeline is parsed, before the input is read
+    (`mm-opt --list-passes` lists each option and its default).""",
+    input_text=OK_MLIR)
+
+cli("cli-module-past-the-pipeline", "A pipeline given a module that is already past it",
+    ["in.mlir", "-p", "builtin.module(mm-inline-tasks,mm-assign-tasks,"
+                      "mm-resolve-logical-shardings,mm-outline-fragments)"], 1,
+    r"^in\.mlir:4:10: error: mm-inline-tasks expects a module in front-end form or flat "
+    r"form, but this one is in MPMD form \(fragment functions called from @main, docs/ir\.md "
+    r"section 4\); it has already been through mm-outline-fragments",
+    """Each pass says which forms of the IR (docs/ir.md) it accepts, and refuses the others
+    at the op that shows the form. This module is already past `mm-inline-tasks` (running
+    the full pipeline on its own output used to collapse the program into one fragment):
+    give the pipeline the traced program, or a `MULTIMESH_DUMP_IR_TO` dump from before the
+    pass that made it.""",
+    input_text=MPMD_MLIR)
+
+cli("cli-pass-before-its-stage", "A pass given a module from an earlier stage",
+    ["in.mlir", "-p", "builtin.module(mm-insert-transfers)"], 1,
+    r"^in\.mlir:2:8: error: mm-insert-transfers expects a module in MPMD form, but this one "
+    r"is in flat form .*; run mm-outline-fragments and mm-propagate-shardings first",
+    """The error points at the first op that shows the module's form and names the passes
+    to run first.""",
+    input_text=OK_MLIR)
+
+cli("cli-invalid-utf8", "An input file that is not UTF-8",
+    ["in.mlir"], 1,
+    r"^in\.mlir:2:6: error: input is not valid UTF-8: byte 0xff \(invalid start byte\)",
+    """MLIR files are UTF-8 text; the message points at the first invalid byte (here a
+    Latin-1 byte in a comment). Re-encode the file.""",
+    input_bytes=OK_MLIR.replace("%0 = ", "// \xff\n  %0 = ", 1).encode("latin-1"))
 
 cli("cli-diagnostic-without-location", "A module-level diagnostic",
     ["in.mlir", "-p", "builtin.module(mm-inline-tasks)"], 1,
@@ -1496,6 +1659,8 @@ def _run_cli(entry: Entry, workdir: Path) -> Outcome:
 
     if entry.input_text is not None:
         (workdir / "in.mlir").write_text(entry.input_text, encoding="utf-8")
+    if entry.input_bytes is not None:
+        (workdir / "in.mlir").write_bytes(entry.input_bytes)
     out, err = io.StringIO(), io.StringIO()
     old_stdin = sys.stdin
     sys.stdin = io.StringIO("")
@@ -1523,7 +1688,8 @@ def reproduce(error: PassFailure) -> tuple[int, str]:
 
 _NORMALIZE = (
     # repro files live in MULTIMESH_DUMP_IR_TO or the temp directory
-    (re.compile(r"'?[^\s']*(multimesh-failed-input\.mlir)'?"), r"$MULTIMESH_DUMP_IR_TO/\1"),
+    (re.compile(r"'?[^\s']*?([^\s'/]+-\d+/)?(multimesh-failed-input[\w-]*\.mlir)'?"),
+     r"$MULTIMESH_DUMP_IR_TO/\1\2"),
     (re.compile(r"[^\s']*multimesh-rules-[0-9a-f]+\.json"),
      "$MULTIMESH_DUMP_IR_TO/multimesh-rules-HASH.json"),
     # source locations move whenever the file is edited

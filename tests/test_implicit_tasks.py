@@ -34,10 +34,10 @@ from multimesh.jax import with_sharding_constraint as wsc
 @pytest.fixture(autouse=True)
 def _clean_registry():
     mm.clear_tasks()
-    depth = len(_multimesh._stack)
+    depth = len(_multimesh._local.frames)
     yield
     mm.clear_tasks()
-    assert len(_multimesh._stack) == depth, "a test left a Context entered"
+    assert len(_multimesh._local.frames) == depth, "a test left a Context entered"
     assert _multimesh.active_multimesh() is None
 
 

@@ -71,3 +71,6 @@ class DiagnosticWarning(MultimeshWarning):
         super().__init__(message)
         self.message = message
         self.location = location
+class DonationError(MultimeshValueError):
+    """A compiled program got an argument whose buffer is gone (donated or deleted), or
+    the same array both donated and passed as another argument."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -13,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlir_passes.pipeline import PipelineHooks, parse_pipeline
+from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
     MultimeshTypeError,
@@ -20,7 +20,7 @@ from multimesh._src.errors import (
     PassFailure,
 )
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
-from multimesh.jax import _contexts, _fast_path, _inputs, _multimesh
+from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
 from multimesh.runtime import Executor, build_plan
@@ -110,7 +110,7 @@ class MpmdCompiled:
         self.plan_data = build_plan(module)
         t1 = time.perf_counter()
         self._exec = Executor(self.plan_data, lowered.devices,
-                              frozenset(lowered.donated_leaves))
+                              frozenset(lowered.donated_leaves), leaf_name=self._arg_name)
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
@@ -125,6 +125,13 @@ class MpmdCompiled:
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
     fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+
+    def _arg_name(self, i: int) -> str:
+        """``args[0]['w']``: how errors name the executor's argument ``i``."""
+        low = self._lowered
+        leaves = jax.tree.unflatten(low.in_tree, list(range(low.in_tree.num_leaves)))
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(leaves)[0]]
+        return _leaf_name(paths[low.dyn_idx[i]])
 
     def __call__(self, *args, **kwargs):
         low = self._lowered
@@ -276,7 +283,7 @@ class MpmdLowered:
                 module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
                     "devices": list(range(len(self.devices))), "axis_names": list(names),
                     "axis_sizes": list(sizes), "logical_axes": []}})
-        run_pipeline(module, self.pipeline)
+        run_pipeline(module, self.pipeline, getattr(self, "name", None))
         return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
                                            "passes": time.perf_counter() - t0})
 
@@ -286,36 +293,40 @@ def _i64(module, n):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), n)
 
 
-def run_pipeline(module: ir.Module, pipeline: str) -> None:
-    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line."""
-    dump = os.environ.get("MULTIMESH_DUMP_IR_TO")
-    before = print_module(module, debug_info=True) if True else None
+def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None) -> None:
+    """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line.
+
+    With ``MULTIMESH_DUMP_IR_TO`` set, the input and the module after every pass go to
+    a directory of this program's own (``_dump.program_dir``; ``name`` names it).
+    Passes leave the module untouched when they fail, so the repro is the module as
+    the failure left it: no copy is printed before each pass.
+    """
+    root = _dump.dump_root()
+    where = _dump.program_dir(root, name) if root else None
     counter = [0]
 
+    def write(label: str, mod) -> None:
+        safe = label.replace("/", "_")[:60]
+        with open(os.path.join(where, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
+            f.write(print_module(mod, debug_info=True))
+        counter[0] += 1
+
     def after(step, mod, dt):
-        if dump:
-            os.makedirs(dump, exist_ok=True)
-            counter[0] += 1
-            safe = step.argument.replace("/", "_")[:60]
-            with open(os.path.join(dump, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
-                f.write(print_module(mod, debug_info=True))
-
-    current = [before]
-
-    def before_hook(step, mod):
-        current[0] = print_module(mod, debug_info=True) if step is not None else current[0]
+        if where:
+            write(step.argument, mod)
 
     pipe = parse_pipeline(pipeline)
+    if where:
+        write("input", module)
     try:
-        pipe.run(module, PipelineHooks(before=before_hook, after=after))
+        pipe.run(module, PipelineHooks(after=after))
     except DiagnosticError as e:
         failed = getattr(e, "failed_pass", "?")
-        path = os.path.join(dump or tempfile.gettempdir(), "multimesh-failed-input.mlir")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        path = _dump.repro_path(where)
         with open(path, "w") as f:
-            f.write(current[0])
-        where = file_line_col(e.location)
-        loc = f" (at {where[0]}:{where[1]}:{where[2]})" if where else ""
+            f.write(print_module(module, debug_info=True))
+        where_loc = file_line_col(e.location)
+        loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
         element = getattr(e, "failed_element", failed)
         repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
         raise PassFailure(
@@ -401,16 +412,15 @@ class _MJit:
         self.mesh = mesh
         if devices is None and mesh is not None:
             devices = list(mesh.devices.flat)
-        self.devices = tuple(np.asarray(devices, dtype=object).flat) if devices is not None \
-            else None
+        self.devices = _checks.program_devices(devices) if devices is not None else None
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         if self.devices is not None:
             _check_distinct_devices(self.devices)
         self.donate_argnums = _argnums("donate_argnums", donate_argnums)
         self.static_argnums = _argnums("static_argnums", static_argnums)
-        self._cache: dict = {}
-        self._placed: dict = {}  # (key, committed input shardings) -> compiled
+        self._cache = LRUCache("multimesh mjit programs")
+        self._placed = LRUCache("multimesh mjit programs for committed inputs")
         # Pin committed inputs even where the program constrains them (parallelize's
         # initial_batch); see multimesh.jax._inputs.
         self.pin_committed = False
@@ -497,6 +507,7 @@ class _MJit:
                                            jax.tree.leaves(abstract), pins, devices, donated,
                                            text, low.default_mesh)
         low.trace_seconds = trace_seconds
+        low.name = getattr(self.fun, "__name__", None)  # names its MULTIMESH_DUMP_IR_TO dir
         return low
 
     def __call__(self, *args, **kwargs):

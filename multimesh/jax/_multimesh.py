@@ -21,6 +21,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -34,7 +35,7 @@ from multimesh._src.errors import (
     MultimeshValueError,
     MultimeshWarning,
 )
-from multimesh.jax import _contexts
+from multimesh.jax import _checks, _contexts
 
 __all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
            "slice_global_mesh", "current_global_mesh", "active_multimesh", "implicit_tasks_option", "compile_token"]
@@ -105,7 +106,7 @@ def _make_registration(matcher, callback, task) -> _Registration:
     return _Registration(matcher, regex, callback, task)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Frame:
     context: Context
     live: list  # the registrations in effect while this frame is entered
@@ -120,6 +121,7 @@ class Context(contextlib.ContextDecorator):
 
     def __init__(self):
         self._registrations: list[_Registration] = []
+        self._frames: list[_Frame] = []  # where this context is entered, in any thread
 
     def register_task(self, matcher: str, *, callback: Callable | None = None,
                       task=None) -> None:
@@ -135,9 +137,13 @@ class Context(contextlib.ContextDecorator):
         same). A compiled program in which a matcher claims no op warns too.
         """
         reg = _make_registration(matcher, callback, task)
+        with _LOCK:
+            self._register(matcher, reg)
+
+    def _register(self, matcher: str, reg: _Registration) -> None:
         old = next((r for r in self._registrations if r.matcher == matcher), None)
         if old is not None:
-            frames = [f for f in _stack if f.context is self]
+            frames = list(self._frames)
             in_effect = not frames or any(old in f.live for f in frames)  # not cleared
             if in_effect and old.callback is reg.callback and old.task == reg.task:
                 return  # the same rule again: nothing changes
@@ -157,8 +163,8 @@ class Context(contextlib.ContextDecorator):
                     frame.live.append(reg)
             return
         self._registrations.append(reg)
-        for frame in _stack:
-            if frame.context is self and frame.live is not self._registrations:
+        for frame in self._frames:
+            if frame.live is not self._registrations:
                 frame.live.append(reg)
 
     @property
@@ -166,20 +172,40 @@ class Context(contextlib.ContextDecorator):
         return tuple(self._registrations)
 
     def __enter__(self):
-        _stack.append(_Frame(self, list(self._registrations)))
+        with _LOCK:
+            frame = _Frame(self, list(self._registrations))
+            self._frames.append(frame)
+        _local.frames.append(frame)
         return self
 
     def __exit__(self, *exc):
-        for i in range(len(_stack) - 1, 0, -1):
-            if _stack[i].context is self:
-                del _stack[i]
-                break
-        return False
+        frames = _local.frames
+        for i in range(len(frames) - 1, 0, -1):
+            if frames[i].context is self:
+                with _LOCK:
+                    self._frames.remove(frames[i])
+                del frames[i]
+                return False
+        raise MultimeshValueError(
+            f"{type(self).__name__}.__exit__ was called without a matching __enter__ in "
+            f"this thread; use the context in a `with` statement (or as a decorator) so "
+            f"that every exit has its enter.")
 
 
+_LOCK = threading.RLock()
 _default = Context()
-_stack: list[_Frame] = [_Frame(_default, _default._registrations)]
-_meshes: list[MultiMesh] = []
+_default_frame = _Frame(_default, _default._registrations)
+
+
+class _Stacks(threading.local):
+    """Entered contexts and MultiMeshes are per thread; the default context is shared."""
+
+    def __init__(self):
+        self.frames: list[_Frame] = [_default_frame]
+        self.meshes: list[tuple[MultiMesh, object]] = []  # (mesh, autoshard token)
+
+
+_local = _Stacks()
 
 
 def register_task(matcher: str, *, callback: Callable | None = None, task=None) -> None:
@@ -188,7 +214,7 @@ def register_task(matcher: str, *, callback: Callable | None = None, task=None) 
     See :meth:`Context.register_task`. Outside every context the registration is
     global and lasts until :func:`clear_tasks`.
     """
-    _stack[-1].context.register_task(matcher, callback=callback, task=task)
+    _local.frames[-1].context.register_task(matcher, callback=callback, task=task)
 
 
 def clear_tasks() -> None:
@@ -196,8 +222,9 @@ def clear_tasks() -> None:
 
     A context's own registrations come back the next time it is entered.
     """
-    for frame in _stack:
-        frame.live.clear()
+    with _LOCK:
+        for frame in _local.frames:
+            frame.live.clear()
 
 
 @contextlib.contextmanager
@@ -223,14 +250,15 @@ def tasks(configurable: Callable | None = None):
 def active_registrations() -> list[_Registration]:
     """Registrations in priority order: innermost context first, then registration order."""
     out: list[_Registration] = []
-    for frame in reversed(_stack):
+    for frame in reversed(_local.frames):
         out.extend(frame.live)
     return out
 
 
 def compile_token() -> tuple:
-    """What a compiled program depends on here (for ``mjit``'s cache key)."""
-    return (tuple(active_registrations()), active_multimesh())
+    """What a compiled program depends on in this thread (for ``mjit``'s cache key):
+    the registered tasks, the active MultiMesh and the context switches."""
+    return (tuple(active_registrations()), active_multimesh(), _contexts.compile_state())
 
 
 # --------------------------------------------------------------------------- MultiMesh
@@ -269,7 +297,6 @@ class MultiMesh(Context, Mesh):
                  global_mesh: Mesh | None = None):
         del axis_sizes, axis_names, devices, global_mesh  # read by __new__
         Context.__init__(self)
-        self._exits: list[contextlib.ExitStack] = []
 
     @property
     def mesh(self) -> Mesh:
@@ -309,17 +336,28 @@ class MultiMesh(Context, Mesh):
         return [d.id for d in self._slice_devices(to_slice).flat]
 
     def __enter__(self):
-        stack = contextlib.ExitStack()
-        stack.enter_context(_contexts.autoshard(True))
+        token = _contexts.push("autoshard", True)
         Context.__enter__(self)
-        stack.callback(Context.__exit__, self, None, None, None)
-        _meshes.append(self)
-        stack.callback(_pop_mesh, self)
-        self._exits.append(stack)
+        _local.meshes.append((self, token))
         return self
 
     def __exit__(self, *exc):
-        self._exits.pop().close()
+        # Exits may come in any order (two MultiMeshes closed out of order): each one
+        # undoes only its own entries, and autoshard comes back once all are closed.
+        meshes = _local.meshes
+        for i in range(len(meshes) - 1, -1, -1):
+            if meshes[i][0] is self:
+                _, token = meshes.pop(i)
+                break
+        else:
+            raise MultimeshValueError(
+                "MultiMesh.__exit__ was called without a matching __enter__ in this "
+                "thread; use the MultiMesh in a `with` statement (or as a decorator) so "
+                "that every exit has its enter.")
+        try:
+            Context.__exit__(self, *exc)
+        finally:
+            _contexts.pop(token)
         return False
 
 
@@ -345,10 +383,10 @@ def _global_mesh_of(axis_sizes, axis_names, devices, global_mesh) -> Mesh:
         raise MultimeshValueError(
             "MultiMesh needs `axis_names` (with `axis_sizes` and/or `devices`) or a "
             "`global_mesh`.")
-    axis_names = tuple(axis_names)
+    axis_names = _checks.axis_names(axis_names, "MultiMesh")
     devs = np.asarray(jax.devices() if devices is None else devices, dtype=object)
     if axis_sizes is not None:
-        axis_sizes = tuple(int(s) for s in axis_sizes)
+        axis_sizes = _checks.axis_sizes(axis_sizes, "MultiMesh")
         if len(axis_sizes) != len(axis_names):
             raise MeshError(
                 f"MultiMesh got {len(axis_names)} axis names {axis_names} but "
@@ -390,16 +428,10 @@ def _slice_devices(mesh: Mesh, kw: Mapping[str, int], who: str) -> np.ndarray:
     return mesh.devices[tuple(idx)]
 
 
-def _pop_mesh(mm: MultiMesh) -> None:
-    for i in range(len(_meshes) - 1, -1, -1):
-        if _meshes[i] is mm:
-            del _meshes[i]
-            return
-
-
 def active_multimesh() -> MultiMesh | None:
-    """The innermost entered :class:`MultiMesh`, if any."""
-    return _meshes[-1] if _meshes else None
+    """The innermost :class:`MultiMesh` entered in this thread, if any."""
+    meshes = _local.meshes
+    return meshes[-1][0] if meshes else None
 
 
 def current_global_mesh() -> Mesh | None:
@@ -459,7 +491,7 @@ def _warn_unmatched(regs: list[_Registration], hits, stacks: set[str]) -> None:
     context's rule) is meant to be quiet there and is not reported.
     """
     claimed = {h.matcher_index for h in hits}
-    owner = [id(frame) for frame in reversed(_stack) for _ in frame.live]
+    owner = [id(frame) for frame in reversed(_local.frames) for _ in frame.live]
     for i, reg in enumerate(regs):
         if i in claimed:
             continue
@@ -587,7 +619,7 @@ def _write_rules(doc: dict) -> str:
             f"spaces, commas, braces or quotes. Set TMPDIR (or MULTIMESH_DUMP_IR_TO) to a "
             f"plain directory.")
     if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

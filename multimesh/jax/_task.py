@@ -23,7 +23,7 @@ from multimesh._src.errors import (
     MultimeshValueError,
     MultimeshWarning,
 )
-from multimesh.jax import _contexts
+from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
@@ -113,7 +113,8 @@ class TaskMesh:
             axis_names, axis_sizes = ("x",), (flat.size,)
         if axis_names is None or axis_sizes is None:
             raise MeshError("`TaskMesh` needs both `axis_names` and `axis_sizes` (or `abstract`).")
-        axis_names, axis_sizes = tuple(axis_names), tuple(int(s) for s in axis_sizes)
+        axis_names = _checks.axis_names(axis_names, "`TaskMesh`")
+        axis_sizes = _checks.axis_sizes(axis_sizes, "`TaskMesh`")
         if len(axis_names) != len(axis_sizes):
             raise MeshError(
                 f"`TaskMesh` got {len(axis_names)} axis names {axis_names} but "
@@ -186,6 +187,7 @@ class Task:
     loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
 
     def __post_init__(self):
+        _checks.task_name(self.name, "`Task`")
         who = _who(self.name)
         if self.mesh is not None and self.mesh_slice is not None:
             raise MultimeshValueError(
@@ -319,7 +321,7 @@ def _legacy_task(name: str, kwargs: dict) -> Task:
         # No axes: every logical constraint in the task resolves to replicated.
         device_axes, arr = ("x",), arr.reshape(-1)
         kwargs["logical_axes"] = ()
-    device_axes = tuple(device_axes)
+    device_axes = _checks.axis_names(device_axes, f"Task {name!r} `device_axes`")
     if arr.ndim != len(device_axes):
         raise MeshError(
             f"Task {name!r}: devices array has {arr.ndim} dims (shape {arr.shape}) but "
@@ -339,6 +341,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     :class:`jax.sharding.Mesh`, or ``devices=``/``device_axes=``), and logical
     sharding constraints inside it resolve through ``logical_axes``.
     """
+    _checks.task_name(name)
     if _contexts.state.ignore_transforms:
         return fun
     if not callable(fun):

@@ -18,10 +18,14 @@ from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.caches import LRUCache
 from multimesh._src.mlir import make_context, parse_module
+from multimesh.runtime.guards import check_args
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, moved
 
-_COMPILE_CACHE: dict[tuple, object] = {}
+# Compiled fragments by (text, device ids, donors), shared by every program; emptied
+# by jax.clear_caches() / multimesh.clear_caches().
+_COMPILE_CACHE = LRUCache("multimesh compiled fragments", max_size=512)
 _LOCK = threading.Lock()
 xla_compiles = 0
 """How many fragment executables XLA has compiled in this process (for tests/benchmarks)."""
@@ -98,6 +102,7 @@ def _fast_callable(exe, frag: Fragment):
 
 
 _REUSE = [xc.ArrayCopySemantics.REUSE_INPUT]
+_COPY = [xc.ArrayCopySemantics.ALWAYS_COPY]
 _NO_LAYOUT = [None]
 
 
@@ -109,6 +114,15 @@ def _move(x, sharding):
     Python here versus ~35 µs for ``device_put``).
     """
     return pxla.shard_args([sharding], _NO_LAYOUT, _REUSE, [x])[0]
+
+
+def _copy(x, sharding):
+    """:func:`_move` into fresh buffers, for a source that is donated later in the step.
+
+    A move onto devices the source also lives on reuses the source's buffers there
+    (whatever the copy semantics), so the moved array is copied once more.
+    """
+    return pxla.shard_args([sharding], _NO_LAYOUT, _COPY, [_move(x, sharding)])[0]
 
 
 def _mark_donors(module, donors) -> None:
@@ -133,10 +147,14 @@ def _mark_donors(module, donors) -> None:
 class Executor:
     """Runs a :class:`Plan` on a concrete device list."""
 
-    def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset()):
+    def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset(),
+                 leaf_name=None):
         self.plan = plan
         self.devices = tuple(devices)
         self.donated = donated
+        self._leaf_name = leaf_name  # names argument i in errors
+        # A donated value returned by the program is not donated: its buffer is the output.
+        donated = frozenset(a for a in donated if a not in plan.outputs)
         self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()}
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
@@ -155,7 +173,9 @@ class Executor:
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
-                self._steps.append((1, layout_sharding(s.layout, self.devices), [s.src],
+                shared = s.src in donated and set(s.layout[0]) & set(plan.inputs[s.src][0])
+                self._steps.append((2 if shared else 1,
+                                    layout_sharding(s.layout, self.devices), [s.src],
                                     [s.dst], drop))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
         n_values = 1 + max([*plan.input_ids, *plan.constants,
@@ -178,23 +198,24 @@ class Executor:
     def __call__(self, *args):
         # Values live in a flat list indexed by value id; a slot is cleared after the
         # value's last use so its buffer can be freed while the step still runs.
+        check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
-        move = _move
         for kind, what, srcs, dsts, drop in self._steps:
             if kind == 0:
                 outs = what(*[env[a] for a in srcs])
                 for d, o in zip(dsts, outs):
                     env[d] = o
             else:
-                env[dsts[0]] = move(env[srcs[0]], what)
+                env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
             for d in drop:
                 env[d] = None
         return [env[o] for o in self.plan.outputs]
 
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but blocks after every step and records its span."""
+        check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
@@ -210,7 +231,8 @@ class Executor:
                 ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
                 with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
                                    cat="transfer"):
-                    env[dsts[0]] = jax.block_until_ready(jax.device_put(env[srcs[0]], what))
+                    env[dsts[0]] = jax.block_until_ready(
+                        (_move if kind == 1 else _copy)(env[srcs[0]], what))
             for d in drop:
                 env[d] = None
         return [env[o] for o in self.plan.outputs]
