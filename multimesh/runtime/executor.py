@@ -19,7 +19,7 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.mlir import make_context, parse_module
-from multimesh.runtime.plan import Call, Fragment, Layout, Plan
+from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer
 
 _COMPILE_CACHE: dict[tuple, object] = {}
 _LOCK = threading.Lock()
@@ -127,11 +127,28 @@ class Executor:
         self.plan = plan
         self.devices = tuple(devices)
         self.donated = donated
-        self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()}
+        # Hook (multi-process): this process's share of the plan, or None in one process.
+        self.process_plan = _process_plan(plan, self.devices)
+        pp = self.process_plan
+        self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()
+                     if pp is None or pp.owns(f.devices)}
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
         self._steps = []
+        self._kept = []  # the plan steps this process runs, parallel to _steps
         for i, s in enumerate(plan.steps):
+            if pp is not None:  # Hook: skip steps without our devices; cross-process moves
+                if isinstance(s, Call) and not pp.runs(s):
+                    continue
+                how = pp.transfer(s) if isinstance(s, Transfer) else None
+                if isinstance(s, Transfer) and (how is None or how[0] == "call"):
+                    if how is not None:
+                        drop = [s.src] if plan.last_use.get(s.src) == i \
+                            and s.src not in plan.outputs else []
+                        self._steps.append((0, how[1], [s.src], [s.dst], drop))
+                        self._kept.append(s)
+                    continue
+            self._kept.append(s)
             if isinstance(s, Call):
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
                         and a not in plan.outputs]
@@ -153,6 +170,8 @@ class Executor:
         self._env_template = [None] * n_values
 
     def place_inputs(self, args):
+        if self.process_plan is not None:  # Hook: inputs may live on other processes
+            return self.process_plan.place_inputs(args, self.input_shardings)
         out = []
         for a, sh in zip(args, self.input_shardings):
             s = getattr(a, "sharding", None)
@@ -177,15 +196,26 @@ class Executor:
                 env[dsts[0]] = move(env[srcs[0]], what)
             for d in drop:
                 env[d] = None
-        return [env[o] for o in self.plan.outputs]
+        return self._outputs(env)
+
+    def _outputs(self, env):
+        outs = [env[o] for o in self.plan.outputs]
+        if self.process_plan is not None:  # Hook: outputs that live on other processes
+            outs = self.process_plan.finish(outs, self.output_shardings)
+        return outs
 
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but blocks after every step and records its span."""
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
-        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self.plan.steps):
-            if kind == 0:
+        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self._kept):
+            if kind == 0 and isinstance(step, Transfer):  # a cross-process transfer
+                ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
+                with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
+                                   cat="transfer"):
+                    env[dsts[0]] = jax.block_until_ready(what(env[srcs[0]])[0])
+            elif kind == 0:
                 frag = self.plan.fragments[step.fragment]
                 track = f"submesh devices {','.join(str(self.devices[p].id) for p in frag.devices)}"
                 with recorder.span(track, step.fragment):
@@ -199,4 +229,12 @@ class Executor:
                     env[dsts[0]] = jax.block_until_ready(jax.device_put(env[srcs[0]], what))
             for d in drop:
                 env[d] = None
-        return [env[o] for o in self.plan.outputs]
+        return self._outputs(env)
+
+
+def _process_plan(plan: Plan, devices: tuple):
+    if jax.process_count() == 1:
+        return None
+    from multimesh.runtime.distributed import ProcessPlan
+
+    return ProcessPlan(plan, devices)
