@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts
+from multimesh.runtime import distributed
 
 __all__ = ["task", "shard_axes", "parallelize_step"]
 
@@ -391,8 +392,10 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
     with mm.ignore_transforms():
-        state = jax.jit(init_fn)(key, init_batch)
-    state = place(state, state_sh)
+        if jax.process_count() > 1:  # each variable computed only by its owners
+            state = distributed.owner_init(init_fn, state_sh, key, init_batch)
+        else:
+            state = place(jax.jit(init_fn)(key, init_batch), state_sh)
     if global_batch is not None:
         return compiled, state, mesh
     return compiled, state, mesh, prepare_batch
