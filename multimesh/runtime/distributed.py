@@ -26,6 +26,7 @@ stops this process with a message naming the peer that went silent.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -41,8 +42,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multimesh.runtime.executor import _dtype, _move, layout_sharding
 from multimesh.runtime.plan import Call, Plan, Transfer
 
-__all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "is_multiprocess", "owner_init",
-           "remote_array", "start_watchdog", "PEER_TIMEOUT_ENV", "EXIT_PEER_LOST"]
+__all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "fetch", "checkpointable",
+           "one_per_process", "from_process_local", "is_multiprocess", "owner_init", "remote_array", "start_watchdog",
+           "PEER_TIMEOUT_ENV", "EXIT_PEER_LOST"]
 
 PEER_TIMEOUT_ENV = "MULTIMESH_PEER_TIMEOUT"
 """Seconds without a heartbeat after which a peer process counts as dead (default 20)."""
@@ -74,8 +76,13 @@ def _procs(devices) -> set[int]:
 
 def _reshard(x: jax.Array, sharding) -> jax.Array:
     """``x`` onto ``sharding`` over the same device set (a collective if it spans processes)."""
-    if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+    if x.sharding == sharding:
         return x
+    if x.sharding.is_equivalent_to(sharding, x.ndim):  # same shards: relabel, no copy
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [s.data for s in x.addressable_shards], dtype=x.dtype)
+    if not sharding.has_addressable_devices:  # nothing to do here (jax would crash on it)
+        return remote_array(x.shape, x.dtype, sharding)
     if x.is_fully_addressable and sharding.is_fully_addressable:
         return _move(x, sharding)
     return jax.device_put(x, sharding)
@@ -268,6 +275,11 @@ def cross_move(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     src = x.sharding
     if src == sharding:
         return x
+    procs = _procs(src.device_set | sharding.device_set)
+    if jax.process_index() not in procs:
+        return remote_array(x.shape, x.dtype, sharding)
+    if len(procs) == 1:  # all in this process
+        return _move(x, sharding)
     if src.device_set == sharding.device_set:
         return _reshard(x, sharding)
     key = (src, sharding, x.shape, x.dtype)
@@ -278,6 +290,72 @@ def cross_move(x: jax.Array, sharding: NamedSharding) -> jax.Array:
         return remote_array(x.shape, x.dtype, sharding)
     y = t(x)
     return y if y is not None else remote_array(x.shape, x.dtype, sharding)
+
+
+def one_per_process() -> NamedSharding:
+    """Replicated on the first device of every process: every process holds the value."""
+    firsts = {}
+    for d in jax.devices():
+        firsts.setdefault(d.process_index, d)
+    devs = [firsts[k] for k in sorted(firsts)]
+    return NamedSharding(Mesh(np.array(devs, dtype=object), ("processes",)), PartitionSpec())
+
+
+def fetch(tree):
+    """Every leaf of ``tree`` as a numpy array, in every process (a collective: all call it).
+
+    Reads a loss that lives on the last stage, or any array another process holds.
+    """
+    target = one_per_process()
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_replicated and x.sharding.has_addressable_devices and \
+                _procs(x.sharding.device_set) == set(range(jax.process_count())):
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(cross_move(x, target).addressable_data(0))
+
+    return jax.tree.map(one, tree)
+
+
+def from_process_local(data, sharding, global_shape) -> jax.Array:
+    """``jax.make_array_from_process_local_data`` for a sharding that leaves processes out.
+
+    Process k's ``data`` is rows ``k*L .. (k+1)*L`` of the global array (L rows each),
+    as data loaders deal them. When ``sharding`` (a pipeline's first stage, say) does
+    not cover every process, the rows are first laid out by process over all devices,
+    then moved onto ``sharding``.
+    """
+    every = set(range(jax.process_count()))
+    if not is_multiprocess() or _procs(sharding.device_set) == every:
+        return jax.make_array_from_process_local_data(sharding, data, global_shape)
+    devs = np.array(jax.devices(), dtype=object).reshape(jax.process_count(), -1)
+    spec = PartitionSpec("processes") if len(global_shape) and \
+        np.shape(data)[:1] != tuple(global_shape[:1]) else PartitionSpec()
+    staged = jax.make_array_from_process_local_data(
+        NamedSharding(Mesh(devs, ("processes", "local")), spec), data, global_shape)
+    return cross_move(staged, sharding)
+
+
+def checkpointable(tree):
+    """``tree`` with each array that one process holds entirely replicated to every process.
+
+    Orbax refuses to save an array that is fully addressable in one process of a
+    multi-process run ("Cannot serialize host local jax.Array"), which is what a
+    pipeline stage's parameters on one host are. Arrays that already span processes
+    are kept as they are. A collective: every process calls it.
+    """
+    if not is_multiprocess():
+        return tree
+    target = one_per_process()
+
+    def one(x):
+        if isinstance(x, jax.Array) and len(_procs(x.sharding.device_set)) == 1:
+            return cross_move(x, target)
+        return x
+
+    return jax.tree.map(one, tree)
 
 
 # --------------------------------------------------------------------------- plan
@@ -387,16 +465,14 @@ class ProcessPlan:
             s = getattr(a, "sharding", None)
             if s is sh or (s is not None and s == sh):
                 out.append(a)
-            elif isinstance(a, jax.Array) and not a.is_fully_addressable:
+            elif isinstance(a, jax.Array) and a.committed:
+                # A global array (as jax treats committed arrays): it may live on other
+                # processes, so every process decides the same way from its devices.
                 out.append(cross_move(a, sh))
-            elif isinstance(a, jax.Array) and sh.is_fully_addressable:
-                out.append(_move(a, sh))
             else:
-                # Host data (or a local array): every process holds the whole value, and
-                # jax keeps the shards of this process's devices (checking that the
-                # processes agree when all of them share the sharding).
-                if isinstance(a, jax.Array) and a.committed:
-                    a = np.asarray(a)
+                # Host data or an uncommitted array: every process holds the whole value
+                # and keeps its own devices' shards (jax checks that the processes agree
+                # when all of them share the sharding).
                 out.append(jax.device_put(a, sh))
         return out
 
@@ -459,8 +535,12 @@ class _Watchdog:
         self.period = period
         self.me = jax.process_index()
         self.n = jax.process_count()
+        self.devices_of: dict[int, list[int]] = {}
+        for d in jax.devices():  # read now: at exit jax may have torn its backends down
+            self.devices_of.setdefault(d.process_index, []).append(d.id)
         self.seen: dict[int, tuple[str, float]] = {}
         self.beat = 0
+        self.exiting = False  # set at interpreter exit: RPC errors then mean shutdown
         self.thread = threading.Thread(target=self._run, name="multimesh-watchdog", daemon=True)
 
     def _alive(self) -> bool:
@@ -476,29 +556,37 @@ class _Watchdog:
                 self.beat += 1
                 self.client.key_value_set(f"{prefix}{self.me}", str(self.beat),
                                           allow_overwrite=True)
-                entries = dict(self.client.key_value_dir_get(prefix))
-            except Exception as e:  # the coordination service (process 0) is gone
-                if not self._alive():
+                entries = dict(self.client.key_value_dir_get("multimesh/"))
+            except Exception as e:  # shutting down, or the coordination service is gone
+                time.sleep(self.period)
+                if self.exiting or not self._alive():
                     return
-                self._stop(f"lost the jax.distributed coordination service, hosted by "
+                self._stop(f"it lost the jax.distributed coordination service, hosted by "
                            f"process 0 ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
                            [0])
                 return
+            failed = [(int(k.rsplit("/", 1)[1]), v) for k, v in entries.items()
+                      if k.startswith("multimesh/failed/")]
+            failed = [(k, v) for k, v in failed if k != self.me]
+            if failed:
+                k, why = failed[0]
+                self._stop(f"process {k} of {self.n} failed: {why}", [k])
+                return
             for k in range(self.n):
-                if k == self.me:
+                val = entries.get(f"{prefix}{k}")
+                if k == self.me or val is None:  # a peer is judged after its first beat
                     continue
-                val = entries.get(f"{prefix}{k}", entries.get(str(k)))
                 last = self.seen.get(k)
                 if last is None or last[0] != val:
                     self.seen[k] = (val, now)
                 elif now - last[1] > self.timeout:
                     self._stop(f"process {k} of {self.n} sent no heartbeat for "
-                               f"{now - last[1]:.0f} s: it has died or hangs", [k])
+                               f"{now - last[1]:.0f} s (it has died or hangs)", [k])
                     return
             time.sleep(self.period)
 
     def _stop(self, why: str, peers: list[int]) -> None:
-        devs = [d.id for d in jax.devices() if d.process_index in peers]
+        devs = [i for k in peers for i in self.devices_of.get(k, [])]
         msg = (f"multimesh: process {self.me} is stopping because {why} (its devices: "
                f"{devs}). The multi-process program cannot go on without it; exiting with "
                f"status {EXIT_PEER_LOST}.")
@@ -528,5 +616,34 @@ def start_watchdog(timeout: float | None = None, period: float = 1.0) -> None:
         return
     if timeout is None:
         timeout = float(os.environ.get(PEER_TIMEOUT_ENV, "20"))
-    _WATCHDOG = _Watchdog(client, timeout, period)
-    _WATCHDOG.thread.start()
+    _WATCHDOG = w = _Watchdog(client, timeout, period)
+    atexit.register(lambda: setattr(w, "exiting", True))  # runs before jax's shutdown
+    previous = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        """An uncaught exception: tell the peers, then exit without jax's shutdown
+        barrier, where this process would wait for peers that wait for it."""
+        try:
+            previous(tp, value, tb)
+        except BaseException:
+            sys.stderr.write(f"{tp.__name__}: {value}\n")
+        if issubclass(tp, jax.errors.JaxRuntimeError) and w.thread.is_alive():
+            # Often a collective whose peer died: give the watchdog the time to name it
+            # (it then exits this process); otherwise report this error to the peers.
+            sys.stderr.write(f"multimesh: checking the other processes' heartbeats for up "
+                             f"to {w.timeout:.0f} s before stopping...\n")
+            sys.stderr.flush()
+            deadline = time.monotonic() + w.timeout + 3 * w.period
+            while time.monotonic() < deadline and w.thread.is_alive():
+                time.sleep(0.1)
+        try:
+            first = (str(value).splitlines() or [""])[0][:300]
+            client.key_value_set(f"multimesh/failed/{w.me}", f"{tp.__name__}: {first}",
+                                 allow_overwrite=True)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = excepthook
+    w.thread.start()
