@@ -222,7 +222,15 @@ def _supervise(procs, threads, opts, lock) -> int:
             if p.returncode != 0 and k not in killed:
                 first_failure = k
                 break
-    return 0 if first_failure is None else _exit_code(procs[first_failure].returncode)
+    if first_failure is None:
+        return 0
+    with lock:
+        for k, p in enumerate(procs):
+            if p.returncode != 0:
+                how = " (stopped by the launcher)" if k in killed else ""
+                sys.stderr.write(f"multimesh.launch: process {k} exited with code "
+                                 f"{_exit_code(p.returncode)}{how}\n")
+    return _exit_code(procs[first_failure].returncode)
 
 
 if __name__ == "__main__":
