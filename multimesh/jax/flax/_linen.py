@@ -311,7 +311,7 @@ def make_prepare_batch(batch_shardings, batch_avals):
             data = np.asarray(x)
             if data.dtype != aval.dtype:
                 data = data.astype(aval.dtype)
-            return jax.make_array_from_process_local_data(sh, data, aval.shape)
+            return distributed.from_process_local(data, sh, aval.shape)
 
         return jax.tree.map(one, local, batch_shardings, batch_avals)
 
