@@ -1,5 +1,8 @@
 """2 processes x 4 devices: a Flax linen ``parallelize_step`` pipeline, two adam steps.
 
+Each process reads its own half of the batch (``local_batch``); ``prepare_batch`` puts
+the whole batch on layer 0's devices, all of them in process 0.
+
 Layer i runs on device positions 4i..4i+3, so each process owns one layer's variables
 (created there only: the other process holds arrays without local shards). Every process
 checks its shards of the loss and of the whole new state against plain Flax + optax in
@@ -67,7 +70,11 @@ class PlainPipeline(nn.Module):
 
 x = jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
 tx = optax.adam(0.05)
-step_fn, state, _ = parallelize_step(Pipeline(), tx, global_batch=x)
+# each process loads its own 4 rows; prepare_batch moves them onto layer 0's devices
+local = np.asarray(x)[4 * me:4 * me + 4]
+step_fn, state, _, prepare_batch = parallelize_step(Pipeline(), tx, local_batch=local)
+batch = prepare_batch(local)
+common.check("batch", batch, x, range(4))
 
 ref_state = TrainState.create(apply_fn=PlainPipeline().apply, tx=tx,
                               params=jax.jit(PlainPipeline().init)(jax.random.key(42), x))
@@ -103,7 +110,7 @@ check_state("init", state, ref_state)
 kernel0 = nn.meta.unbox(state.params)["params"]["layer_0"]["mod"]["params"]["Dense_0"]["kernel"]
 assert kernel0.is_fully_addressable == (me == 0)  # created only on its owner
 for it in range(2):
-    loss, state = step_fn(state, x)
+    loss, state = step_fn(state, batch)
     ref_loss, ref_state = ref_step(ref_state, x)
     common.check(f"step{it}.loss", loss, ref_loss, range(4, 8), rtol=1e-4)
     check_state(f"step{it}", state, ref_state)

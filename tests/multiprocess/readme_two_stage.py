@@ -58,4 +58,15 @@ for it in range(2):
     ref_params = jax.tree.map(lambda p, g: p - 0.5 * g, ref_params, ref_grads)
     common.check_tree(f"step{it}.params", params, ref_params, (A, B))
 
+# profile(): the same step, blocking after each of this process's steps, with a trace
+compiled = step.lower(params, x).compile()
+value, grads = compiled.profile(params, x)
+ref_value, ref_grads = ref_step(ref_params, x)
+common.check("profiled.loss", value, ref_value, B)
+common.check_tree("profiled.grads", grads, ref_grads, (A, B))
+spans = {e[1] for e in compiled.last_trace.events}
+mine, theirs = ("layer1", "layer2") if me == 0 else ("layer2", "layer1")
+assert {f"{mine}_fwd", f"{mine}_bwd"} <= spans, spans
+assert not {f"{theirs}_fwd", f"{theirs}_bwd"} & spans, spans  # the other process's fragments
+assert any(name.startswith("transfer") for name in spans), spans
 common.done()

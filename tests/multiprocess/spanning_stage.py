@@ -13,7 +13,6 @@ me = common.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import multimesh.jax as mm  # noqa: E402
