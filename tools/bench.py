@@ -11,6 +11,10 @@ P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
     (max over the fragments each device runs), summed over devices.
 P6  bubble fraction and peak live activations per schedule, from the unit-cost
     simulator, next to theory (see tools/bench_schedules.py).
+P8  moving a 4 MB / 64 MB float32 array from a 4-device submesh to another: between two
+    processes (2 x 4 devices under jax.distributed, multimesh.launch; the union-mesh
+    ppermute of multimesh.runtime.distributed, receiver's time) / within one process
+    (8 devices, the executor's device_put path). Medians; P8_*_ms are the times.
 P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
     P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
 """
@@ -198,6 +202,90 @@ def _p3(reps: int) -> float:
     return statistics.median(ours) / statistics.median(theirs)
 
 
+_P8_SIZES = {"4MB": (1024, 1024), "64MB": (4096, 4096)}
+
+
+def _p8_same(reps: int) -> dict:
+    """Same-process transfer times (ms): devices 0-3 -> 4-7 of one 8-device process."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.runtime.executor import _move
+
+    devs = jax.devices()
+    sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    out = {}
+    for label, shape in _P8_SIZES.items():
+        x = jax.device_put(np.ones(shape, np.float32), sh_a)
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(_move(x, sh_b))
+            ts.append(time.perf_counter() - t0)
+        out[label] = 1e3 * statistics.median(ts[1:])
+    return out
+
+
+def _p8_child(reps: int) -> None:
+    """In each of 2 processes x 4 devices: time cross-process moves, print JSON (process 1)."""
+    import jax
+
+    jax.distributed.initialize()
+    import numpy as np
+    from jax._src import distributed as jd
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.runtime.distributed import CrossTransfer
+
+    me = jax.process_index()
+    kv = jd.global_state.client
+    devs = jax.devices()
+    sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    out = {}
+    for label, shape in _P8_SIZES.items():
+        ref = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+        x = jax.make_array_from_callback(shape, sh_a, lambda i, ref=ref: ref[i], dtype=np.float32)
+        move = CrossTransfer(sh_a, sh_b, shape, np.float32)
+        ts = []
+        for rep in range(reps + 1):
+            kv.wait_at_barrier(f"p8-{label}-{rep}", 120_000)
+            t0 = time.perf_counter()
+            y = move(x if me == 0 else None)
+            jax.block_until_ready(y if me == 1 else x)
+            ts.append(time.perf_counter() - t0)
+            if me == 1 and rep == 0:
+                assert all(np.array_equal(np.asarray(s.data), ref[s.index])
+                           for s in y.addressable_shards)
+        out[label] = 1e3 * statistics.median(ts[1:])
+    kv.wait_at_barrier("p8-done", 120_000)
+    if me == 1:
+        print("P8-RESULT " + json.dumps(out), flush=True)
+
+
+def _p8(reps: int) -> dict:
+    import subprocess
+
+    same = _p8_same(reps)
+    cmd = [sys.executable, "-m", "multimesh.launch", "-n", "2", "--devices-per-process", "4",
+           "--timeout", "600", os.path.abspath(__file__), "--p8-child", str(reps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if "P8-RESULT " in ln]
+    if proc.returncode or not line:
+        raise RuntimeError(f"P8 child run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cross = json.loads(line[0].split("P8-RESULT ", 1)[1])
+    res = {}
+    for label in _P8_SIZES:
+        res[f"P8_{label}"] = cross[label] / same[label]
+        res[f"P8_{label}_cross_ms"] = cross[label]
+        res[f"P8_{label}_same_ms"] = same[label]
+    return res
+
+
 def generate_module(num_ops: int, tasks: int = 4) -> str:
     """A jax-style module: `tasks` task calls, each a chain of elementwise ops."""
     per = max(1, num_ops // tasks)
@@ -250,9 +338,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller P4x4")
     ap.add_argument("--json", help="write results as JSON to this path")
+    ap.add_argument("--only", help="comma-separated groups to run (e.g. P8); default all")
+    ap.add_argument("--p8-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.p8_child is not None:
+        _p8_child(args.p8_child)
+        return 0
     res = {}
     reps = 5 if args.quick else 20
+    if args.only:
+        groups = {"P8": lambda: _p8(reps)}
+        for g in args.only.split(","):
+            res.update(groups[g]())
+        _report(res, args.json)
+        return 0
     res["P1_2stage"] = _p1(2, reps)
     res["P1_4stage"] = _p1(4, reps)
     res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
@@ -267,13 +366,18 @@ def main(argv=None) -> int:
     res["P4"], res["P4_pipeline_s"], res["P4_parse_print_s"] = r, pipe, base
     r4, pipe4, base4 = _p4(4 * n)
     res["P4x4"], res["P4x4_pipeline_s"], res["P4x4_parse_print_s"] = r4, pipe4, base4
+    res.update(_p8(reps))
+    _report(res, args.json)
+    return 0
+
+
+def _report(res: dict, path: str | None) -> None:
     print(f"{'measure':<22}{'value':>10}")
     for k, v in res.items():
         print(f"{k:<22}{v:>10.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":
