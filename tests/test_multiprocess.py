@@ -151,3 +151,25 @@ def test_launcher_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "multimesh.launch", "-n", "2", "missing.py"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode != 0 and "no such script: missing.py" in proc.stderr
+
+
+# --------------------------------------------------------------------------- the docs page
+
+
+def test_docs_page_runs_under_the_launcher(tmp_path):
+    """docs/multiprocess.md is one program (opted out of the in-process docs harness):
+    its python blocks run in 2 processes, and every ``[k] ...`` line of its text blocks
+    is in the output."""
+    page = (ROOT / "docs" / "multiprocess.md").read_text()
+    assert page.startswith("<!-- no-exec -->")
+    code = "\n".join(re.findall(r"```python\n(.*?)```", page, re.S))
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    proc = launch(script, 2, 4)
+    assert proc.returncode == 0, _log(proc)
+    expected = [line for block in re.findall(r"```text\n(.*?)```", page, re.S)
+                for line in block.splitlines() if re.match(r"\[\d\] ", line)]
+    assert len(expected) >= 10
+    got = set(proc.stdout.splitlines())
+    missing = [line for line in expected if line not in got]
+    assert not missing, (missing, _log(proc))
