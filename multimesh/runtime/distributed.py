@@ -39,11 +39,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.runtime.executor import _dtype, _move, layout_sharding
 from multimesh.runtime.plan import Call, Plan, Transfer
 
 __all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "fetch", "checkpointable",
-           "one_per_process", "from_process_local", "is_multiprocess", "owner_init", "remote_array", "start_watchdog",
+           "one_per_process", "from_process_local", "is_multiprocess", "owner_init", "remote_array", "start_watchdog", "peer_timeout",
            "PEER_TIMEOUT_ENV", "EXIT_PEER_LOST"]
 
 PEER_TIMEOUT_ENV = "MULTIMESH_PEER_TIMEOUT"
@@ -193,7 +194,7 @@ class CrossTransfer:
         self.on_src = me in _procs(src_devs)
         self.on_dst = me in _procs(dst_devs)
         ndim = len(self.shape)
-        if len(src_devs) == len(dst_devs):
+        if len(src_devs) == len(dst_devs) and isinstance(dst_sharding, NamedSharding):
             pairs = _pair_up(src_devs, dst_devs)
             self.mid = NamedSharding(
                 Mesh(np.array(pairs, dtype=object).reshape(dst_sharding.mesh.devices.shape),
@@ -272,6 +273,14 @@ def cross_move(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     for any collective). A process that owns none of ``sharding``'s devices gets an
     array without addressable shards.
     """
+    if not isinstance(x, jax.Array):
+        raise MultimeshTypeError(
+            f"cross_move moves a jax.Array, got {type(x).__name__}; place host data with "
+            f"jax.device_put(value, sharding) instead.")
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise MultimeshTypeError(
+            f"cross_move needs a jax.sharding.Sharding to move onto, got "
+            f"{type(sharding).__name__}.")
     src = x.sharding
     if src == sharding:
         return x
@@ -601,6 +610,20 @@ class _Watchdog:
 _WATCHDOG: _Watchdog | None = None
 
 
+def peer_timeout() -> float:
+    """Seconds of silence after which a peer counts as dead: ``$MULTIMESH_PEER_TIMEOUT``, or 20."""
+    raw = os.environ.get(PEER_TIMEOUT_ENV, "20")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise MultimeshValueError(
+            f"{PEER_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}; for "
+            f"example {PEER_TIMEOUT_ENV}=60.")
+    return value
+
+
 def start_watchdog(timeout: float | None = None, period: float = 1.0) -> None:
     """Start the peer watchdog once per process (a no-op in single-process runs).
 
@@ -615,7 +638,7 @@ def start_watchdog(timeout: float | None = None, period: float = 1.0) -> None:
     if client is None:
         return
     if timeout is None:
-        timeout = float(os.environ.get(PEER_TIMEOUT_ENV, "20"))
+        timeout = peer_timeout()
     _WATCHDOG = w = _Watchdog(client, timeout, period)
     atexit.register(lambda: setattr(w, "exiting", True))  # runs before jax's shutdown
     previous = sys.excepthook
