@@ -54,7 +54,8 @@ def test_readme_two_stage_two_processes():
 
 
 def test_four_stages_1f1b_four_processes():
-    _expect_ok(launch(HERE / "four_stage_1f1b.py", 4, 2), 4)
+    # 8 microbatches, 3 steps: with several cross-process moves in flight this deadlocked
+    _expect_ok(launch(HERE / "four_stage_1f1b.py", 4, 2, timeout=150), 4)
 
 
 def test_stage_spanning_two_processes():

@@ -18,6 +18,13 @@ that span processes, and measured fastest at 64 MB (docs/performance.md). Every
 process dispatches the plan's steps in the same order, so the collectives of one
 step meet in the same order everywhere.
 
+Cross-process steps complete before the next one: the host waits for each
+cross-process transfer to finish before it dispatches the following step. With
+several such collectives in flight, each waiting for a different peer, jax's CPU
+client deadlocked (4 processes, 1F1B over 8 microbatches; in-flight executions hold
+its threads while they wait). Finishing each one in the plan's global order is the
+blocking-send discipline that cannot deadlock; fragments still run asynchronously.
+
 A dead peer: collectives with it fail at once, but a process that waits elsewhere
 would only be stopped by jax's heartbeat abort (100 s by default). A watchdog
 thread (:func:`start_watchdog`) keeps a heartbeat in jax's key-value store and
@@ -234,6 +241,7 @@ class CrossTransfer:
                   _dummy(self.flat_block, self.dtype, d) for d in self.local]
         y = self.program(jax.make_array_from_single_device_arrays(
             self.union_shape, self.union_sharding, arrays))
+        y.block_until_ready()  # see "Cross-process steps complete before the next one"
         if not self.on_dst:
             return None
         got = [s.data.reshape(()) if self.scalar else s.data for s in y.addressable_shards

@@ -1,4 +1,4 @@
-"""4 processes x 2 devices: a 4-stage model, 4 microbatches, schedule="1f1b".
+"""4 processes x 2 devices: a 4-stage model, 8 microbatches, schedule="1f1b".
 
 Stage k runs on device positions (2k, 2k+1), that is on process k. Every process checks
 the loss and the gradients it holds against plain JAX on the full batch in this process.
@@ -38,19 +38,19 @@ def plain_loss(ws, x):
 
 
 key = jax.random.key(1)
-ws = [jnp.eye(16) * 0.5 + 0.1 * jax.random.normal(jax.random.fold_in(key, k), (16, 16))
+ws = [jnp.eye(64) * 0.5 + 0.05 * jax.random.normal(jax.random.fold_in(key, k), (64, 64))
       for k in range(4)]
-x = jax.random.normal(key, (32, 16))
+x = jax.random.normal(key, (64, 64))
 step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
 compiled = mm.mjit(step).lower(ws, x).compile()
 
 # the schedule every process runs its share of: stage k warms up with 4 - k forwards
 rows = [" ".join(u for u in r if "*" not in u) for r in compiled.schedule.labels()]
-assert rows[0] == "F0 F1 F2 F3 B0 B1 B2 B3", rows
-assert rows[3] == "F0 B0 F1 B1 F2 B2 F3 B3", rows
+assert rows[0] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7", rows
+assert rows[3] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7", rows
 
 ref_value, ref_grads = jax.jit(jax.value_and_grad(plain_loss))(ws, x)
-for it in range(2):
+for it in range(3):  # several steps in flight: the cross-process moves must not deadlock
     value, grads = compiled(ws, x)
     common.check(f"call{it}.loss", value, ref_value, [6, 7], rtol=1e-4)
     common.check_tree(f"call{it}.grads", grads, ref_grads,
