@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.runtime.executor import _dtype, _move, layout_sharding
+from multimesh.runtime.executor import SKIP, _dtype, _move, layout_sharding
 from multimesh.runtime.plan import Call, Plan, Transfer
 
 __all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "fetch", "checkpointable",
@@ -411,8 +411,8 @@ def _value_layouts(plan: Plan) -> dict[int, tuple]:
 class ProcessPlan:
     """This process's share of a plan: the hooks :class:`~multimesh.runtime.Executor` calls.
 
-    * :meth:`runs` — does this process dispatch this fragment call?
-    * :meth:`transfer` — how this process takes part in a transfer step;
+    * :meth:`owns` — does a submesh hold a device of this process (compile its fragments)?
+    * :meth:`step` — skip a step, run it as in one process, or a cross-process move;
     * :meth:`place_inputs` — arguments onto their input shardings, across processes;
     * :meth:`finish` — outputs this process never held, as arrays without shards here.
     """
@@ -432,20 +432,22 @@ class ProcessPlan:
     def runs(self, step: Call) -> bool:
         return self.owns(self.plan.fragments[step.fragment].devices)
 
-    def transfer(self, step: Transfer):
-        """None (skip), ``("local", sharding)``, or ``("call", fn)`` with ``fn(x) -> (y,)``."""
+    def step(self, step):
+        """How this process runs ``step``: ``SKIP`` (not ours), None (as in one
+        process: a fragment call or a move within this process), or for a move that
+        crosses processes a callable ``fn(x) -> (y,)``, a step of its own."""
         kind = self.kind(step)
         if kind == "skip":
+            return SKIP
+        if kind in ("run", "local"):
             return None
         dst = layout_sharding(step.layout, self.devices)
-        if kind == "local":
-            return "local", dst
         if kind == "reshard":
-            return "call", lambda x: (_reshard(x, dst),)
+            return lambda x: (_reshard(x, dst),)
         src = layout_sharding(self.layouts[step.src], self.devices)
         shape, dtype = self.types[step.src]
         t = CrossTransfer(src, dst, shape, dtype)
-        return "call", lambda x: (t(x),)
+        return lambda x: (t(x),)
 
     def kind(self, step) -> str:
         """What this process does for ``step``: run/skip a call; skip, or move a value

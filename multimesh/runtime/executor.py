@@ -22,6 +22,8 @@ from multimesh._src.mlir import make_context, parse_module
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer
 
 _COMPILE_CACHE: dict[tuple, object] = {}
+SKIP = object()
+"""A step this process does not run (see ``distributed.ProcessPlan.step``)."""
 _LOCK = threading.Lock()
 
 
@@ -137,17 +139,11 @@ class Executor:
         self._steps = []
         self._kept = []  # the plan steps this process runs, parallel to _steps
         for i, s in enumerate(plan.steps):
-            if pp is not None:  # Hook: skip steps without our devices; cross-process moves
-                if isinstance(s, Call) and not pp.runs(s):
-                    continue
-                how = pp.transfer(s) if isinstance(s, Transfer) else None
-                if isinstance(s, Transfer) and (how is None or how[0] == "call"):
-                    if how is not None:
-                        drop = [s.src] if plan.last_use.get(s.src) == i \
-                            and s.src not in plan.outputs else []
-                        self._steps.append((0, how[1], [s.src], [s.dst], drop))
-                        self._kept.append(s)
-                    continue
+            # Hook (multi-process): skip steps without our devices; cross-process moves
+            # become steps of their own (a callable, dispatched like a fragment).
+            mover = pp.step(s) if pp is not None else None
+            if mover is SKIP:
+                continue
             self._kept.append(s)
             if isinstance(s, Call):
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
@@ -161,6 +157,9 @@ class Executor:
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
+                if mover is not None:
+                    self._steps.append((0, mover, [s.src], [s.dst], drop))
+                    continue
                 self._steps.append((1, layout_sharding(s.layout, self.devices), [s.src],
                                     [s.dst], drop))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
@@ -233,6 +232,7 @@ class Executor:
 
 
 def _process_plan(plan: Plan, devices: tuple):
+    """This process's share of ``plan`` under jax.distributed; None in a single process."""
     if jax.process_count() == 1:
         return None
     from multimesh.runtime.distributed import ProcessPlan
