@@ -67,6 +67,11 @@ def test_flax_parallelize_step_two_processes():
     _expect_ok(launch(HERE / "flax_parallelize_step.py", 2, 4), 2)
 
 
+def test_nnx_parallelize_step_two_processes():
+    pytest.importorskip("optax")
+    _expect_ok(launch(HERE / "nnx_parallelize_step.py", 2, 4), 2)
+
+
 def test_cross_process_moves():
     _expect_ok(launch(HERE / "transfers.py", 2, 4), 2)
 
