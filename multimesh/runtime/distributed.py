@@ -455,6 +455,10 @@ class ProcessPlan:
         union collective (``paired`` shard to shard, or ``replicated`` whole copies)."""
         if isinstance(step, Call):
             return "run" if self.runs(step) else "skip"
+        if not isinstance(step, Transfer):
+            raise MultimeshValueError(
+                f"Multi-process runs do not support the plan step {type(step).__name__} yet: "
+                f"each process must know which of its devices the step uses.")
         src_pos, dst_pos = self.layouts[step.src][0], step.layout[0]
         if not (self.owns(src_pos) or self.owns(dst_pos)):
             return "skip"
