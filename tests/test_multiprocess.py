@@ -22,12 +22,12 @@ HERE = Path(__file__).resolve().parent / "multiprocess"
 ROOT = HERE.parent.parent
 
 
-def launch(script, n: int, k: int, *flags: str, env=None, timeout: float = 240):
+def launch(script, n: int, k: int, *flags: str, env=None, timeout: float = 240, cwd=ROOT):
     cmd = [sys.executable, "-m", "multimesh.launch", "-n", str(n), "--devices-per-process",
            str(k), "--timeout", str(timeout), *flags, str(script)]
     full_env = dict(os.environ, **(env or {}))
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=ROOT,
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd,
                           timeout=timeout + 60)
     proc.elapsed, proc.end = time.time() - start, time.time()
     return proc
@@ -171,8 +171,9 @@ def test_docs_page_runs_under_the_launcher(tmp_path):
     code = "\n".join(re.findall(r"```python\n(.*?)```", page, re.S))
     script = tmp_path / "train.py"
     script.write_text(code)
-    proc = launch(script, 2, 4)
+    proc = launch(script, 2, 4, cwd=tmp_path)  # the page writes checkpoints/ there
     assert proc.returncode == 0, _log(proc)
+    assert (tmp_path / "checkpoints" / "step_2").is_dir()
     expected = [line for block in re.findall(r"```text\n(.*?)```", page, re.S)
                 for line in block.splitlines() if re.match(r"\[\d\] ", line)]
     assert len(expected) >= 10

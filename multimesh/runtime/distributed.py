@@ -51,8 +51,9 @@ from multimesh.runtime.executor import SKIP, _dtype, _move, layout_sharding
 from multimesh.runtime.plan import Call, Plan, Transfer
 
 __all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "fetch", "checkpointable",
-           "one_per_process", "from_process_local", "is_multiprocess", "owner_init", "remote_array", "start_watchdog", "peer_timeout",
-           "PEER_TIMEOUT_ENV", "EXIT_PEER_LOST"]
+           "one_per_process", "from_process_local", "is_multiprocess", "owner_init",
+           "remote_array", "start_watchdog", "peer_timeout", "PEER_TIMEOUT_ENV",
+           "EXIT_PEER_LOST"]
 
 PEER_TIMEOUT_ENV = "MULTIMESH_PEER_TIMEOUT"
 """Seconds without a heartbeat after which a peer process counts as dead (default 20)."""
