@@ -60,8 +60,9 @@ SCHEDULES = "Schedule misuse"
 IMPLICIT = "Implicit tasks"
 FLAX = "Flax"
 SHARDY = "Shardy:MPMD programs"
+MULTI = "Multi-process runs"
 CLI = "CLI misuse (mm-opt)"
-CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, SHARDY, CLI)
+CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, SHARDY, MULTI, CLI)
 
 _ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -1387,6 +1388,36 @@ def _():
 def _():
     mm.compile_mpmd(partitioned_identity(), {"m1": range(4)},
                     in_tree=jax.tree.structure((0, 0)))
+# =========================================================================== multi-process
+
+
+@error("cross-move-not-an-array", MULTI, "`cross_move` given host data", MultimeshTypeError,
+       r"cross_move moves a jax.Array, got list; place host data with "
+       r"jax.device_put\(value, sharding\) instead",
+       """`multimesh.runtime.distributed.cross_move` moves a global `jax.Array` (possibly
+       between processes). Host data is the same in every process: `jax.device_put` it.""")
+def _():
+    from jax.sharding import NamedSharding
+
+    from multimesh.runtime.distributed import cross_move
+
+    cross_move([1.0, 2.0], NamedSharding(Mesh(jax.devices()[:2], ("x",)), P()))
+
+
+@error("peer-timeout-not-a-number", MULTI, "`MULTIMESH_PEER_TIMEOUT` is not a duration",
+       MultimeshValueError,
+       r"MULTIMESH_PEER_TIMEOUT must be a positive number of seconds, got 'soon'; for example "
+       r"MULTIMESH_PEER_TIMEOUT=60",
+       """The peer watchdog of a multi-process run reads it when the first program
+       compiles: give seconds, e.g. `MULTIMESH_PEER_TIMEOUT=60`.""")
+def _():
+    from multimesh.runtime.distributed import peer_timeout
+
+    os.environ["MULTIMESH_PEER_TIMEOUT"] = "soon"
+    try:
+        peer_timeout()
+    finally:
+        del os.environ["MULTIMESH_PEER_TIMEOUT"]
 
 
 # =========================================================================== CLI misuse

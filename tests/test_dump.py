@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import PassFailure

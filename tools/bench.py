@@ -25,6 +25,11 @@ P5  partitioning time of a 2-stage x 4-microbatch 1F1B value_and_grad step: mult
     written with named computations. P5_passes: ours without run_pipeline's hooks;
     P5_import: parse + mm-import-mpmd + mm-verify of Shardy's output, / theirs.
 
+P10 moving a 4 MB / 64 MB float32 array from a 4-device submesh to another: between two
+    processes (2 x 4 devices under jax.distributed, multimesh.launch; the union-mesh
+    ppermute of multimesh.runtime.distributed, receiver's time) / within one process
+    (8 devices, the executor's device_put path). Medians; P10_*_ms are the times.
+
 --only P1,P9 runs just the named measures.
 """
 
@@ -385,12 +390,101 @@ def _p9(reps: int) -> tuple[float, float]:
             med(calls[True]) / med(calls[False]))
 
 
+_P10_SIZES = {"4MB": (1024, 1024), "64MB": (4096, 4096)}
+
+
+def _p10_same(reps: int) -> dict:
+    """Same-process transfer times (ms): devices 0-3 -> 4-7 of one 8-device process."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.runtime.executor import _move
+
+    devs = jax.devices()
+    sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    out = {}
+    for label, shape in _P10_SIZES.items():
+        x = jax.device_put(np.ones(shape, np.float32), sh_a)
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(_move(x, sh_b))
+            ts.append(time.perf_counter() - t0)
+        out[label] = 1e3 * statistics.median(ts[1:])
+    return out
+
+
+def _p10_child(reps: int) -> None:
+    """In each of 2 processes x 4 devices: time cross-process moves, print JSON (process 1)."""
+    import jax
+
+    jax.distributed.initialize()
+    import numpy as np
+    from jax._src import distributed as jd
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.runtime.distributed import CrossTransfer
+
+    me = jax.process_index()
+    kv = jd.global_state.client
+    devs = jax.devices()
+    sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    out = {}
+    for label, shape in _P10_SIZES.items():
+        ref = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+        x = jax.make_array_from_callback(shape, sh_a, lambda i, ref=ref: ref[i], dtype=np.float32)
+        move = CrossTransfer(sh_a, sh_b, shape, np.float32)
+        ts = []
+        for rep in range(reps + 1):
+            kv.wait_at_barrier(f"p10-{label}-{rep}", 120_000)
+            t0 = time.perf_counter()
+            y = move(x if me == 0 else None)
+            jax.block_until_ready(y if me == 1 else x)
+            ts.append(time.perf_counter() - t0)
+            if me == 1 and rep == 0:
+                assert all(np.array_equal(np.asarray(s.data), ref[s.index])
+                           for s in y.addressable_shards)
+        out[label] = 1e3 * statistics.median(ts[1:])
+    kv.wait_at_barrier("p10-done", 120_000)
+    if me == 1:
+        print("P10-RESULT " + json.dumps(out), flush=True)
+
+
+def _p10(reps: int) -> dict:
+    import subprocess
+
+    same = _p10_same(reps)
+    cmd = [sys.executable, "-m", "multimesh.launch", "-n", "2", "--devices-per-process", "4",
+           "--timeout", "600", os.path.abspath(__file__), "--p10-child", str(reps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if "P10-RESULT " in ln]
+    if proc.returncode or not line:
+        raise RuntimeError(f"P10 child run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cross = json.loads(line[0].split("P10-RESULT ", 1)[1])
+    res = {}
+    for label in _P10_SIZES:
+        res[f"P10_{label}"] = cross[label] / same[label]
+        res[f"P10_{label}_cross_ms"] = cross[label]
+        res[f"P10_{label}_same_ms"] = same[label]
+    return res
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller P4x4")
     ap.add_argument("--json", help="write results as JSON to this path")
     ap.add_argument("--only", help="run only these measures, e.g. P8 or P1,P3")
+    ap.add_argument("--p10-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.p10_child is not None:
+        _p10_child(args.p10_child)
+        return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     runs = _measures(args)
     names = args.only.split(",") if args.only else list(runs)
@@ -432,7 +526,8 @@ def _measures(args) -> dict:
             "P6": p6,
             "P8": p8,
             "P4": p4,
-            "P5": lambda: _p5(10 if quick else 30)}
+            "P5": lambda: _p5(10 if quick else 30),
+            "P10": lambda: _p10(reps)}
 
 
 def _report(res: dict, path: str | None) -> int:

@@ -23,7 +23,7 @@ from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, p
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
-from multimesh.runtime import Executor, build_plan
+from multimesh.runtime import Executor, build_plan, distributed
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]
 
@@ -617,6 +617,8 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     param_sh, batch_sh = compiled.input_shardings[0]
 
     def init_sharded_params():
+        if jax.process_count() > 1:  # each parameter computed only by its owners
+            return distributed.owner_init(init_params, param_sh)
         return jax.device_put(init_params(), param_sh)
 
     if initial_batch is not None:

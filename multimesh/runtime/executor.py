@@ -21,11 +21,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multimesh._src.caches import LRUCache
 from multimesh._src.mlir import make_context, parse_module
 from multimesh.runtime.guards import check_args
-from multimesh.runtime.plan import Call, Fragment, Layout, Plan, moved
+from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
 # by jax.clear_caches() / multimesh.clear_caches().
 _COMPILE_CACHE = LRUCache("multimesh compiled fragments", max_size=512)
+SKIP = object()
+"""A step this process does not run (see ``distributed.ProcessPlan.step``)."""
 _LOCK = threading.Lock()
 xla_compiles = 0
 """How many fragment executables XLA has compiled in this process (for tests/benchmarks)."""
@@ -155,11 +157,22 @@ class Executor:
         self._leaf_name = leaf_name  # names argument i in errors
         # A donated value returned by the program is not donated: its buffer is the output.
         donated = frozenset(a for a in donated if a not in plan.outputs)
-        self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()}
+        # Hook (multi-process): this process's share of the plan, or None in one process.
+        self.process_plan = _process_plan(plan, self.devices)
+        pp = self.process_plan
+        self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()
+                     if pp is None or pp.owns(f.devices)}
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
         self._steps = []
+        self._kept = []  # the plan steps this process runs, parallel to _steps
         for i, s in enumerate(plan.steps):
+            # Hook (multi-process): skip steps without our devices; cross-process moves
+            # become steps of their own (a callable, dispatched like a fragment).
+            mover = pp.step(s) if pp is not None else None
+            if mover is SKIP:
+                continue
+            self._kept.append(s)
             if isinstance(s, Call):
                 frag = plan.fragments[s.fragment]
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
@@ -168,11 +181,15 @@ class Executor:
                                if a in donated and plan.last_use.get(a) == i
                                and s.args.count(a) == 1 and k not in frag.donors)
                 exe = (compile_fragment(frag, self.devices, donors, s.devices)
-                       if donors or s.devices else self.exes[s.fragment])
+                       if donors or s.devices or s.fragment not in self.exes
+                       else self.exes[s.fragment])
                 self._steps.append((0, exe, s.args, s.results, drop))
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
+                if mover is not None:
+                    self._steps.append((0, mover, [s.src], [s.dst], drop))
+                    continue
                 shared = s.src in donated and set(s.layout[0]) & set(plan.inputs[s.src][0])
                 self._steps.append((2 if shared else 1,
                                     layout_sharding(s.layout, self.devices), [s.src],
@@ -183,10 +200,13 @@ class Executor:
                               (st.results if isinstance(st, Call) else [st.dst]))], default=0)
         self._env_template = [None] * n_values
         for vid, (value, lay) in plan.constants.items():  # the microbatch indices
-            self._env_template[vid] = jax.device_put(np.int32(value),
-                                                     layout_sharding(lay, self.devices))
+            if pp is None or pp.owns(lay[0]):
+                self._env_template[vid] = jax.device_put(np.int32(value),
+                                                         layout_sharding(lay, self.devices))
 
     def place_inputs(self, args):
+        if self.process_plan is not None:  # Hook: inputs may live on other processes
+            return self.process_plan.place_inputs(args, self.input_shardings)
         out = []
         for a, sh in zip(args, self.input_shardings):
             s = getattr(a, "sharding", None)
@@ -211,7 +231,13 @@ class Executor:
                 env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
             for d in drop:
                 env[d] = None
-        return [env[o] for o in self.plan.outputs]
+        return self._outputs(env)
+
+    def _outputs(self, env):
+        outs = [env[o] for o in self.plan.outputs]
+        if self.process_plan is not None:  # Hook: outputs that live on other processes
+            outs = self.process_plan.finish(outs, self.output_shardings)
+        return outs
 
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but blocks after every step and records its span."""
@@ -219,8 +245,13 @@ class Executor:
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
-        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self.plan.steps):
-            if kind == 0:
+        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self._kept):
+            if kind == 0 and isinstance(step, Transfer):  # a cross-process transfer
+                ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
+                with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
+                                   cat="transfer"):
+                    env[dsts[0]] = jax.block_until_ready(what(env[srcs[0]])[0])
+            elif kind == 0:
                 where = self.plan.call_devices(step)
                 track = f"submesh devices {','.join(str(self.devices[p].id) for p in where)}"
                 with recorder.span(track, step.fragment):
@@ -235,4 +266,13 @@ class Executor:
                         (_move if kind == 1 else _copy)(env[srcs[0]], what))
             for d in drop:
                 env[d] = None
-        return [env[o] for o in self.plan.outputs]
+        return self._outputs(env)
+
+
+def _process_plan(plan: Plan, devices: tuple):
+    """This process's share of ``plan`` under jax.distributed; None in a single process."""
+    if jax.process_count() == 1:
+        return None
+    from multimesh.runtime.distributed import ProcessPlan
+
+    return ProcessPlan(plan, devices)

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts
+from multimesh.runtime import distributed
 
 __all__ = ["task", "shard_axes", "parallelize_step"]
 
@@ -306,7 +307,7 @@ def make_prepare_batch(batch_shardings, batch_avals):
             data = np.asarray(x)
             if data.dtype != aval.dtype:
                 data = data.astype(aval.dtype)
-            return jax.make_array_from_process_local_data(sh, data, aval.shape)
+            return distributed.from_process_local(data, sh, aval.shape)
 
         return jax.tree.map(one, local, batch_shardings, batch_avals)
 
@@ -495,11 +496,15 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
-    if init_state is None:
-        init_batch = global_batch if global_batch is not None else local_batch
+    init_batch = global_batch if global_batch is not None else local_batch
+    if init_state is not None:
+        state = place(init_state, state_sh)
+    else:
         with mm.ignore_transforms():
-            init_state = jax.jit(init_fn)(key, init_batch)
-    state = place(init_state, state_sh)
+            if jax.process_count() > 1:  # each variable computed only by its owners
+                state = distributed.owner_init(init_fn, state_sh, key, init_batch)
+            else:
+                state = place(jax.jit(init_fn)(key, init_batch), state_sh)
     if global_batch is not None:
         return compiled, state, mesh
     return compiled, state, mesh, prepare_batch
