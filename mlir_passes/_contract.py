@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from multimesh._src.caches import WeakKeyCache
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
 
@@ -175,7 +176,24 @@ Tag = tuple[str, int, int]
 """``(task name, transpose_count, loop)``; loop is the microbatch loop's id, -1 outside."""
 
 
-_TAG_CACHE: dict[ir.Attribute, Tag] = {}
+_TAG_CACHES = WeakKeyCache("multimesh task tags of plain MLIR contexts")
+"""Per-context tag caches for contexts that take no Python attributes (plain ``ir.Context``)."""
+
+
+def _tag_cache(ctx: ir.Context) -> dict[int, Tag]:
+    """The tag cache of one context: ``{attribute pointer: tag}``.
+
+    It lives on the context, so it goes when the context goes: a cache keyed by the
+    attributes themselves would keep every compiled program's context alive. Within
+    a context, attributes are uniqued and never freed, so their pointers are stable keys.
+    """
+    d = getattr(ctx, "__dict__", None)
+    if d is None:
+        return _TAG_CACHES.setdefault(ctx, {})
+    cache = d.get("_mm_tag_cache")
+    if cache is None:
+        cache = d["_mm_tag_cache"] = {}
+    return cache
 
 
 def tag_of(op: ir.Operation) -> Tag | None:
@@ -190,13 +208,13 @@ def tag_of(op: ir.Operation) -> Tag | None:
         return None
     a = attrs[TASK_ATTR]
     # Attributes are uniqued per context, so a few distinct tags cover a whole module.
-    tag = _TAG_CACHE.get(a)
+    cache = _tag_cache(a.context)
+    key = hash(a)
+    tag = cache.get(key)
     if tag is None:
         what = f"'{TASK_ATTR}' on '{op.name}'"
         tag = _tag_from_dict(_check_dict(attr_to_py(a), what, op.location), what, op.location)
-        if len(_TAG_CACHE) > 4096:
-            _TAG_CACHE.clear()
-        _TAG_CACHE[a] = tag
+        cache[key] = tag
     return tag
 
 
@@ -262,6 +280,44 @@ def is_loop_marker(op: ir.Operation) -> bool:
     """``mm.microbatch_index`` / ``mm.microbatch_sum``: loop structure, not task work."""
     return op.name == "stablehlo.custom_call" and ir.StringAttr(
         op.attributes["call_target_name"]).value in (INDEX_TARGET, SUM_TARGET)
+
+
+def loop_body(loop: ir.Operation, funcs: dict[str, ir.Operation]) -> tuple[ir.Operation, int]:
+    """The body function and microbatch count of an ``mm.microbatch_loop``, checked.
+
+    The body takes the index (``tensor<i32>``) and then one argument per loop operand
+    (the running sums first), and returns one value per loop result (the new sums).
+    """
+    loc = loop.location
+    attrs = loop.attributes
+    if BODY_ATTR not in attrs or not isinstance(attrs[BODY_ATTR], ir.FlatSymbolRefAttr):
+        raise DiagnosticError(f"'{LOOP_TARGET}' needs '{BODY_ATTR}', a symbol reference to "
+                              f"its body function", loc)
+    name = ir.FlatSymbolRefAttr(attrs[BODY_ATTR]).value
+    fn = funcs.get(name)
+    if fn is None:
+        raise DiagnosticError(f"'{LOOP_TARGET}' body @{name} is not a function of the module",
+                              loc)
+    num = attrs[NUM_MICROBATCHES_ATTR] if NUM_MICROBATCHES_ATTR in attrs else None
+    if not isinstance(num, ir.IntegerAttr) or isinstance(num, ir.BoolAttr) or \
+            ir.IntegerAttr(num).value < 1:
+        raise DiagnosticError(f"'{LOOP_TARGET}' needs '{NUM_MICROBATCHES_ATTR}', an integer "
+                              f">= 1", loc)
+    block = entry_block(fn)
+    ops = list(block.operations)
+    if len(block.arguments) != 1 + len(loop.operands):
+        raise DiagnosticError(
+            f"'{LOOP_TARGET}' passes {len(loop.operands)} operands, but its body @{name} "
+            f"takes {len(block.arguments)} arguments (the index and one per operand)", loc)
+    if str(block.arguments[0].type) != "tensor<i32>":
+        raise DiagnosticError(
+            f"the first argument of the loop body @{name} is the microbatch index, a "
+            f"tensor<i32>, got {block.arguments[0].type}", loc)
+    if not ops or len(ops[-1].operation.operands) != len(loop.results):
+        raise DiagnosticError(
+            f"'{LOOP_TARGET}' has {len(loop.results)} results, but its body @{name} does not "
+            f"return as many running sums", loc)
+    return fn, ir.IntegerAttr(num).value
 
 
 def warn_at(location, message: str) -> None:

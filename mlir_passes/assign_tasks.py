@@ -26,15 +26,22 @@ class AssignTasksPass(ModulePass):
     takes that task; tasks on different submeshes inside one loop are an error,
     since a loop body runs on one submesh. Ops still untagged at the end (or every
     op, in a program with no task at all) go to the implicit task ``mm.default``:
-    all ``num-devices`` devices, no logical mapping, so constraints there resolve
-    to replicated.
+    all ``num-devices`` devices (on a mesh ``x``, unless the module's ``mm.tasks``
+    already has an ``mm.default`` entry: the program's own mesh), no logical
+    mapping, so constraints there resolve to replicated.
     """
 
     argument = "mm-assign-tasks"
     summary = "Give every untagged op in `@main` a task by the heaviest-neighbour rule."
+    consumes = ("flat",)
 
     num_devices: int = 0
     """Devices of the implicit default task; 0 reads `mm.num_devices` or `mhlo.num_partitions`."""
+
+    def __post_init__(self):
+        if self.num_devices < 0:
+            raise self.bad_option("num_devices", "a positive device count, or 0 to read it "
+                                                 "from the module")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -78,7 +85,9 @@ class AssignTasksPass(ModulePass):
             untagged = [op for op in untagged if op not in markers]
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
-                tasks[c.DEFAULT_TASK] = c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ())
+                # A caller may have given mm.default its mesh (the program's own mesh).
+                tasks.setdefault(c.DEFAULT_TASK,
+                                 c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ()))
                 for op in untagged:
                     tag[op] = (c.DEFAULT_TASK, 0, loop[op])
             # Attributes are written last: in these bindings an Operation's hash
@@ -181,11 +190,16 @@ def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
     for t, o in found[1:]:
         mesh = tasks[t[0]].mesh_key() if t[0] in tasks else None
         if mesh != first_mesh:
+            if op.name in ("stablehlo.case", "stablehlo.if"):  # lax.cond / lax.switch
+                why = ("the branches of a conditional (lax.cond, lax.switch) run on one "
+                       "submesh. Call the tasks outside the conditional (select the result "
+                       "with jnp.where) or give both tasks one submesh.")
+            else:
+                why = ("a loop body runs on one submesh. Unroll the loop (a Python for loop, "
+                       "or lax.scan(..., unroll=True)) or give both tasks one submesh.")
             raise DiagnosticError(
                 f"tasks '{first[0]}' and '{t[0]}' run on different submeshes but sit inside "
-                f"the same '{op.name}'; a loop body runs on one submesh. Unroll the loop (a "
-                f"Python for loop, or lax.scan(..., unroll=True)) or give both tasks one submesh.",
-                o.location)
+                f"the same '{op.name}'; {why}", o.location)
     return first
 
 

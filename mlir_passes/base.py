@@ -2,7 +2,8 @@
 
 Modelled on xDSL's ``ModulePass``: the options are the dataclass fields, spelled
 in kebab-case on the command line (``mm-foo{max-iters=3}`` sets ``max_iters``).
-A pass must leave verifiable IR or raise; it never half-rewrites silently.
+A pass must leave verifiable IR or raise; :meth:`ModulePass.run` (what pipelines
+and ``mm-opt`` call) also leaves the module exactly as it was when it raises.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mlir_passes._stages import check_stage
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import ir
+from multimesh._src.mlir import ir, unchanged_on_error
 
-__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_each_pass",
-           "VERIFY_EACH_ENV"]
+__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_module",
+           "verify_each_pass", "VERIFY_EACH_ENV"]
 
 VERIFY_EACH_ENV = "MULTIMESH_VERIFY_EACH_PASS"
 
@@ -40,9 +42,46 @@ class ModulePass:
 
     argument: ClassVar[str]
     summary: ClassVar[str]
+    consumes: ClassVar[tuple[str, ...] | None] = None
+    """The forms of docs/ir.md the pass accepts (``mlir_passes._stages.STAGES``); None: any."""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Passes that must have run before, besides those that reach ``consumes``."""
+    mutates: ClassVar[bool] = True
+    """False for passes that only read the module (no snapshot is taken for them)."""
 
     def apply(self, module: ir.Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def run(self, module: ir.Module, *, verify: bool = True, snapshot: bool = True) -> None:
+        """Apply the pass and verify the result; on any error the module is unchanged.
+
+        This is the pass contract (tests/test_pass_contract.py checks it for every
+        registered pass): a failing pass, or one that leaves invalid IR, raises and
+        leaves ``module`` exactly as it was, so a repro can be written from it. That
+        takes a snapshot of the module first; a caller that can rebuild the pass's
+        input another way (a pipeline replaying the passes before it) passes
+        ``snapshot=False`` and verifies once at the end (``verify=False``).
+        """
+        if self.consumes is not None:
+            check_stage(module, self.argument, self.consumes, self.requires)
+        if not self.mutates:
+            self.apply(module)
+            return
+        if not snapshot:
+            self.apply(module)
+            if verify:
+                verify_module(module, self.argument)
+            return
+        with unchanged_on_error(module):
+            self.apply(module)
+            if verify:
+                verify_module(module, self.argument)
+
+    def bad_option(self, field: str, valid: str) -> PipelineError:
+        """The error for option ``field``'s value: ``valid`` says what it may be."""
+        return PipelineError(
+            f"Pass '{self.argument}' option '{field.replace('_', '-')}' must be {valid}, got "
+            f"{_format(getattr(self, field))}.")
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> ModulePass:
@@ -121,3 +160,16 @@ def _convert(argument: str, key: str, text: str, tp):
     raise PipelineError(
         f"Pass '{argument}' option '{key}' expects a value of type "
         f"{getattr(tp, '__name__', tp)}, got '{text}'.")
+
+
+def verify_module(module: ir.Module, argument: str) -> None:
+    """MLIR's verifier after pass ``argument``: :class:`DiagnosticError` at the bad op."""
+    try:
+        ok = module.operation.verify()
+    except ir.MLIRError as e:
+        d = e.error_diagnostics[0] if e.error_diagnostics else None
+        raise DiagnosticError(
+            f"'{argument}' produced invalid IR: {d.message if d else e}",
+            d.location if d else None) from None
+    if not ok:  # pragma: no cover - verify raises in these bindings
+        raise DiagnosticError(f"'{argument}' produced invalid IR.")

@@ -31,6 +31,8 @@ class ExtractFragmentsPass(ModulePass):
 
     argument = "mm-extract-fragments"
     summary = "Move each fragment into its own nested SPMD module called by `mm.fragment_call`."
+    consumes = ("mpmd",)
+    requires = ("mm-propagate-shardings",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -41,8 +43,8 @@ class ExtractFragmentsPass(ModulePass):
             blocks = [c.entry_block(main)]
             for op in c.entry_block(main).operations:
                 if c.is_custom_call(op.operation, c.LOOP_TARGET):
-                    body = ir.FlatSymbolRefAttr(op.operation.attributes[c.BODY_ATTR]).value
-                    blocks.append(c.entry_block(funcs[body]))
+                    body, _ = c.loop_body(op.operation, funcs)
+                    blocks.append(c.entry_block(body))
             calls = [o.operation for b in blocks for o in b.operations
                      if o.operation.name == "func.call"]
             for call in calls:

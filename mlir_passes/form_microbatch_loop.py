@@ -45,6 +45,7 @@ class FormMicrobatchLoopPass(ModulePass):
 
     argument = "mm-form-microbatch-loop"
     summary = "Move a microbatch loop's fragment calls into a loop body called once per microbatch."
+    consumes = ("mpmd",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context, module.operation.location:

@@ -287,6 +287,7 @@ class ImportGspmdPass(ModulePass):
 
     argument: ClassVar[str] = "mm-import-gspmd"
     summary: ClassVar[str] = "Rewrite GSPMD mhlo.sharding strings into sdy meshes and shardings."
+    consumes = ("front-end", "flat")
 
     def apply(self, module: ir.Module) -> None:
         with module.context, ir.Location.unknown():

@@ -32,12 +32,16 @@ class InlineTasksPass(ModulePass):
     a microbatch loop body (a call marked ``mm.microbatch = {loop = L, ...}``)
     belong to loop ``L``: tagged ops get ``loop = L`` in their tag, untagged ones
     ``mm.loop = L``. The task's mesh and logical mapping move to the module's
-    ``mm.tasks`` table; giving one task name two different meshes is an error.
-    Private functions left unreferenced are removed.
+    ``mm.tasks`` table. A task name that comes with a second, different mesh or
+    logical mapping (one function wrapped twice, ``task(f, mesh=a)`` and
+    ``task(f, mesh=b)``) names a new task: the first keeps the name, the others
+    become ``name.1``, ``name.2``, ... in program order (MultiMesh uniquifies colours
+    the same way). Private functions left unreferenced are removed.
     """
 
     argument = "mm-inline-tasks"
     summary = "Inline calls into `@main`, tagging task ops with `mm.task`; keep leaf task calls."
+    consumes = ("front-end", "flat")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -49,6 +53,7 @@ class InlineTasksPass(ModulePass):
             for call in all_calls:  # checked before any edit, at the faulty call
                 if c.TASK_ATTR in call.attributes:
                     c.task_call(call)
+            names = _Names(tasks, _call_names(all_calls))
             uses: dict[str, int] = {}
             for call in all_calls:
                 uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1
@@ -60,10 +65,10 @@ class InlineTasksPass(ModulePass):
                     break
                 for call in calls:
                     if call.parent == main and _keepable(call, funcs, scan):
-                        kept.add(_keep(call, funcs, tasks, uses, scan, emptied))
+                        kept.add(_keep(call, funcs, names, uses, scan, emptied))
                     else:
                         name = c.callee_of(call)
-                        if _inline(call, funcs, tasks, uses, scan):
+                        if _inline(call, funcs, names, uses, scan):
                             emptied.add(name)
             c.write_tasks(module, tasks)
             _drop_dead(module, funcs, kept, emptied)
@@ -142,12 +147,12 @@ def _keepable(call: ir.Operation, funcs, scan: _Scan) -> bool:
     return scan.plain(c.callee_of(call))
 
 
-def _keep(call: ir.Operation, funcs, tasks, uses, scan: _Scan, emptied: set[str]) -> str:
+def _keep(call: ir.Operation, funcs, names: _Names, uses, scan: _Scan,
+          emptied: set[str]) -> str:
     """Make ``call`` a leaf task call of the flat form; returns its callee's name."""
     d = attr_to_py(call.attributes[c.TASK_ATTR])
-    if "devices" in d:
-        _register(tasks, d, call)
-    tag = c.tag_attr(d["name"], int(d["transpose_count"]), _call_loop(call))
+    task = names.allocate(d) if "devices" in d else d["name"]
+    tag = c.tag_attr(task, int(d["transpose_count"]), _call_loop(call))
     name = c.callee_of(call)
     callee = funcs[name]
     if uses.get(name, 0) > 1:  # shared by several call sites: this one gets a copy
@@ -166,7 +171,7 @@ def _keep(call: ir.Operation, funcs, tasks, uses, scan: _Scan, emptied: set[str]
     while inner:  # flatten: the body's own (plain) calls are inlined into it
         for cl in inner:
             target = c.callee_of(cl)
-            if _inline(cl, funcs, tasks, uses, scan):
+            if _inline(cl, funcs, names, uses, scan):
                 emptied.add(target)
         inner = _collect_calls(callee)
     scan.forget(name)
@@ -356,7 +361,7 @@ def _collect_calls(root: ir.Operation) -> list[ir.Operation]:
     return out
 
 
-def _inline(call: ir.Operation, funcs, tasks, uses, scan: _Scan | None = None) -> bool:
+def _inline(call: ir.Operation, funcs, names: _Names, uses, scan: _Scan | None = None) -> bool:
     """Inline ``call`` where it stands; True when its callee was moved (its only use)."""
     name = c.callee_of(call)
     callee = funcs.get(name)
@@ -366,9 +371,8 @@ def _inline(call: ir.Operation, funcs, tasks, uses, scan: _Scan | None = None) -
     loop = _call_loop(call)
     if c.TASK_ATTR in call.attributes:
         d = attr_to_py(call.attributes[c.TASK_ATTR])
-        if "devices" in d:
-            _register(tasks, d, call)
-        tag = c.tag_attr(d["name"], int(d["transpose_count"]), loop)
+        task = names.allocate(d) if "devices" in d else d["name"]
+        tag = c.tag_attr(task, int(d["transpose_count"]), loop)
     moved = uses.get(name, 0) <= 1
     if moved:
         body = callee  # only use: move the body instead of cloning it
@@ -423,19 +427,38 @@ def _call_loop(call: ir.Operation) -> int:
     return -1
 
 
-def _register(tasks, d: dict, call: ir.Operation) -> None:
-    info = c.TaskMeshInfo.from_dict(d)
-    old = tasks.get(d["name"])
-    if old is not None and old.mesh_key() != info.mesh_key():
-        raise DiagnosticError(
-            f"task '{d['name']}' was given two different submeshes: devices "
-            f"{list(old.devices)} with axes {dict(zip(old.axis_names, old.axis_sizes))} and "
-            f"devices {list(info.devices)} with axes "
-            f"{dict(zip(info.axis_names, info.axis_sizes))}; a task name has one submesh",
-            call.location)
-    if old is not None and old.logical_axes != info.logical_axes:
-        raise DiagnosticError(
-            f"task '{d['name']}' was given two different logical mappings: "
-            f"{[list(p) for p in old.logical_axes]} and {[list(p) for p in info.logical_axes]}",
-            call.location)
-    tasks[d["name"]] = info
+def _call_names(calls) -> set[str]:
+    """Every task name a call of the module uses (so a new name never takes one)."""
+    out = set()
+    for call in calls:
+        if c.TASK_ATTR in call.attributes:
+            d = attr_to_py(call.attributes[c.TASK_ATTR])
+            if isinstance(d, dict) and isinstance(d.get("name"), str):
+                out.add(d["name"])
+    return out
+
+
+class _Names:
+    """Task names, one per distinct (name, mesh, logical mapping) in program order."""
+
+    def __init__(self, tasks: dict[str, c.TaskMeshInfo], taken: set[str]):
+        self.tasks = tasks
+        self.taken = set(taken) | set(tasks)
+        self.given: dict[tuple[str, c.TaskMeshInfo], str] = {}
+
+    def allocate(self, d: dict) -> str:
+        info = c.TaskMeshInfo.from_dict(d)
+        key = (d["name"], info)
+        name = self.given.get(key)
+        if name is None:
+            name = d["name"]
+            old = self.tasks.get(name)
+            if old is not None and old != info:
+                k = 1
+                while f"{d['name']}.{k}" in self.taken:
+                    k += 1
+                name = f"{d['name']}.{k}"
+            self.taken.add(name)
+            self.tasks[name] = info
+            self.given[key] = name
+        return name

@@ -31,6 +31,8 @@ class InsertTransfersPass(ModulePass):
 
     argument = "mm-insert-transfers"
     summary = "Insert an explicit `mm.transfer` on every edge that changes devices or sharding."
+    consumes = ("mpmd",)
+    requires = ("mm-propagate-shardings",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -127,7 +129,7 @@ def _transfer(v: ir.Value, block: ir.Block, loc, sh, devs, ip=None) -> ir.Value:
 def _loop(loop: ir.Operation, where: dict, edges: _Edges, funcs) -> None:
     """Transfers of a microbatch loop: inside its body per microbatch, except that an
     input of the loop that a body fragment wants elsewhere moves once, before the loop."""
-    body_fn = funcs[ir.FlatSymbolRefAttr(loop.attributes[c.BODY_ATTR]).value]
+    body_fn, _ = c.loop_body(loop, funcs)
     body = c.entry_block(body_fn)
     ret = list(body.operations)[-1].operation
     n_carry = len(ret.operands)

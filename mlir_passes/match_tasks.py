@@ -226,6 +226,7 @@ class _Scanner:
         self.matchers = list(matchers)
         self.memo: dict[tuple[str, str], object] = {}
         self.hits: dict[Match, ir.Location] = {}  # first op of each match, in order
+        self.stacks: set[str] = set()  # every name stack an op was matched against
         self.trivial: set[str] = set()  # callees whose original body must stay untagged
         self.active: set[str] = set()
 
@@ -237,6 +238,7 @@ class _Scanner:
         return _plan(tags, calls)
 
     def _match(self, stack: str, loc: ir.Location) -> Match | None:
+        self.stacks.add(stack)
         for idx, rx in enumerate(self.matchers):
             m = rx.search(stack)
             if m is None:
@@ -324,17 +326,22 @@ def _plan(tags: list, calls: list):
     return (tuple(tags), tuple((p, v) for p, v in calls if v is not None))
 
 
-def find_matches(module: ir.Module, matchers: Iterable[str | re.Pattern]) -> list[Match]:
+def find_matches(module: ir.Module, matchers: Iterable[str | re.Pattern],
+                 stacks: set[str] | None = None) -> list[Match]:
     """Distinct ``(matcher, matched name, backprop)`` triples that would claim ops.
 
     Uses exactly the rules of the pass: the first matcher found in an op's name
     stack wins; ops of explicit task calls (and of ops already tagged) are never
-    claimed. ``mjit`` calls this to learn which callbacks to evaluate.
+    claimed. ``mjit`` calls this to learn which callbacks to evaluate. ``stacks``,
+    if given, receives every name stack that was matched against (to explain a
+    matcher that claimed nothing).
     """
     rxs = [m if isinstance(m, re.Pattern) else compile_matcher(m) for m in matchers]
     with module.context:
         scan = _Scanner(module, rxs)
         scan.run()
+    if stacks is not None:
+        stacks.update(scan.stacks)
     return list(scan.hits)
 
 
@@ -397,10 +404,8 @@ def _parse_task(d, where: str) -> _RuleTask:
             for p in pairs)):
         _fail(where, f"task 'logical_axes' must be a list of [logical, device_axis] string "
                      f"pairs, got {pairs!r}")
-    for logical, dev in pairs:
-        if dev not in names:
-            _fail(where, f"logical axis '{logical}' maps to unknown device axis '{dev}'; the "
-                         f"task's axes are {names}")
+    # A pair naming a device axis the task lacks is reported where a constraint uses
+    # its logical name (mm-resolve-logical-shardings), as for explicit tasks.
     split = d.get("split_backprop")
     if split is not None and (not isinstance(split, list) or len(split) != 2 or not all(
             isinstance(x, str) and x for x in split) or split[0] == split[1]):
@@ -509,6 +514,7 @@ class MatchTasksPass(ModulePass):
 
     argument = "mm-match-tasks"
     summary = "Tag ops whose JAX name stack matches a registered task rule (implicit tasks)."
+    consumes = ("front-end", "flat")
 
     rules: str = ""
     """Inline rules: compact JSON `{"rules":[...]}` (no spaces)."""

@@ -36,6 +36,7 @@ class OutlineFragmentsPass(ModulePass):
 
     argument = "mm-outline-fragments"
     summary = "Outline each task's ops into fragment functions called from `@main`."
+    consumes = ("flat",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

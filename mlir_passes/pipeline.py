@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from mlir_passes import get_all_passes
 from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import ir, passmanager, print_module
+from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
 
 __all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks", "verify_each_pass",
            "VERIFY_EACH_ENV"]
@@ -43,6 +43,16 @@ class NativeStep:
 
     def pipeline_element(self) -> str:
         return self.text
+
+    def run(self, module: ir.Module, *, verify: bool = True, snapshot: bool = True) -> None:
+        """Run the passes; on failure the module is left as it was (as for ModulePass),
+        unless ``snapshot=False`` (the caller rebuilds the input itself)."""
+        del verify  # the PassManager verifies after each pass itself
+        if not snapshot:
+            self.apply(module)
+            return
+        with unchanged_on_error(module):
+            self.apply(module)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -98,7 +108,11 @@ class Pipeline:
 
         Raises :class:`DiagnosticError` (from a pass) with the failing step's
         argument attached as ``failed_pass``, its options as ``failed_element`` and
-        its position in :attr:`steps` as ``failed_index``.
+        its position in :attr:`steps` as ``failed_index``. Without ``replay`` the module
+        is then exactly the failing step's input (each step snapshots it first and
+        restores it on error); with ``replay`` no snapshots are taken, the module is
+        left as the failure left it, and :meth:`input_of` rebuilds the failing step's
+        input from ``replay``.
         """
         if verify_each is None:
             verify_each = verify_each_pass()
@@ -109,11 +123,8 @@ class Pipeline:
                 hooks.before(step, module)
             t0 = time.perf_counter()
             try:
-                step.apply(module)
-                if isinstance(step, ModulePass):
-                    python_ran = True
-                    if verify and verify_each:
-                        _verify(module, step.argument)
+                step.run(module, verify=verify and verify_each, snapshot=replay is None)
+                python_ran = python_ran or isinstance(step, ModulePass)
             except DiagnosticError as e:
                 _blame(e, step, index)
                 raise

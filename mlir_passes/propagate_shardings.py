@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.mlir import ir, passmanager, sdy
+from multimesh._src.layouts import translate_dims
+from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
 
 SHARDING = "sdy.sharding"
 
@@ -25,10 +26,17 @@ class PropagateShardingsPass(ModulePass):
     copy. Afterwards every fragment argument and result carries a closed
     ``sdy.sharding``, and every ``@main`` argument carries ``mm.sharding`` and
     ``mm.devices`` (the layout of its first consumer), which is where the program wants its inputs.
+
+    An ``@main`` argument that already carries ``mm.sharding``/``mm.devices`` (a
+    physical input sharding the caller gave) keeps them: the program takes that
+    input there. A consumer over the same devices whose mesh can express that layout
+    starts from it (so it needs no transfer); other consumers get a transfer from
+    ``mm-insert-transfers``.
     """
 
     argument = "mm-propagate-shardings"
     summary = "Propagate shardings inside each fragment with Shardy, one submesh at a time."
+    consumes = ("mpmd",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -37,6 +45,7 @@ class PropagateShardingsPass(ModulePass):
             meshes = _meshes(module)
             # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
             layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
+            pinned = _pinned_args(main, meshes)  # inputs whose layout the caller gave
             pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
             calls = c.fragment_calls(main)
             # Check every fragment before Shardy sees any (it may crash on bad input).
@@ -54,7 +63,10 @@ class PropagateShardingsPass(ModulePass):
                 hints = []
                 for v in call.operands:
                     src = layout.get(v)
-                    if src is not None and _same_shape(meshes[src[0]], mesh):
+                    if v in pinned:
+                        hints.append(_pinned_hint(pinned[v], mesh_sym, mesh,
+                                                  infos[name].devices_attr))
+                    elif src is not None and _same_shape(meshes[src[0]], mesh):
                         hints.append(_rebase(src[1], mesh_sym))
                     else:
                         hints.append(None)
@@ -80,11 +92,48 @@ class PropagateShardingsPass(ModulePass):
                 if i < len(old):
                     od = ir.DictAttr(old[i])
                     d = {od[k].name: od[k].attr for k in range(len(od))}
-                if a in layout:
+                if a in layout and a not in pinned:
                     d["mm.sharding"] = layout[a][1]
                     d["mm.devices"] = layout[a][2]
                 attrs.append(ir.DictAttr.get(d))
             main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+
+
+def _pinned_args(main, meshes) -> dict[ir.Value, tuple]:
+    """``@main`` arguments with a caller-given layout: value -> (devices, names, sizes,
+    per-dim axes)."""
+    out = {}
+    attrs = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else []
+    for a, raw in zip(c.entry_block(main).arguments, attrs):
+        d = ir.DictAttr(raw)
+        if "mm.sharding" not in d or "mm.devices" not in d:
+            continue
+        c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
+                          f"@main argument #{a.arg_number}", main.location)
+        ts = sdy.TensorShardingAttr(d["mm.sharding"])
+        mesh = ts.mesh_or_ref
+        mesh = sdy.MeshAttr(meshes[mesh.value] if isinstance(mesh, ir.FlatSymbolRefAttr)
+                            else mesh)
+        dims = tuple(tuple(sdy.AxisRefAttr(x).name
+                           for x in sdy.DimensionShardingAttr(dim).axes)
+                     for dim in ts.dimension_shardings)
+        out[a] = (tuple(attr_to_py(d["mm.devices"])),
+                  tuple(sdy.MeshAxisAttr(x).name for x in mesh.axes),
+                  tuple(sdy.MeshAxisAttr(x).size for x in mesh.axes), dims)
+    return out
+
+
+def _pinned_hint(pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None:
+    """The pinned layout on the consumer's mesh, if that mesh can express it."""
+    m = sdy.MeshAttr(mesh)
+    dims = translate_dims(*pin[:3], pin[3], attr_to_py(devices_attr),
+                          [sdy.MeshAxisAttr(x).name for x in m.axes],
+                          [sdy.MeshAxisAttr(x).size for x in m.axes])
+    if dims is None:
+        return None
+    return sdy.TensorShardingAttr.get(
+        mesh_sym, [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(x) for x in axes],
+                                                 is_closed=True) for axes in dims])
 
 
 def _meshes(module) -> dict[str, ir.Attribute]:

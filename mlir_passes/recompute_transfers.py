@@ -42,9 +42,14 @@ class RecomputeTransfersPass(ModulePass):
 
     argument = "mm-recompute-transfers"
     summary = "Recompute cheap cross-submesh values in the consumer instead of transferring them."
+    consumes = ("mpmd",)
 
     max_cost: int = 1 << 20
     """Largest recompute cost (elements produced by non-free ops) accepted per value."""
+
+    def __post_init__(self):
+        if self.max_cost < 0:
+            raise self.bad_option("max_cost", "a non-negative number of elements")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:

@@ -113,7 +113,11 @@ _DIM_RE = re.compile(r"^Cannot shard dimension (\d+) ")
 
 
 def _naming_task(message: str, task: _Task, axes: list[list[str]]) -> str:
-    """A non-dividing shard message plus the task and the logical axes behind it."""
+    """A resolution error plus the task (and, for a non-dividing shard, the logical
+    axes behind it)."""
+    if message.startswith("Logical axis "):  # a pair naming a device axis the mesh lacks
+        return message.replace("not an axis of the task mesh.",
+                               f"not an axis of the mesh of task '{task.name}'.")
     m = _DIM_RE.match(message)
     if m is None or int(m.group(1)) >= len(axes):
         return message
@@ -217,6 +221,7 @@ class ResolveLogicalShardingsPass(ModulePass):
     argument: ClassVar[str] = "mm-resolve-logical-shardings"
     summary: ClassVar[str] = (
         "Replace logical sharding markers by sdy.sharding_constraint ops on each task's mesh.")
+    consumes = ("flat",)
 
     def apply(self, module: ir.Module) -> None:
         with module.context, ir.Location.unknown():

@@ -16,7 +16,7 @@ from mlir_passes.schedules import (
     canonical_schedule_name,
     units_from_calls,
 )
-from multimesh._src.errors import DiagnosticError
+from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import attr_to_py, ir
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
@@ -71,6 +71,7 @@ class ScheduleFragmentsPass(ModulePass):
 
     argument = "mm-schedule-fragments"
     summary = "Order a microbatch loop's fragment calls by a pipeline schedule (GPipe, 1F1B, ...)."
+    consumes = ("mpmd",)
 
     schedule: str | None = None
     """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
@@ -82,6 +83,17 @@ class ScheduleFragmentsPass(ModulePass):
     """GPipe only: run the microbatches in groups of this many."""
     custom_schedule_file: str | None = None
     """JSON file with the custom schedule's rows (schedule=custom)."""
+
+    def __post_init__(self):
+        # Options given on the command line are checked before any module is read.
+        if self.schedule is not None and str(self.schedule).strip().lower() != "custom":
+            try:
+                canonical_schedule_name(self.schedule)
+            except ScheduleError as e:
+                raise PipelineError(f"Pass '{self.argument}' option 'schedule': {e}.") from None
+        for option in ("num_stages", "interleave", "unrolling"):
+            if getattr(self, option) is not None and getattr(self, option) < 1:
+                raise self.bad_option(option, "a positive integer")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -219,16 +231,9 @@ def _fragment_attrs(module: ir.Module, name: str):
 
 def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
     """The loop's body calls (before or after ``mm-extract-fragments``)."""
-    if c.BODY_ATTR not in loop.attributes or c.NUM_MICROBATCHES_ATTR not in loop.attributes:
-        raise DiagnosticError(
-            f"'{c.LOOP_TARGET}' needs '{c.BODY_ATTR}' and '{c.NUM_MICROBATCHES_ATTR}'",
-            loop.location)
-    body_name = ir.FlatSymbolRefAttr(loop.attributes[c.BODY_ATTR]).value
-    body = _fragment_attrs(module, body_name)
-    if body is None or body.name != "func.func":
-        raise DiagnosticError(f"'{c.LOOP_TARGET}' body @{body_name} is not a function",
-                              loop.location)
-    M = ir.IntegerAttr(loop.attributes[c.NUM_MICROBATCHES_ATTR]).value
+    funcs = {c.func_name(o.operation): o.operation for o in module.body.operations
+             if o.operation.name == "func.func"}
+    body, M = c.loop_body(loop, funcs)
     block = c.entry_block(body)
     ops = [o.operation for o in block.operations]
     ret = ops[-1]

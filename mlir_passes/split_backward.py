@@ -26,6 +26,7 @@ class SplitBackwardPass(ModulePass):
 
     argument = "mm-split-backward"
     summary = "Split backward fragments into activation- and weight-gradient fragments."
+    consumes = ("mpmd",)
 
     all: bool = False
     """Split every backward fragment (zero-bubble schedules); otherwise only tasks whose

@@ -47,13 +47,9 @@ class StripMarkersPass(ModulePass):
             self._rewrite(ops)
 
     def _rewrite(self, ops: list[ir.Operation]) -> None:
-        markers = []
-        for op in ops:
-            if op.name == "stablehlo.custom_call" and _target(op) in _MARKERS:
-                markers.append(op)
-                continue
-            _strip_attrs(op)
-        for op in markers:
+        flags = [op.name == "stablehlo.custom_call" and _target(op) in _MARKERS for op in ops]
+        markers = [op for op, m in zip(ops, flags) if m]
+        for op in markers:  # every check before the first edit
             if len(op.operands) != 1 or len(op.results) != 1:
                 raise DiagnosticError(
                     f"'{_target(op)}' must have exactly one operand and one result, got "
@@ -62,6 +58,10 @@ class StripMarkersPass(ModulePass):
                 raise DiagnosticError(
                     f"'{_target(op)}' result type {op.results[0].type} differs from operand "
                     f"type {op.operands[0].type}", op.location)
+        for op, m in zip(ops, flags):
+            if not m:
+                _strip_attrs(op)
+        for op in markers:
             op.results[0].replace_all_uses_with(op.operands[0])
             op.erase()
 

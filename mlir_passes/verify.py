@@ -39,6 +39,7 @@ class VerifyPass(ModulePass):
 
     argument = "mm-verify"
     summary = "Check the `mm.*` attributes and markers against the IR contract."
+    mutates = False
 
     def apply(self, module: ir.Module) -> None:
         _run_mlir_verifier(module)

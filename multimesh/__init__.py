@@ -6,3 +6,15 @@ runtime can use ``multimesh._src`` without pulling in the front end.
 """
 
 __version__ = "0.1.0"
+
+
+def clear_caches() -> None:
+    """Empty every multimesh cache, and jax's (:func:`jax.clear_caches`).
+
+    That is the compiled fragments shared by all programs and the programs each
+    ``mjit`` function compiled; ``jax.clear_caches()`` empties them too. Programs
+    you still hold keep working; the next call of an ``mjit`` function compiles again.
+    """
+    from multimesh._src.caches import clear_caches as _clear
+
+    _clear()

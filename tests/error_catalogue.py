@@ -34,12 +34,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import (
     DiagnosticError,
+    DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
     MultimeshError,
@@ -59,8 +60,9 @@ SCHEDULES = "Schedule misuse"
 IMPLICIT = "Implicit tasks"
 FLAX = "Flax"
 SHARDY = "Shardy:MPMD programs"
+MULTI = "Multi-process runs"
 CLI = "CLI misuse (mm-opt)"
-CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, SHARDY, CLI)
+CATEGORIES = (API, MESHES, LOGICAL, SHAPES, SCHEDULES, IMPLICIT, FLAX, SHARDY, MULTI, CLI)
 
 _ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -81,6 +83,7 @@ class Entry:
     # CLI errors
     argv: tuple[str, ...] | None = None  # mm-opt arguments; run in a directory holding in.mlir
     input_text: str | None = None  # written to in.mlir when given
+    input_bytes: bytes | None = None  # written to in.mlir as is (not UTF-8 text)
     exit_code: int | None = None
     # known problem: the test is xfail(strict=True, reason=issue) until fixed
     issue: str | None = None
@@ -125,10 +128,11 @@ def error(id: str, category: str, title: str, exc: type[BaseException], match: s
 
 
 def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: str, *,
-        input_text: str | None = None, issue: str | None = None) -> None:
+        input_text: str | None = None, input_bytes: bytes | None = None,
+        issue: str | None = None) -> None:
     ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
                          fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
-                         exit_code=exit_code, issue=issue))
+                         input_bytes=input_bytes, exit_code=exit_code, issue=issue))
 
 
 def function_body(fn: Callable) -> str:
@@ -382,6 +386,81 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=3, size=8, argnum=1))(ws, x)
 
 
+@error("compiled-deleted-argument", API, "A donated (deleted) array passed again",
+       DonationError,
+       r"Compiled function called with args\[0\]\[0\] of type float32\[16,16\], an array that "
+       r"has been deleted: its buffer was donated to an earlier call \(`donate_argnums`\)",
+       """A donated argument's buffer belongs to the call it was donated to: the array you
+       passed is deleted afterwards. Pass the array that call returned in its place (for
+       example `ws, loss = step(ws, x)`), as in a training loop. Plain `jax.jit` crashes on
+       several devices here; multimesh checks before dispatching anything.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    step = mm.mjit(lambda ws, x: [w - 0.1 * g for w, g in zip(ws, grad_fn(ws, x)[1])],
+                   donate_argnums=0)
+    old = ws
+    ws = step(ws, x)  # a training loop passes on what the step returned
+    step(old, x)  # but `old` was donated to the first call
+
+
+@error("compiled-donated-and-read", API, "One array passed as a donated and another argument",
+       DonationError,
+       r"Compiled function called with the same array as args\[0\] and args\[1\], but "
+       r"args\[0\] is donated \(`donate_argnums`\) and args\[1\] is not donated",
+       """A donated buffer is consumed by the call, so it cannot also be read as another
+       argument. Pass a copy (`jnp.array(w, copy=True)`) as one of them, or do not donate
+       it.""")
+def _():
+    a = mm.task(lambda a, b: a * 2 + b, name="a", mesh=mesh4(0))
+    w = jnp.ones(8)
+    mm.mjit(lambda a_, b_: a(a_, b_), donate_argnums=0)(w, w)
+
+
+@error("mjit-devices-not-devices", API, "`mjit` given device positions instead of devices",
+       MultimeshTypeError,
+       r"`mjit` devices must be jax.Device objects, but entry 0 is int 0\. Device positions",
+       """`mjit(devices=...)` is the program's device list: `jax.Device`s such as
+       `jax.devices()[:4]`. Integer positions into that list are what `TaskMesh(devices=...)`
+       takes.""")
+def _():
+    mm.mjit(lambda x: x * 2, devices=list(range(8)))
+
+
+@error("mjit-no-devices", API, "`mjit` given an empty device list", MultimeshValueError,
+       r"`mjit` devices is empty; give at least one jax.Device",
+       """An empty list used to be ignored silently (the program ran on every device).
+       Give the devices, or leave `devices=None` for all of `jax.devices()`.""")
+def _():
+    mm.mjit(lambda x: x * 2, devices=[])
+
+
+@error("task-name-not-a-string", API, "A task name that is not a string", MultimeshTypeError,
+       r"`task` name must be a string, got int 7",
+       """Task names appear in the IR, in fragment names and in schedules; give a
+       string.""")
+def _():
+    mm.task(lambda x: x, name=7, mesh=mesh4())
+
+
+@error("microbatch-negative-argnum-out-of-range", API,
+       "`microbatch` negative argnum beyond the arguments", MultimeshValueError,
+       r"`microbatch` argnum=-5 but the function got 2 positional arguments \(valid: -2\.\.1\)",
+       """Negative `argnum`s count from the end, as in Python indexing; it must name one of
+       the positional arguments.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=-5))(ws, x)
+
+
+@error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
+       MultimeshValueError,
+       r"MultiMesh\.__exit__ was called without a matching __enter__ in this thread",
+       """Enter a MultiMesh (or Context) with `with` or use it as a decorator; a manual
+       `__exit__` must follow an `__enter__` in the same thread.""")
+def _():
+    global_mesh().__exit__(None, None, None)
+
+
 # =========================================================================== bad meshes
 
 
@@ -461,6 +540,20 @@ def _():
     mm.mjit(far, devices=jax.devices()[:4])(jnp.ones(8))
 
 
+@error("physical-in-sharding-outside-program", MESHES,
+       "A physical input sharding on devices the program does not have", MeshError,
+       r"`mjit` in_shardings for args\[0\] is NamedSharding\(.*\), on devices \[4, 5, 6, 7\], "
+       r"but the program runs on devices \[0, 1, 2, 3\]\. No task maps its axis names "
+       r"\['d'\], so it is a physical sharding",
+       """A `NamedSharding` in `in_shardings` whose axis names no task maps fixes where the
+       input lives (as for `jax.jit`), so it must use the program's devices. Pass
+       `devices=`/`mesh=` to `mjit`, or write the sharding with logical names a task maps
+       (e.g. `P("batch")`).""")
+def _():
+    sharding = NamedSharding(Mesh(jax.devices()[4:8], ("d",)), P("d"))
+    mm.mjit(lambda x: x * 2, devices=jax.devices()[:4], in_shardings=sharding)(jnp.ones(8))
+
+
 @error("device-outside-program", MESHES,
        "A task's jax Mesh uses a device the program does not have", MeshError,
        r"Task 'far' uses device cpu:4, which is not among the program's devices \[0, 1, 2, 3\]",
@@ -480,19 +573,6 @@ def _():
     mm.task(lambda x: x, name="t", devices=[[0, 1], [2, 3]], device_axes=("x",))
 
 
-@error("task-name-two-submeshes", MESHES, "One task name used with two submeshes", PassFailure,
-       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different submeshes: "
-       r"devices \[0, 1, 2, 3\] with axes \{'x': 4\} and devices \[4, 5, 6, 7\] with axes "
-       r"\{'x': 4\}; a task name has one submesh.*Reproduce with:\n  mm-opt ",
-       """A task name identifies one submesh (and one fragment per direction). Give the two
-       tasks different names.""",
-       check=_repro_check("mm-inline-tasks"))
-def _():
-    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
-    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(4))
-    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
-
-
 @error("tasks-on-two-submeshes-in-one-loop", MESHES,
        "Tasks on different submeshes inside one loop body", PassFailure,
        r"multimesh pass 'mm-assign-tasks' failed: tasks 'a' and 'b' run on different submeshes "
@@ -510,6 +590,28 @@ def _():
         return lax.scan(lambda c, _: (b(a(c)), None), x, None, length=3)[0]
 
     mm.mjit(f)(jnp.ones(8))
+
+
+@error("taskmesh-fractional-axis-size", MESHES, "TaskMesh axis size that is not an integer",
+       MultimeshTypeError, r"`TaskMesh` axis sizes must be integers, got 2\.7 \(float\)",
+       """Axis sizes count devices; a float used to be truncated silently (2.7 became 2).""")
+def _():
+    mm.TaskMesh(devices=range(2), axis_names=("x",), axis_sizes=(2.7,))
+
+
+@error("tasks-on-two-submeshes-in-one-cond", MESHES,
+       "Tasks on different submeshes in the branches of one `lax.cond`", PassFailure,
+       r"multimesh pass 'mm-assign-tasks' failed: tasks '.' and '.' run on different submeshes "
+       r"but sit inside the same 'stablehlo.case'; the branches of a conditional \(lax\.cond, "
+       r"lax\.switch\) run on one submesh",
+       """A conditional is one op on one set of devices, so every task in its branches must
+       share a submesh. Call both tasks outside the conditional and pick the result with
+       `jnp.where`, or put them on one submesh.""",
+       check=_repro_check("mm-assign-tasks"))
+def _():
+    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(0))
+    b = mm.task(lambda x: x + 1, name="b", mesh=mesh4(4))
+    mm.mjit(lambda p, x: lax.cond(p, a, b, x))(True, jnp.ones(8))
 
 
 @error("multimesh-device-count-mismatch", MESHES, "MultiMesh axis sizes and devices disagree",
@@ -558,13 +660,19 @@ def _():
 
 
 @error("logical-axis-unknown-device-axis", LOGICAL,
-       "A logical axis mapped to a device axis the mesh does not have", MeshError,
-       r"Task 't' maps logical axis 'batch' to unknown device axis 'z'; the task mesh has axes "
-       r"\('x',\)",
-       """`logical_axes` pairs `(logical_name, device_axis)`; every device axis must be an
-       axis name of the task's mesh.""")
+       "A logical axis that is used maps to a device axis the mesh does not have", PassFailure,
+       r"multimesh pass 'mm-resolve-logical-shardings' failed: Logical axis 'batch' is mapped to "
+       r"device axis 'z', which is not an axis of the mesh of task 't'\. Valid device axis names "
+       r"are: 'x'\..*Reproduce with:\n  mm-opt ",
+       """`logical_axes` pairs `(logical_name, device_axis)`. A pair may name a device axis
+       the task's mesh lacks (one map shared by submeshes of different shapes), but a
+       constraint inside the task that uses its logical name needs that axis: add it to
+       the mesh, or map the name to an axis the mesh has.""",
+       check=_repro_check("mm-resolve-logical-shardings"))
 def _():
-    mm.task(lambda x: x, name="t", mesh=mesh4(), logical_axes=(("batch", "z"),))
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name="t", mesh=mesh4(),
+                logical_axes=(("batch", "z"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 @error("logical-axes-not-pairs", LOGICAL, "`logical_axes` given a single flat pair",
@@ -585,19 +693,6 @@ def _():
        `mesh=TaskMesh(...)`.""")
 def _():
     mm.task(lambda x: x, name="t", devices=[0, 1], logical_axes=(("batch", "x"),))
-
-
-@error("task-name-two-logical-mappings", LOGICAL, "One task name used with two logical mappings",
-       PassFailure,
-       r"multimesh pass 'mm-inline-tasks' failed: task 'a' was given two different logical "
-       r"mappings: \[\['batch', 'x'\]\] and \[\]",
-       """A task name has one logical mapping; give differently mapped tasks different
-       names.""",
-       check=_repro_check("mm-inline-tasks"))
-def _():
-    a = mm.task(lambda x: x * 2, name="a", mesh=mesh4(), logical_axes=(("batch", "x"),))
-    b = mm.task(lambda x: x + 1, name="a", mesh=mesh4(), logical_axes=())
-    mm.mjit(lambda x: b(a(x)))(jnp.ones(8))
 
 
 @error("sharding-rank-mismatch", LOGICAL, "A logical sharding with more entries than dims",
@@ -833,6 +928,17 @@ def _():
     mm.task(lambda w, x: x @ w, name="t", mesh=mesh4(), split_backprop="_w")
 
 
+@error("custom-schedule-a-string", SCHEDULES, "`custom_schedule` given as a string",
+       MultimeshTypeError,
+       r"`microbatch` custom_schedule must be a list of rows, one per submesh, each a list of "
+       r"task names or \(microbatch, task name\) pairs, got str 's0 s1'",
+       """A string used to be read character by character. Give one list per submesh, e.g.
+       `[["s0", "s0_bwd"], ["s1", "s1_bwd"]]`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule="s0 s1")
+
+
 # =========================================================================== implicit tasks
 
 
@@ -936,12 +1042,13 @@ def _():
     mm.Task(mesh=mesh4(), mesh_slice={"stage": 0})
 
 
-@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no MultiMesh active",
+@error("mesh-slice-without-multimesh", IMPLICIT, "A mesh_slice with no global mesh to slice",
        MeshError,
-       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but no MultiMesh is active\. A mesh_slice "
-       r"selects part of the global mesh",
-       """Compile inside `with MultiMesh(...):` (or decorate the function with it), or
-       give the task a `mesh` instead.""")
+       r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but there is no global mesh to slice\. A "
+       r"mesh_slice selects part of the global mesh",
+       """A mesh_slice cuts the current global mesh: the entered `MultiMesh`, else jax's
+       mesh (`jax.set_mesh(mesh)` or `with mesh:`). Compile inside one of them (or
+       decorate the function with the MultiMesh), or give the task a `mesh` instead.""")
 def _():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     mm.mjit(layered_model).lower(*layered_args())
@@ -1281,6 +1388,36 @@ def _():
 def _():
     mm.compile_mpmd(partitioned_identity(), {"m1": range(4)},
                     in_tree=jax.tree.structure((0, 0)))
+# =========================================================================== multi-process
+
+
+@error("cross-move-not-an-array", MULTI, "`cross_move` given host data", MultimeshTypeError,
+       r"cross_move moves a jax.Array, got list; place host data with "
+       r"jax.device_put\(value, sharding\) instead",
+       """`multimesh.runtime.distributed.cross_move` moves a global `jax.Array` (possibly
+       between processes). Host data is the same in every process: `jax.device_put` it.""")
+def _():
+    from jax.sharding import NamedSharding
+
+    from multimesh.runtime.distributed import cross_move
+
+    cross_move([1.0, 2.0], NamedSharding(Mesh(jax.devices()[:2], ("x",)), P()))
+
+
+@error("peer-timeout-not-a-number", MULTI, "`MULTIMESH_PEER_TIMEOUT` is not a duration",
+       MultimeshValueError,
+       r"MULTIMESH_PEER_TIMEOUT must be a positive number of seconds, got 'soon'; for example "
+       r"MULTIMESH_PEER_TIMEOUT=60",
+       """The peer watchdog of a multi-process run reads it when the first program
+       compiles: give seconds, e.g. `MULTIMESH_PEER_TIMEOUT=60`.""")
+def _():
+    from multimesh.runtime.distributed import peer_timeout
+
+    os.environ["MULTIMESH_PEER_TIMEOUT"] = "soon"
+    try:
+        peer_timeout()
+    finally:
+        del os.environ["MULTIMESH_PEER_TIMEOUT"]
 
 
 # =========================================================================== CLI misuse
@@ -1289,6 +1426,20 @@ OK_MLIR = """\
 func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
   %0 = stablehlo.add %arg0, %arg0 : tensor<8xf32>
   return %0 : tensor<8xf32>
+}
+"""
+
+MPMD_MLIR = """\
+module attributes {mm.tasks = {t = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = []}}} {
+  sdy.mesh @mesh_t = <["x"=2]>
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @t_fwd(%arg0) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func private @t_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_t, mm.task = {name = "t", transpose_count = 0 : i64}} {
+    %0 = stablehlo.sine %arg0 : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
 }
 """
 
@@ -1354,9 +1505,11 @@ cli("cli-bad-option-value", "A pass option value of the wrong type",
 
 cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
-    r"error: unknown schedule 'round-robin'; valid schedules: 1f1b, custom, gpipe, "
-    r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2",
-    """Pick one of the listed schedules or aliases.""",
+    r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
+    r"'round-robin'; valid schedules: 1f1b, custom, gpipe, interleaved-1f1b, zero-bubble-h1, "
+    r"zero-bubble-h2",
+    """Pick one of the listed schedules or aliases. Options given on the command line are
+    checked before the input is read.""",
     input_text=OK_MLIR)
 
 cli("cli-parse-error", "A malformed input file",
@@ -1417,6 +1570,42 @@ cli("cli-unreadable-rules-file", "An `mm-match-tasks` rules file that cannot be 
     """The rules file is JSON written by `mjit` (see docs/implicit-tasks.md); check the
     path.""",
     input_text=OK_MLIR)
+
+cli("cli-option-out-of-range", "A pass option value outside its range",
+    ["in.mlir", "-p", "builtin.module(mm-assign-tasks{num-devices=-3})"], 1,
+    r"^mm-opt: error: Pass 'mm-assign-tasks' option 'num-devices' must be a positive device "
+    r"count, or 0 to read it from the module, got -3\.",
+    """Option values are checked when the pipeline is parsed, before the input is read
+    (`mm-opt --list-passes` lists each option and its default).""",
+    input_text=OK_MLIR)
+
+cli("cli-module-past-the-pipeline", "A pipeline given a module that is already past it",
+    ["in.mlir", "-p", "builtin.module(mm-inline-tasks,mm-assign-tasks,"
+                      "mm-resolve-logical-shardings,mm-outline-fragments)"], 1,
+    r"^in\.mlir:4:10: error: mm-inline-tasks expects a module in front-end form or flat "
+    r"form, but this one is in MPMD form \(fragment functions called from @main, docs/ir\.md "
+    r"section 4\); it has already been through mm-outline-fragments",
+    """Each pass says which forms of the IR (docs/ir.md) it accepts, and refuses the others
+    at the op that shows the form. This module is already past `mm-inline-tasks` (running
+    the full pipeline on its own output used to collapse the program into one fragment):
+    give the pipeline the traced program, or a `MULTIMESH_DUMP_IR_TO` dump from before the
+    pass that made it.""",
+    input_text=MPMD_MLIR)
+
+cli("cli-pass-before-its-stage", "A pass given a module from an earlier stage",
+    ["in.mlir", "-p", "builtin.module(mm-insert-transfers)"], 1,
+    r"^in\.mlir:2:8: error: mm-insert-transfers expects a module in MPMD form, but this one "
+    r"is in flat form .*; run mm-outline-fragments and mm-propagate-shardings first",
+    """The error points at the first op that shows the module's form and names the passes
+    to run first.""",
+    input_text=OK_MLIR)
+
+cli("cli-invalid-utf8", "An input file that is not UTF-8",
+    ["in.mlir"], 1,
+    r"^in\.mlir:2:6: error: input is not valid UTF-8: byte 0xff \(invalid start byte\)",
+    """MLIR files are UTF-8 text; the message points at the first invalid byte (here a
+    Latin-1 byte in a comment). Re-encode the file.""",
+    input_bytes=OK_MLIR.replace("%0 = ", "// \xff\n  %0 = ", 1).encode("latin-1"))
 
 cli("cli-diagnostic-without-location", "A module-level diagnostic",
     ["in.mlir", "-p", "builtin.module(mm-inline-tasks)"], 1,
@@ -1501,6 +1690,8 @@ def _run_cli(entry: Entry, workdir: Path) -> Outcome:
 
     if entry.input_text is not None:
         (workdir / "in.mlir").write_text(entry.input_text, encoding="utf-8")
+    if entry.input_bytes is not None:
+        (workdir / "in.mlir").write_bytes(entry.input_bytes)
     out, err = io.StringIO(), io.StringIO()
     old_stdin = sys.stdin
     sys.stdin = io.StringIO("")
@@ -1528,7 +1719,8 @@ def reproduce(error: PassFailure) -> tuple[int, str]:
 
 _NORMALIZE = (
     # repro files live in MULTIMESH_DUMP_IR_TO or the temp directory
-    (re.compile(r"'?[^\s']*(multimesh-failed-input\.mlir)'?"), r"$MULTIMESH_DUMP_IR_TO/\1"),
+    (re.compile(r"'?[^\s']*?([^\s'/]+-\d+/)?(multimesh-failed-input[\w-]*\.mlir)'?"),
+     r"$MULTIMESH_DUMP_IR_TO/\1\2"),
     (re.compile(r"[^\s']*multimesh-rules-[0-9a-f]+\.json"),
      "$MULTIMESH_DUMP_IR_TO/multimesh-rules-HASH.json"),
     # source locations move whenever the file is edited

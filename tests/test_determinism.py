@@ -98,10 +98,12 @@ _SNAPSHOT = textwrap.dedent(r"""
         finally:
             del os.environ["MULTIMESH_DUMP_IR_TO"]
         dumps = {{}}
-        for f in sorted(os.listdir(dump_dir)):
-            if f.endswith(".mlir"):
-                with open(os.path.join(dump_dir, f), "rb") as fh:
-                    dumps[f] = hashlib.sha256(fh.read()).hexdigest()
+        for sub, _, files in sorted(os.walk(dump_dir)):  # one directory per program
+            for f in sorted(files):
+                if f.endswith(".mlir"):
+                    rel = os.path.relpath(os.path.join(sub, f), dump_dir)
+                    with open(os.path.join(sub, f), "rb") as fh:
+                        dumps[rel] = hashlib.sha256(fh.read()).hexdigest()
         return {{
             "dumps": dumps,
             "final": hashlib.sha256(compiled.as_text().encode()).hexdigest(),

@@ -134,7 +134,9 @@ class Pipeline(nn.Module):
 
 
 # The same model in plain Flax (no multimesh anywhere): one parameter ``mod``
-# per layer holding the block's variables, as Task[MLPBlock] does.
+# per layer holding the block's variables, as Task[MLPBlock] does, in a module
+# that Flax auto-names from its class name: Task[MLPBlock]_0, Task[MLPBlock]_1
+# (MultiMesh's naming; `name=` of the task transform names only the task).
 class PlainBlock(nn.Module):
     features: int = 4
 
@@ -152,11 +154,14 @@ class PlainTaskBlock(nn.Module):
         return inner.apply(mod, x)
 
 
+PlainTaskBlock.__name__ = "Task[MLPBlock]"
+
+
 class PlainPipeline(nn.Module):
     @nn.compact
     def __call__(self, x):
-        for i in range(2):
-            x = PlainTaskBlock(name=f"layer_{i}")(x)
+        for _ in range(2):
+            x = PlainTaskBlock()(x)
         return (x * x).sum()
 
 
@@ -197,10 +202,10 @@ def test_e3_placement(e3):
         step = leaves[".step"]
         assert step.shape == () and _ids(step) == list(range(8))
         assert step.sharding.is_fully_replicated
-        k0 = leaves[".params['params']['layer_0']['mod']['params']['Dense_0']['kernel']"]
-        b0 = leaves[".params['params']['layer_0']['mod']['params']['Dense_0']['bias']"]
-        k1 = leaves[".params['params']['layer_1']['mod']['params']['Dense_0']['kernel']"]
-        b1 = leaves[".params['params']['layer_1']['mod']['params']['Dense_0']['bias']"]
+        k0 = leaves[".params['params']['Task[MLPBlock]_0']['mod']['params']['Dense_0']['kernel']"]
+        b0 = leaves[".params['params']['Task[MLPBlock]_0']['mod']['params']['Dense_0']['bias']"]
+        k1 = leaves[".params['params']['Task[MLPBlock]_1']['mod']['params']['Dense_0']['kernel']"]
+        b1 = leaves[".params['params']['Task[MLPBlock]_1']['mod']['params']['Dense_0']['bias']"]
         assert k0.shape == (16, 4) and k1.shape == (4, 4) and b0.shape == b1.shape == (4,)
         assert _row_blocks(k0) == [(0, 0, 4), (1, 4, 8), (2, 8, 12), (3, 12, 16)]
         assert _row_blocks(k1) == [(4, 0, 1), (5, 1, 2), (6, 2, 3), (7, 3, 4)]
@@ -229,7 +234,7 @@ def test_e3_second_step_keeps_layout(e3):
     loss2, state2 = step_fn(new_state, batch)
     assert float(loss2) < float(loss)
     assert int(state2.step) == 2
-    k1 = _leaves(state2)[".params['params']['layer_1']['mod']['params']['Dense_0']['kernel']"]
+    k1 = _leaves(state2)[".params['params']['Task[MLPBlock]_1']['mod']['params']['Dense_0']['kernel']"]
     assert _ids(k1) == [4, 5, 6, 7]
     frags = {f["name"]: f["devices"] for f in step_fn.fragments}
     assert frags["layer_0_fwd"] == [0, 1, 2, 3] and frags["layer_1_bwd"] == [4, 5, 6, 7]
@@ -262,8 +267,8 @@ def test_task_class_fields_name_and_nesting():
             return Block(features=3)(x) + Block(features=3, name="other")(x)
 
     v = Outer().init(jax.random.key(0), jnp.ones((2, 5)))
-    assert set(v["params"]) == {"blk", "other"}
-    assert jax.tree.map(jnp.shape, nn.meta.unbox(v["params"]["blk"])) == \
+    assert set(v["params"]) == {"Task[MLPBlock]_0", "other"}  # `name` names the task only
+    assert jax.tree.map(jnp.shape, nn.meta.unbox(v["params"]["Task[MLPBlock]_0"])) == \
         {"mod": {"params": {"Dense_0": {"bias": (3,), "kernel": (5, 3)}}}}
 
 
@@ -272,9 +277,12 @@ def test_task_accepts_legacy_device_kwargs_and_validates():
              logical_axes=(("batch", "x"),))
     y, _ = T(features=2).init_with_output(jax.random.key(0), jnp.ones((4, 3)))
     assert y.shape == (4, 2)
+    # A pair naming a device axis the mesh lacks is only an error where it is used.
+    task(nn.Dense, mesh=mm.TaskMesh(devices=(0, 1), axis_names=("x",), axis_sizes=(2,)),
+         logical_axes=(("batch", "nope"),))
     with pytest.raises(MultimeshError):
         task(nn.Dense, mesh=mm.TaskMesh(devices=(0, 1), axis_names=("x",), axis_sizes=(2,)),
-             logical_axes=(("batch", "nope"),))
+             logical_axes=("batch", "x"))
     with pytest.raises(TypeError):
         task(nn.Dense, bogus=1)
 

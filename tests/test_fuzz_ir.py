@@ -606,6 +606,8 @@ def run_cli(case: Case, workdir: str, timeout: float = TIMEOUT_S) -> Result:
     inp = os.path.join(workdir, f"cli{case.id}.mlir")
     out = os.path.join(workdir, f"cli{case.id}.out.mlir")
     Path(inp).write_text(case.text, errors="surrogatepass")
+    if os.path.exists(out):  # an earlier case with the same id wrote it
+        os.remove(out)
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", "multimesh.tools.mm_opt", inp, "-p",

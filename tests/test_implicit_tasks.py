@@ -34,10 +34,10 @@ from multimesh.jax import with_sharding_constraint as wsc
 @pytest.fixture(autouse=True)
 def _clean_registry():
     mm.clear_tasks()
-    depth = len(_multimesh._stack)
+    depth = len(_multimesh._local.frames)
     yield
     mm.clear_tasks()
-    assert len(_multimesh._stack) == depth, "a test left a Context entered"
+    assert len(_multimesh._local.frames) == depth, "a test left a Context entered"
     assert _multimesh.active_multimesh() is None
 
 
@@ -575,8 +575,8 @@ def test_error_both_mesh_and_mesh_slice():
 def test_error_mesh_slice_outside_multimesh():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     params, x = float_args()
-    with pytest.raises(MeshError, match=r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but no "
-                                        r"MultiMesh is active"):
+    with pytest.raises(MeshError, match=r"Task 'layer0' has mesh_slice=\{'stage': 0\}, but "
+                                        r"there is no global mesh to slice"):
         mm.mjit(model).lower(params, x)
 
 

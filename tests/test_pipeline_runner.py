@@ -61,11 +61,14 @@ def test_compiling_prints_nothing(monkeypatch):
 
 
 def test_verification_runs_once(monkeypatch):
+    import mlir_passes.base as base
     import mlir_passes.pipeline as pipeline
 
     calls = []
-    real = pipeline._verify
+    real, real_each = pipeline._verify, base.verify_module
     monkeypatch.setattr(pipeline, "_verify", lambda m, a: calls.append(a) or real(m, a))
+    monkeypatch.setattr(base, "verify_module",
+                        lambda m, a: calls.append(a) or real_each(m, a))
     loss, ws, x = _two_stage()
     monkeypatch.delenv(pipeline.VERIFY_EACH_ENV, raising=False)
     compiled = mm.mjit(jax.value_and_grad(loss)).lower(ws, x).compile()

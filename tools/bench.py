@@ -11,15 +11,16 @@ P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
     (max over the fragments each device runs), summed over devices.
 P6  bubble fraction and peak live activations per schedule, from the unit-cost
     simulator, next to theory (see tools/bench_schedules.py).
-P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it),
-    bare (Pipeline.run) and through mjit (P4_mjit: run_pipeline as .compile() runs
-    it, repro bookkeeping and logging hooks included); P4x4 / P4x4_mjit are the same
-    ratios for a module 4x larger (linear growth keeps them flat). (--only P4)
-P9  dispatch-bound pipeline: 8 stages of 1 device, 32 microbatches, d=32, 1F1B
-    value_and_grad; our step time / jax.jit of the same math as a 32-step Python
-    loop on one device, with fragment calls, transfers, batched copy calls, host us per
-    call and per transferred array, and per call over one bare jitted call of a
-    stage's forward. (--only P9)
+P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it):
+    P4 = Pipeline.run with a replay source (how mjit and mm-opt run it: no snapshot per
+    pass, one verification at the end), P4_mjit = run_pipeline as .compile() runs it
+    (repro bookkeeping, dumps and logging hooks included), P4_contract = Pipeline.run
+    without a replay source (every pass snapshots the module so a failure leaves its
+    input, issue 12's contract); P4x4* are the same ratios for a module 4x larger
+    (linear growth keeps them flat), "P4 <pass>" the seconds of each pass.
+P9  enable_fast_path on a program with no task (48-layer MLP value_and_grad):
+    P9_compile = mjit compile time with the fast path / without it (pass pipeline +
+    runtime); P9_call = one call (dispatch + run, small arrays) with / without it.
 P8  compile phases of a pipelined transformer for M = 1, 4, 16, 64 microbatches, and
     the whole compile at M=16 over jax.jit of the same step with a lax.scan over
     microbatches (see tools/bench_microbatch.py).
@@ -28,7 +29,19 @@ P5  partitioning time of a 2-stage x 4-microbatch 1F1B value_and_grad step: mult
     tasks / Shardy's apply_mpmd_partitioning (parse + partition) on the same step
     written with named computations. P5_passes: ours without run_pipeline's hooks;
     P5_import: parse + mm-import-mpmd + mm-verify of Shardy's output, / theirs.
-    (--only P5 runs just this one.)
+
+P11 dispatch-bound pipeline: 8 stages of 1 device, 32 microbatches, d=32, 1F1B
+    value_and_grad; our step time / jax.jit of the same math as a 32-step Python
+    loop on one device, with fragment calls, transfers, batched copy calls, host us per
+    call and per transferred array, and per call over one bare jitted call of a
+    stage's forward.
+
+P10 moving a 4 MB / 64 MB float32 array from a 4-device submesh to another: between two
+    processes (2 x 4 devices under jax.distributed, multimesh.launch; the union-mesh
+    ppermute of multimesh.runtime.distributed, receiver's time) / within one process
+    (8 devices, the executor's device_put path). Medians; P10_*_ms are the times.
+
+--only P1,P9 runs just the named measures.
 """
 
 from __future__ import annotations
@@ -253,31 +266,37 @@ def _p4(num_ops: int, reps: int = 1) -> dict[str, float]:
 
     text = generate_module(num_ops)
     pipeline = default_pipeline(8)
-    base, bare, mjit, per_pass = [], [], [], {}
+    base, bare, mjit, contract, per_pass = [], [], [], [], {}
     for _ in range(reps):  # interleaved
         t0 = time.perf_counter()
         m = parse_module(text, make_context())
         print_module(m)
         base.append(time.perf_counter() - t0)
-        m = parse_module(text, make_context())
+        ctx = make_context()
+        m = parse_module(text, ctx)
         t0 = time.perf_counter()
-        timings = parse_pipeline(pipeline).run(m)
+        timings = parse_pipeline(pipeline).run(
+            m, replay=lambda ctx=ctx: parse_module(text, ctx))
         bare.append(time.perf_counter() - t0)
         for name, dt in timings:
             per_pass.setdefault(name, []).append(dt)
+        m = parse_module(text, make_context())
+        t0 = time.perf_counter()
+        parse_pipeline(pipeline).run(m)
+        contract.append(time.perf_counter() - t0)
         ctx = make_context()
         m = parse_module(text, ctx)
         t0 = time.perf_counter()
         run_pipeline(m, pipeline, source=lambda ctx=ctx: parse_module(text, ctx))
         mjit.append(time.perf_counter() - t0)
-    b, p, j = (statistics.median(x) for x in (base, bare, mjit))
-    out = {"ratio": p / b, "mjit_ratio": j / b, "pipeline_s": p, "mjit_s": j,
-           "parse_print_s": b}
+    b, p, j, k = (statistics.median(x) for x in (base, bare, mjit, contract))
+    out = {"ratio": p / b, "mjit_ratio": j / b, "contract_ratio": k / b, "pipeline_s": p,
+           "mjit_s": j, "contract_s": k, "parse_print_s": b}
     out.update({f"pass {k}": statistics.median(v) for k, v in per_pass.items()})
     return out
 
 
-def _p9(reps: int) -> dict[str, float]:
+def _p11(reps: int) -> dict[str, float]:
     """The dispatch-bound case: host cost of many small fragments and transfers."""
     import jax
     import jax.numpy as jnp
@@ -351,13 +370,13 @@ def _p9(reps: int) -> dict[str, float]:
     n_calls, n_moves = len(ours.calls), len(ours.transfers)
     med = statistics.median
     per_call = med(calls_s) / n_calls
-    return {"P9": med(a) / med(b), "P9_step_ms": 1e3 * med(a), "P9_jit_loop_ms": 1e3 * med(b),
-            "P9_calls": n_calls, "P9_transfers": n_moves,
-            "P9_copy_calls": ex.batched_transfers,
-            "P9_us_per_call": 1e6 * per_call,
-            "P9_us_per_transfer": 1e6 * med(copies_s) / n_moves,
-            "P9_bare_jit_us": 1e6 * med(bare_s),
-            "P9_call_over_bare_jit": per_call / med(bare_s)}
+    return {"P11": med(a) / med(b), "P11_step_ms": 1e3 * med(a),
+            "P11_jit_loop_ms": 1e3 * med(b), "P11_calls": n_calls, "P11_transfers": n_moves,
+            "P11_copy_calls": ex.batched_transfers,
+            "P11_us_per_call": 1e6 * per_call,
+            "P11_us_per_transfer": 1e6 * med(copies_s) / n_moves,
+            "P11_bare_jit_us": 1e6 * med(bare_s),
+            "P11_call_over_bare_jit": per_call / med(bare_s)}
 
 
 def _timed_dispatch(ex, flat, xc) -> tuple[float, float]:
@@ -483,61 +502,191 @@ def _p5(reps: int) -> dict[str, float]:
             "P5_import_ms": 1e3 * med["import"]}
 
 
+def _p9(reps: int) -> tuple[float, float]:
+    """(fast-path compile / MPMD compile, fast-path call / MPMD call) of a task-less MLP."""
+    import jax
+    import jax.numpy as jnp
+
+    from multimesh.jax import enable_fast_path, mjit
+    from multimesh.runtime import executor
+
+    def plain(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return (x * x).mean()
+
+    ws = [jnp.eye(64) * 0.5 for _ in range(48)]
+    x = jnp.ones((16, 64))
+    step = jax.value_and_grad(plain)
+    compile_s = {True: [], False: []}
+    compiled = {}
+    for _ in range(reps):
+        for fast in (True, False):
+            jax.clear_caches()
+            executor._COMPILE_CACHE.clear()
+            with enable_fast_path(fast):
+                t0 = time.perf_counter()
+                compiled[fast] = mjit(step).lower(ws, x).compile()
+                compile_s[fast].append(time.perf_counter() - t0)
+    assert compiled[True].fast_path and not compiled[False].fast_path
+    calls = {True: [], False: []}
+    for c in compiled.values():
+        jax.block_until_ready(c(ws, x))
+    for _ in range(50 * reps):
+        for fast in (True, False):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[fast](ws, x))
+            calls[fast].append(time.perf_counter() - t0)
+    med = statistics.median
+    return (med(compile_s[True]) / med(compile_s[False]),
+            med(calls[True]) / med(calls[False]))
+
+
+_P10_SIZES = {"4MB": (1024, 1024), "64MB": (4096, 4096)}
+
+
+def _p10_same(reps: int) -> dict:
+    """Same-process transfer times (ms): devices 0-3 -> 4-7 of one 8-device process."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.runtime.executor import _move
+
+    devs = jax.devices()
+    sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    out = {}
+    for label, shape in _P10_SIZES.items():
+        x = jax.device_put(np.ones(shape, np.float32), sh_a)
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(_move(x, sh_b))
+            ts.append(time.perf_counter() - t0)
+        out[label] = 1e3 * statistics.median(ts[1:])
+    return out
+
+
+def _p10_child(reps: int) -> None:
+    """In each of 2 processes x 4 devices: time cross-process moves, print JSON (process 1)."""
+    import jax
+
+    jax.distributed.initialize()
+    import numpy as np
+    from jax._src import distributed as jd
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multimesh.runtime.distributed import CrossTransfer
+
+    me = jax.process_index()
+    kv = jd.global_state.client
+    devs = jax.devices()
+    sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    out = {}
+    for label, shape in _P10_SIZES.items():
+        ref = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+        x = jax.make_array_from_callback(shape, sh_a, lambda i, ref=ref: ref[i], dtype=np.float32)
+        move = CrossTransfer(sh_a, sh_b, shape, np.float32)
+        ts = []
+        for rep in range(reps + 1):
+            kv.wait_at_barrier(f"p10-{label}-{rep}", 120_000)
+            t0 = time.perf_counter()
+            y = move(x if me == 0 else None)
+            jax.block_until_ready(y if me == 1 else x)
+            ts.append(time.perf_counter() - t0)
+            if me == 1 and rep == 0:
+                assert all(np.array_equal(np.asarray(s.data), ref[s.index])
+                           for s in y.addressable_shards)
+        out[label] = 1e3 * statistics.median(ts[1:])
+    kv.wait_at_barrier("p10-done", 120_000)
+    if me == 1:
+        print("P10-RESULT " + json.dumps(out), flush=True)
+
+
+def _p10(reps: int) -> dict:
+    import subprocess
+
+    same = _p10_same(reps)
+    cmd = [sys.executable, "-m", "multimesh.launch", "-n", "2", "--devices-per-process", "4",
+           "--timeout", "600", os.path.abspath(__file__), "--p10-child", str(reps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if "P10-RESULT " in ln]
+    if proc.returncode or not line:
+        raise RuntimeError(f"P10 child run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cross = json.loads(line[0].split("P10-RESULT ", 1)[1])
+    res = {}
+    for label in _P10_SIZES:
+        res[f"P10_{label}"] = cross[label] / same[label]
+        res[f"P10_{label}_cross_ms"] = cross[label]
+        res[f"P10_{label}_same_ms"] = same[label]
+    return res
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller P4x4")
     ap.add_argument("--json", help="write results as JSON to this path")
-    ap.add_argument("--only", choices=["P2", "P4", "P5", "P8", "P9"], help="run one benchmark")
+    ap.add_argument("--only", help="run only these measures, e.g. P8 or P1,P3")
+    ap.add_argument("--p10-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    res = {}
-    reps = 5 if args.quick else 20
-    if args.only == "P5":
-        res.update(_p5(10 if args.quick else 30))
-        return _report(res, args.json)
-    if args.only == "P4":
-        res.update(_p4_all(1 if args.quick else 3))
-        return _report(res, args.json)
-    if args.only == "P9":
-        res.update(_p9(10 if args.quick else 30))
-        return _report(res, args.json)
-    if args.only == "P2":
-        res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
-        return _report(res, args.json)
-    if args.only == "P8":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_microbatch import P8
-
-        res.update(P8(reps=1 if args.quick else 3))
-        return _report(res, args.json)
-    res["P1_2stage"] = _p1(2, reps)
-    res["P1_4stage"] = _p1(4, reps)
-    res["P2"], res["P2_transfer"] = _p2(200 if args.quick else 2000)
-    res["P7"] = _p7()
-    res["P3"] = _p3(3 if args.quick else 7)
+    if args.p10_child is not None:
+        _p10_child(args.p10_child)
+        return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_schedules import P6
-
-    res.update(P6())
-    from bench_microbatch import P8
-
-    res.update(P8(reps=1 if args.quick else 3))
-    res.update(_p4_all(1 if args.quick else 3))
-    res.update(_p9(10 if args.quick else 30))
-    res.update(_p5(10 if args.quick else 30))
+    runs = _measures(args)
+    names = args.only.split(",") if args.only else list(runs)
+    res = {}
+    for name in names:
+        if name not in runs:
+            raise SystemExit(f"--only: unknown measure {name!r}; choose from {sorted(runs)}")
+        res.update(runs[name]())
     return _report(res, args.json)
 
 
-def _p4_all(reps: int) -> dict[str, float]:
-    n = 250_000
-    res = {}
-    for key, size in (("P4", n), ("P4x4", 4 * n)):
-        r = _p4(size, reps)
-        res[key], res[f"{key}_mjit"] = r["ratio"], r["mjit_ratio"]
-        res[f"{key}_pipeline_s"], res[f"{key}_mjit_s"] = r["pipeline_s"], r["mjit_s"]
-        res[f"{key}_parse_print_s"] = r["parse_print_s"]
-        if key == "P4":
-            res.update({f"P4 {k[5:]}": v for k, v in r.items() if k.startswith("pass ")})
-    return res
+def _measures(args) -> dict:
+    """Every measure, by name, in the order a full run takes them."""
+    quick = args.quick
+    reps = 5 if quick else 20
+
+    def p4():
+        n = 250_000
+        res = {}
+        for key, size in (("P4", n), ("P4x4", 4 * n)):
+            r = _p4(size, 1 if quick else 3)
+            res[key], res[f"{key}_mjit"] = r["ratio"], r["mjit_ratio"]
+            res[f"{key}_contract"] = r["contract_ratio"]
+            for k in ("pipeline_s", "mjit_s", "contract_s", "parse_print_s"):
+                res[f"{key}_{k}"] = r[k]
+            if key == "P4":
+                res.update({f"P4 {k[5:]}": v for k, v in r.items() if k.startswith("pass ")})
+        return res
+
+    def p6():
+        from bench_schedules import P6
+
+        return P6()
+
+    def p8():
+        from bench_microbatch import P8
+
+        return P8(reps=1 if quick else 3)
+
+    return {"P1": lambda: {"P1_2stage": _p1(2, reps), "P1_4stage": _p1(4, reps)},
+            "P2": lambda: dict(zip(("P2", "P2_transfer"), _p2(200 if quick else 2000))),
+            "P7": lambda: {"P7": _p7()},
+            "P3": lambda: {"P3": _p3(3 if quick else 7)},
+            "P9": lambda: dict(zip(("P9_compile", "P9_call"), _p9(3 if quick else 7))),
+            "P6": p6,
+            "P8": p8,
+            "P4": p4,
+            "P11": lambda: _p11(10 if quick else 30),
+            "P5": lambda: _p5(10 if quick else 30),
+            "P10": lambda: _p10(reps)}
 
 
 def _report(res: dict, path: str | None) -> int:

@@ -45,8 +45,9 @@ captured by running those triggers.
 Python errors all inherit `multimesh.jax.MultimeshError` *and* the matching builtin, so
 `except ValueError` (or `TypeError`) keeps working for code that does not know about
 multimesh. A compile-time failure inside a pass is a `PassFailure` that names the pass
-and ends with an `mm-opt` command replaying it on the saved input (written to
-`$MULTIMESH_DUMP_IR_TO`, else the temporary directory). `mm-opt` exits with status 1
+and ends with an `mm-opt` command replaying it on the saved input (written to the
+program's own directory in `$MULTIMESH_DUMP_IR_TO`, else to a new file in the temporary
+directory). `mm-opt` exits with status 1
 on errors (diagnostics as `file:line:col: error: ...`) and 2 on a bad command line.
 
 Entries marked **Known issue** describe an error that is missing, unclear or raised
@@ -121,6 +122,10 @@ def render_entry(cat, entry, workdir: Path) -> str:
         parts.append("")
         if entry.input_text is not None:
             parts += ["With `in.mlir`:", "", fence(entry.input_text, "mlir")]
+        if entry.input_bytes is not None:
+            shown = entry.input_bytes.decode("utf-8", "backslashreplace")
+            parts += ["With `in.mlir` (bytes that are not UTF-8 shown as `\\xNN`):", "",
+                      fence(shown, "mlir")]
         parts += [fence("$ " + entry.source(), "console")]
         current = (f"exits with status {out.exit_code}" if out.exit_code != entry.exit_code
                    else None)

@@ -26,7 +26,10 @@ HEADER = """\
 # multimesh passes
 
 Every pass runs on a `builtin.module`; spell options in kebab-case:
-`mm-opt -p 'builtin.module(mm-foo{some-option=3})' file.mlir`.
+`mm-opt -p 'builtin.module(mm-foo{some-option=3})' file.mlir`. Option values are
+checked when the pipeline is parsed. A pass that fails (or leaves IR the verifier
+rejects) raises and leaves the module exactly as it was (`ModulePass.run`), so the
+module after a failed pipeline is the failing pass's input.
 """
 
 
@@ -63,6 +66,16 @@ def render_pass(argument: str, cls) -> str:
     doc = inspect.cleandoc(cls.__doc__ or "")
     if doc:
         lines += [doc, ""]
+    consumes = getattr(cls, "consumes", None)
+    if consumes:
+        from mlir_passes._stages import DESCRIPTION
+
+        forms = " or ".join(DESCRIPTION[s] for s in consumes)
+        after = "".join(f"; needs `{r}` to have run" for r in getattr(cls, "requires", ()))
+        lines += [f"Input: {forms}{after}. Other forms are refused with an error that "
+                  f"names the passes to run first.", ""]
+    else:
+        lines += ["Input: any form.", ""]
     fields = option_fields(cls)
     if fields:
         hints = typing.get_type_hints(cls)

@@ -58,7 +58,9 @@ class PassFailure(MultimeshValueError):
 
 
 class MultimeshWarning(UserWarning):
-    """An option, rule or schedule had no effect (or less than asked): multimesh says why."""
+    """Something multimesh did differently from what was asked, an option, rule or
+    schedule that had no effect, or a rule that matched nothing; the program still
+    compiles."""
 
 
 class DiagnosticWarning(MultimeshWarning):
@@ -69,3 +71,6 @@ class DiagnosticWarning(MultimeshWarning):
         super().__init__(message)
         self.message = message
         self.location = location
+class DonationError(MultimeshValueError):
+    """A compiled program got an argument whose buffer is gone (donated or deleted), or
+    the same array both donated and passed as another argument."""

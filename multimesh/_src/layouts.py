@@ -41,3 +41,50 @@ def layout_key(devices: Sequence[int], axis_names: Sequence[str], axis_sizes: Se
             index.append(i)
         pairs.append((int(dev), tuple(index)))
     return counts, tuple(pairs)
+
+
+def translate_dims(src_devices: Sequence[int], src_names: Sequence[str],
+                   src_sizes: Sequence[int], dims: Sequence[Sequence[str]],
+                   dst_devices: Sequence[int], dst_names: Sequence[str],
+                   dst_sizes: Sequence[int]) -> tuple[tuple[str, ...], ...] | None:
+    """``dims`` (per tensor dim, axes of the source mesh) written on another mesh over
+    the same devices, or None when that mesh cannot express the same layout.
+
+    Each source axis must be a run of whole destination axes (size-1 axes aside):
+    ``P("d")`` on mesh ``d=4`` is ``P("x")`` on mesh ``x=4, y=1`` over the same devices,
+    and ``P(("x", "y"))`` on ``x=2, y=2``. The answer is checked with :func:`layout_key`.
+    """
+    if [int(d) for d in src_devices] != [int(d) for d in dst_devices]:
+        return None
+
+    def strides(names, sizes):
+        out, stride = {}, 1
+        for name, size in reversed(list(zip(names, sizes))):
+            out[name] = (stride, int(size))
+            stride *= int(size)
+        return out
+
+    src, dst = strides(src_names, src_sizes), strides(dst_names, dst_sizes)
+    out = []
+    for axes in dims:
+        new: list[str] = []
+        for a in axes:
+            lo, size = src[a]
+            if size == 1:
+                continue
+            cover = sorted(((st, n) for n, (st, sz) in dst.items()
+                            if sz > 1 and lo <= st < lo * size), reverse=True)
+            expect = lo
+            for st, n in reversed(cover):  # minor to major: strides must chain
+                if st != expect:
+                    return None
+                expect *= dst[n][1]
+            if expect != lo * size:
+                return None
+            new.extend(n for _, n in cover)
+        out.append(tuple(new))
+    out_t = tuple(out)
+    if layout_key(src_devices, src_names, src_sizes, dims) != \
+            layout_key(dst_devices, dst_names, dst_sizes, out_t):
+        return None
+    return out_t

@@ -11,8 +11,10 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from jax._src import config as _jax_config
+
 __all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
-           "context", "state", "program_devices"]
+           "context", "state", "program_devices", "push", "pop", "compile_state"]
 
 
 class _State(threading.local):
@@ -24,9 +26,38 @@ class _State(threading.local):
         self.program_devices = None  # tuple of jax.Device while mjit traces
         self.microbatch_loop = None  # number of microbatches while a loop body is traced
         self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
+        self.overrides: list[list] = []  # [token, name, value to restore], oldest first
 
 
 state = _State()
+
+
+def push(name: str, value) -> object:
+    """Set ``state.<name>`` until :func:`pop` of the returned token (see :func:`pop`)."""
+    token = object()
+    state.overrides.append([token, name, getattr(state, name)])
+    setattr(state, name, value)
+    return token
+
+
+def pop(token) -> None:
+    """Undo :func:`push`; tokens may be popped in any order.
+
+    Popping the latest override of a name restores the value before it; popping an
+    older one hands its saved value to the next override of that name, so once
+    every override is popped the original value is back whatever the order
+    (``MultiMesh`` contexts exited out of order).
+    """
+    ov = state.overrides
+    i = next((i for i, e in enumerate(ov) if e[0] is token), None)
+    if i is None:
+        return
+    _, name, old = ov.pop(i)
+    later = next((e for e in ov[i:] if e[1] == name), None)
+    if later is None:
+        setattr(state, name, old)
+    else:
+        later[2] = old
 
 
 @contextlib.contextmanager
@@ -34,12 +65,22 @@ def _set(name: str, value) -> Iterator[None]:
     if value is None:
         yield
         return
-    old = getattr(state, name)
-    setattr(state, name, value)
+    token = push(name, value)
     try:
         yield
     finally:
-        setattr(state, name, old)
+        pop(token)
+
+
+def compile_state() -> tuple:
+    """This thread's switches that change what ``mjit`` compiles (part of its cache key).
+
+    jax's own trace context (``jax_enable_x64``, the active mesh, ...) is included, as
+    ``jax.jit`` includes it in its cache key.
+    """
+    st = state
+    return (st.ignore_transforms, st.recomputation, st.fast_path, st.autoshard,
+            st.program_devices, st.microbatch_loop, _jax_config.trace_context())
 
 
 def autoshard(autoshard: bool | None = True):

@@ -31,7 +31,7 @@ from mlir_passes.schedules import (
     canonicalize_custom_schedule,
 )
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
-from multimesh.jax import _contexts
+from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
 from multimesh.jax._task import with_sharding_constraint
 
@@ -101,10 +101,9 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
             _check_positive(option, value)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         raise MultimeshTypeError(f"`microbatch` dim must be an integer, got {dim!r}.")
-    if isinstance(argnum, bool) or not isinstance(argnum, (int, np.integer)) or argnum < 0:
-        raise MultimeshValueError(
-            f"`microbatch` argnum must be a non-negative integer (the position of the "
-            f"argument to cut into microbatches), got {argnum!r}.")
+    argnum = _checks.argnum(argnum, "`microbatch`")
+    if custom_schedule is not None:
+        _checks.custom_schedule(custom_schedule)
     name = _schedule_name(schedule, custom_schedule)
     if unrolling is not None and name not in (None, "gpipe"):
         raise MultimeshValueError(
@@ -115,11 +114,8 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:
             return fun(*args, **kwargs)
-        if argnum >= len(args):
-            raise MultimeshValueError(
-                f"`microbatch` argnum={argnum} but the function got {len(args)} positional "
-                f"arguments.")
-        n = _num_microbatches(args[argnum], dim, size, argnum)
+        index = _checks.resolve_argnum(argnum, len(args), "`microbatch`")
+        n = _num_microbatches(args[index], dim, size, argnum)
         if n == 1:
             if name is not None or unrolling is not None:
                 warnings.warn(
@@ -130,13 +126,13 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
         custom = (canonicalize_custom(custom_schedule, n)
                   if custom_schedule is not None else None)
         _note_loop(name, n, num_stages, interleave, unrolling, custom)
-        x = args[argnum]
+        x = args[index]
         if arg_shardings is not None:
             if isinstance(arg_shardings, (PartitionSpec, NamedSharding)):
                 x = jax.tree.map(lambda leaf: with_sharding_constraint(leaf, arg_shardings), x)
             else:
                 x = with_sharding_constraint(x, arg_shardings)
-        return _run(fun, args, kwargs, argnum, x, dim, size, n)
+        return _run(fun, args, kwargs, index, x, dim, size, n)
 
     wrapped.__name__ = getattr(fun, "__name__", "microbatch")
     wrapped.__wrapped__ = fun

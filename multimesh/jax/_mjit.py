@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import shlex
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -14,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlir_passes.pipeline import VERIFIER, PipelineHooks, parse_pipeline
+from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
     MultimeshTypeError,
@@ -22,10 +22,10 @@ from multimesh._src.errors import (
 )
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
-from multimesh.jax import _contexts, _multimesh
+from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
-from multimesh.jax._task import with_sharding_constraint
-from multimesh.runtime import Executor, build_plan
+from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
+from multimesh.runtime import Executor, build_plan, distributed
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]
 
@@ -79,6 +79,19 @@ def _check_leaf_types(flat, in_avals, args, kwargs) -> None:
         f"call the `mjit` function, which compiles for each new set of types.")
 
 
+def check_call(in_tree, in_avals, args, kwargs) -> list:
+    """The leaves of a compiled program's arguments, checked against what it was
+    compiled for (structure, shapes and dtypes)."""
+    flat, tree = jax.tree.flatten((args, kwargs))
+    if tree != in_tree:
+        raise MultimeshValueError(
+            f"Compiled function called with arguments of structure {tree}, but it was "
+            f"compiled for {in_tree}.")
+    if in_avals is not None:
+        _check_leaf_types(flat, in_avals, args, kwargs)
+    return flat
+
+
 def _abstract(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -107,7 +120,7 @@ class MpmdCompiled:
                    f"{len(self.plan_data.calls())} calls, "
                    f"{len(self.plan_data.steps) - len(self.plan_data.calls())} transfers")
         self._exec = Executor(self.plan_data, lowered.devices,
-                              frozenset(lowered.donated_leaves))
+                              frozenset(lowered.donated_leaves), leaf_name=self._arg_name)
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
@@ -127,15 +140,18 @@ class MpmdCompiled:
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
-    def __call__(self, *args, **kwargs):
-        flat, tree = jax.tree.flatten((args, kwargs))
-        if tree != self._lowered.in_tree:
-            raise MultimeshValueError(
-                f"Compiled function called with arguments of structure {tree}, but it was "
-                f"compiled for {self._lowered.in_tree}.")
+    fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+
+    def _arg_name(self, i: int) -> str:
+        """``args[0]['w']``: how errors name the executor's argument ``i``."""
         low = self._lowered
-        if low.in_avals is not None:
-            _check_leaf_types(flat, low.in_avals, args, kwargs)
+        leaves = jax.tree.unflatten(low.in_tree, list(range(low.in_tree.num_leaves)))
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(leaves)[0]]
+        return _leaf_name(paths[low.dyn_idx[i]])
+
+    def __call__(self, *args, **kwargs):
+        low = self._lowered
+        flat = check_call(low.in_tree, low.in_avals, args, kwargs)
         if not self._all_dynamic:
             flat = [flat[i] for i in low.dyn_idx]
         if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
@@ -241,12 +257,12 @@ class MpmdLowered:
 
     def __init__(self, text: str | bytes, devices, in_tree, out_tree, dyn_idx, pipeline: str,
                  donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
-                 in_avals=None, module: ir.Module | None = None, name: str = "mjit"):
+                 in_avals=None, module: ir.Module | None = None, name: str | None = None):
         # ``text``: the program as MLIR text or bytecode; ``module``: it, already parsed
         # (the first compile() takes it instead of parsing again).
         self._program = text
         self._parsed = module
-        self.name = name
+        self.name = name  # the compiled function's name: logs and MULTIMESH_DUMP_IR_TO
         self.in_avals = tuple(in_avals) if in_avals is not None else None
         self.key_inputs = tuple(key_inputs)
         self.key_outputs = tuple(key_outputs)
@@ -257,6 +273,11 @@ class MpmdLowered:
         self.out_tree = out_tree
         self.dyn_idx = dyn_idx
         self.pipeline = pipeline
+
+    @property
+    def label(self) -> str:
+        """How logs name the program: ``mjit(<function name>)``."""
+        return f"mjit({self.name})" if self.name else "mjit"
 
     def as_text(self) -> str:
         if isinstance(self._program, bytes):  # bytecode from jax: print it once, on demand
@@ -270,28 +291,41 @@ class MpmdLowered:
     def _input_module(self) -> ir.Module:
         """What the pass pipeline starts from: the program plus its compile options."""
         module = self.compiler_ir()
-        _annotate(module, self.schedule_config, len(self.devices))
+        _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
         return module
 
+    fast = None  # a FastPath when the program takes enable_fast_path's jax.jit route
+    default_mesh = None  # (axis names, sizes) of the implicit default task, if not x=N
+
     def compile(self) -> MpmdCompiled:
+        if self.fast is not None:
+            return self.fast.compile()
         t0 = time.perf_counter()
         module, self._parsed = self._parsed, None
         if module is None:
             module = self._input_module()
         else:
-            _annotate(module, self.schedule_config, len(self.devices))
+            _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
         timings = run_pipeline(module, self.pipeline, source=self._input_module, name=self.name)
         return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
                                            "passes": time.perf_counter() - t0}, timings)
 
 
-def _annotate(module: ir.Module, schedule_config, num_devices: int) -> None:
+def _annotate(module: ir.Module, schedule_config, num_devices: int,
+              default_mesh=None) -> None:
     with module.context:
         if schedule_config:
             from multimesh._src.mlir import py_to_attr
 
             module.operation.attributes["mm.schedule_config"] = py_to_attr(schedule_config)
         module.operation.attributes["mm.num_devices"] = _i64(module, num_devices)
+        if default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
+            from multimesh._src.mlir import py_to_attr
+
+            names, sizes = default_mesh
+            module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
+                "devices": list(range(num_devices)), "axis_names": list(names),
+                "axis_sizes": list(sizes), "logical_axes": []}})
 
 
 def _i64(module, n):
@@ -302,51 +336,57 @@ def _i64(module, n):
 def _log_phase(lowered, what: str, seconds: float, detail: str = "") -> None:
     level = compile_log_level()
     if logger.isEnabledFor(level):
-        logger.log(level, "%s: %s in %.3f s%s", lowered.name, what, seconds,
+        logger.log(level, "%s: %s in %.3f s%s", lowered.label, what, seconds,
                    f" ({detail})" if detail else "")
 
 
-def run_pipeline(module: ir.Module, pipeline: str,
-                 source: Callable[[], ir.Module] | None = None,
-                 name: str = "multimesh") -> list[tuple[str, float]]:
+def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None,
+                 source: Callable[[], ir.Module] | None = None) -> list[tuple[str, float]]:
     """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line.
 
-    Nothing is printed while the passes succeed. When one fails, the module it
-    received is rebuilt (``source()``, a fresh copy of the input, with the passes
-    before it run again) and written to the repro file. Without ``source`` a bytecode
-    snapshot of the input is kept, which costs a fraction of printing it. Each pass's
-    time is logged (see :mod:`multimesh._src.log`); ``MULTIMESH_DUMP_IR_TO`` still
-    dumps the module after every pass. Returns ``[(pass, seconds)]``.
+    Nothing is printed while the passes succeed, and no pass snapshots the module: when
+    one fails, the module it received is rebuilt (``source()``, a fresh copy of the
+    input, with the passes before it run again) and written to the repro file.
+    Without ``source`` a bytecode snapshot of the input is kept (a fraction of the cost
+    of printing it). With ``MULTIMESH_DUMP_IR_TO`` set, the input and the module after
+    every pass go to a directory of this program's own (``_dump.program_dir``; ``name``
+    names it). Each pass's time is logged (:mod:`multimesh._src.log`). Returns
+    ``[(pass, seconds)]``.
     """
-    dump = os.environ.get("MULTIMESH_DUMP_IR_TO")
+    root = _dump.dump_root()
+    where = _dump.program_dir(root, name) if root else None
     if source is None:
         source = _snapshot(module)
     counter = [0]
     level = compile_log_level()
     log = logger.isEnabledFor(level)
+    label = f"mjit({name})" if name else "multimesh"
+
+    def write(step_name: str, mod) -> None:
+        safe = step_name.replace("/", "_")[:60]
+        with open(os.path.join(where, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
+            f.write(print_module(mod, debug_info=True))
+        counter[0] += 1
 
     def after(step, mod, dt):
         if log:
-            logger.log(level, "%s: pass %s took %.4f s", name, step.argument, dt)
-        if dump:
-            os.makedirs(dump, exist_ok=True)
-            counter[0] += 1
-            safe = step.argument.replace("/", "_")[:60]
-            with open(os.path.join(dump, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
-                f.write(print_module(mod, debug_info=True))
+            logger.log(level, "%s: pass %s took %.4f s", label, step.argument, dt)
+        if where:
+            write(step.argument, mod)
 
     pipe = parse_pipeline(pipeline)
+    if where:
+        write("input", module)
     try:
-        timings = pipe.run(module, PipelineHooks(after=after if log or dump else None),
+        timings = pipe.run(module, PipelineHooks(after=after if log or where else None),
                            replay=source)
     except DiagnosticError as e:
         failed = getattr(e, "failed_pass", "?")
-        path = os.path.join(dump or tempfile.gettempdir(), "multimesh-failed-input.mlir")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        path = _dump.repro_path(where)
         with open(path, "w") as f:
             f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
-        where = file_line_col(e.location)
-        loc = f" (at {where[0]}:{where[1]}:{where[2]})" if where else ""
+        where_loc = file_line_col(e.location)
+        loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
         element = getattr(e, "failed_element", failed)
         repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
         raise PassFailure(
@@ -355,7 +395,7 @@ def run_pipeline(module: ir.Module, pipeline: str,
     if log:
         verify = dict(timings).get(VERIFIER)
         if verify is not None:
-            logger.log(level, "%s: verified the module in %.4f s", name, verify)
+            logger.log(level, "%s: verified the module in %.4f s", label, verify)
     return timings
 
 
@@ -450,17 +490,21 @@ class _MJit:
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
         self.fun = fun
+        self.mesh = mesh
         if devices is None and mesh is not None:
             devices = list(mesh.devices.flat)
-        self.devices = tuple(np.asarray(devices, dtype=object).flat) if devices is not None \
-            else None
+        self.devices = _checks.program_devices(devices) if devices is not None else None
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         if self.devices is not None:
             _check_distinct_devices(self.devices)
         self.donate_argnums = _argnums("donate_argnums", donate_argnums)
         self.static_argnums = _argnums("static_argnums", static_argnums)
-        self._cache: dict = {}
+        self._cache = LRUCache("multimesh mjit programs")
+        self._placed = LRUCache("multimesh mjit programs for committed inputs")
+        # Pin committed inputs even where the program constrains them (parallelize's
+        # initial_batch); see multimesh.jax._inputs.
+        self.pin_committed = False
 
     def _devices(self):
         if self.devices:
@@ -468,6 +512,16 @@ class _MJit:
         global_mesh = _multimesh.active_multimesh()  # inside `with MultiMesh(...)`
         return tuple(global_mesh.devices.flat) if global_mesh is not None \
             else tuple(jax.devices())
+
+    def _program_mesh(self, devices) -> Mesh | None:
+        """The mesh the program's devices came from (``mjit(mesh=...)``, the MultiMesh):
+        the implicit default task runs on it, named as the caller named it."""
+        outer = _multimesh.active_multimesh() if self.devices is None or \
+            self.mesh is not None else None
+        for mesh in (self.mesh, outer):
+            if mesh is not None and tuple(mesh.devices.flat) == tuple(devices):
+                return getattr(mesh, "global_mesh", mesh)
+        return None
 
     def lower(self, *args, **kwargs) -> MpmdLowered:
         devices = self._devices()
@@ -500,9 +554,14 @@ class _MJit:
             module = parse_module(program, make_context())
             implicit = _multimesh.implicit_tasks_option(module)  # registered tasks
         trace_seconds = time.perf_counter() - t0
+        warn_renamed_tasks(notes)
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
+        changed, pins = _pin_inputs(module, self.in_shardings, args, static, dyn_args, kwargs,
+                                    dyn_flat, notes, devices, self.pin_committed)
+        if changed:  # the program the repro replays is the pinned one
+            program = _bytecode(module)
         in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
         donated = []
         leaf = 0
@@ -517,16 +576,23 @@ class _MJit:
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
         low = MpmdLowered(program, devices, in_tree_dyn, lowered.out_tree,
-                           list(range(len(dyn_flat))), donated_leaves=donated,
-                           in_avals=traced.jaxpr.in_avals,
-                           key_inputs=key_in if any(key_in) else (),
-                           key_outputs=key_out if any(k is not None for k in key_out) else (),
-                           schedule_config=_schedule_config(notes),
-                           pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
-                                                   implicit_tasks=implicit,
-                                                   split_backward=_wants_split(notes),
-                                                   recompute=_contexts.state.recomputation),
-                          module=module, name=f"mjit({_fun_name(self.fun)})")
+                          list(range(len(dyn_flat))), donated_leaves=donated,
+                          in_avals=traced.jaxpr.in_avals,
+                          key_inputs=key_in if any(key_in) else (),
+                          key_outputs=key_out if any(k is not None for k in key_out) else (),
+                          schedule_config=_schedule_config(notes),
+                          pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
+                                                  implicit_tasks=implicit,
+                                                  split_backward=_wants_split(notes),
+                                                  recompute=_contexts.state.recomputation),
+                          module=module, name=getattr(self.fun, "__name__", None))
+        mesh = self._program_mesh(devices)
+        if mesh is not None:
+            low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
+        if _fast_path.eligible(module, implicit, notes, pins, len(devices)):
+            low.fast = _fast_path.FastPath(traced.jaxpr, in_tree_dyn, lowered.out_tree,
+                                           jax.tree.leaves(abstract), pins, devices, donated,
+                                           low.as_text(), low.default_mesh)
         low.trace_seconds = trace_seconds
         _log_phase(low, "traced and lowered", trace_seconds)
         return low
@@ -547,7 +613,16 @@ class _MJit:
         leaves, tree = jax.tree.flatten((tuple(dyn), kwargs))
         key = (tree, static, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
                                     bool(getattr(x, "weak_type", False))) for x in leaves),
-               _multimesh.compile_token())
+               _multimesh.compile_token(), _contexts.state.fast_path)
+        placed = _inputs.committed_key(leaves)
+        if any(p is not None for p in placed):  # committed inputs are physical shardings
+            compiled = self._placed.get((key, placed))
+            if compiled is None:
+                base = self._cache.get(key)
+                compiled = base if base is not None and _inputs.fits(base, leaves) \
+                    else self.lower(*args, **kwargs).compile()
+                self._placed[(key, placed)] = compiled
+            return compiled(*dyn, **kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()
@@ -561,8 +636,19 @@ def _bytecode(module: ir.Module) -> bytes:
     return buf.getvalue()
 
 
-def _fun_name(fun) -> str:
-    return getattr(fun, "__name__", None) or type(fun).__name__
+def _pin_inputs(module, in_shardings, args, static, dyn_args, kwargs, dyn_flat, notes,
+                devices, force: bool) -> tuple[bool, dict]:
+    """Pin physical input shardings (``_inputs``) on the lowered program's arguments, in
+    place; returns (whether the module changed, the pins)."""
+    specs = _inputs.leaf_in_shardings(in_shardings, args, static,
+                                      len(jax.tree.leaves(kwargs)))
+    paths = [_leaf_name(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path((tuple(dyn_args), kwargs))[0]]
+    pins, drop, committed = _inputs.plan_pins(
+        dyn_flat, specs, notes.get("logical_names", set()), tuple(devices), paths)
+    changed = bool(pins or drop)
+    _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
+    return changed, pins
 
 
 def _constrain_tree(tree, shardings):
@@ -621,10 +707,14 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     with _contexts.autoshard(True):
         params = jax.eval_shape(init_params)
         batch = jax.eval_shape(get_input_batch) if initial_batch is None else initial_batch
-    compiled = mjit(fun, devices=devices).lower(params, batch).compile()
+    program = mjit(fun, devices=devices)
+    program.pin_committed = initial_batch is not None  # its shardings are kept (MultiMesh)
+    compiled = program.lower(params, batch).compile()
     param_sh, batch_sh = compiled.input_shardings[0]
 
     def init_sharded_params():
+        if jax.process_count() > 1:  # each parameter computed only by its owners
+            return distributed.owner_init(init_params, param_sh)
         return jax.device_put(init_params(), param_sh)
 
     if initial_batch is not None:

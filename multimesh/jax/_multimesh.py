@@ -15,22 +15,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
 import re
 import tempfile
+import threading
+import warnings
 from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts
+from multimesh._src.errors import (
+    MeshError,
+    MultimeshTypeError,
+    MultimeshValueError,
+    MultimeshWarning,
+)
+from multimesh.jax import _checks, _contexts
 
 __all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
-           "slice_global_mesh", "active_multimesh", "implicit_tasks_option", "compile_token"]
+           "slice_global_mesh", "current_global_mesh", "active_multimesh", "implicit_tasks_option", "compile_token"]
 
 
 # --------------------------------------------------------------------------- registrations
@@ -98,7 +106,7 @@ def _make_registration(matcher, callback, task) -> _Registration:
     return _Registration(matcher, regex, callback, task)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Frame:
     context: Context
     live: list  # the registrations in effect while this frame is entered
@@ -113,6 +121,7 @@ class Context(contextlib.ContextDecorator):
 
     def __init__(self):
         self._registrations: list[_Registration] = []
+        self._frames: list[_Frame] = []  # where this context is entered, in any thread
 
     def register_task(self, matcher: str, *, callback: Callable | None = None,
                       task=None) -> None:
@@ -123,12 +132,39 @@ class Context(contextlib.ContextDecorator):
         the first capture group is the *matched name*. Give ``task`` (a
         :class:`Task`) or ``callback(matched_name, backprop) -> Task``; ``backprop``
         is true for ops of the backward pass. A task without a ``name`` is named
-        after the matched name.
+        after the matched name. Registering a matcher this context already has
+        replaces its rule (with a :class:`MultimeshWarning`, unless the rule is the
+        same). A compiled program in which a matcher claims no op warns too.
         """
         reg = _make_registration(matcher, callback, task)
+        with _LOCK:
+            self._register(matcher, reg)
+
+    def _register(self, matcher: str, reg: _Registration) -> None:
+        old = next((r for r in self._registrations if r.matcher == matcher), None)
+        if old is not None:
+            frames = list(self._frames)
+            in_effect = not frames or any(old in f.live for f in frames)  # not cleared
+            if in_effect and old.callback is reg.callback and old.task == reg.task:
+                return  # the same rule again: nothing changes
+            if in_effect:
+                warnings.warn(
+                    f"register_task({matcher!r}): this matcher is already registered in this "
+                    f"context; the new {_what(reg)} replaces the earlier {_what(old)} "
+                    f"(keeping its priority). Register a different matcher to keep both.",
+                    MultimeshWarning, stacklevel=_user_level())
+            self._registrations[self._registrations.index(old)] = reg
+            for frame in frames:
+                if frame.live is self._registrations:
+                    continue
+                if old in frame.live:
+                    frame.live[frame.live.index(old)] = reg
+                else:
+                    frame.live.append(reg)
+            return
         self._registrations.append(reg)
-        for frame in _stack:
-            if frame.context is self and frame.live is not self._registrations:
+        for frame in self._frames:
+            if frame.live is not self._registrations:
                 frame.live.append(reg)
 
     @property
@@ -136,20 +172,40 @@ class Context(contextlib.ContextDecorator):
         return tuple(self._registrations)
 
     def __enter__(self):
-        _stack.append(_Frame(self, list(self._registrations)))
+        with _LOCK:
+            frame = _Frame(self, list(self._registrations))
+            self._frames.append(frame)
+        _local.frames.append(frame)
         return self
 
     def __exit__(self, *exc):
-        for i in range(len(_stack) - 1, 0, -1):
-            if _stack[i].context is self:
-                del _stack[i]
-                break
-        return False
+        frames = _local.frames
+        for i in range(len(frames) - 1, 0, -1):
+            if frames[i].context is self:
+                with _LOCK:
+                    self._frames.remove(frames[i])
+                del frames[i]
+                return False
+        raise MultimeshValueError(
+            f"{type(self).__name__}.__exit__ was called without a matching __enter__ in "
+            f"this thread; use the context in a `with` statement (or as a decorator) so "
+            f"that every exit has its enter.")
 
 
+_LOCK = threading.RLock()
 _default = Context()
-_stack: list[_Frame] = [_Frame(_default, _default._registrations)]
-_meshes: list[MultiMesh] = []
+_default_frame = _Frame(_default, _default._registrations)
+
+
+class _Stacks(threading.local):
+    """Entered contexts and MultiMeshes are per thread; the default context is shared."""
+
+    def __init__(self):
+        self.frames: list[_Frame] = [_default_frame]
+        self.meshes: list[tuple[MultiMesh, object]] = []  # (mesh, autoshard token)
+
+
+_local = _Stacks()
 
 
 def register_task(matcher: str, *, callback: Callable | None = None, task=None) -> None:
@@ -158,7 +214,7 @@ def register_task(matcher: str, *, callback: Callable | None = None, task=None) 
     See :meth:`Context.register_task`. Outside every context the registration is
     global and lasts until :func:`clear_tasks`.
     """
-    _stack[-1].context.register_task(matcher, callback=callback, task=task)
+    _local.frames[-1].context.register_task(matcher, callback=callback, task=task)
 
 
 def clear_tasks() -> None:
@@ -166,8 +222,9 @@ def clear_tasks() -> None:
 
     A context's own registrations come back the next time it is entered.
     """
-    for frame in _stack:
-        frame.live.clear()
+    with _LOCK:
+        for frame in _local.frames:
+            frame.live.clear()
 
 
 @contextlib.contextmanager
@@ -193,113 +250,76 @@ def tasks(configurable: Callable | None = None):
 def active_registrations() -> list[_Registration]:
     """Registrations in priority order: innermost context first, then registration order."""
     out: list[_Registration] = []
-    for frame in reversed(_stack):
+    for frame in reversed(_local.frames):
         out.extend(frame.live)
     return out
 
 
 def compile_token() -> tuple:
-    """What a compiled program depends on here (for ``mjit``'s cache key)."""
-    return (tuple(active_registrations()), active_multimesh())
+    """What a compiled program depends on in this thread (for ``mjit``'s cache key):
+    the registered tasks, the active MultiMesh and the context switches."""
+    return (tuple(active_registrations()), active_multimesh(), _contexts.compile_state())
 
 
 # --------------------------------------------------------------------------- MultiMesh
 
 
-class MultiMesh(Context):
+class MultiMesh(Context, Mesh):
     """A global mesh that tasks carve submeshes out of, and a task context.
 
     ``MultiMesh(global_mesh=mesh)`` wraps a :class:`jax.sharding.Mesh`;
     ``MultiMesh(axis_sizes=..., axis_names=..., devices=None)`` builds one (from
-    ``jax.devices()`` by default). Entering it (``with`` or as a decorator) turns
-    on :func:`autoshard`, makes it the active global mesh — a task with
-    ``mesh_slice={"stage": 0}`` then runs on ``self.slice(stage=0)`` — and makes its
-    registered tasks take effect. Programs compiled inside use its devices as their
-    device list unless given others.
+    ``jax.devices()`` by default). It *is* a :class:`jax.sharding.Mesh` (the
+    devices and axes of the wrapped one, and equal to it), so
+    ``NamedSharding(multi_mesh, spec)``, ``shard_map(..., mesh=multi_mesh)`` and
+    ``jax.set_mesh(multi_mesh)`` work as with the wrapped mesh. Entering it
+    (``with`` or as a decorator) turns on :func:`autoshard`, makes it the active
+    global mesh — a task with ``mesh_slice={"stage": 0}`` then runs on
+    ``self.slice(stage=0)`` — and makes its registered tasks take effect. Programs
+    compiled inside use its devices as their device list unless given others.
     """
+
+    # jax's Mesh is interned and immutable; a MultiMesh is neither (it holds task
+    # registrations), so it is built here and keeps attributes of its own.
+    __setattr__ = object.__setattr__
+    __delattr__ = object.__delattr__
+
+    def __new__(cls, *, axis_sizes=None, axis_names=None, devices=None,
+                global_mesh: Mesh | None = None):
+        mesh = _global_mesh_of(axis_sizes, axis_names, devices, global_mesh)
+        obj = object.__new__(cls)
+        for field in ("devices", "axis_names", "axis_types", "size"):
+            object.__setattr__(obj, field, getattr(mesh, field))
+        object.__setattr__(obj, "global_mesh", mesh)
+        return obj
 
     def __init__(self, *, axis_sizes=None, axis_names=None, devices=None,
                  global_mesh: Mesh | None = None):
-        super().__init__()
-        if global_mesh is not None:
-            if axis_sizes is not None or axis_names is not None or devices is not None:
-                raise MultimeshValueError(
-                    "MultiMesh takes either `global_mesh` or `axis_sizes`/`axis_names`/"
-                    "`devices`, not both.")
-            if not isinstance(global_mesh, Mesh):
-                raise MultimeshTypeError(
-                    f"MultiMesh `global_mesh` must be a jax.sharding.Mesh, got "
-                    f"{type(global_mesh).__name__}.")
-            mesh = global_mesh
-        else:
-            if axis_names is None:
-                raise MultimeshValueError(
-                    "MultiMesh needs `axis_names` (with `axis_sizes` and/or `devices`) or a "
-                    "`global_mesh`.")
-            axis_names = tuple(axis_names)
-            devs = np.asarray(jax.devices() if devices is None else devices, dtype=object)
-            if axis_sizes is not None:
-                axis_sizes = tuple(int(s) for s in axis_sizes)
-                if len(axis_sizes) != len(axis_names):
-                    raise MeshError(
-                        f"MultiMesh got {len(axis_names)} axis names {axis_names} but "
-                        f"{len(axis_sizes)} axis sizes {axis_sizes}.")
-                if int(np.prod(axis_sizes)) != devs.size:
-                    raise MeshError(
-                        f"MultiMesh axis_sizes {axis_sizes} describe {int(np.prod(axis_sizes))}"
-                        f" devices but {devs.size} devices were given.")
-                devs = devs.reshape(axis_sizes)
-            elif devs.ndim != len(axis_names):
-                raise MeshError(
-                    f"MultiMesh devices have shape {devs.shape} but axis_names {axis_names} "
-                    f"name {len(axis_names)} axes; give axis_sizes to reshape them.")
-            mesh = Mesh(devs, axis_names)
-        self.global_mesh = mesh
-        self._exits: list[contextlib.ExitStack] = []
+        del axis_sizes, axis_names, devices, global_mesh  # read by __new__
+        Context.__init__(self)
 
-    # Mesh-like surface
     @property
     def mesh(self) -> Mesh:
+        """The wrapped :class:`jax.sharding.Mesh`."""
         return self.global_mesh
 
-    axis_names = property(lambda self: self.global_mesh.axis_names)
-    axis_sizes = property(lambda self: tuple(self.global_mesh.axis_sizes))
-    devices = property(lambda self: self.global_mesh.devices)
-    shape = property(lambda self: self.global_mesh.shape)
-    shape_tuple = property(lambda self: self.global_mesh.shape_tuple)
-    size = property(lambda self: self.global_mesh.size)
-    empty = property(lambda self: self.global_mesh.empty)
-    abstract_mesh = property(lambda self: self.global_mesh.abstract_mesh)
-    axis_types = property(lambda self: self.global_mesh.axis_types)
-    local_devices = property(lambda self: self.global_mesh.local_devices)
-    is_multi_process = property(lambda self: self.global_mesh.is_multi_process)
-    _flat_devices_tuple = property(lambda self: self.global_mesh._flat_devices_tuple)
+    # Equal to (and hashed like) the mesh it wraps: a sharding on either is the same.
+    def __eq__(self, other):
+        if isinstance(other, MultiMesh):
+            other = other.global_mesh
+        return other is self.global_mesh
+
+    def __hash__(self):
+        return hash(self.global_mesh)
+
+    def __reduce__(self):  # pickles as the plain mesh: registrations are not data
+        return (_identity, (self.global_mesh,))
 
     def __repr__(self):
         return f"MultiMesh({self.global_mesh!r})"
 
     def _slice_devices(self, kw: Mapping[str, int], who: str = "MultiMesh.slice") -> np.ndarray:
-        names = tuple(self.global_mesh.axis_names)
-        shape = self.global_mesh.devices.shape
-        unknown = sorted(set(kw) - set(names))
-        if unknown:
-            raise MeshError(
-                f"{who}: unknown axis name(s) {unknown}; the global mesh has axes {names}.")
-        idx = []
-        for name, size in zip(names, shape, strict=True):
-            if name not in kw:
-                idx.append(slice(None))
-                continue
-            i = kw[name]
-            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-                raise MeshError(
-                    f"{who}: the index for axis {name!r} must be an integer, got {i!r}.")
-            if not 0 <= int(i) < size:
-                raise MeshError(
-                    f"{who}: index {int(i)} is out of range for axis {name!r} of size {size} "
-                    f"(valid indices are 0..{size - 1}).")
-            idx.append(slice(int(i), int(i) + 1))
-        return self.global_mesh.devices[tuple(idx)]
+        return _slice_devices(self.global_mesh, kw, who)
 
     def slice(self, **to_slice: int) -> Mesh:
         """The submesh at ``{axis: index}``; sliced axes stay, with size 1."""
@@ -316,50 +336,196 @@ class MultiMesh(Context):
         return [d.id for d in self._slice_devices(to_slice).flat]
 
     def __enter__(self):
-        stack = contextlib.ExitStack()
-        stack.enter_context(_contexts.autoshard(True))
-        super().__enter__()
-        stack.callback(Context.__exit__, self, None, None, None)
-        _meshes.append(self)
-        stack.callback(_pop_mesh, self)
-        self._exits.append(stack)
+        token = _contexts.push("autoshard", True)
+        Context.__enter__(self)
+        _local.meshes.append((self, token))
         return self
 
     def __exit__(self, *exc):
-        self._exits.pop().close()
+        # Exits may come in any order (two MultiMeshes closed out of order): each one
+        # undoes only its own entries, and autoshard comes back once all are closed.
+        meshes = _local.meshes
+        for i in range(len(meshes) - 1, -1, -1):
+            if meshes[i][0] is self:
+                _, token = meshes.pop(i)
+                break
+        else:
+            raise MultimeshValueError(
+                "MultiMesh.__exit__ was called without a matching __enter__ in this "
+                "thread; use the MultiMesh in a `with` statement (or as a decorator) so "
+                "that every exit has its enter.")
+        try:
+            Context.__exit__(self, *exc)
+        finally:
+            _contexts.pop(token)
         return False
 
 
-def _pop_mesh(mm: MultiMesh) -> None:
-    for i in range(len(_meshes) - 1, -1, -1):
-        if _meshes[i] is mm:
-            del _meshes[i]
-            return
+def _identity(x):
+    return x
+
+
+def _global_mesh_of(axis_sizes, axis_names, devices, global_mesh) -> Mesh:
+    """The jax Mesh a ``MultiMesh(...)`` call describes."""
+    if global_mesh is not None:
+        if axis_sizes is not None or axis_names is not None or devices is not None:
+            raise MultimeshValueError(
+                "MultiMesh takes either `global_mesh` or `axis_sizes`/`axis_names`/"
+                "`devices`, not both.")
+        if isinstance(global_mesh, MultiMesh):
+            return global_mesh.global_mesh
+        if not isinstance(global_mesh, Mesh):
+            raise MultimeshTypeError(
+                f"MultiMesh `global_mesh` must be a jax.sharding.Mesh, got "
+                f"{type(global_mesh).__name__}.")
+        return global_mesh
+    if axis_names is None:
+        raise MultimeshValueError(
+            "MultiMesh needs `axis_names` (with `axis_sizes` and/or `devices`) or a "
+            "`global_mesh`.")
+    axis_names = _checks.axis_names(axis_names, "MultiMesh")
+    devs = np.asarray(jax.devices() if devices is None else devices, dtype=object)
+    if axis_sizes is not None:
+        axis_sizes = _checks.axis_sizes(axis_sizes, "MultiMesh")
+        if len(axis_sizes) != len(axis_names):
+            raise MeshError(
+                f"MultiMesh got {len(axis_names)} axis names {axis_names} but "
+                f"{len(axis_sizes)} axis sizes {axis_sizes}.")
+        if int(np.prod(axis_sizes)) != devs.size:
+            raise MeshError(
+                f"MultiMesh axis_sizes {axis_sizes} describe {int(np.prod(axis_sizes))}"
+                f" devices but {devs.size} devices were given.")
+        devs = devs.reshape(axis_sizes)
+    elif devs.ndim != len(axis_names):
+        raise MeshError(
+            f"MultiMesh devices have shape {devs.shape} but axis_names {axis_names} "
+            f"name {len(axis_names)} axes; give axis_sizes to reshape them.")
+    return Mesh(devs, axis_names)
+
+
+def _slice_devices(mesh: Mesh, kw: Mapping[str, int], who: str) -> np.ndarray:
+    """The devices of ``mesh`` at ``{axis: index}`` (sliced axes kept with size 1)."""
+    names = tuple(mesh.axis_names)
+    shape = mesh.devices.shape
+    unknown = sorted(set(kw) - set(names))
+    if unknown:
+        raise MeshError(
+            f"{who}: unknown axis name(s) {unknown}; the global mesh has axes {names}.")
+    idx = []
+    for name, size in zip(names, shape, strict=True):
+        if name not in kw:
+            idx.append(slice(None))
+            continue
+        i = kw[name]
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise MeshError(
+                f"{who}: the index for axis {name!r} must be an integer, got {i!r}.")
+        if not 0 <= int(i) < size:
+            raise MeshError(
+                f"{who}: index {int(i)} is out of range for axis {name!r} of size {size} "
+                f"(valid indices are 0..{size - 1}).")
+        idx.append(slice(int(i), int(i) + 1))
+    return mesh.devices[tuple(idx)]
 
 
 def active_multimesh() -> MultiMesh | None:
-    """The innermost entered :class:`MultiMesh`, if any."""
-    return _meshes[-1] if _meshes else None
+    """The innermost :class:`MultiMesh` entered in this thread, if any."""
+    meshes = _local.meshes
+    return meshes[-1][0] if meshes else None
+
+
+def current_global_mesh() -> Mesh | None:
+    """The global mesh a ``mesh_slice`` cuts: the innermost entered :class:`MultiMesh`,
+    else jax's current mesh (``jax.set_mesh(mesh)``, then ``with mesh:``), else None."""
+    mm = active_multimesh()
+    if mm is not None:
+        return mm.global_mesh
+    from jax._src import mesh as mesh_lib
+
+    for mesh in (mesh_lib.get_concrete_mesh(), mesh_lib.thread_resources.env.physical_mesh):
+        if mesh is not None and not mesh.empty:
+            return mesh.global_mesh if isinstance(mesh, MultiMesh) else mesh
+    return None
 
 
 def slice_global_mesh(name: str, mesh_slice: Mapping[str, int]) -> Mesh:
-    """The submesh a task's ``mesh_slice`` selects in the active :class:`MultiMesh`."""
-    mm = active_multimesh()
-    if mm is None:
+    """The submesh a task's ``mesh_slice`` selects in the current global mesh."""
+    mesh = current_global_mesh()
+    if mesh is None:
         raise MeshError(
-            f"Task {name!r} has mesh_slice={dict(mesh_slice)!r}, but no MultiMesh is active. "
-            f"A mesh_slice selects part of the global mesh: compile inside "
-            f"`with MultiMesh(...):` (or decorate the function with the MultiMesh), or give "
-            f"the task a `mesh` instead.")
+            f"Task {name!r} has mesh_slice={dict(mesh_slice)!r}, but there is no global mesh "
+            f"to slice. A mesh_slice selects part of the global mesh: compile inside "
+            f"`with MultiMesh(...):` or `with jax.set_mesh(mesh):` (or decorate the function "
+            f"with the MultiMesh), or give the task a `mesh` instead.")
     if not isinstance(mesh_slice, Mapping):
         raise MultimeshTypeError(
             f"Task {name!r}: `mesh_slice` must be a mapping {{axis_name: index}}, got "
             f"{type(mesh_slice).__name__} {mesh_slice!r}.")
-    devs = mm._slice_devices(dict(mesh_slice), who=f"Task {name!r} mesh_slice")
-    return Mesh(devs, mm.global_mesh.axis_names, axis_types=mm.global_mesh.axis_types)
+    devs = _slice_devices(mesh, dict(mesh_slice), who=f"Task {name!r} mesh_slice")
+    return Mesh(devs, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 # --------------------------------------------------------------------------- compile hook
+
+
+def _what(reg: _Registration) -> str:
+    return "callback" if reg.callback is not None else "task"
+
+
+def _user_level() -> int:
+    """``stacklevel`` of the first frame outside multimesh (for warnings)."""
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_unmatched(regs: list[_Registration], hits, stacks: set[str]) -> None:
+    """A registered matcher that claims no op of a compiled program is almost always a
+    typo (or a rule for another program): say so, with the names it might have meant.
+
+    A rule that an inner context overrides (the ops it matches go to the inner
+    context's rule) is meant to be quiet there and is not reported.
+    """
+    claimed = {h.matcher_index for h in hits}
+    owner = [id(frame) for frame in reversed(_local.frames) for _ in frame.live]
+    for i, reg in enumerate(regs):
+        if i in claimed:
+            continue
+        matching = [st for st in stacks if reg.regex.search(st)]
+        if matching:
+            winners = {next(j for j, r in enumerate(regs) if r.regex.search(st))
+                       for st in matching}
+            if all(owner[j] != owner[i] for j in winners):
+                continue  # overridden by an inner context, on purpose
+            why = ("every op it matches is claimed by a rule registered before it in the "
+                   "same context")
+            hint = ""
+        else:
+            why = "no op's name stack contains a match"
+            hint = _near_names(reg, stacks)
+        warnings.warn(
+            f"Task matcher {reg.matcher!r} claimed no op of this program: {why}, so it "
+            f"places nothing.{hint}", MultimeshWarning, stacklevel=_user_level())
+
+
+def _near_names(reg: _Registration, stacks: set[str]) -> str:
+    scopes = sorted({part for st in stacks for part in st.split("/")[:-1]
+                     if part and not part.startswith(("jit(", "pjit(", "transpose(", "jvp("))})
+    if not scopes:
+        return ""
+    folded = [m for m in scopes if re.search(reg.regex.pattern, m, re.IGNORECASE)]
+    if folded:
+        return f" Ignoring case it would match {', '.join(map(repr, folded[:3]))}."
+    text = re.sub(r"\\[dDwWsS][+*?]?|[()\[\]^$+*?|{}]", "", reg.matcher).lower()
+    near = difflib.get_close_matches(text, [m.lower() for m in scopes], n=3, cutoff=0.6)
+    by_lower = {m.lower(): m for m in scopes}
+    if near:
+        return f" Did you mean {', '.join(repr(by_lower[n]) for n in near)}?"
+    return ""
 
 
 def _direction(backprop: bool) -> str:
@@ -381,7 +547,9 @@ def implicit_tasks_option(program) -> str | None:
     from multimesh.jax._task import loop_placement, resolve_task_info
 
     module = parse_module(program, make_context()) if isinstance(program, str) else program
-    hits = find_matches(module, [r.regex for r in regs])
+    stacks: set[str] = set()
+    hits = find_matches(module, [r.regex for r in regs], stacks)
+    _warn_unmatched(regs, hits, stacks)
     if not hits:
         return None
     entries: dict[int, list] = {}
@@ -452,7 +620,7 @@ def _write_rules(doc: dict) -> str:
             f"spaces, commas, braces or quotes. Set TMPDIR (or MULTIMESH_DUMP_IR_TO) to a "
             f"plain directory.")
     if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

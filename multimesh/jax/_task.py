@@ -23,15 +23,22 @@ from multimesh._src.errors import (
     MultimeshValueError,
     MultimeshWarning,
 )
-from multimesh.jax import _contexts
+from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
 
-__all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of"]
+__all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
+           "warn_renamed_tasks"]
 
 # Ops traced through multimesh's wrappers (tasks, logical constraints, microbatch
 # loops) get the location of the *user's* call: jax skips excluded files when it
 # picks the frame an op's location points at.
 source_info_util.register_exclusion(os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
+# jax's own, captured at import: MultiMesh's plugin init installs the logical
+# with_sharding_constraint as jax.lax.with_sharding_constraint, and programs written
+# for it (e.g. the implicit Flax tutorial) may do the same here.
+_jax_with_sharding_constraint = jax.lax.with_sharding_constraint
 
 
 def _plain(x):
@@ -106,7 +113,8 @@ class TaskMesh:
             axis_names, axis_sizes = ("x",), (flat.size,)
         if axis_names is None or axis_sizes is None:
             raise MeshError("`TaskMesh` needs both `axis_names` and `axis_sizes` (or `abstract`).")
-        axis_names, axis_sizes = tuple(axis_names), tuple(int(s) for s in axis_sizes)
+        axis_names = _checks.axis_names(axis_names, "`TaskMesh`")
+        axis_sizes = _checks.axis_sizes(axis_sizes, "`TaskMesh`")
         if len(axis_names) != len(axis_sizes):
             raise MeshError(
                 f"`TaskMesh` got {len(axis_names)} axis names {axis_names} but "
@@ -179,6 +187,7 @@ class Task:
     loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
 
     def __post_init__(self):
+        _checks.task_name(self.name, "`Task`")
         who = _who(self.name)
         if self.mesh is not None and self.mesh_slice is not None:
             raise MultimeshValueError(
@@ -241,12 +250,13 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
             names, sizes = mesh.axis_names, mesh.axis_sizes
         mapping = (tuple((a, a) for a in names) if spec.logical_axes is None
                    else tuple(spec.logical_axes))
+    # A pair naming a device axis this mesh lacks is fine until a constraint in the
+    # task uses its logical name (one map shared by submeshes of different shapes):
+    # mm-resolve-logical-shardings reports it there.
     mapping = mapping + tuple(spec.extra_axes or ())
-    for logical, dev in mapping:
-        if dev not in names:
-            raise MeshError(
-                f"Task {name!r} maps logical axis {logical!r} to unknown device axis {dev!r}; "
-                f"the task mesh has axes {names}.")
+    if _contexts.state.trace_notes is not None:  # which in_shardings names are logical
+        _contexts.state.trace_notes.setdefault("logical_names", set()).update(
+            logical for logical, _ in mapping)
     # Checked again here: a Task's fields may have been reassigned after construction.
     split = _check_split_backprop(spec.split_backprop, _who(name))
     if split is not None and _contexts.state.trace_notes is not None:
@@ -311,7 +321,7 @@ def _legacy_task(name: str, kwargs: dict) -> Task:
         # No axes: every logical constraint in the task resolves to replicated.
         device_axes, arr = ("x",), arr.reshape(-1)
         kwargs["logical_axes"] = ()
-    device_axes = tuple(device_axes)
+    device_axes = _checks.axis_names(device_axes, f"Task {name!r} `device_axes`")
     if arr.ndim != len(device_axes):
         raise MeshError(
             f"Task {name!r}: devices array has {arr.ndim} dims (shape {arr.shape}) but "
@@ -331,6 +341,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     :class:`jax.sharding.Mesh`, or ``devices=``/``device_axes=``), and logical
     sharding constraints inside it resolve through ``logical_axes``.
     """
+    _checks.task_name(name)
     if _contexts.state.ignore_transforms:
         return fun
     if not callable(fun):
@@ -351,18 +362,14 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
                 f"{sorted(valid - {'name'})}.")
         spec = _legacy_task(default_name, dict(kwargs))
     task_name = name or spec.name or default_name
-    if spec.mesh is not None:  # validate eagerly where possible
-        if isinstance(spec.mesh, TaskMesh) and spec.logical_axes is not None:
-            for logical, dev in tuple(spec.logical_axes) + tuple(spec.extra_axes or ()):
-                if dev not in spec.mesh.axis_names:
-                    raise MeshError(
-                        f"Task {task_name!r} maps logical axis {logical!r} to unknown device "
-                        f"axis {dev!r}; the task mesh has axes {spec.mesh.axis_names}.")
+    explicit = bool(name) or (task is not None and bool(task.name))  # not fun.__name__
 
     def wrapped(*args, **kw):
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
+        if explicit:
+            _note_explicit_name(info)
         if spec.loop_dependent_mesh_slice is not None:
             info = loop_placement(spec, task_name, info)
         args_flat, in_tree = jax.tree.flatten((args, kw))
@@ -381,6 +388,39 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     wrapped.__wrapped__ = fun
     wrapped.mm_task = spec
     return wrapped
+
+
+def _note_explicit_name(info: TaskInfo) -> None:
+    """Remember the submesh a user-chosen task name was bound with (see
+    :func:`warn_renamed_tasks`)."""
+    notes = _contexts.state.trace_notes
+    if notes is not None:
+        seen = notes.setdefault("explicit_task_names", {})
+        key = (info.devices, info.axis_names, info.axis_sizes, info.logical_axes,
+               info.split_backprop)
+        if key not in seen.setdefault(info.name, []):
+            seen[info.name].append(key)
+
+
+def warn_renamed_tasks(notes: dict) -> None:
+    """Warn when one explicit task name came with several submeshes or mappings.
+
+    ``mm-inline-tasks`` keeps such tasks apart (``name``, ``name.1``, ...; MultiMesh
+    uniquifies colours the same way), so the program still runs, but the user's
+    name no longer names one task.
+    """
+    for name, keys in notes.get("explicit_task_names", {}).items():
+        if len(keys) < 2:
+            continue
+        where = "; ".join(
+            f"{name if i == 0 else f'{name}.{i}'!r} on device positions {list(k[0])} ("
+            + ", ".join(f"{a}={s}" for a, s in zip(k[1], k[2])) + ")"
+            for i, k in enumerate(keys))
+        warnings.warn(
+            f"Task name {name!r} was given {len(keys)} different submeshes or logical "
+            f"mappings, so multimesh runs them as {len(keys)} tasks: {where} (suffixes in "
+            f"program order). Give each task its own name to choose the names yourself.",
+            MultimeshWarning, stacklevel=3)
 
 
 def _trace(fun, in_avals, in_tree, dbg):
@@ -426,7 +466,7 @@ def with_sharding_constraint(x, axis_resources):
         # Logical names mean nothing without tasks: a debugging run is plain JAX.
         return x
     if st.ignore_transforms or not st.autoshard:
-        return jax.lax.with_sharding_constraint(x, axis_resources)
+        return _jax_with_sharding_constraint(x, axis_resources)
     leaves, treedef = jax.tree.flatten(x)
     if isinstance(axis_resources, (PartitionSpec, NamedSharding)) or axis_resources is None:
         specs = [axis_resources] * len(leaves)

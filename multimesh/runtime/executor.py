@@ -19,11 +19,17 @@ from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import make_context, parse_module
+from multimesh.runtime.guards import check_args
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 
-_COMPILE_CACHE: dict[tuple, object] = {}
+# Compiled fragments by (text, device ids, donors), shared by every program; emptied
+# by jax.clear_caches() / multimesh.clear_caches().
+_COMPILE_CACHE = LRUCache("multimesh compiled fragments", max_size=512)
+SKIP = object()
+"""A step this process does not run (see ``distributed.ProcessPlan.step``)."""
 _LOCK = threading.Lock()
 xla_compiles = 0
 """How many fragment executables XLA has compiled in this process (for tests/benchmarks)."""
@@ -107,6 +113,7 @@ def _fast_callable(exe, frag: Fragment):
 
 
 _REUSE = [xc.ArrayCopySemantics.REUSE_INPUT]
+_COPY = [xc.ArrayCopySemantics.ALWAYS_COPY]
 _NO_LAYOUT = [None]
 
 
@@ -118,6 +125,15 @@ def _move(x, sharding):
     Python here versus ~35 µs for ``device_put``).
     """
     return pxla.shard_args([sharding], _NO_LAYOUT, _REUSE, [x])[0]
+
+
+def _copy(x, sharding):
+    """:func:`_move` into fresh buffers, for a source that is donated later in the step.
+
+    A move onto devices the source also lives on reuses the source's buffers there
+    (whatever the copy semantics), so the moved array is copied once more.
+    """
+    return pxla.shard_args([sharding], _NO_LAYOUT, _COPY, [_move(x, sharding)])[0]
 
 
 def _mark_donors(module, donors) -> None:
@@ -151,18 +167,33 @@ class Executor:
     schedule needs go out in one batched call.
     """
 
-    def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset()):
+    def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset(),
+                 leaf_name=None):
         self.plan = plan
         self.devices = tuple(devices)
         self.donated = donated
+        self._leaf_name = leaf_name  # names argument i in errors
+        # A donated value returned by the program is not donated: its buffer is the output.
+        donated = frozenset(a for a in donated if a not in plan.outputs)
+        # Hook (multi-process): this process's share of the plan, or None in one process.
+        self.process_plan = _process_plan(plan, self.devices)
+        pp = self.process_plan
         before = xla_compiles
-        exes = self._compile_calls()
+        exes = self._compile_calls(donated)
         self.xla_compiles = xla_compiles - before
         """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
-        self._steps = []  # per plan step, for run_traced
+        self._steps = []
+        self._kept = []  # the plan steps this process runs, parallel to _steps
+        shared: set[int] = set()  # transfers of a donated input onto its own devices
         for i, s in enumerate(plan.steps):
+            # Hook (multi-process): skip steps without our devices; cross-process moves
+            # become steps of their own (a callable, dispatched like a fragment).
+            mover = pp.step(s) if pp is not None else None
+            if mover is SKIP:
+                continue
+            self._kept.append(s)
             if isinstance(s, Call):
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
                         and a not in plan.outputs]
@@ -170,7 +201,13 @@ class Executor:
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
-                self._steps.append((1, layout_sharding(s.layout, self.devices), [s.src],
+                if mover is not None:
+                    self._steps.append((0, mover, [s.src], [s.dst], drop))
+                    continue
+                if s.src in donated and set(s.layout[0]) & set(plan.inputs[s.src][0]):
+                    shared.add(i)
+                self._steps.append((2 if i in shared else 1,
+                                    layout_sharding(s.layout, self.devices), [s.src],
                                     [s.dst], drop))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
         n_values = 1 + max([*plan.input_ids, *plan.constants,
@@ -178,22 +215,28 @@ class Executor:
                               (st.results if isinstance(st, Call) else [st.dst]))], default=0)
         self._env_template = [None] * n_values
         for vid, (value, lay) in plan.constants.items():  # the microbatch indices
-            self._env_template[vid] = jax.device_put(np.int32(value),
-                                                     layout_sharding(lay, self.devices))
-        self._program = _program(plan, exes, self._steps, self._skipped_donations,
-                                 self._consumed)
-        self.batched_transfers = sum(1 for op in self._program if op[0] == 1)
+            if pp is None or pp.owns(lay[0]):
+                self._env_template[vid] = jax.device_put(np.int32(value),
+                                                         layout_sharding(lay, self.devices))
+        # One process: the precomputed dispatch program (batched transfers). Several
+        # processes dispatch step by step (cross-process movers, skipped steps).
+        self._program = (_program(plan, exes, self._steps, self._skipped_donations,
+                                  self._consumed, shared) if pp is None else None)
+        self.batched_transfers = (sum(1 for op in self._program if op[0] == 1)
+                                  if self._program is not None else self.transfer_count)
         """Batched copy calls per run (each moves one or more arrays)."""
 
-    def _compile_calls(self) -> dict[int, object]:
-        """The executable of every call (by step index), compiling only what is used."""
-        plan = self.plan
+    def _compile_calls(self, donated: frozenset[int]) -> dict[int, object]:
+        """The executable of every call this process runs (by step index), compiling only
+        what is used: one executable per (fragment, devices), with the donations every
+        call of it can make."""
+        plan, pp = self.plan, self.process_plan
         wants: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
         for i, s in enumerate(plan.steps):
-            if isinstance(s, Call):
+            if isinstance(s, Call) and (pp is None or pp.owns(plan.call_devices(s))):
                 frag = plan.fragments[s.fragment]
                 donors = tuple(k for k, a in enumerate(s.args)
-                               if a in self.donated and plan.last_use.get(a) == i
+                               if a in donated and plan.last_use.get(a) == i
                                and s.args.count(a) == 1 and k not in frag.donors)
                 wants.setdefault((s.fragment, s.devices), []).append((i, donors))
         exes: dict[int, object] = {}
@@ -218,12 +261,11 @@ class Executor:
                 args = plan.steps[i].args
                 self._consumed[i] = {args[k] for k in donors} | {
                     args[k] for k in plan.fragments[name].donors}
-        for name, frag in plan.fragments.items():  # a fragment no call runs (none today)
-            if name not in self.exes:
-                self.exes[name] = compile_fragment(frag, self.devices)
         return exes
 
     def place_inputs(self, args):
+        if self.process_plan is not None:  # Hook: inputs may live on other processes
+            return self.process_plan.place_inputs(args, self.input_shardings)
         out = []
         for a, sh in zip(args, self.input_shardings):
             s = getattr(a, "sharding", None)
@@ -235,12 +277,14 @@ class Executor:
     def __call__(self, *args):
         # Values live in a flat list indexed by value id; a slot is cleared after the
         # value's last use so its buffer can be freed while the step still runs.
+        check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
+        if self._program is None:
+            return self._run_steps(env)
         get = env.__getitem__
         copy = xc.batched_copy_array_to_devices_with_sharding
-        move = _move
         for op in self._program:
             kind = op[0]
             if kind == 0:  # (0, exe, args, results, delete, drop)
@@ -253,21 +297,46 @@ class Executor:
                 outs = copy(list(map(get, op[1])), op[3], op[4], op[5])
                 for d, o in zip(op[2], outs):
                     env[d] = o
-            else:  # (2, src, dst, sharding, drop): a reshard
-                env[op[2]] = move(env[op[1]], op[3])
+            else:  # (2 | 3, src, dst, sharding, drop): a reshard, or a fresh copy
+                env[op[2]] = (_move if kind == 2 else _copy)(env[op[1]], op[3])
             for d in op[-1]:
                 env[d] = None
-        return [env[o] for o in self.plan.outputs]
+        return self._outputs(env)
+
+    def _run_steps(self, env):
+        """Dispatch step by step (several processes: hooks decide each step)."""
+        for kind, what, srcs, dsts, drop in self._steps:
+            if kind == 0:
+                outs = what(*[env[a] for a in srcs])
+                for d, o in zip(dsts, outs):
+                    env[d] = o
+            else:
+                env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
+            for d in drop:
+                env[d] = None
+        return self._outputs(env)
+
+    def _outputs(self, env):
+        outs = [env[o] for o in self.plan.outputs]
+        if self.process_plan is not None:  # Hook: outputs that live on other processes
+            outs = self.process_plan.finish(outs, self.output_shardings)
+        return outs
 
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but blocks after every step and records its span."""
+        check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
-        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self.plan.steps):
-            if kind == 0:
-                frag = self.plan.fragments[step.fragment]
-                track = f"submesh devices {','.join(str(self.devices[p].id) for p in frag.devices)}"
+        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self._kept):
+            if kind == 0 and isinstance(step, Transfer):  # a cross-process transfer
+                ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
+                with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
+                                   cat="transfer"):
+                    env[dsts[0]] = jax.block_until_ready(what(env[srcs[0]])[0])
+            elif kind == 0:
+                where = self.plan.call_devices(step)
+                track = f"submesh devices {','.join(str(self.devices[p].id) for p in where)}"
                 with recorder.span(track, step.fragment):
                     outs = jax.block_until_ready(what(*[env[a] for a in srcs]))
                 for d, o in zip(dsts, outs):
@@ -276,14 +345,24 @@ class Executor:
                 ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
                 with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
                                    cat="transfer"):
-                    env[dsts[0]] = jax.block_until_ready(jax.device_put(env[srcs[0]], what))
+                    env[dsts[0]] = jax.block_until_ready(
+                        (_move if kind == 1 else _copy)(env[srcs[0]], what))
             for d in drop:
                 env[d] = None
-        return [env[o] for o in self.plan.outputs]
+        return self._outputs(env)
+
+
+def _process_plan(plan: Plan, devices: tuple):
+    """This process's share of ``plan`` under jax.distributed; None in a single process."""
+    if jax.process_count() == 1:
+        return None
+    from multimesh.runtime.distributed import ProcessPlan
+
+    return ProcessPlan(plan, devices)
 
 
 def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
-             consumed: dict) -> list[tuple]:
+             consumed: dict, shared: set[int] = frozenset()) -> list[tuple]:
     """The steps of one run as flat tuples for :meth:`Executor.__call__`.
 
     Calls keep the plan's order. A transfer may go anywhere between its place in
@@ -293,7 +372,8 @@ def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
     stabbing), and the transfers at one point that only copy shards to other devices
     (same layout, other devices) go out in one
     ``batched_copy_array_to_devices_with_sharding`` call: the arrays that one point of
-    the schedule needs cross in one host call.
+    the schedule needs cross in one host call. A transfer of a donated input onto its
+    own devices (``shared``) gets fresh buffers (:func:`_copy`), never a batched copy.
     """
     n = len(plan.steps)
     layout = _value_layouts(plan)
@@ -347,9 +427,11 @@ def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
             continue
         transfers = [plan.steps[i] for i in item]
         shardings = [steps[i][1] for i in item]
-        copies = [j for j, t in enumerate(transfers) if _plain_copy(layout[t.src], t.layout)]
-        ops: list[tuple] = [(2, t.src, t.dst, sh, ()) for j, (t, sh) in
-                            enumerate(zip(transfers, shardings)) if j not in copies]
+        copies = [j for j, t in enumerate(transfers) if item[j] not in shared
+                  and _plain_copy(layout[t.src], t.layout)]
+        ops: list[tuple] = [(3 if item[j] in shared else 2, t.src, t.dst, sh, ())
+                            for j, (t, sh) in enumerate(zip(transfers, shardings))
+                            if j not in copies]
         if copies:
             ops.append((1, tuple(transfers[j].src for j in copies),
                         tuple(transfers[j].dst for j in copies),

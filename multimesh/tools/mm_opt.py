@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -205,6 +206,13 @@ def _version() -> str:
 # ------------------------------------------------------------------------ driver
 
 
+# MLIR's parser, verifier and printer recurse once per nesting level; on the main
+# thread's 8 MiB stack a module nested ~5,000 deep crashes the process. mm-opt runs on
+# a thread with a large stack (reserved, not committed) and refuses deeper inputs.
+STACK_BYTES = 512 << 20
+MAX_NESTING = 10_000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mm-opt`` console script; returns the exit code."""
     parser = _make_parser()
@@ -212,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help exits 0, usage errors exit 2
         return int(e.code or 0)
+    return _on_big_stack(lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return _Driver(args).run()
     except _Failure:
@@ -221,6 +233,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug in mm-opt or a pass: no traceback for users
         _internal_error(e)
         return 1
+
+
+def _on_big_stack(fn) -> int:
+    """``fn()`` on a thread with a :data:`STACK_BYTES` stack (its result, or 1 on error)."""
+    result: list = [1]
+
+    def target():
+        result[0] = fn()
+
+    old = threading.stack_size()
+    try:
+        threading.stack_size(STACK_BYTES)
+        t = threading.Thread(target=target, name="mm-opt", daemon=True)
+        t.start()  # the stack size applies to threads started while it is set
+    except (ValueError, RuntimeError):  # platform without settable stacks: run here
+        return fn()
+    finally:
+        threading.stack_size(old)
+    try:
+        while t.is_alive():
+            t.join(0.1)
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
+    return result[0]
 
 
 def _internal_error(e: BaseException, where: str = "") -> None:
@@ -309,14 +345,44 @@ class _Driver:
 
     def _read_input(self) -> str:
         if self.args.input in ("-", None):
-            return sys.stdin.read()
+            stream = getattr(sys.stdin, "buffer", None)
+            data = stream.read() if stream is not None else sys.stdin.read()
+        else:
+            try:
+                with open(self.args.input, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                sys.stderr.write(f"{PROG}: error: could not open input file "
+                                 f"'{self.args.input}': {e.strerror or e}\n")
+                raise _Failure from None
+        text = self._decode(data) if isinstance(data, bytes) else data
+        self._check_nesting(text)
+        return text
+
+    def _decode(self, data: bytes) -> str:
+        """UTF-8 text, or an error at the first invalid byte (as mlir-opt's parser does)."""
         try:
-            with open(self.args.input, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            sys.stderr.write(f"{PROG}: error: could not open input file '{self.args.input}': "
-                             f"{getattr(e, 'strerror', None) or e}\n")
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+            sys.stderr.write(
+                f"{self.display}:{line}:{col}: error: input is not valid UTF-8: byte "
+                f"0x{data[e.start]:02x} ({e.reason}); MLIR files are UTF-8 text\n")
             raise _Failure from None
+
+    def _check_nesting(self, text: str) -> None:
+        """Refuse inputs nested deeper than :data:`MAX_NESTING` before MLIR recurses into them."""
+        depth, offset = _nesting(text)
+        if depth <= MAX_NESTING:
+            return
+        line = text.count("\n", 0, offset) + 1
+        col = offset - (text.rfind("\n", 0, offset) + 1) + 1
+        sys.stderr.write(
+            f"{self.display}:{line}:{col}: error: the input nests brackets more than "
+            f"{MAX_NESTING} levels deep (regions, attributes or types); {PROG} does not "
+            f"accept deeper modules\n")
+        raise _Failure from None
 
     def _write_output(self, text: str) -> None:
         path = self.args.output
@@ -357,15 +423,18 @@ class _Driver:
         except ir.MLIRError as e:
             diags = [self._from_ir_diag(d) for d in e.error_diagnostics]
             return None, diags or [Diag("error", str(e), None, None, None)]
-        module = self._relabel(module, ctx)
         self._time("Parser", time.perf_counter() - t0)
         warned: list[Diag] = []
         if pipeline is not None:
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", DiagnosticWarning)
-                    self._run_pipeline(pipeline, module,
-                                       lambda: self._relabel(ir.Module.parse(chunk.text, ctx), ctx))
+                    # The passes need no snapshots when a failure's input can be rebuilt
+                    # from the chunk (not for --mlir-print-ir-after-failure, which
+                    # prints the module as the failure left it).
+                    replay = None if self.args.mlir_print_ir_after_failure else \
+                        (lambda: ir.Module.parse(chunk.text, ctx))
+                    self._run_pipeline(pipeline, module, replay)
                 for w in caught:  # a pass's warnings are diagnostics, like MLIR's
                     if isinstance(w.message, DiagnosticWarning):
                         f, line, col = self._from_loc(w.message.location)
@@ -391,6 +460,11 @@ class _Driver:
         t0 = time.perf_counter()
         out = self._print(module)
         self._time("Output", time.perf_counter() - t0)
+        if "mpmd." in out and not _reparses(out, ctx):
+            return None, [Diag(
+                "error", "the result cannot be parsed again: jaxlib's mpmd dialect prints "
+                "some attributes (an origin name with a '\"') in a form it cannot read back; "
+                "rename them", None, None, None)]
         return out, warned
 
     def _run_pipeline(self, pipeline, module: ir.Module, replay=None) -> None:
@@ -415,21 +489,15 @@ class _Driver:
             if name == VERIFIER:
                 self._time("Verifier", dt)
 
-    def _relabel(self, module: ir.Module, ctx: ir.Context) -> ir.Module:
-        """Give parsed locations the real file name (``Module.parse`` names the buffer "-")."""
-        asm = module.operation.get_asm(enable_debug_info=True, print_generic_op_form=True)
-        esc = self.display.replace("\\", "\\\\").replace('"', '\\"')
-        new, n = re.subn(r'"-":(\d+):(\d+)', lambda m: f'"{esc}":{m.group(1)}:{m.group(2)}', asm)
-        if not n:
-            return module
-        with ctx:
-            return ir.Module.parse(new)
-
     # -- printing
 
     def _print(self, module) -> str:
-        return print_module(module, debug_info=self.args.mlir_print_debuginfo,
+        text = print_module(module, debug_info=self.args.mlir_print_debuginfo,
                             generic=self.args.mlir_print_op_generic)
+        if self.args.mlir_print_debuginfo:  # the parser names every buffer "-"
+            esc = self.display.replace("\\", "\\\\").replace('"', '\\"')
+            text = _BUFFER_LOC.sub(lambda m: f'"{esc}":{m.group(1)}:{m.group(2)}', text)
+        return text
 
     def _dump(self, title: str, module) -> None:
         sys.stderr.write(f"// -----// {title} //----- //\n{self._print(module)}\n")
@@ -529,6 +597,36 @@ class _Driver:
                                 f'expected {exp.severity} "{exp.text}" was not produced',
                                 self.display, exp.dir_line, exp.dir_col)
         return ok
+
+
+def _reparses(text: str, ctx: ir.Context) -> bool:
+    try:
+        with ctx:
+            ir.Module.parse(text)
+    except ir.MLIRError:
+        return False
+    return True
+_BUFFER_LOC = re.compile(r'"-":(\d+):(\d+)')
+_NOT_BRACKETS = re.compile(r'"(?:[^"\\\n]|\\.)*"|//[^\n]*')
+
+
+def _nesting(text: str) -> tuple[int, int]:
+    """``(depth, offset)``: the deepest bracket nesting outside strings and comments,
+    and where it is first reached (``(0, 0)`` when it cannot exceed the limit)."""
+    if sum(text.count(b) for b in "{[(") <= MAX_NESTING:
+        return 0, 0
+    import numpy as np
+
+    # blank out strings and comments, keeping offsets
+    clean = _NOT_BRACKETS.sub(lambda m: " " * len(m.group(0)), text)
+    b = np.frombuffer(clean.encode("utf-32-le"), dtype=np.uint32)
+    step = (np.isin(b, (ord("{"), ord("["), ord("("))).astype(np.int32)
+            - np.isin(b, (ord("}"), ord("]"), ord(")"))).astype(np.int32))
+    depth = np.cumsum(step)
+    deepest = int(depth.max(initial=0))
+    if deepest <= MAX_NESTING:
+        return deepest, 0
+    return deepest, int(np.argmax(depth > MAX_NESTING))
 
 
 def _split(text: str) -> list[Chunk]:

@@ -42,6 +42,20 @@ module {
 
 // -----
 
+// The caller may give mm.default its mesh (mjit(mesh=...), a MultiMesh): the entry
+// stays, and the ops go to it.
+// CHECK: module attributes {mm.tasks = {mm.default = {axis_names = ["x", "y"], axis_sizes = [4, 2], devices = [0, 1, 2, 3, 4, 5, 6, 7], logical_axes = []}}}
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: stablehlo.sine %arg0 {mm.task = {name = "mm.default", transpose_count = 0 : i64}}
+module attributes {mm.tasks = {mm.default = {devices = [0, 1, 2, 3, 4, 5, 6, 7], axis_names = ["x", "y"], axis_sizes = [4, 2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.sine %arg0 : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
+
+// -----
+
 // A while op whose body holds tagged ops takes their task (the body ops keep only
 // their own tags), and its untagged neighbours then follow it (no mm.default).
 // CHECK: module attributes {mm.tasks = {loop = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = []}}} {

@@ -35,7 +35,7 @@ module attributes {mm.num_devices = 8 : i64} {
 // -----
 
 func.func @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
-  // expected-error@+1 {{call in @main is not a fragment call; run mm-outline-fragments first}}
+  // expected-error@+1 {{mm-extract-fragments expects a module in MPMD form, but this one is in front-end form (task calls not inlined yet, docs/ir.md section 1); run mm-inline-tasks, mm-outline-fragments and mm-propagate-shardings first}}
   %0 = call @f(%arg0) : (tensor<4xf32>) -> tensor<4xf32>
   return %0 : tensor<4xf32>
 }

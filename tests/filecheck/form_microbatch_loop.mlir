@@ -79,11 +79,12 @@ module {
 // CHECK-LABEL: func.func @no_loop
 // CHECK-NEXT: call @f(%arg0)
 module {
+  sdy.mesh @mesh = <["x"=1]>
   func.func @no_loop(%arg0: tensor<4xf32>) -> tensor<4xf32> {
     %0 = call @f(%arg0) {mm.fragment} : (tensor<4xf32>) -> tensor<4xf32>
     return %0 : tensor<4xf32>
   }
-  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.task = {name = "a", transpose_count = 0 : i64}} {
+  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64}} {
     return %arg0 : tensor<4xf32>
   }
   func.func @main() {
@@ -95,10 +96,16 @@ module {
 
 // A sum must read a result of a fragment in the loop.
 module {
-  func.func @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+  sdy.mesh @mesh = <["x"=1]>
+  func.func @main(%arg0: tensor<4xf32>) -> (tensor<4xf32>, tensor<4xf32>) {
+    %0 = call @f(%arg0) {mm.fragment} : (tensor<4xf32>) -> tensor<4xf32>
+    %1 = stablehlo.custom_call @mm.microbatch_sum(%0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 2 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
     // expected-error@+1 {{'mm.microbatch_sum' must sum a result of a fragment call in the loop}}
-    %0 = stablehlo.custom_call @mm.microbatch_sum(%arg0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 2 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
-    return %0 : tensor<4xf32>
+    %2 = stablehlo.custom_call @mm.microbatch_sum(%arg0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 2 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
+    return %1, %2 : tensor<4xf32>, tensor<4xf32>
+  }
+  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<4xf32>
   }
 }
 
@@ -106,6 +113,7 @@ module {
 
 // A value of the loop leaves it only through a sum.
 module {
+  sdy.mesh @mesh = <["x"=1]>
   func.func @main(%arg0: tensor<4xf32>) -> (tensor<4xf32>, tensor<4xf32>) {
     %0 = call @f(%arg0) {mm.fragment} : (tensor<4xf32>) -> tensor<4xf32>
     %1 = stablehlo.custom_call @mm.microbatch_sum(%0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 2 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
@@ -113,10 +121,10 @@ module {
     %2 = call @g(%0) {mm.fragment} : (tensor<4xf32>) -> tensor<4xf32>
     return %1, %2 : tensor<4xf32>, tensor<4xf32>
   }
-  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
     return %arg0 : tensor<4xf32>
   }
-  func.func private @g(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.task = {name = "a", transpose_count = 0 : i64}} {
+  func.func private @g(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64}} {
     return %arg0 : tensor<4xf32>
   }
 }
@@ -125,6 +133,7 @@ module {
 
 // Every sum of the loop agrees on the number of microbatches.
 module {
+  sdy.mesh @mesh = <["x"=1]>
   func.func @main(%arg0: tensor<4xf32>) -> (tensor<4xf32>, tensor<4xf32>) {
     %0 = call @f(%arg0) {mm.fragment} : (tensor<4xf32>) -> tensor<4xf32>
     %1 = stablehlo.custom_call @mm.microbatch_sum(%0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 2 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
@@ -132,7 +141,7 @@ module {
     %2 = stablehlo.custom_call @mm.microbatch_sum(%0) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
     return %1, %2 : tensor<4xf32>, tensor<4xf32>
   }
-  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+  func.func private @f(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
     return %arg0 : tensor<4xf32>
   }
 }

@@ -139,13 +139,27 @@ module {
 
 // -----
 
-// One task name with two different device lists is an error.
+// One task name with a second device list or logical mapping names a new task
+// (`task(f, mesh=a)` and `task(f, mesh=b)`): the first keeps the name, the others
+// get ".1", ".2", ... in program order, skipping names the module already uses. The
+// backward call on the same mesh as the first forward joins that same task. (Leaf
+// calls: each keeps a copy of the shared body.)
+// CHECK: module attributes {mm.tasks = {t = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = []}, t.1 = {axis_names = ["x"], axis_sizes = [2], devices = [4, 5], logical_axes = []}, t.2 = {axis_names = ["x"], axis_sizes = [2], devices = [2, 3], logical_axes = []}, t.3 = {axis_names = ["x"], axis_sizes = [2], devices = [2, 3], logical_axes = {{\[\["batch", "x"\]\]}}}}}
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[A:.*]] = call @f{{.*}}(%arg0) {mm.task = {name = "t", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[B:.*]] = call @f{{.*}}(%[[A]]) {mm.task = {name = "t.2", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[C:.*]] = call @f{{.*}}(%[[B]]) {mm.task = {name = "t.3", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[D:.*]] = call @f{{.*}}(%[[C]]) {mm.task = {name = "t.1", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[E:.*]] = call @f{{.*}}(%[[D]]) {mm.task = {name = "t", transpose_count = 1 : i64}}
+// CHECK-NEXT: return %[[E]]
 module {
   func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
     %0 = func.call @f(%arg0) {mm.task = {name = "t", transpose_count = 0 : i64, devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}} : (tensor<8xf32>) -> tensor<8xf32>
-    // expected-error@+1 {{task 't' was given two different submeshes: devices [0, 1] with axes {'x': 2} and devices [2, 3] with axes {'x': 2}; a task name has one submesh}}
-    %1 = func.call @f(%0) {mm.task = {name = "t", transpose_count = 1 : i64, devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}} : (tensor<8xf32>) -> tensor<8xf32>
-    return %1 : tensor<8xf32>
+    %1 = func.call @f(%0) {mm.task = {name = "t", transpose_count = 0 : i64, devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}} : (tensor<8xf32>) -> tensor<8xf32>
+    %2 = func.call @f(%1) {mm.task = {name = "t", transpose_count = 0 : i64, devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"]]}} : (tensor<8xf32>) -> tensor<8xf32>
+    %3 = func.call @f(%2) {mm.task = {name = "t.1", transpose_count = 0 : i64, devices = [4, 5], axis_names = ["x"], axis_sizes = [2], logical_axes = []}} : (tensor<8xf32>) -> tensor<8xf32>
+    %4 = func.call @f(%3) {mm.task = {name = "t", transpose_count = 1 : i64, devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %4 : tensor<8xf32>
   }
   func.func private @f(%arg0: tensor<8xf32>) -> tensor<8xf32> {
     %0 = stablehlo.sine %arg0 : tensor<8xf32>

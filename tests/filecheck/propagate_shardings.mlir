@@ -78,3 +78,33 @@ module {
     return %arg0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// A pinned @main argument (a physical input sharding the caller gave) keeps its
+// mm.sharding/mm.devices. a_fwd runs on the same devices with a mesh that can express
+// the layout (["d"=4] rows = ["x"=4, "y"=1] rows), so it reads the input in place;
+// b_fwd's devices differ, so it starts from its own layout (a transfer follows).
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.devices = [0, 1, 2, 3], mm.sharding = #sdy.sharding<mesh<["d"=4]>, [{"d"}, {}]>})
+// CHECK-LABEL: func.func private @a_fwd
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>})
+// CHECK-LABEL: func.func private @b_fwd
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_b, [{}, {}]>})
+module attributes {mm.tasks = {a = {devices = [0, 1, 2, 3], axis_names = ["x", "y"], axis_sizes = [4, 1], logical_axes = []}, b = {devices = [4, 5, 6, 7], axis_names = ["x", "y"], axis_sizes = [4, 1], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=4, "y"=1]>
+  sdy.mesh @mesh_b = <["x"=4, "y"=1]>
+  func.func @main(%arg0: tensor<8x4xf32> {mm.devices = [0, 1, 2, 3], mm.sharding = #sdy.sharding<mesh<["d"=4]>, [{"d"}, {}]>}) -> (tensor<8x4xf32>, tensor<8x4xf32>) {
+    %0 = call @a_fwd(%arg0) {mm.fragment} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    %1 = call @b_fwd(%arg0) {mm.fragment} : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    return %0, %1 : tensor<8x4xf32>, tensor<8x4xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> attributes {mm.devices = [0, 1, 2, 3], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}} {
+    %0 = stablehlo.sine %arg0 : tensor<8x4xf32>
+    return %0 : tensor<8x4xf32>
+  }
+  func.func private @b_fwd(%arg0: tensor<8x4xf32>) -> tensor<8x4xf32> attributes {mm.devices = [4, 5, 6, 7], mm.mesh = @mesh_b, mm.task = {name = "b", transpose_count = 0 : i64}} {
+    %0 = stablehlo.cosine %arg0 : tensor<8x4xf32>
+    return %0 : tensor<8x4xf32>
+  }
+}

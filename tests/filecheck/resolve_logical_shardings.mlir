@@ -113,7 +113,7 @@ module attributes {mm.tasks = {stage0 = {devices = [0, 1, 2, 3], axis_names = ["
 
 module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x"], axis_sizes = [4], logical_axes = [["batch", "z"]]}}} {
   func.func @unknown_device_axis(%arg0: tensor<8xf32>) -> tensor<8xf32> {
-    // expected-error@+1 {{Logical axis 'batch' is mapped to device axis 'z', which is not an axis of the task mesh. Valid device axis names are: 'x'.}}
+    // expected-error@+1 {{Logical axis 'batch' is mapped to device axis 'z', which is not an axis of the mesh of task 't'. Valid device axis names are: 'x'.}}
     %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"]], mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
     return %0 : tensor<8xf32>
   }

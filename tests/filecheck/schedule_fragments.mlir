@@ -170,3 +170,14 @@ module attributes {mm.schedule_config = {schedule = "1f1b", unrolling = 2 : i64}
     return %arg0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// The MPMD form is required.
+module {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    // expected-error@+1 {{mm-schedule-fragments expects a module in MPMD form, but this one is in flat form (one @main, ops tagged with their task, docs/ir.md sections 2-3); run mm-outline-fragments first}}
+    %0 = stablehlo.sine %arg0 : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}

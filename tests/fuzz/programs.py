@@ -37,6 +37,7 @@ import dataclasses
 import random
 import re
 import textwrap
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -1092,6 +1093,23 @@ def _check_interleave_error(p: ProgramSpec, e: Exception, t0: float) -> Outcome:
     return Outcome("interleave-mismatch", seconds=time.perf_counter() - t0)
 
 
+def _check_warnings(p: ProgramSpec, compiled, caught) -> None:
+    """A schedule that cannot apply says so -- exactly when the loop has one pipeline stage
+    and the schedule is not GPipe's order; any other warning is passed on to the caller."""
+    skipped = [w for w in caught if "does not apply" in str(w.message)]
+    sched = compiled.schedule if p.microbatch else None
+    single = sched is not None and len(sched.orders) == 1
+    if p.microbatch and single and p.microbatch.schedule != "gpipe" and not skipped:
+        raise FuzzFailure("warning", f"schedule {p.microbatch.schedule!r} ran on one stage "
+                          "without a warning that it does not apply", p)
+    if skipped and not single:
+        raise FuzzFailure("warning", f"warned {str(skipped[0].message)!r} on a "
+                          f"{len(sched.orders) if sched else 0}-stage loop", p)
+    for w in caught:
+        if w not in skipped:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def check(p: ProgramSpec, *, rtol: float = 1e-4, atol: float = 1e-4,
           known_bugs: frozenset = frozenset(KNOWN_BUGS)) -> Outcome:
     """Run ``p`` through ``mjit`` and plain JAX; raise :class:`FuzzFailure` on any mismatch."""
@@ -1109,7 +1127,9 @@ def check(p: ProgramSpec, *, rtol: float = 1e-4, atol: float = 1e-4,
     ids = [d.id for d in devices]
     predicted = predict_error(p)
     try:
-        compiled = mm.mjit(program, devices=devices).lower(*args).compile()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = mm.mjit(program, devices=devices).lower(*args).compile()
         out = compiled(*args)
         out = jax.block_until_ready(out)
     except LogicalShardingError as e:
@@ -1213,6 +1233,7 @@ def check(p: ProgramSpec, *, rtol: float = 1e-4, atol: float = 1e-4,
                               f"{fr['task']!r}", p)
     if p.microbatch:
         _check_schedule(p, compiled, ids, known, known_bugs)
+    _check_warnings(p, compiled, caught)
     return Outcome("ok", len(names), len(compiled.transfers), time.perf_counter() - t0,
                    tuple(sorted(known)))
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts
+from multimesh.runtime import distributed
 
 __all__ = ["task", "shard_axes", "parallelize_step"]
 
@@ -122,8 +123,10 @@ def task(model, name: str | None = None, *, task: mm.Task | None = None, **kwarg
       with the same constructor fields. Its single parameter ``mod`` holds the
       inner module's ``params`` (``{'params': {...}}``); other collections of the
       inner module (``batch_stats``, ...) live under ``mod`` in their own
-      collection. Calling it runs the inner module as a task. When ``name`` is
-      given it is also the default linen name of each instance.
+      collection. Calling it runs the inner module as a task. ``name`` names the
+      *task* only, as in MultiMesh: an instance without a linen ``name`` is
+      auto-named by Flax from the class, ``Task[<Model>]_0``, ``Task[<Model>]_1``,
+      ... (which fixes the parameter paths and so Flax's initial values).
     * An ``nnx.Module`` **instance** gives an NNX module (``TaskModule``) whose
       attribute ``mod`` is the wrapped module; calling it runs the module as a
       task and writes its state updates back.
@@ -176,16 +179,10 @@ def _linen_task_class(model: type, explicit_name: str | None, spec: mm.Task) -> 
             namespace[f.name] = dataclasses.field(**kw)
     namespace["__annotations__"] = annotations
 
-    def __post_init__(self):
-        if explicit_name is not None and self.name is None:
-            object.__setattr__(self, "name", explicit_name)
-        nn.Module.__post_init__(self)
-
     @nn.compact
     def __call__(self, *args, **kw):
         return _call_linen_task(self, model, fields, explicit_name, spec, args, kw)
 
-    namespace["__post_init__"] = __post_init__
     namespace["__call__"] = __call__
     cls = type(f"Task[{model.__name__}]", (nn.Module,), namespace)
     cls.mm_task = spec
@@ -310,7 +307,7 @@ def make_prepare_batch(batch_shardings, batch_avals):
             data = np.asarray(x)
             if data.dtype != aval.dtype:
                 data = data.astype(aval.dtype)
-            return jax.make_array_from_process_local_data(sh, data, aval.shape)
+            return distributed.from_process_local(data, sh, aval.shape)
 
         return jax.tree.map(one, local, batch_shardings, batch_avals)
 
@@ -495,15 +492,19 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         state_avals = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
             init_state)
-    compiled = mm.mjit(step_fn, devices=list(mesh.devices.flat)).lower(
+    compiled = mm.mjit(step_fn, mesh=mesh).lower(
         state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
-    if init_state is None:
-        init_batch = global_batch if global_batch is not None else local_batch
+    init_batch = global_batch if global_batch is not None else local_batch
+    if init_state is not None:
+        state = place(init_state, state_sh)
+    else:
         with mm.ignore_transforms():
-            init_state = jax.jit(init_fn)(key, init_batch)
-    state = place(init_state, state_sh)
+            if jax.process_count() > 1:  # each variable computed only by its owners
+                state = distributed.owner_init(init_fn, state_sh, key, init_batch)
+            else:
+                state = place(jax.jit(init_fn)(key, init_batch), state_sh)
     if global_batch is not None:
         return compiled, state, mesh
     return compiled, state, mesh, prepare_batch

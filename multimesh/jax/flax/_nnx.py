@@ -27,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts
+from multimesh.jax import _contexts, _multimesh
 from multimesh.jax.flax._linen import (
     _batch_avals,
     _check_batches,
@@ -505,7 +506,7 @@ class _NnxMJit:
         self.donate_argnums = donate_argnums
         self.static_argnums = tuple(np.atleast_1d(static_argnums)) if static_argnums not in (
             None, ()) else ()
-        self._cache: dict = {}
+        self._cache = LRUCache("multimesh nnx mjit programs")
 
     def _split_args(self, args, kwargs, allow_abstract=False):
         static = tuple(args[i] for i in self.static_argnums)
@@ -564,7 +565,8 @@ class _NnxMJit:
 
     def __call__(self, *args, **kwargs):
         static, split = self._split_args(args, kwargs)
-        key = (tuple(_hashable(s) for s in static), split.signature())
+        key = (tuple(_hashable(s) for s in static), split.signature(),
+               _multimesh.compile_token())
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._lower(static, split).compile()
@@ -847,7 +849,7 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
         state.optimizer.update(state.model, grads)
         return loss
 
-    jitted = mjit(train_step, devices=list(mesh.devices.flat),
+    jitted = mjit(train_step, mesh=mesh,
                   in_shardings=(_state_specs(state), None))
     compiled = jitted.lower(state, batch_avals).compile()
     compiled.place(state, batch_avals)

@@ -1,0 +1,133 @@
+"""Which form of docs/ir.md a module is in, so a pass can refuse the wrong one.
+
+A pass run on a module from the wrong stage does not always fail: the full pipeline
+run on its own output used to collapse the program into one fragment, and
+``mm-insert-transfers`` on a flat module failed at ``1:1`` with no hint. Each pass
+declares the forms it ``consumes``; :func:`check_stage` (called by
+``ModulePass.run``) names the form found, the op that shows it, and what to run.
+
+Detection reads the module's top-level ops (a handful), walking ``@main`` only when
+functions other than fragments remain, so it is cheap at any module size.
+"""
+
+from __future__ import annotations
+
+from mlir_passes import _contract as c
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.mlir import ir
+
+__all__ = ["STAGES", "stage_of", "check_stage"]
+
+FRONT_END, FLAT, MPMD, EXTRACTED = "front-end", "flat", "mpmd", "extracted"
+STAGES = (FRONT_END, FLAT, MPMD, EXTRACTED)
+"""The forms of docs/ir.md, in pipeline order."""
+
+DESCRIPTION = {
+    FRONT_END: "front-end form (task calls not inlined yet, docs/ir.md section 1)",
+    FLAT: "flat form (one @main, ops tagged with their task, docs/ir.md sections 2-3)",
+    MPMD: "MPMD form (fragment functions called from @main, docs/ir.md section 4)",
+    EXTRACTED: "extracted MPMD form (nested fragment modules called by mm.fragment_call, "
+               "after mm-extract-fragments)",
+}
+_ENTERED_BY = {FLAT: "mm-inline-tasks", MPMD: "mm-outline-fragments",
+               EXTRACTED: "mm-extract-fragments"}
+"""The pass that takes a module from the previous stage into this one."""
+
+
+def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
+    """``(stage, op)``: the module's form and the first op that shows it (None if none).
+
+    A module without ``@main`` has no stage (None): the passes that need ``@main``
+    say so themselves. Neither has one whose ``@main`` only returns: it is in every form.
+    """
+    main, fragment_fn, other_fn, leaf_fn = None, None, False, False
+    for op in module.body.operations:
+        op = op.operation
+        if op.name == "builtin.module" and ("mm.devices" in op.attributes
+                                            or "mm.task" in op.attributes):
+            return EXTRACTED, op  # a fragment module
+        if op.name != "func.func":
+            continue
+        if ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            main = op
+        elif "mm.devices" in op.attributes:
+            fragment_fn = fragment_fn or op
+        elif "mm.task" in op.attributes:  # a leaf task call's body (flat form), or a
+            leaf_fn = True                  # fragment without mm.devices (MPMD form)
+        else:
+            other_fn = True
+    if main is None:
+        return None, None
+    first = _first_op(main)
+    if first is None or first.name == "func.return":
+        return None, None  # nothing but the return: every form at once (an identity program)
+    if fragment_fn is not None:
+        return MPMD, _first_call(main, fragment=True) or fragment_fn
+    if other_fn or leaf_fn:  # callees remain: task bodies not inlined yet (or composites'
+        call = _first_call(main, fragment=None)  # bodies, or leaf task calls' bodies)
+        if call is not None:  # a call marked mm.fragment to a malformed fragment: MPMD
+            if "mm.fragment" in call.attributes:
+                return MPMD, call
+            if other_fn and not _leaf_call(call):
+                return FRONT_END, call
+    return FLAT, first
+
+
+def _leaf_call(call: ir.Operation) -> bool:
+    """A leaf task call of the flat form: tagged ``{name, transpose_count}`` (no mesh)."""
+    if "mm.task" not in call.attributes:
+        return False
+    tag = call.attributes["mm.task"]
+    return isinstance(tag, ir.DictAttr) and "devices" not in tag
+
+
+def _first_op(main: ir.Operation) -> ir.Operation | None:
+    ops = c.entry_block(main).operations
+    return ops[0].operation if len(ops) else None
+
+
+def _first_call(main: ir.Operation, *, fragment: bool | None) -> ir.Operation | None:
+    """The first ``func.call`` under ``main`` (marked ``mm.fragment`` or not; None: any)."""
+    found: list[ir.Operation] = []
+
+    def cb(op):
+        op = op.operation
+        if op.name == "func.call" and (
+                fragment is None or ("mm.fragment" in op.attributes) == fragment):
+            found.append(op)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    main.walk(cb, ir.WalkOrder.PRE_ORDER)
+    return found[0] if found else None
+
+
+def check_stage(module: ir.Module, argument: str, consumes: tuple[str, ...],
+                requires: tuple[str, ...] = ()) -> None:
+    """:class:`DiagnosticError` if ``module`` is in none of the forms ``consumes``.
+
+    ``requires`` are passes this one needs to have run besides those that reach its
+    form (``mm-propagate-shardings`` for ``mm-insert-transfers``), named in the hint.
+    """
+    stage, op = stage_of(module)
+    if stage is None or stage in consumes:
+        return
+    wanted = " or ".join(DESCRIPTION[s].split(" (")[0] for s in consumes)
+    where = op.location if op is not None else module.operation.location
+    have = STAGES.index(stage)
+    if have < min(STAGES.index(s) for s in consumes):
+        target = min(STAGES.index(s) for s in consumes)
+        todo = [_ENTERED_BY[s] for s in STAGES[have + 1:target + 1]]
+        todo += [r for r in requires if r not in todo]
+        hint = f"run {_join(todo)} first"
+    else:
+        hint = (f"it has already been through {_ENTERED_BY[stage]}: give {argument} a module "
+                f"from an earlier stage (the traced program, or a MULTIMESH_DUMP_IR_TO dump "
+                f"from before {_ENTERED_BY[stage]})")
+    raise DiagnosticError(
+        f"{argument} expects a module in {wanted}, but this one is in {DESCRIPTION[stage]}; "
+        f"{hint}", where)
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]

@@ -1,0 +1,154 @@
+"""``MULTIMESH_DUMP_IR_TO`` and failure repros: one place per program, safe under threads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shlex
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import multimesh.jax as mm
+from multimesh._src.errors import PassFailure
+from multimesh.tools.mm_opt import main as mm_opt
+
+
+def _mesh(k: int) -> mm.TaskMesh:
+    return mm.TaskMesh(devices=range(4 * k, 4 * k + 4), axis_names=("x",), axis_sizes=(4,))
+
+
+def _program(tag: str):
+    """A two-task program whose task names carry ``tag`` (so dumps can be told apart)."""
+    a = mm.task(lambda x: x * 2, name=f"{tag}_a", mesh=_mesh(0))
+    b = mm.task(lambda x: x + 1, name=f"{tag}_b", mesh=_mesh(1))
+
+    def program(x):
+        return b(a(x))
+
+    program.__name__ = f"prog_{tag}"
+    return program
+
+
+def _broken(tag: str):
+    """A program that fails in mm-resolve-logical-shardings: a constraint whose logical
+    name the task maps to a device axis its mesh lacks."""
+    a = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name=f"{tag}",
+                mesh=_mesh(0), logical_axes=(("batch", "nope"),))
+
+    def broken(x):
+        return a(x)
+
+    broken.__name__ = f"broken_{tag}"
+    return broken
+
+
+@pytest.fixture
+def dump_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTIMESH_DUMP_IR_TO", str(tmp_path))
+    return tmp_path
+
+
+def _check_dumps(d: Path, tag: str, other: str | None = None):
+    files = sorted(p.name for p in d.iterdir())
+    assert files[0] == "00-input.mlir" and files[-1].endswith("mm-extract-fragments.mlir"), files
+    assert [f[:2] for f in files] == [f"{i:02d}" for i in range(len(files))]
+    for f in files:
+        text = (d / f).read_text()
+        assert f"{tag}_a" in text, (d, f)
+        if other is not None:
+            assert f"{other}_a" not in text, (d, f)
+
+
+def test_each_program_dumps_into_its_own_directory(dump_dir):
+    x = jnp.arange(8.0)
+    np.testing.assert_array_equal(mm.mjit(_program("one"))(x), np.arange(8.0) * 2 + 1)
+    np.testing.assert_array_equal(mm.mjit(_program("two"))(x), np.arange(8.0) * 2 + 1)
+    mm.mjit(_program("one")).lower(x).compile()  # the same name again: a new directory
+    assert sorted(p.name for p in dump_dir.iterdir()) == ["prog_one-0", "prog_one-1",
+                                                          "prog_two-0"]
+    _check_dumps(dump_dir / "prog_one-0", "one", other="two")
+    _check_dumps(dump_dir / "prog_two-0", "two", other="one")
+    _check_dumps(dump_dir / "prog_one-1", "one", other="two")
+
+
+def test_programs_compiled_in_parallel_threads_keep_their_dumps_apart(dump_dir):
+    tags = [f"t{i}" for i in range(4)]
+    errors, barrier = [], threading.Barrier(len(tags))
+
+    def compile_one(tag):
+        try:
+            barrier.wait(30)
+            y = mm.mjit(_program(tag))(jnp.arange(8.0))
+            np.testing.assert_array_equal(y, np.arange(8.0) * 2 + 1)
+            assert sorted(d.id for d in y.devices()) == [4, 5, 6, 7]
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=compile_one, args=(t,)) for t in tags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert sorted(p.name for p in dump_dir.iterdir()) == [f"prog_{t}-0" for t in tags]
+    for t in tags:
+        _check_dumps(dump_dir / f"prog_{t}-0", t, other=next(o for o in tags if o != t))
+
+
+def _repro_file(e: PassFailure) -> Path:
+    return Path(shlex.split(e.repro)[1])
+
+
+def _replay(e: PassFailure) -> tuple[int, str]:
+    argv = shlex.split(e.repro)[1:]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = mm_opt(argv)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("dumping", [False, True])
+def test_concurrent_failures_write_their_own_repros(dumping, tmp_path, monkeypatch):
+    if dumping:
+        monkeypatch.setenv("MULTIMESH_DUMP_IR_TO", str(tmp_path))
+    else:
+        monkeypatch.delenv("MULTIMESH_DUMP_IR_TO", raising=False)
+    tags = [f"f{i}" for i in range(3)]
+    failures: dict[str, PassFailure] = {}
+    barrier = threading.Barrier(len(tags))
+
+    def fail(tag):
+        barrier.wait(30)
+        try:
+            mm.mjit(_broken(tag))(jnp.ones(8))
+        except PassFailure as e:
+            failures[tag] = e
+
+    threads = [threading.Thread(target=fail, args=(t,)) for t in tags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(failures) == tags
+    paths = {tag: _repro_file(e) for tag, e in failures.items()}
+    assert len(set(paths.values())) == len(tags), paths
+    try:
+        for tag, e in failures.items():
+            assert e.pass_argument == "mm-resolve-logical-shardings"
+            text = paths[tag].read_text()
+            assert f'name = "{tag}"' in text
+            assert all(f'name = "{o}"' not in text for o in tags if o != tag)
+            if dumping:
+                assert paths[tag].parent == tmp_path / f"broken_{tag}-0"
+            code, err = _replay(e)
+            assert code == 1 and f"mesh of task '{tag}'" in err
+    finally:
+        if not dumping:
+            for p in paths.values():
+                os.unlink(p)
