@@ -82,18 +82,13 @@ def test_batched_program_reads_every_value_after_it_is_made():
     plan = exe.plan
     alive = set(plan.input_ids) | set(plan.constants)
     moved = []
-    for op in exe._program:
-        if op[0] == 0:
-            reads, writes = op[2], op[3]
-        elif op[0] == 1:
-            reads, writes = op[1], op[2]
-            moved.extend(op[2])
-        else:
-            reads, writes = (op[1],), (op[2],)
-            moved.append(op[2])
-        assert set(reads) <= alive, (op, sorted(alive))
+    for kind, _, srcs, dsts, _, drop in exe._program:
+        reads, writes = (srcs, dsts) if kind in (0, 1) else ((srcs,), (dsts,))
+        if kind != 0:
+            moved.extend(writes)
+        assert set(reads) <= alive, (kind, srcs, sorted(alive))
         alive |= set(writes)
-        alive -= set(op[-1])
+        alive -= set(drop)
     assert sorted(moved) == sorted(s.dst for s in plan.steps if not isinstance(s, Call))
     assert set(plan.outputs) <= alive
 
@@ -167,7 +162,7 @@ def test_resharding_transfers_stay_correct(schedule):
     ws, x = _weights(2), jnp.linspace(-1, 1, 32 * 8).reshape(32, 8)
     step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=schedule)
     compiled = mm.mjit(step).lower(ws, x).compile()
-    kinds = {op[0] for op in compiled._exec._program}
+    kinds = {op[0] for op in compiled._exec._program}  # (kind, what, srcs, dsts, ...)
     assert 2 in kinds  # at least one reshard
     got = compiled(ws, x)
     _check(got, _summed(loss, ws, x, 8))

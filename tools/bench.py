@@ -392,24 +392,26 @@ def _timed_dispatch(ex, flat, xc) -> tuple[float, float]:
     copy = xc.batched_copy_array_to_devices_with_sharding
     tc = tt = 0.0
     clock = time.perf_counter
-    for op in ex._program:
-        if op[0] == 0:
+    for kind, what, srcs, dsts, delete, drop in ex._program:
+        if kind == 0:
             t0 = clock()
-            outs = op[1](*map(get, op[2]))
+            outs = what(*map(get, srcs))
             tc += clock() - t0
-            for d, o in zip(op[3], outs):
+            for d, o in zip(dsts, outs):
                 env[d] = o
-        elif op[0] == 1:
+            for d in delete:
+                env[d].delete()
+        elif kind == 1:
             t0 = clock()
-            outs = copy(list(map(get, op[1])), op[3], op[4], op[5])
+            outs = copy(list(map(get, srcs)), *what)
             tt += clock() - t0
-            for d, o in zip(op[2], outs):
+            for d, o in zip(dsts, outs):
                 env[d] = o
         else:
             t0 = clock()
-            env[op[2]] = executor._move(env[op[1]], op[3])
+            env[dsts] = (executor._move if kind == 2 else executor._copy)(env[srcs], what)
             tt += clock() - t0
-        for d in op[-1]:
+        for d in drop:
             env[d] = None
     import jax
 

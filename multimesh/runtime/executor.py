@@ -285,21 +285,20 @@ class Executor:
             return self._run_steps(env)
         get = env.__getitem__
         copy = xc.batched_copy_array_to_devices_with_sharding
-        for op in self._program:
-            kind = op[0]
-            if kind == 0:  # (0, exe, args, results, delete, drop)
-                outs = op[1](*map(get, op[2]))
-                for d, o in zip(op[3], outs):
+        for kind, what, srcs, dsts, delete, drop in self._program:
+            if kind == 0:  # a call: `what` is its dispatch function
+                outs = what(*map(get, srcs))
+                for d, o in zip(dsts, outs):
                     env[d] = o
-                for d in op[4]:  # donated, but this call's executable cannot reuse it
-                    env[d].delete()
-            elif kind == 1:  # (1, srcs, dsts, device lists, shardings, semantics, drop)
-                outs = copy(list(map(get, op[1])), op[3], op[4], op[5])
-                for d, o in zip(op[2], outs):
+                if delete:  # donated, but this call's executable cannot reuse them
+                    for d in delete:
+                        env[d].delete()
+            elif kind == 1:  # plain copies: `what` is (device lists, shardings, semantics)
+                for d, o in zip(dsts, copy(list(map(get, srcs)), *what)):
                     env[d] = o
-            else:  # (2 | 3, src, dst, sharding, drop): a reshard, or a fresh copy
-                env[op[2]] = (_move if kind == 2 else _copy)(env[op[1]], op[3])
-            for d in op[-1]:
+            else:  # a reshard (2) or a fresh copy (3) of one array onto sharding `what`
+                env[dsts] = (_move if kind == 2 else _copy)(env[srcs], what)
+            for d in drop:
                 env[d] = None
         return self._outputs(env)
 
@@ -425,19 +424,20 @@ def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
             program.append((0, _dispatcher(exes[item]), tuple(s.args), tuple(s.results),
                             tuple(skipped.get(item, ())), drops(k, s.args)))
             continue
+        # (kind, what, srcs, dsts, delete, drop), as for a call
         transfers = [plan.steps[i] for i in item]
         shardings = [steps[i][1] for i in item]
         copies = [j for j, t in enumerate(transfers) if item[j] not in shared
                   and _plain_copy(layout[t.src], t.layout)]
-        ops: list[tuple] = [(3 if item[j] in shared else 2, t.src, t.dst, sh, ())
+        ops: list[tuple] = [(3 if item[j] in shared else 2, sh, t.src, t.dst, (), ())
                             for j, (t, sh) in enumerate(zip(transfers, shardings))
                             if j not in copies]
         if copies:
-            ops.append((1, tuple(transfers[j].src for j in copies),
-                        tuple(transfers[j].dst for j in copies),
-                        [shardings[j]._internal_device_list for j in copies],
-                        [shardings[j] for j in copies],
-                        [xc.ArrayCopySemantics.REUSE_INPUT] * len(copies), ()))
+            ops.append((1, ([shardings[j]._internal_device_list for j in copies],
+                            [shardings[j] for j in copies],
+                            [xc.ArrayCopySemantics.REUSE_INPUT] * len(copies)),
+                        tuple(transfers[j].src for j in copies),
+                        tuple(transfers[j].dst for j in copies), (), ()))
         ops[-1] = ops[-1][:-1] + (drops(k, [t.src for t in transfers]),)
         program.extend(ops)
     return program
