@@ -19,7 +19,7 @@ from mlir_passes._stages import check_stage
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, unchanged_on_error
 
-__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_module",
+__all__ = ["ModulePass", "DiagnosticError", "option_fields", "NOT_AN_OPTION", "verify_module",
            "verify_each_pass", "VERIFY_EACH_ENV"]
 
 VERIFY_EACH_ENV = "MULTIMESH_VERIFY_EACH_PASS"
@@ -109,9 +109,25 @@ class ModulePass:
     def pipeline_element(self) -> str:
         return self.argument + self.options_string()
 
+    def replay_element(self, stem: str) -> str:
+        """The pipeline element that replays this pass from the command line.
+
+        Usually :meth:`pipeline_element`. A pass that holds state no option can spell
+        (``mm-match-tasks``' in-memory rules) writes it to files whose paths start
+        with ``stem`` and names them in the options it returns.
+        """
+        del stem
+        return self.pipeline_element()
+
+
+NOT_AN_OPTION = {"option": False}
+"""Field metadata of a pass field that is state given in Python, not a CLI option."""
+
 
 def option_fields(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+    """The fields that are options: spelled in pipelines, listed in docs/passes.md."""
+    return [f for f in dataclasses.fields(cls)
+            if f.init and f.metadata.get("option", True)]
 
 
 def _field_type(cls, name):
