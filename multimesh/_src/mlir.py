@@ -11,7 +11,7 @@ import contextlib
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from jax._src.interpreters.mlir import make_ir_context as _make_ir_context
+from jax.interpreters.mlir import make_ir_context as _make_ir_context
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func, mpmd, sdy, stablehlo
 
