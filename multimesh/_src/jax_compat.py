@@ -39,7 +39,7 @@ __all__ = [
     "JAX_VERSION", "register_call_primitive", "lower_call", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
     "trace_context", "register_cache", "separate_consts", "array_impl_type",
-    "concrete_mesh", "distributed_client", "cluster_env_base",
+    "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -191,9 +191,12 @@ def _register_call_rules_010(prim, transposed) -> None:
     _ad.primitive_transposes[prim] = transpose
 
 
-def lower_call(ctx, name: str, call_jaxpr, operands, in_avals) -> tuple[ir.Operation, list]:
+def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
+               make_call: Callable | None = None) -> tuple[ir.Operation, list]:
     """Lower ``call_jaxpr`` into a private function ``name`` and call it with
     ``func.call``; returns the call op (for the caller's attributes) and its results.
+
+    ``make_call(result_types, callee, args)`` builds another call op instead.
 
     ``operands``/``in_avals`` are the call's arguments (the lowering rule's values,
     plus any the caller adds); the jaxpr's constants and effect tokens are threaded
@@ -213,8 +216,9 @@ def lower_call(ctx, name: str, call_jaxpr, operands, in_avals) -> tuple[ir.Opera
     tokens = [ctx.tokens_in.get(eff) for eff in effects]
     flat_args, _ = _mlir.ir_tree_registry.flatten(
         (*ctx.dim_var_values, *tokens, *const_values, *operands))
-    call = _func.CallOp(flat_output_types, ir.FlatSymbolRefAttr.get(func_op.name.value),
-                        flat_args)
+    callee = ir.FlatSymbolRefAttr.get(func_op.name.value)
+    call = (make_call(flat_output_types, callee, flat_args) if make_call is not None
+            else _func.CallOp(flat_output_types, callee, flat_args))
     out_nodes = treedef.unflatten(call.results)
     tokens, out_nodes = _util.split_list(out_nodes, [len(effects)])
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(
@@ -321,3 +325,19 @@ def cluster_env_base() -> tuple[type, list]:
     from jax._src import clusters
 
     return clusters.ClusterEnv, clusters.ClusterEnv._cluster_types
+
+
+def sdy_mpmd_partitioner():
+    """jaxlib's Shardy:MPMD partitioner extension (``jaxlib._sdy_mpmd``: no public
+    name). In jaxlib 0.10 to 0.12 the extension imports ``jax.jaxlib._jax``, which
+    these versions install as ``jaxlib._jax`` only, so that name is aliased first."""
+    import sys
+
+    import jaxlib
+    import jaxlib._jax
+
+    sys.modules.setdefault("jax.jaxlib", jaxlib)
+    sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
+    from jaxlib import _sdy_mpmd
+
+    return _sdy_mpmd
