@@ -423,14 +423,14 @@ def _p10_child(reps: int) -> None:
 
     jax.distributed.initialize()
     import numpy as np
-    from jax._src import distributed as jd
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from multimesh._src.jax_compat import distributed_client
     from multimesh.runtime.distributed import CrossTransfer
 
     me = jax.process_index()
-    kv = jd.global_state.client
+    kv = distributed_client()
     devs = jax.devices()
     sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
     sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))

@@ -39,7 +39,7 @@ __all__ = [
     "JAX_VERSION", "register_call_primitive", "lower_call", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
     "trace_context", "register_cache", "separate_consts", "array_impl_type",
-    "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
+    "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -292,6 +292,15 @@ def array_impl_type() -> type:
     from jax._src.array import ArrayImpl
 
     return ArrayImpl
+
+
+def gspmd_sharding(devices, hlo_sharding):
+    """A ``jax.sharding.Sharding`` for an XLA ``HloSharding`` over ``devices`` (what an
+    executable reports it was compiled with). ``GSPMDSharding`` has had no public
+    name since ``jax.sharding.GSPMDSharding`` was removed (before 0.10)."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    return GSPMDSharding(tuple(devices), hlo_sharding)
 
 
 def concrete_mesh():
