@@ -32,11 +32,8 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Primitive
 from jax.extend.core.primitives import closed_call_p
 
-from multimesh._src.mlir import func as _func
-from multimesh._src.mlir import ir
-
 __all__ = [
-    "JAX_VERSION", "register_call_primitive", "lower_call", "def_jit_impl",
+    "JAX_VERSION", "register_call_primitive", "lower_call", "fresh_ir_context", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
     "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
@@ -192,7 +189,7 @@ def _register_call_rules_010(prim, transposed) -> None:
 
 
 def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
-               make_call: Callable | None = None) -> tuple[ir.Operation, list]:
+               make_call: Callable | None = None) -> tuple:
     """Lower ``call_jaxpr`` into a private function ``name`` and call it with
     ``func.call``; returns the call op (for the caller's attributes) and its results.
 
@@ -204,6 +201,8 @@ def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
     ``jaxpr_const_args`` are internal in every version, and jax >= 0.11 reads the
     constants off the jaxpr itself (0.10: off the ``ClosedJaxpr``'s inner jaxpr).
     """
+    from multimesh._src.mlir import func, ir
+
     const_args_and_avals = _core.jaxpr_const_args(
         call_jaxpr if _MERGED_JAXPR else call_jaxpr.jaxpr)
     const_args, const_avals = _util.unzip2(const_args_and_avals)
@@ -218,12 +217,25 @@ def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
         (*ctx.dim_var_values, *tokens, *const_values, *operands))
     callee = ir.FlatSymbolRefAttr.get(func_op.name.value)
     call = (make_call(flat_output_types, callee, flat_args) if make_call is not None
-            else _func.CallOp(flat_output_types, callee, flat_args))
+            else func.CallOp(flat_output_types, callee, flat_args))
     out_nodes = treedef.unflatten(call.results)
     tokens, out_nodes = _util.split_list(out_nodes, [len(effects)])
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(
         _mlir.TokenSet(dict(zip(effects, tokens)))))
     return call.operation, out_nodes
+
+
+def fresh_ir_context():
+    """A new MLIR context with every dialect jax emits (func, stablehlo, sdy, mhlo, ...).
+
+    multimesh needs a context of its own: it turns multithreading off, keys caches on
+    the context, and a compiled program's IR must be freed with it. jax 0.10's public
+    ``make_ir_context`` makes a new one each call; jax >= 0.11's hands out one
+    thread-local context up to 10 times (jax's own lowerings share it), and its
+    ``_create_ir_context`` makes a new one.
+    """
+    create = getattr(_mlir, "_create_ir_context", None)
+    return create() if create is not None else _mlir.make_ir_context()
 
 
 def def_jit_impl(prim: Primitive) -> None:
