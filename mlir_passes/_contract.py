@@ -370,7 +370,19 @@ def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
     """
     if len(mesh_names) <= 1:
         return sorted(mesh_names)
+    return scan_fragment(fn, mesh_names)[0]
+
+
+_SHARDING_KEYS = ("sharding", "sdy.sharding", "in_shardings", "out_shardings")
+
+
+def scan_fragment(fn: ir.Operation, mesh_names: set[str]) -> tuple[list[str],
+                                                                     ir.Operation | None]:
+    """One walk over ``fn``: the meshes its shardings name (see
+    :func:`referenced_meshes`) and its first :data:`INTERNAL_SDY_OPS` op, if any."""
     found: set[str] = set()
+    internal: list[ir.Operation] = []
+    many = len(mesh_names) > 1
 
     def scan(attr) -> None:
         text = str(attr)
@@ -379,17 +391,25 @@ def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
                 found.add(name)
 
     def cb(op):
-        op = op.operation
-        for key in ("sharding", "sdy.sharding", "in_shardings", "out_shardings"):
-            if key in op.attributes:
-                scan(op.attributes[key])
+        attrs = op.attributes
+        if len(attrs):
+            if many:
+                for key in _SHARDING_KEYS:
+                    if key in attrs:
+                        scan(attrs[key])
+            if not internal and op.name in INTERNAL_SDY_OPS:
+                internal.append(op.operation)
+        elif not internal and op.name in INTERNAL_SDY_OPS:
+            internal.append(op.operation)
         return ir.WalkResult.ADVANCE
 
     fn.walk(cb, ir.WalkOrder.PRE_ORDER)
+    if not many:
+        return sorted(mesh_names), (internal[0] if internal else None)
     for key in ("arg_attrs", "res_attrs"):
         if key in fn.attributes:
             scan(fn.attributes[key])
-    return sorted(found)
+    return sorted(found), (internal[0] if internal else None)
 
 
 def top_finder(main: ir.Operation):
@@ -414,21 +434,26 @@ INTERNAL_SDY_OPS = ("sdy.data_flow_edge",)
 ``sdy-propagation-pipeline`` on a module that holds one can crash the process."""
 
 
-def reject_internal_sdy_ops(root: ir.Operation) -> None:
-    """:class:`DiagnosticError` at the first :data:`INTERNAL_SDY_OPS` op under ``root``."""
-    found: list[ir.Operation] = []
+def reject_internal_sdy_ops(root: ir.Operation, found: ir.Operation | None = None, *,
+                            scanned: bool = False) -> None:
+    """:class:`DiagnosticError` at the first :data:`INTERNAL_SDY_OPS` op under ``root``
+    (with ``scanned``, a walk already looked: ``found`` is that op or None, e.g. from
+    :func:`scan_fragment`)."""
+    if not scanned:
+        hits: list[ir.Operation] = []
 
-    def cb(op):
-        if op.operation.name in INTERNAL_SDY_OPS:
-            found.append(op.operation)
-            return ir.WalkResult.INTERRUPT
-        return ir.WalkResult.ADVANCE
+        def cb(op):
+            if op.name in INTERNAL_SDY_OPS:
+                hits.append(op.operation)
+                return ir.WalkResult.INTERRUPT
+            return ir.WalkResult.ADVANCE
 
-    root.walk(cb, ir.WalkOrder.PRE_ORDER)
-    if found:
+        root.walk(cb, ir.WalkOrder.PRE_ORDER)
+        found = hits[0] if hits else None
+    if found is not None:
         raise DiagnosticError(
-            f"'{found[0].name}' is internal to Shardy propagation and must not appear in "
-            f"the input", found[0].location)
+            f"'{found.name}' is internal to Shardy propagation and must not appear in "
+            f"the input", found.location)
 
 
 def fragment_calls(main: ir.Operation) -> list[ir.Operation]:

@@ -40,7 +40,7 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
     A module without ``@main`` has no stage (None): the passes that need ``@main``
     say so themselves. Neither has one whose ``@main`` only returns: it is in every form.
     """
-    main, fragment_fn, other_fn = None, None, False
+    main, fragment_fn, other_fn, leaf_fn = None, None, False, False
     for op in module.body.operations:
         op = op.operation
         if op.name == "builtin.module" and ("mm.devices" in op.attributes
@@ -52,6 +52,8 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
             main = op
         elif "mm.devices" in op.attributes:
             fragment_fn = fragment_fn or op
+        elif "mm.task" in op.attributes:  # a leaf task call's body (flat form), or a
+            leaf_fn = True                  # fragment without mm.devices (MPMD form)
         else:
             other_fn = True
     if main is None:
@@ -61,11 +63,22 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
         return None, None  # nothing but the return: every form at once (an identity program)
     if fragment_fn is not None:
         return MPMD, _first_call(main, fragment=True) or fragment_fn
-    if other_fn:  # callees remain: task bodies not inlined yet (or composites' bodies)
-        call = _first_call(main, fragment=None)
+    if other_fn or leaf_fn:  # callees remain: task bodies not inlined yet (or composites'
+        call = _first_call(main, fragment=None)  # bodies, or leaf task calls' bodies)
         if call is not None:  # a call marked mm.fragment to a malformed fragment: MPMD
-            return (MPMD if "mm.fragment" in call.attributes else FRONT_END), call
+            if "mm.fragment" in call.attributes:
+                return MPMD, call
+            if other_fn and not _leaf_call(call):
+                return FRONT_END, call
     return FLAT, first
+
+
+def _leaf_call(call: ir.Operation) -> bool:
+    """A leaf task call of the flat form: tagged ``{name, transpose_count}`` (no mesh)."""
+    if "mm.task" not in call.attributes:
+        return False
+    tag = call.attributes["mm.task"]
+    return isinstance(tag, ir.DictAttr) and "devices" not in tag
 
 
 def _first_op(main: ir.Operation) -> ir.Operation | None:

@@ -16,7 +16,8 @@ class AssignTasksPass(ModulePass):
     """Colour untagged ops of ``@main`` (flat form) by the MultiMesh rule.
 
     An op outside every task joins the task whose ops it exchanges the most bytes
-    with (operands and users together), preferring tasks of its own direction (an op
+    with (operands and users together; a leaf task call counts a value once per op of
+    its body that reads it), preferring tasks of its own direction (an op
     of a backward pass, ``transpose(jvp(...))`` in its name, joins a backward task
     when it has one as a neighbour), repeated forward and backward until
     nothing changes; it keeps its own microbatch loop (``mm.loop``, which moves into
@@ -67,6 +68,7 @@ class AssignTasksPass(ModulePass):
             pos = {op: i for i, op in enumerate(ops)}
             top = c.top_finder(main)
             backward = {op: _is_backward(op) for op in untagged}
+            reads = _Reads(c.func_by_name(module))
 
             changed = True
             while changed and untagged:
@@ -75,7 +77,7 @@ class AssignTasksPass(ModulePass):
                     for op in order:
                         if op in tag:
                             continue
-                        best = _heaviest(op, tag, top, pos, backward.get(op, False))
+                        best = _heaviest(op, tag, top, pos, backward.get(op, False), reads)
                         if best is not None:
                             tag[op] = (best[0], best[1], loop[op])
                             changed = True
@@ -109,11 +111,37 @@ def _is_backward(op: ir.Operation) -> bool:
     return stack is not None and BACKPROP_MARKER in stack
 
 
-def _heaviest(op: ir.Operation, tag, top, pos, backward: bool) -> c.Tag | None:
+class _Reads:
+    """How often a leaf task call's body reads each of its arguments.
+
+    A value that a task call takes is read by as many ops of its body as read the
+    argument, exactly as if the body were inlined: each read counts its bytes.
+    """
+
+    def __init__(self, funcs):
+        self.funcs = funcs
+        self.memo: dict[tuple[str, int], int] = {}
+
+    def __call__(self, user: ir.Operation, operand: int) -> int:
+        if user.name != "func.call" or c.TASK_ATTR not in user.attributes:
+            return 1
+        key = (c.callee_of(user), operand)
+        n = self.memo.get(key)
+        if n is None:
+            callee = self.funcs.get(key[0])
+            args = c.entry_block(callee).arguments if callee is not None else []
+            n = self.memo[key] = (sum(1 for _ in args[operand].uses)
+                                  if operand < len(args) else 1)
+        return n
+
+
+def _heaviest(op: ir.Operation, tag, top, pos, backward: bool,
+              reads=lambda user, operand: 1) -> c.Tag | None:
     """The neighbouring task with the most bytes; ties go to the earliest neighbour.
 
     Neighbours of the op's own direction win over the others (glue of a backward
-    pass joins a backward task, not the forward whose residuals it reads).
+    pass joins a backward task, not the forward whose residuals it reads). A leaf
+    task call counts once per op of its body that reads the value (``reads``).
     """
     scores: dict[c.Tag, list[int]] = {}
 
@@ -136,7 +164,8 @@ def _heaviest(op: ir.Operation, tag, top, pos, backward: bool) -> c.Tag | None:
             o = top(use.owner)
             t = tag.get(o)
             if t is not None:
-                add(t, nbytes, pos.get(o, 1 << 30))
+                n = reads(o, use.operand_number) if o == use.owner.operation else 1
+                add(t, n * nbytes, pos.get(o, 1 << 30))
     if not scores:
         return None
     same = {t: v for t, v in scores.items() if (t[1] > 0) == backward}

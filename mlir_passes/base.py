@@ -9,6 +9,7 @@ and ``mm-opt`` call) also leaves the module exactly as it was when it raises.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -18,7 +19,16 @@ from mlir_passes._stages import check_stage
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, unchanged_on_error
 
-__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_module"]
+__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_module",
+           "verify_each_pass", "VERIFY_EACH_ENV"]
+
+VERIFY_EACH_ENV = "MULTIMESH_VERIFY_EACH_PASS"
+
+
+def verify_each_pass() -> bool:
+    """``MULTIMESH_VERIFY_EACH_PASS=1``: verify the module after every pass (debugging);
+    passes that run MLIR pass managers of their own verify inside them too."""
+    return os.environ.get(VERIFY_EACH_ENV, "") not in ("", "0", "false", "False")
 
 
 @dataclass(frozen=True)
@@ -42,17 +52,25 @@ class ModulePass:
     def apply(self, module: ir.Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def run(self, module: ir.Module, *, verify: bool = True) -> None:
+    def run(self, module: ir.Module, *, verify: bool = True, snapshot: bool = True) -> None:
         """Apply the pass and verify the result; on any error the module is unchanged.
 
         This is the pass contract (tests/test_pass_contract.py checks it for every
         registered pass): a failing pass, or one that leaves invalid IR, raises and
-        leaves ``module`` exactly as it was, so a repro can be written from it.
+        leaves ``module`` exactly as it was, so a repro can be written from it. That
+        takes a snapshot of the module first; a caller that can rebuild the pass's
+        input another way (a pipeline replaying the passes before it) passes
+        ``snapshot=False`` and verifies once at the end (``verify=False``).
         """
         if self.consumes is not None:
             check_stage(module, self.argument, self.consumes, self.requires)
         if not self.mutates:
             self.apply(module)
+            return
+        if not snapshot:
+            self.apply(module)
+            if verify:
+                verify_module(module, self.argument)
             return
         with unchanged_on_error(module):
             self.apply(module)

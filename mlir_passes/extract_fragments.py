@@ -55,6 +55,10 @@ class ExtractFragmentsPass(ModulePass):
             infos = {n: c.fragment_info(funcs[n], meshes, need_task=True)
                      for n in map(c.callee_of, calls)}
             i32 = ir.IntegerType.get_signless(32)
+            # Shardings inside a fragment name its own mesh, or one of jax's own (e.g.
+            # @empty_mesh); only those need a look, and none at all if there are none.
+            own = {infos[n].mesh for n in infos}
+            foreign = set(meshes) - own
             done = set()
             for call in calls:
                 name = c.callee_of(call)
@@ -74,7 +78,8 @@ class ExtractFragmentsPass(ModulePass):
                     sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
                     body = sub.regions[0].blocks[0]
                     meshes[mesh_sym].clone(ip=ir.InsertionPoint(body))
-                    for other in c.referenced_meshes(fn, set(meshes)):
+                    others = c.scan_fragment(fn, foreign | {mesh_sym})[0] if foreign else []
+                    for other in others:
                         if other != mesh_sym:
                             meshes[other].clone(ip=ir.InsertionPoint(body))
                     body.append(fn)
@@ -95,10 +100,13 @@ class ExtractFragmentsPass(ModulePass):
 
 def _strip(fn: ir.Operation) -> None:
     """Drop every ``mm.*`` attribute inside the fragment (XLA sees plain StableHLO + sdy)."""
-    ops = []
-    fn.walk(lambda o: (ops.append(o.operation), ir.WalkResult.ADVANCE)[1], ir.WalkOrder.PRE_ORDER)
-    for o in ops:
-        names = [a if isinstance(a, str) else a.name for a in o.attributes]
-        for n in names:
-            if n.startswith("mm."):
-                del o.attributes[n]
+    def cb(o):
+        attrs = o.attributes
+        if len(attrs):
+            names = [a if isinstance(a, str) else a.name for a in attrs]
+            for n in names:
+                if n.startswith("mm."):
+                    del attrs[n]
+        return ir.WalkResult.ADVANCE
+
+    fn.walk(cb, ir.WalkOrder.PRE_ORDER)

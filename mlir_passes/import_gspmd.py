@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mlir_passes.base import DiagnosticError, ModulePass
-from multimesh._src.mlir import ir, sdy, walk
+from multimesh._src.mlir import ir, sdy
 
 __all__ = ["ImportGspmdPass", "GspmdSharding", "GspmdParseError", "parse_gspmd_sharding"]
 
 _ATTR = "mhlo.sharding"
 _SHARD_MAP_TARGETS = ("SPMDFullToShardShape", "SPMDShardToFullShape")
+_VISITED = ("stablehlo.custom_call", "func.func")
 
 
 class GspmdParseError(ValueError):
@@ -379,7 +380,14 @@ class ImportGspmdPass(ModulePass):
         # Exceptions raised inside an MLIR walk callback come back as RuntimeError, so
         # collect the ops first and visit them outside the walk.
         all_ops: list[ir.Operation] = []
-        walk(module.operation, all_ops.append)
+
+        def pick(op):  # only ops that visit() looks at: it is a pass over every op
+            attrs = op.attributes
+            if len(attrs) and (_ATTR in attrs or op.name in _VISITED):
+                all_ops.append(op.operation)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(pick, ir.WalkOrder.PRE_ORDER)
         for op in all_ops:
             visit(op)
 

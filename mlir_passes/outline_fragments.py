@@ -29,7 +29,9 @@ class OutlineFragmentsPass(ModulePass):
     ``mm.microbatch_index`` becomes an argument of the fragments that read it, and
     each ``mm.microbatch_sum`` moves right after the call that produces what it
     sums. A fragment of a task whose submesh moves with the microbatch also gets
-    ``mm.loop_devices``.
+    ``mm.loop_devices``. A leaf task call (flat form) is one op here and becomes its
+    body inside its fragment; where its inlined ops would have gone to two fragments
+    (part of the body needing only earlier values), it is placed op by op instead.
     """
 
     argument = "mm-outline-fragments"
@@ -51,12 +53,22 @@ class OutlineFragmentsPass(ModulePass):
                         "op is not assigned to a task; run mm-assign-tasks first", op.location)
                 c.known_task(op, tasks)
             _remat_constants(ops, main)
-            ops = [o.operation for o in block.operations][:-1]
-            ops = [op for op in ops if not c.is_loop_marker(op)]
-            tags = [c.tag_of(op) for op in ops]
-            uses = _operand_uses(ops, main, block)
-            deps = _order_deps(ops, uses, markers)
-            frag = _merge_down(tags, _assign_fragments(tags, deps), deps)
+            funcs = c.func_by_name(module)
+            while True:
+                ops = [o.operation for o in block.operations][:-1]
+                ops = [op for op in ops if not c.is_loop_marker(op)]
+                tags = [c.tag_of(op) for op in ops]
+                uses = _operand_uses(ops, main, block)
+                through = _through_sums(ops, markers)
+                deps = _order_deps(uses, through)
+                first = _assign_fragments(tags, deps)
+                split = _split_calls(ops, tags, uses, through, first, funcs)
+                if not split:
+                    break
+                count = _call_counts(ops)
+                for i in split:  # inlined: its ops are placed one by one, as in flat form
+                    _inline_leaf(ops[i], funcs, count, ops[i].attributes[c.TASK_ATTR])
+            frag = _merge_down(tags, first, deps)
             renum = {f: k for k, f in enumerate(sorted(set(frag)))}
             frag = [renum[f] for f in frag]
             keys: list = [None] * len(renum)
@@ -108,12 +120,8 @@ def _operand_uses(ops, main, block):
     return out
 
 
-def _order_deps(ops, uses, markers) -> list[list[int]]:
-    """Per op, the ops it must follow: its producers, seen through ``mm.microbatch_sum``.
-
-    A value summed over the loop is an input to the fragments after the loop, but
-    they still have to come after the loop's fragment that produces it.
-    """
+def _through_sums(ops, markers) -> dict:
+    """``mm.microbatch_sum`` result -> index of the op that makes what it sums."""
     index = {op: i for i, op in enumerate(ops)}
     through: dict[ir.Value, int] = {}
     for m in markers:
@@ -121,6 +129,15 @@ def _order_deps(ops, uses, markers) -> list[list[int]]:
             owner = v.owner
             if not isinstance(owner, ir.Block) and owner.operation in index:
                 through[m.results[0]] = index[owner.operation]
+    return through
+
+
+def _order_deps(uses, through) -> list[list[int]]:
+    """Per op, the ops it must follow: its producers, seen through ``mm.microbatch_sum``.
+
+    A value summed over the loop is an input to the fragments after the loop, but
+    they still have to come after the loop's fragment that produces it.
+    """
     out = []
     for rec in uses:
         d = []
@@ -131,6 +148,54 @@ def _order_deps(ops, uses, markers) -> list[list[int]]:
                 d.append(through[v])
         out.append(d)
     return out
+
+
+def _split_calls(ops, tags, uses, through, frag, funcs) -> list[int]:
+    """Leaf task calls whose ops would not all land in one fragment, had the call been
+    inlined: the call needs a fragment later than its key's latest one, while the
+    first op of its body could still join that latest fragment (a constant, or an op
+    reading only earlier values). Those calls are outlined op by op instead, so a
+    program places exactly the same ops in each fragment as its fully inlined form."""
+    last: dict = {}
+    out = []
+    for i, key in enumerate(tags):
+        f = last.get(key)
+        if f is not None and frag[i] != f and ops[i].name == "func.call":
+            late = set()
+            for _, k, v, p in uses[i]:
+                d = p if p >= 0 else through.get(v)
+                if d is not None and frag[d] > f:
+                    late.add(k)
+            if _first_op_is_early(ops[i], funcs, late):
+                out.append(i)
+        last[key] = frag[i]
+    return out
+
+
+def _first_op_is_early(call: ir.Operation, funcs, late: set[int]) -> bool:
+    """Whether the first op of ``call``'s body reads none of the call operands in
+    ``late`` (by operand number); an op with regions counts as reading them all."""
+    fn = funcs.get(c.callee_of(call))
+    if fn is None:
+        return False
+    blk = c.entry_block(fn)
+    op = blk.operations[0].operation
+    if op.name == "func.return":
+        return False
+    if len(op.regions):
+        return True
+    for v in op.operands:
+        if isinstance(v.owner, ir.Block) and v.owner == blk and v.arg_number in late:
+            return False
+    return True
+
+
+def _call_counts(ops) -> dict[str, int]:
+    count: dict[str, int] = {}
+    for op in ops:
+        if op.name == "func.call":
+            count[c.callee_of(op)] = count.get(c.callee_of(op), 0) + 1
+    return count
 
 
 def _assign_fragments(tags, deps) -> list[int]:
@@ -314,3 +379,34 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
             user.operands[k] = remap[v]
         with ir.InsertionPoint(body), ret.location:
             func.ReturnOp(outs[f])
+    # Leaf task calls (flat form) become their bodies, now inside their fragments.
+    calls = [op for op in ops if op.name == "func.call"]
+    if calls:
+        funcs = c.func_by_name(module)
+        count = _call_counts(calls)
+        for call in calls:
+            _inline_leaf(call, funcs, count)
+
+
+def _inline_leaf(call: ir.Operation, funcs, count: dict[str, int], tag=None) -> None:
+    """Replace a leaf task call by its callee's body (moved when it is the last call);
+    with ``tag``, each op of the body gets it (flat form in ``@main``)."""
+    name = c.callee_of(call)
+    callee = funcs.get(name)
+    if callee is None:
+        raise DiagnosticError(f"call to unknown function '@{name}'", call.location)
+    count[name] -= 1
+    body = callee if count[name] == 0 else callee.clone()
+    blk = c.entry_block(body)
+    for arg, operand in zip(blk.arguments, call.operands):
+        arg.replace_all_uses_with(operand)
+    ops = [o.operation for o in blk.operations]
+    ret = ops.pop()
+    for op in ops:
+        op.move_before(call)
+        if tag is not None:
+            op.attributes[c.TASK_ATTR] = tag
+    for res, val in zip(call.results, ret.operands):
+        res.replace_all_uses_with(val)
+    call.erase()
+    body.erase()

@@ -4,7 +4,12 @@ A pipeline string looks like mlir-opt's:
 ``builtin.module(mm-a{opt=1},canonicalize,func.func(cse),sdy-propagation-pipeline)``.
 ``mm-*`` elements are our Python passes; every other element is handed verbatim
 to jaxlib's ``PassManager`` (consecutive native elements share one run).
-Python passes cannot be found by ``PassManager.parse``, hence this parser.
+``PassManager.parse`` cannot find Python passes by name, hence this parser.
+
+The module is verified once, after the last pass; ``MULTIMESH_VERIFY_EACH_PASS=1``
+(``mm-opt --verify-each``) verifies after every pass instead. Nothing is printed
+unless asked for: a caller that wants a failing pass's input replays the passes
+before it (:meth:`Pipeline.input_of`).
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mlir_passes import get_all_passes
-from mlir_passes.base import ModulePass
+from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
 
-__all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks"]
+__all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks", "verify_each_pass",
+           "VERIFY_EACH_ENV"]
+
+VERIFIER = "(verifier)"
+"""The name of the final verification in :meth:`Pipeline.run`'s timings."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +44,13 @@ class NativeStep:
     def pipeline_element(self) -> str:
         return self.text
 
-    def run(self, module: ir.Module, *, verify: bool = True) -> None:
-        """Run the passes; on failure the module is left as it was (as for ModulePass)."""
+    def run(self, module: ir.Module, *, verify: bool = True, snapshot: bool = True) -> None:
+        """Run the passes; on failure the module is left as it was (as for ModulePass),
+        unless ``snapshot=False`` (the caller rebuilds the input itself)."""
         del verify  # the PassManager verifies after each pass itself
+        if not snapshot:
+            self.apply(module)
+            return
         with unchanged_on_error(module):
             self.apply(module)
 
@@ -82,30 +95,102 @@ class Pipeline:
         return "builtin.module(" + ",".join(s.pipeline_element() for s in self.steps) + ")"
 
     def run(self, module: ir.Module, hooks: PipelineHooks | None = None,
-            verify: bool = True) -> list[tuple[str, float]]:
+            verify: bool = True, verify_each: bool | None = None,
+            replay: Callable[[], ir.Module] | None = None) -> list[tuple[str, float]]:
         """Run every step in order; returns ``[(argument, seconds)]``.
 
+        With ``verify`` the module is verified once after the last step (its time is
+        the :data:`VERIFIER` entry), or after every Python pass with ``verify_each``
+        (default: :func:`verify_each_pass`). Native steps are verified by MLIR's own
+        pass manager. When the final verification fails and ``replay`` (a function
+        returning a fresh copy of the input module) is given, the steps are replayed
+        with verification after each to name the pass that broke the IR.
+
         Raises :class:`DiagnosticError` (from a pass) with the failing step's
-        argument attached as ``failed_pass`` (and with its options as ``failed_element``);
-        the module is then exactly the failing step's input (every step runs through
-        ``run``, which restores it on error).
+        argument attached as ``failed_pass``, its options as ``failed_element`` and
+        its position in :attr:`steps` as ``failed_index``. Without ``replay`` the module
+        is then exactly the failing step's input (each step snapshots it first and
+        restores it on error); with ``replay`` no snapshots are taken, the module is
+        left as the failure left it, and :meth:`input_of` rebuilds the failing step's
+        input from ``replay``.
         """
+        if verify_each is None:
+            verify_each = verify_each_pass()
         timings = []
-        for step in self.steps:
+        python_ran = False
+        for index, step in enumerate(self.steps):
             if hooks and hooks.before:
                 hooks.before(step, module)
             t0 = time.perf_counter()
             try:
-                step.run(module, verify=verify)
+                step.run(module, verify=verify and verify_each, snapshot=replay is None)
+                python_ran = python_ran or isinstance(step, ModulePass)
             except DiagnosticError as e:
-                e.failed_pass = step.argument  # type: ignore[attr-defined]
-                e.failed_element = step.pipeline_element()  # with its options, for repros
+                _blame(e, step, index)
+                raise
+            except Exception:
+                # A pass that crashes may have been handed invalid IR by an earlier one
+                # (verified only at the end): name that one if so.
+                if replay is not None and verify and not verify_each and index:
+                    self._find_breaker(replay, index)
                 raise
             dt = time.perf_counter() - t0
             timings.append((step.argument, dt))
             if hooks and hooks.after:
                 hooks.after(step, module, dt)
+        if verify and not verify_each and python_ran:
+            t0 = time.perf_counter()
+            try:
+                _verify(module, None)
+            except DiagnosticError as e:
+                if replay is not None:
+                    self._find_breaker(replay, len(self.steps))
+                last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
+                _blame(e, self.steps[last], last)
+                raise
+            timings.append((VERIFIER, time.perf_counter() - t0))
         return timings
+
+    def _find_breaker(self, replay: Callable[[], ir.Module], end: int) -> None:
+        """Replay the first ``end`` steps verifying after every pass; raises the first
+        failure (the pass that produced invalid IR), else returns."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Pipeline(self.steps[:end]).run(replay(), verify_each=True)
+
+    def input_of(self, index: int, replay: Callable[[], ir.Module]) -> ir.Module:
+        """The module that step ``index`` received: the input with the steps before it
+        run again (passes are deterministic), for a failing step's repro file."""
+        import warnings
+
+        module = replay()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Pipeline(self.steps[:index]).run(module, verify=False)
+        return module
+
+
+def _blame(e: DiagnosticError, step: Step, index: int) -> None:
+    if getattr(e, "failed_pass", None) is None:
+        e.failed_pass = step.argument  # type: ignore[attr-defined]
+        e.failed_element = step.pipeline_element()  # with its options, for repros
+        e.failed_index = index  # type: ignore[attr-defined]
+
+
+def _verify(module: ir.Module, argument: str | None) -> None:
+    """MLIR's verifier; ``argument`` names the pass just run (None: the whole pipeline)."""
+    who = f"'{argument}'" if argument else "The pass pipeline"
+    try:
+        ok = module.operation.verify()
+    except ir.MLIRError as e:
+        d = e.error_diagnostics[0] if e.error_diagnostics else None
+        raise DiagnosticError(
+            f"{who} produced invalid IR: {d.message if d else e}",
+            d.location if d else None) from None
+    if not ok:  # pragma: no cover - verify raises in these bindings
+        raise DiagnosticError(f"{who} produced invalid IR.")
 
 
 def _split_top(text: str, what: str) -> list[str]:

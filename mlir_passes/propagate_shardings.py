@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
+from mlir_passes.base import ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.layouts import translate_dims
 from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
 
 SHARDING = "sdy.sharding"
-_ALL_MESHES: dict[int, dict] = {}  # module id -> its meshes, while the pass runs
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,6 @@ class PropagateShardingsPass(ModulePass):
             main = c.main_func(module)
             funcs = c.func_by_name(module)
             meshes = _meshes(module)
-            _ALL_MESHES[id(module)] = meshes
             # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
             layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
             pinned = _pinned_args(main, meshes)  # inputs whose layout the caller gave
@@ -52,8 +50,11 @@ class PropagateShardingsPass(ModulePass):
             calls = c.fragment_calls(main)
             # Check every fragment before Shardy sees any (it may crash on bad input).
             infos = {n: c.fragment_info(funcs[n], meshes) for n in map(c.callee_of, calls)}
-            for n in infos:
-                c.reject_internal_sdy_ops(funcs[n])
+            scans = {}
+            for n in infos:  # one walk each: meshes named inside, Shardy-internal ops
+                scans[n], internal = c.scan_fragment(funcs[n], set(meshes))
+                c.reject_internal_sdy_ops(funcs[n], internal, scanned=True)
+            pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
             for call in calls:
                 name = c.callee_of(call)
                 fn = funcs[name]
@@ -69,7 +70,7 @@ class PropagateShardingsPass(ModulePass):
                         hints.append(_rebase(src[1], mesh_sym))
                     else:
                         hints.append(None)
-                done = _propagate(module, fn, mesh_sym, mesh, hints, pm)
+                done = _propagate(fn, mesh_sym, meshes, scans[name], hints, pm)
                 arg_sh = _shardings(done, "arg_attrs", len(call.operands), mesh_sym)
                 res_sh = _shardings(done, "res_attrs", len(call.results), mesh_sym)
                 done.erase()
@@ -96,7 +97,6 @@ class PropagateShardingsPass(ModulePass):
                     d["mm.devices"] = layout[a][2]
                 attrs.append(ir.DictAttr.get(d))
             main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
-            _ALL_MESHES.pop(id(module), None)
 
 
 def _pinned_args(main, meshes) -> dict[ir.Value, tuple]:
@@ -155,15 +155,15 @@ def _rebase(sharding: ir.Attribute, mesh_sym: str) -> ir.Attribute:
         mesh_sym, list(ts.dimension_shardings), replicated_axes=list(ts.replicated_axes))
 
 
-def _propagate(module, fn, mesh_sym, mesh, hints, pm) -> ir.Operation:
+def _propagate(fn, mesh_sym, meshes, referenced, hints, pm) -> ir.Operation:
     name = c.func_name(fn)
     tmp = ir.Module.create(fn.location)
     with ir.InsertionPoint(tmp.body), fn.location:
-        sdy.MeshOp(mesh_sym, mesh)
-    for other in c.referenced_meshes(fn, set(_ALL_MESHES.get(id(module), {}))):
+        sdy.MeshOp(mesh_sym, meshes[mesh_sym])
+    for other in referenced:
         if other != mesh_sym:
             with ir.InsertionPoint(tmp.body), fn.location:
-                sdy.MeshOp(other, _ALL_MESHES[id(module)][other])
+                sdy.MeshOp(other, meshes[other])
     clone = fn.clone(ip=ir.InsertionPoint(tmp.body))
     clone.attributes["sym_name"] = ir.StringAttr.get("main")
     clone.attributes["sym_visibility"] = ir.StringAttr.get("public")

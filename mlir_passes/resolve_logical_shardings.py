@@ -14,7 +14,7 @@ from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from mlir_passes.logical_axes import resolve_logical_spec
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
-from multimesh._src.mlir import attr_to_py, ir, sdy, walk
+from multimesh._src.mlir import attr_to_py, ir, sdy
 
 __all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
 
@@ -150,6 +150,50 @@ def _marker_axes(op: ir.Operation) -> list[list[str]]:
     return axes
 
 
+def _markers_in_program_order(module: ir.Module) -> list[ir.Operation]:
+    """Every marker of the module, those in a called function at the call (depth first
+    from ``@main``, so the body of a leaf task call comes where it would be inlined),
+    then those of functions no call reaches and of any other top-level op."""
+    funcs = c.func_by_name(module)
+
+    def scan(root: ir.Operation) -> list:
+        items: list = []
+
+        def cb(op):
+            name = op.name
+            if name == "stablehlo.custom_call":
+                if _is_marker(op):
+                    items.append(op.operation)
+            elif name == "func.call":
+                items.append(c.callee_of(op))
+            return ir.WalkResult.ADVANCE
+
+        root.walk(cb, ir.WalkOrder.PRE_ORDER)
+        return items
+
+    out: list[ir.Operation] = []
+    seen: set[str] = set()
+
+    def expand(name: str) -> None:
+        if name in seen or name not in funcs:
+            return
+        seen.add(name)
+        for item in scan(funcs[name]):
+            if isinstance(item, str):
+                expand(item)
+            else:
+                out.append(item)
+
+    if "main" in funcs:
+        expand("main")
+    for name in funcs:
+        expand(name)
+    for op in module.body.operations:
+        if op.operation.name != "func.func":
+            out.extend(x for x in scan(op.operation) if not isinstance(x, str))
+    return out
+
+
 def _mesh_attr(task: _Task) -> ir.Attribute:
     return sdy.MeshAttr.get(
         [sdy.MeshAxisAttr.get(n, s) for n, s in zip(task.axis_names, task.axis_sizes, strict=True)])
@@ -160,7 +204,8 @@ class ResolveLogicalShardingsPass(ModulePass):
     """Resolve every ``mm.logical_sharding`` marker against its task's logical mapping.
 
     A marker's task is its own ``mm.task`` tag, else that of the nearest enclosing
-    tagged op (markers inside ``stablehlo.while`` bodies and other regions). If the
+    tagged op (markers inside ``stablehlo.while`` bodies and other regions, or in the
+    body function of a leaf task call, which carries the call's tag). If the
     task's ``logical_axes`` is empty the marker becomes a fully replicated constraint
     on the task's mesh (logical names mean nothing there). Otherwise the
     marker's ``mm.axes`` are mapped to device axes with the reference §1.14
@@ -183,13 +228,7 @@ class ResolveLogicalShardingsPass(ModulePass):
             self._apply(module)
 
     def _apply(self, module: ir.Module) -> None:
-        markers: list[ir.Operation] = []
-
-        def collect(op):
-            if _is_marker(op):
-                markers.append(op)
-
-        walk(module.operation, collect)
+        markers = _markers_in_program_order(module)
         if not markers:
             return
         tasks = _read_tasks(module)

@@ -11,8 +11,13 @@ P7  simulated peak bytes per device of an MPMD step / the fragments' own peaks
     (max over the fragments each device runs), summed over devices.
 P6  bubble fraction and peak live activations per schedule, from the unit-cost
     simulator, next to theory (see tools/bench_schedules.py).
-P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it);
-    P4x4 is the same ratio for a module 4x larger (linear growth keeps it flat).
+P4  full pass pipeline on a generated module of >= 250k ops / (parse + print of it):
+    P4 = Pipeline.run with a replay source (how mjit and mm-opt run it: no snapshot per
+    pass, one verification at the end), P4_mjit = run_pipeline as .compile() runs it
+    (repro bookkeeping, dumps and logging hooks included), P4_contract = Pipeline.run
+    without a replay source (every pass snapshots the module so a failure leaves its
+    input, issue 12's contract); P4x4* are the same ratios for a module 4x larger
+    (linear growth keeps them flat), "P4 <pass>" the seconds of each pass.
 P9  enable_fast_path on a program with no task (48-layer MLP value_and_grad):
     P9_compile = mjit compile time with the fast path / without it (pass pipeline +
     runtime); P9_call = one call (dispatch + run, small arrays) with / without it.
@@ -24,6 +29,12 @@ P5  partitioning time of a 2-stage x 4-microbatch 1F1B value_and_grad step: mult
     tasks / Shardy's apply_mpmd_partitioning (parse + partition) on the same step
     written with named computations. P5_passes: ours without run_pipeline's hooks;
     P5_import: parse + mm-import-mpmd + mm-verify of Shardy's output, / theirs.
+
+P11 dispatch-bound pipeline: 8 stages of 1 device, 32 microbatches, d=32, 1F1B
+    value_and_grad; our step time / jax.jit of the same math as a 32-step Python
+    loop on one device, with fragment calls, transfers, batched copy calls, host us per
+    call and per transferred array, and per call over one bare jitted call of a
+    stage's forward.
 
 P10 moving a 4 MB / 64 MB float32 array from a 4-device submesh to another: between two
     processes (2 x 4 devices under jax.distributed, multimesh.launch; the union-mesh
@@ -247,21 +258,165 @@ def generate_module(num_ops: int, tasks: int = 4) -> str:
     return "\n".join(lines)
 
 
-def _p4(num_ops: int) -> tuple[float, float, float]:
+def _p4(num_ops: int, reps: int = 1) -> dict[str, float]:
+    """Pass pipeline time / parse+print time, bare and as mjit runs it (median of reps)."""
     from mlir_passes.pipeline import parse_pipeline
     from multimesh._src.mlir import make_context, parse_module, print_module
-    from multimesh.jax._mjit import default_pipeline
+    from multimesh.jax._mjit import default_pipeline, run_pipeline
 
     text = generate_module(num_ops)
-    t0 = time.perf_counter()
-    m = parse_module(text, make_context())
-    print_module(m)
-    base = time.perf_counter() - t0
-    m = parse_module(text, make_context())
-    t0 = time.perf_counter()
-    parse_pipeline(default_pipeline(8)).run(m)
-    pipe = time.perf_counter() - t0
-    return pipe / base, pipe, base
+    pipeline = default_pipeline(8)
+    base, bare, mjit, contract, per_pass = [], [], [], [], {}
+    for _ in range(reps):  # interleaved
+        t0 = time.perf_counter()
+        m = parse_module(text, make_context())
+        print_module(m)
+        base.append(time.perf_counter() - t0)
+        ctx = make_context()
+        m = parse_module(text, ctx)
+        t0 = time.perf_counter()
+        timings = parse_pipeline(pipeline).run(
+            m, replay=lambda ctx=ctx: parse_module(text, ctx))
+        bare.append(time.perf_counter() - t0)
+        for name, dt in timings:
+            per_pass.setdefault(name, []).append(dt)
+        m = parse_module(text, make_context())
+        t0 = time.perf_counter()
+        parse_pipeline(pipeline).run(m)
+        contract.append(time.perf_counter() - t0)
+        ctx = make_context()
+        m = parse_module(text, ctx)
+        t0 = time.perf_counter()
+        run_pipeline(m, pipeline, source=lambda ctx=ctx: parse_module(text, ctx))
+        mjit.append(time.perf_counter() - t0)
+    b, p, j, k = (statistics.median(x) for x in (base, bare, mjit, contract))
+    out = {"ratio": p / b, "mjit_ratio": j / b, "contract_ratio": k / b, "pipeline_s": p,
+           "mjit_s": j, "contract_s": k, "parse_print_s": b}
+    out.update({f"pass {k}": statistics.median(v) for k, v in per_pass.items()})
+    return out
+
+
+def _p11(reps: int) -> dict[str, float]:
+    """The dispatch-bound case: host cost of many small fragments and transfers."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import multimesh.jax as mm
+    from multimesh.runtime.executor import xc
+
+    S, M, D, MB = 8, 32, 32, 4  # stages, microbatches, width, rows per microbatch
+
+    def stage(w, x):
+        return jnp.tanh(x @ w)
+
+    tasks = [mm.task(stage, name=f"s{k}", mesh=mm.TaskMesh(devices=(k,), axis_names=("x",),
+                                                           axis_sizes=(1,))) for k in range(S)]
+
+    def loss(ws, x):
+        for t, w in zip(tasks, ws):
+            x = t(w, x)
+        return (x * x).mean()
+
+    def plain_loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return (x * x).mean()
+
+    def loop_math(ws, x):  # the same math as a microbatch loop, one jit on one device
+        vg = jax.value_and_grad(plain_loss)
+        total = None
+        for m in range(M):
+            r = vg(ws, x[m * MB:(m + 1) * MB])
+            total = r if total is None else jax.tree.map(jnp.add, total, r)
+        return total
+
+    key = jax.random.key(0)
+    ws = [jax.random.normal(jax.random.fold_in(key, k), (D, D)) / D ** 0.5 for k in range(S)]
+    x = jax.random.normal(key, (M * MB, D))
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB, argnum=1, schedule="1f1b")
+    ours = mm.mjit(step).lower(ws, x).compile()
+    wsp = jax.device_put(ws, ours.input_shardings[0][0])
+    xp = jax.device_put(x, ours.input_shardings[0][1])
+    dev0 = jax.devices()[0]
+    ws0, x0 = jax.device_put(ws, dev0), jax.device_put(x, dev0)
+    theirs = jax.jit(loop_math)
+    got, want = ours(wsp, xp), theirs(ws0, x0)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    bare = jax.jit(stage)
+    w1, h = ws0[0], x0[:MB]
+    jax.block_until_ready(bare(w1, h))
+    ex = ours._exec
+    flat = jax.tree.leaves((wsp, xp))
+    detail = getattr(ex, "_program", None) is not None  # (an older tree: step times only)
+    a, b, calls_s, copies_s, bare_s = [], [], [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(ours(wsp, xp))
+        a.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.block_until_ready(theirs(ws0, x0))
+        b.append(time.perf_counter() - t0)
+        tc, tt = _timed_dispatch(ex, flat, xc) if detail else (float("nan"),) * 2
+        calls_s.append(tc)
+        copies_s.append(tt)
+        t0 = time.perf_counter()
+        y = h
+        for _ in range(64):
+            y = bare(w1, y)
+        jax.block_until_ready(y)
+        bare_s.append((time.perf_counter() - t0) / 64)
+    n_calls, n_moves = len(ours.calls), len(ours.transfers)
+    med = statistics.median
+    per_call = med(calls_s) / n_calls
+    return {"P11": med(a) / med(b), "P11_step_ms": 1e3 * med(a),
+            "P11_jit_loop_ms": 1e3 * med(b), "P11_calls": n_calls, "P11_transfers": n_moves,
+            "P11_copy_calls": getattr(ex, "batched_transfers", n_moves),
+            "P11_us_per_call": 1e6 * per_call,
+            "P11_us_per_transfer": 1e6 * med(copies_s) / n_moves,
+            "P11_bare_jit_us": 1e6 * med(bare_s),
+            "P11_call_over_bare_jit": per_call / med(bare_s)}
+
+
+def _timed_dispatch(ex, flat, xc) -> tuple[float, float]:
+    """One step through the executor's dispatch program, timing fragment calls and
+    copy calls apart (seconds of host time each)."""
+    from multimesh.runtime import executor
+
+    env = ex._env_template.copy()
+    for i, v in zip(ex.plan.input_ids, ex.place_inputs(flat)):
+        env[i] = v
+    get = env.__getitem__
+    copy = xc.batched_copy_array_to_devices_with_sharding
+    tc = tt = 0.0
+    clock = time.perf_counter
+    for kind, what, srcs, dsts, delete, drop in ex._program:
+        if kind == 0:
+            t0 = clock()
+            outs = what(*map(get, srcs))
+            tc += clock() - t0
+            for d, o in zip(dsts, outs):
+                env[d] = o
+            for d in delete:
+                env[d].delete()
+        elif kind == 1:
+            t0 = clock()
+            outs = copy(list(map(get, srcs)), *what)
+            tt += clock() - t0
+            for d, o in zip(dsts, outs):
+                env[d] = o
+        else:
+            t0 = clock()
+            env[dsts] = (executor._move if kind == 2 else executor._copy)(env[srcs], what)
+            tt += clock() - t0
+        for d in drop:
+            env[d] = None
+    import jax
+
+    jax.block_until_ready([env[o] for o in ex.plan.outputs])
+    return tc, tt
 
 
 class _quiet:
@@ -503,10 +658,16 @@ def _measures(args) -> dict:
 
     def p4():
         n = 250_000
-        r, pipe, base = _p4(n)
-        r4, pipe4, base4 = _p4(4 * n)
-        return {"P4": r, "P4_pipeline_s": pipe, "P4_parse_print_s": base, "P4x4": r4,
-                "P4x4_pipeline_s": pipe4, "P4x4_parse_print_s": base4}
+        res = {}
+        for key, size in (("P4", n), ("P4x4", 4 * n)):
+            r = _p4(size, 1 if quick else 3)
+            res[key], res[f"{key}_mjit"] = r["ratio"], r["mjit_ratio"]
+            res[f"{key}_contract"] = r["contract_ratio"]
+            for k in ("pipeline_s", "mjit_s", "contract_s", "parse_print_s"):
+                res[f"{key}_{k}"] = r[k]
+            if key == "P4":
+                res.update({f"P4 {k[5:]}": v for k, v in r.items() if k.startswith("pass ")})
+        return res
 
     def p6():
         from bench_schedules import P6
@@ -526,14 +687,15 @@ def _measures(args) -> dict:
             "P6": p6,
             "P8": p8,
             "P4": p4,
+            "P11": lambda: _p11(10 if quick else 30),
             "P5": lambda: _p5(10 if quick else 30),
             "P10": lambda: _p10(reps)}
 
 
 def _report(res: dict, path: str | None) -> int:
-    print(f"{'measure':<22}{'value':>10}")
+    print(f"{'measure':<34}{'value':>10}")
     for k, v in res.items():
-        print(f"{k:<22}{v:>10.3f}")
+        print(f"{k:<34}{v:>10.3f}")
     if path:
         with open(path, "w") as f:
             json.dump(res, f, indent=2)

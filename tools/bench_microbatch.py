@@ -1,6 +1,7 @@
 """P8: compile time of a pipelined transformer against the number of microbatches.
 
     python tools/bench_microbatch.py [--quick] [--json PATH]
+    python tools/bench_microbatch.py --where    # one compile, phase by phase
 
 A transformer-like model (d=256, sequences of 128, 2 stages x 8 layers, each stage a
 task on 4 devices) trained with ``microbatch(value_and_grad(loss), schedule="1f1b")``
@@ -167,12 +168,46 @@ def P8(ms=(1, 4, 16, 64), reps=3) -> dict:
     return out
 
 
+def where(M: int = 16) -> dict:
+    """Where the time of one compile goes (``--where``): the pipelined transformer at
+    ``M`` microbatches, caches cleared, every phase, every pass and every fragment's
+    XLA compile, as ``compiled.compile_times``, ``pass_times`` and ``xla_times`` give
+    them (the same figures the ``multimesh`` logger reports)."""
+    import jax
+
+    import multimesh.jax as mm
+
+    loss, params = _model()
+    x = jax.random.normal(jax.random.key(1), (M * MB_SIZE, SEQ, D))
+    _clear()
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB_SIZE, argnum=1,
+                         schedule="1f1b")
+    compiled = mm.mjit(step).lower(params, x).compile()
+    times = compiled.compile_times
+    total = sum(times.values())
+    rows = [("trace + lower", times["trace_lower"])]
+    rows.append(("passes (parse, run, verify)", times["passes"]))
+    rows += [(f"  {name}", t) for name, t in compiled.pass_times]
+    rows.append(("runtime plan", times["plan"]))
+    rows.append((f"XLA ({len(compiled.xla_times)} fragments)", times["xla"]))
+    rows += [(f"  {name}", t) for name, t in sorted(compiled.xla_times.items(),
+                                                      key=lambda kv: -kv[1])]
+    print(f"one compile: transformer d={D}, {STAGES} stages x {LAYERS} layers, M={M}, 1F1B")
+    print(f"{'phase':<40}{'seconds':>9}{'share':>8}")
+    for name, t in rows:
+        print(f"{name:<40}{t:>9.3f}{100 * t / total:>7.1f}%")
+    print(f"{'total':<40}{total:>9.3f}")
+    return {f"where {name.strip()}": t for name, t in rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one repetition")
     ap.add_argument("--json", help="write results as JSON to this path")
+    ap.add_argument("--where", action="store_true",
+                    help="where the time of one compile (M=16) goes, phase by phase")
     args = ap.parse_args(argv)
-    res = P8(reps=1 if args.quick else 3)
+    res = where() if args.where else P8(reps=1 if args.quick else 3)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -30,16 +30,39 @@ _TASK_CALL = re.compile(r"\bmm\.task = \{")
 _MARKER = re.compile(r"@mm\.logical_sharding\b")
 
 
-def eligible(text: str, implicit, notes: dict, pins: dict, num_devices: int) -> bool:
-    """Whether the lowered program ``text`` (inputs already pinned) is one plain SPMD
-    computation that ``jax.jit`` can compile as is."""
+def eligible(program, implicit, notes: dict, pins: dict, num_devices: int) -> bool:
+    """Whether the lowered program (its text, or the parsed module: then it is walked,
+    not printed; inputs already pinned) is one plain SPMD computation that ``jax.jit``
+    can compile as is."""
     if not _contexts.state.fast_path or implicit or notes.get("microbatch") is not None:
         return False
-    if _TASK_CALL.search(text) or _MARKER.search(text):
+    if isinstance(program, str):
+        if _TASK_CALL.search(program) or _MARKER.search(program):
+            return False
+    elif _has_task_or_marker(program):
         return False
     # One jax.jit executable: every pinned input on one mesh over the program's devices.
     meshes = {tuple(lay[:3]) for lay in pins.values()}
     return len(meshes) <= 1 and all(m[0] == tuple(range(num_devices)) for m in meshes)
+
+
+def _has_task_or_marker(module) -> bool:
+    """Whether any op carries ``mm.task`` or is a ``@mm.logical_sharding`` marker."""
+    from multimesh._src.mlir import ir
+
+    found = []
+
+    def cb(op):
+        attrs = op.attributes
+        if len(attrs) and ("mm.task" in attrs or (
+                op.name == "stablehlo.custom_call"
+                and ir.StringAttr(attrs["call_target_name"]).value == "mm.logical_sharding")):
+            found.append(op)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(cb, ir.WalkOrder.PRE_ORDER)
+    return bool(found)
 
 
 class FastPath:

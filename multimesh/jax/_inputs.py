@@ -142,12 +142,13 @@ def _sharding_attr(lay: Layout) -> ir.Attribute:
 
 def pin_module(text: str, pins: dict[int, Layout], drop: set[int],
                soft: set[int] = frozenset()) -> tuple[str, dict[int, Layout]]:
-    """``text`` with pinned ``@main`` arguments and the dropped input markers removed,
-    and the pins kept. A ``soft`` pin (a committed input) gives way to a logical
+    """``text`` (or a parsed module, edited in place) with pinned ``@main`` arguments and
+    the dropped input markers removed, and the pins kept. A ``soft`` pin (a committed input) gives way to a logical
     constraint the program puts on that argument."""
     if not pins and not drop:
         return text, pins
-    module = parse_module(text, make_context())
+    given = not isinstance(text, str)  # a parsed module: edited in place, not printed
+    module = text if given else parse_module(text, make_context())
     with module.context:
         main = next(op.operation for op in module.body.operations
                     if op.operation.name == "func.func"
@@ -175,7 +176,7 @@ def pin_module(text: str, pins: dict[int, Layout], drop: set[int],
                     and args.index(op.operands[0]) in drop:
                 op.results[0].replace_all_uses_with(op.operands[0])
                 op.erase()
-    return print_module(module, debug_info=True), pins
+    return (module if given else print_module(module, debug_info=True)), pins
 
 
 def _markers(block) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shlex
 import time
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlir_passes.pipeline import PipelineHooks, parse_pipeline
+from mlir_passes.pipeline import VERIFIER, PipelineHooks, parse_pipeline
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
@@ -19,6 +20,7 @@ from multimesh._src.errors import (
     MultimeshValueError,
     PassFailure,
 )
+from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
@@ -102,18 +104,32 @@ def _abstract(x):
 class MpmdCompiled:
     """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
 
-    def __init__(self, lowered: MpmdLowered, module: ir.Module, times: dict | None = None):
+    def __init__(self, lowered: MpmdLowered, module: ir.Module, times: dict | None = None,
+                 pass_times: list | None = None):
         self._lowered = lowered
+        self.pass_times = list(pass_times or [])
+        """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
+        final verification); ``compile_times["passes"]`` is their total plus parsing."""
         self._module = module
-        self._text = print_module(module)
+        self._text = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
         self.plan_data = build_plan(module)
         t1 = time.perf_counter()
+        _log_phase(lowered, "built the runtime plan", t1 - t0,
+                   f"{len(self.plan_data.fragments)} fragments, "
+                   f"{len(self.plan_data.calls())} calls, "
+                   f"{len(self.plan_data.steps) - len(self.plan_data.calls())} transfers")
         self._exec = Executor(self.plan_data, lowered.devices,
                               frozenset(lowered.donated_leaves), leaf_name=self._arg_name)
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
+        self.xla_times = dict(self._exec.xla_seconds)
+        """Fragment name -> seconds XLA took to compile it (about 0 when cached)."""
+        _log_phase(lowered, "compiled the fragments with XLA", self.compile_times["xla"],
+                   f"{self._exec.xla_compiles} XLA compilations")
+        _log_phase(lowered, "finished compiling", sum(self.compile_times.values()),
+                   ", ".join(f"{k} {v:.3f} s" for k, v in self.compile_times.items()))
         n_leaves = lowered.in_tree.num_leaves
         self._all_dynamic = list(lowered.dyn_idx) == list(range(n_leaves))
         in_sh = self._exec.input_shardings
@@ -148,6 +164,8 @@ class MpmdCompiled:
 
     def as_text(self) -> str:
         """The program after the full pass pipeline (MPMD form)."""
+        if self._text is None:
+            self._text = print_module(self._module)
         return self._text
 
     @property
@@ -237,10 +255,14 @@ class MpmdLowered:
     trace_seconds = 0.0
     """How long tracing and lowering took (the first phase of ``compile_times``)."""
 
-    def __init__(self, text: str, devices, in_tree, out_tree, dyn_idx, pipeline: str,
+    def __init__(self, text: str | bytes, devices, in_tree, out_tree, dyn_idx, pipeline: str,
                  donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
-                 in_avals=None):
-        self._text = text
+                 in_avals=None, module: ir.Module | None = None, name: str | None = None):
+        # ``text``: the program as MLIR text or bytecode; ``module``: it, already parsed
+        # (the first compile() takes it instead of parsing again).
+        self._program = text
+        self._parsed = module
+        self.name = name  # the compiled function's name: logs and MULTIMESH_DUMP_IR_TO
         self.in_avals = tuple(in_avals) if in_avals is not None else None
         self.key_inputs = tuple(key_inputs)
         self.key_outputs = tuple(key_outputs)
@@ -252,11 +274,25 @@ class MpmdLowered:
         self.dyn_idx = dyn_idx
         self.pipeline = pipeline
 
+    @property
+    def label(self) -> str:
+        """How logs name the program: ``mjit(<function name>)``."""
+        return f"mjit({self.name})" if self.name else "mjit"
+
     def as_text(self) -> str:
-        return self._text
+        if isinstance(self._program, bytes):  # bytecode from jax: print it once, on demand
+            self._program = print_module(parse_module(self._program, make_context()),
+                                         debug_info=True)
+        return self._program
 
     def compiler_ir(self) -> ir.Module:
-        return parse_module(self._text, make_context())
+        return parse_module(self._program, make_context())
+
+    def _input_module(self) -> ir.Module:
+        """What the pass pipeline starts from: the program plus its compile options."""
+        module = self.compiler_ir()
+        _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
+        return module
 
     fast = None  # a FastPath when the program takes enable_fast_path's jax.jit route
     default_mesh = None  # (axis names, sizes) of the implicit default task, if not x=N
@@ -265,27 +301,31 @@ class MpmdLowered:
         if self.fast is not None:
             return self.fast.compile()
         t0 = time.perf_counter()
-        module = self.compiler_ir()
-        if self.schedule_config:
-            from multimesh._src.mlir import py_to_attr
-
-            with module.context:
-                module.operation.attributes["mm.schedule_config"] = py_to_attr(
-                    self.schedule_config)
-        module.operation.attributes["mm.num_devices"] = ir.IntegerAttr.get(
-            ir.IntegerType.get_signless(64), len(self.devices)) if False else \
-            _i64(module, len(self.devices))
-        if self.default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
-            from multimesh._src.mlir import py_to_attr
-
-            names, sizes = self.default_mesh
-            with module.context:
-                module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
-                    "devices": list(range(len(self.devices))), "axis_names": list(names),
-                    "axis_sizes": list(sizes), "logical_axes": []}})
-        run_pipeline(module, self.pipeline, getattr(self, "name", None))
+        module, self._parsed = self._parsed, None
+        if module is None:
+            module = self._input_module()
+        else:
+            _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
+        timings = run_pipeline(module, self.pipeline, source=self._input_module, name=self.name)
         return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
-                                           "passes": time.perf_counter() - t0})
+                                           "passes": time.perf_counter() - t0}, timings)
+
+
+def _annotate(module: ir.Module, schedule_config, num_devices: int,
+              default_mesh=None) -> None:
+    with module.context:
+        if schedule_config:
+            from multimesh._src.mlir import py_to_attr
+
+            module.operation.attributes["mm.schedule_config"] = py_to_attr(schedule_config)
+        module.operation.attributes["mm.num_devices"] = _i64(module, num_devices)
+        if default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
+            from multimesh._src.mlir import py_to_attr
+
+            names, sizes = default_mesh
+            module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
+                "devices": list(range(num_devices)), "axis_names": list(names),
+                "axis_sizes": list(sizes), "logical_axes": []}})
 
 
 def _i64(module, n):
@@ -293,25 +333,44 @@ def _i64(module, n):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), n)
 
 
-def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None) -> None:
+def _log_phase(lowered, what: str, seconds: float, detail: str = "") -> None:
+    level = compile_log_level()
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s: %s in %.3f s%s", lowered.label, what, seconds,
+                   f" ({detail})" if detail else "")
+
+
+def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None,
+                 source: Callable[[], ir.Module] | None = None) -> list[tuple[str, float]]:
     """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line.
 
-    With ``MULTIMESH_DUMP_IR_TO`` set, the input and the module after every pass go to
-    a directory of this program's own (``_dump.program_dir``; ``name`` names it).
-    Passes leave the module untouched when they fail, so the repro is the module as
-    the failure left it: no copy is printed before each pass.
+    Nothing is printed while the passes succeed, and no pass snapshots the module: when
+    one fails, the module it received is rebuilt (``source()``, a fresh copy of the
+    input, with the passes before it run again) and written to the repro file.
+    Without ``source`` a bytecode snapshot of the input is kept (a fraction of the cost
+    of printing it). With ``MULTIMESH_DUMP_IR_TO`` set, the input and the module after
+    every pass go to a directory of this program's own (``_dump.program_dir``; ``name``
+    names it). Each pass's time is logged (:mod:`multimesh._src.log`). Returns
+    ``[(pass, seconds)]``.
     """
     root = _dump.dump_root()
     where = _dump.program_dir(root, name) if root else None
+    if source is None:
+        source = _snapshot(module)
     counter = [0]
+    level = compile_log_level()
+    log = logger.isEnabledFor(level)
+    label = f"mjit({name})" if name else "multimesh"
 
-    def write(label: str, mod) -> None:
-        safe = label.replace("/", "_")[:60]
+    def write(step_name: str, mod) -> None:
+        safe = step_name.replace("/", "_")[:60]
         with open(os.path.join(where, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
             f.write(print_module(mod, debug_info=True))
         counter[0] += 1
 
     def after(step, mod, dt):
+        if log:
+            logger.log(level, "%s: pass %s took %.4f s", label, step.argument, dt)
         if where:
             write(step.argument, mod)
 
@@ -319,12 +378,13 @@ def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None) -> N
     if where:
         write("input", module)
     try:
-        pipe.run(module, PipelineHooks(after=after))
+        timings = pipe.run(module, PipelineHooks(after=after if log or where else None),
+                           replay=source)
     except DiagnosticError as e:
         failed = getattr(e, "failed_pass", "?")
         path = _dump.repro_path(where)
         with open(path, "w") as f:
-            f.write(print_module(module, debug_info=True))
+            f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
         where_loc = file_line_col(e.location)
         loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
         element = getattr(e, "failed_element", failed)
@@ -332,6 +392,27 @@ def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None) -> N
         raise PassFailure(
             f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
             f"Reproduce with:\n  {repro}", failed, repro, e) from None
+    if log:
+        verify = dict(timings).get(VERIFIER)
+        if verify is not None:
+            logger.log(level, "%s: verified the module in %.4f s", label, verify)
+    return timings
+
+
+def _snapshot(module: ir.Module) -> Callable[[], ir.Module]:
+    """A function returning a fresh copy of ``module`` as it is now (MLIR bytecode)."""
+    data, ctx = _bytecode(module), module.context
+    return lambda: parse_module(data, ctx)
+
+
+def _failed_input(pipe, index: int | None, source: Callable[[], ir.Module]) -> str:
+    """The failing pass's input, with locations: the steps before it, replayed."""
+    if index is not None:
+        try:
+            return print_module(pipe.input_of(index, source), debug_info=True)
+        except Exception:  # noqa: BLE001 - a replay that fails differently: fall back
+            pass
+    return print_module(source(), debug_info=True)
 
 
 def _schedule_config(notes: dict) -> dict | None:
@@ -467,15 +548,20 @@ class _MJit:
                 _contexts.notes(notes):
             traced = jax.jit(wrapped, keep_unused=True).trace(*abstract[0], **abstract[1])
             lowered = traced.lower()
-            text = lowered.as_text(debug_info=True)
-            implicit = _multimesh.implicit_tasks_option(text)  # registered tasks
+            # jax's module moves into our context as bytecode (no text printed or parsed)
+            # and is parsed once: the registered-task scan and compile() share it.
+            program = _bytecode(lowered.compiler_ir("stablehlo"))
+            module = parse_module(program, make_context())
+            implicit = _multimesh.implicit_tasks_option(module)  # registered tasks
         trace_seconds = time.perf_counter() - t0
         warn_renamed_tasks(notes)
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))
         # positions of dynamic leaves among all leaves (static args carry no leaves)
         dyn_flat, _ = jax.tree.flatten((tuple(dyn_args), kwargs))
-        text, pins = _pin_inputs(text, self.in_shardings, args, static, dyn_args, kwargs,
-                                 dyn_flat, notes, devices, self.pin_committed)
+        changed, pins = _pin_inputs(module, self.in_shardings, args, static, dyn_args, kwargs,
+                                    dyn_flat, notes, devices, self.pin_committed)
+        if changed:  # the program the repro replays is the pinned one
+            program = _bytecode(module)
         in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
         donated = []
         leaf = 0
@@ -489,7 +575,7 @@ class _MJit:
         key_in = [_is_key(x) for x in dyn_flat]
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
-        low = MpmdLowered(text, devices, in_tree_dyn, lowered.out_tree,
+        low = MpmdLowered(program, devices, in_tree_dyn, lowered.out_tree,
                           list(range(len(dyn_flat))), donated_leaves=donated,
                           in_avals=traced.jaxpr.in_avals,
                           key_inputs=key_in if any(key_in) else (),
@@ -498,16 +584,17 @@ class _MJit:
                           pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
                                                   implicit_tasks=implicit,
                                                   split_backward=_wants_split(notes),
-                                                  recompute=_contexts.state.recomputation))
+                                                  recompute=_contexts.state.recomputation),
+                          module=module, name=getattr(self.fun, "__name__", None))
         mesh = self._program_mesh(devices)
         if mesh is not None:
             low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
-        if _fast_path.eligible(text, implicit, notes, pins, len(devices)):
+        if _fast_path.eligible(module, implicit, notes, pins, len(devices)):
             low.fast = _fast_path.FastPath(traced.jaxpr, in_tree_dyn, lowered.out_tree,
                                            jax.tree.leaves(abstract), pins, devices, donated,
-                                           text, low.default_mesh)
+                                           low.as_text(), low.default_mesh)
         low.trace_seconds = trace_seconds
-        low.name = getattr(self.fun, "__name__", None)  # names its MULTIMESH_DUMP_IR_TO dir
+        _log_phase(low, "traced and lowered", trace_seconds)
         return low
 
     def __call__(self, *args, **kwargs):
@@ -543,16 +630,25 @@ class _MJit:
         return compiled(*dyn, **kwargs)
 
 
-def _pin_inputs(text, in_shardings, args, static, dyn_args, kwargs, dyn_flat, notes,
-                devices, force: bool) -> tuple[str, dict]:
-    """Pin physical input shardings (``_inputs``) on the lowered program's arguments."""
+def _bytecode(module: ir.Module) -> bytes:
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
+
+
+def _pin_inputs(module, in_shardings, args, static, dyn_args, kwargs, dyn_flat, notes,
+                devices, force: bool) -> tuple[bool, dict]:
+    """Pin physical input shardings (``_inputs``) on the lowered program's arguments, in
+    place; returns (whether the module changed, the pins)."""
     specs = _inputs.leaf_in_shardings(in_shardings, args, static,
                                       len(jax.tree.leaves(kwargs)))
     paths = [_leaf_name(p) for p, _ in
              jax.tree_util.tree_flatten_with_path((tuple(dyn_args), kwargs))[0]]
     pins, drop, committed = _inputs.plan_pins(
         dyn_flat, specs, notes.get("logical_names", set()), tuple(devices), paths)
-    return _inputs.pin_module(text, pins, drop, set() if force else committed)
+    changed = bool(pins or drop)
+    _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
+    return changed, pins
 
 
 def _constrain_tree(tree, shardings):

@@ -532,11 +532,12 @@ def _direction(backprop: bool) -> str:
     return "backward" if backprop else "forward"
 
 
-def implicit_tasks_option(text: str) -> str | None:
-    """Options text for ``mm-match-tasks`` for the lowered program ``text``, or None.
+def implicit_tasks_option(program) -> str | None:
+    """Options text for ``mm-match-tasks`` for the lowered program, or None.
 
-    Must run while the program's device list is set (``mjit.lower``): task meshes
-    are resolved to positions in it.
+    ``program`` is the parsed module (``mjit.lower`` parses once and shares it) or
+    its text. Must run while the program's device list is set (``mjit.lower``): task
+    meshes are resolved to positions in it.
     """
     regs = active_registrations()
     if not regs or _contexts.state.ignore_transforms:
@@ -545,7 +546,7 @@ def implicit_tasks_option(text: str) -> str | None:
     from multimesh._src.mlir import make_context, parse_module
     from multimesh.jax._task import loop_placement, resolve_task_info
 
-    module = parse_module(text, make_context())
+    module = parse_module(program, make_context()) if isinstance(program, str) else program
     stacks: set[str] = set()
     hits = find_matches(module, [r.regex for r in regs], stacks)
     _warn_unmatched(regs, hits, stacks)

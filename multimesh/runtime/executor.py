@@ -10,6 +10,7 @@ use so their buffers are freed as soon as the device is done with them.
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.caches import LRUCache
+from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import make_context, parse_module
 from multimesh.runtime.guards import check_args
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
@@ -57,8 +59,8 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     """Compile (or fetch from cache) one fragment for its devices.
 
     ``donors`` are argument positions whose buffers the call may reuse for its
-    outputs (``jax.buffer_donor``); each donor set is its own executable, since a
-    fragment shared by several calls may donate in one call and not in another.
+    outputs (``jax.buffer_donor``); the cache key is the fragment's text, the
+    devices and the donors, so identical fragments compile once.
     ``positions``: run it on these device positions instead of its own (a task
     that moves with the microbatch).
     """
@@ -70,6 +72,7 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         exe = _COMPILE_CACHE.get(key)
     if exe is not None:
         return exe
+    t0 = time.perf_counter()
     in_sh = [layout_sharding(moved(lay, home, positions), devices) for lay in frag.in_layouts]
     out_sh = [layout_sharding(moved(lay, home, positions), devices)
               for lay in frag.out_layouts]
@@ -86,6 +89,12 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         in_layouts=(None,) * len(in_sh), out_layouts=(None,) * len(out_sh),
         compiler_options_kvs=(), num_devices=len(sub))
     exe = _fast_callable(exe, frag)
+    level = compile_log_level()
+    if logger.isEnabledFor(level):
+        logger.log(level, "multimesh: XLA compiled fragment %s on devices %s%s in %.3f s",
+                   frag.name, [d.id for d in sub],
+                   f" (donating arguments {list(donors)})" if donors else "",
+                   time.perf_counter() - t0)
     with _LOCK:
         _COMPILE_CACHE[key] = exe
     return exe
@@ -147,7 +156,16 @@ def _mark_donors(module, donors) -> None:
 
 
 class Executor:
-    """Runs a :class:`Plan` on a concrete device list."""
+    """Runs a :class:`Plan` on a concrete device list.
+
+    Each (fragment, devices) pair compiles once, with the argument donations its
+    calls share (a donation only some calls could make is skipped and the donated
+    input is deleted after its last use instead). Everything that does not depend
+    on the values is decided here: which executable each call runs, which arrays
+    each step frees, and which transfers move together. A transfer is dispatched
+    as late as its first consumer allows, so the transfers that a point of the
+    schedule needs go out in one batched call.
+    """
 
     def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset(),
                  leaf_name=None):
@@ -160,12 +178,15 @@ class Executor:
         # Hook (multi-process): this process's share of the plan, or None in one process.
         self.process_plan = _process_plan(plan, self.devices)
         pp = self.process_plan
-        self.exes = {name: compile_fragment(f, self.devices) for name, f in plan.fragments.items()
-                     if pp is None or pp.owns(f.devices)}
+        before = xla_compiles
+        exes = self._compile_calls(donated)
+        self.xla_compiles = xla_compiles - before
+        """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
         self._steps = []
         self._kept = []  # the plan steps this process runs, parallel to _steps
+        shared: set[int] = set()  # transfers of a donated input onto its own devices
         for i, s in enumerate(plan.steps):
             # Hook (multi-process): skip steps without our devices; cross-process moves
             # become steps of their own (a callable, dispatched like a fragment).
@@ -174,24 +195,18 @@ class Executor:
                 continue
             self._kept.append(s)
             if isinstance(s, Call):
-                frag = plan.fragments[s.fragment]
                 drop = [a for a in set(s.args) if plan.last_use.get(a) == i
                         and a not in plan.outputs]
-                donors = tuple(k for k, a in enumerate(s.args)
-                               if a in donated and plan.last_use.get(a) == i
-                               and s.args.count(a) == 1 and k not in frag.donors)
-                exe = (compile_fragment(frag, self.devices, donors, s.devices)
-                       if donors or s.devices or s.fragment not in self.exes
-                       else self.exes[s.fragment])
-                self._steps.append((0, exe, s.args, s.results, drop))
+                self._steps.append((0, exes[i], s.args, s.results, drop))
             else:
                 drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
                     else []
                 if mover is not None:
                     self._steps.append((0, mover, [s.src], [s.dst], drop))
                     continue
-                shared = s.src in donated and set(s.layout[0]) & set(plan.inputs[s.src][0])
-                self._steps.append((2 if shared else 1,
+                if s.src in donated and set(s.layout[0]) & set(plan.inputs[s.src][0]):
+                    shared.add(i)
+                self._steps.append((2 if i in shared else 1,
                                     layout_sharding(s.layout, self.devices), [s.src],
                                     [s.dst], drop))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
@@ -203,6 +218,50 @@ class Executor:
             if pp is None or pp.owns(lay[0]):
                 self._env_template[vid] = jax.device_put(np.int32(value),
                                                          layout_sharding(lay, self.devices))
+        # One process: the precomputed dispatch program (batched transfers). Several
+        # processes dispatch step by step (cross-process movers, skipped steps).
+        self._program = (_program(plan, exes, self._steps, self._skipped_donations,
+                                  self._consumed, shared) if pp is None else None)
+        self.batched_transfers = (sum(1 for op in self._program if op[0] == 1)
+                                  if self._program is not None else self.transfer_count)
+        """Batched copy calls per run (each moves one or more arrays)."""
+
+    def _compile_calls(self, donated: frozenset[int]) -> dict[int, object]:
+        """The executable of every call this process runs (by step index), compiling only
+        what is used: one executable per (fragment, devices), with the donations every
+        call of it can make."""
+        plan, pp = self.plan, self.process_plan
+        wants: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+        for i, s in enumerate(plan.steps):
+            if isinstance(s, Call) and (pp is None or pp.owns(plan.call_devices(s))):
+                frag = plan.fragments[s.fragment]
+                donors = tuple(k for k, a in enumerate(s.args)
+                               if a in donated and plan.last_use.get(a) == i
+                               and s.args.count(a) == 1 and k not in frag.donors)
+                wants.setdefault((s.fragment, s.devices), []).append((i, donors))
+        exes: dict[int, object] = {}
+        self.exes = {}
+        """Fragment name -> one of its executables (for cost and memory analysis)."""
+        self.xla_seconds: dict[str, float] = {}
+        """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
+        self._skipped_donations: dict[int, list[int]] = {}
+        self._consumed: dict[int, set[int]] = {}  # call -> values it donates (or deletes)
+        for (name, positions), calls in wants.items():
+            common = set(calls[0][1]).intersection(*(d for _, d in calls[1:]))
+            t0 = time.perf_counter()
+            exe = compile_fragment(plan.fragments[name], self.devices, tuple(sorted(common)),
+                                   positions)
+            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.exes.setdefault(name, exe)
+            for i, donors in calls:
+                exes[i] = exe
+                skipped = [plan.steps[i].args[k] for k in donors if k not in common]
+                if skipped:
+                    self._skipped_donations[i] = skipped
+                args = plan.steps[i].args
+                self._consumed[i] = {args[k] for k in donors} | {
+                    args[k] for k in plan.fragments[name].donors}
+        return exes
 
     def place_inputs(self, args):
         if self.process_plan is not None:  # Hook: inputs may live on other processes
@@ -222,6 +281,29 @@ class Executor:
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
+        if self._program is None:
+            return self._run_steps(env)
+        get = env.__getitem__
+        copy = xc.batched_copy_array_to_devices_with_sharding
+        for kind, what, srcs, dsts, delete, drop in self._program:
+            if kind == 0:  # a call: `what` is its dispatch function
+                outs = what(*map(get, srcs))
+                for d, o in zip(dsts, outs):
+                    env[d] = o
+                if delete:  # donated, but this call's executable cannot reuse them
+                    for d in delete:
+                        env[d].delete()
+            elif kind == 1:  # plain copies: `what` is (device lists, shardings, semantics)
+                for d, o in zip(dsts, copy(list(map(get, srcs)), *what)):
+                    env[d] = o
+            else:  # a reshard (2) or a fresh copy (3) of one array onto sharding `what`
+                env[dsts] = (_move if kind == 2 else _copy)(env[srcs], what)
+            for d in drop:
+                env[d] = None
+        return self._outputs(env)
+
+    def _run_steps(self, env):
+        """Dispatch step by step (several processes: hooks decide each step)."""
         for kind, what, srcs, dsts, drop in self._steps:
             if kind == 0:
                 outs = what(*[env[a] for a in srcs])
@@ -276,3 +358,114 @@ def _process_plan(plan: Plan, devices: tuple):
     from multimesh.runtime.distributed import ProcessPlan
 
     return ProcessPlan(plan, devices)
+
+
+def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
+             consumed: dict, shared: set[int] = frozenset()) -> list[tuple]:
+    """The steps of one run as flat tuples for :meth:`Executor.__call__`.
+
+    Calls keep the plan's order. A transfer may go anywhere between its place in
+    the plan and its first reader (a call, another transfer, or the end of the run),
+    but never past a call that donates its source (``consumed``: call -> values).
+    The fewest points that cover every transfer's range are chosen (interval
+    stabbing), and the transfers at one point that only copy shards to other devices
+    (same layout, other devices) go out in one
+    ``batched_copy_array_to_devices_with_sharding`` call: the arrays that one point of
+    the schedule needs cross in one host call. A transfer of a donated input onto its
+    own devices (``shared``) gets fresh buffers (:func:`_copy`), never a batched copy.
+    """
+    n = len(plan.steps)
+    layout = _value_layouts(plan)
+    first_read: dict[int, int] = {}
+    for i, s in enumerate(plan.steps):
+        for v in (s.args if isinstance(s, Call) else [s.src]):
+            first_read.setdefault(v, i)
+    gone: dict[int, list[int]] = {}  # value -> calls that donate it
+    for i, values in consumed.items():
+        for v in values:
+            gone.setdefault(v, []).append(i)
+    moved_by = {s.dst for s in plan.steps if isinstance(s, Transfer)}
+    ranges = []  # (latest slot, transfer index); slot j = just before plan step j
+    for i, s in enumerate(plan.steps):
+        if isinstance(s, Transfer):
+            hi = min([first_read.get(s.dst, n), *(j for j in gone.get(s.src, ()) if j > i)])
+            ranges.append((hi, i))
+    before: dict[int, list[int]] = {}  # slot -> transfers dispatched there, in one batch
+    point = None
+    for hi, i in sorted(ranges):
+        if plan.steps[i].src in moved_by:  # reads another transfer: its own batch, later
+            before.setdefault(hi, []).append(i)
+        elif point is not None and i <= point:
+            before[point].append(i)
+        else:
+            point = hi
+            before.setdefault(point, []).append(i)
+    order: list[int | list[int]] = []  # a call's step index, or a batch of transfers
+    for i in range(n + 1):
+        if i in before:
+            order.append(before[i])
+        if i < n and isinstance(plan.steps[i], Call):
+            order.append(i)
+    last_read: dict[int, int] = {}  # in the new order: when each value can be dropped
+    for k, item in enumerate(order):
+        for i in (item if isinstance(item, list) else [item]):
+            s = plan.steps[i]
+            for v in (s.args if isinstance(s, Call) else [s.src]):
+                last_read[v] = k
+    outputs = set(plan.outputs)
+
+    def drops(k: int, reads) -> tuple[int, ...]:
+        return tuple(sorted({v for v in reads if last_read.get(v) == k and v not in outputs}))
+
+    program: list[tuple] = []
+    for k, item in enumerate(order):
+        if not isinstance(item, list):
+            s = plan.steps[item]
+            program.append((0, _dispatcher(exes[item]), tuple(s.args), tuple(s.results),
+                            tuple(skipped.get(item, ())), drops(k, s.args)))
+            continue
+        # (kind, what, srcs, dsts, delete, drop), as for a call
+        transfers = [plan.steps[i] for i in item]
+        shardings = [steps[i][1] for i in item]
+        copies = [j for j, t in enumerate(transfers) if item[j] not in shared
+                  and _plain_copy(layout[t.src], t.layout)]
+        ops: list[tuple] = [(3 if item[j] in shared else 2, sh, t.src, t.dst, (), ())
+                            for j, (t, sh) in enumerate(zip(transfers, shardings))
+                            if j not in copies]
+        if copies:
+            ops.append((1, ([shardings[j]._internal_device_list for j in copies],
+                            [shardings[j] for j in copies],
+                            [xc.ArrayCopySemantics.REUSE_INPUT] * len(copies)),
+                        tuple(transfers[j].src for j in copies),
+                        tuple(transfers[j].dst for j in copies), (), ()))
+        ops[-1] = ops[-1][:-1] + (drops(k, [t.src for t in transfers]),)
+        program.extend(ops)
+    return program
+
+
+def _value_layouts(plan: Plan) -> dict[int, Layout]:
+    """Where every value of one run lives."""
+    out: dict[int, Layout] = dict(zip(plan.input_ids, plan.inputs))
+    out.update({vid: lay for vid, (_, lay) in plan.constants.items()})
+    for s in plan.steps:
+        if isinstance(s, Call):
+            frag = plan.fragments[s.fragment]
+            for r, lay in zip(s.results, frag.out_layouts):
+                out[r] = moved(lay, frag.devices, s.devices) if s.devices else lay
+        else:
+            out[s.dst] = s.layout
+    return out
+
+
+def _plain_copy(src: Layout | None, dst: Layout) -> bool:
+    """Whether moving from ``src`` to ``dst`` only copies each shard to another device:
+    the same mesh shape and per-dimension axes (then shard ``i`` goes to device ``i``)."""
+    return src is not None and src[1:] == dst[1:] and len(src[0]) == len(dst[0])
+
+
+def _dispatcher(exe):
+    """What a call dispatches through: the C++ function that ``jax.stages.Compiled``
+    makes on its first call (made now), else the ``Compiled`` itself."""
+    if getattr(exe, "_call", None) is None and hasattr(exe, "_executable"):
+        exe._call = exe._executable.create_cpp_call(exe._params)
+    return getattr(exe, "_call", None) or exe

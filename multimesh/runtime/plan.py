@@ -172,6 +172,7 @@ class _Builder:
         self.next_id = 0
         self.num_microbatches = None
         self.schedule_name = None
+        self._layouts: dict = {}
 
     def new_id(self, layout: Layout | None) -> int:
         i = self.next_id
@@ -349,6 +350,13 @@ class _Builder:
     # -- reading fragments and layouts -----------------------------------------------
 
     def _layout(self, devices_attr, sharding_attr) -> Layout:
+        key = (devices_attr, sharding_attr)  # a loop's transfers repeat per microbatch
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = self._read_layout(devices_attr, sharding_attr)
+        return lay
+
+    def _read_layout(self, devices_attr, sharding_attr) -> Layout:
         devices = tuple(attr_to_py(devices_attr))
         ts = sdy.TensorShardingAttr(sharding_attr)
         mesh_ref = ts.mesh_or_ref
@@ -432,10 +440,12 @@ def _standalone(sub: ir.Operation) -> str:
     A generic module name makes identical fragments identical text, so they
     compile once.
     """
-    m = ir.Module.parse(sub.get_asm())
-    op = m.operation
-    for n in [a if isinstance(a, str) else a.name for a in op.attributes]:
-        if n.startswith("mm."):
-            del op.attributes[n]
-    op.attributes["sym_name"] = ir.StringAttr.get("multimesh_fragment")
-    return print_module(m)
+    op = sub.clone()  # detached: printed once, no round trip through text
+    try:
+        for n in [a if isinstance(a, str) else a.name for a in op.attributes]:
+            if n.startswith("mm."):
+                del op.attributes[n]
+        op.attributes["sym_name"] = ir.StringAttr.get("multimesh_fragment")
+        return print_module(op)
+    finally:
+        op.erase()

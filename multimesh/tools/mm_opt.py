@@ -143,6 +143,9 @@ def _make_parser() -> argparse.ArgumentParser:
                    help="print operations in generic form")
     p.add_argument("--mlir-timing", action="store_true",
                    help="print a per-pass wall-time report (stderr)")
+    p.add_argument("--verify-each", action="store_true",
+                   help="verify the IR after every pass (default: once, after the last "
+                        "pass; also MULTIMESH_VERIFY_EACH_PASS=1)")
     p.add_argument("--dump-pass-pipeline", action="store_true",
                    help="print the parsed pipeline (stderr)")
     p.add_argument("--list-passes", action="store_true",
@@ -426,7 +429,12 @@ class _Driver:
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", DiagnosticWarning)
-                    self._run_pipeline(pipeline, module)
+                    # The passes need no snapshots when a failure's input can be rebuilt
+                    # from the chunk (not for --mlir-print-ir-after-failure, which
+                    # prints the module as the failure left it).
+                    replay = None if self.args.mlir_print_ir_after_failure else \
+                        (lambda: ir.Module.parse(chunk.text, ctx))
+                    self._run_pipeline(pipeline, module, replay)
                 for w in caught:  # a pass's warnings are diagnostics, like MLIR's
                     if isinstance(w.message, DiagnosticWarning):
                         f, line, col = self._from_loc(w.message.location)
@@ -459,8 +467,8 @@ class _Driver:
                 "rename them", None, None, None)]
         return out, warned
 
-    def _run_pipeline(self, pipeline, module: ir.Module) -> None:
-        from mlir_passes.pipeline import PipelineHooks
+    def _run_pipeline(self, pipeline, module: ir.Module, replay=None) -> None:
+        from mlir_passes.pipeline import VERIFIER, PipelineHooks
 
         a = self.args
 
@@ -475,7 +483,11 @@ class _Driver:
                 self._dump(f"IR Dump After {step.argument}", mod)
 
         self.current_step = None
-        pipeline.run(module, PipelineHooks(before=before, after=after))
+        timings = pipeline.run(module, PipelineHooks(before=before, after=after),
+                               verify_each=True if a.verify_each else None, replay=replay)
+        for name, dt in timings:  # the final verification is no step: time it here
+            if name == VERIFIER:
+                self._time("Verifier", dt)
 
     # -- printing
 

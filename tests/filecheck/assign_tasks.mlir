@@ -130,3 +130,23 @@ module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_s
     return %4 : tensor<2xf32>
   }
 }
+
+// -----
+
+// A leaf task call counts a value once per op of its body that reads it (as if the
+// body were inlined): the glue joins `a`, whose body reads it twice, rather than the
+// earlier single read by `b`.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: stablehlo.negate %arg0 {mm.task = {name = "a", transpose_count = 0 : i64}}
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>, tensor<8xf32>) {
+    %0 = stablehlo.negate %arg0 : tensor<8xf32>
+    %1 = stablehlo.sine %0 {mm.task = {name = "b", transpose_count = 0 : i64}} : tensor<8xf32>
+    %2 = call @abody(%0) {mm.task = {name = "a", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %1, %2 : tensor<8xf32>, tensor<8xf32>
+  }
+  func.func private @abody(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.task = {name = "a", transpose_count = 0 : i64}} {
+    %0 = stablehlo.multiply %arg0, %arg0 : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}

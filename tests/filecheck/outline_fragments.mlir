@@ -114,3 +114,59 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
     return %3, %4 : tensor<2xf32>, tensor<2xf32>
   }
 }
+
+// -----
+
+// A leaf task call (flat form) is outlined as one op and becomes its body inside its
+// fragment, next to the glue op of its task; the callee is gone.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[F:.*]] = call @t_fwd(%arg0) {mm.fragment}
+// CHECK-NEXT: return %[[F]]
+// CHECK: func.func private @t_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32>
+// CHECK-NEXT: %[[N:.*]] = stablehlo.negate %arg0 {mm.task = {name = "t", transpose_count = 0 : i64}}
+// CHECK-NEXT: %[[C:.*]] = sdy.sharding_constraint %[[N]] <@mesh_t, [{}]>
+// CHECK-NEXT: %[[S:.*]] = stablehlo.sine %[[C]] : tensor<8xf32>
+// CHECK-NEXT: return %[[S]]
+// CHECK-NOT: @body
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_t = <["x"=2]>
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.negate %arg0 {mm.task = {name = "t", transpose_count = 0 : i64}} : tensor<8xf32>
+    %1 = call @body(%0) {mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %1 : tensor<8xf32>
+  }
+  func.func private @body(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.task = {name = "t", transpose_count = 0 : i64}} {
+    %0 = sdy.sharding_constraint %arg0 <@mesh_t, [{}]> : tensor<8xf32>
+    %1 = stablehlo.sine %0 : tensor<8xf32>
+    return %1 : tensor<8xf32>
+  }
+}
+
+// -----
+
+// A leaf call of a task that already has a fragment, needing a value from a later
+// fragment, is placed op by op, as its inlined body would be: the add reads only
+// earlier values and joins t's first fragment; the multiply opens t_fwd_1.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: %[[A:.*]]:2 = call @t_fwd(%arg0) {mm.fragment}
+// CHECK-NEXT: %[[B:.*]] = call @u_fwd(%[[A]]#0) {mm.fragment}
+// CHECK-NEXT: %[[C:.*]] = call @t_fwd_1(%[[A]]#1, %[[B]]) {mm.fragment}
+// CHECK: func.func private @t_fwd(
+// CHECK-NEXT: stablehlo.negate
+// CHECK-NEXT: stablehlo.add %{{.*}} {mm.task = {name = "t", transpose_count = 0 : i64}}
+// CHECK: func.func private @t_fwd_1(
+// CHECK-NEXT: stablehlo.multiply %arg0, %arg1 {mm.task = {name = "t", transpose_count = 0 : i64}}
+// CHECK-NOT: @tb
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, u = {devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.negate %arg0 {mm.task = {name = "t", transpose_count = 0 : i64}} : tensor<8xf32>
+    %1 = stablehlo.sine %0 {mm.task = {name = "u", transpose_count = 0 : i64}} : tensor<8xf32>
+    %2 = call @tb(%0, %1) {mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %2 : tensor<8xf32>
+  }
+  func.func private @tb(%a: tensor<8xf32>, %b: tensor<8xf32>) -> tensor<8xf32> attributes {mm.task = {name = "t", transpose_count = 0 : i64}} {
+    %c = stablehlo.add %a, %a : tensor<8xf32>
+    %d = stablehlo.multiply %c, %b : tensor<8xf32>
+    return %d : tensor<8xf32>
+  }
+}

@@ -159,3 +159,21 @@ module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_s
     return %0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// A marker in the body of a leaf task call (flat form) resolves with the task of the
+// body's function.
+// CHECK-LABEL: func.func private @body
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_t, [{"x"}, {}]> : tensor<8x8xf32>
+module attributes {mm.tasks = {t = {axis_names = ["x"], axis_sizes = [2], devices = [0, 1], logical_axes = [["batch", "x"]]}}} {
+  func.func @main(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    %0 = call @body(%arg0) {mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    return %0 : tensor<8x8xf32>
+  }
+  func.func private @body(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> attributes {mm.task = {name = "t", transpose_count = 0 : i64}} {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["batch"], []]} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    %1 = stablehlo.sine %0 : tensor<8x8xf32>
+    return %1 : tensor<8x8xf32>
+  }
+}

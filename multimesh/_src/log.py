@@ -1,0 +1,35 @@
+"""Where compile time goes: the ``multimesh`` logger, in the voice of ``jax_log_compiles``.
+
+Every compile logs its phases (trace and lower, each pass, the runtime plan, XLA per
+fragment) on the ``multimesh`` logger. They are DEBUG records unless compile logging
+is on, through jax's own flag (``jax.config.update("jax_log_compiles", True)``) or
+``MULTIMESH_LOG_COMPILES=1``; then they are WARNING records and show without any
+logging set-up, exactly like jax's "Finished XLA compilation of ..." lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["logger", "log_compiles", "compile_log_level"]
+
+logger = logging.getLogger("multimesh")
+
+ENV = "MULTIMESH_LOG_COMPILES"
+
+
+def log_compiles() -> bool:
+    """Whether compile phases are logged at WARNING (else DEBUG)."""
+    if os.environ.get(ENV, "") not in ("", "0", "false", "False"):
+        return True
+    try:
+        import jax
+
+        return bool(jax.config.jax_log_compiles)
+    except (ImportError, AttributeError):  # pragma: no cover - jax is a dependency
+        return False
+
+
+def compile_log_level() -> int:
+    return logging.WARNING if log_compiles() else logging.DEBUG
