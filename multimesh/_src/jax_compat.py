@@ -27,6 +27,8 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import xla_client as _xc
 from jax.extend import linear_util as _lu
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Primitive
@@ -35,7 +37,8 @@ from jax.extend.core.primitives import closed_call_p
 __all__ = [
     "JAX_VERSION", "register_call_primitive", "lower_call", "fresh_ir_context", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
-    "trace_context", "register_cache", "separate_consts", "array_impl_type",
+    "compile_module", "dispatcher", "shard_args", "batched_copy", "device_list",
+    "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
 ]
 
@@ -280,6 +283,69 @@ def separate_consts(closed) -> tuple:
     detaches the constants that a jaxpr carries (``pe.separate_consts``, internal).
     """
     return _pe.separate_consts(closed)
+
+
+# ----------------------------------------------------------------------------
+# Compiling and dispatching fragments, moving arrays (multimesh/runtime/executor.py)
+
+def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_shardings,
+                   devices):
+    """Compile an MLIR module for ``devices`` (a list, in mesh order) into a
+    ``jax.stages.Compiled`` that takes and returns ``jax.Array``s on jit's C++
+    dispatch path.
+
+    jax has no public "compile this StableHLO for these devices": this is jit's own
+    path, ``UnloadedMeshExecutable.from_hlo`` (15 internal keywords, unchanged from
+    0.10.2 to 0.12) and the ``Compiled`` constructor. All arguments are kept and
+    none is donated unless the module marks it (``jax.buffer_donor``).
+    """
+    from jax._src import stages
+
+    exe = _pxla.UnloadedMeshExecutable.from_hlo(
+        name, module, list(in_avals), list(out_avals), list(in_shardings),
+        list(out_shardings), tuple_args=False, unordered_effects=[], ordered_effects=[],
+        host_callbacks=[], keepalive=None, kept_var_idx=set(range(len(in_shardings))),
+        backend=devices[0].client, device_list=_xc.DeviceList(tuple(devices)),
+        committed=True, in_layouts=(None,) * len(in_shardings),
+        out_layouts=(None,) * len(out_shardings), compiler_options_kvs=(),
+        num_devices=len(devices))
+    args_info = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
+    out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
+    return stages.Compiled(exe, [], args_info, out_tree)
+
+
+def dispatcher(compiled):
+    """What calls of ``compiled`` go through: the C++ function ``jax.stages.Compiled``
+    builds on its first call (built now, so the first call is as fast as the rest), or
+    ``compiled`` itself when jax has none for it (``_executable.create_cpp_call``,
+    internal)."""
+    if getattr(compiled, "_call", None) is None and hasattr(compiled, "_executable"):
+        compiled._call = compiled._executable.create_cpp_call(compiled._params)
+    return getattr(compiled, "_call", None) or compiled
+
+
+shard_args = _pxla.shard_args
+"""``shard_args(shardings, layouts, copy_semantics, arrays)``: jit's placement of its
+arguments (``jax.device_put``'s core without its Python overhead): copies same-layout
+arrays to other devices in one batched call, reshards otherwise. Internal in every
+version; the same signature from 0.10.2 to 0.12."""
+
+batched_copy = _xc.batched_copy_array_to_devices_with_sharding
+"""``batched_copy(arrays, device_lists, shardings, copy_semantics)``: copy each array's
+shards to the devices of the same-layout sharding, all in one host call
+(``xla_client.batched_copy_array_to_devices_with_sharding``; internal, unchanged from
+0.10.2 to 0.12). ``device_lists`` are :func:`device_list` of the shardings."""
+
+REUSE_INPUT = _xc.ArrayCopySemantics.REUSE_INPUT
+ALWAYS_COPY = _xc.ArrayCopySemantics.ALWAYS_COPY
+"""``copy_semantics`` values: reuse the source's buffers where the devices agree, or
+always copy (``xla_client.ArrayCopySemantics``)."""
+
+
+def device_list(sharding):
+    """The device list a sharding holds, in the form :data:`batched_copy` takes
+    (``Sharding._internal_device_list``, internal)."""
+    return sharding._internal_device_list
 
 
 # ----------------------------------------------------------------------------
