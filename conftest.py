@@ -6,6 +6,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's subprocesses (mm-opt, python -m multimesh.launch, child interpreters) run
+# sys.executable, so they test the jax under test; this makes them import multimesh from
+# this checkout as well, whichever environment runs pytest (tools/test_under.sh).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p)
 
 
 def pytest_addoption(parser):

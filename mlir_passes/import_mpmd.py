@@ -1,6 +1,6 @@
 """``mm-import-mpmd``: Shardy's partitioned MPMD form -> multimesh's MPMD form (docs/ir.md §4).
 
-Shardy's MPMD partitioner (``jaxlib._sdy_mpmd.apply_mpmd_partitioning``) emits a
+Shardy's MPMD partitioner (``apply_mpmd_partitioning``, in jaxlib's ``_sdy_mpmd``) emits a
 ``@main`` of ``mpmd.fragment_call``s and ``mpmd.transfer``s over
 ``!mpmd.mesh_tensor<"m1", tensor<..>, sharding=<@mesh, ..>>`` values, plus one
 private function per fragment. Only Pathways can run that. This pass rewrites it
@@ -33,7 +33,7 @@ _MEMORY_KIND_ATTRS = ("mhlo.memory_kind",)
 class ImportMpmdPass(ModulePass):
     """Turns a module partitioned by Shardy:MPMD into multimesh's MPMD form.
 
-    Input: the output of ``jaxlib._sdy_mpmd.apply_mpmd_partitioning`` (or
+    Input: the output of jaxlib's ``_sdy_mpmd.apply_mpmd_partitioning`` (or
     ``MpmdLowered.as_text("mpmd")`` from Shardy's JAX front end): ``@main`` holds
     only ``mpmd.fragment_call``, ``mpmd.transfer`` and ``return`` over
     ``!mpmd.mesh_tensor`` values; each fragment is a ``func.func`` with

@@ -48,9 +48,11 @@ def _cluster_env():
     ``jax.distributed.initialize()`` finds the launcher the way it finds SLURM. It
     is put first, so a launch inside a SLURM allocation still means the local run.
     """
-    from jax._src import clusters
+    from multimesh._src.jax_compat import cluster_env_base
 
-    class LocalCluster(clusters.ClusterEnv):
+    base, types = cluster_env_base()
+
+    class LocalCluster(base):
         name = "multimesh-launch"
 
         @classmethod
@@ -69,7 +71,6 @@ def _cluster_env():
         def get_process_id(cls) -> int:
             return int(os.environ[ENV_PROCESS_ID])
 
-    types = clusters.ClusterEnv._cluster_types
     types.remove(LocalCluster)
     types.insert(0, LocalCluster)
     return LocalCluster

@@ -66,12 +66,24 @@ def expand(cmd: str, path: Path, tmp: Path) -> str:
 FILES = _files()
 
 
+@pytest.fixture(scope="session")
+def mm_opt_dir(tmp_path_factory) -> Path:
+    """A directory whose ``mm-opt`` is this interpreter running this checkout's mm-opt,
+    whether or not the environment installed the console script (or installed another
+    checkout's)."""
+    d = tmp_path_factory.mktemp("bin")
+    script = d / "mm-opt"
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m multimesh.tools.mm_opt "$@"\n')
+    script.chmod(0o755)
+    return d
+
+
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(ROOT)) for p in FILES])
-def test_filecheck(path: Path, tmp_path: Path):
+def test_filecheck(path: Path, tmp_path: Path, mm_opt_dir: Path):
     cmds = run_lines(path)
     assert cmds, f"{path} has no '// RUN:' line"
     env = dict(os.environ)
-    env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = os.pathsep.join([str(mm_opt_dir), str(BIN), env.get("PATH", "")])
     for i, raw in enumerate(cmds):
         cmd = expand(raw, path, tmp_path / f"run{i}.tmp")
         proc = subprocess.run(["bash", "-c", "set -o pipefail\n" + cmd], env=env,

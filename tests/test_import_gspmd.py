@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.sharding_impls import GSPMDSharding
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,6 +23,7 @@ from mlir_passes.import_gspmd import (
     parse_gspmd_sharding,
 )
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.jax_compat import gspmd_sharding
 from multimesh._src.mlir import ir, parse_module, print_module, sdy, walk
 
 # ----------------------------------------------------------------------------- helpers
@@ -257,8 +257,8 @@ def _swap_and_run(f, in_s, out_s, args, module):
 def _executable_shardings(compiled, devices):
     """The shardings XLA actually compiled the parameters/outputs with."""
     ex = compiled._executable.xla_executable
-    return ([GSPMDSharding(tuple(devices), s) for s in ex.get_parameter_shardings()],
-            [GSPMDSharding(tuple(devices), s) for s in ex.get_output_shardings()])
+    return ([gspmd_sharding(devices, s) for s in ex.get_parameter_shardings()],
+            [gspmd_sharding(devices, s) for s in ex.get_output_shardings()])
 
 
 def _roundtrip(f, in_s, out_s, args, constraints=()):

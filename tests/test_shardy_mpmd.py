@@ -162,6 +162,11 @@ def test_mm_opt_output_runs_on_the_runtime(tmp_path):
             _close(a, c)
 
 
+@pytest.mark.skipif(
+    jax.__version__ != "0.10.2",
+    reason="the saved inputs are jaxlib 0.10.2's partitioner output (the CI version); newer "
+           "jax lowers the same program to different text (e.g. tanh's derivative), while "
+           "the tests above check that the programs agree on every version")
 def test_golden_inputs_up_to_date():
     gen = _load("gen_import_mpmd_inputs", ROOT / "tools" / "gen_import_mpmd_inputs.py")
     with redirect_stdout(io.StringIO()) as out:

@@ -303,7 +303,6 @@ def _p11(reps: int) -> dict[str, float]:
     import numpy as np
 
     import multimesh.jax as mm
-    from multimesh.runtime.executor import xc
 
     S, M, D, MB = 8, 32, 32, 4  # stages, microbatches, width, rows per microbatch
 
@@ -359,7 +358,7 @@ def _p11(reps: int) -> dict[str, float]:
         t0 = time.perf_counter()
         jax.block_until_ready(theirs(ws0, x0))
         b.append(time.perf_counter() - t0)
-        tc, tt = _timed_dispatch(ex, flat, xc) if detail else (float("nan"),) * 2
+        tc, tt = _timed_dispatch(ex, flat) if detail else (float("nan"),) * 2
         calls_s.append(tc)
         copies_s.append(tt)
         t0 = time.perf_counter()
@@ -380,16 +379,17 @@ def _p11(reps: int) -> dict[str, float]:
             "P11_call_over_bare_jit": per_call / med(bare_s)}
 
 
-def _timed_dispatch(ex, flat, xc) -> tuple[float, float]:
+def _timed_dispatch(ex, flat) -> tuple[float, float]:
     """One step through the executor's dispatch program, timing fragment calls and
     copy calls apart (seconds of host time each)."""
+    from multimesh._src import jax_compat
     from multimesh.runtime import executor
 
     env = ex._env_template.copy()
     for i, v in zip(ex.plan.input_ids, ex.place_inputs(flat)):
         env[i] = v
     get = env.__getitem__
-    copy = xc.batched_copy_array_to_devices_with_sharding
+    copy = jax_compat.batched_copy
     tc = tt = 0.0
     clock = time.perf_counter
     for kind, what, srcs, dsts, delete, drop in ex._program:
@@ -578,14 +578,14 @@ def _p10_child(reps: int) -> None:
 
     jax.distributed.initialize()
     import numpy as np
-    from jax._src import distributed as jd
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from multimesh._src.jax_compat import distributed_client
     from multimesh.runtime.distributed import CrossTransfer
 
     me = jax.process_index()
-    kv = jd.global_state.client
+    kv = distributed_client()
     devs = jax.devices()
     sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
     sh_b = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))

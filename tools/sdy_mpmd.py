@@ -18,55 +18,46 @@ written with multimesh tasks and as plain jax.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import api_util, core
-from jax._src import linear_util as lu
-from jax._src.interpreters import ad, mlir
-from jax._src.interpreters import partial_eval as pe
+from jax.api_util import debug_info, flatten_fun_nokwargs, shaped_abstractify
+from jax.extend import linear_util as lu
+from jax.extend.core import ClosedJaxpr, Primitive
+from jax.interpreters import mlir
+from jax.interpreters import partial_eval as pe
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from multimesh._src import jax_compat
 from multimesh._src.mlir import ir, mpmd, print_module
 
 
 def partitioner():
-    """``jaxlib._sdy_mpmd``; the extension imports ``jax.jaxlib._jax``, which jax 0.10.2
-    does not have under that name."""
-    import jaxlib
-    import jaxlib._jax
-
-    sys.modules.setdefault("jax.jaxlib", jaxlib)
-    sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
-    from jaxlib import _sdy_mpmd
-
-    return _sdy_mpmd
+    """``jaxlib._sdy_mpmd``, the partitioner extension."""
+    return jax_compat.sdy_mpmd_partitioner()
 
 
 # ----------------------------------------------------------------------------- primitives
 
-named_computation_p = core.CallPrimitive("sdy_mpmd_named_computation")
-call_p = core.CallPrimitive("sdy_mpmd_call")
-for _p in (named_computation_p, call_p):
-    _p.def_impl(core.call_impl)
-    ad.fancy_transposes[_p] = partial(ad.call_transpose_fancy, _p)
-    pe.dce_rules[_p] = pe.dce_jaxpr_call_rule
-    pe.partial_eval_jaxpr_custom_rules[_p] = pe.partial_eval_jaxpr_custom_rules[core.call_p]
-ad.call_transpose_param_updaters[named_computation_p] = \
-    lambda params, _undefined, _nonzero: dict(params,
-                                              transpose_count=params["transpose_count"] + 1)
+named_computation_p = Primitive("sdy_mpmd_named_computation")
+jax_compat.register_call_primitive(
+    named_computation_p,
+    transposed=lambda params: dict(params, transpose_count=params["transpose_count"] + 1))
+call_p = Primitive("sdy_mpmd_call")
+jax_compat.register_call_primitive(call_p, transposed=lambda params: params)
 
 
 def _bind(prim, fn, args, **params):
     flat, in_tree = jax.tree.flatten(args)
-    f = lu.wrap_init(fn, debug_info=api_util.debug_info(prim.name, fn, args, {}))
-    f, out_tree = api_util.flatten_fun_nokwargs(f, in_tree)
-    out = prim.bind(*flat, subfuns=(f,), **params)
+    f = lu.wrap_init(fn, debug_info=debug_info(prim.name, fn, args, {}))
+    f, out_tree = flatten_fun_nokwargs(f, in_tree)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(f, [shaped_abstractify(x) for x in flat])
+    # Closed-over values become leading operands, as a call-primitive's would.
+    jaxpr, consts = jax_compat.separate_consts(ClosedJaxpr(jaxpr, consts))
+    out = prim.bind(*consts, *flat, call_jaxpr=jaxpr, **params)
     return jax.tree.unflatten(out_tree(), out)
 
 
@@ -89,7 +80,8 @@ def _named_computation_lowering(ctx, *args, call_jaxpr, name, transpose_count):
     block = op.region.blocks.append(*types)
     with ir.InsertionPoint(block):
         outs, _ = mlir.jaxpr_subcomp(
-            ctx.module_context, call_jaxpr, ctx.name_stack.extend(name), mlir.TokenSet(), [],
+            ctx.module_context, call_jaxpr.jaxpr, ctx.name_stack.extend(name),
+            mlir.TokenSet(), [],
             *block.arguments, dim_var_values=ctx.dim_var_values,
             const_lowering=ctx.const_lowering, outer_traceback=ctx.traceback)
         mpmd.ReturnOp(list(outs))
@@ -97,13 +89,12 @@ def _named_computation_lowering(ctx, *args, call_jaxpr, name, transpose_count):
 
 
 def _call_lowering(ctx, *args, call_jaxpr, call_counter):
-    fn, out_types, _ = mlir.lower_called_computation(
-        f"mpmd_call_{call_counter}", pe.close_jaxpr(call_jaxpr), ctx.module_context, 0,
-        ctx.avals_in, ctx.avals_out, ctx.tokens_in)
-    op = mpmd.CallOp(out_types, list(args), ir.FlatSymbolRefAttr.get(fn.name.value))
-    op.operation.attributes["call_counter"] = ir.IntegerAttr.get(
+    op, outs = jax_compat.lower_call(
+        ctx, f"mpmd_call_{call_counter}", call_jaxpr, args, ctx.avals_in,
+        make_call=lambda types, callee, operands: mpmd.CallOp(types, operands, callee))
+    op.attributes["call_counter"] = ir.IntegerAttr.get(
         ir.IntegerType.get_unsigned(32), call_counter)
-    return op.results
+    return outs
 
 
 mlir.register_lowering(named_computation_p, _named_computation_lowering)

@@ -27,14 +27,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 def install_shims() -> None:
     """What Shardy's front end (4b908d99) needs to import on jax 0.10.2."""
-    import jaxlib
-    import jaxlib._jax
     import jaxlib.mlir
     import jaxlib.mlir.ir
 
-    # The partitioner extension imports jax.jaxlib._jax.
-    sys.modules.setdefault("jax.jaxlib", jaxlib)
-    sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
+    from multimesh._src.jax_compat import sdy_mpmd_partitioner
+
+    sdy_mpmd_partitioner()  # aliases jax.jaxlib._jax, which the extension imports
     # `from mlir import ir`
     sys.modules.setdefault("mlir", jaxlib.mlir)
     sys.modules.setdefault("mlir.ir", jaxlib.mlir.ir)

@@ -13,7 +13,7 @@ import threading
 import weakref
 from typing import Any, NamedTuple
 
-from jax._src import util as _jax_util
+from multimesh._src import jax_compat
 
 __all__ = ["LRUCache", "WeakKeyCache", "clear_caches"]
 
@@ -39,7 +39,7 @@ class LRUCache:
         self._lock = threading.Lock()
         self._hits = self._misses = 0
         # jax holds registered caches weakly: the registration lasts as long as we do.
-        _jax_util.register_cache(self, for_what)
+        jax_compat.register_cache(self, for_what)
 
     def get(self, key, default=None) -> Any:
         with self._lock:
@@ -92,7 +92,7 @@ class WeakKeyCache(weakref.WeakKeyDictionary):
     def __init__(self, for_what: str):
         super().__init__()
         self.for_what = for_what
-        _jax_util.register_cache(self, for_what)
+        jax_compat.register_cache(self, for_what)
 
     def __hash__(self):  # jax's registry is a WeakKeyDictionary too: hash by identity
         return id(self)

@@ -11,9 +11,10 @@ import contextlib
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from jax._src.interpreters.mlir import make_ir_context as _make_ir_context
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func, mpmd, sdy, stablehlo
+
+from multimesh._src.jax_compat import fresh_ir_context
 
 __all__ = [
     "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
@@ -30,7 +31,7 @@ def make_context() -> ir.Context:
     Multithreading is off: some malformed inputs make the threaded parser hang
     (found by fuzzing); our passes are module-level Python anyway.
     """
-    ctx = _make_ir_context()
+    ctx = fresh_ir_context()
     ctx.enable_multithreading(False)
     return ctx
 

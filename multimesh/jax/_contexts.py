@@ -11,7 +11,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from jax._src import config as _jax_config
+from multimesh._src import jax_compat
 
 __all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
            "context", "state", "program_devices", "push", "pop", "compile_state"]
@@ -80,7 +80,7 @@ def compile_state() -> tuple:
     """
     st = state
     return (st.ignore_transforms, st.recomputation, st.fast_path, st.autoshard,
-            st.program_devices, st.microbatch_loop, _jax_config.trace_context())
+            st.program_devices, st.microbatch_loop, jax_compat.trace_context())
 
 
 def autoshard(autoshard: bool | None = True):

@@ -18,7 +18,7 @@ import re
 
 import jax
 import numpy as np
-from jax._src import core
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh.jax import _contexts
@@ -93,7 +93,7 @@ class FastPath:
         in_sh = tuple(layout_sharding(self.pins[i], self.devices) if i in self.pins
                       else replicated for i in range(len(self.abstract_leaves)))
         # The program as traced for the MPMD path: no second trace of the user's code.
-        flat = core.jaxpr_as_fun(self.jaxpr)
+        flat = jaxpr_as_fun(self.jaxpr)
 
         # Without a sharded input every value is replicated, as on the MPMD path (the
         # implicit task has no logical mapping); otherwise jax propagates from the inputs.

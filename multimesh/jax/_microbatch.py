@@ -18,9 +18,11 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from jax import lax
-from jax._src import api_util, core
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
+from jax.api_util import debug_info, shaped_abstractify
+from jax.core import ShapedArray, Tracer
+from jax.extend import linear_util as lu
+from jax.extend.core import ClosedJaxpr, Literal
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mlir_passes.schedules import (
@@ -30,6 +32,7 @@ from mlir_passes.schedules import (
     canonical_schedule_name,
     canonicalize_custom_schedule,
 )
+from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
@@ -200,7 +203,7 @@ def _note_loop(name, n, num_stages, interleave, unrolling, custom) -> None:
 
 
 def _is_operand(x) -> bool:
-    return isinstance(x, (core.Tracer, jax.Array, np.ndarray, np.generic))
+    return isinstance(x, (Tracer, jax.Array, np.ndarray, np.generic))
 
 
 def _run(fun, args, kwargs, argnum, x, dim, size, n):
@@ -227,36 +230,38 @@ def _run(fun, args, kwargs, argnum, x, dim, size, n):
         out_tree_cell.append(tree)
         return flat_out
 
-    in_avals = [core.ShapedArray((), np.dtype(np.int32))] + [
-        core.shaped_abstractify(v) for v in operands]
-    dbg = api_util.debug_info("multimesh.microbatch", fun, args, kwargs)
+    in_avals = [ShapedArray((), np.dtype(np.int32))] + [
+        shaped_abstractify(v) for v in operands]
+    dbg = debug_info("multimesh.microbatch", fun, args, kwargs)
     st = _contexts.state
     old = st.microbatch_loop
     st.microbatch_loop = n
     try:
         with _contexts.autoshard(True):
-            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            traced, _, consts = pe.trace_to_jaxpr_dynamic(
                 lu.wrap_init(body, debug_info=dbg.with_unknown_names()), in_avals)
     finally:
         st.microbatch_loop = old
     out_tree = out_tree_cell[-1]
+    # The body as a jaxpr over (*consts, i, *operands).
+    jaxpr, consts = jax_compat.separate_consts(ClosedJaxpr(traced, consts))
+    jaxpr, nc = jaxpr.jaxpr, len(consts)
     # Outputs that are just an input (or a constant) need no loop: n copies of it.
     invars = {v: k for k, v in enumerate(jaxpr.invars)}
     through = {}
     for k, v in enumerate(jaxpr.outvars):
-        if isinstance(v, core.Literal):
+        if isinstance(v, Literal):
             through[k] = v.val
-        elif invars.get(v, 0) > 0:  # an input other than the index
-            through[k] = operands[invars[v] - 1]
-        elif v in set(jaxpr.constvars):
-            through[k] = consts[jaxpr.constvars.index(v)]
+        elif invars.get(v, nc) < nc:
+            through[k] = consts[invars[v]]
+        elif invars.get(v, nc) > nc:  # an input other than the index
+            through[k] = operands[invars[v] - nc - 1]
     keep = [k not in through for k in range(len(jaxpr.outvars))]
     outs: list = [None] * len(jaxpr.outvars)
     if any(keep):
         body_jaxpr, _ = pe.dce_jaxpr(jaxpr, keep, instantiate=True)
-        body_jaxpr = pe.convert_constvars_jaxpr(body_jaxpr)
-        closed = core.ClosedJaxpr(body_jaxpr, ())
-        results = iter(bind_microbatch(closed, len(consts), [*consts, *operands], n))
+        closed = ClosedJaxpr(body_jaxpr, ())
+        results = iter(bind_microbatch(closed, nc, [*consts, *operands], n))
         for k in range(len(outs)):
             if keep[k]:
                 outs[k] = next(results)

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from multimesh._src import jax_compat
 from multimesh._src.errors import (
     MeshError,
     MultimeshTypeError,
@@ -285,8 +286,10 @@ class MultiMesh(Context, Mesh):
                 global_mesh: Mesh | None = None):
         mesh = _global_mesh_of(axis_sizes, axis_names, devices, global_mesh)
         obj = object.__new__(cls)
-        for field in ("devices", "axis_names", "axis_types", "size"):
-            object.__setattr__(obj, field, getattr(mesh, field))
+        # Every field jax's Mesh.__new__ sets: devices, axis_names, axis_types, size, and
+        # on jax >= 0.11 the cached device list that shardings read.
+        for field, value in vars(mesh).items():
+            object.__setattr__(obj, field, value)
         object.__setattr__(obj, "global_mesh", mesh)
         return obj
 
@@ -437,12 +440,8 @@ def current_global_mesh() -> Mesh | None:
     mm = active_multimesh()
     if mm is not None:
         return mm.global_mesh
-    from jax._src import mesh as mesh_lib
-
-    for mesh in (mesh_lib.get_concrete_mesh(), mesh_lib.thread_resources.env.physical_mesh):
-        if mesh is not None and not mesh.empty:
-            return mesh.global_mesh if isinstance(mesh, MultiMesh) else mesh
-    return None
+    mesh = jax_compat.concrete_mesh()
+    return mesh.global_mesh if isinstance(mesh, MultiMesh) else mesh
 
 
 def slice_global_mesh(name: str, mesh_slice: Mapping[str, int]) -> Mesh:

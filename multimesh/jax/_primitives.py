@@ -13,27 +13,14 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from jax._src import core, dispatch, source_info_util
-from jax._src import linear_util as lu
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.tree_util import tree_flatten, tree_unflatten
-from jax._src.util import (
-    merge_lists,
-    safe_map,
-    safe_zip,
-    split_list,
-    subs_list,
-    unzip2,
-    weakref_lru_cache,
-)
+import jax
+from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun, new_jaxpr_eqn
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 
-from multimesh._src.mlir import func as func_dialect
+from multimesh._src import jax_compat
 from multimesh._src.mlir import ir
 from multimesh._src.mlir import stablehlo as hlo
-
-map, unsafe_map = safe_map, map
-zip, unsafe_zip = safe_zip, zip
 
 __all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical"]
 
@@ -83,42 +70,20 @@ class TaskInfo:
 # ----------------------------------------------------------------------------
 # mm_task
 
-task_p = core.Primitive("mm_task")
-task_p.multiple_results = True
-dispatch.simple_impl(task_p)
+task_p = Primitive("mm_task")
+# A call-primitive: jax's rules for calls, except that the transpose binds with
+# ``transpose_count + 1``.
+jax_compat.register_call_primitive(task_p, transposed=lambda p: dict(p, info=p["info"].bumped()))
 
 
-def bind_task(info: TaskInfo, jaxpr: core.ClosedJaxpr, consts, args):
-    return task_p.bind(*consts, *args, jaxpr=jaxpr, info=info)
+def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
+    return task_p.bind(*consts, *args, call_jaxpr=jaxpr, info=info)
 
 
-def _abstract_eval(*in_avals, jaxpr, info):
-    return jaxpr.out_avals, core.positional_effects(jaxpr)
-
-
-task_p.def_effectful_abstract_eval(_abstract_eval)
-
-
-def _lowering(ctx, *args, jaxpr, info):
-    const_args_and_avals = core.jaxpr_const_args(jaxpr.jaxpr)
-    const_args, const_avals = unzip2(const_args_and_avals)
-    const_arg_values = [
-        mlir.ir_constants(c, const_lowering=ctx.const_lowering, aval=aval)
-        for c, aval in const_args_and_avals]
-    in_avals = (*const_avals, *ctx.avals_in)
-    func_op, output_types, effects = mlir.lower_called_computation(
-        _symbol(info.name), jaxpr, ctx.module_context, len(const_args), in_avals,
-        ctx.avals_out, ctx.tokens_in)
-    flat_output_types, treedef = mlir.ir_tree_registry.flatten(output_types)
-    tokens = [ctx.tokens_in.get(eff) for eff in effects]
-    call_args = (*ctx.dim_var_values, *tokens, *const_arg_values, *args)
-    flat_args, _ = mlir.ir_tree_registry.flatten(call_args)
-    call = func_dialect.CallOp(
-        flat_output_types, ir.FlatSymbolRefAttr.get(func_op.name.value), flat_args)
-    call.operation.attributes["mm.task"] = info.attribute()
-    out_nodes = treedef.unflatten(call.results)
-    tokens, out_nodes = split_list(out_nodes, [len(effects)])
-    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet(dict(zip(effects, tokens)))))
+def _lowering(ctx, *args, call_jaxpr, info):
+    call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
+                                            ctx.avals_in)
+    call.attributes["mm.task"] = info.attribute()
     return out_nodes
 
 
@@ -130,129 +95,10 @@ def _symbol(name: str) -> str:
 mlir.register_lowering(task_p, _lowering)
 
 
-def _batcher(axis_data, vals_in, dims_in, *, jaxpr, info):
-    batched_jaxpr, dims_out = batching.batch_jaxpr2(jaxpr, axis_data, dims_in)
-    return task_p.bind(*vals_in, jaxpr=batched_jaxpr, info=info), dims_out
-
-
-batching.fancy_primitive_batchers[task_p] = _batcher
-
-
-def _jvp(primals, tangents, *, jaxpr, info):
-    nzs = [not isinstance(t, ad.Zero) for t in tangents]
-    jaxpr_jvp, out_nzs = ad.jvp_jaxpr(jaxpr, nzs, False)
-    nz_tangents = [t for t in tangents if not isinstance(t, ad.Zero)]
-    outs = task_p.bind(*primals, *nz_tangents, jaxpr=jaxpr_jvp, info=info)
-    primals_out, nz_tangents_out = split_list(outs, [len(out_nzs)])
-    nz_outs = iter(nz_tangents_out)
-    tangents_out = [next(nz_outs) if nz else ad.Zero(aval.to_tangent_aval())
-                    for aval, nz in zip(jaxpr.out_avals, out_nzs)]
-    return primals_out, tangents_out
-
-
-ad.primitive_jvps[task_p] = _jvp
-
-
-def _linearize(is_vjp, nzs, *primals, jaxpr, info):
-    (primal_jaxpr, num_res_out, nzs_out, in_fwd_res,
-     tangent_jaxpr) = ad.linearize_jaxpr(jaxpr, nzs, is_vjp=is_vjp)
-    tangent_avals_out = [a.to_tangent_aval() for a in jaxpr.out_avals]
-
-    def tangent_fun(residuals, *tangents):
-        tangents_nz = [t for nz, t in zip(nzs, tangents) if nz]
-        nz_outs = iter(task_p.bind(*residuals, *tangents_nz, jaxpr=tangent_jaxpr, info=info))
-        return [next(nz_outs) if nz else ad.Zero(a)
-                for nz, a in zip(nzs_out, tangent_avals_out)]
-
-    ans = task_p.bind(*primals, jaxpr=primal_jaxpr, info=info)
-    primal_ans, residuals_ans = split_list(ans, [len(ans) - num_res_out])
-    residuals_ans = subs_list(in_fwd_res, [*jaxpr.consts, *primals], residuals_ans)
-    return primal_ans, nzs_out, residuals_ans, tangent_fun
-
-
-ad.primitive_linearizations[task_p] = _linearize
-
-
-def _partial_eval(trace, *in_tracers, jaxpr, info):
-    # Needed for jax.checkpoint around grad: split the body into the known
-    # (forward) part and the unknown part, both still tasks.
-    in_pvals = [t.pval for t in in_tracers]
-    unknown_ins = tuple(not pv.is_known() for pv in in_pvals)
-    (known_jaxpr, unknown_jaxpr, unknown_outs, res_out_avals,
-     in_fwd_res) = pe.partial_eval_jaxpr_nounits_fwd(jaxpr, unknown_ins, instantiate=False)
-    known_inputs = [pv.get_known() for pv in in_pvals if pv.is_known()]
-    all_known = task_p.bind(*known_inputs, jaxpr=known_jaxpr, info=info)
-    known_out_vals, residual_vals = split_list(all_known, [len(all_known) - len(res_out_avals)])
-    residual_iter = iter(residual_vals)
-    residual_vals = [next(residual_iter) if f is None else [*jaxpr.consts, *known_inputs][f]
-                     for f in in_fwd_res]
-    residual_tracers = map(trace.new_instantiated_const, residual_vals)
-    unknown_tracers_in = [*residual_tracers, *(t for t in in_tracers if not t.pval.is_known())]
-    unknown_tracers_out = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None)
-                           for a in unknown_jaxpr.out_avals]
-    eqn = pe.new_eqn_recipe(trace, unknown_tracers_in, unknown_tracers_out, task_p,
-                            dict(jaxpr=unknown_jaxpr, info=info),
-                            core.positional_effects(unknown_jaxpr),
-                            source_info_util.current())
-    for t in unknown_tracers_out:
-        t.recipe = eqn
-    return merge_lists(unknown_outs, known_out_vals, unknown_tracers_out)
-
-
-pe.custom_partial_eval_rules[task_p] = _partial_eval
-pe.partial_eval_jaxpr_custom_rules[task_p] = partial(
-    pe.closed_call_partial_eval_custom_rule, "jaxpr",
-    lambda _unks, _inst, _kk, _ks, _nro, _nri, known, staged: (known, staged))
-
-
-@weakref_lru_cache
-def _transpose_jaxpr(jaxpr, in_avals, in_tree):
-    cell = lambda: None  # noqa: E731
-
-    def transposed(*in_flat):
-        primals_in, cts_in = tree_unflatten(in_tree, in_flat)
-        out = ad.backward_pass(jaxpr.jaxpr, False, jaxpr.consts, primals_in, cts_in)
-        out = [ct if not isinstance(ct, ad.Zero) else None for ct in out]
-        cts_out, cell.out_tree = tree_flatten(out)
-        return cts_out
-
-    dbg = jaxpr.jaxpr.debug_info.with_unknown_names()
-    trans_jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-        lu.wrap_init(transposed, debug_info=dbg), in_avals)
-    return core.ClosedJaxpr(trans_jaxpr, consts), cell.out_tree
-
-
-def _transpose(cts_in, *primals_in, jaxpr, info):
-    in_flat, in_tree = tree_flatten((primals_in, cts_in))
-    in_avals = tuple(core.typeof(x) for x in in_flat)
-    trans_jaxpr, out_tree = _transpose_jaxpr(jaxpr, in_avals, in_tree)
-    cts_out = task_p.bind(*in_flat, jaxpr=trans_jaxpr, info=info.bumped())
-    return tree_unflatten(out_tree, cts_out)
-
-
-ad.primitive_transposes[task_p] = _transpose
-
-
-def _dce(used_outputs, eqn):
-    if not any(used_outputs) and not pe.has_effects(eqn):
-        return [False] * len(eqn.invars), None
-    dced_jaxpr, used_inputs = pe._cached_closed_call_dce(eqn.params["jaxpr"], tuple(used_outputs))
-    new_params = dict(eqn.params, jaxpr=dced_jaxpr)
-    new_invars = [v for v, used in zip(eqn.invars, used_inputs) if used]
-    new_effs = core.eqn_effects(dced_jaxpr, new_invars)
-    new_eqn = pe.new_jaxpr_eqn(
-        new_invars, [v for v, used in zip(eqn.outvars, used_outputs) if used],
-        eqn.primitive, new_params, new_effs, eqn.source_info, eqn.ctx)
-    return used_inputs, new_eqn
-
-
-pe.dce_rules[task_p] = _dce
-
-
 # ----------------------------------------------------------------------------
 # mm_logical_sharding
 
-logical_sharding_p = core.Primitive("mm_logical_sharding")
+logical_sharding_p = Primitive("mm_logical_sharding")
 
 
 def bind_logical(x, axes: tuple[tuple[str, ...], ...]):
@@ -311,15 +157,15 @@ batching.primitive_batchers[logical_sharding_p] = _logical_batcher
 # ``mm.microbatch_sum`` markers, which the passes turn into a loop that the
 # runtime plan repeats; anywhere else it is an ordinary ``fori_loop``.
 
-microbatch_p = core.Primitive("mm_microbatch")
+microbatch_p = Primitive("mm_microbatch")
 microbatch_p.multiple_results = True
-dispatch.simple_impl(microbatch_p)
+jax_compat.def_jit_impl(microbatch_p)
 
 INDEX_TARGET = "mm.microbatch_index"
 SUM_TARGET = "mm.microbatch_sum"
 
 
-def bind_microbatch(jaxpr: core.ClosedJaxpr, num_consts: int, operands,
+def bind_microbatch(jaxpr: ClosedJaxpr, num_consts: int, operands,
                     num_microbatches: int):
     return microbatch_p.bind(*operands, jaxpr=jaxpr, num_consts=num_consts,
                              num_microbatches=num_microbatches)
@@ -327,15 +173,15 @@ def bind_microbatch(jaxpr: core.ClosedJaxpr, num_consts: int, operands,
 
 def _mb_abstract_eval(*in_avals, jaxpr, num_consts, num_microbatches):
     del in_avals, num_consts, num_microbatches
-    return jaxpr.out_avals, core.positional_effects(jaxpr)
+    return jaxpr.out_avals, jax_compat.positional_effects(jaxpr)
 
 
 microbatch_p.def_effectful_abstract_eval(_mb_abstract_eval)
 
 
 def _body_outputs(jaxpr, num_consts, operands, i):
-    consts, args = split_list(list(operands), [num_consts])
-    return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *consts, i, *args)
+    consts, args = list(operands[:num_consts]), list(operands[num_consts:])
+    return jaxpr_as_fun(jaxpr)(*consts, i, *args)
 
 
 def _add(a, b):
@@ -411,24 +257,24 @@ batching.primitive_batchers[microbatch_p] = _mb_batch
 
 
 def _mb_dce(used_outputs, eqn):
-    if not any(used_outputs) and not pe.has_effects(eqn):
+    if not any(used_outputs) and not jax_compat.has_effects(eqn):
         return [False] * len(eqn.invars), None
     closed = eqn.params["jaxpr"]
     nc = eqn.params["num_consts"]
     keep = [False] * nc + [True] + [False] * (len(closed.jaxpr.invars) - nc - 1)
     new_jaxpr, used_in = pe.dce_jaxpr(closed.jaxpr, list(used_outputs), instantiate=keep)
     used_operands = used_in[:nc] + used_in[nc + 1:]
-    new_params = dict(eqn.params, jaxpr=core.ClosedJaxpr(new_jaxpr, closed.consts),
+    new_params = dict(eqn.params, jaxpr=ClosedJaxpr(new_jaxpr, closed.consts),
                       num_consts=sum(used_in[:nc]))
     new_invars = [v for v, u in zip(eqn.invars, used_operands) if u]
-    new_eqn = pe.new_jaxpr_eqn(
+    new_eqn = new_jaxpr_eqn(
         new_invars, [v for v, u in zip(eqn.outvars, used_outputs) if u], eqn.primitive,
-        new_params, core.eqn_effects(new_params["jaxpr"], new_invars), eqn.source_info,
-        eqn.ctx)
+        new_params, jax_compat.eqn_effects(new_params["jaxpr"], new_invars),
+        eqn.source_info, eqn.ctx)
     return used_operands, new_eqn
 
 
-pe.dce_rules[microbatch_p] = _mb_dce
+jax_compat.register_dce_rule(microbatch_p, _mb_dce)
 
 
 def _mb_lowering(ctx, *operands, jaxpr, num_consts, num_microbatches):
@@ -445,28 +291,12 @@ def _mb_lowering(ctx, *operands, jaxpr, num_consts, num_microbatches):
     index_type = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
     index = _marker(INDEX_TARGET, [], index_type)
     index.attributes["mm.loop"] = loop
-    const_args_and_avals = core.jaxpr_const_args(jaxpr.jaxpr)
-    const_args, const_avals = unzip2(const_args_and_avals)
-    const_arg_values = [
-        mlir.ir_constants(c, const_lowering=ctx.const_lowering, aval=aval)
-        for c, aval in const_args_and_avals]
-    index_aval = core.ShapedArray((), np_int32())
-    in_avals = (*const_avals, *ctx.avals_in[:num_consts], index_aval,
-                *ctx.avals_in[num_consts:])
-    func_op, output_types, effects = mlir.lower_called_computation(
-        "mm_microbatch_body", jaxpr, ctx.module_context, len(const_args), in_avals,
-        ctx.avals_out, ctx.tokens_in)
-    flat_output_types, treedef = mlir.ir_tree_registry.flatten(output_types)
-    tokens = [ctx.tokens_in.get(eff) for eff in effects]
-    call_args = (*ctx.dim_var_values, *tokens, *const_arg_values, *operands[:num_consts],
-                 index.results[0], *operands[num_consts:])
-    flat_args, _ = mlir.ir_tree_registry.flatten(call_args)
-    call = func_dialect.CallOp(
-        flat_output_types, ir.FlatSymbolRefAttr.get(func_op.name.value), flat_args)
-    call.operation.attributes["mm.microbatch"] = info
-    out_nodes = treedef.unflatten(call.results)
-    tokens, out_nodes = split_list(out_nodes, [len(effects)])
-    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet(dict(zip(effects, tokens)))))
+    index_aval = jax.core.ShapedArray((), np_int32())
+    in_avals = (*ctx.avals_in[:num_consts], index_aval, *ctx.avals_in[num_consts:])
+    call, out_nodes = jax_compat.lower_call(
+        ctx, "mm_microbatch_body", jaxpr, (*operands[:num_consts], index.results[0],
+                                           *operands[num_consts:]), in_avals)
+    call.attributes["mm.microbatch"] = info
     sums = []
     for v in out_nodes:
         s = _marker(SUM_TARGET, [v], v.type)

@@ -1,6 +1,6 @@
 """``compile_mpmd``: run a program partitioned by Shardy:MPMD on stock jax.
 
-Shardy's partitioner (``jaxlib._sdy_mpmd``) produces MPMD programs that only
+Shardy's partitioner (jaxlib's ``_sdy_mpmd`` extension) produces MPMD programs that only
 Pathways can compile. ``mm-import-mpmd`` rewrites one into multimesh's MPMD form,
 and the result goes through the same plan and executor as ``mjit``'s programs, so
 the returned object is an :class:`~multimesh.jax._mjit.MpmdCompiled`.
@@ -30,7 +30,7 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
     """Compiles a Shardy:MPMD-partitioned program to run on stock jax.
 
     Args:
-      program: the partitioner's output (``jaxlib._sdy_mpmd.apply_mpmd_partitioning(...)
+      program: the partitioner's output (jaxlib's ``_sdy_mpmd.apply_mpmd_partitioning(...)
         .mpmd_module``) as an ``ir.Module`` or MLIR text, or a program lowered by
         Shardy's JAX front end (``mpmd.jit(f, config).lower(...)``), whose topology,
         input and output trees are then used.

@@ -11,12 +11,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import api_util, core, source_info_util
-from jax._src import linear_util as lu
-from jax._src.api_util import flatten_fun
-from jax._src.interpreters import partial_eval as pe
+from jax.api_util import debug_info, flatten_fun, shaped_abstractify
+from jax.core import Tracer
+from jax.extend import linear_util as lu
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr
+from jax.interpreters import partial_eval as pe
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src import jax_compat
 from multimesh._src.errors import (
     MeshError,
     MultimeshTypeError,
@@ -373,12 +376,12 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if spec.loop_dependent_mesh_slice is not None:
             info = loop_placement(spec, task_name, info)
         args_flat, in_tree = jax.tree.flatten((args, kw))
-        in_avals = tuple(core.shaped_abstractify(x) for x in args_flat)
-        dbg = api_util.debug_info("multimesh.task", fun, args, kw)
+        in_avals = tuple(shaped_abstractify(x) for x in args_flat)
+        dbg = debug_info("multimesh.task", fun, args, kw)
         with _contexts.autoshard(True):
             jaxpr, out_tree = _trace(fun, in_avals, in_tree, dbg)
-        if any(isinstance(c, core.Tracer) for c in jaxpr.consts):
-            jaxpr, consts = pe.separate_consts(jaxpr)
+        if any(isinstance(c, Tracer) for c in jaxpr.consts):
+            jaxpr, consts = jax_compat.separate_consts(jaxpr)
         else:
             consts = []
         outs = bind_task(info, jaxpr, consts, args_flat)
@@ -427,7 +430,7 @@ def _trace(fun, in_avals, in_tree, dbg):
     f = lu.wrap_init(fun, debug_info=dbg)
     f, out_tree = flatten_fun(f, in_tree)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(f, in_avals)
-    return core.ClosedJaxpr(jaxpr, consts), out_tree()
+    return ClosedJaxpr(jaxpr, consts), out_tree()
 
 
 def logical_axes_of(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
@@ -496,7 +499,7 @@ def _broadcast_prefix(prefix, tree, n):
 def _constrain(leaf, spec):
     ndim = np.ndim(leaf)
     axes = logical_axes_of(spec, ndim)
-    if not isinstance(leaf, core.Tracer):
+    if not isinstance(leaf, Tracer):
         return leaf  # eager values carry no logical sharding; the marker is a no-op
     return bind_logical(leaf, axes)
 

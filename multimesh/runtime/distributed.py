@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.runtime.executor import SKIP, _dtype, _move, layout_sharding
 from multimesh.runtime.plan import Call, Plan, Transfer, moved
@@ -572,9 +573,7 @@ class _Watchdog:
         self.thread = threading.Thread(target=self._run, name="multimesh-watchdog", daemon=True)
 
     def _alive(self) -> bool:
-        from jax._src import distributed
-
-        return distributed.global_state.client is self.client
+        return jax_compat.distributed_client() is self.client
 
     def _run(self) -> None:
         prefix = "multimesh/alive/"
@@ -651,9 +650,7 @@ def start_watchdog(timeout: float | None = None, period: float = 1.0) -> None:
     global _WATCHDOG
     if _WATCHDOG is not None or not is_multiprocess():
         return
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = jax_compat.distributed_client()
     if client is None:
         return
     if timeout is None:

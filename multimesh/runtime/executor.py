@@ -14,11 +14,10 @@ import time
 
 import jax
 import numpy as np
-from jax._src import core, stages, tree_util
-from jax._src.interpreters import pxla
-from jax._src.lib import xla_client as xc
+from jax.core import ShapedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import make_context, parse_module
@@ -44,7 +43,7 @@ def layout_sharding(layout: Layout, devices: tuple) -> NamedSharding:
 
 def _aval(t):
     shape, dtype = t
-    return core.ShapedArray(shape, _dtype(dtype))
+    return ShapedArray(shape, _dtype(dtype))
 
 
 def _dtype(s: str):
@@ -81,14 +80,12 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         _mark_donors(module, donors)
     global xla_compiles
     xla_compiles += 1
-    exe = pxla.UnloadedMeshExecutable.from_hlo(
-        frag.name, module, [_aval(t) for t in frag.in_types], [_aval(t) for t in frag.out_types],
-        in_sh, out_sh, tuple_args=False, unordered_effects=[], ordered_effects=[],
-        host_callbacks=[], keepalive=None, kept_var_idx=set(range(len(in_sh))),
-        backend=sub[0].client, device_list=xc.DeviceList(sub), committed=True,
-        in_layouts=(None,) * len(in_sh), out_layouts=(None,) * len(out_sh),
-        compiler_options_kvs=(), num_devices=len(sub))
-    exe = _fast_callable(exe, frag)
+    # A jax.stages.Compiled: calls take jax's C++ dispatch path (a few µs, like a
+    # jitted function) instead of MeshExecutable.call's Python checks (~15 µs); the
+    # plan guarantees argument layouts.
+    exe = jax_compat.compile_module(
+        frag.name, module, [_aval(t) for t in frag.in_types],
+        [_aval(t) for t in frag.out_types], in_sh, out_sh, sub)
     level = compile_log_level()
     if logger.isEnabledFor(level):
         logger.log(level, "multimesh: XLA compiled fragment %s on devices %s%s in %.3f s",
@@ -100,31 +97,20 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     return exe
 
 
-def _fast_callable(exe, frag: Fragment):
-    """Wrap a MeshExecutable in ``jax.stages.Compiled`` for jax's C++ dispatch path.
-
-    After its first call, ``Compiled.__call__`` dispatches from C++ (a few µs, like
-    a jitted function) instead of the Python argument checks of
-    ``MeshExecutable.call`` (~15 µs). The plan guarantees argument layouts.
-    """
-    args_info = ((tuple(stages.ArgInfo(_aval(t), False) for t in frag.in_types)), {})
-    out_tree = tree_util.tree_structure([0] * len(frag.out_types))
-    return stages.Compiled(exe, [], args_info, out_tree)
-
-
-_REUSE = [xc.ArrayCopySemantics.REUSE_INPUT]
-_COPY = [xc.ArrayCopySemantics.ALWAYS_COPY]
+_shard_args = jax_compat.shard_args
+_REUSE = [jax_compat.REUSE_INPUT]
+_COPY = [jax_compat.ALWAYS_COPY]
 _NO_LAYOUT = [None]
 
 
 def _move(x, sharding):
     """``jax.device_put(x, sharding)`` for a jax.Array, minus its Python overhead.
 
-    ``pxla.shard_args`` is what jit uses to place arguments: it copies a same-layout
+    ``shard_args`` is what jit uses to place arguments: it copies a same-layout
     array to other devices in one batched call and reshards otherwise (~7 µs of
     Python here versus ~35 µs for ``device_put``).
     """
-    return pxla.shard_args([sharding], _NO_LAYOUT, _REUSE, [x])[0]
+    return _shard_args([sharding], _NO_LAYOUT, _REUSE, [x])[0]
 
 
 def _copy(x, sharding):
@@ -133,7 +119,7 @@ def _copy(x, sharding):
     A move onto devices the source also lives on reuses the source's buffers there
     (whatever the copy semantics), so the moved array is copied once more.
     """
-    return pxla.shard_args([sharding], _NO_LAYOUT, _COPY, [_move(x, sharding)])[0]
+    return _shard_args([sharding], _NO_LAYOUT, _COPY, [_move(x, sharding)])[0]
 
 
 def _mark_donors(module, donors) -> None:
@@ -284,7 +270,7 @@ class Executor:
         if self._program is None:
             return self._run_steps(env)
         get = env.__getitem__
-        copy = xc.batched_copy_array_to_devices_with_sharding
+        copy = jax_compat.batched_copy
         for kind, what, srcs, dsts, delete, drop in self._program:
             if kind == 0:  # a call: `what` is its dispatch function
                 outs = what(*map(get, srcs))
@@ -421,7 +407,7 @@ def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
     for k, item in enumerate(order):
         if not isinstance(item, list):
             s = plan.steps[item]
-            program.append((0, _dispatcher(exes[item]), tuple(s.args), tuple(s.results),
+            program.append((0, jax_compat.dispatcher(exes[item]), tuple(s.args), tuple(s.results),
                             tuple(skipped.get(item, ())), drops(k, s.args)))
             continue
         # (kind, what, srcs, dsts, delete, drop), as for a call
@@ -433,9 +419,9 @@ def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
                             for j, (t, sh) in enumerate(zip(transfers, shardings))
                             if j not in copies]
         if copies:
-            ops.append((1, ([shardings[j]._internal_device_list for j in copies],
+            ops.append((1, ([jax_compat.device_list(shardings[j]) for j in copies],
                             [shardings[j] for j in copies],
-                            [xc.ArrayCopySemantics.REUSE_INPUT] * len(copies)),
+                            [jax_compat.REUSE_INPUT] * len(copies)),
                         tuple(transfers[j].src for j in copies),
                         tuple(transfers[j].dst for j in copies), (), ()))
         ops[-1] = ops[-1][:-1] + (drops(k, [t.src for t in transfers]),)
@@ -462,10 +448,3 @@ def _plain_copy(src: Layout | None, dst: Layout) -> bool:
     the same mesh shape and per-dimension axes (then shard ``i`` goes to device ``i``)."""
     return src is not None and src[1:] == dst[1:] and len(src[0]) == len(dst[0])
 
-
-def _dispatcher(exe):
-    """What a call dispatches through: the C++ function that ``jax.stages.Compiled``
-    makes on its first call (made now), else the ``Compiled`` itself."""
-    if getattr(exe, "_call", None) is None and hasattr(exe, "_executable"):
-        exe._call = exe._executable.create_cpp_call(exe._params)
-    return getattr(exe, "_call", None) or exe

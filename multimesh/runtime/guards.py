@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jax._src.array import ArrayImpl
-
 from multimesh._src.errors import DonationError
+from multimesh._src.jax_compat import array_impl_type
+
+ArrayImpl = array_impl_type()
 
 __all__ = ["check_args"]
 

@@ -19,14 +19,14 @@
 // TWO-SAME{LITERAL}: %arg2: tensor<1x16x8xf32> {mm.devices = [0, 1, 2, 3], mm.sharding = #sdy.sharding<@mesh_m1, [{}, {"x"}, {}]>}
 // TWO-SAME:   -> (tensor<f32> {jax.result_info = "result[0]"}, tensor<8x8xf32> {{.*}}, tensor<8x8xf32> {{.*}}) {
 // TWO-NEXT:   %[[F1:.*]]:2 = stablehlo.custom_call @mm.fragment_call(%arg0, %arg2) {mm.fragment = @p0_stage1_fwd.loss}
-// TWO-NEXT:   %[[T1:.*]] = stablehlo.custom_call @mm.transfer(%[[F1]]#1)
+// TWO-NEXT:   %[[T1:.*]] = stablehlo.custom_call @mm.transfer(%[[F1]]#0)
 // TWO-SAME{LITERAL}: {mm.devices = [4, 5, 6, 7], mm.sharding = #sdy.sharding<@mesh_m2, [{}, {}]>}
 // TWO-NEXT:   %[[F2:.*]]:4 = stablehlo.custom_call @mm.fragment_call(%arg1, %[[T1]]) {mm.fragment = @p1_stage2_fwd.loss}
-// TWO-NEXT:   %[[B2:.*]]:2 = stablehlo.custom_call @mm.fragment_call(%arg1, %[[T1]], %[[F2]]#0, %[[F2]]#1, %[[F2]]#2) {mm.fragment = @p2_stage2_bwd.loss}
+// TWO-NEXT:   %[[B2:.*]]:2 = stablehlo.custom_call @mm.fragment_call(%arg1, %[[T1]], %[[F2]]#1, %[[F2]]#2, %[[F2]]#3) {mm.fragment = @p2_stage2_bwd.loss}
 // TWO-NEXT:   %[[T2:.*]] = stablehlo.custom_call @mm.transfer(%[[B2]]#1)
 // TWO-SAME{LITERAL}: {mm.devices = [0, 1, 2, 3], mm.sharding = #sdy.sharding<@mesh_m1, [{"x"}, {}]>}
-// TWO-NEXT:   %[[B1:.*]] = stablehlo.custom_call @mm.fragment_call(%[[F1]]#1, %[[F1]]#0, %[[T2]], %arg2) {mm.fragment = @p3_stage1_bwd.loss}
-// TWO-NEXT:   return %[[F2]]#3, %[[B1]], %[[B2]]#0 : tensor<f32>, tensor<8x8xf32>, tensor<8x8xf32>
+// TWO-NEXT:   %[[B1:.*]] = stablehlo.custom_call @mm.fragment_call(%[[F1]]#0, %[[F1]]#1, %[[T2]], %arg2) {mm.fragment = @p3_stage1_bwd.loss}
+// TWO-NEXT:   return %[[F2]]#0, %[[B1]], %[[B2]]#0 : tensor<f32>, tensor<8x8xf32>, tensor<8x8xf32>
 // TWO:        module @p0_stage1_fwd.loss attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32, mm.devices = [0, 1, 2, 3], mm.task = {name = "stage1", transpose_count = 0 : i64}}
 // TWO-NEXT:     sdy.mesh @mesh = <["x"=4]>
 // TWO-NEXT:     func.func public @main(
@@ -35,7 +35,7 @@
 // replicated shardings where the partitioner left them implicit.
 // TWO:        module @p1_stage2_fwd.loss attributes {{.*}}mm.devices = [4, 5, 6, 7], mm.task = {name = "stage2", transpose_count = 0 : i64}}
 // TWO-NEXT:     sdy.mesh @mesh = <["x"=2, "y"=2]>
-// TWO-NEXT{LITERAL}: func.func public @main(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<f32> {sdy.sharding = #sdy.sharding<@mesh, []>}) {
+// TWO-NEXT{LITERAL}: func.func public @main(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<f32> {sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // TWO:        module @p2_stage2_bwd.loss attributes {{.*}}mm.task = {name = "stage2", transpose_count = 1 : i64}}
 // TWO:        module @p3_stage1_bwd.loss attributes {{.*}}mm.task = {name = "stage1", transpose_count = 1 : i64}}
 // TWO-NOT:    mpmd.

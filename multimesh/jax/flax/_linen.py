@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen as nn
-from jax._src import core
+from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -59,7 +59,7 @@ def task_spec(name: str | None, task: mm.Task | None, kwargs: dict) -> tuple[mm.
 
 
 def is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, Tracer))
 
 
 def is_dynamic(x) -> bool:

@@ -4,12 +4,12 @@ module @jit_loss attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 
   sdy.mesh @mesh = <["x"=4]> {stablehlo.mesh = {axes = [{name = "x", size = 4 : i64}]}}
   func.func public @main(%arg0: !mpmd.mesh_tensor<"m1", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, %arg1: !mpmd.mesh_tensor<"m2", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, %arg2: !mpmd.mesh_tensor<"m1", tensor<1x16x8xf32>, sharding=<@mesh, [{}, {"x"}, {}]>>) -> (!mpmd.mesh_tensor<"m2", tensor<f32>> {jax.result_info = "result[0]"}, !mpmd.mesh_tensor<"m1", tensor<8x8xf32>> {jax.result_info = "result[1][0]"}, !mpmd.mesh_tensor<"m2", tensor<8x8xf32>> {jax.result_info = "result[1][1]"}) attributes {topology = #mpmd.topology<<"m1" : <["x"=4]>>, <"m2" : <["x"=2, "y"=2]>>>} {
     %0:2 = mpmd.fragment_call<mesh="m1", origin=["stage1"]> @p0_stage1_fwd.loss(%arg0, %arg2) : (!mpmd.mesh_tensor<"m1", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<1x16x8xf32>, sharding=<@mesh, [{}, {"x"}, {}]>>) -> (!mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>)
-    %1 = mpmd.transfer %0#1 : (!mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>) -> !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>
-    %2:4 = mpmd.fragment_call<mesh="m2", origin=["stage2"]> @p1_stage2_fwd.loss(%arg1, %1) : (!mpmd.mesh_tensor<"m2", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>) -> (!mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<f32>>)
-    %3:2 = mpmd.fragment_call<mesh="m2", origin=["stage2"(1)]> @p2_stage2_bwd.loss(%arg1, %1, %2#0, %2#1, %2#2) : (!mpmd.mesh_tensor<"m2", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>) -> (!mpmd.mesh_tensor<"m2", tensor<8x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>)
+    %1 = mpmd.transfer %0#0 : (!mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>) -> !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>
+    %2:4 = mpmd.fragment_call<mesh="m2", origin=["stage2"]> @p1_stage2_fwd.loss(%arg1, %1) : (!mpmd.mesh_tensor<"m2", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>) -> (!mpmd.mesh_tensor<"m2", tensor<f32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>)
+    %3:2 = mpmd.fragment_call<mesh="m2", origin=["stage2"(1)]> @p2_stage2_bwd.loss(%arg1, %1, %2#1, %2#2, %2#3) : (!mpmd.mesh_tensor<"m2", tensor<8x8xf32>, sharding=<@mesh, [{}, {}]>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>) -> (!mpmd.mesh_tensor<"m2", tensor<8x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<16x8xf32>>)
     %4 = mpmd.transfer %3#1 : (!mpmd.mesh_tensor<"m2", tensor<16x8xf32>>) -> !mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>
-    %5 = mpmd.fragment_call<mesh="m1", origin=["stage1"(1)]> @p3_stage1_bwd.loss(%0#1, %0#0, %4, %arg2) : (!mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<1x16x8xf32>, sharding=<@mesh, [{}, {"x"}, {}]>>) -> !mpmd.mesh_tensor<"m1", tensor<8x8xf32>>
-    return %2#3, %5, %3#0 : !mpmd.mesh_tensor<"m2", tensor<f32>>, !mpmd.mesh_tensor<"m1", tensor<8x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<8x8xf32>>
+    %5 = mpmd.fragment_call<mesh="m1", origin=["stage1"(1)]> @p3_stage1_bwd.loss(%0#0, %0#1, %4, %arg2) : (!mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<16x8xf32>, sharding=<@mesh, [{"x"}, {}]>>, !mpmd.mesh_tensor<"m1", tensor<1x16x8xf32>, sharding=<@mesh, [{}, {"x"}, {}]>>) -> !mpmd.mesh_tensor<"m1", tensor<8x8xf32>>
+    return %2#0, %5, %3#0 : !mpmd.mesh_tensor<"m2", tensor<f32>>, !mpmd.mesh_tensor<"m1", tensor<8x8xf32>>, !mpmd.mesh_tensor<"m2", tensor<8x8xf32>>
   }
   func.func @p0_stage1_fwd.loss(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<1x16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"x"}, {}]>}) -> (tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>}, tensor<16x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>}) attributes {mesh_shape = #sdy.mesh<["x"=4]>, reserved_hbm_bytes = 0 : i64} {
     %cst = stablehlo.constant dense<1.000000e+00> : tensor<16x8xf32>
@@ -17,9 +17,9 @@ module @jit_loss attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 
     %1 = stablehlo.dot_general %0, %arg0, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x8xf32>, tensor<8x8xf32>) -> tensor<16x8xf32>
     %2 = stablehlo.tanh %1 : tensor<16x8xf32>
     %3 = stablehlo.subtract %cst, %2 : tensor<16x8xf32>
-    return %3, %2 : tensor<16x8xf32>, tensor<16x8xf32>
+    return %2, %3 : tensor<16x8xf32>, tensor<16x8xf32>
   }
-  func.func @p1_stage2_fwd.loss(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<16x8xf32>) -> (tensor<16x8xf32>, tensor<16x8xf32>, tensor<16x8xf32>, tensor<f32>) attributes {mesh_shape = #sdy.mesh<["x"=2, "y"=2]>, reserved_hbm_bytes = 0 : i64} {
+  func.func @p1_stage2_fwd.loss(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<16x8xf32>) -> (tensor<f32>, tensor<16x8xf32>, tensor<16x8xf32>, tensor<16x8xf32>) attributes {mesh_shape = #sdy.mesh<["x"=2, "y"=2]>, reserved_hbm_bytes = 0 : i64} {
     %cst = stablehlo.constant dense<2.000000e+00> : tensor<16x8xf32>
     %cst_0 = stablehlo.constant dense<1.000000e+00> : tensor<16x8xf32>
     %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
@@ -29,7 +29,7 @@ module @jit_loss attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 
     %3 = stablehlo.multiply %1, %1 : tensor<16x8xf32>
     %4 = stablehlo.multiply %1, %cst : tensor<16x8xf32>
     %5 = stablehlo.reduce(%3 init: %cst_1) applies stablehlo.add across dimensions = [0, 1] : (tensor<16x8xf32>, tensor<f32>) -> tensor<f32>
-    return %1, %2, %4, %5 : tensor<16x8xf32>, tensor<16x8xf32>, tensor<16x8xf32>, tensor<f32>
+    return %5, %1, %2, %4 : tensor<f32>, tensor<16x8xf32>, tensor<16x8xf32>, tensor<16x8xf32>
   }
   func.func @p2_stage2_bwd.loss(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<16x8xf32> {tf.aliasing_output = 1 : i32}, %arg2: tensor<16x8xf32> {jax.buffer_donor = true}, %arg3: tensor<16x8xf32> {jax.buffer_donor = true}, %arg4: tensor<16x8xf32> {jax.buffer_donor = true}) -> (tensor<8x8xf32>, tensor<16x8xf32>) attributes {mesh_shape = #sdy.mesh<["x"=2, "y"=2]>, reserved_hbm_bytes = 4 : i64} {
     %0 = stablehlo.multiply %arg4, %arg3 : tensor<16x8xf32>

@@ -1,0 +1,430 @@
+"""jax's internals behind one door: the only module that imports ``jax._src`` or ``jaxlib._*``.
+
+multimesh is pure Python on stock jax. Most of what it needs from jax is public
+(``jax.extend``, ``jax.interpreters.*``, ``jax.api_util``, ``jax.stages``); the
+rest has no public name, and lives here, one shim each, with a docstring that says
+why it exists and where jax versions differ. Everything else in multimesh imports
+jax's public API only: ``tests/test_layering.py`` and ruff's ``TID251`` rule
+(``pyproject.toml``) enforce it, so a jax upgrade is a change to this file.
+
+Supported: jax 0.10.2 to 0.12 (README, "Compatibility"). The largest difference:
+jax 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (a jaxpr carries its constants) and
+gave call-primitives one rule set (``register_call_primitive_rules``); on 0.10 the
+same rules are written out here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import jax
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src import util as _util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import xla_client as _xc
+from jax.extend import linear_util as _lu
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Primitive
+from jax.extend.core.primitives import closed_call_p
+
+__all__ = [
+    "JAX_VERSION", "register_call_primitive", "lower_call", "fresh_ir_context", "def_jit_impl",
+    "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
+    "compile_module", "dispatcher", "shard_args", "batched_copy", "device_list",
+    "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
+    "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
+]
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
+"""``jax.__version__`` as numbers, e.g. ``(0, 10, 2)``."""
+
+_MERGED_JAXPR = ClosedJaxpr is _core.Jaxpr  # jax >= 0.11: one class, consts attached
+
+
+# ----------------------------------------------------------------------------
+# Call-primitives (the ``mm_task`` marker)
+
+def register_call_primitive(prim: Primitive, *,
+                            transposed: Callable[[dict], dict]) -> None:
+    """Give ``prim`` the rules of a call-primitive: impl, abstract eval, jvp,
+    linearize, transpose, partial eval, DCE and batching.
+
+    ``prim`` binds as ``prim.bind(*args, call_jaxpr=closed_jaxpr, **params)`` with
+    hashable ``params`` that every rule passes through unchanged, except the
+    transpose, which binds with ``transposed(params)`` (how the backward of a task
+    is told apart from its forward). Lowering is the caller's (``lower_call``).
+
+    Why here: jax has no public way to define a call-primitive. jax >= 0.11 has one
+    internal helper for it (``register_call_primitive_rules``, which ``compute_on``
+    and ``eval_jaxpr`` use); on 0.10 the same rules are written out below, as jax
+    0.10's ``compute_on`` wrote them. Partial eval of jaxprs and DCE are jax's own
+    ``closed_call`` rules in every version.
+    """
+    prim.multiple_results = True
+    try:
+        from jax._src.lax import eval_jaxpr as _eval_jaxpr
+    except ImportError:  # jax 0.10 has no eval_jaxpr module of rules
+        _eval_jaxpr = None
+    if _eval_jaxpr is not None and hasattr(_eval_jaxpr, "register_call_primitive_rules"):
+        def transpose(ct, *args, call_jaxpr, **params):
+            return _eval_jaxpr.eval_jaxpr_transpose(
+                prim, ct, *args, call_jaxpr=call_jaxpr, **transposed(params))
+
+        _eval_jaxpr.register_call_primitive_rules(prim, transpose_rule=transpose)
+        return
+    _register_call_rules_010(prim, transposed)
+    _pe.partial_eval_jaxpr_custom_rules[prim] = _pe.partial_eval_jaxpr_custom_rules[closed_call_p]
+    _pe.dce_rules[prim] = _pe.dce_rules[closed_call_p]
+
+
+def _register_call_rules_010(prim, transposed) -> None:
+    """jax 0.10's call-primitive rules (those of its ``compute_on_p``), for ``prim``."""
+    map, zip = _util.safe_map, _util.safe_zip  # noqa: A001
+
+    _dispatch.simple_impl(prim)
+
+    def abstract_eval(*in_avals, call_jaxpr, **params):
+        return call_jaxpr.out_avals, _core.positional_effects(call_jaxpr)
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+
+    def batcher(axis_data, vals_in, dims_in, *, call_jaxpr, **params):
+        batched, dims_out = _batching.batch_jaxpr2(call_jaxpr, axis_data, tuple(dims_in))
+        return prim.bind(*vals_in, call_jaxpr=batched, **params), dims_out
+
+    _batching.fancy_primitive_batchers[prim] = batcher
+
+    def jvp(primals, tangents, *, call_jaxpr, **params):
+        nzs = [not isinstance(t, _ad.Zero) for t in tangents]
+        jaxpr_jvp, out_nzs = _ad.jvp_jaxpr(call_jaxpr, nzs, False)
+        nz_tangents = [t for t in tangents if not isinstance(t, _ad.Zero)]
+        outs = prim.bind(*primals, *nz_tangents, call_jaxpr=jaxpr_jvp, **params)
+        primals_out, nz_tangents_out = _util.split_list(outs, [len(out_nzs)])
+        nz_outs = iter(nz_tangents_out)
+        tangents_out = [next(nz_outs) if nz else _ad.Zero(aval.to_tangent_aval())
+                        for aval, nz in zip(call_jaxpr.out_avals, out_nzs)]
+        return primals_out, tangents_out
+
+    _ad.primitive_jvps[prim] = jvp
+
+    def linearize(is_vjp, nzs, *primals, call_jaxpr, **params):
+        (primal_jaxpr, num_res_out, nzs_out, in_fwd_res,
+         tangent_jaxpr) = _ad.linearize_jaxpr(call_jaxpr, nzs, is_vjp=is_vjp)
+        tangent_avals_out = [a.to_tangent_aval() for a in call_jaxpr.out_avals]
+
+        def tangent_fun(residuals, *tangents):
+            tangents_nz = [t for nz, t in zip(nzs, tangents) if nz]
+            nz_outs = iter(prim.bind(*residuals, *tangents_nz, call_jaxpr=tangent_jaxpr,
+                                     **params))
+            return [next(nz_outs) if nz else _ad.Zero(a)
+                    for nz, a in zip(nzs_out, tangent_avals_out)]
+
+        ans = prim.bind(*primals, call_jaxpr=primal_jaxpr, **params)
+        primal_ans, residuals_ans = _util.split_list(ans, [len(ans) - num_res_out])
+        residuals_ans = _util.subs_list(in_fwd_res, [*call_jaxpr.consts, *primals],
+                                        residuals_ans)
+        return primal_ans, nzs_out, residuals_ans, tangent_fun
+
+    _ad.primitive_linearizations[prim] = linearize
+
+    def partial_eval(trace, *in_tracers, call_jaxpr, **params):
+        # Needed for jax.checkpoint around grad: the known (forward) part and the
+        # unknown part are both calls of prim.
+        in_pvals = [t.pval for t in in_tracers]
+        unknown_ins = tuple(not pv.is_known() for pv in in_pvals)
+        (known_jaxpr, unknown_jaxpr, unknown_outs, res_out_avals,
+         in_fwd_res) = _pe.partial_eval_jaxpr_nounits_fwd(call_jaxpr, unknown_ins,
+                                                          instantiate=False)
+        known_inputs = [pv.get_known() for pv in in_pvals if pv.is_known()]
+        all_known = prim.bind(*known_inputs, call_jaxpr=known_jaxpr, **params)
+        known_out, residuals = _util.split_list(all_known,
+                                                [len(all_known) - len(res_out_avals)])
+        res_iter = iter(residuals)
+        residuals = [next(res_iter) if f is None else [*call_jaxpr.consts, *known_inputs][f]
+                     for f in in_fwd_res]
+        res_tracers = map(trace.new_instantiated_const, residuals)
+        unknown_in = [*res_tracers, *(t for t in in_tracers if not t.pval.is_known())]
+        unknown_out = [_pe.JaxprTracer(trace, _pe.PartialVal.unknown(a), None)
+                       for a in unknown_jaxpr.out_avals]
+        eqn = _pe.new_eqn_recipe(trace, unknown_in, unknown_out, prim,
+                                 dict(params, call_jaxpr=unknown_jaxpr),
+                                 _core.positional_effects(unknown_jaxpr),
+                                 source_info_util.current())
+        for t in unknown_out:
+            t.recipe = eqn
+        return _util.merge_lists(unknown_outs, known_out, unknown_out)
+
+    _pe.custom_partial_eval_rules[prim] = partial_eval
+
+    @_util.weakref_lru_cache
+    def transpose_jaxpr(call_jaxpr, in_avals, in_tree):
+        cell = lambda: None  # noqa: E731
+
+        def transposed_fun(*in_flat):
+            primals_in, cts_in = jax.tree_util.tree_unflatten(in_tree, in_flat)
+            out = _ad.backward_pass(call_jaxpr.jaxpr, False, call_jaxpr.consts, primals_in,
+                                    cts_in)
+            out = [ct if not isinstance(ct, _ad.Zero) else None for ct in out]
+            cts_out, cell.out_tree = jax.tree_util.tree_flatten(out)
+            return cts_out
+
+        dbg = call_jaxpr.jaxpr.debug_info.with_unknown_names()
+        jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+            _lu.wrap_init(transposed_fun, debug_info=dbg), in_avals)
+        return ClosedJaxpr(jaxpr, consts), cell.out_tree
+
+    def transpose(cts_in, *primals_in, call_jaxpr, **params):
+        in_flat, in_tree = jax.tree_util.tree_flatten((primals_in, cts_in))
+        in_avals = tuple(jax.typeof(x) for x in in_flat)
+        trans_jaxpr, out_tree = transpose_jaxpr(call_jaxpr, in_avals, in_tree)
+        cts_out = prim.bind(*in_flat, call_jaxpr=trans_jaxpr, **transposed(params))
+        return jax.tree_util.tree_unflatten(out_tree, cts_out)
+
+    _ad.primitive_transposes[prim] = transpose
+
+
+def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
+               make_call: Callable | None = None) -> tuple:
+    """Lower ``call_jaxpr`` into a private function ``name`` and call it with
+    ``func.call``; returns the call op (for the caller's attributes) and its results.
+
+    ``make_call(result_types, callee, args)`` builds another call op instead.
+
+    ``operands``/``in_avals`` are the call's arguments (the lowering rule's values,
+    plus any the caller adds); the jaxpr's constants and effect tokens are threaded
+    as jax's own call lowering does. Why here: ``lower_called_computation`` and
+    ``jaxpr_const_args`` are internal in every version, and jax >= 0.11 reads the
+    constants off the jaxpr itself (0.10: off the ``ClosedJaxpr``'s inner jaxpr).
+    """
+    from multimesh._src.mlir import func, ir
+
+    const_args_and_avals = _core.jaxpr_const_args(
+        call_jaxpr if _MERGED_JAXPR else call_jaxpr.jaxpr)
+    const_args, const_avals = _util.unzip2(const_args_and_avals)
+    const_values = [_mlir.ir_constants(c, const_lowering=ctx.const_lowering, aval=aval)
+                    for c, aval in const_args_and_avals]
+    func_op, output_types, effects = _mlir.lower_called_computation(
+        name, call_jaxpr, ctx.module_context, len(const_args), (*const_avals, *in_avals),
+        ctx.avals_out, ctx.tokens_in)
+    flat_output_types, treedef = _mlir.ir_tree_registry.flatten(output_types)
+    tokens = [ctx.tokens_in.get(eff) for eff in effects]
+    flat_args, _ = _mlir.ir_tree_registry.flatten(
+        (*ctx.dim_var_values, *tokens, *const_values, *operands))
+    callee = ir.FlatSymbolRefAttr.get(func_op.name.value)
+    call = (make_call(flat_output_types, callee, flat_args) if make_call is not None
+            else func.CallOp(flat_output_types, callee, flat_args))
+    out_nodes = treedef.unflatten(call.results)
+    tokens, out_nodes = _util.split_list(out_nodes, [len(effects)])
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(
+        _mlir.TokenSet(dict(zip(effects, tokens)))))
+    return call.operation, out_nodes
+
+
+def fresh_ir_context():
+    """A new MLIR context with every dialect jax emits (func, stablehlo, sdy, mhlo, ...).
+
+    multimesh needs a context of its own: it turns multithreading off, keys caches on
+    the context, and a compiled program's IR must be freed with it. jax 0.10's public
+    ``make_ir_context`` makes a new one each call; jax >= 0.11's hands out one
+    thread-local context up to 10 times (jax's own lowerings share it), and its
+    ``_create_ir_context`` makes a new one.
+    """
+    create = getattr(_mlir, "_create_ir_context", None)
+    return create() if create is not None else _mlir.make_ir_context()
+
+
+def def_jit_impl(prim: Primitive) -> None:
+    """Eager ``prim.bind`` compiles the one primitive, like jax's own primitives do
+    (``dispatch.simple_impl``; internal in every version)."""
+    _dispatch.simple_impl(prim)
+
+
+def positional_effects(jaxpr) -> set:
+    """The effects of calling ``jaxpr`` (an abstract-eval rule's second result);
+    ``core.positional_effects`` is internal in every version."""
+    return _core.positional_effects(jaxpr)
+
+
+def eqn_effects(jaxpr, invars) -> set:
+    """The effects of an equation that calls ``jaxpr`` on ``invars`` (internal)."""
+    return _core.eqn_effects(jaxpr, invars)
+
+
+def has_effects(eqn) -> bool:
+    """Whether DCE must keep ``eqn`` although no output is used (internal)."""
+    return _pe.has_effects(eqn)
+
+
+def register_dce_rule(prim: Primitive, rule: Callable) -> None:
+    """Register ``rule(used_outputs, eqn) -> (used_inputs, new_eqn | None)``.
+
+    ``jax.interpreters.partial_eval.dce_rules`` is public, but jax 0.12 calls the
+    rules with one more argument (``live_ins``, which marks live reference inputs;
+    multimesh's primitives take no references, so it is ignored).
+    """
+    if JAX_VERSION >= (0, 12):
+        _pe.dce_rules[prim] = lambda used_outputs, live_ins, eqn: rule(used_outputs, eqn)
+    else:
+        _pe.dce_rules[prim] = rule
+
+
+def separate_consts(closed) -> tuple:
+    """``(jaxpr, consts)``: ``closed`` with its constants turned into leading arguments.
+
+    jax 0.10 moves the constvars of the inner jaxpr into its invars; jax >= 0.11
+    detaches the constants that a jaxpr carries (``pe.separate_consts``, internal).
+    """
+    return _pe.separate_consts(closed)
+
+
+# ----------------------------------------------------------------------------
+# Compiling and dispatching fragments, moving arrays (multimesh/runtime/executor.py)
+
+def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_shardings,
+                   devices):
+    """Compile an MLIR module for ``devices`` (a list, in mesh order) into a
+    ``jax.stages.Compiled`` that takes and returns ``jax.Array``s on jit's C++
+    dispatch path.
+
+    jax has no public "compile this StableHLO for these devices": this is jit's own
+    path, ``UnloadedMeshExecutable.from_hlo`` (15 internal keywords, unchanged from
+    0.10.2 to 0.12) and the ``Compiled`` constructor. All arguments are kept and
+    none is donated unless the module marks it (``jax.buffer_donor``).
+    """
+    from jax._src import stages
+
+    exe = _pxla.UnloadedMeshExecutable.from_hlo(
+        name, module, list(in_avals), list(out_avals), list(in_shardings),
+        list(out_shardings), tuple_args=False, unordered_effects=[], ordered_effects=[],
+        host_callbacks=[], keepalive=None, kept_var_idx=set(range(len(in_shardings))),
+        backend=devices[0].client, device_list=_xc.DeviceList(tuple(devices)),
+        committed=True, in_layouts=(None,) * len(in_shardings),
+        out_layouts=(None,) * len(out_shardings), compiler_options_kvs=(),
+        num_devices=len(devices))
+    args_info = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
+    out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
+    return stages.Compiled(exe, [], args_info, out_tree)
+
+
+def dispatcher(compiled):
+    """What calls of ``compiled`` go through: the C++ function ``jax.stages.Compiled``
+    builds on its first call (built now, so the first call is as fast as the rest), or
+    ``compiled`` itself when jax has none for it (``_executable.create_cpp_call``,
+    internal)."""
+    if getattr(compiled, "_call", None) is None and hasattr(compiled, "_executable"):
+        compiled._call = compiled._executable.create_cpp_call(compiled._params)
+    return getattr(compiled, "_call", None) or compiled
+
+
+shard_args = _pxla.shard_args
+"""``shard_args(shardings, layouts, copy_semantics, arrays)``: jit's placement of its
+arguments (``jax.device_put``'s core without its Python overhead): copies same-layout
+arrays to other devices in one batched call, reshards otherwise. Internal in every
+version; the same signature from 0.10.2 to 0.12."""
+
+batched_copy = _xc.batched_copy_array_to_devices_with_sharding
+"""``batched_copy(arrays, device_lists, shardings, copy_semantics)``: copy each array's
+shards to the devices of the same-layout sharding, all in one host call
+(``xla_client.batched_copy_array_to_devices_with_sharding``; internal, unchanged from
+0.10.2 to 0.12). ``device_lists`` are :func:`device_list` of the shardings."""
+
+REUSE_INPUT = _xc.ArrayCopySemantics.REUSE_INPUT
+ALWAYS_COPY = _xc.ArrayCopySemantics.ALWAYS_COPY
+"""``copy_semantics`` values: reuse the source's buffers where the devices agree, or
+always copy (``xla_client.ArrayCopySemantics``)."""
+
+
+def device_list(sharding):
+    """The device list a sharding holds, in the form :data:`batched_copy` takes
+    (``Sharding._internal_device_list``, internal)."""
+    return sharding._internal_device_list
+
+
+# ----------------------------------------------------------------------------
+# Caches, configuration, arrays, meshes
+
+def trace_context() -> tuple:
+    """jax's trace context (``jax_enable_x64``, the active mesh, ...), the part of
+    ``jax.jit``'s cache key that configuration changes; internal in every version."""
+    return _config.trace_context()
+
+
+def register_cache(cache, for_what: str) -> None:
+    """Register ``cache`` (``cache_clear``/``cache_info``) so that ``jax.clear_caches``
+    empties it too (``util.register_cache``, internal in every version)."""
+    _util.register_cache(cache, for_what)
+
+
+def array_impl_type() -> type:
+    """The concrete class of ``jax.Array``, for ``type(x) is ...`` checks on the
+    dispatch path (``jax.Array`` is an abstract base, and ``isinstance`` against it
+    costs more); internal in every version."""
+    from jax._src.array import ArrayImpl
+
+    return ArrayImpl
+
+
+def gspmd_sharding(devices, hlo_sharding):
+    """A ``jax.sharding.Sharding`` for an XLA ``HloSharding`` over ``devices`` (what an
+    executable reports it was compiled with). ``GSPMDSharding`` has had no public
+    name since ``jax.sharding.GSPMDSharding`` was removed (before 0.10)."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    return GSPMDSharding(tuple(devices), hlo_sharding)
+
+
+def concrete_mesh():
+    """The mesh of ``with jax.set_mesh(mesh)`` or else ``with mesh:``, or None, usable
+    while tracing. ``jax.sharding.get_mesh`` refuses to run under a trace, and the
+    legacy ``with mesh:`` environment has no public reader."""
+    from jax._src import mesh as mesh_lib
+
+    for mesh in (mesh_lib.get_concrete_mesh(), mesh_lib.thread_resources.env.physical_mesh):
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Multi-process
+
+def distributed_client():
+    """The ``jax.distributed`` coordination client of this process, or None (for the
+    key-value store the peer watchdog uses); internal in every version."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def cluster_env_base() -> tuple[type, list]:
+    """``(ClusterEnv, registered)``: jax's base class for cluster auto-detection and
+    its list of detected subclasses, so ``python -m multimesh.launch`` can be found
+    by a plain ``jax.distributed.initialize()`` like SLURM is; internal in every
+    version."""
+    from jax._src import clusters
+
+    return clusters.ClusterEnv, clusters.ClusterEnv._cluster_types
+
+
+def sdy_mpmd_partitioner():
+    """jaxlib's Shardy:MPMD partitioner extension (``jaxlib._sdy_mpmd``: no public
+    name). In jaxlib 0.10 to 0.12 the extension imports ``jax.jaxlib._jax``, which
+    these versions install as ``jaxlib._jax`` only, so that name is aliased first."""
+    import sys
+
+    import jaxlib
+    import jaxlib._jax
+
+    sys.modules.setdefault("jax.jaxlib", jaxlib)
+    sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
+    from jaxlib import _sdy_mpmd
+
+    return _sdy_mpmd
