@@ -1,11 +1,10 @@
 """Scanning bracketed text outside string literals.
 
 Pass pipelines (``builtin.module(mm-a{x=1},cse)``), MLIR locations
-(``loc(fused["a", "b"(...)])``), ``!mpmd`` type parameters and whole modules are
-read with the same few rules: a ``"`` opens a string literal in which ``\\``
-escapes the next character, and brackets only count outside literals. They live
-here once, so that the pipeline parser, ``mm-match-tasks``, ``mm-import-mpmd`` and
-``mm-opt`` cannot drift apart.
+(``loc(fused["a", "b"(...)])``) and whole modules are read with the same few
+rules: a ``"`` opens a string literal in which ``\\`` escapes the next character,
+and brackets only count outside literals. They live here once, so that the
+pipeline parser, ``mm-match-tasks`` and ``mm-opt`` cannot drift apart.
 """
 
 from __future__ import annotations

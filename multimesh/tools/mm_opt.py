@@ -22,6 +22,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 
+from multimesh._src.brackets import deepest_nesting
 from multimesh._src.errors import (
     DiagnosticError,
     DiagnosticWarning,
@@ -373,7 +374,7 @@ class _Driver:
 
     def _check_nesting(self, text: str) -> None:
         """Refuse inputs nested deeper than :data:`MAX_NESTING` before MLIR recurses into them."""
-        depth, offset = _nesting(text)
+        depth, offset = deepest_nesting(text, MAX_NESTING)
         if depth <= MAX_NESTING:
             return
         line = text.count("\n", 0, offset) + 1
@@ -607,28 +608,6 @@ def _reparses(text: str, ctx: ir.Context) -> bool:
         return False
     return True
 _BUFFER_LOC = re.compile(r'"-":(\d+):(\d+)')
-_NOT_BRACKETS = re.compile(r'"(?:[^"\\\n]|\\.)*"|//[^\n]*')
-
-
-def _nesting(text: str) -> tuple[int, int]:
-    """``(depth, offset)``: the deepest bracket nesting outside strings and comments,
-    and where it is first reached (``(0, 0)`` when it cannot exceed the limit)."""
-    if sum(text.count(b) for b in "{[(") <= MAX_NESTING:
-        return 0, 0
-    import numpy as np
-
-    # blank out strings and comments, keeping offsets
-    clean = _NOT_BRACKETS.sub(lambda m: " " * len(m.group(0)), text)
-    b = np.frombuffer(clean.encode("utf-32-le"), dtype=np.uint32)
-    step = (np.isin(b, (ord("{"), ord("["), ord("("))).astype(np.int32)
-            - np.isin(b, (ord("}"), ord("]"), ord(")"))).astype(np.int32))
-    depth = np.cumsum(step)
-    deepest = int(depth.max(initial=0))
-    if deepest <= MAX_NESTING:
-        return deepest, 0
-    return deepest, int(np.argmax(depth > MAX_NESTING))
-
-
 def _split(text: str) -> list[Chunk]:
     """Split on ``// -----`` lines, padding each chunk so its line numbers stay put."""
     lines = text.splitlines(keepends=True)
