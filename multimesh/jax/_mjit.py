@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlir_passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
+from mlir_passes.schedules import SPLIT_SCHEDULES
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
@@ -461,7 +462,7 @@ def _schedule_config(notes: dict) -> dict | None:
 def _wants_split(notes: dict) -> str | None:
     """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
     cfg = notes.get("microbatch")
-    if cfg and cfg["schedule"] in ("zero-bubble-h1", "zero-bubble-h2"):
+    if cfg and cfg["schedule"] in SPLIT_SCHEDULES:
         return "all=true"
     return "" if notes.get("split_backprop") else None
 
