@@ -180,12 +180,18 @@ def _convert(argument: str, key: str, text: str, tp):
 
 def verify_module(module: ir.Module, argument: str) -> None:
     """MLIR's verifier after pass ``argument``: :class:`DiagnosticError` at the bad op."""
+    run_verifier(module, f"'{argument}'")
+
+
+def run_verifier(module: ir.Module, who: str) -> None:
+    """MLIR's verifier; a failure is a :class:`DiagnosticError` at the bad op saying
+    that ``who`` (the pass, or the pipeline) produced invalid IR."""
     try:
         ok = module.operation.verify()
     except ir.MLIRError as e:
         d = e.error_diagnostics[0] if e.error_diagnostics else None
         raise DiagnosticError(
-            f"'{argument}' produced invalid IR: {d.message if d else e}",
+            f"{who} produced invalid IR: {d.message if d else e}",
             d.location if d else None) from None
     if not ok:  # pragma: no cover - verify raises in these bindings
-        raise DiagnosticError(f"'{argument}' produced invalid IR.")
+        raise DiagnosticError(f"{who} produced invalid IR.")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mlir_passes import get_all_passes
-from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, verify_each_pass
+from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, run_verifier, verify_each_pass
 from multimesh._src.brackets import UnbalancedError, split_top
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
@@ -186,16 +186,7 @@ def _blame(e: DiagnosticError, step: Step, index: int) -> None:
 
 def _verify(module: ir.Module, argument: str | None) -> None:
     """MLIR's verifier; ``argument`` names the pass just run (None: the whole pipeline)."""
-    who = f"'{argument}'" if argument else "The pass pipeline"
-    try:
-        ok = module.operation.verify()
-    except ir.MLIRError as e:
-        d = e.error_diagnostics[0] if e.error_diagnostics else None
-        raise DiagnosticError(
-            f"{who} produced invalid IR: {d.message if d else e}",
-            d.location if d else None) from None
-    if not ok:  # pragma: no cover - verify raises in these bindings
-        raise DiagnosticError(f"{who} produced invalid IR.")
+    run_verifier(module, f"'{argument}'" if argument else "The pass pipeline")
 
 
 def _split_top(text: str, what: str) -> list[str]:

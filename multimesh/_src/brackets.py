@@ -75,21 +75,8 @@ def skip_string(s: str, i: int) -> int:
 
 def skip_balanced(s: str, i: int, brackets: tuple[str, str] = ALL_BRACKETS) -> int:
     """The index after the bracketed group that opens at ``s[i]`` (or ``len(s)``)."""
-    opening, closing = brackets
-    depth, n = 0, len(s)
-    while i < n:
-        ch = s[i]
-        if ch == '"':
-            i = skip_string(s, i)
-            continue
-        if ch in opening:
-            depth += 1
-        elif ch in closing:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return i
+    end = skip_element(s, i + 1, "", brackets)  # "" is no separator: up to the closer
+    return min(end + 1, len(s))
 
 
 def skip_element(s: str, i: int, sep: str = ",",
