@@ -125,17 +125,17 @@ class TaskMeshInfo:
 
 
 def main_func(module: ir.Module) -> ir.Operation:
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
             return op
     raise DiagnosticError("module has no 'main' function", module.operation.location)
 
 
 def func_by_name(module: ir.Module) -> dict[str, ir.Operation]:
-    out = {}
-    for op in module.body.operations:
-        op = op.operation
+    out: dict[str, ir.Operation] = {}
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "func.func":
             out[ir.StringAttr(op.attributes["sym_name"]).value] = op
     return out

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -144,38 +145,38 @@ def _format(value) -> str:
 
 
 def _convert(argument: str, key: str, text: str, tp):
+    """An option's text as a value of its field's type ``tp``: optional, tuple or scalar."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
         if text in ("none", "None", ""):
             return None
-        return _convert(argument, key, text, non_none[0])
+        return _convert(argument, key, text, next(a for a in args if a is not type(None)))
     if origin is tuple:
         elem = args[0] if args else str
         items = [t.strip() for t in text.split(",")] if text.strip() else []
         return tuple(_convert(argument, key, t, elem) for t in items)
+    convert = _SCALARS.get(tp)
+    if convert is None:
+        raise PipelineError(f"Pass '{argument}' option '{key}' has unsupported type {tp}.")
     try:
-        if tp is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
-                return True
-            if text.lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(text)
-        if tp is int:
-            return int(text)
-        if tp is float:
-            return float(text)
-        if tp is str:
-            return text.strip().strip('"')
+        return convert(text)
     except ValueError:
-        pass
-    else:
-        if tp not in (bool, int, float, str):
-            raise PipelineError(f"Pass '{argument}' option '{key}' has unsupported type {tp}.")
-    raise PipelineError(
-        f"Pass '{argument}' option '{key}' expects a value of type "
-        f"{getattr(tp, '__name__', tp)}, got '{text}'.")
+        raise PipelineError(
+            f"Pass '{argument}' option '{key}' expects a value of type "
+            f"{getattr(tp, '__name__', tp)}, got '{text}'.") from None
+
+
+def _to_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+_SCALARS: dict[type, Callable[[str], object]] = {
+    bool: _to_bool, int: int, float: float, str: lambda t: t.strip().strip('"')}
 
 
 def verify_module(module: ir.Module, argument: str) -> None:

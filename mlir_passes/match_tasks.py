@@ -202,8 +202,8 @@ class _Scanner:
                     tags: list, calls: list) -> None:
         for ri, region in enumerate(parent.regions):
             for bi, block in enumerate(region.blocks):
-                for oi, op in enumerate(block.operations):
-                    op = op.operation
+                for oi, view in enumerate(block.operations):
+                    op = view.operation
                     p = path + ((ri, bi, oi),)
                     own = name_stack(op.location)
                     stack = _join(prefix, own) if own is not None else enclosing

@@ -121,40 +121,51 @@ class Pipeline:
         """
         if verify_each is None:
             verify_each = verify_each_pass()
-        timings = []
-        python_ran = False
-        for index, step in enumerate(self.steps):
-            if hooks and hooks.before:
-                hooks.before(step, module)
-            t0 = time.perf_counter()
-            try:
-                step.run(module, verify=verify and verify_each, snapshot=replay is None)
-                python_ran = python_ran or isinstance(step, ModulePass)
-            except DiagnosticError as e:
-                _blame(e, step, index)
-                raise
-            except Exception:
-                # A pass that crashes may have been handed invalid IR by an earlier one
-                # (verified only at the end): name that one if so.
-                if replay is not None and verify and not verify_each and index:
-                    self._find_breaker(replay, index)
-                raise
-            dt = time.perf_counter() - t0
-            timings.append((step.argument, dt))
-            if hooks and hooks.after:
-                hooks.after(step, module, dt)
-        if verify and not verify_each and python_ran:
-            t0 = time.perf_counter()
-            try:
-                _verify(module, None)
-            except DiagnosticError as e:
-                if replay is not None:
-                    self._find_breaker(replay, len(self.steps))
-                last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
-                _blame(e, self.steps[last], last)
-                raise
-            timings.append((VERIFIER, time.perf_counter() - t0))
+        late = verify and not verify_each  # verified once, at the end
+        timings = [(step.argument, self._run_step(module, index, hooks, verify and verify_each,
+                                                  late, replay))
+                   for index, step in enumerate(self.steps)]
+        if late and any(isinstance(s, ModulePass) for s in self.steps):
+            timings.append((VERIFIER, self._verify_at_end(module, replay)))
         return timings
+
+    def _run_step(self, module: ir.Module, index: int, hooks: PipelineHooks | None,
+                  verify: bool, late: bool, replay: Callable[[], ir.Module] | None) -> float:
+        """Run step ``index`` with its hooks; its seconds. A failure is blamed on it."""
+        step = self.steps[index]
+        if hooks and hooks.before:
+            hooks.before(step, module)
+        t0 = time.perf_counter()
+        try:
+            step.run(module, verify=verify, snapshot=replay is None)
+        except DiagnosticError as e:
+            _blame(e, step, index)
+            raise
+        except Exception:
+            # A pass that crashes may have been handed invalid IR by an earlier one
+            # (verified only at the end): name that one if so.
+            if replay is not None and late and index:
+                self._find_breaker(replay, index)
+            raise
+        dt = time.perf_counter() - t0
+        if hooks and hooks.after:
+            hooks.after(step, module, dt)
+        return dt
+
+    def _verify_at_end(self, module: ir.Module,
+                       replay: Callable[[], ir.Module] | None) -> float:
+        """The one verification after the last step; its seconds. A failure is blamed
+        on the pass that broke the IR (found by replaying) or else the last pass."""
+        t0 = time.perf_counter()
+        try:
+            _verify(module, None)
+        except DiagnosticError as e:
+            if replay is not None:
+                self._find_breaker(replay, len(self.steps))
+            last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
+            _blame(e, self.steps[last], last)
+            raise
+        return time.perf_counter() - t0
 
     def _find_breaker(self, replay: Callable[[], ir.Module], end: int) -> None:
         """Replay the first ``end`` steps verifying after every pass; raises the first
@@ -180,7 +191,7 @@ class Pipeline:
 def _blame(e: DiagnosticError, step: Step, index: int) -> None:
     if getattr(e, "failed_pass", None) is None:
         e.failed_pass = step.argument  # type: ignore[attr-defined]
-        e.failed_element = step.pipeline_element()  # with its options, for repros
+        e.failed_element = step.pipeline_element()  # type: ignore[attr-defined]  # for repros
         e.failed_index = index  # type: ignore[attr-defined]
 
 

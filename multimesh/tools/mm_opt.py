@@ -160,7 +160,7 @@ def _load_passes() -> list[tuple[str, type | None, str]]:
     """``[(argument, class or None, summary or load error)]``; never raises."""
     from mlir_passes import get_all_passes
 
-    out = []
+    out: list[tuple[str, type | None, str]] = []
     for arg, factory in get_all_passes().items():
         try:
             cls = factory()
@@ -321,7 +321,7 @@ class _Driver:
                 outputs.append(out if out is not None else "")
                 self._time("(total)", time.perf_counter() - t0)
         finally:
-            handle.detach()
+            handle.detach()  # type: ignore[attr-defined]  # the stubs type the handle as object
         if a.mlir_timing:
             self._print_timing()
         result = ("\n" + SPLIT_MARKER + "\n").join(o.rstrip("\n") for o in outputs)
