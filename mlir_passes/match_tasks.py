@@ -602,16 +602,11 @@ def _describe(info: c.TaskMeshInfo) -> str:
 def _explicit_tasks(module: ir.Module) -> dict[str, tuple[c.TaskMeshInfo, str]]:
     """Tasks named by explicit task calls (``func.call {mm.task = {..., devices}}``)."""
     out: dict[str, tuple[c.TaskMeshInfo, str]] = {}
-    stack = [o.operation for o in module.body.operations]
-    while stack:
-        op = stack.pop()
+    for op in _nested_ops(module.operation):
         if op.name == "func.call" and c.TASK_ATTR in op.attributes:
             (name, _, _), mesh = c.task_call(op)
             if mesh is not None:
                 out.setdefault(name, (mesh, "an explicit task call"))
-        for region in op.regions:
-            for block in region.blocks:
-                stack.extend(x.operation for x in block.operations)
     return out
 
 
@@ -622,47 +617,63 @@ def _assign_symbols(module: ir.Module, scan: _Scanner, main_plan) -> dict:
     its original, untagged body (an explicit task, a claimed region, a call with
     nothing to tag); every other variant gets a clone ``<callee>_match<N>``.
     """
-    variants: dict[str, list] = {}
-
-    def collect(plan):
-        if plan is None:
-            return
-        for _, (callee, sub) in plan[1]:
-            if sub not in variants.setdefault(callee, []):
-                variants[callee].append(sub)
-                collect(sub)
-
-    collect(main_plan)
-    # Bodies kept as they are keep calling the original callees.
     funcs = c.func_by_name(module)
-    trivial, work = set(), list(scan.trivial)
-    while work:
-        name = work.pop()
-        if name in trivial or name not in funcs:
-            continue
-        trivial.add(name)
-        stack = [funcs[name]]
-        while stack:
-            o = stack.pop()
-            if o.name == "func.call":
-                work.append(c.callee_of(o))
-            for region in o.regions:
-                for block in region.blocks:
-                    stack.extend(x.operation for x in block.operations)
+    kept = _kept_callees(funcs, scan.trivial)
     taken = set(funcs)
     out = {}
-    for callee, plans in variants.items():
+    for callee, plans in _variants(main_plan).items():
         for k, plan in enumerate(plans):
-            if k == 0 and callee not in trivial:
-                out[(callee, plan)] = callee
-                continue
-            n = 1
-            while f"{callee}_match{n}" in taken:
-                n += 1
-            sym = f"{callee}_match{n}"
-            taken.add(sym)
-            out[(callee, plan)] = sym
+            out[(callee, plan)] = (callee if k == 0 and callee not in kept
+                                   else _fresh(f"{callee}_match", taken))
     return out
+
+
+def _variants(plan, variants: dict[str, list] | None = None) -> dict[str, list]:
+    """``{callee: [plan, ...]}``: the distinct plans of each callee under ``plan``, in
+    depth-first order of first use (which variant keeps the callee's own symbol)."""
+    variants = {} if variants is None else variants
+    if plan is None:
+        return variants
+    for _, (callee, sub) in plan[1]:
+        if sub not in variants.setdefault(callee, []):
+            variants[callee].append(sub)
+            _variants(sub, variants)
+    return variants
+
+
+def _kept_callees(funcs: dict[str, ir.Operation], trivial: Iterable[str]) -> set[str]:
+    """The callees of bodies kept as they are (and theirs): they keep their symbols'
+    original, untagged bodies."""
+    kept: set[str] = set()
+    work = list(trivial)
+    while work:
+        name = work.pop()
+        if name in kept or name not in funcs:
+            continue
+        kept.add(name)
+        work += [c.callee_of(o) for o in _nested_ops(funcs[name]) if o.name == "func.call"]
+    return kept
+
+
+def _nested_ops(root: ir.Operation) -> list[ir.Operation]:
+    """``root`` and every op nested in it (no walk callback: errors stay Python's)."""
+    out, stack = [], [root]
+    while stack:
+        o = stack.pop()
+        out.append(o)
+        for region in o.regions:
+            for block in region.blocks:
+                stack.extend(x.operation for x in block.operations)
+    return out
+
+
+def _fresh(prefix: str, taken: set[str]) -> str:
+    """``<prefix><N>`` for the smallest N >= 1 not in ``taken`` (now taken)."""
+    n = 1
+    while f"{prefix}{n}" in taken:
+        n += 1
+    taken.add(f"{prefix}{n}")
+    return f"{prefix}{n}"
 
 
 def _at(root: ir.Operation, path: _Path) -> ir.Operation:
