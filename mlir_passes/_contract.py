@@ -467,36 +467,42 @@ def scan_fragment(fn: ir.Operation, mesh_names: set[str]) -> tuple[list[str],
                                                                      ir.Operation | None]:
     """One walk over ``fn``: the meshes its shardings name (see
     :func:`referenced_meshes`) and its first :data:`INTERNAL_SDY_OPS` op, if any."""
-    found: set[str] = set()
-    internal: list[ir.Operation] = []
-    many = len(mesh_names) > 1
-
-    def scan(attr) -> None:
-        text = str(attr)
-        for name in mesh_names:
-            if f"@{name}," in text or f"@{name}>" in text or f"@{name} " in text:
-                found.add(name)
-
-    def cb(op):
-        attrs = op.attributes
-        if len(attrs):
-            if many:
-                for key in _SHARDING_KEYS:
-                    if key in attrs:
-                        scan(attrs[key])
-            if not internal and op.name in INTERNAL_SDY_OPS:
-                internal.append(op.operation)
-        elif not internal and op.name in INTERNAL_SDY_OPS:
-            internal.append(op.operation)
-        return ir.WalkResult.ADVANCE
-
-    fn.walk(cb, ir.WalkOrder.PRE_ORDER)
-    if not many:
-        return sorted(mesh_names), (internal[0] if internal else None)
+    scan = _FragmentScan(mesh_names)
+    fn.walk(scan.visit, ir.WalkOrder.PRE_ORDER)
+    if not scan.many:
+        return sorted(mesh_names), scan.internal
     for key in ("arg_attrs", "res_attrs"):
         if key in fn.attributes:
-            scan(fn.attributes[key])
-    return sorted(found), (internal[0] if internal else None)
+            scan.names_in(fn.attributes[key])
+    return sorted(scan.found), scan.internal
+
+
+class _FragmentScan:
+    """The state of one :func:`scan_fragment` walk (meshes are looked for only when
+    there is more than one to tell apart)."""
+
+    def __init__(self, mesh_names: set[str]):
+        self.mesh_names = mesh_names
+        self.many = len(mesh_names) > 1
+        self.found: set[str] = set()
+        self.internal: ir.Operation | None = None
+
+    def names_in(self, attr: ir.Attribute) -> None:
+        text = str(attr)
+        for name in self.mesh_names:
+            if f"@{name}," in text or f"@{name}>" in text or f"@{name} " in text:
+                self.found.add(name)
+
+    def visit(self, op):
+        if self.many:
+            attrs = op.attributes
+            if len(attrs):
+                for key in _SHARDING_KEYS:
+                    if key in attrs:
+                        self.names_in(attrs[key])
+        if self.internal is None and op.name in INTERNAL_SDY_OPS:
+            self.internal = op.operation
+        return ir.WalkResult.ADVANCE
 
 
 def top_finder(main: ir.Operation):
