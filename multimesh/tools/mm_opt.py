@@ -311,13 +311,7 @@ class _Driver:
                 emitted.clear()
                 t0 = time.perf_counter()
                 out, diags = self._process(chunk, ctx, pipeline)
-                diags = emitted + diags
-                if a.verify_diagnostics:
-                    ok &= self._verify(chunk, diags)
-                else:
-                    for d in diags:
-                        self._print_diag(d)
-                    ok &= not any(d.severity == "error" for d in diags)
+                ok &= self._report(chunk, emitted + diags)
                 outputs.append(out if out is not None else "")
                 self._time("(total)", time.perf_counter() - t0)
         finally:
@@ -330,6 +324,15 @@ class _Driver:
             return 1
         self._write_output(result)
         return 0 if ok else 1
+
+    def _report(self, chunk: Chunk, diags: list[Diag]) -> bool:
+        """Check (``--verify-diagnostics``) or print one chunk's diagnostics; whether
+        the chunk passed."""
+        if self.args.verify_diagnostics:
+            return self._verify(chunk, diags)
+        for d in diags:
+            self._print_diag(d)
+        return not any(d.severity == "error" for d in diags)
 
     # -- input / output
 
@@ -427,37 +430,56 @@ class _Driver:
         self._time("Parser", time.perf_counter() - t0)
         warned: list[Diag] = []
         if pipeline is not None:
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always", DiagnosticWarning)
-                    # The passes need no snapshots when a failure's input can be rebuilt
-                    # from the chunk (not for --mlir-print-ir-after-failure, which
-                    # prints the module as the failure left it).
-                    replay = None if self.args.mlir_print_ir_after_failure else \
-                        (lambda: ir.Module.parse(chunk.text, ctx))
-                    self._run_pipeline(pipeline, module, replay)
-                for w in caught:  # a pass's warnings are diagnostics, like MLIR's
-                    if isinstance(w.message, DiagnosticWarning):
-                        f, line, col = self._from_loc(w.message.location)
-                        warned.append(Diag("warning", w.message.message, f, line, col))
-                    else:
-                        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            except DiagnosticError as e:
-                self._dump_failure(module)
-                return None, [self._from_error(e, chunk)]
-            except ir.MLIRError as e:
-                self._dump_failure(module)
-                return None, [self._from_ir_diag(d) for d in e.error_diagnostics] or [
-                    Diag("error", str(e))]
-            except PipelineError as e:
-                sys.stderr.write(f"{PROG}: error: {e}\n")
-                raise _Failure from None
-            except MultimeshError as e:
-                self._dump_failure(module)
-                return None, [Diag("error", str(e))]
-            except Exception as e:
-                _internal_error(e, self.current_step or "")
-                raise _Failure from None
+            failure, warned = self._transform(chunk, ctx, pipeline, module)
+            if failure is not None:
+                return None, failure
+        return self._output(module, ctx, warned)
+
+    def _transform(self, chunk: Chunk, ctx: ir.Context, pipeline,
+                   module: ir.Module) -> tuple[list[Diag] | None, list[Diag]]:
+        """Run the pipeline on one chunk's module: (the failure's diagnostics, or None;
+        the passes' warnings). A bad pipeline option or an internal error ends mm-opt."""
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", DiagnosticWarning)
+                # The passes need no snapshots when a failure's input can be rebuilt
+                # from the chunk (not for --mlir-print-ir-after-failure, which
+                # prints the module as the failure left it).
+                replay = None if self.args.mlir_print_ir_after_failure else \
+                    (lambda: ir.Module.parse(chunk.text, ctx))
+                self._run_pipeline(pipeline, module, replay)
+            return None, self._warning_diags(caught)
+        except DiagnosticError as e:
+            self._dump_failure(module)
+            return [self._from_error(e, chunk)], []
+        except ir.MLIRError as e:
+            self._dump_failure(module)
+            return [self._from_ir_diag(d) for d in e.error_diagnostics] or [
+                Diag("error", str(e))], []
+        except PipelineError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            raise _Failure from None
+        except MultimeshError as e:
+            self._dump_failure(module)
+            return [Diag("error", str(e))], []
+        except Exception as e:
+            _internal_error(e, self.current_step or "")
+            raise _Failure from None
+
+    def _warning_diags(self, caught: list[warnings.WarningMessage]) -> list[Diag]:
+        """A pass's warnings are diagnostics, like MLIR's; other warnings pass through."""
+        warned = []
+        for w in caught:
+            if isinstance(w.message, DiagnosticWarning):
+                f, line, col = self._from_loc(w.message.location)
+                warned.append(Diag("warning", w.message.message, f, line, col))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return warned
+
+    def _output(self, module: ir.Module, ctx: ir.Context,
+                warned: list[Diag]) -> tuple[str | None, list[Diag]]:
+        """The printed module, unless it cannot be parsed again."""
         t0 = time.perf_counter()
         out = self._print(module)
         self._time("Output", time.perf_counter() - t0)
