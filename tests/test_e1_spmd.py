@@ -9,31 +9,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh.jax import with_sharding_constraint as wsc
+from tests.models import LOGICAL, e1_model, get_input_batch, init_params
 
-LOGICAL = (("batch", "x"), ("model", "x"))
-
-
-def f(param, x):
-    return jnp.einsum("bm,mh->bh", x, param)
-
-
-def get_input_batch():
-    return jnp.arange(64).reshape(8, 8)
-
-
-def init_params():
-    return (jnp.arange(64).reshape(8, 8), jnp.arange(64).reshape(8, 8))
-
-
-def model(params, x):
-    p1, p2 = params
-    x = wsc(x, P("batch", None))
-    p1 = wsc(p1, P("model", None))
-    p2 = wsc(p2, P(None, "model"))
-    x = f(p1, x)
-    x = f(p2, x)
-    return wsc(x, P("batch", None))
+model = e1_model
 
 
 def _reference():

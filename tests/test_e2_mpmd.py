@@ -11,35 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh.jax import with_sharding_constraint as wsc
+from tests.models import e2_model, get_input_batch, init_params
 
-LOGICAL = (("batch", "x"), ("model", "x"))
-
-
-def f(param, x):
-    return jnp.einsum("bm,mh->bh", x, param)
-
-
-def get_input_batch():
-    return jnp.arange(64).reshape(8, 8)
-
-
-def init_params():
-    return (jnp.arange(64).reshape(8, 8), jnp.arange(64).reshape(8, 8))
-
-
-task_mesh = mm.TaskMesh(devices=(0, 1, 2, 3), axis_names=("x", "y"), axis_sizes=(4, 1))
-layer1 = mm.task(f, name="layer1", mesh=task_mesh, logical_axes=LOGICAL)
-layer2 = mm.task(f, name="layer2", mesh=task_mesh.place((4, 5, 6, 7)), logical_axes=LOGICAL)
-
-
-def model(params, x):
-    p1, p2 = params
-    x = wsc(x, P("batch", None))
-    p1 = wsc(p1, P("model", None))
-    p2 = wsc(p2, P(None, "model"))
-    x = layer1(p1, x)
-    x = layer2(p2, x)
-    return wsc(x, P("batch", None))
+model = e2_model()
 
 
 def _reference():
@@ -62,6 +36,7 @@ def _blocks(a, axis):
 
 
 def test_place_keeps_axes():
+    task_mesh = mm.TaskMesh(devices=(0, 1, 2, 3), axis_names=("x", "y"), axis_sizes=(4, 1))
     placed = task_mesh.place((4, 5, 6, 7))
     assert placed.axis_names == ("x", "y") and placed.axis_sizes == (4, 1)
     assert list(placed.devices.flat) == [4, 5, 6, 7]

@@ -1,0 +1,50 @@
+"""The anchor's E1/E2 programs (``spmd-autosharding``, ``mpmd-autosharding``), shared by
+the tests that run them. ``examples/demo.py`` keeps its own copy so that it reads on its
+own, and tests/test_anchor_tutorials.py keeps the anchor's text verbatim (parity)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import multimesh.jax as mm
+from multimesh.jax import with_sharding_constraint as wsc
+
+LOGICAL = (("batch", "x"), ("model", "x"))
+
+
+def f(param, x):
+    return jnp.einsum("bm,mh->bh", x, param)
+
+
+def get_input_batch():
+    return jnp.arange(64).reshape(8, 8)
+
+
+def init_params():
+    return (jnp.arange(64).reshape(8, 8), jnp.arange(64).reshape(8, 8))
+
+
+def e1_model(params, x):
+    """E1's body: both layers in one function (a task over all devices, or none)."""
+    p1, p2 = params
+    x = wsc(x, P("batch", None))
+    p1 = wsc(p1, P("model", None))
+    p2 = wsc(p2, P(None, "model"))
+    return wsc(f(p2, f(p1, x)), P("batch", None))
+
+
+def e2_model():
+    """E2: ``layer1`` on devices 0-3 and ``layer2`` on 4-7, one logical->physical map."""
+    task_mesh = mm.TaskMesh(devices=(0, 1, 2, 3), axis_names=("x", "y"), axis_sizes=(4, 1))
+    layer1 = mm.task(f, name="layer1", mesh=task_mesh, logical_axes=LOGICAL)
+    layer2 = mm.task(f, name="layer2", mesh=task_mesh.place((4, 5, 6, 7)), logical_axes=LOGICAL)
+
+    def model(params, x):
+        p1, p2 = params
+        x = wsc(x, P("batch", None))
+        p1 = wsc(p1, P("model", None))
+        p2 = wsc(p2, P(None, "model"))
+        return wsc(layer2(p2, layer1(p1, x)), P("batch", None))
+
+    return model
