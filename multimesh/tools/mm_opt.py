@@ -106,6 +106,27 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help() + "\n" + _passes_help()
 
 
+_SWITCHES = (
+    ("--split-input-file",
+     f"split the input on '{SPLIT_MARKER}' lines and process each chunk independently"),
+    ("--verify-diagnostics",
+     "check that emitted diagnostics match expected-* lines in the input"),
+    ("--allow-unregistered-dialect", "allow operations of unregistered dialects"),
+    ("--mlir-print-ir-before-all", "print the IR before every pipeline step (stderr)"),
+    ("--mlir-print-ir-after-all", "print the IR after every pipeline step (stderr)"),
+    ("--mlir-print-ir-after-failure", "print the IR after the step that failed (stderr)"),
+    ("--mlir-print-debuginfo", "print locations in the output and IR dumps"),
+    ("--mlir-print-op-generic", "print operations in generic form"),
+    ("--mlir-timing", "print a per-pass wall-time report (stderr)"),
+    ("--verify-each", "verify the IR after every pass (default: once, after the last "
+                      "pass; also MULTIMESH_VERIFY_EACH_PASS=1)"),
+    ("--dump-pass-pipeline", "print the parsed pipeline (stderr)"),
+    ("--list-passes", "list the registered multimesh passes and exit"),
+    ("--version", "print the multimesh and jaxlib versions and exit"),
+)
+"""mm-opt's on/off flags, in ``--help`` order."""
+
+
 def _make_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -125,34 +146,8 @@ def _make_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--pass-pipeline", dest="pipeline", default=None,
                    metavar="PIPELINE",
                    help="textual pass pipeline, e.g. 'builtin.module(mm-verify,canonicalize)'")
-    p.add_argument("--split-input-file", action="store_true",
-                   help=f"split the input on '{SPLIT_MARKER}' lines and process each chunk "
-                        "independently")
-    p.add_argument("--verify-diagnostics", action="store_true",
-                   help="check that emitted diagnostics match expected-* lines in the input")
-    p.add_argument("--allow-unregistered-dialect", action="store_true",
-                   help="allow operations of unregistered dialects")
-    p.add_argument("--mlir-print-ir-before-all", action="store_true",
-                   help="print the IR before every pipeline step (stderr)")
-    p.add_argument("--mlir-print-ir-after-all", action="store_true",
-                   help="print the IR after every pipeline step (stderr)")
-    p.add_argument("--mlir-print-ir-after-failure", action="store_true",
-                   help="print the IR after the step that failed (stderr)")
-    p.add_argument("--mlir-print-debuginfo", action="store_true",
-                   help="print locations in the output and IR dumps")
-    p.add_argument("--mlir-print-op-generic", action="store_true",
-                   help="print operations in generic form")
-    p.add_argument("--mlir-timing", action="store_true",
-                   help="print a per-pass wall-time report (stderr)")
-    p.add_argument("--verify-each", action="store_true",
-                   help="verify the IR after every pass (default: once, after the last "
-                        "pass; also MULTIMESH_VERIFY_EACH_PASS=1)")
-    p.add_argument("--dump-pass-pipeline", action="store_true",
-                   help="print the parsed pipeline (stderr)")
-    p.add_argument("--list-passes", action="store_true",
-                   help="list the registered multimesh passes and exit")
-    p.add_argument("--version", action="store_true",
-                   help="print the multimesh and jaxlib versions and exit")
+    for flag, help_text in _SWITCHES:
+        p.add_argument(flag, action="store_true", help=help_text)
     return p
 
 
