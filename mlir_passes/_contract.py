@@ -36,6 +36,15 @@ NUM_MICROBATCHES_ATTR = "mm.num_microbatches"
 LOOP_DEVICES_ATTR = "mm.loop_devices"
 """On a fragment whose task moves with the microbatch: its device positions per microbatch."""
 
+# The keys of the task dictionaries (docs/ir.md), in the order messages list them.
+TAG_KEYS = ("name", "transpose_count", "loop")
+"""``mm.task`` on an op of a task (flat form): ``{name, transpose_count[, loop]}``."""
+MESH_KEYS = ("devices", "axis_names", "axis_sizes", "logical_axes")
+TASK_ENTRY_KEYS = (*MESH_KEYS, "split_backprop", "loop_devices", "forward")
+"""An ``mm.tasks`` entry."""
+TASK_CALL_KEYS = (*TAG_KEYS, "split_backprop", "loop_devices", *MESH_KEYS)
+"""``mm.task`` on a task call (front-end form): the tag and the task's mesh."""
+
 
 @dataclass(frozen=True)
 class TaskMeshInfo:
@@ -55,15 +64,21 @@ class TaskMeshInfo:
 
     @classmethod
     def from_dict(cls, d, loc: ir.Location | None = None,
-                  what: str = f"'{TASK_ATTR}'") -> TaskMeshInfo:
+                  what: str = f"'{TASK_ATTR}'",
+                  keys: tuple[str, ...] | None = None) -> TaskMeshInfo:
         """Read a task mesh (``attr_to_py`` of an ``mm.task`` / ``mm.tasks`` entry).
 
         Checks it as ``mm-verify`` does (keys present and typed, positive axis sizes
         that multiply to the device count, logical axes as string pairs) and raises
         :class:`DiagnosticError` at ``loc`` on the first violation; ``what`` names the
-        attribute in the message.
+        attribute in the message. With ``keys`` (``mm-verify``'s strict reading) a key
+        outside ``keys`` is an error, and so is a logical axis mapped to a device axis
+        the task lacks (passes leave that to ``mm-resolve-logical-shardings``, which
+        reports it at the marker that uses it).
         """
         d = _check_dict(d, what, loc)
+        if keys is not None:
+            check_keys(d, keys, what, loc)
         for key in ("devices", "axis_names", "axis_sizes"):
             if key not in d:
                 raise DiagnosticError(f"{what} is missing '{key}'", loc)
@@ -71,40 +86,27 @@ class TaskMeshInfo:
         names = _str_list(d["axis_names"], f"{what} axis_names", loc)
         sizes = _int_list(d["axis_sizes"], f"{what} axis_sizes", loc)
         check_mesh(devices, names, sizes, what, loc)
-        pairs = []
-        for item in _list(d.get("logical_axes", []), f"{what} logical_axes", "pairs", loc):
-            if (not isinstance(item, list) or len(item) != 2
-                    or not all(isinstance(x, str) for x in item)):
+        info = cls(tuple(devices), tuple(names), tuple(sizes),
+                   _logical_axes(d.get("logical_axes", []), what, loc),
+                   _split_backprop(d.get("split_backprop"), what, loc),
+                   _loop_devices(d.get("loop_devices"), len(devices), what, loc),
+                   _forward(d.get("forward"), what, loc))
+        if keys is not None:
+            info.check_device_axes(what, loc)
+        return info
+
+    def check_device_axes(self, what: str, loc) -> None:
+        """Every logical axis maps to one of the task's device axes."""
+        for logical, axis in self.logical_axes:
+            if axis not in self.axis_names:
                 raise DiagnosticError(
-                    f"{what} logical_axes entries must be [logical, device] string pairs, "
-                    f"got {_fmt(item)}", loc)
-            # a device axis missing from axis_names is left to mm-resolve-logical-shardings,
-            # which reports it at the marker that uses it
-            pairs.append((item[0], item[1]))
-        split = d.get("split_backprop")
-        if split is not None and split != [] and (
-                not isinstance(split, list) or len(split) != 2
-                or not all(isinstance(x, str) and x for x in split)):
-            raise DiagnosticError(
-                f"{what} split_backprop must be two non-empty name suffixes, got "
-                f"{_fmt(split)}", loc)
-        loop_devices = d.get("loop_devices")
-        if loop_devices is not None:
-            rows = _list(loop_devices, f"{what} loop_devices", "device lists", loc)
-            for row in rows:
-                row = _int_list(row, f"{what} loop_devices entry", loc)
-                if len(row) != len(devices) or len(set(row)) != len(row) or min(row) < 0:
-                    raise DiagnosticError(
-                        f"{what} loop_devices entries must list {len(devices)} distinct "
-                        f"non-negative device positions (as many as devices), got {_fmt(row)}",
-                        loc)
-            loop_devices = tuple(tuple(r) for r in rows) or None
-        forward = d.get("forward")
-        if forward is not None and (not isinstance(forward, str) or not forward):
-            raise DiagnosticError(f"{what} forward must be a task name, got {_fmt(forward)}",
-                                  loc)
-        return cls(tuple(devices), tuple(names), tuple(sizes), tuple(pairs),
-                   tuple(split) if split else None, loop_devices, forward)
+                    f"{what} logical axis \"{logical}\" maps to device axis \"{axis}\" "
+                    f"which is not in axis_names {_fmt(list(self.axis_names))}", loc)
+
+    def mesh_text(self) -> str:
+        """``devices=[...], axis_names=[...], ...``: the mesh as messages show it."""
+        d = self.to_dict()
+        return ", ".join(f"{k}={_fmt(d[k])}" for k in MESH_KEYS)
 
     def to_dict(self) -> dict:
         d = {"devices": list(self.devices), "axis_names": list(self.axis_names),
@@ -123,17 +125,17 @@ class TaskMeshInfo:
 
 
 def main_func(module: ir.Module) -> ir.Operation:
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
             return op
     raise DiagnosticError("module has no 'main' function", module.operation.location)
 
 
 def func_by_name(module: ir.Module) -> dict[str, ir.Operation]:
-    out = {}
-    for op in module.body.operations:
-        op = op.operation
+    out: dict[str, ir.Operation] = {}
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "func.func":
             out[ir.StringAttr(op.attributes["sym_name"]).value] = op
     return out
@@ -151,18 +153,22 @@ def entry_block(func: ir.Operation) -> ir.Block:
     return func.regions[0].blocks[0]
 
 
-def read_tasks(module: ir.Module) -> dict[str, TaskMeshInfo]:
-    """The module's ``mm.tasks`` table, checked (:class:`DiagnosticError` at the module)."""
+def read_tasks(module: ir.Module, *, strict: bool = False) -> dict[str, TaskMeshInfo]:
+    """The module's ``mm.tasks`` table, checked (:class:`DiagnosticError` at the module).
+
+    ``strict``: ``mm-verify``'s reading (see :meth:`TaskMeshInfo.from_dict`'s ``keys``).
+    """
     attrs = module.operation.attributes
     if TASKS_ATTR not in attrs:
         return {}
     loc = module.operation.location
     table = _check_dict(attr_to_py(attrs[TASKS_ATTR]), f"'{TASKS_ATTR}'", loc)
+    keys = TASK_ENTRY_KEYS if strict else None
     out = {}
     for k, v in table.items():
         if not k:
             raise DiagnosticError(f"'{TASKS_ATTR}' has an entry with an empty task name", loc)
-        out[k] = TaskMeshInfo.from_dict(v, loc, f"'{TASKS_ATTR}' entry \"{k}\"")
+        out[k] = TaskMeshInfo.from_dict(v, loc, f"'{TASKS_ATTR}' entry \"{k}\"", keys)
     return out
 
 
@@ -218,16 +224,51 @@ def tag_of(op: ir.Operation) -> Tag | None:
     return tag
 
 
-def task_call(call: ir.Operation) -> tuple[Tag, TaskMeshInfo | None]:
+def task_call(call: ir.Operation, *, strict: bool = False) -> tuple[Tag, TaskMeshInfo | None]:
     """Tag and mesh of a task call's ``mm.task`` (mesh None for a flat ``{name,
     transpose_count}`` reference), checked as ``mm-verify`` does: a
-    :class:`DiagnosticError` at the call on the first violation."""
+    :class:`DiagnosticError` at the call on the first violation.
+
+    ``strict``: ``mm-verify``'s reading of a call that must carry its mesh (front-end
+    form): unknown keys are errors and the mesh is required.
+    """
     what, loc = f"'{TASK_ATTR}'", call.location
     d = _check_dict(attr_to_py(call.attributes[TASK_ATTR]), what, loc)
+    if strict:
+        check_keys(d, TASK_CALL_KEYS, what, loc)
     tag = _tag_from_dict(d, what, loc)
-    if not any(k in d for k in ("devices", "axis_names", "axis_sizes", "logical_axes")):
+    if not strict and not any(k in d for k in MESH_KEYS):
         return tag, None
-    return tag, TaskMeshInfo.from_dict(d, loc, what)
+    return tag, TaskMeshInfo.from_dict(d, loc, what, TASK_CALL_KEYS if strict else None)
+
+
+def is_task_reference(op: ir.Operation) -> bool:
+    """Whether ``op``'s ``mm.task`` is a flat-form tag (only :data:`TAG_KEYS`), not a
+    task call's full entry."""
+    a = op.attributes[TASK_ATTR]
+    if not isinstance(a, ir.DictAttr):
+        return False
+    d = ir.DictAttr(a)
+    return all(d[i].name in TAG_KEYS for i in range(len(d)))
+
+
+def task_reference(op: ir.Operation, tasks: dict[str, TaskMeshInfo] | None) -> Tag:
+    """The tag of an op in flat form, read strictly (``mm-verify``): only
+    :data:`TAG_KEYS`, naming an entry of ``tasks`` (the ``mm.tasks`` table, None if
+    the module has none); a :class:`DiagnosticError` at the op otherwise."""
+    what, loc = f"'{TASK_ATTR}' on '{op.name}'", op.location
+    d = _check_dict(attr_to_py(op.attributes[TASK_ATTR]), what, loc)
+    for key in d:
+        if key not in TAG_KEYS:
+            raise DiagnosticError(
+                f"{what} has unexpected key '{key}' (only task calls carry the mesh; "
+                f"expected name, transpose_count)", loc)
+    tag = _tag_from_dict(d, what, loc)
+    if tasks is None:
+        raise DiagnosticError(
+            f"{what} names task \"{tag[0]}\" but the module has no '{TASKS_ATTR}' table", loc)
+    _known(op, tag[0], tasks)
+    return tag
 
 
 def check_task_calls(root: ir.Operation) -> None:
@@ -250,11 +291,15 @@ def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo
     tag = tag_of(op)
     if tag is None:
         raise DiagnosticError("op is not assigned to a task", op.location)
-    info = tasks.get(tag[0])
+    return _known(op, tag[0], tasks)
+
+
+def _known(op: ir.Operation, name: str, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo:
+    info = tasks.get(name)
     if info is None:
         known = ", ".join(f'"{k}"' for k in sorted(tasks)) or "none"
         raise DiagnosticError(
-            f"'{TASK_ATTR}' on '{op.name}' names task \"{tag[0]}\" which is not in "
+            f"'{TASK_ATTR}' on '{op.name}' names task \"{name}\" which is not in "
             f"'{TASKS_ATTR}' (known: {known})", op.location)
     return info
 
@@ -320,6 +365,48 @@ def loop_body(loop: ir.Operation, funcs: dict[str, ir.Operation]) -> tuple[ir.Op
     return fn, ir.IntegerAttr(num).value
 
 
+def logical_marker_axes(op: ir.Operation) -> list[list[str]]:
+    """The ``mm.axes`` of an ``mm.logical_sharding`` marker, checked: one operand and one
+    result of the same type, one list of logical axis names per dimension, no name on
+    two dimensions (a :class:`DiagnosticError` at the marker otherwise)."""
+    loc, what = op.location, f"'{LOGICAL_TARGET}'"
+    _check_marker_shape(op, what, loc)
+    if "mm.axes" not in op.attributes:
+        raise DiagnosticError(f"{what} is missing 'mm.axes'", loc)
+    a = op.attributes["mm.axes"]
+    if not isinstance(a, ir.ArrayAttr):
+        raise DiagnosticError(f"{what} 'mm.axes' must be a list of lists of strings, got {a}",
+                              loc)
+    dims = attr_to_py(a)
+    t = op.operands[0].type
+    if isinstance(t, ir.ShapedType) and ir.ShapedType(t).has_rank \
+            and len(dims) != ir.ShapedType(t).rank:
+        raise DiagnosticError(
+            f"{what} 'mm.axes' has {len(dims)} entries but the operand {t} has rank "
+            f"{ir.ShapedType(t).rank}", loc)
+    used: dict[str, int] = {}
+    for i, dim in enumerate(dims):
+        for n in _str_list(dim, f"{what} 'mm.axes' entry {i}", loc):
+            if n in used:
+                raise DiagnosticError(
+                    f"{what} logical axis \"{n}\" is used by dimensions {used[n]} and {i}", loc)
+            used[n] = i
+    return dims
+
+
+def _check_marker_shape(op: ir.Operation, what: str, loc) -> None:
+    if len(op.operands) != 1:
+        raise DiagnosticError(f"{what} must have exactly one operand, got {len(op.operands)}",
+                              loc)
+    if len(op.results) != 1:
+        raise DiagnosticError(f"{what} must have exactly one result, got {len(op.results)}",
+                              loc)
+    in_t, out_t = op.operands[0].type, op.results[0].type
+    if in_t != out_t:
+        raise DiagnosticError(f"{what} result type {out_t} differs from operand type {in_t}",
+                              loc)
+
+
 def warn_at(location, message: str) -> None:
     """A pass warning (``mm-opt`` prints it as ``file:line:col: warning: ...``)."""
     import warnings
@@ -380,36 +467,42 @@ def scan_fragment(fn: ir.Operation, mesh_names: set[str]) -> tuple[list[str],
                                                                      ir.Operation | None]:
     """One walk over ``fn``: the meshes its shardings name (see
     :func:`referenced_meshes`) and its first :data:`INTERNAL_SDY_OPS` op, if any."""
-    found: set[str] = set()
-    internal: list[ir.Operation] = []
-    many = len(mesh_names) > 1
-
-    def scan(attr) -> None:
-        text = str(attr)
-        for name in mesh_names:
-            if f"@{name}," in text or f"@{name}>" in text or f"@{name} " in text:
-                found.add(name)
-
-    def cb(op):
-        attrs = op.attributes
-        if len(attrs):
-            if many:
-                for key in _SHARDING_KEYS:
-                    if key in attrs:
-                        scan(attrs[key])
-            if not internal and op.name in INTERNAL_SDY_OPS:
-                internal.append(op.operation)
-        elif not internal and op.name in INTERNAL_SDY_OPS:
-            internal.append(op.operation)
-        return ir.WalkResult.ADVANCE
-
-    fn.walk(cb, ir.WalkOrder.PRE_ORDER)
-    if not many:
-        return sorted(mesh_names), (internal[0] if internal else None)
+    scan = _FragmentScan(mesh_names)
+    fn.walk(scan.visit, ir.WalkOrder.PRE_ORDER)
+    if not scan.many:
+        return sorted(mesh_names), scan.internal
     for key in ("arg_attrs", "res_attrs"):
         if key in fn.attributes:
-            scan(fn.attributes[key])
-    return sorted(found), (internal[0] if internal else None)
+            scan.names_in(fn.attributes[key])
+    return sorted(scan.found), scan.internal
+
+
+class _FragmentScan:
+    """The state of one :func:`scan_fragment` walk (meshes are looked for only when
+    there is more than one to tell apart)."""
+
+    def __init__(self, mesh_names: set[str]):
+        self.mesh_names = mesh_names
+        self.many = len(mesh_names) > 1
+        self.found: set[str] = set()
+        self.internal: ir.Operation | None = None
+
+    def names_in(self, attr: ir.Attribute) -> None:
+        text = str(attr)
+        for name in self.mesh_names:
+            if f"@{name}," in text or f"@{name}>" in text or f"@{name} " in text:
+                self.found.add(name)
+
+    def visit(self, op):
+        if self.many:
+            attrs = op.attributes
+            if len(attrs):
+                for key in _SHARDING_KEYS:
+                    if key in attrs:
+                        self.names_in(attrs[key])
+        if self.internal is None and op.name in INTERNAL_SDY_OPS:
+            self.internal = op.operation
+        return ir.WalkResult.ADVANCE
 
 
 def top_finder(main: ir.Operation):
@@ -602,6 +695,55 @@ def _int_list(v, what: str, loc) -> list[int]:
 def _str_list(v, what: str, loc) -> list[str]:
     if not all(isinstance(x, str) for x in _list(v, what, "strings", loc)):
         raise DiagnosticError(f"{what} must be a list of strings, got {_fmt(v)}", loc)
+    return v
+
+
+def check_keys(d: dict, allowed: tuple[str, ...], what: str, loc) -> None:
+    """Every key of ``d`` is one of ``allowed`` (``mm-verify``'s strict reading)."""
+    for key in d:
+        if key not in allowed:
+            raise DiagnosticError(
+                f"{what} has unknown key '{key}' (expected {', '.join(allowed)})", loc)
+
+
+def _logical_axes(v, what: str, loc) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in _list(v, f"{what} logical_axes", "pairs", loc):
+        if (not isinstance(item, list) or len(item) != 2
+                or not all(isinstance(x, str) for x in item)):
+            raise DiagnosticError(
+                f"{what} logical_axes entries must be [logical, device] string pairs, "
+                f"got {_fmt(item)}", loc)
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
+
+
+def _split_backprop(v, what: str, loc) -> tuple[str, str] | None:
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, str) and x for x in v):
+        raise DiagnosticError(
+            f"{what} split_backprop must be two non-empty name suffixes, got {_fmt(v)}", loc)
+    return v[0], v[1]
+
+
+def _loop_devices(v, count: int, what: str, loc) -> tuple[tuple[int, ...], ...] | None:
+    if v is None:
+        return None
+    rows = []
+    for row in _list(v, f"{what} loop_devices", "device lists", loc):
+        row = _int_list(row, f"{what} loop_devices entry", loc)
+        if len(row) != count or len(set(row)) != len(row) or min(row) < 0:
+            raise DiagnosticError(
+                f"{what} loop_devices entries must list {count} distinct "
+                f"non-negative device positions (as many as devices), got {_fmt(row)}", loc)
+        rows.append(tuple(row))
+    return tuple(rows) or None
+
+
+def _forward(v, what: str, loc) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v):
+        raise DiagnosticError(f"{what} forward must be a task name, got {_fmt(v)}", loc)
     return v
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,7 +20,7 @@ from mlir_passes._stages import check_stage
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, unchanged_on_error
 
-__all__ = ["ModulePass", "DiagnosticError", "option_fields", "verify_module",
+__all__ = ["ModulePass", "DiagnosticError", "option_fields", "NOT_AN_OPTION", "verify_module",
            "verify_each_pass", "VERIFY_EACH_ENV"]
 
 VERIFY_EACH_ENV = "MULTIMESH_VERIFY_EACH_PASS"
@@ -109,9 +110,25 @@ class ModulePass:
     def pipeline_element(self) -> str:
         return self.argument + self.options_string()
 
+    def replay_element(self, stem: str) -> str:
+        """The pipeline element that replays this pass from the command line.
+
+        Usually :meth:`pipeline_element`. A pass that holds state no option can spell
+        (``mm-match-tasks``' in-memory rules) writes it to files whose paths start
+        with ``stem`` and names them in the options it returns.
+        """
+        del stem
+        return self.pipeline_element()
+
+
+NOT_AN_OPTION = {"option": False}
+"""Field metadata of a pass field that is state given in Python, not a CLI option."""
+
 
 def option_fields(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+    """The fields that are options: spelled in pipelines, listed in docs/passes.md."""
+    return [f for f in dataclasses.fields(cls)
+            if f.init and f.metadata.get("option", True)]
 
 
 def _field_type(cls, name):
@@ -128,48 +145,54 @@ def _format(value) -> str:
 
 
 def _convert(argument: str, key: str, text: str, tp):
+    """An option's text as a value of its field's type ``tp``: optional, tuple or scalar."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
         if text in ("none", "None", ""):
             return None
-        return _convert(argument, key, text, non_none[0])
+        return _convert(argument, key, text, next(a for a in args if a is not type(None)))
     if origin is tuple:
         elem = args[0] if args else str
         items = [t.strip() for t in text.split(",")] if text.strip() else []
         return tuple(_convert(argument, key, t, elem) for t in items)
+    convert = _SCALARS.get(tp)
+    if convert is None:
+        raise PipelineError(f"Pass '{argument}' option '{key}' has unsupported type {tp}.")
     try:
-        if tp is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
-                return True
-            if text.lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(text)
-        if tp is int:
-            return int(text)
-        if tp is float:
-            return float(text)
-        if tp is str:
-            return text.strip().strip('"')
+        return convert(text)
     except ValueError:
-        pass
-    else:
-        if tp not in (bool, int, float, str):
-            raise PipelineError(f"Pass '{argument}' option '{key}' has unsupported type {tp}.")
-    raise PipelineError(
-        f"Pass '{argument}' option '{key}' expects a value of type "
-        f"{getattr(tp, '__name__', tp)}, got '{text}'.")
+        raise PipelineError(
+            f"Pass '{argument}' option '{key}' expects a value of type "
+            f"{getattr(tp, '__name__', tp)}, got '{text}'.") from None
+
+
+def _to_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+_SCALARS: dict[type, Callable[[str], object]] = {
+    bool: _to_bool, int: int, float: float, str: lambda t: t.strip().strip('"')}
 
 
 def verify_module(module: ir.Module, argument: str) -> None:
     """MLIR's verifier after pass ``argument``: :class:`DiagnosticError` at the bad op."""
+    run_verifier(module, f"'{argument}'")
+
+
+def run_verifier(module: ir.Module, who: str) -> None:
+    """MLIR's verifier; a failure is a :class:`DiagnosticError` at the bad op saying
+    that ``who`` (the pass, or the pipeline) produced invalid IR."""
     try:
         ok = module.operation.verify()
     except ir.MLIRError as e:
         d = e.error_diagnostics[0] if e.error_diagnostics else None
         raise DiagnosticError(
-            f"'{argument}' produced invalid IR: {d.message if d else e}",
+            f"{who} produced invalid IR: {d.message if d else e}",
             d.location if d else None) from None
     if not ok:  # pragma: no cover - verify raises in these bindings
-        raise DiagnosticError(f"'{argument}' produced invalid IR.")
+        raise DiagnosticError(f"{who} produced invalid IR.")

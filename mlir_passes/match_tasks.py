@@ -21,27 +21,31 @@ stack (``re.search``) claims the op, and its first capture group is the *matched
 name*. The task comes from the ``matches`` entry for ``(matched name, backprop)``,
 else from the rule's default ``task``. A task's ``name`` defaults to the matched
 name, ``axis_names``/``axis_sizes`` to one axis ``x`` over all its ``devices``, and
-``logical_axes`` to the identity over its axis names. ``mjit`` writes a fully
-resolved document (one ``matches`` entry per pair it saw, after calling the
-registered callbacks) and runs this pass before ``mm-inline-tasks``.
+``logical_axes`` to the identity over its axis names.
+
+``mjit`` resolves the registered tasks itself (one ``matches`` entry per pair it
+saw, after calling the registered callbacks) and builds this pass with those
+:class:`Rule` values in memory (``rule_table``), before ``mm-inline-tasks``; no file
+is written unless a pass fails, when the repro's ``mm-opt`` line names a rules file
+that :meth:`MatchTasksPass.replay_element` wrote next to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
+from mlir_passes.base import NOT_AN_OPTION, ModulePass
+from multimesh._src.brackets import read_string, skip_balanced, skip_element
 from multimesh._src.errors import DiagnosticError, MultimeshValueError, PipelineError
 from multimesh._src.mlir import ir
 
-__all__ = ["MatchTasksPass", "Match", "find_matches", "compile_matcher", "name_stack",
-           "BACKPROP_MARKER"]
+__all__ = ["MatchTasksPass", "Match", "Rule", "RuleTask", "find_matches", "compile_matcher",
+           "name_stack", "parse_rules", "rules_to_json", "BACKPROP_MARKER"]
 
 BACKPROP_MARKER = "transpose(jvp"
 """An op whose name stack contains this is part of the backward pass."""
@@ -94,100 +98,40 @@ def name_stack(loc: ir.Location) -> str | None:
 
 
 def _outer_name(s: str, i: int) -> str | None:
+    """The name of the location printed at ``s[i]`` (see :func:`name_stack`)."""
     while True:
         i = _skip_ws(s, i)
-        if i >= len(s):
-            return None
-        if s[i] == '"':
-            name, j = _read_string(s, i)
-            if j < len(s) and s[j] == ":":
-                return None  # "file":line:col
-            if name.endswith(":") and j < len(s) and s[j] == "(":
-                i = j + 1  # "dot_general:"(<the real name>)
-                continue
-            return name
         if s.startswith("fused", i):
-            j = i + len("fused")
-            if j < len(s) and s[j] == "<":
-                j = _skip_balanced(s, j)
-            if j >= len(s) or s[j] != "[":
-                return None
-            j += 1
-            while j < len(s) and s[j] != "]":
-                found = _outer_name(s, j)
-                if found is not None:
-                    return found
-                j = _skip_element(s, j)
-                if j < len(s) and s[j] == ",":
-                    j += 1
+            return _fused_name(s, i + len("fused"))
+        if i >= len(s) or s[i] != '"':
             return None
+        name, j = read_string(s, i)
+        if j < len(s) and s[j] == ":":
+            return None  # "file":line:col
+        if not (name.endswith(":") and j < len(s) and s[j] == "("):
+            return name
+        i = j + 1  # "dot_general:"(<the real name>)
+
+
+def _fused_name(s: str, j: int) -> str | None:
+    """The first name among the parts of ``fused<metadata>[...]`` (``s[j]`` after ``fused``)."""
+    if j < len(s) and s[j] == "<":
+        j = skip_balanced(s, j)
+    if j >= len(s) or s[j] != "[":
         return None
+    j += 1
+    while j < len(s) and s[j] != "]":
+        found = _outer_name(s, j)
+        if found is not None:
+            return found
+        j = skip_element(s, j)
+        if j < len(s) and s[j] == ",":
+            j += 1
+    return None
 
 
 def _skip_ws(s: str, i: int) -> int:
     while i < len(s) and s[i] in " \t\n":
-        i += 1
-    return i
-
-
-def _read_string(s: str, i: int) -> tuple[str, int]:
-    """Decode the MLIR string literal starting at ``s[i] == '"'``; returns (text, end)."""
-    out, j = [], i + 1
-    while j < len(s) and s[j] != '"':
-        ch = s[j]
-        if ch == "\\" and j + 1 < len(s):
-            nxt = s[j + 1]
-            if nxt in '"\\':
-                out.append(nxt)
-                j += 2
-                continue
-            if nxt == "n":
-                out.append("\n")
-                j += 2
-                continue
-            if re.fullmatch(r"[0-9a-fA-F]{2}", s[j + 1:j + 3]):
-                out.append(chr(int(s[j + 1:j + 3], 16)))
-                j += 3
-                continue
-        out.append(ch)
-        j += 1
-    return "".join(out), j + 1
-
-
-def _skip_balanced(s: str, i: int) -> int:
-    """Skip the bracketed group opening at ``s[i]`` (strings respected)."""
-    depth = 0
-    while i < len(s):
-        ch = s[i]
-        if ch == '"':
-            _, i = _read_string(s, i)
-            continue
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return i
-
-
-def _skip_element(s: str, i: int) -> int:
-    """Skip one element of a fused location list: up to the next top-level ',' or ']'."""
-    depth = 0
-    while i < len(s):
-        ch = s[i]
-        if ch == '"':
-            _, i = _read_string(s, i)
-            continue
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            if depth == 0:
-                return i
-            depth -= 1
-        elif ch == "," and depth == 0:
-            return i
         i += 1
     return i
 
@@ -258,8 +202,8 @@ class _Scanner:
                     tags: list, calls: list) -> None:
         for ri, region in enumerate(parent.regions):
             for bi, block in enumerate(region.blocks):
-                for oi, op in enumerate(block.operations):
-                    op = op.operation
+                for oi, view in enumerate(block.operations):
+                    op = view.operation
                     p = path + ((ri, bi, oi),)
                     own = name_stack(op.location)
                     stack = _join(prefix, own) if own is not None else enclosing
@@ -349,123 +293,135 @@ def find_matches(module: ir.Module, matchers: Iterable[str | re.Pattern],
 
 
 @dataclass(frozen=True)
-class _RuleTask:
+class RuleTask:
+    """The task a rule gives its matches: a name (None: the matched name) and a mesh."""
+
     name: str | None
     mesh: c.TaskMeshInfo
 
+    def to_json(self) -> dict:
+        """The rules-file form of this task (what :func:`parse_rules` reads back)."""
+        d = self.mesh.to_dict()
+        d.pop("forward", None)  # recorded by the pass, never given by a rule
+        return {"name": self.name, **d} if self.name else d
+
 
 @dataclass(frozen=True)
-class _Rule:
+class Rule:
+    """One task rule: a matcher and the tasks of its matches, in priority order.
+
+    ``matches`` gives the task of each ``(matched name, backprop)`` pair; ``default``
+    is the task of any other match (None: such a match is an error). ``mjit`` builds
+    these from the registered tasks and hands them to :class:`MatchTasksPass` in memory.
+    """
+
     matcher: str
     regex: re.Pattern
-    default: _RuleTask | None
-    matches: dict
+    default: RuleTask | None = None
+    matches: tuple[tuple[tuple[str, bool], RuleTask], ...] = ()
 
-    def task_for(self, hit: Match) -> _RuleTask | None:
-        return self.matches.get((hit.name, hit.backprop), self.default)
+    def __post_init__(self):
+        object.__setattr__(self, "_by_key", dict(self.matches))
+
+    def task_for(self, hit: Match) -> RuleTask | None:
+        return self._by_key.get((hit.name, hit.backprop), self.default)  # type: ignore[attr-defined]
+
+    def to_json(self) -> dict:
+        d: dict = {"matcher": self.regex.pattern}
+        if self.default is not None:
+            d["task"] = self.default.to_json()
+        if self.matches:
+            d["matches"] = [{"match": name, "backprop": bp, "task": task.to_json()}
+                            for (name, bp), task in self.matches]
+        return d
+
+
+def rules_to_json(rules: Sequence[Rule]) -> dict:
+    """The rules-file document of ``rules`` (``{"rules": [...]}``)."""
+    return {"rules": [r.to_json() for r in rules]}
 
 
 def _fail(where: str, msg: str):
     raise PipelineError(f"Pass 'mm-match-tasks': {where}: {msg}")
 
 
-def _parse_task(d, where: str) -> _RuleTask:
+_TASK_KEYS = ("name", "devices", "axis_names", "axis_sizes", "logical_axes", "split_backprop",
+              "loop_devices")
+
+
+def _parse_task(d, where: str) -> RuleTask:
+    """A rule's task: the keys of an ``mm.tasks`` entry plus ``name``, with defaults
+    (one axis ``x`` over all devices, the identity logical mapping), checked by the
+    IR contract's own reader so a rule and the table it writes obey the same rules."""
     if not isinstance(d, dict):
         _fail(where, f"a task must be a JSON object, got {d!r}")
-    keys = ("name", "devices", "axis_names", "axis_sizes", "logical_axes", "split_backprop",
-            "loop_devices")
-    unknown = sorted(set(d) - set(keys))
+    unknown = sorted(set(d) - set(_TASK_KEYS))
     if unknown:
-        _fail(where, f"unknown task key(s) {unknown}; valid keys are {', '.join(keys)}")
+        _fail(where, f"unknown task key(s) {unknown}; valid keys are {', '.join(_TASK_KEYS)}")
     name = d.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         _fail(where, f"task name must be a non-empty string, got {name!r}")
-    devices = d.get("devices")
-    if (not isinstance(devices, list) or not devices
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                       for x in devices) or len(set(devices)) != len(devices)):
-        _fail(where, f"task 'devices' must be a non-empty list of distinct device positions "
-                     f"(non-negative integers), got {devices!r}")
-    names = d.get("axis_names", ["x"])
-    sizes = d.get("axis_sizes", [len(devices)] if "axis_names" not in d else None)
-    if (not isinstance(names, list) or not all(isinstance(n, str) for n in names)
-            or len(set(names)) != len(names)):
-        _fail(where, f"task 'axis_names' must be a list of distinct strings, got {names!r}")
-    if (not isinstance(sizes, list) or len(sizes) != len(names)
-            or not all(isinstance(s, int) and s > 0 for s in sizes)):
-        _fail(where, f"task 'axis_sizes' must give one positive size per axis name {names}, "
-                     f"got {sizes!r}")
-    if math.prod(sizes) != len(devices):
-        _fail(where, f"task axis_sizes {sizes} describe {math.prod(sizes)} devices but "
-                     f"'devices' lists {len(devices)}")
-    pairs = d.get("logical_axes", [[n, n] for n in names])
-    if (not isinstance(pairs, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
-            for p in pairs)):
-        _fail(where, f"task 'logical_axes' must be a list of [logical, device_axis] string "
-                     f"pairs, got {pairs!r}")
-    # A pair naming a device axis the task lacks is reported where a constraint uses
-    # its logical name (mm-resolve-logical-shardings), as for explicit tasks.
-    split = d.get("split_backprop")
-    if split is not None and (not isinstance(split, list) or len(split) != 2 or not all(
-            isinstance(x, str) and x for x in split) or split[0] == split[1]):
-        _fail(where, f"task 'split_backprop' must be two distinct, non-empty name suffixes, "
-                     f"got {split!r}")
-    moving = d.get("loop_devices")
-    if moving is not None and (not isinstance(moving, list) or not all(
-            isinstance(row, list) and len(row) == len(devices) and len(set(row)) == len(row)
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row)
-            for row in moving)):
-        _fail(where, f"task 'loop_devices' must list, per microbatch, {len(devices)} distinct "
-                     f"device positions, got {moving!r}")
-    return _RuleTask(name, c.TaskMeshInfo(
-        tuple(devices), tuple(names), tuple(sizes), tuple(tuple(p) for p in pairs),
-        tuple(split) if split else None,
-        tuple(tuple(row) for row in moving) if moving else None))
+    entry = {k: v for k, v in d.items() if k != "name"}
+    if "devices" not in entry:
+        _fail(where, "a task needs 'devices', a list of device positions")
+    if "axis_names" not in entry:
+        entry["axis_names"] = ["x"]
+        entry.setdefault("axis_sizes", [len(d["devices"])] if isinstance(
+            d["devices"], list) else None)
+    if isinstance(entry["axis_names"], list):
+        entry.setdefault("logical_axes", [[n, n] for n in entry["axis_names"]])
+    try:
+        mesh = c.TaskMeshInfo.from_dict(entry, None, "task")
+    except DiagnosticError as e:
+        _fail(where, e.message)
+    return RuleTask(name, mesh)
 
 
-def parse_rules(doc, source: str) -> list[_Rule]:
+def parse_rules(doc, source: str) -> list[Rule]:
     """Validate a rules document (already JSON-decoded) into rules, in priority order."""
     if not isinstance(doc, dict) or not isinstance(doc.get("rules"), list):
         _fail(source, 'the rules must be a JSON object {"rules": [...]}')
     extra = sorted(set(doc) - {"rules", "version"})
     if extra:
         _fail(source, f"unknown top-level key(s) {extra}; expected 'rules'")
-    out = []
-    for i, r in enumerate(doc["rules"]):
-        where = f"{source}, rule {i}"
-        if not isinstance(r, dict) or "matcher" not in r:
-            _fail(where, 'each rule must be an object with a "matcher"')
-        unknown = sorted(set(r) - {"matcher", "task", "matches"})
-        if unknown:
-            _fail(where, f"unknown rule key(s) {unknown}; valid keys are matcher, task, "
-                         f"matches")
-        try:
-            rx = compile_matcher(r["matcher"])
-        except MultimeshValueError as e:
-            _fail(where, str(e))
-        default = _parse_task(r["task"], f"{where} task") if "task" in r else None
-        matches = {}
-        for j, m in enumerate(r.get("matches", [])):
-            w = f"{where}, match {j}"
-            if not isinstance(m, dict) or not isinstance(m.get("match"), str) or not m["match"]:
-                _fail(w, 'each match must be an object with a non-empty "match" name')
-            bp = m.get("backprop", False)
-            if not isinstance(bp, bool):
-                _fail(w, f"'backprop' must be true or false, got {bp!r}")
-            if "task" not in m:
-                _fail(w, 'a match needs a "task"')
-            key = (m["match"], bp)
-            if key in matches:
-                _fail(w, f"match '{key[0]}' ({'backward' if bp else 'forward'}) is listed twice")
-            matches[key] = _parse_task(m["task"], f"{w} task")
-        if default is None and not matches:
-            _fail(where, 'a rule needs a default "task", "matches", or both')
-        out.append(_Rule(r["matcher"], rx, default, matches))
-    return out
+    return [_parse_rule(r, f"{source}, rule {i}") for i, r in enumerate(doc["rules"])]
 
 
-def _load(rules: str, rules_file: str) -> list[_Rule]:
+def _parse_rule(r, where: str) -> Rule:
+    if not isinstance(r, dict) or "matcher" not in r:
+        _fail(where, 'each rule must be an object with a "matcher"')
+    unknown = sorted(set(r) - {"matcher", "task", "matches"})
+    if unknown:
+        _fail(where, f"unknown rule key(s) {unknown}; valid keys are matcher, task, matches")
+    try:
+        rx = compile_matcher(r["matcher"])
+    except MultimeshValueError as e:
+        _fail(where, str(e))
+    default = _parse_task(r["task"], f"{where} task") if "task" in r else None
+    matches: dict[tuple[str, bool], RuleTask] = {}
+    for j, m in enumerate(r.get("matches", [])):
+        key, task = _parse_match(m, f"{where}, match {j}", matches)
+        matches[key] = task
+    if default is None and not matches:
+        _fail(where, 'a rule needs a default "task", "matches", or both')
+    return Rule(r["matcher"], rx, default, tuple(matches.items()))
+
+
+def _parse_match(m, where: str, seen: dict) -> tuple[tuple[str, bool], RuleTask]:
+    if not isinstance(m, dict) or not isinstance(m.get("match"), str) or not m["match"]:
+        _fail(where, 'each match must be an object with a non-empty "match" name')
+    bp = m.get("backprop", False)
+    if not isinstance(bp, bool):
+        _fail(where, f"'backprop' must be true or false, got {bp!r}")
+    if "task" not in m:
+        _fail(where, 'a match needs a "task"')
+    key = (m["match"], bp)
+    if key in seen:
+        _fail(where, f"match '{key[0]}' ({'backward' if bp else 'forward'}) is listed twice")
+    return key, _parse_task(m["task"], f"{where} task")
+
+
+def _load(rules: str, rules_file: str) -> list[Rule]:
     out = []
     if rules:
         try:
@@ -475,17 +431,21 @@ def _load(rules: str, rules_file: str) -> list[_Rule]:
                                     f"without spaces, or use rules-file=")
         out += parse_rules(doc, "option 'rules'")
     if rules_file:
-        try:
-            with open(rules_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            _fail(f"rules-file '{rules_file}'", f"cannot be read: {e.strerror or e}")
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            _fail(f"rules-file '{rules_file}'", f"not valid JSON ({e})")
-        out += parse_rules(doc, f"rules-file '{rules_file}'")
+        out += parse_rules(_read_json(rules_file), f"rules-file '{rules_file}'")
     return out
+
+
+def _read_json(path: str):
+    where = f"rules-file '{path}'"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        _fail(where, f"cannot be read: {e.strerror or e}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(where, f"not valid JSON ({e})")
 
 
 # --------------------------------------------------------------------------- the pass
@@ -520,11 +480,41 @@ class MatchTasksPass(ModulePass):
     """Inline rules: compact JSON `{"rules":[...]}` (no spaces)."""
     rules_file: str = ""
     """Path of a JSON rules file; its rules come after the inline ones."""
+    rule_table: tuple[Rule, ...] = field(default=(), metadata=NOT_AN_OPTION)
+    """Rules given in Python (``mjit``'s registered tasks); they come first. Not an
+    option: :meth:`replay_element` writes them to a file for ``mm-opt``."""
 
     _parsed: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
-        object.__setattr__(self, "_parsed", tuple(_load(self.rules, self.rules_file)))
+        table = tuple(self.rule_table)
+        bad = [r for r in table if not isinstance(r, Rule)]
+        if bad:
+            raise PipelineError(
+                f"Pass 'mm-match-tasks': rule_table must hold mlir_passes.match_tasks.Rule "
+                f"values, got {type(bad[0]).__name__} {bad[0]!r}")
+        object.__setattr__(self, "rule_table", table)
+        object.__setattr__(self, "_parsed", table + tuple(_load(self.rules, self.rules_file)))
+
+    def pipeline_element(self) -> str:
+        if not self.rule_table:
+            return super().pipeline_element()
+        return f"{self.argument}{{<{len(self.rule_table)} rules in memory>}}"
+
+    def replay_element(self, stem: str) -> str:
+        """Every rule (in memory, inline and from a file) written to ``<stem>.rules.json``,
+        the element naming that file, when some rules live only in memory."""
+        if not self.rule_table:
+            return super().replay_element(stem)
+        path = f"{stem}.rules.json"
+        if re.search(r"[\s,{}()\"]", path):
+            raise PipelineError(
+                f"Cannot name the rules file {path!r} in an mm-opt pipeline: its path "
+                f"contains spaces, commas, braces or quotes. Set TMPDIR (or "
+                f"MULTIMESH_DUMP_IR_TO) to a plain directory.")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(rules_to_json(self._parsed), indent=1) + "\n")
+        return f"{self.argument}{{rules-file={path}}}"
 
     def apply(self, module: ir.Module) -> None:
         rules = list(self._parsed)
@@ -535,51 +525,62 @@ class MatchTasksPass(ModulePass):
             main_plan = scan.run()
             if not scan.hits:
                 return
-            # 1. Resolve every match to a task and check the task table (no edits yet).
             tasks = c.read_tasks(module)
-            known = dict(tasks)
-            owners: dict[str, str] = {n: "the module's task table" for n in tasks}
-            for name, (info, what) in _explicit_tasks(module).items():
-                known.setdefault(name, info)
-                owners.setdefault(name, what)
-            names: dict[Match, str] = {}
-            for hit, loc in scan.hits.items():
-                rule = rules[hit.matcher_index]
-                rt = rule.task_for(hit)
-                direction = "backward" if hit.backprop else "forward"
-                if rt is None:
-                    raise DiagnosticError(
-                        f"matcher '{rule.regex.pattern}' matched '{hit.name}' ({direction}) "
-                        f"but the rules give no task for it; add a \"matches\" entry or a "
-                        f"default \"task\" to the rule", loc)
-                name = rt.name or hit.name
-                what = f"match '{hit.name}' ({direction}) of matcher '{rule.regex.pattern}'"
-                old = known.get(name)
-                if old is not None and (old.mesh_key() != rt.mesh.mesh_key()
-                                        or old.logical_axes != rt.mesh.logical_axes):
-                    raise DiagnosticError(
-                        f"task '{name}' was given two different submeshes: {owners[name]} "
-                        f"puts it on {_describe(old)}, {what} on {_describe(rt.mesh)}; one "
-                        f"task name has one submesh, so give the other one its own name", loc)
-                known[name] = tasks[name] = rt.mesh
-                owners.setdefault(name, what)
-                names[hit] = name
+            names = _resolve_hits(module, scan, rules, tasks)  # no edits before this
             _pair_backwards(tasks, names)
-            # 2. Decide which callee bodies are cloned.
             symbols = _assign_symbols(module, scan, main_plan)
-            funcs = c.func_by_name(module)
-            body = ir.InsertionPoint(module.body)
-            for (callee, _), sym in symbols.items():
-                if sym != callee:
-                    clone = funcs[callee].clone(ip=body)
-                    clone.attributes["sym_name"] = ir.StringAttr.get(sym)
-            # 3. Edit: tags and redirected calls, addressed by path (never by op hash).
-            funcs = c.func_by_name(module)
+            _clone_variants(module, symbols)
+            funcs = c.func_by_name(module)  # edits addressed by path, never by op hash
             if main_plan is not None:
                 _apply(c.main_func(module), main_plan, names, symbols)
             for (_callee, plan), sym in symbols.items():
                 _apply(funcs[sym], plan, names, symbols)
             c.write_tasks(module, tasks)
+
+
+def _resolve_hits(module: ir.Module, scan: _Scanner, rules: list[Rule],
+                  tasks: dict[str, c.TaskMeshInfo]) -> dict[Match, str]:
+    """The task name of every match, with the tasks added to ``tasks``; a name given
+    two meshes (by two matches, or by a match and the table or an explicit task call)
+    is an error at the first op of the match."""
+    known = dict(tasks)
+    owners: dict[str, str] = {n: "the module's task table" for n in tasks}
+    for name, (info, what) in _explicit_tasks(module).items():
+        known.setdefault(name, info)
+        owners.setdefault(name, what)
+    names: dict[Match, str] = {}
+    for hit, loc in scan.hits.items():
+        rule = rules[hit.matcher_index]
+        rt = rule.task_for(hit)
+        direction = "backward" if hit.backprop else "forward"
+        if rt is None:
+            raise DiagnosticError(
+                f"matcher '{rule.regex.pattern}' matched '{hit.name}' ({direction}) "
+                f"but the rules give no task for it; add a \"matches\" entry or a "
+                f"default \"task\" to the rule", loc)
+        name = rt.name or hit.name
+        what = f"match '{hit.name}' ({direction}) of matcher '{rule.regex.pattern}'"
+        old = known.get(name)
+        if old is not None and (old.mesh_key() != rt.mesh.mesh_key()
+                                or old.logical_axes != rt.mesh.logical_axes):
+            raise DiagnosticError(
+                f"task '{name}' was given two different submeshes: {owners[name]} "
+                f"puts it on {_describe(old)}, {what} on {_describe(rt.mesh)}; one "
+                f"task name has one submesh, so give the other one its own name", loc)
+        known[name] = tasks[name] = rt.mesh
+        owners.setdefault(name, what)
+        names[hit] = name
+    return names
+
+
+def _clone_variants(module: ir.Module, symbols: dict) -> None:
+    """A copy of the callee for every variant that gets a symbol of its own."""
+    funcs = c.func_by_name(module)
+    body = ir.InsertionPoint(module.body)
+    for (callee, _), sym in symbols.items():
+        if sym != callee:
+            clone = funcs[callee].clone(ip=body)
+            clone.attributes["sym_name"] = ir.StringAttr.get(sym)
 
 
 def _pair_backwards(tasks: dict, names: dict) -> None:
@@ -601,16 +602,11 @@ def _describe(info: c.TaskMeshInfo) -> str:
 def _explicit_tasks(module: ir.Module) -> dict[str, tuple[c.TaskMeshInfo, str]]:
     """Tasks named by explicit task calls (``func.call {mm.task = {..., devices}}``)."""
     out: dict[str, tuple[c.TaskMeshInfo, str]] = {}
-    stack = [o.operation for o in module.body.operations]
-    while stack:
-        op = stack.pop()
+    for op in _nested_ops(module.operation):
         if op.name == "func.call" and c.TASK_ATTR in op.attributes:
             (name, _, _), mesh = c.task_call(op)
             if mesh is not None:
                 out.setdefault(name, (mesh, "an explicit task call"))
-        for region in op.regions:
-            for block in region.blocks:
-                stack.extend(x.operation for x in block.operations)
     return out
 
 
@@ -621,47 +617,63 @@ def _assign_symbols(module: ir.Module, scan: _Scanner, main_plan) -> dict:
     its original, untagged body (an explicit task, a claimed region, a call with
     nothing to tag); every other variant gets a clone ``<callee>_match<N>``.
     """
-    variants: dict[str, list] = {}
-
-    def collect(plan):
-        if plan is None:
-            return
-        for _, (callee, sub) in plan[1]:
-            if sub not in variants.setdefault(callee, []):
-                variants[callee].append(sub)
-                collect(sub)
-
-    collect(main_plan)
-    # Bodies kept as they are keep calling the original callees.
     funcs = c.func_by_name(module)
-    trivial, work = set(), list(scan.trivial)
-    while work:
-        name = work.pop()
-        if name in trivial or name not in funcs:
-            continue
-        trivial.add(name)
-        stack = [funcs[name]]
-        while stack:
-            o = stack.pop()
-            if o.name == "func.call":
-                work.append(c.callee_of(o))
-            for region in o.regions:
-                for block in region.blocks:
-                    stack.extend(x.operation for x in block.operations)
+    kept = _kept_callees(funcs, scan.trivial)
     taken = set(funcs)
     out = {}
-    for callee, plans in variants.items():
+    for callee, plans in _variants(main_plan).items():
         for k, plan in enumerate(plans):
-            if k == 0 and callee not in trivial:
-                out[(callee, plan)] = callee
-                continue
-            n = 1
-            while f"{callee}_match{n}" in taken:
-                n += 1
-            sym = f"{callee}_match{n}"
-            taken.add(sym)
-            out[(callee, plan)] = sym
+            out[(callee, plan)] = (callee if k == 0 and callee not in kept
+                                   else _fresh(f"{callee}_match", taken))
     return out
+
+
+def _variants(plan, variants: dict[str, list] | None = None) -> dict[str, list]:
+    """``{callee: [plan, ...]}``: the distinct plans of each callee under ``plan``, in
+    depth-first order of first use (which variant keeps the callee's own symbol)."""
+    variants = {} if variants is None else variants
+    if plan is None:
+        return variants
+    for _, (callee, sub) in plan[1]:
+        if sub not in variants.setdefault(callee, []):
+            variants[callee].append(sub)
+            _variants(sub, variants)
+    return variants
+
+
+def _kept_callees(funcs: dict[str, ir.Operation], trivial: Iterable[str]) -> set[str]:
+    """The callees of bodies kept as they are (and theirs): they keep their symbols'
+    original, untagged bodies."""
+    kept: set[str] = set()
+    work = list(trivial)
+    while work:
+        name = work.pop()
+        if name in kept or name not in funcs:
+            continue
+        kept.add(name)
+        work += [c.callee_of(o) for o in _nested_ops(funcs[name]) if o.name == "func.call"]
+    return kept
+
+
+def _nested_ops(root: ir.Operation) -> list[ir.Operation]:
+    """``root`` and every op nested in it (no walk callback: errors stay Python's)."""
+    out, stack = [], [root]
+    while stack:
+        o = stack.pop()
+        out.append(o)
+        for region in o.regions:
+            for block in region.blocks:
+                stack.extend(x.operation for x in block.operations)
+    return out
+
+
+def _fresh(prefix: str, taken: set[str]) -> str:
+    """``<prefix><N>`` for the smallest N >= 1 not in ``taken`` (now taken)."""
+    n = 1
+    while f"{prefix}{n}" in taken:
+        n += 1
+    taken.add(f"{prefix}{n}")
+    return f"{prefix}{n}"
 
 
 def _at(root: ir.Operation, path: _Path) -> ir.Operation:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mlir_passes import get_all_passes
-from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, verify_each_pass
+from mlir_passes.base import VERIFY_EACH_ENV, ModulePass, run_verifier, verify_each_pass
+from multimesh._src.brackets import UnbalancedError, split_top
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
 
@@ -42,6 +43,10 @@ class NativeStep:
         return self.text
 
     def pipeline_element(self) -> str:
+        return self.text
+
+    def replay_element(self, stem: str) -> str:
+        del stem
         return self.text
 
     def run(self, module: ir.Module, *, verify: bool = True, snapshot: bool = True) -> None:
@@ -116,40 +121,51 @@ class Pipeline:
         """
         if verify_each is None:
             verify_each = verify_each_pass()
-        timings = []
-        python_ran = False
-        for index, step in enumerate(self.steps):
-            if hooks and hooks.before:
-                hooks.before(step, module)
-            t0 = time.perf_counter()
-            try:
-                step.run(module, verify=verify and verify_each, snapshot=replay is None)
-                python_ran = python_ran or isinstance(step, ModulePass)
-            except DiagnosticError as e:
-                _blame(e, step, index)
-                raise
-            except Exception:
-                # A pass that crashes may have been handed invalid IR by an earlier one
-                # (verified only at the end): name that one if so.
-                if replay is not None and verify and not verify_each and index:
-                    self._find_breaker(replay, index)
-                raise
-            dt = time.perf_counter() - t0
-            timings.append((step.argument, dt))
-            if hooks and hooks.after:
-                hooks.after(step, module, dt)
-        if verify and not verify_each and python_ran:
-            t0 = time.perf_counter()
-            try:
-                _verify(module, None)
-            except DiagnosticError as e:
-                if replay is not None:
-                    self._find_breaker(replay, len(self.steps))
-                last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
-                _blame(e, self.steps[last], last)
-                raise
-            timings.append((VERIFIER, time.perf_counter() - t0))
+        late = verify and not verify_each  # verified once, at the end
+        timings = [(step.argument, self._run_step(module, index, hooks, verify and verify_each,
+                                                  late, replay))
+                   for index, step in enumerate(self.steps)]
+        if late and any(isinstance(s, ModulePass) for s in self.steps):
+            timings.append((VERIFIER, self._verify_at_end(module, replay)))
         return timings
+
+    def _run_step(self, module: ir.Module, index: int, hooks: PipelineHooks | None,
+                  verify: bool, late: bool, replay: Callable[[], ir.Module] | None) -> float:
+        """Run step ``index`` with its hooks; its seconds. A failure is blamed on it."""
+        step = self.steps[index]
+        if hooks and hooks.before:
+            hooks.before(step, module)
+        t0 = time.perf_counter()
+        try:
+            step.run(module, verify=verify, snapshot=replay is None)
+        except DiagnosticError as e:
+            _blame(e, step, index)
+            raise
+        except Exception:
+            # A pass that crashes may have been handed invalid IR by an earlier one
+            # (verified only at the end): name that one if so.
+            if replay is not None and late and index:
+                self._find_breaker(replay, index)
+            raise
+        dt = time.perf_counter() - t0
+        if hooks and hooks.after:
+            hooks.after(step, module, dt)
+        return dt
+
+    def _verify_at_end(self, module: ir.Module,
+                       replay: Callable[[], ir.Module] | None) -> float:
+        """The one verification after the last step; its seconds. A failure is blamed
+        on the pass that broke the IR (found by replaying) or else the last pass."""
+        t0 = time.perf_counter()
+        try:
+            _verify(module, None)
+        except DiagnosticError as e:
+            if replay is not None:
+                self._find_breaker(replay, len(self.steps))
+            last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
+            _blame(e, self.steps[last], last)
+            raise
+        return time.perf_counter() - t0
 
     def _find_breaker(self, replay: Callable[[], ir.Module], end: int) -> None:
         """Replay the first ``end`` steps verifying after every pass; raises the first
@@ -175,121 +191,120 @@ class Pipeline:
 def _blame(e: DiagnosticError, step: Step, index: int) -> None:
     if getattr(e, "failed_pass", None) is None:
         e.failed_pass = step.argument  # type: ignore[attr-defined]
-        e.failed_element = step.pipeline_element()  # with its options, for repros
+        e.failed_element = step.pipeline_element()  # type: ignore[attr-defined]  # for repros
         e.failed_index = index  # type: ignore[attr-defined]
 
 
 def _verify(module: ir.Module, argument: str | None) -> None:
     """MLIR's verifier; ``argument`` names the pass just run (None: the whole pipeline)."""
-    who = f"'{argument}'" if argument else "The pass pipeline"
-    try:
-        ok = module.operation.verify()
-    except ir.MLIRError as e:
-        d = e.error_diagnostics[0] if e.error_diagnostics else None
-        raise DiagnosticError(
-            f"{who} produced invalid IR: {d.message if d else e}",
-            d.location if d else None) from None
-    if not ok:  # pragma: no cover - verify raises in these bindings
-        raise DiagnosticError(f"{who} produced invalid IR.")
+    run_verifier(module, f"'{argument}'" if argument else "The pass pipeline")
 
 
 def _split_top(text: str, what: str) -> list[str]:
     """Split on commas that are not inside (), {} or quotes."""
-    parts, depth, cur, quote = [], 0, [], False
-    for ch in text:
-        if ch == '"':
-            quote = not quote
-        elif not quote and ch in "({":
-            depth += 1
-        elif not quote and ch in ")}":
-            depth -= 1
-            if depth < 0:
-                raise PipelineError(f"Unbalanced ')' or '}}' in {what} '{text}'.")
-        if ch == "," and depth == 0 and not quote:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if depth != 0 or quote:
-        raise PipelineError(f"Unbalanced brackets or quotes in {what} '{text}'.")
-    tail = "".join(cur).strip()
-    if tail or parts:
-        parts.append(tail)
-    return parts
+    try:
+        return split_top(text, ",", _PIPELINE_BRACKETS)
+    except UnbalancedError as e:
+        if e.closing:
+            raise PipelineError(f"Unbalanced ')' or '}}' in {what} '{text}'.") from None
+        raise PipelineError(f"Unbalanced brackets or quotes in {what} '{text}'.") from None
+
+
+_PIPELINE_BRACKETS = ("({", ")}")
 
 
 def _parse_options(name: str, text: str) -> dict[str, str]:
     opts = {}
     for item in _split_top(text, f"options of '{name}'"):
-        if not item:
-            continue
         # options are space- or comma-separated in mlir-opt; accept both
         for piece in item.split():
-            if "=" not in piece:
-                opts[piece] = "true"
-            else:
-                k, v = piece.split("=", 1)
-                opts[k.strip()] = v.strip()
+            k, eq, v = piece.partition("=")
+            opts[k.strip()] = v.strip() if eq else "true"
     return opts
 
 
-def parse_pipeline(text: str | Sequence[str]) -> Pipeline:
-    """Parse ``builtin.module(...)`` (or a bare comma list) into a :class:`Pipeline`."""
-    if not isinstance(text, str):
-        text = ",".join(text)
+Element = str | ModulePass | NativeStep
+"""A pipeline element: text (``mm-a{x=1}``, ``canonicalize``, or several of them
+separated by commas) or a pass instance (one that holds state no option can spell,
+such as ``mm-match-tasks``' in-memory rules)."""
+
+
+def parse_pipeline(text: str | Sequence[Element] | Pipeline) -> Pipeline:
+    """Parse ``builtin.module(...)`` (or a bare comma list) into a :class:`Pipeline`.
+
+    A sequence may mix text with pass instances, which join the pipeline as they
+    are; a :class:`Pipeline` is returned unchanged. Native elements are checked
+    here, so an unknown name is reported before anything runs.
+    """
+    if isinstance(text, Pipeline):
+        return text
+    items = [text] if isinstance(text, str) else list(text)
+    steps: list[Step] = []
+    for item in items:
+        steps += _parse_text(item) if isinstance(item, str) else [item]
+    steps = _join_native(steps)
+    for s in steps:
+        if isinstance(s, NativeStep):
+            _check_native(s)
+    return Pipeline(steps)
+
+
+def _parse_text(text: str) -> list[Step]:
+    """The steps of one pipeline text, each native element a step of its own."""
     body = text.strip()
     if body.startswith("builtin.module(") and body.endswith(")"):
         body = body[len("builtin.module("):-1]
     elif body.startswith("builtin.module"):
         raise PipelineError(f"Malformed pass pipeline '{text}': expected 'builtin.module(...)'.")
-    passes = get_all_passes()
     steps: list[Step] = []
-    native: list[str] = []
-
-    def flush():
-        if native:
-            steps.append(NativeStep(",".join(native)))
-            native.clear()
-
     for elem in _split_top(body, "pass pipeline"):
         if not elem:
             raise PipelineError(f"Empty element in pass pipeline '{text}'.")
-        name = elem
-        opts = ""
-        if "{" in elem:
-            name, rest = elem.split("{", 1)
-            if not rest.endswith("}"):
-                raise PipelineError(f"Malformed options in pass pipeline element '{elem}'.")
-            opts = rest[:-1]
+        name, brace, rest = elem.partition("{")
+        if brace and not rest.endswith("}"):
+            raise PipelineError(f"Malformed options in pass pipeline element '{elem}'.")
         name = name.strip()
         if name.startswith("mm-"):
-            if name not in passes:
-                known = ", ".join(passes)
-                raise PipelineError(
-                    f"'{name}' does not refer to a registered multimesh pass. "
-                    f"Registered passes: {known}.")
-            flush()
-            try:
-                cls = passes[name]()
-            except (ImportError, AttributeError) as e:
-                raise PipelineError(
-                    f"Pass '{name}' is registered but could not be loaded: "
-                    f"{type(e).__name__}: {e}") from None
-            steps.append(cls.from_options(_parse_options(name, opts)))
+            steps.append(_load_pass(name).from_options(_parse_options(name, rest[:-1])))
         else:
-            native.append(elem)
-    flush()
-    # Validate native elements eagerly so unknown names are reported before running.
-    for s in steps:
-        if isinstance(s, NativeStep):
-            from multimesh._src.mlir import make_context
+            steps.append(NativeStep(elem))
+    return steps
 
-            with make_context():
-                try:
-                    passmanager.PassManager.parse(f"builtin.module({s.text})")
-                except ValueError as e:
-                    raise PipelineError(_native_unknown(s.text, str(e))) from None
-    return Pipeline(steps)
+
+def _load_pass(name: str) -> type[ModulePass]:
+    """The registered pass class named ``name`` (:class:`PipelineError` if none)."""
+    passes = get_all_passes()
+    if name not in passes:
+        raise PipelineError(
+            f"'{name}' does not refer to a registered multimesh pass. "
+            f"Registered passes: {', '.join(passes)}.")
+    try:
+        return passes[name]()
+    except (ImportError, AttributeError) as e:
+        raise PipelineError(
+            f"Pass '{name}' is registered but could not be loaded: "
+            f"{type(e).__name__}: {e}") from None
+
+
+def _join_native(steps: list[Step]) -> list[Step]:
+    """Consecutive native elements share one ``PassManager`` run (one step)."""
+    out: list[Step] = []
+    for s in steps:
+        if isinstance(s, NativeStep) and out and isinstance(out[-1], NativeStep):
+            out[-1] = NativeStep(f"{out[-1].text},{s.text}")
+        else:
+            out.append(s)
+    return out
+
+
+def _check_native(step: NativeStep) -> None:
+    from multimesh._src.mlir import make_context
+
+    with make_context():
+        try:
+            passmanager.PassManager.parse(f"builtin.module({step.text})")
+        except ValueError as e:
+            raise PipelineError(_native_unknown(step.text, str(e))) from None
 
 
 def _native_unknown(text: str, msg: str) -> str:

@@ -46,11 +46,13 @@ __all__ = [
     "units_from_calls", "pipeline_units", "build_schedule", "canonical_schedule_name",
     "canonicalize_custom_schedule", "unit_label", "default_cost", "simulate",
     "live_activations", "live_activation_profile", "theoretical_bubble", "format_gantt",
-    "chunk_of",
+    "chunk_of", "SPLIT_SCHEDULES",
 ]
 
 KINDS = ("fwd", "bwd", "bwd_w", "other")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "zero-bubble-h2", "custom")
+SPLIT_SCHEDULES = ("zero-bubble-h1", "zero-bubble-h2")
+"""Schedules that run weight gradients apart (``mm-split-backward{all=true}`` first)."""
 ALIASES = {"fill-drain": "gpipe", "breadth-first": "gpipe", "wavefront": "1f1b",
            "prefetch-wavefront": "1f1b", "zb-h2": "zero-bubble-h2",
            "pipedream-flush": "1f1b", "zb-h1": "zero-bubble-h1"}

@@ -62,7 +62,7 @@ def full_pipeline() -> str:
     try:
         from multimesh.jax._pipeline import build_pipeline
 
-        return build_pipeline(8)
+        return str(build_pipeline(8))
     except Exception:  # pragma: no cover - front end mid-edit
         return ("builtin.module(mm-import-gspmd,mm-inline-tasks,mm-assign-tasks{num-devices=8},"
                 "mm-resolve-logical-shardings,mm-outline-fragments,mm-propagate-shardings)")

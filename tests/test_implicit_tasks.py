@@ -6,8 +6,13 @@ callback that sends layer n to the slice stage=n.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+import shlex
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +22,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from mlir_passes.match_tasks import find_matches, name_stack
+from mlir_passes.match_tasks import find_matches, name_stack, parse_rules, rules_to_json
 from mlir_passes.pipeline import parse_pipeline
 from multimesh._src.errors import (
     MeshError,
     MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
+    PassFailure,
     PipelineError,
 )
 from multimesh._src.mlir import make_context, parse_module
@@ -345,23 +351,101 @@ def test_rules_file_runs_in_mm_opt(tmp_path, capsys):
     assert not re.search(r"stablehlo\.multiply .*mm\.task", out)
 
 
-def test_mjit_passes_the_resolved_rules_to_the_pass():
+def _match_pass(lowered):
+    steps = [s for s in lowered.pipeline.steps if s.argument == "mm-match-tasks"]
+    return steps[0] if steps else None
+
+
+def test_mjit_hands_the_resolved_rules_over_in_memory(tmp_path, monkeypatch):
+    """The pass is built with its rule table; no rules file is written anywhere."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("MULTIMESH_DUMP_IR_TO", raising=False)
     mm.register_task("layer0", task=mm.Task(name="first", mesh=mm.TaskMesh(
         devices=(0, 1), axis_names=("x",), axis_sizes=(2,))))
     params, x = float_args()
     lowered = mm.mjit(model).lower(params, x)
-    m = re.search(r"mm-match-tasks\{rules-file=([^},]+)\}", lowered.pipeline)
-    assert m, lowered.pipeline
-    assert lowered.pipeline.index("mm-match-tasks") < lowered.pipeline.index("mm-inline-tasks")
-    with open(m.group(1)) as fh:
-        doc = json.load(fh)
-    assert doc == {"rules": [{"matcher": "(layer0)", "matches": [{
+    args = [s.argument for s in lowered.pipeline.steps]
+    assert args.index("mm-match-tasks") < args.index("mm-inline-tasks")
+    match = _match_pass(lowered)
+    assert (match.rules, match.rules_file) == ("", "")
+    assert rules_to_json(match.rule_table) == {"rules": [{"matcher": "(layer0)", "matches": [{
         "match": "layer0", "backprop": False, "task": {
             "name": "first", "devices": [0, 1], "axis_names": ["x"], "axis_sizes": [2],
             "logical_axes": [["x", "x"]]}}]}]}
+    # the file form reads back into the same rules (what mm-opt replays)
+    assert tuple(parse_rules(rules_to_json(match.rule_table), "test")) == match.rule_table
+    compiled = lowered.compile()
+    with mm.ignore_transforms():
+        want = model(params, x)
+    np.testing.assert_allclose(np.asarray(compiled(params, x)), np.asarray(want), rtol=1e-5)
+    assert fragment_devices(compiled)["first"] == [0, 1]
+    assert list(tmp_path.iterdir()) == []  # nothing written to the temporary directory
     # No registrations (or ignore_transforms): no matching pass at all.
     mm.clear_tasks()
-    assert "mm-match-tasks" not in mm.mjit(model).lower(params, x).pipeline
+    assert _match_pass(mm.mjit(model).lower(params, x)) is None
+
+
+def _conflicting_registration():
+    """A registered task named like an explicit task but on other devices: the front end
+    cannot see the clash, ``mm-match-tasks`` reports it."""
+    mm.register_task("layer1", task=mm.Task(name="head", mesh=mm.TaskMesh(
+        devices=(4, 5), axis_names=("x",), axis_sizes=(2,))))
+    head = mm.task(lambda v: v * 2.0, name="head",
+                   mesh=mm.TaskMesh(devices=(0, 1), axis_names=("x",), axis_sizes=(2,)))
+
+    def program(params, x):
+        return head(model(params, x))
+
+    return program
+
+
+@pytest.mark.parametrize("dumping", [False, True])
+def test_a_failing_match_replays_from_the_rules_file_next_to_its_repro(
+        dumping, tmp_path, monkeypatch):
+    from multimesh.tools.mm_opt import main
+
+    if dumping:
+        monkeypatch.setenv("MULTIMESH_DUMP_IR_TO", str(tmp_path))
+    else:
+        monkeypatch.delenv("MULTIMESH_DUMP_IR_TO", raising=False)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    params, x = float_args()
+    with pytest.raises(PassFailure, match="two different submeshes") as e:
+        mm.mjit(_conflicting_registration())(params, x)
+    assert e.value.pass_argument == "mm-match-tasks"
+    argv = shlex.split(e.value.repro)
+    repro = Path(argv[1])
+    m = re.fullmatch(r"builtin\.module\(mm-match-tasks\{rules-file=([^}]+)\}\)", argv[3])
+    assert m, e.value.repro
+    rules = Path(m.group(1))
+    assert rules.parent == repro.parent and rules.name.startswith(repro.stem)
+    doc = json.loads(rules.read_text())
+    assert [r["matcher"] for r in doc["rules"]] == ["(layer1)"]
+    assert doc["rules"][0]["matches"][0]["task"]["devices"] == [4, 5]
+    if dumping:  # the dumps carry the rules too, for replaying from 00-input.mlir
+        assert repro.parent.parent == tmp_path
+        assert (repro.parent / "mm-match-tasks.rules.json").read_text() == rules.read_text()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv[1:])
+    assert code == 1
+    assert "task 'head' was given two different submeshes" in err.getvalue()
+
+
+def test_a_failing_match_is_reported_even_when_its_rules_cannot_be_named(
+        tmp_path, monkeypatch):
+    """A temporary directory whose path no pipeline can spell: the pass's own failure
+    is raised, with a note saying why the repro line lacks the rules."""
+    spaced = tmp_path / "with space"
+    spaced.mkdir()
+    monkeypatch.delenv("MULTIMESH_DUMP_IR_TO", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(spaced))
+    params, x = float_args()
+    with pytest.raises(PassFailure, match="two different submeshes") as e:
+        mm.mjit(_conflicting_registration())(params, x)
+    assert "the repro lacks this pass's in-memory state" in str(e.value)
+    assert "spaces, commas, braces or quotes" in str(e.value)
+    assert list(spaced.glob("*.rules.json")) == []
 
 
 def test_bad_rules_are_reported_when_the_pipeline_is_parsed():
@@ -459,7 +543,7 @@ def test_mjit_recompiles_when_registrations_change():
 def test_ignore_transforms_turns_matching_off():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     with mm.ignore_transforms():
-        assert _multimesh.implicit_tasks_option("module {}") is None
+        assert _multimesh.implicit_tasks_pass("module {}") is None
 
 
 # --------------------------------------------------------------------------- MultiMesh

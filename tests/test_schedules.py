@@ -541,3 +541,26 @@ def test_p6():
     assert res["P6/zero-bubble-h1/P4M8/bubble"] < res["P6/1f1b/P4M8/bubble"]
     assert res["P6/1f1b/P4M8/peak_live"] == 4 and res["P6/gpipe/P4M8/peak_live"] == 8
     assert "zero-bubble-h1" in mod.format_table(mod.P6_rows(shapes=((2, 4),)))
+
+
+def test_schedule_names_have_one_source():
+    """Every place that lists the schedules lists exactly schedules.SCHEDULES and its
+    aliases: the front end's error, microbatch's docstring, the pass option's doc and
+    the schedules page."""
+    import pathlib
+
+    from mlir_passes.schedule_fragments import ScheduleFragmentsPass
+    from mlir_passes.schedules import ALIASES, SPLIT_SCHEDULES
+    from multimesh.jax import _microbatch
+
+    assert _microbatch.SCHEDULES is SCHEDULES
+    assert set(SPLIT_SCHEDULES) <= set(SCHEDULES)
+    assert set(ALIASES.values()) <= set(SCHEDULES)
+    passes_md = (pathlib.Path(__file__).parent.parent / "docs" / "passes.md").read_text()
+    option = next(ln for ln in passes_md.splitlines() if ln.startswith("| `schedule`"))
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "schedules.md").read_text()
+    for name in SCHEDULES:
+        assert f'"{name}"' in _microbatch.microbatch.__doc__, name
+        assert name in option, name
+        assert name in (ScheduleFragmentsPass.__doc__ or "") or name == "custom", name
+        assert f'"{name}"' in page, name

@@ -12,13 +12,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlir_passes.pipeline import VERIFIER, PipelineHooks, parse_pipeline
+from mlir_passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
+from mlir_passes.schedules import SPLIT_SCHEDULES
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
     MultimeshTypeError,
     MultimeshValueError,
     PassFailure,
+    PipelineError,
 )
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
@@ -32,7 +34,7 @@ __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompil
 
 def default_pipeline(num_devices: int) -> str:
     """The pass pipeline for a plain program (also printed in repro commands)."""
-    return build_pipeline(num_devices)
+    return str(build_pipeline(num_devices))
 
 
 def _is_key(x) -> bool:
@@ -255,7 +257,8 @@ class MpmdLowered:
     trace_seconds = 0.0
     """How long tracing and lowering took (the first phase of ``compile_times``)."""
 
-    def __init__(self, text: str | bytes, devices, in_tree, out_tree, dyn_idx, pipeline: str,
+    def __init__(self, text: str | bytes, devices, in_tree, out_tree, dyn_idx,
+                 pipeline: Pipeline,
                  donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
                  in_avals=None, module: ir.Module | None = None, name: str | None = None):
         # ``text``: the program as MLIR text or bytecode; ``module``: it, already parsed
@@ -340,7 +343,7 @@ def _log_phase(lowered, what: str, seconds: float, detail: str = "") -> None:
                    f" ({detail})" if detail else "")
 
 
-def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None,
+def run_pipeline(module: ir.Module, pipeline: str | Pipeline, name: str | None = None,
                  source: Callable[[], ir.Module] | None = None) -> list[tuple[str, float]]:
     """Run ``pipeline``; on failure raise :class:`PassFailure` with an mm-opt repro line.
 
@@ -350,8 +353,10 @@ def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None,
     Without ``source`` a bytecode snapshot of the input is kept (a fraction of the cost
     of printing it). With ``MULTIMESH_DUMP_IR_TO`` set, the input and the module after
     every pass go to a directory of this program's own (``_dump.program_dir``; ``name``
-    names it). Each pass's time is logged (:mod:`multimesh._src.log`). Returns
-    ``[(pass, seconds)]``.
+    names it), with the state of passes that hold some in memory (``mm-match-tasks``'
+    rules, ``<pass>.rules.json``); a failing pass's repro gets that state next to it,
+    named in the printed ``mm-opt`` line. Each pass's time is logged
+    (:mod:`multimesh._src.log`). Returns ``[(pass, seconds)]``.
     """
     root = _dump.dump_root()
     where = _dump.program_dir(root, name) if root else None
@@ -377,6 +382,8 @@ def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None,
     pipe = parse_pipeline(pipeline)
     if where:
         write("input", module)
+        for step in pipe.steps:  # what a replay of the dumps needs besides the files
+            step.replay_element(os.path.join(where, step.argument))
     try:
         timings = pipe.run(module, PipelineHooks(after=after if log or where else None),
                            replay=source)
@@ -387,16 +394,33 @@ def run_pipeline(module: ir.Module, pipeline: str, name: str | None = None,
             f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
         where_loc = file_line_col(e.location)
         loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
-        element = getattr(e, "failed_element", failed)
+        element, note = _replay_element(pipe, e, path)
         repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
         raise PassFailure(
             f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
-            f"Reproduce with:\n  {repro}", failed, repro, e) from None
+            f"Reproduce with:\n  {repro}{note}", failed, repro, e) from None
     if log:
         verify = dict(timings).get(VERIFIER)
         if verify is not None:
             logger.log(level, "%s: verified the module in %.4f s", label, verify)
     return timings
+
+
+def _replay_element(pipe: Pipeline, e: DiagnosticError, path: str) -> tuple[str, str]:
+    """The failing step as ``mm-opt`` replays it on the repro ``path``, and a note.
+
+    Its in-memory state (``mm-match-tasks``' rules) is written next to the repro and
+    named. If that cannot be done, the pass's failure is still what is raised: the
+    note says why the repro line lacks the state.
+    """
+    element = getattr(e, "failed_element", getattr(e, "failed_pass", "?"))
+    index = getattr(e, "failed_index", None)
+    if index is None:
+        return element, ""
+    try:
+        return pipe.steps[index].replay_element(path.removesuffix(".mlir")), ""
+    except (PipelineError, OSError) as err:
+        return element, f"\n(the repro lacks this pass's in-memory state: {err})"
 
 
 def _snapshot(module: ir.Module) -> Callable[[], ir.Module]:
@@ -438,7 +462,7 @@ def _schedule_config(notes: dict) -> dict | None:
 def _wants_split(notes: dict) -> str | None:
     """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
     cfg = notes.get("microbatch")
-    if cfg and cfg["schedule"] in ("zero-bubble-h1", "zero-bubble-h2"):
+    if cfg and cfg["schedule"] in SPLIT_SCHEDULES:
         return "all=true"
     return "" if notes.get("split_backprop") else None
 
@@ -552,7 +576,7 @@ class _MJit:
             # and is parsed once: the registered-task scan and compile() share it.
             program = _bytecode(lowered.compiler_ir("stablehlo"))
             module = parse_module(program, make_context())
-            implicit = _multimesh.implicit_tasks_option(module)  # registered tasks
+            implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
         trace_seconds = time.perf_counter() - t0
         warn_renamed_tasks(notes)
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))

@@ -5,10 +5,10 @@ op's JAX name stack) plus either a fixed :class:`Task` or a callback
 ``callback(matched_name, backprop) -> Task``. Registrations live in contexts: the
 module-level default context and any entered :class:`Context`/:class:`MultiMesh`.
 When :func:`multimesh.jax.mjit` compiles a program it asks this module for the
-active rules (:func:`implicit_tasks_option`): the lowered module is scanned for
+active rules (:func:`implicit_tasks_pass`): the lowered module is scanned for
 matches, callbacks are called once per distinct ``(matched name, backprop)``,
-each task is resolved to concrete device positions, and the resolved table is
-handed to the ``mm-match-tasks`` pass as a rules file.
+each task is resolved to concrete device positions, and the resolved rules are
+handed to the ``mm-match-tasks`` pass in memory (:func:`implicit_tasks_pass`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import hashlib
-import json
 import os
 import re
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -39,7 +36,7 @@ from multimesh._src.errors import (
 from multimesh.jax import _checks, _contexts
 
 __all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
-           "slice_global_mesh", "current_global_mesh", "active_multimesh", "implicit_tasks_option", "compile_token"]
+           "slice_global_mesh", "current_global_mesh", "active_multimesh", "implicit_tasks_pass", "compile_token"]
 
 
 # --------------------------------------------------------------------------- registrations
@@ -531,8 +528,8 @@ def _direction(backprop: bool) -> str:
     return "backward" if backprop else "forward"
 
 
-def implicit_tasks_option(program) -> str | None:
-    """Options text for ``mm-match-tasks`` for the lowered program, or None.
+def implicit_tasks_pass(program):
+    """The ``mm-match-tasks`` pass for the lowered program, with its rules in memory, or None.
 
     ``program`` is the parsed module (``mjit.lower`` parses once and shares it) or
     its text. Must run while the program's device list is set (``mjit.lower``): task
@@ -541,7 +538,8 @@ def implicit_tasks_option(program) -> str | None:
     regs = active_registrations()
     if not regs or _contexts.state.ignore_transforms:
         return None
-    from mlir_passes.match_tasks import find_matches
+    from mlir_passes import _contract
+    from mlir_passes.match_tasks import MatchTasksPass, Rule, RuleTask, find_matches
     from multimesh._src.mlir import make_context, parse_module
     from multimesh.jax._task import loop_placement, resolve_task_info
 
@@ -581,18 +579,16 @@ def implicit_tasks_option(program) -> str | None:
                     f"task name.")
         else:
             seen[name] = (info, what)
-        task = {"name": name, "devices": list(info.devices),
-                "axis_names": list(info.axis_names), "axis_sizes": list(info.axis_sizes),
-                "logical_axes": [list(p) for p in info.logical_axes]}
-        if info.split_backprop:
-            task["split_backprop"] = list(info.split_backprop)
-        if info.loop_devices:
-            task["loop_devices"] = [list(d) for d in info.loop_devices]
-        entries.setdefault(hit.matcher_index, []).append({
-            "match": hit.name, "backprop": hit.backprop, "task": task})
-    doc = {"rules": [{"matcher": regs[i].regex.pattern, "matches": entries[i]}
-                     for i in sorted(entries)]}
-    return f"rules-file={_write_rules(doc)}"
+        mesh = _contract.TaskMeshInfo(
+            tuple(info.devices), tuple(info.axis_names), tuple(info.axis_sizes),
+            tuple(tuple(p) for p in info.logical_axes),
+            tuple(info.split_backprop) if info.split_backprop else None,
+            tuple(tuple(d) for d in info.loop_devices) if info.loop_devices else None)
+        entries.setdefault(hit.matcher_index, []).append(
+            ((hit.name, hit.backprop), RuleTask(name, mesh)))
+    return MatchTasksPass(rule_table=tuple(
+        Rule(regs[i].regex.pattern, regs[i].regex, None, tuple(entries[i]))
+        for i in sorted(entries)))
 
 
 def _num_microbatches() -> int | None:
@@ -604,23 +600,3 @@ def _num_microbatches() -> int | None:
 
 def _axes(info) -> str:
     return ", ".join(f"{n}={s}" for n, s in zip(info.axis_names, info.axis_sizes, strict=True))
-
-
-def _write_rules(doc: dict) -> str:
-    """Write the resolved rules where a repro can find them; named by content."""
-    text = json.dumps(doc, indent=1) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    directory = os.environ.get("MULTIMESH_DUMP_IR_TO") or tempfile.gettempdir()
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"multimesh-rules-{digest}.json")
-    if re.search(r"[\s,{}()\"]", path):
-        raise MultimeshValueError(
-            f"Cannot pass the task rules file {path!r} to mm-match-tasks: its path contains "
-            f"spaces, commas, braces or quotes. Set TMPDIR (or MULTIMESH_DUMP_IR_TO) to a "
-            f"plain directory.")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    return path

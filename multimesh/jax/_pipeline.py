@@ -6,15 +6,20 @@ order of the whole pipeline is visible in one place.
 
 from __future__ import annotations
 
+from mlir_passes.base import ModulePass
+from mlir_passes.pipeline import Pipeline, parse_pipeline
+
 __all__ = ["build_pipeline"]
 
 
-def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
+def build_pipeline(num_devices: int, *, implicit_tasks: ModulePass | None = None,
                    recompute: bool = False, schedule: str | None = None,
-                   split_backward: str | None = None) -> str:
-    """The ``builtin.module(...)`` string for a program on ``num_devices`` devices.
+                   split_backward: str | None = None) -> Pipeline:
+    """The pass pipeline for a program on ``num_devices`` devices (``str()`` of it is
+    its ``builtin.module(...)`` text).
 
-    ``implicit_tasks``: options text for ``mm-match-tasks`` (registered tasks), if any.
+    ``implicit_tasks``: the ``mm-match-tasks`` pass with the registered tasks' rules
+    in memory, if any.
     ``recompute``: run the comm-avoiding recompute pass.
     ``split_backward``: options for ``mm-split-backward`` ("all=true" for zero-bubble
     schedules, "" for only tasks with ``split_backprop``), or None.
@@ -22,9 +27,9 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
     microbatched ("" = take them from the module's ``mm.schedule_config``); the
     loop is formed (``mm-form-microbatch-loop``) just before it.
     """
-    steps = ["mm-import-gspmd"]
-    if implicit_tasks:
-        steps.append(f"mm-match-tasks{{{implicit_tasks}}}")
+    steps: list[str | ModulePass] = ["mm-import-gspmd"]
+    if implicit_tasks is not None:
+        steps.append(implicit_tasks)
     steps += ["mm-inline-tasks", f"mm-assign-tasks{{num-devices={num_devices}}}",
               "mm-resolve-logical-shardings", "mm-outline-fragments"]
     if split_backward is not None:
@@ -38,5 +43,5 @@ def build_pipeline(num_devices: int, *, implicit_tasks: str | None = None,
         steps.append(f"mm-schedule-fragments{{{schedule}}}" if schedule
                      else "mm-schedule-fragments")
     steps += ["mm-insert-transfers", "mm-extract-fragments"]
-    return "builtin.module(" + ",".join(steps) + ")"
+    return parse_pipeline(steps)
 

@@ -22,6 +22,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 
+from multimesh._src.brackets import deepest_nesting
 from multimesh._src.errors import (
     DiagnosticError,
     DiagnosticWarning,
@@ -105,6 +106,27 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help() + "\n" + _passes_help()
 
 
+_SWITCHES = (
+    ("--split-input-file",
+     f"split the input on '{SPLIT_MARKER}' lines and process each chunk independently"),
+    ("--verify-diagnostics",
+     "check that emitted diagnostics match expected-* lines in the input"),
+    ("--allow-unregistered-dialect", "allow operations of unregistered dialects"),
+    ("--mlir-print-ir-before-all", "print the IR before every pipeline step (stderr)"),
+    ("--mlir-print-ir-after-all", "print the IR after every pipeline step (stderr)"),
+    ("--mlir-print-ir-after-failure", "print the IR after the step that failed (stderr)"),
+    ("--mlir-print-debuginfo", "print locations in the output and IR dumps"),
+    ("--mlir-print-op-generic", "print operations in generic form"),
+    ("--mlir-timing", "print a per-pass wall-time report (stderr)"),
+    ("--verify-each", "verify the IR after every pass (default: once, after the last "
+                      "pass; also MULTIMESH_VERIFY_EACH_PASS=1)"),
+    ("--dump-pass-pipeline", "print the parsed pipeline (stderr)"),
+    ("--list-passes", "list the registered multimesh passes and exit"),
+    ("--version", "print the multimesh and jaxlib versions and exit"),
+)
+"""mm-opt's on/off flags, in ``--help`` order."""
+
+
 def _make_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -124,34 +146,8 @@ def _make_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--pass-pipeline", dest="pipeline", default=None,
                    metavar="PIPELINE",
                    help="textual pass pipeline, e.g. 'builtin.module(mm-verify,canonicalize)'")
-    p.add_argument("--split-input-file", action="store_true",
-                   help=f"split the input on '{SPLIT_MARKER}' lines and process each chunk "
-                        "independently")
-    p.add_argument("--verify-diagnostics", action="store_true",
-                   help="check that emitted diagnostics match expected-* lines in the input")
-    p.add_argument("--allow-unregistered-dialect", action="store_true",
-                   help="allow operations of unregistered dialects")
-    p.add_argument("--mlir-print-ir-before-all", action="store_true",
-                   help="print the IR before every pipeline step (stderr)")
-    p.add_argument("--mlir-print-ir-after-all", action="store_true",
-                   help="print the IR after every pipeline step (stderr)")
-    p.add_argument("--mlir-print-ir-after-failure", action="store_true",
-                   help="print the IR after the step that failed (stderr)")
-    p.add_argument("--mlir-print-debuginfo", action="store_true",
-                   help="print locations in the output and IR dumps")
-    p.add_argument("--mlir-print-op-generic", action="store_true",
-                   help="print operations in generic form")
-    p.add_argument("--mlir-timing", action="store_true",
-                   help="print a per-pass wall-time report (stderr)")
-    p.add_argument("--verify-each", action="store_true",
-                   help="verify the IR after every pass (default: once, after the last "
-                        "pass; also MULTIMESH_VERIFY_EACH_PASS=1)")
-    p.add_argument("--dump-pass-pipeline", action="store_true",
-                   help="print the parsed pipeline (stderr)")
-    p.add_argument("--list-passes", action="store_true",
-                   help="list the registered multimesh passes and exit")
-    p.add_argument("--version", action="store_true",
-                   help="print the multimesh and jaxlib versions and exit")
+    for flag, help_text in _SWITCHES:
+        p.add_argument(flag, action="store_true", help=help_text)
     return p
 
 
@@ -159,7 +155,7 @@ def _load_passes() -> list[tuple[str, type | None, str]]:
     """``[(argument, class or None, summary or load error)]``; never raises."""
     from mlir_passes import get_all_passes
 
-    out = []
+    out: list[tuple[str, type | None, str]] = []
     for arg, factory in get_all_passes().items():
         try:
             cls = factory()
@@ -310,17 +306,11 @@ class _Driver:
                 emitted.clear()
                 t0 = time.perf_counter()
                 out, diags = self._process(chunk, ctx, pipeline)
-                diags = emitted + diags
-                if a.verify_diagnostics:
-                    ok &= self._verify(chunk, diags)
-                else:
-                    for d in diags:
-                        self._print_diag(d)
-                    ok &= not any(d.severity == "error" for d in diags)
+                ok &= self._report(chunk, emitted + diags)
                 outputs.append(out if out is not None else "")
                 self._time("(total)", time.perf_counter() - t0)
         finally:
-            handle.detach()
+            handle.detach()  # type: ignore[attr-defined]  # the stubs type the handle as object
         if a.mlir_timing:
             self._print_timing()
         result = ("\n" + SPLIT_MARKER + "\n").join(o.rstrip("\n") for o in outputs)
@@ -329,6 +319,15 @@ class _Driver:
             return 1
         self._write_output(result)
         return 0 if ok else 1
+
+    def _report(self, chunk: Chunk, diags: list[Diag]) -> bool:
+        """Check (``--verify-diagnostics``) or print one chunk's diagnostics; whether
+        the chunk passed."""
+        if self.args.verify_diagnostics:
+            return self._verify(chunk, diags)
+        for d in diags:
+            self._print_diag(d)
+        return not any(d.severity == "error" for d in diags)
 
     # -- input / output
 
@@ -373,7 +372,7 @@ class _Driver:
 
     def _check_nesting(self, text: str) -> None:
         """Refuse inputs nested deeper than :data:`MAX_NESTING` before MLIR recurses into them."""
-        depth, offset = _nesting(text)
+        depth, offset = deepest_nesting(text, MAX_NESTING)
         if depth <= MAX_NESTING:
             return
         line = text.count("\n", 0, offset) + 1
@@ -426,37 +425,56 @@ class _Driver:
         self._time("Parser", time.perf_counter() - t0)
         warned: list[Diag] = []
         if pipeline is not None:
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always", DiagnosticWarning)
-                    # The passes need no snapshots when a failure's input can be rebuilt
-                    # from the chunk (not for --mlir-print-ir-after-failure, which
-                    # prints the module as the failure left it).
-                    replay = None if self.args.mlir_print_ir_after_failure else \
-                        (lambda: ir.Module.parse(chunk.text, ctx))
-                    self._run_pipeline(pipeline, module, replay)
-                for w in caught:  # a pass's warnings are diagnostics, like MLIR's
-                    if isinstance(w.message, DiagnosticWarning):
-                        f, line, col = self._from_loc(w.message.location)
-                        warned.append(Diag("warning", w.message.message, f, line, col))
-                    else:
-                        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            except DiagnosticError as e:
-                self._dump_failure(module)
-                return None, [self._from_error(e, chunk)]
-            except ir.MLIRError as e:
-                self._dump_failure(module)
-                return None, [self._from_ir_diag(d) for d in e.error_diagnostics] or [
-                    Diag("error", str(e))]
-            except PipelineError as e:
-                sys.stderr.write(f"{PROG}: error: {e}\n")
-                raise _Failure from None
-            except MultimeshError as e:
-                self._dump_failure(module)
-                return None, [Diag("error", str(e))]
-            except Exception as e:
-                _internal_error(e, self.current_step or "")
-                raise _Failure from None
+            failure, warned = self._transform(chunk, ctx, pipeline, module)
+            if failure is not None:
+                return None, failure
+        return self._output(module, ctx, warned)
+
+    def _transform(self, chunk: Chunk, ctx: ir.Context, pipeline,
+                   module: ir.Module) -> tuple[list[Diag] | None, list[Diag]]:
+        """Run the pipeline on one chunk's module: (the failure's diagnostics, or None;
+        the passes' warnings). A bad pipeline option or an internal error ends mm-opt."""
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", DiagnosticWarning)
+                # The passes need no snapshots when a failure's input can be rebuilt
+                # from the chunk (not for --mlir-print-ir-after-failure, which
+                # prints the module as the failure left it).
+                replay = None if self.args.mlir_print_ir_after_failure else \
+                    (lambda: ir.Module.parse(chunk.text, ctx))
+                self._run_pipeline(pipeline, module, replay)
+            return None, self._warning_diags(caught)
+        except DiagnosticError as e:
+            self._dump_failure(module)
+            return [self._from_error(e, chunk)], []
+        except ir.MLIRError as e:
+            self._dump_failure(module)
+            return [self._from_ir_diag(d) for d in e.error_diagnostics] or [
+                Diag("error", str(e))], []
+        except PipelineError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            raise _Failure from None
+        except MultimeshError as e:
+            self._dump_failure(module)
+            return [Diag("error", str(e))], []
+        except Exception as e:
+            _internal_error(e, self.current_step or "")
+            raise _Failure from None
+
+    def _warning_diags(self, caught: list[warnings.WarningMessage]) -> list[Diag]:
+        """A pass's warnings are diagnostics, like MLIR's; other warnings pass through."""
+        warned = []
+        for w in caught:
+            if isinstance(w.message, DiagnosticWarning):
+                f, line, col = self._from_loc(w.message.location)
+                warned.append(Diag("warning", w.message.message, f, line, col))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return warned
+
+    def _output(self, module: ir.Module, ctx: ir.Context,
+                warned: list[Diag]) -> tuple[str | None, list[Diag]]:
+        """The printed module, unless it cannot be parsed again."""
         t0 = time.perf_counter()
         out = self._print(module)
         self._time("Output", time.perf_counter() - t0)
@@ -607,28 +625,6 @@ def _reparses(text: str, ctx: ir.Context) -> bool:
         return False
     return True
 _BUFFER_LOC = re.compile(r'"-":(\d+):(\d+)')
-_NOT_BRACKETS = re.compile(r'"(?:[^"\\\n]|\\.)*"|//[^\n]*')
-
-
-def _nesting(text: str) -> tuple[int, int]:
-    """``(depth, offset)``: the deepest bracket nesting outside strings and comments,
-    and where it is first reached (``(0, 0)`` when it cannot exceed the limit)."""
-    if sum(text.count(b) for b in "{[(") <= MAX_NESTING:
-        return 0, 0
-    import numpy as np
-
-    # blank out strings and comments, keeping offsets
-    clean = _NOT_BRACKETS.sub(lambda m: " " * len(m.group(0)), text)
-    b = np.frombuffer(clean.encode("utf-32-le"), dtype=np.uint32)
-    step = (np.isin(b, (ord("{"), ord("["), ord("("))).astype(np.int32)
-            - np.isin(b, (ord("}"), ord("]"), ord(")"))).astype(np.int32))
-    depth = np.cumsum(step)
-    deepest = int(depth.max(initial=0))
-    if deepest <= MAX_NESTING:
-        return deepest, 0
-    return deepest, int(np.argmax(depth > MAX_NESTING))
-
-
 def _split(text: str) -> list[Chunk]:
     """Split on ``// -----`` lines, padding each chunk so its line numbers stay put."""
     lines = text.splitlines(keepends=True)

@@ -83,7 +83,7 @@ func.func private @body(%arg0: tensor<8xf32>) -> tensor<8xf32> {
 // -----
 
 func.func @error_name_not_string(%arg0: tensor<8xf32>) -> tensor<8xf32> {
-  // expected-error@+1 {{'mm.task' name must be a string, got 3 : i64}}
+  // expected-error@+1 {{'mm.task' name must be a string, got 3}}
   %0 = func.call @body(%arg0) {mm.task = {name = 3, transpose_count = 0 : i64, devices = [0], axis_names = ["x"], axis_sizes = [1]}} : (tensor<8xf32>) -> tensor<8xf32>
   return %0 : tensor<8xf32>
 }

@@ -788,13 +788,10 @@ def predict_error(p: ProgramSpec) -> str:
 
 # ----------------------------------------------------------------------------- check
 
-KNOWN_GRAD_IDENTITY = "grad-identity-placement"
 # Known library bugs the fuzzer checks leniently, each pinned by a strict xfail test in
-# tests/test_fuzz_mpmd.py. Remove an entry once its bug is fixed (the xfail then XPASSes).
-KNOWN_PASSTHROUGH = "erased-constraint-placement"
-KNOWN_MB_CHECKPOINT = "microbatch-under-checkpoint"
-KNOWN_LIVE_EARLY_BWD = "live-activations-early-backward"
-KNOWN_BUGS: dict[str, str] = {}  # all fixed: see docs/testing.md
+# tests/test_fuzz_mpmd.py. Remove an entry, and its lenient branch, once its bug is fixed
+# (the xfail then XPASSes). All fixed today: see docs/testing.md, "Bugs found".
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @dataclasses.dataclass
@@ -823,47 +820,6 @@ def _producers(p: ProgramSpec) -> dict[str, tuple]:
     return out
 
 
-def _identity_path(t: TaskSpec, j: int, live: set[int]) -> bool:
-    """Whether the cotangent of argument ``j`` is, with no op, the cotangent of an output.
-
-    True when ``v_j`` reaches an output through a single chain of ``a + b`` / ``a - b``
-    (first operand) ops, or constraints that are erased (``logical_axes=()``): jax's
-    transpose of ``add`` hands the incoming cotangent through unchanged, so the
-    task's backward computes nothing for that argument.
-    """
-    k0 = len(t.in_ranks)
-    cur = j
-    while True:
-        uses = [(k0 + i, op, pos) for i, op in enumerate(t.body) if k0 + i in live
-                for pos, a in enumerate(op.args) if a == cur]
-        is_out = sum(1 for o in t.outputs if o == cur and o in live)
-        if is_out and not uses:
-            return is_out == 1
-        if len(uses) != 1 or is_out:
-            return False
-        k, op, pos = uses[0]
-        erased_wsc = op.kind == "wsc" and t.logical_axes == ()
-        if not erased_wsc and (op.kind != "binary" or op.args[0] == op.args[1]
-                               or not (op.fn == "add" or (op.fn == "sub" and pos == 0))):
-            return False
-        cur = k
-
-
-def _passthrough(t: TaskSpec, k: int) -> bool:
-    """Whether local ``k`` is a task argument, unchanged but for erased constraints.
-
-    With ``logical_axes=()`` mm-resolve-logical-shardings erases a task's constraints,
-    so ``wsc(x, ...)`` is no op at all and the task computes nothing for that output.
-    """
-    k0 = len(t.in_ranks)
-    while k >= k0:
-        op = t.body[k - k0]
-        if op.kind != "wsc" or t.logical_axes != ():
-            return False
-        k = op.args[0]
-    return True
-
-
 def _expected_grad_task(p: ProgramSpec, i: int) -> tuple[int | None, str]:
     """The task that must produce d loss / d x_i: its only, live, direct consumer.
 
@@ -877,8 +833,6 @@ def _expected_grad_task(p: ProgramSpec, i: int) -> tuple[int | None, str]:
     live = _fine_liveness(p).get(p.steps.index(s))
     if live is None or j not in live:
         return None, "dead"
-    if s.task != p.loss_task and _identity_path(p.tasks[s.task], j, live):
-        return None, KNOWN_GRAD_IDENTITY
     return s.task, ""
 
 
@@ -920,8 +874,7 @@ def _microbatched_tasks(p: ProgramSpec) -> set[str]:
     return {name for name, r in reads.items() if all(r)}
 
 
-def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int], known: set[str],
-                    known_bugs: frozenset) -> None:
+def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int]) -> None:
     """A microbatched program's ``compiled.schedule``: one row per submesh that runs a
     fragment, every fragment call once, the drawn schedule, ``M`` microbatches."""
     mb = p.microbatch
@@ -971,17 +924,12 @@ def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int], known: set[str
     for u in sched.units:
         if u.kind == "fwd" and u.microbatch is not None and u.task in sliced:
             per.setdefault(u.task, collections.Counter())[u.microbatch] += 1
-    remat = {p.tasks[s.task].name for s in p.steps if s.kind == "task" and s.remat}
     for task, cnt in sorted(per.items()):
         if set(cnt) != set(range(mb.num_microbatches)) or len(set(cnt.values())) != 1:
-            if task in remat and KNOWN_MB_CHECKPOINT in known_bugs:  # values are right
-                known.add(KNOWN_MB_CHECKPOINT)
-                continue
             raise FuzzFailure("schedule", f"forward units of task {task!r} per microbatch: "
                               f"{dict(sorted(cnt.items()))} (M = {mb.num_microbatches}); "
                               f"schedule:\n{sched.labels()}", p)
-    lenient = remat if KNOWN_MB_CHECKPOINT in known_bugs else set()
-    exact = any(t in per for t in sliced - lenient)
+    exact = any(t in per for t in sliced)
     if sched.num_microbatches > mb.num_microbatches or (
             exact and sched.num_microbatches != mb.num_microbatches):
         raise FuzzFailure("schedule", f"{sched.num_microbatches} microbatches in the "
@@ -994,38 +942,33 @@ def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int], known: set[str
         raise FuzzFailure("schedule", f"live activations {live}, bubble {bubble}", p)
     # peak live activations: the library's count against a model written from the
     # docstring of mlir_passes.schedules.live_activation_profile (_expected_live)
-    _check_live(p, sched, known, known_bugs)
+    _check_live(p, sched)
     # the same units under every schedule (pure Python, no compile): on every submesh that
     # runs one stage 1F1B holds no more activations than GPipe (with V stages on a submesh
     # Megatron's warm-up runs up to (P-1)*2 + (V-1)*P forwards first, which on these DAGs
     # can exceed what GPipe's repaired order holds); ZB-H1 stays under 1F1B's peak (docs),
     # the largest over submeshes (a later stage may hold more under ZB-H1 than under 1F1B,
-    # as in the paper). Leniently with KNOWN_MB_CHECKPOINT, whose mislabelled units make
-    # the plans infeasible. (ZB-H1's bubble is not always below 1F1B's on these DAGs: a
+    # as in the paper). (ZB-H1's bubble is not always below 1F1B's on these DAGs: a
     # heuristic, not checked.)
     from mlir_passes.schedules import build_schedule
 
     alt = {name: build_schedule(sched.units, name) for name in _PLAIN_SCHEDULES}
-    peak = {name: _check_live(p, a, known, known_bugs) for name, a in alt.items()}
+    peak = {name: _check_live(p, a) for name, a in alt.items()}
     f1, gp, zb = peak["1f1b"], peak["gpipe"], peak["zero-bubble-h1"]
     one_stage = {m for m, k in _stages_per_submesh(sched).items() if k == 1}
     for bad, what in ((any(f1[m] > gp[m] for m in one_stage), f"1f1b {f1} > gpipe {gp}"),
                       (max(zb, default=0) > max(f1, default=0), f"zero-bubble-h1 {zb} > 1f1b "
                        f"{f1} at the peak")):
         if bad:
-            if lenient:
-                known.add(KNOWN_MB_CHECKPOINT)
-                continue
             raise FuzzFailure("schedule", f"peak live activations per submesh: {what}", p)
 
 
-def _expected_live(sched) -> tuple[list[int], set[int]]:
+def _expected_live(sched) -> list[int]:
     """Per submesh, the peak number of live activations: ``(stage, microbatch)`` is live
     from its first forward unit until its last backward unit on that submesh (stages
-    without a backward hold nothing). Also the submeshes that dispatch a backward before
-    its first forward."""
-    peaks, early = [], set()
-    for m, row in enumerate(sched.rows()):
+    without a backward hold nothing)."""
+    peaks = []
+    for row in sched.rows():
         first_f: dict = {}
         last_b: dict = {}
         for k, u in enumerate(row):
@@ -1036,29 +979,22 @@ def _expected_live(sched) -> tuple[list[int], set[int]]:
                 first_f.setdefault(key, k)
             elif u.kind in ("bwd", "bwd_w"):
                 last_b[key] = k
-                if key not in first_f:
-                    early.add(m)
         peak = 0
         for k in range(len(row)):
             peak = max(peak, sum(1 for key, f in first_f.items()
                                  if key in last_b and f <= k < last_b[key]))
         peaks.append(peak)
-    return peaks, early
+    return peaks
 
 
-def _check_live(p: ProgramSpec, sched, known: set[str], known_bugs: frozenset) -> list[int]:
+def _check_live(p: ProgramSpec, sched) -> list[int]:
     """The library's ``live_activations()``, checked against :func:`_expected_live`;
     returns the expected peaks."""
-    want, early = _expected_live(sched)
-    have = sched.live_activations()
-    bad = [m for m, (a, b) in enumerate(zip(have, want)) if a != b]
-    if bad or len(have) != len(want):
-        if KNOWN_LIVE_EARLY_BWD in known_bugs and set(bad) <= early \
-                and all(have[m] > want[m] for m in bad):
-            known.add(KNOWN_LIVE_EARLY_BWD)
-        else:
-            raise FuzzFailure("schedule", f"{sched.name}: live_activations() {have}, "
-                              f"expected {want}; rows {sched.labels()}", p)
+    want = _expected_live(sched)
+    have = list(sched.live_activations())
+    if have != want:
+        raise FuzzFailure("schedule", f"{sched.name}: live_activations() {have}, "
+                          f"expected {want}; rows {sched.labels()}", p)
     return want
 
 
@@ -1189,21 +1125,11 @@ def check(p: ProgramSpec, *, rtol: float = 1e-4, atol: float = 1e-4,
         loss_devs = task_devs[p.loss_task] if p.loss_task is not None else None
         expect.append(loss_devs)
         for i in grad_argnums(p):
-            gt, why = _expected_grad_task(p, i)
-            if why == KNOWN_GRAD_IDENTITY and KNOWN_GRAD_IDENTITY in known_bugs:
-                known.add(KNOWN_GRAD_IDENTITY)
+            gt, _ = _expected_grad_task(p, i)
             expect.append(task_devs[gt] if gt is not None else None)
     else:
         for o in p.outputs:
             pr = prod[o]
-            if pr[0] == "task":
-                s = next(s for s in p.steps if o in s.outs)
-                t = p.tasks[pr[1]]
-                if _passthrough(t, t.outputs[s.outs.index(o)]) \
-                        and KNOWN_PASSTHROUGH in known_bugs:
-                    known.add(KNOWN_PASSTHROUGH)
-                    expect.append(None)
-                    continue
             expect.append(task_devs[pr[1]] if pr[0] == "task" else None)
     for k, (o, want) in enumerate(zip(o_leaves, expect)):
         have = frozenset(d.id for d in o.devices())
@@ -1232,7 +1158,7 @@ def check(p: ProgramSpec, *, rtol: float = 1e-4, atol: float = 1e-4,
             raise FuzzFailure("fragments", f"fragment {fr['name']} has unknown task "
                               f"{fr['task']!r}", p)
     if p.microbatch:
-        _check_schedule(p, compiled, ids, known, known_bugs)
+        _check_schedule(p, compiled, ids)
     _check_warnings(p, compiled, caught)
     return Outcome("ok", len(names), len(compiled.transfers), time.perf_counter() - t0,
                    tuple(sorted(known)))
