@@ -67,7 +67,7 @@ class Plan:
     num_devices: int
     fragments: dict[str, Fragment]
     steps: list  # Call | Transfer, in dispatch order
-    inputs: list[Layout | None]
+    inputs: list[Layout]
     input_ids: list[int]
     outputs: list[int]
     out_layouts: list[Layout]
