@@ -55,7 +55,7 @@ def _dtype(s: str):
 
 
 def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
-                     positions: tuple[int, ...] | None = None):
+                     positions: tuple[int, ...] | None = None) -> jax.stages.Compiled:
     """Compile (or fetch from cache) one fragment for its devices.
 
     ``donors`` are argument positions whose buffers the call may reuse for its
@@ -171,8 +171,8 @@ class Executor:
         """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
-        self._steps = []
-        self._kept = []  # the plan steps this process runs, parallel to _steps
+        self._steps: list[tuple] = []  # (kind, executable or sharding, srcs, dsts, drop)
+        self._kept: list = []  # the plan steps this process runs, parallel to _steps
         shared: set[int] = set()  # transfers of a donated input onto its own devices
         for i, s in enumerate(plan.steps):
             # Hook (multi-process): skip steps without our devices; cross-process moves
@@ -213,7 +213,7 @@ class Executor:
                                   if self._program is not None else self.transfer_count)
         """Batched copy calls per run (each moves one or more arrays)."""
 
-    def _compile_calls(self, donated: frozenset[int]) -> dict[int, object]:
+    def _compile_calls(self, donated: frozenset[int]) -> dict[int, jax.stages.Compiled]:
         """The executable of every call this process runs (by step index), compiling only
         what is used: one executable per (fragment, devices), with the donations every
         call of it can make."""
@@ -226,8 +226,8 @@ class Executor:
                                if a in donated and plan.last_use.get(a) == i
                                and s.args.count(a) == 1 and k not in frag.donors)
                 wants.setdefault((s.fragment, s.devices), []).append((i, donors))
-        exes: dict[int, object] = {}
-        self.exes: dict[str, object] = {}
+        exes: dict[int, jax.stages.Compiled] = {}
+        self.exes: dict[str, jax.stages.Compiled] = {}
         """Fragment name -> one of its executables (for cost and memory analysis)."""
         self.xla_seconds: dict[str, float] = {}
         """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
