@@ -379,7 +379,7 @@ def register_cache(cache, for_what: str) -> None:
     _util.register_cache(cache, for_what)
 
 
-def array_impl_type() -> type:
+def array_impl_type() -> type[jax.Array]:
     """The concrete class of ``jax.Array``, for ``type(x) is ...`` checks on the
     dispatch path (``jax.Array`` is an abstract base, and ``isinstance`` against it
     costs more); internal in every version."""
