@@ -92,7 +92,9 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
         res_tree, kept, _PIPELINE, donated_leaves=info.donated,
         in_avals=info.arg_types if in_avals is None else in_avals)
-    return lowered.compile()
+    compiled = lowered.compile()
+    assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
+    return compiled
 
 
 class _ProgramInfo:
