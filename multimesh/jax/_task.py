@@ -9,6 +9,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -393,8 +394,18 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
 
     wrapped.__name__ = task_name
     functools.update_wrapper(wrapped, fun, assigned=(), updated=())  # __wrapped__ only
-    wrapped.mm_task = spec  # type: ignore[attr-defined]  # a function attribute (flax wrappers read it)
-    return wrapped
+    out = cast(TaskFunction, wrapped)
+    out.mm_task = spec
+    return out
+
+
+class TaskFunction(Protocol):
+    """What :func:`task` returns: the function, carrying its :class:`Task` (the flax
+    wrappers read ``mm_task`` to build their own tasks)."""
+
+    mm_task: Task
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def _task_spec(default_name: str, task: Task | None, kwargs: dict) -> Task:

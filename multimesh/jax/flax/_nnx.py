@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -31,6 +31,7 @@ import multimesh.jax as mm
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh
+from multimesh.jax._task import TaskFunction
 from multimesh.jax.flax._linen import (
     _batch_avals,
     _check_batches,
@@ -318,8 +319,9 @@ def graph_task(fun: Callable, name: str | None, spec: mm.Task) -> Callable:
 
     wrapped.__name__ = default
     functools.update_wrapper(wrapped, fun, assigned=(), updated=())  # __wrapped__ only
-    wrapped.mm_task = spec  # type: ignore[attr-defined]  # a function attribute, as mm.task's
-    return wrapped
+    out = cast(TaskFunction, wrapped)
+    out.mm_task = spec
+    return out
 
 
 def _call_graph_task(fun, name, spec, args, kwargs):
