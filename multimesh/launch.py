@@ -178,51 +178,27 @@ def _kill(p: subprocess.Popen) -> None:
             pass
 
 
+class _TimedOut(Exception):
+    """The launcher's ``--timeout`` passed with processes still running."""
+
+
 def _supervise(procs, threads, opts, lock) -> int:
-    start = time.monotonic()
-    first_failure: int | None = None
+    """Wait for every process and return the launcher's exit code: the first failure's
+    (reported with every other non-zero exit), 124 on timeout, 130 on Ctrl-C."""
     killed: set[int] = set()
     try:
-        while any(p.poll() is None for p in procs):
-            for k, p in enumerate(procs):
-                rc = p.poll()
-                if rc not in (None, 0) and k not in killed and first_failure is None:
-                    first_failure = k
-                    if not opts.no_fail_fast:
-                        others = [j for j, q in enumerate(procs) if q.poll() is None]
-                        if others:
-                            with lock:
-                                sys.stderr.write(
-                                    f"multimesh.launch: process {k} exited with code "
-                                    f"{_exit_code(rc)}; stopping processes {others}.\n")
-                        for j in others:
-                            killed.add(j)
-                            _kill(procs[j])
-            if opts.timeout is not None and time.monotonic() - start > opts.timeout:
-                with lock:
-                    sys.stderr.write(f"multimesh.launch: timed out after {opts.timeout:g} s; "
-                                     f"killing every process.\n")
-                for p in procs:
-                    _kill(p)
-                for p in procs:
-                    p.wait()
-                for t in threads:
-                    t.join(timeout=5)
-                return 124
-            time.sleep(0.05)
+        first_failure = _watch(procs, opts, lock, killed)
     except KeyboardInterrupt:
-        for p in procs:
-            _kill(p)
-        for p in procs:
-            p.wait()
+        _stop(procs)
         return 130
+    except _TimedOut:
+        _stop(procs, threads)
+        return 124
     for t in threads:
         t.join(timeout=5)
     if first_failure is None:
-        for k, p in enumerate(procs):
-            if p.returncode != 0 and k not in killed:
-                first_failure = k
-                break
+        first_failure = next((k for k, p in enumerate(procs)
+                              if p.returncode != 0 and k not in killed), None)
     if first_failure is None:
         return 0
     with lock:
@@ -232,6 +208,52 @@ def _supervise(procs, threads, opts, lock) -> int:
                 sys.stderr.write(f"multimesh.launch: process {k} exited with code "
                                  f"{_exit_code(p.returncode)}{how}\n")
     return _exit_code(procs[first_failure].returncode)
+
+
+def _watch(procs, opts, lock, killed: set[int]) -> int | None:
+    """Poll until every process has exited; the first that failed, or None.
+
+    At the first failure the others are stopped (added to ``killed``) unless
+    ``--no-fail-fast``; past ``--timeout`` raises :class:`_TimedOut`.
+    """
+    start = time.monotonic()
+    first_failure: int | None = None
+    while any(p.poll() is None for p in procs):
+        if first_failure is None:
+            first_failure = next((k for k, p in enumerate(procs)
+                                  if p.poll() not in (None, 0)), None)
+            if first_failure is not None and not opts.no_fail_fast:
+                _stop_others(procs, first_failure, killed, lock)
+        if opts.timeout is not None and time.monotonic() - start > opts.timeout:
+            with lock:
+                sys.stderr.write(f"multimesh.launch: timed out after {opts.timeout:g} s; "
+                                 f"killing every process.\n")
+            raise _TimedOut
+        time.sleep(0.05)
+    return first_failure
+
+
+def _stop_others(procs, failed: int, killed: set[int], lock) -> None:
+    """Fail fast: kill every process still running after process ``failed`` exited."""
+    others = [j for j, q in enumerate(procs) if q.poll() is None]
+    if others:
+        with lock:
+            sys.stderr.write(
+                f"multimesh.launch: process {failed} exited with code "
+                f"{_exit_code(procs[failed].returncode)}; stopping processes {others}.\n")
+    for j in others:
+        killed.add(j)
+        _kill(procs[j])
+
+
+def _stop(procs, threads=()) -> None:
+    """Kill every process, wait for each, then let the output threads finish."""
+    for p in procs:
+        _kill(p)
+    for p in procs:
+        p.wait()
+    for t in threads:
+        t.join(timeout=5)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ same rules are written out here.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Set
+from types import ModuleType
 
 import jax
 from jax._src import config as _config
@@ -69,11 +72,8 @@ def register_call_primitive(prim: Primitive, *,
     ``closed_call`` rules in every version.
     """
     prim.multiple_results = True
-    try:
-        from jax._src.lax import eval_jaxpr as _eval_jaxpr
-    except ImportError:  # jax 0.10 has no eval_jaxpr module of rules
-        _eval_jaxpr = None
-    if _eval_jaxpr is not None and hasattr(_eval_jaxpr, "register_call_primitive_rules"):
+    _eval_jaxpr = _call_rules_module()
+    if _eval_jaxpr is not None:
         def transpose(ct, *args, call_jaxpr, **params):
             return _eval_jaxpr.eval_jaxpr_transpose(
                 prim, ct, *args, call_jaxpr=call_jaxpr, **transposed(params))
@@ -85,110 +85,123 @@ def register_call_primitive(prim: Primitive, *,
     _pe.dce_rules[prim] = _pe.dce_rules[closed_call_p]
 
 
+def _call_rules_module() -> ModuleType | None:
+    """jax >= 0.11's module of call-primitive rules; None on 0.10, which has none."""
+    try:
+        mod = importlib.import_module("jax._src.lax.eval_jaxpr")
+    except ImportError:
+        return None
+    return mod if hasattr(mod, "register_call_primitive_rules") else None
+
+
 def _register_call_rules_010(prim, transposed) -> None:
-    """jax 0.10's call-primitive rules (those of its ``compute_on_p``), for ``prim``."""
-    map, zip = _util.safe_map, _util.safe_zip  # noqa: A001
+    """jax 0.10's call-primitive rules (those of its ``compute_on_p``), for ``prim``.
 
+    Each rule is a module-level function that takes ``prim`` first (bound with
+    ``functools.partial``), so the rules read one at a time.
+    """
     _dispatch.simple_impl(prim)
+    prim.def_effectful_abstract_eval(_abstract_eval_010)
+    _batching.fancy_primitive_batchers[prim] = functools.partial(_batch_010, prim)
+    _ad.primitive_jvps[prim] = functools.partial(_jvp_010, prim)
+    _ad.primitive_linearizations[prim] = functools.partial(_linearize_010, prim)
+    _pe.custom_partial_eval_rules[prim] = functools.partial(_partial_eval_010, prim)
+    _ad.primitive_transposes[prim] = functools.partial(_transpose_010, prim, transposed)
 
-    def abstract_eval(*in_avals, call_jaxpr, **params):
-        return call_jaxpr.out_avals, _core.positional_effects(call_jaxpr)
 
-    prim.def_effectful_abstract_eval(abstract_eval)
+def _abstract_eval_010(*in_avals, call_jaxpr, **params):
+    return call_jaxpr.out_avals, _core.positional_effects(call_jaxpr)
 
-    def batcher(axis_data, vals_in, dims_in, *, call_jaxpr, **params):
-        batched, dims_out = _batching.batch_jaxpr2(call_jaxpr, axis_data, tuple(dims_in))
-        return prim.bind(*vals_in, call_jaxpr=batched, **params), dims_out
 
-    _batching.fancy_primitive_batchers[prim] = batcher
+def _batch_010(prim, axis_data, vals_in, dims_in, *, call_jaxpr, **params):
+    batched, dims_out = _batching.batch_jaxpr2(call_jaxpr, axis_data, tuple(dims_in))
+    return prim.bind(*vals_in, call_jaxpr=batched, **params), dims_out
 
-    def jvp(primals, tangents, *, call_jaxpr, **params):
-        nzs = [not isinstance(t, _ad.Zero) for t in tangents]
-        jaxpr_jvp, out_nzs = _ad.jvp_jaxpr(call_jaxpr, nzs, False)
-        nz_tangents = [t for t in tangents if not isinstance(t, _ad.Zero)]
-        outs = prim.bind(*primals, *nz_tangents, call_jaxpr=jaxpr_jvp, **params)
-        primals_out, nz_tangents_out = _util.split_list(outs, [len(out_nzs)])
-        nz_outs = iter(nz_tangents_out)
-        tangents_out = [next(nz_outs) if nz else _ad.Zero(aval.to_tangent_aval())
-                        for aval, nz in zip(call_jaxpr.out_avals, out_nzs)]
-        return primals_out, tangents_out
 
-    _ad.primitive_jvps[prim] = jvp
+def _jvp_010(prim, primals, tangents, *, call_jaxpr, **params):
+    nzs = [not isinstance(t, _ad.Zero) for t in tangents]
+    jaxpr_jvp, out_nzs = _ad.jvp_jaxpr(call_jaxpr, nzs, False)
+    nz_tangents = [t for t in tangents if not isinstance(t, _ad.Zero)]
+    outs = prim.bind(*primals, *nz_tangents, call_jaxpr=jaxpr_jvp, **params)
+    primals_out, nz_tangents_out = _util.split_list(outs, [len(out_nzs)])
+    nz_outs = iter(nz_tangents_out)
+    tangents_out = [next(nz_outs) if nz else _ad.Zero(aval.to_tangent_aval())
+                    for aval, nz in _util.safe_zip(call_jaxpr.out_avals, out_nzs)]
+    return primals_out, tangents_out
 
-    def linearize(is_vjp, nzs, *primals, call_jaxpr, **params):
-        (primal_jaxpr, num_res_out, nzs_out, in_fwd_res,
-         tangent_jaxpr) = _ad.linearize_jaxpr(call_jaxpr, nzs, is_vjp=is_vjp)
-        tangent_avals_out = [a.to_tangent_aval() for a in call_jaxpr.out_avals]
 
-        def tangent_fun(residuals, *tangents):
-            tangents_nz = [t for nz, t in zip(nzs, tangents) if nz]
-            nz_outs = iter(prim.bind(*residuals, *tangents_nz, call_jaxpr=tangent_jaxpr,
-                                     **params))
-            return [next(nz_outs) if nz else _ad.Zero(a)
-                    for nz, a in zip(nzs_out, tangent_avals_out)]
+def _linearize_010(prim, is_vjp, nzs, *primals, call_jaxpr, **params):
+    (primal_jaxpr, num_res_out, nzs_out, in_fwd_res,
+     tangent_jaxpr) = _ad.linearize_jaxpr(call_jaxpr, nzs, is_vjp=is_vjp)
+    tangent_avals_out = [a.to_tangent_aval() for a in call_jaxpr.out_avals]
 
-        ans = prim.bind(*primals, call_jaxpr=primal_jaxpr, **params)
-        primal_ans, residuals_ans = _util.split_list(ans, [len(ans) - num_res_out])
-        residuals_ans = _util.subs_list(in_fwd_res, [*call_jaxpr.consts, *primals],
-                                        residuals_ans)
-        return primal_ans, nzs_out, residuals_ans, tangent_fun
+    def tangent_fun(residuals, *tangents):
+        tangents_nz = [t for nz, t in _util.safe_zip(nzs, tangents) if nz]
+        nz_outs = iter(prim.bind(*residuals, *tangents_nz, call_jaxpr=tangent_jaxpr,
+                                 **params))
+        return [next(nz_outs) if nz else _ad.Zero(a)
+                for nz, a in _util.safe_zip(nzs_out, tangent_avals_out)]
 
-    _ad.primitive_linearizations[prim] = linearize
+    ans = prim.bind(*primals, call_jaxpr=primal_jaxpr, **params)
+    primal_ans, residuals_ans = _util.split_list(ans, [len(ans) - num_res_out])
+    residuals_ans = _util.subs_list(in_fwd_res, [*call_jaxpr.consts, *primals],
+                                    residuals_ans)
+    return primal_ans, nzs_out, residuals_ans, tangent_fun
 
-    def partial_eval(trace, *in_tracers, call_jaxpr, **params):
-        # Needed for jax.checkpoint around grad: the known (forward) part and the
-        # unknown part are both calls of prim.
-        in_pvals = [t.pval for t in in_tracers]
-        unknown_ins = tuple(not pv.is_known() for pv in in_pvals)
-        (known_jaxpr, unknown_jaxpr, unknown_outs, res_out_avals,
-         in_fwd_res) = _pe.partial_eval_jaxpr_nounits_fwd(call_jaxpr, unknown_ins,
-                                                          instantiate=False)
-        known_inputs = [pv.get_known() for pv in in_pvals if pv.is_known()]
-        all_known = prim.bind(*known_inputs, call_jaxpr=known_jaxpr, **params)
-        known_out, residuals = _util.split_list(all_known,
-                                                [len(all_known) - len(res_out_avals)])
-        res_iter = iter(residuals)
-        residuals = [next(res_iter) if f is None else [*call_jaxpr.consts, *known_inputs][f]
-                     for f in in_fwd_res]
-        res_tracers = map(trace.new_instantiated_const, residuals)
-        unknown_in = [*res_tracers, *(t for t in in_tracers if not t.pval.is_known())]
-        unknown_out = [_pe.JaxprTracer(trace, _pe.PartialVal.unknown(a), None)
-                       for a in unknown_jaxpr.out_avals]
-        eqn = _pe.new_eqn_recipe(trace, unknown_in, unknown_out, prim,
-                                 dict(params, call_jaxpr=unknown_jaxpr),
-                                 _core.positional_effects(unknown_jaxpr),
-                                 source_info_util.current())
-        for t in unknown_out:
-            t.recipe = eqn
-        return _util.merge_lists(unknown_outs, known_out, unknown_out)
 
-    _pe.custom_partial_eval_rules[prim] = partial_eval
+def _partial_eval_010(prim, trace, *in_tracers, call_jaxpr, **params):
+    """Needed for jax.checkpoint around grad: the known (forward) part and the
+    unknown part are both calls of prim."""
+    in_pvals = [t.pval for t in in_tracers]
+    unknown_ins = tuple(not pv.is_known() for pv in in_pvals)
+    (known_jaxpr, unknown_jaxpr, unknown_outs, res_out_avals,
+     in_fwd_res) = _pe.partial_eval_jaxpr_nounits_fwd(call_jaxpr, unknown_ins,
+                                                      instantiate=False)
+    known_inputs = [pv.get_known() for pv in in_pvals if pv.is_known()]
+    all_known = prim.bind(*known_inputs, call_jaxpr=known_jaxpr, **params)
+    known_out, residuals = _util.split_list(all_known,
+                                            [len(all_known) - len(res_out_avals)])
+    res_iter = iter(residuals)
+    residuals = [next(res_iter) if f is None else [*call_jaxpr.consts, *known_inputs][f]
+                 for f in in_fwd_res]
+    res_tracers = _util.safe_map(trace.new_instantiated_const, residuals)
+    unknown_in = [*res_tracers, *(t for t in in_tracers if not t.pval.is_known())]
+    unknown_out = [_pe.JaxprTracer(trace, _pe.PartialVal.unknown(a), None)
+                   for a in unknown_jaxpr.out_avals]
+    eqn = _pe.new_eqn_recipe(trace, unknown_in, unknown_out, prim,
+                             dict(params, call_jaxpr=unknown_jaxpr),
+                             _core.positional_effects(unknown_jaxpr),
+                             source_info_util.current())
+    for t in unknown_out:
+        t.recipe = eqn
+    return _util.merge_lists(unknown_outs, known_out, unknown_out)
 
-    @_util.weakref_lru_cache
-    def transpose_jaxpr(call_jaxpr, in_avals, in_tree):
-        cell = lambda: None  # noqa: E731
 
-        def transposed_fun(*in_flat):
-            primals_in, cts_in = jax.tree_util.tree_unflatten(in_tree, in_flat)
-            out = _ad.backward_pass(call_jaxpr.jaxpr, False, call_jaxpr.consts, primals_in,
-                                    cts_in)
-            out = [ct if not isinstance(ct, _ad.Zero) else None for ct in out]
-            cts_out, cell.out_tree = jax.tree_util.tree_flatten(out)
-            return cts_out
+@_util.weakref_lru_cache
+def _transpose_jaxpr_010(call_jaxpr, in_avals, in_tree):
+    """The backward pass of ``call_jaxpr`` traced to a jaxpr (cached per jaxpr)."""
+    cell = lambda: None  # noqa: E731
 
-        dbg = call_jaxpr.jaxpr.debug_info.with_unknown_names()
-        jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
-            _lu.wrap_init(transposed_fun, debug_info=dbg), in_avals)
-        return ClosedJaxpr(jaxpr, consts), cell.out_tree
+    def transposed_fun(*in_flat):
+        primals_in, cts_in = jax.tree_util.tree_unflatten(in_tree, in_flat)
+        out = _ad.backward_pass(call_jaxpr.jaxpr, False, call_jaxpr.consts, primals_in,
+                                cts_in)
+        out = [ct if not isinstance(ct, _ad.Zero) else None for ct in out]
+        cts_out, cell.out_tree = jax.tree_util.tree_flatten(out)
+        return cts_out
 
-    def transpose(cts_in, *primals_in, call_jaxpr, **params):
-        in_flat, in_tree = jax.tree_util.tree_flatten((primals_in, cts_in))
-        in_avals = tuple(jax.typeof(x) for x in in_flat)
-        trans_jaxpr, out_tree = transpose_jaxpr(call_jaxpr, in_avals, in_tree)
-        cts_out = prim.bind(*in_flat, call_jaxpr=trans_jaxpr, **transposed(params))
-        return jax.tree_util.tree_unflatten(out_tree, cts_out)
+    dbg = call_jaxpr.jaxpr.debug_info.with_unknown_names()
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+        _lu.wrap_init(transposed_fun, debug_info=dbg), in_avals)
+    return ClosedJaxpr(jaxpr, consts), cell.out_tree
 
-    _ad.primitive_transposes[prim] = transpose
+
+def _transpose_010(prim, transposed, cts_in, *primals_in, call_jaxpr, **params):
+    in_flat, in_tree = jax.tree_util.tree_flatten((primals_in, cts_in))
+    in_avals = tuple(jax.typeof(x) for x in in_flat)
+    trans_jaxpr, out_tree = _transpose_jaxpr_010(call_jaxpr, in_avals, in_tree)
+    cts_out = prim.bind(*in_flat, call_jaxpr=trans_jaxpr, **transposed(params))
+    return jax.tree_util.tree_unflatten(out_tree, cts_out)
 
 
 def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
@@ -247,13 +260,13 @@ def def_jit_impl(prim: Primitive) -> None:
     _dispatch.simple_impl(prim)
 
 
-def positional_effects(jaxpr) -> set:
+def positional_effects(jaxpr) -> Set:
     """The effects of calling ``jaxpr`` (an abstract-eval rule's second result);
     ``core.positional_effects`` is internal in every version."""
     return _core.positional_effects(jaxpr)
 
 
-def eqn_effects(jaxpr, invars) -> set:
+def eqn_effects(jaxpr, invars) -> Set:
     """The effects of an equation that calls ``jaxpr`` on ``invars`` (internal)."""
     return _core.eqn_effects(jaxpr, invars)
 
@@ -271,7 +284,10 @@ def register_dce_rule(prim: Primitive, rule: Callable) -> None:
     multimesh's primitives take no references, so it is ignored).
     """
     if JAX_VERSION >= (0, 12):
-        _pe.dce_rules[prim] = lambda used_outputs, live_ins, eqn: rule(used_outputs, eqn)
+        def rule_012(used_outputs, live_ins, eqn):
+            return rule(used_outputs, eqn)
+
+        _pe.dce_rules[prim] = rule_012  # type: ignore[assignment]  # jax 0.12's rules take live_ins; its annotation is 0.10's
     else:
         _pe.dce_rules[prim] = rule
 
@@ -309,7 +325,7 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
         committed=True, in_layouts=(None,) * len(in_shardings),
         out_layouts=(None,) * len(out_shardings), compiler_options_kvs=(),
         num_devices=len(devices))
-    args_info = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
+    args_info: tuple[tuple, dict] = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
     out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
     return stages.Compiled(exe, [], args_info, out_tree)
 
@@ -363,7 +379,7 @@ def register_cache(cache, for_what: str) -> None:
     _util.register_cache(cache, for_what)
 
 
-def array_impl_type() -> type:
+def array_impl_type() -> type[jax.Array]:
     """The concrete class of ``jax.Array``, for ``type(x) is ...`` checks on the
     dispatch path (``jax.Array`` is an abstract base, and ``isinstance`` against it
     costs more); internal in every version."""

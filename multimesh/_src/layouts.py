@@ -56,15 +56,7 @@ def translate_dims(src_devices: Sequence[int], src_names: Sequence[str],
     """
     if [int(d) for d in src_devices] != [int(d) for d in dst_devices]:
         return None
-
-    def strides(names, sizes):
-        out, stride = {}, 1
-        for name, size in reversed(list(zip(names, sizes))):
-            out[name] = (stride, int(size))
-            stride *= int(size)
-        return out
-
-    src, dst = strides(src_names, src_sizes), strides(dst_names, dst_sizes)
+    src, dst = _strides(src_names, src_sizes), _strides(dst_names, dst_sizes)
     out = []
     for axes in dims:
         new: list[str] = []
@@ -72,19 +64,38 @@ def translate_dims(src_devices: Sequence[int], src_names: Sequence[str],
             lo, size = src[a]
             if size == 1:
                 continue
-            cover = sorted(((st, n) for n, (st, sz) in dst.items()
-                            if sz > 1 and lo <= st < lo * size), reverse=True)
-            expect = lo
-            for st, n in reversed(cover):  # minor to major: strides must chain
-                if st != expect:
-                    return None
-                expect *= dst[n][1]
-            if expect != lo * size:
+            cover = _covering_axes(lo, size, dst)
+            if cover is None:
                 return None
-            new.extend(n for _, n in cover)
+            new.extend(cover)
         out.append(tuple(new))
     out_t = tuple(out)
     if layout_key(src_devices, src_names, src_sizes, dims) != \
             layout_key(dst_devices, dst_names, dst_sizes, out_t):
         return None
     return out_t
+
+
+def _strides(names: Sequence[str], sizes: Sequence[int]) -> dict[str, tuple[int, int]]:
+    """Axis name -> (stride in the flattened device order, size)."""
+    out, stride = {}, 1
+    for name, size in reversed(list(zip(names, sizes))):
+        out[name] = (stride, int(size))
+        stride *= int(size)
+    return out
+
+
+def _covering_axes(lo: int, size: int,
+                   dst: dict[str, tuple[int, int]]) -> list[str] | None:
+    """The destination axes (major to minor) that together make one source axis of
+    stride ``lo`` and ``size``, or None when they do not chain into exactly it."""
+    cover = sorted(((st, n) for n, (st, sz) in dst.items()
+                    if sz > 1 and lo <= st < lo * size), reverse=True)
+    expect = lo
+    for st, n in reversed(cover):  # minor to major: strides must chain
+        if st != expect:
+            return None
+        expect *= dst[n][1]
+    if expect != lo * size:
+        return None
+    return [n for _, n in cover]

@@ -26,7 +26,7 @@ def log_compiles() -> bool:
     try:
         import jax
 
-        return bool(jax.config.jax_log_compiles)
+        return bool(jax.config.jax_log_compiles)  # type: ignore[attr-defined]  # jax sets its flags as dynamic attributes
     except (ImportError, AttributeError):  # pragma: no cover - jax is a dependency
         return False
 

@@ -45,14 +45,15 @@ def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Mod
 def print_module(module: ir.Module | ir.Operation, *, debug_info: bool = False,
                  generic: bool = False) -> str:
     op = module.operation if isinstance(module, ir.Module) else module
-    return op.get_asm(enable_debug_info=debug_info, print_generic_op_form=generic)
+    # str(): the bindings type get_asm as object (it returns bytes with binary=True)
+    return str(op.get_asm(enable_debug_info=debug_info, print_generic_op_form=generic))
 
 
 def clone_module(module: ir.Module) -> ir.Module:
     """A deep copy in the *same* context (jax's ``compiler_ir()`` is cached and shared)."""
     with module.context:
-        return ir.Module.parse(module.operation.get_asm(enable_debug_info=True,
-                                                         print_generic_op_form=True))
+        return ir.Module.parse(str(module.operation.get_asm(enable_debug_info=True,
+                                                             print_generic_op_form=True)))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ gets a transfer inside the program.
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -140,15 +142,15 @@ def _sharding_attr(lay: Layout) -> ir.Attribute:
     return ir.Attribute.parse(f"#sdy.sharding<mesh<[{mesh}]>, [{body}]>")
 
 
-def pin_module(text: str, pins: dict[int, Layout], drop: set[int],
-               soft: set[int] = frozenset()) -> tuple[str, dict[int, Layout]]:
+def pin_module(text: str | ir.Module, pins: dict[int, Layout], drop: Set[int],
+               soft: Set[int] = frozenset()) -> tuple[str | ir.Module, dict[int, Layout]]:
     """``text`` (or a parsed module, edited in place) with pinned ``@main`` arguments and
     the dropped input markers removed, and the pins kept. A ``soft`` pin (a committed input) gives way to a logical
     constraint the program puts on that argument."""
     if not pins and not drop:
         return text, pins
-    given = not isinstance(text, str)  # a parsed module: edited in place, not printed
-    module = text if given else parse_module(text, make_context())
+    given = isinstance(text, ir.Module)  # a parsed module: edited in place, not printed
+    module = text if isinstance(text, ir.Module) else parse_module(text, make_context())
     with module.context:
         main = next(op.operation for op in module.body.operations
                     if op.operation.name == "func.func"
@@ -159,7 +161,7 @@ def pin_module(text: str, pins: dict[int, Layout], drop: set[int],
                        if len(op.operands) == 1 and op.operands[0] in args
                        and args.index(op.operands[0]) not in drop}
         pins = {i: lay for i, lay in pins.items() if i not in soft or i not in constrained}
-        old = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes \
+        old = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes \
             else [ir.DictAttr.get({})] * len(args)
         new = []
         for i, raw in enumerate(old):

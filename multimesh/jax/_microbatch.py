@@ -12,6 +12,7 @@ remainder.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -95,6 +96,36 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     in groups of ``k``, fill-drain within each group, so at most ``k``
     microbatches' activations are alive at once.
     """
+    argnum, name = _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling,
+                                  schedule, custom_schedule)
+
+    def wrapped(*args, **kwargs):
+        if _contexts.state.ignore_transforms:
+            return fun(*args, **kwargs)
+        index = _checks.resolve_argnum(argnum, len(args), "`microbatch`")
+        n = _num_microbatches(args[index], dim, size, argnum)
+        if n == 1:
+            if name is not None or unrolling is not None:
+                warnings.warn(
+                    f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
+                    f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
+                    f"to order.", MultimeshWarning, stacklevel=2)
+            return fun(*args, **kwargs)
+        custom = (canonicalize_custom(custom_schedule, n)
+                  if custom_schedule is not None else None)
+        _note_loop(name, n, num_stages, interleave, unrolling, custom)
+        x = _constrain_argument(args[index], arg_shardings)
+        return _run(fun, args, kwargs, index, x, dim, size, n)
+
+    wrapped.__name__ = getattr(fun, "__name__", "microbatch")
+    functools.update_wrapper(wrapped, fun, assigned=(), updated=())  # __wrapped__ only
+    return wrapped
+
+
+def _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling, schedule,
+                   custom_schedule) -> tuple[int, str | None]:
+    """``microbatch``'s arguments checked when it is called, not when the function runs;
+    the normalised ``argnum`` and the schedule's canonical name (None: not given)."""
     if not callable(fun):
         raise MultimeshTypeError(f"`microbatch` expects a callable, got {type(fun).__name__}.")
     _check_positive("size", size)
@@ -113,33 +144,17 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
             f"`microbatch` unrolling={unrolling} applies to the GPipe schedule only (it bounds "
             f"how many microbatches fill the pipeline before they drain), but the schedule is "
             f"{name!r}. Drop `unrolling`, or use schedule='gpipe'.")
+    return argnum, name
 
-    def wrapped(*args, **kwargs):
-        if _contexts.state.ignore_transforms:
-            return fun(*args, **kwargs)
-        index = _checks.resolve_argnum(argnum, len(args), "`microbatch`")
-        n = _num_microbatches(args[index], dim, size, argnum)
-        if n == 1:
-            if name is not None or unrolling is not None:
-                warnings.warn(
-                    f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
-                    f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
-                    f"to order.", MultimeshWarning, stacklevel=2)
-            return fun(*args, **kwargs)
-        custom = (canonicalize_custom(custom_schedule, n)
-                  if custom_schedule is not None else None)
-        _note_loop(name, n, num_stages, interleave, unrolling, custom)
-        x = args[index]
-        if arg_shardings is not None:
-            if isinstance(arg_shardings, (PartitionSpec, NamedSharding)):
-                x = jax.tree.map(lambda leaf: with_sharding_constraint(leaf, arg_shardings), x)
-            else:
-                x = with_sharding_constraint(x, arg_shardings)
-        return _run(fun, args, kwargs, index, x, dim, size, n)
 
-    wrapped.__name__ = getattr(fun, "__name__", "microbatch")
-    wrapped.__wrapped__ = fun
-    return wrapped
+def _constrain_argument(x, arg_shardings):
+    """The microbatched argument under ``arg_shardings`` (one spec or sharding for every
+    leaf, or a pytree of them)."""
+    if arg_shardings is None:
+        return x
+    if isinstance(arg_shardings, (PartitionSpec, NamedSharding)):
+        return jax.tree.map(lambda leaf: with_sharding_constraint(leaf, arg_shardings), x)
+    return with_sharding_constraint(x, arg_shardings)
 
 
 def canonicalize_custom(custom_schedule, n: int):
@@ -246,16 +261,7 @@ def _run(fun, args, kwargs, argnum, x, dim, size, n):
     # The body as a jaxpr over (*consts, i, *operands).
     jaxpr, consts = jax_compat.separate_consts(ClosedJaxpr(traced, consts))
     jaxpr, nc = jaxpr.jaxpr, len(consts)
-    # Outputs that are just an input (or a constant) need no loop: n copies of it.
-    invars = {v: k for k, v in enumerate(jaxpr.invars)}
-    through = {}
-    for k, v in enumerate(jaxpr.outvars):
-        if isinstance(v, Literal):
-            through[k] = v.val
-        elif invars.get(v, nc) < nc:
-            through[k] = consts[invars[v]]
-        elif invars.get(v, nc) > nc:  # an input other than the index
-            through[k] = operands[invars[v] - nc - 1]
+    through = _passed_through(jaxpr, consts, operands)
     keep = [k not in through for k in range(len(jaxpr.outvars))]
     outs: list = [None] * len(jaxpr.outvars)
     if any(keep):
@@ -268,3 +274,20 @@ def _run(fun, args, kwargs, argnum, x, dim, size, n):
     for k, v in through.items():
         outs[k] = jax.numpy.asarray(v) * n
     return jax.tree.unflatten(out_tree, outs)
+
+
+def _passed_through(jaxpr, consts, operands) -> dict[int, object]:
+    """Output position -> value, for the outputs of the loop body (a jaxpr over
+    ``(*consts, i, *operands)``) that are just an input or a constant: they need no
+    loop, only ``n`` copies of the value."""
+    nc = len(consts)
+    invars = {v: k for k, v in enumerate(jaxpr.invars)}
+    through: dict[int, object] = {}
+    for k, v in enumerate(jaxpr.outvars):
+        if isinstance(v, Literal):
+            through[k] = v.val
+        elif invars.get(v, nc) < nc:
+            through[k] = consts[invars[v]]
+        elif invars.get(v, nc) > nc:  # an input other than the index
+            through[k] = operands[invars[v] - nc - 1]
+    return through

@@ -37,6 +37,20 @@ def default_pipeline(num_devices: int) -> str:
     return str(build_pipeline(num_devices))
 
 
+def _donated_leaves(args: tuple, static, donate) -> list[int]:
+    """Leaf indices (among the dynamic arguments' leaves) of the donated arguments."""
+    donated: list[int] = []
+    leaf = 0
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        n = len(jax.tree.leaves(a))
+        if i in donate:
+            donated.extend(range(leaf, leaf + n))
+        leaf += n
+    return donated
+
+
 def _is_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -113,7 +127,7 @@ class MpmdCompiled:
         """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
         final verification); ``compile_times["passes"]`` is their total plus parsing."""
         self._module = module
-        self._text = None  # printed on demand: printing a big module costs as much as parsing
+        self._text: str | None = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
         self.plan_data = build_plan(module)
         t1 = time.perf_counter()
@@ -134,11 +148,12 @@ class MpmdCompiled:
                    ", ".join(f"{k} {v:.3f} s" for k, v in self.compile_times.items()))
         n_leaves = lowered.in_tree.num_leaves
         self._all_dynamic = list(lowered.dyn_idx) == list(range(n_leaves))
-        in_sh = self._exec.input_shardings
+        in_sh: Sequence[NamedSharding | None] = self._exec.input_shardings
         if not self._all_dynamic:  # leaves the program does not take have no sharding
-            in_sh = [None] * n_leaves
+            placed: list[NamedSharding | None] = [None] * n_leaves
             for i, sh in zip(lowered.dyn_idx, self._exec.input_shardings):
-                in_sh[i] = sh
+                placed[i] = sh
+            in_sh = placed
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
@@ -297,10 +312,12 @@ class MpmdLowered:
         _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
         return module
 
-    fast = None  # a FastPath when the program takes enable_fast_path's jax.jit route
-    default_mesh = None  # (axis names, sizes) of the implicit default task, if not x=N
+    fast: _fast_path.FastPath | None = None
+    """A FastPath when the program takes enable_fast_path's jax.jit route."""
+    default_mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+    """(axis names, sizes) of the implicit default task, if not x=N."""
 
-    def compile(self) -> MpmdCompiled:
+    def compile(self) -> MpmdCompiled | _fast_path.FastCompiled:
         if self.fast is not None:
             return self.fast.compile()
         t0 = time.perf_counter()
@@ -368,6 +385,7 @@ def run_pipeline(module: ir.Module, pipeline: str | Pipeline, name: str | None =
     label = f"mjit({name})" if name else "multimesh"
 
     def write(step_name: str, mod) -> None:
+        assert where is not None  # only called when dumping
         safe = step_name.replace("/", "_")[:60]
         with open(os.path.join(where, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
             f.write(print_module(mod, debug_info=True))
@@ -587,15 +605,7 @@ class _MJit:
         if changed:  # the program the repro replays is the pinned one
             program = _bytecode(module)
         in_tree_dyn = jax.tree.structure((tuple(dyn_args), kwargs))
-        donated = []
-        leaf = 0
-        for i, a in enumerate(args):
-            if i in static:
-                continue
-            n = len(jax.tree.leaves(a))
-            if i in donate:
-                donated.extend(range(leaf, leaf + n))
-            leaf += n
+        donated = _donated_leaves(args, static, donate)
         key_in = [_is_key(x) for x in dyn_flat]
         key_out = [x.dtype._impl if _is_key(x) else None
                    for x in jax.tree.leaves(traced.out_info)]
@@ -730,7 +740,11 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
         raise MultimeshValueError("multimesh.jax.parallelize requires init_params.")
     with _contexts.autoshard(True):
         params = jax.eval_shape(init_params)
-        batch = jax.eval_shape(get_input_batch) if initial_batch is None else initial_batch
+        if initial_batch is None:
+            assert get_input_batch is not None  # one of the two was required above
+            batch = jax.eval_shape(get_input_batch)
+        else:
+            batch = initial_batch
     program = mjit(fun, devices=devices)
     program.pin_committed = initial_batch is not None  # its shardings are kept (MultiMesh)
     compiled = program.lower(params, batch).compile()

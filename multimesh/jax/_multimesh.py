@@ -281,6 +281,7 @@ class MultiMesh(Context, Mesh):
     # registrations), so it is built here and keeps attributes of its own.
     __setattr__ = object.__setattr__
     __delattr__ = object.__delattr__
+    global_mesh: Mesh  # the wrapped mesh (set in __new__)
 
     def __new__(cls, *, axis_sizes=None, axis_names=None, devices=None,
                 global_mesh: Mesh | None = None):
@@ -471,9 +472,11 @@ def _what(reg: _Registration) -> str:
 def _user_level() -> int:
     """``stacklevel`` of the first frame outside multimesh (for warnings)."""
     import sys
+    import types
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
         frame, level = frame.f_back, level + 1
     return level

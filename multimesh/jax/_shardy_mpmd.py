@@ -92,7 +92,9 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
         res_tree, kept, _PIPELINE, donated_leaves=info.donated,
         in_avals=info.arg_types if in_avals is None else in_avals)
-    return lowered.compile()
+    compiled = lowered.compile()
+    assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
+    return compiled
 
 
 class _ProgramInfo:
@@ -105,9 +107,9 @@ class _ProgramInfo:
             raise MultimeshValueError(
                 f"`compile_mpmd` could not parse the program: {e}") from None
         with module.context:
-            main = None
-            for op in module.body.operations:
-                op = op.operation
+            main: ir.Operation | None = None
+            for view in module.body.operations:
+                op = view.operation
                 if op.name == "func.func" and \
                         ir.StringAttr(op.attributes["sym_name"]).value == "main":
                     main = op
@@ -122,7 +124,7 @@ class _ProgramInfo:
                            if topology is not None else None)
             self.donated = []
             if "arg_attrs" in main.attributes:
-                for i, a in enumerate(main.attributes["arg_attrs"]):
+                for i, a in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
                     d = ir.DictAttr(a)
                     if any(k in d for k in _DONATION):
                         self.donated.append(i)
@@ -151,6 +153,8 @@ def _mesh_shape(attr) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def _positions(meshes, info: _ProgramInfo, devices) -> dict[str, tuple[int, ...]]:
+    """Mesh name -> device positions, from ``compile_mpmd``'s ``meshes``, checked
+    against the program's own meshes (when it names them)."""
     known = sorted(info.meshes) if info.meshes is not None else None
     if meshes is None:
         names = f" ({', '.join(repr(k) for k in known)})" if known else ""
@@ -165,52 +169,71 @@ def _positions(meshes, info: _ProgramInfo, devices) -> dict[str, tuple[int, ...]
     out = {}
     for name, value in meshes.items():
         if isinstance(value, Mesh):
-            missing = [d.id for d in value.devices.flat if d not in index]
-            if missing:
-                raise MultimeshValueError(
-                    f"`compile_mpmd` mesh {name!r} has device {missing[0]}, which is not in "
-                    f"the program's devices {[d.id for d in devices]}.")
-            if info.meshes is not None and name in info.meshes and \
-                    (tuple(value.axis_names), tuple(value.devices.shape)) != info.meshes[name]:
-                want = dict(zip(*info.meshes[name]))
-                raise MultimeshValueError(
-                    f"`compile_mpmd` mesh {name!r} has axes {dict(value.shape)} but the "
-                    f"program's mesh {name!r} has axes {want}.")
-            pos = tuple(index[d] for d in value.devices.flat)
+            pos = _mesh_positions(name, value, info, devices, index)
         else:
-            try:
-                pos = tuple(int(p) for p in value)
-            except (TypeError, ValueError):
-                raise MultimeshTypeError(
-                    f"`compile_mpmd` meshes[{name!r}] must be a sequence of device positions "
-                    f"or a jax.sharding.Mesh, got {value!r}.") from None
-            if len(set(pos)) != len(pos):
-                raise MultimeshValueError(
-                    f"`compile_mpmd` meshes[{name!r}] lists a device position twice: "
-                    f"{list(pos)}.")
-            bad = [p for p in pos if not 0 <= p < len(devices)]
-            if bad:
-                raise MultimeshValueError(
-                    f"`compile_mpmd` meshes[{name!r}] has device position {bad[0]}, but there "
-                    f"are {len(devices)} devices (valid positions are 0..{len(devices) - 1}).")
-        if known is not None and name not in info.meshes:
+            pos = _listed_positions(name, value, devices)
+        if info.meshes is not None and name not in info.meshes:
             raise MultimeshValueError(
                 f"`compile_mpmd` meshes has mesh {name!r}, which the program does not have; "
-                f"its meshes are {', '.join(repr(k) for k in known)}.")
+                f"its meshes are {', '.join(repr(k) for k in sorted(info.meshes))}.")
         out[str(name)] = pos
-    if known is not None:
-        for name in known:
-            if name not in out:
-                raise MultimeshValueError(
-                    f"`compile_mpmd` meshes gives no devices for the program's mesh {name!r} "
-                    f"(it gives {', '.join(repr(k) for k in sorted(out))}).")
-            size = int(np.prod(info.meshes[name][1]))
-            if len(out[name]) != size:
-                raise MultimeshValueError(
-                    f"`compile_mpmd` meshes[{name!r}] has {len(out[name])} devices, but the "
-                    f"program's mesh {name!r} has {size} "
-                    f"(axes {dict(zip(*info.meshes[name]))}).")
+    if info.meshes is not None:
+        _check_every_mesh(out, info.meshes)
     return out
+
+
+def _mesh_positions(name, value: Mesh, info: _ProgramInfo, devices,
+                    index: dict) -> tuple[int, ...]:
+    """The positions of a ``jax.sharding.Mesh`` given for mesh ``name``: its devices
+    must be the program's, its axes the program's mesh's."""
+    missing = [d.id for d in value.devices.flat if d not in index]
+    if missing:
+        raise MultimeshValueError(
+            f"`compile_mpmd` mesh {name!r} has device {missing[0]}, which is not in "
+            f"the program's devices {[d.id for d in devices]}.")
+    if info.meshes is not None and name in info.meshes and \
+            (tuple(value.axis_names), tuple(value.devices.shape)) != info.meshes[name]:
+        want = dict(zip(*info.meshes[name]))
+        raise MultimeshValueError(
+            f"`compile_mpmd` mesh {name!r} has axes {dict(value.shape)} but the "
+            f"program's mesh {name!r} has axes {want}.")
+    return tuple(index[d] for d in value.devices.flat)
+
+
+def _listed_positions(name, value, devices) -> tuple[int, ...]:
+    """Device positions listed for mesh ``name``: integers, distinct, in range."""
+    try:
+        pos = tuple(int(p) for p in value)
+    except (TypeError, ValueError):
+        raise MultimeshTypeError(
+            f"`compile_mpmd` meshes[{name!r}] must be a sequence of device positions "
+            f"or a jax.sharding.Mesh, got {value!r}.") from None
+    if len(set(pos)) != len(pos):
+        raise MultimeshValueError(
+            f"`compile_mpmd` meshes[{name!r}] lists a device position twice: "
+            f"{list(pos)}.")
+    bad = [p for p in pos if not 0 <= p < len(devices)]
+    if bad:
+        raise MultimeshValueError(
+            f"`compile_mpmd` meshes[{name!r}] has device position {bad[0]}, but there "
+            f"are {len(devices)} devices (valid positions are 0..{len(devices) - 1}).")
+    return pos
+
+
+def _check_every_mesh(out: dict[str, tuple[int, ...]],
+                      program: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> None:
+    """Every mesh of the program got positions, as many as it has devices."""
+    for name in sorted(program):
+        if name not in out:
+            raise MultimeshValueError(
+                f"`compile_mpmd` meshes gives no devices for the program's mesh {name!r} "
+                f"(it gives {', '.join(repr(k) for k in sorted(out))}).")
+        size = int(np.prod(program[name][1]))
+        if len(out[name]) != size:
+            raise MultimeshValueError(
+                f"`compile_mpmd` meshes[{name!r}] has {len(out[name])} devices, but the "
+                f"program's mesh {name!r} has {size} "
+                f"(axes {dict(zip(*program[name]))}).")
 
 
 def _tree(kind: str, tree, n: int, what: str):

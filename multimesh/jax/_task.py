@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -89,6 +91,37 @@ def _check_split_backprop(value, who: str) -> tuple[str, str] | None:
         f"(critical, non-critical), e.g. ('_activations', '_gradients'), got {value!r}.")
 
 
+def _task_mesh_axes(axis_names, axis_sizes) -> tuple[tuple, tuple]:
+    """``TaskMesh``'s axis names and sizes, checked: both given, one size per name,
+    distinct string names, positive sizes."""
+    if axis_names is None or axis_sizes is None:
+        raise MeshError("`TaskMesh` needs both `axis_names` and `axis_sizes` (or `abstract`).")
+    axis_names = _checks.axis_names(axis_names, "`TaskMesh`")
+    axis_sizes = _checks.axis_sizes(axis_sizes, "`TaskMesh`")
+    if len(axis_names) != len(axis_sizes):
+        raise MeshError(
+            f"`TaskMesh` got {len(axis_names)} axis names {axis_names} but "
+            f"{len(axis_sizes)} axis sizes {axis_sizes}; give one size per name.")
+    if not all(isinstance(n, str) for n in axis_names) or len(set(axis_names)) != len(axis_names):
+        raise MeshError(f"`TaskMesh` axis names must be distinct strings, got {axis_names}.")
+    if any(s < 1 for s in axis_sizes):
+        raise MeshError(f"`TaskMesh` axis sizes must be positive, got {axis_sizes}.")
+    return axis_names, axis_sizes
+
+
+def _check_task_mesh_positions(positions: tuple[int, ...]) -> None:
+    """``TaskMesh`` device positions are non-negative and distinct."""
+    if any(p < 0 for p in positions):
+        raise MeshError(f"`TaskMesh` device positions must be non-negative, got {positions}.")
+    repeated = sorted(p for p, n in collections.Counter(positions).items() if n > 1)
+    if repeated:
+        which = ", ".join(str(p) for p in repeated)
+        raise MeshError(
+            f"`TaskMesh` device positions must be distinct, got {positions}; position"
+            f"{'s' if len(repeated) > 1 else ''} {which} appear"
+            f"{'' if len(repeated) > 1 else 's'} more than once.")
+
+
 class TaskMesh:
     """A submesh for a task: device *positions* within the program plus named axes.
 
@@ -114,32 +147,13 @@ class TaskMesh:
             axis_names, axis_sizes = abstract.axis_names, abstract.axis_sizes
         if axis_names is None and axis_sizes is None:
             axis_names, axis_sizes = ("x",), (flat.size,)
-        if axis_names is None or axis_sizes is None:
-            raise MeshError("`TaskMesh` needs both `axis_names` and `axis_sizes` (or `abstract`).")
-        axis_names = _checks.axis_names(axis_names, "`TaskMesh`")
-        axis_sizes = _checks.axis_sizes(axis_sizes, "`TaskMesh`")
-        if len(axis_names) != len(axis_sizes):
-            raise MeshError(
-                f"`TaskMesh` got {len(axis_names)} axis names {axis_names} but "
-                f"{len(axis_sizes)} axis sizes {axis_sizes}; give one size per name.")
-        if not all(isinstance(n, str) for n in axis_names) or len(set(axis_names)) != len(axis_names):
-            raise MeshError(f"`TaskMesh` axis names must be distinct strings, got {axis_names}.")
-        if any(s < 1 for s in axis_sizes):
-            raise MeshError(f"`TaskMesh` axis sizes must be positive, got {axis_sizes}.")
+        axis_names, axis_sizes = _task_mesh_axes(axis_names, axis_sizes)
         if math.prod(axis_sizes) != flat.size:
             raise MeshError(
                 f"`TaskMesh` has {flat.size} devices {positions} but axis_sizes "
                 f"{axis_sizes} describe {math.prod(axis_sizes)} devices; the product of the axis "
                 f"sizes must equal the number of devices.")
-        if any(p < 0 for p in positions):
-            raise MeshError(f"`TaskMesh` device positions must be non-negative, got {positions}.")
-        repeated = sorted(p for p, n in collections.Counter(positions).items() if n > 1)
-        if repeated:
-            which = ", ".join(str(p) for p in repeated)
-            raise MeshError(
-                f"`TaskMesh` device positions must be distinct, got {positions}; position"
-                f"{'s' if len(repeated) > 1 else ''} {which} appear"
-                f"{'' if len(repeated) > 1 else 's'} more than once.")
+        _check_task_mesh_positions(positions)
         self.devices = flat.astype(int).reshape(axis_sizes)
         self.mesh = AbstractMesh(axis_sizes, axis_names)
 
@@ -236,6 +250,8 @@ def _positions_of(devices, name: str) -> np.ndarray:
 def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     """Turn a :class:`Task` into the IR-level :class:`TaskInfo` for this program."""
     mesh = spec.mesh
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
     if spec.mesh_slice is not None:
         from multimesh.jax._multimesh import slice_global_mesh  # implicit-task support
 
@@ -272,8 +288,10 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
 def _loop_dependent(spec: Task, name: str, info: TaskInfo, n: int) -> TaskInfo:
     """``info`` with the task's device positions in each of the loop's ``n`` microbatches."""
     placements = []
+    slicer = spec.loop_dependent_mesh_slice
+    assert slicer is not None  # only tasks placed per microbatch get here
     for mb in range(n):
-        where = spec.loop_dependent_mesh_slice(mb)
+        where = slicer(mb)
         moved = resolve_task_info(dataclasses.replace(spec, mesh=None, mesh_slice=where), name)
         if len(moved.devices) != len(info.devices):
             raise MeshError(
@@ -350,20 +368,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     if not callable(fun):
         raise MultimeshTypeError(f"`task` expects a callable, got {type(fun).__name__}.")
     default_name = name or getattr(fun, "__name__", None) or "task"
-    if task is not None:
-        if kwargs:
-            raise MultimeshValueError(
-                f"Task {default_name!r}: give either `task=` or keyword options, not both "
-                f"(got {sorted(kwargs)}).")
-        spec = task
-    else:
-        valid = {f.name for f in dataclasses.fields(Task)} | {"devices", "device_axes"}
-        unknown = sorted(set(kwargs) - valid)
-        if unknown:
-            raise MultimeshTypeError(
-                f"`task` got unexpected keyword argument(s) {unknown}; valid options are "
-                f"{sorted(valid - {'name'})}.")
-        spec = _legacy_task(default_name, dict(kwargs))
+    spec = _task_spec(default_name, task, kwargs)
     task_name = name or spec.name or default_name
     explicit = bool(name) or (task is not None and bool(task.name))  # not fun.__name__
 
@@ -388,9 +393,37 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         return jax.tree.unflatten(out_tree, outs)
 
     wrapped.__name__ = task_name
-    wrapped.__wrapped__ = fun
-    wrapped.mm_task = spec
-    return wrapped
+    functools.update_wrapper(wrapped, fun, assigned=(), updated=())  # __wrapped__ only
+    out = cast(TaskFunction, wrapped)
+    out.mm_task = spec
+    return out
+
+
+class TaskFunction(Protocol):
+    """What :func:`task` returns: the function, carrying its :class:`Task` (the flax
+    wrappers read ``mm_task`` to build their own tasks)."""
+
+    mm_task: Task
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _task_spec(default_name: str, task: Task | None, kwargs: dict) -> Task:
+    """The :class:`Task` that ``task(fun, ...)`` runs with: ``task=``, or one built
+    from the keyword options (never both)."""
+    if task is not None:
+        if kwargs:
+            raise MultimeshValueError(
+                f"Task {default_name!r}: give either `task=` or keyword options, not both "
+                f"(got {sorted(kwargs)}).")
+        return task
+    valid = {f.name for f in dataclasses.fields(Task)} | {"devices", "device_axes"}
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise MultimeshTypeError(
+            f"`task` got unexpected keyword argument(s) {unknown}; valid options are "
+            f"{sorted(valid - {'name'})}.")
+    return _legacy_task(default_name, dict(kwargs))
 
 
 def _note_explicit_name(info: TaskInfo) -> None:
@@ -446,7 +479,7 @@ def logical_axes_of(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
     if len(entries) > ndim:
         raise MultimeshValueError(
             f"Sharding {spec} has {len(entries)} entries but the value has rank {ndim}.")
-    out = []
+    out: list[tuple[str, ...]] = []
     for e in entries + [None] * (ndim - len(entries)):
         if e is None or e is PartitionSpec.UNCONSTRAINED:
             out.append(())

@@ -26,34 +26,38 @@ def as_schedule(obj) -> Schedule:
         sched = sched()
     if sched is not None:
         return as_schedule(sched)
+    module = _schedule_module(obj)
+    if module is None:
+        raise MultimeshTypeError(
+            f"visualize_schedule expects a compiled program, a module or a Schedule, got "
+            f"{type(obj).__name__}.")
+    from mlir_passes.schedule_fragments import read_schedule
+
+    s = read_schedule(module)
+    if s is None:
+        raise MultimeshValueError(_NO_SCHEDULE)
+    return s
+
+
+_NO_SCHEDULE = ("This program has no pipeline schedule (it is not microbatched: use "
+                "multimesh.jax.microbatch).")
+
+
+def _schedule_module(obj):
+    """The module to read a schedule from: parsed from text (``obj`` or its
+    ``as_text()``), ``obj`` itself if it is a module, else None."""
     text = None
     if isinstance(obj, str):
         text = obj
     elif hasattr(obj, "as_text") and callable(obj.as_text):
         text = obj.as_text()
-    module = None
-    if text is not None:
-        if "mm.schedule" not in text:
-            raise MultimeshValueError(
-                "This program has no pipeline schedule (it is not microbatched: use "
-                "multimesh.jax.microbatch).")
-        from multimesh._src.mlir import parse_module
+    if text is None:
+        return obj if hasattr(obj, "operation") else None
+    if "mm.schedule" not in text:  # cheaper than parsing a large module to find nothing
+        raise MultimeshValueError(_NO_SCHEDULE)
+    from multimesh._src.mlir import parse_module
 
-        module = parse_module(text)
-    elif hasattr(obj, "operation"):
-        module = obj
-    if module is not None:
-        from mlir_passes.schedule_fragments import read_schedule
-
-        s = read_schedule(module)
-        if s is not None:
-            return s
-        raise MultimeshValueError(
-            "This program has no pipeline schedule (it is not microbatched: use "
-            "multimesh.jax.microbatch).")
-    raise MultimeshTypeError(
-        f"visualize_schedule expects a compiled program, a module or a Schedule, got "
-        f"{type(obj).__name__}.")
+    return parse_module(text)
 
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,

@@ -235,11 +235,12 @@ class CrossTransfer:
     def __call__(self, x: jax.Array | None) -> jax.Array | None:
         blocks = {}
         if self.on_src:
+            assert x is not None  # a process that holds the source passes it
             x = _reshard(x, self.mid)
             for s in x.addressable_shards:
                 data = s.data
                 blocks[s.device] = data.reshape(1) if self.scalar else data
-        arrays = [blocks.get(d) if d in blocks else
+        arrays = [blocks[d] if d in blocks else
                   _dummy(self.flat_block, self.dtype, d) for d in self.local]
         y = self.program(jax.make_array_from_single_device_arrays(
             self.union_shape, self.union_sharding, arrays))
@@ -248,7 +249,7 @@ class CrossTransfer:
             return None
         got = [s.data.reshape(()) if self.scalar else s.data for s in y.addressable_shards
                if s.device in self.dst_set]
-        out = jax.make_array_from_single_device_arrays(self.shape, self.landing, got)
+        out: jax.Array = jax.make_array_from_single_device_arrays(self.shape, self.landing, got)
         if self.landing is not self.dst:
             out = _reshard(out, self.dst)
         return out
@@ -313,7 +314,7 @@ def cross_move(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 def one_per_process() -> NamedSharding:
     """Replicated on the first device of every process: every process holds the value."""
-    firsts = {}
+    firsts: dict[int, jax.Device] = {}
     for d in jax.devices():
         firsts.setdefault(d.process_index, d)
     devs = [firsts[k] for k in sorted(firsts)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Set
 
 import jax
 import numpy as np
@@ -54,7 +55,7 @@ def _dtype(s: str):
 
 
 def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
-                     positions: tuple[int, ...] | None = None):
+                     positions: tuple[int, ...] | None = None) -> jax.stages.Compiled:
     """Compile (or fetch from cache) one fragment for its devices.
 
     ``donors`` are argument positions whose buffers the call may reuse for its
@@ -170,8 +171,8 @@ class Executor:
         """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
-        self._steps = []
-        self._kept = []  # the plan steps this process runs, parallel to _steps
+        self._steps: list[tuple] = []  # (kind, executable or sharding, srcs, dsts, drop)
+        self._kept: list = []  # the plan steps this process runs, parallel to _steps
         shared: set[int] = set()  # transfers of a donated input onto its own devices
         for i, s in enumerate(plan.steps):
             # Hook (multi-process): skip steps without our devices; cross-process moves
@@ -212,7 +213,7 @@ class Executor:
                                   if self._program is not None else self.transfer_count)
         """Batched copy calls per run (each moves one or more arrays)."""
 
-    def _compile_calls(self, donated: frozenset[int]) -> dict[int, object]:
+    def _compile_calls(self, donated: frozenset[int]) -> dict[int, jax.stages.Compiled]:
         """The executable of every call this process runs (by step index), compiling only
         what is used: one executable per (fragment, devices), with the donations every
         call of it can make."""
@@ -225,8 +226,8 @@ class Executor:
                                if a in donated and plan.last_use.get(a) == i
                                and s.args.count(a) == 1 and k not in frag.donors)
                 wants.setdefault((s.fragment, s.devices), []).append((i, donors))
-        exes: dict[int, object] = {}
-        self.exes = {}
+        exes: dict[int, jax.stages.Compiled] = {}
+        self.exes: dict[str, jax.stages.Compiled] = {}
         """Fragment name -> one of its executables (for cost and memory analysis)."""
         self.xla_seconds: dict[str, float] = {}
         """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
@@ -260,13 +261,20 @@ class Executor:
             out.append(a)
         return out
 
-    def __call__(self, *args):
-        # Values live in a flat list indexed by value id; a slot is cleared after the
-        # value's last use so its buffer can be freed while the step still runs.
+    def _start(self, args) -> list:
+        """The value list of one run, holding its placed inputs (checked first).
+
+        Values live in a flat list indexed by value id; a slot is cleared after the
+        value's last use so its buffer can be freed while the step still runs.
+        """
         check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
+        return env
+
+    def __call__(self, *args):
+        env = self._start(args)
         if self._program is None:
             return self._run_steps(env)
         get = env.__getitem__
@@ -309,10 +317,7 @@ class Executor:
 
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but blocks after every step and records its span."""
-        check_args(args, self.donated, self._leaf_name)
-        env = self._env_template.copy()
-        for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
-            env[i] = a
+        env = self._start(args)
         for (kind, what, srcs, dsts, drop), step in zip(self._steps, self._kept):
             if kind == 0 and isinstance(step, Transfer):  # a cross-process transfer
                 ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
@@ -347,7 +352,7 @@ def _process_plan(plan: Plan, devices: tuple):
 
 
 def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
-             consumed: dict, shared: set[int] = frozenset()) -> list[tuple]:
+             consumed: dict, shared: Set[int] = frozenset()) -> list[tuple]:
     """The steps of one run as flat tuples for :meth:`Executor.__call__`.
 
     Calls keep the plan's order. A transfer may go anywhere between its place in
@@ -360,73 +365,110 @@ def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
     the schedule needs cross in one host call. A transfer of a donated input onto its
     own devices (``shared``) gets fresh buffers (:func:`_copy`), never a batched copy.
     """
-    n = len(plan.steps)
-    layout = _value_layouts(plan)
-    first_read: dict[int, int] = {}
-    for i, s in enumerate(plan.steps):
-        for v in (s.args if isinstance(s, Call) else [s.src]):
-            first_read.setdefault(v, i)
-    gone: dict[int, list[int]] = {}  # value -> calls that donate it
-    for i, values in consumed.items():
-        for v in values:
-            gone.setdefault(v, []).append(i)
-    moved_by = {s.dst for s in plan.steps if isinstance(s, Transfer)}
-    ranges = []  # (latest slot, transfer index); slot j = just before plan step j
-    for i, s in enumerate(plan.steps):
-        if isinstance(s, Transfer):
-            hi = min([first_read.get(s.dst, n), *(j for j in gone.get(s.src, ()) if j > i)])
-            ranges.append((hi, i))
-    before: dict[int, list[int]] = {}  # slot -> transfers dispatched there, in one batch
-    point = None
-    for hi, i in sorted(ranges):
-        if plan.steps[i].src in moved_by:  # reads another transfer: its own batch, later
-            before.setdefault(hi, []).append(i)
-        elif point is not None and i <= point:
-            before[point].append(i)
-        else:
-            point = hi
-            before.setdefault(point, []).append(i)
-    order: list[int | list[int]] = []  # a call's step index, or a batch of transfers
-    for i in range(n + 1):
-        if i in before:
-            order.append(before[i])
-        if i < n and isinstance(plan.steps[i], Call):
-            order.append(i)
-    last_read: dict[int, int] = {}  # in the new order: when each value can be dropped
-    for k, item in enumerate(order):
-        for i in (item if isinstance(item, list) else [item]):
-            s = plan.steps[i]
-            for v in (s.args if isinstance(s, Call) else [s.src]):
-                last_read[v] = k
+    order = _dispatch_order(plan, _transfer_slots(plan, consumed))
+    last_read = _last_reads(plan, order)
     outputs = set(plan.outputs)
+    layout = _value_layouts(plan)
 
     def drops(k: int, reads) -> tuple[int, ...]:
         return tuple(sorted({v for v in reads if last_read.get(v) == k and v not in outputs}))
 
     program: list[tuple] = []
     for k, item in enumerate(order):
-        if not isinstance(item, list):
-            s = plan.steps[item]
-            program.append((0, jax_compat.dispatcher(exes[item]), tuple(s.args), tuple(s.results),
-                            tuple(skipped.get(item, ())), drops(k, s.args)))
+        if isinstance(item, list):
+            ops = _transfer_ops(plan, item, steps, layout, shared)
+            ops[-1] = ops[-1][:-1] + (drops(k, [plan.steps[i].src for i in item]),)
+            program.extend(ops)
             continue
-        # (kind, what, srcs, dsts, delete, drop), as for a call
-        transfers = [plan.steps[i] for i in item]
-        shardings = [steps[i][1] for i in item]
-        copies = [j for j, t in enumerate(transfers) if item[j] not in shared
-                  and _plain_copy(layout[t.src], t.layout)]
-        ops: list[tuple] = [(3 if item[j] in shared else 2, sh, t.src, t.dst, (), ())
-                            for j, (t, sh) in enumerate(zip(transfers, shardings))
-                            if j not in copies]
-        if copies:
-            ops.append((1, ([jax_compat.device_list(shardings[j]) for j in copies],
-                            [shardings[j] for j in copies],
-                            [jax_compat.REUSE_INPUT] * len(copies)),
-                        tuple(transfers[j].src for j in copies),
-                        tuple(transfers[j].dst for j in copies), (), ()))
-        ops[-1] = ops[-1][:-1] + (drops(k, [t.src for t in transfers]),)
-        program.extend(ops)
+        s = plan.steps[item]
+        assert isinstance(s, Call)
+        program.append((0, jax_compat.dispatcher(exes[item]), tuple(s.args), tuple(s.results),
+                        tuple(skipped.get(item, ())), drops(k, s.args)))
     return program
+
+
+def _reads(s: Call | Transfer) -> list[int]:
+    """The values one plan step reads."""
+    return s.args if isinstance(s, Call) else [s.src]
+
+
+def _transfer_slots(plan: Plan, consumed: dict) -> dict[int, list[int]]:
+    """Slot -> the transfers dispatched there in one batch (slot j: just before step j).
+
+    Each transfer's latest slot is its destination's first reader or the first later
+    call that donates its source; the fewest slots that cover every range win.
+    """
+    n = len(plan.steps)
+    first_read: dict[int, int] = {}
+    for i, s in enumerate(plan.steps):
+        for v in _reads(s):
+            first_read.setdefault(v, i)
+    gone: dict[int, list[int]] = {}  # value -> calls that donate it
+    for i, values in consumed.items():
+        for v in values:
+            gone.setdefault(v, []).append(i)
+    moved_by = {s.dst for s in plan.steps if isinstance(s, Transfer)}
+    ranges = []  # (latest slot, transfer index)
+    for i, s in enumerate(plan.steps):
+        if isinstance(s, Transfer):
+            hi = min([first_read.get(s.dst, n), *(j for j in gone.get(s.src, ()) if j > i)])
+            ranges.append((hi, i, s.src in moved_by))
+    before: dict[int, list[int]] = {}
+    point = None
+    for hi, i, chained in sorted(ranges):
+        if chained:  # reads another transfer: its own batch, later
+            before.setdefault(hi, []).append(i)
+        elif point is not None and i <= point:
+            before[point].append(i)
+        else:
+            point = hi
+            before.setdefault(point, []).append(i)
+    return before
+
+
+def _dispatch_order(plan: Plan, before: dict[int, list[int]]) -> list[int | list[int]]:
+    """Calls in plan order, each batch of transfers in its slot."""
+    n = len(plan.steps)
+    order: list[int | list[int]] = []  # a call's step index, or a batch of transfers
+    for i in range(n + 1):
+        if i in before:
+            order.append(before[i])
+        if i < n and isinstance(plan.steps[i], Call):
+            order.append(i)
+    return order
+
+
+def _last_reads(plan: Plan, order: list[int | list[int]]) -> dict[int, int]:
+    """Value -> position in ``order`` of its last reader: when it can be dropped."""
+    last_read: dict[int, int] = {}
+    for k, item in enumerate(order):
+        for i in (item if isinstance(item, list) else [item]):
+            for v in _reads(plan.steps[i]):
+                last_read[v] = k
+    return last_read
+
+
+def _transfer_ops(plan: Plan, item: list[int], steps: list, layout: dict[int, Layout],
+                  shared: Set[int]) -> list[tuple]:
+    """One batch of transfers as ops (kind, what, srcs, dsts, delete, drop), as for a call.
+
+    Plain copies (same layout, other devices) share one batched copy; the rest,
+    and donated inputs onto their own devices (``shared``), go one by one.
+    """
+    transfers = [plan.steps[i] for i in item]
+    shardings = [steps[i][1] for i in item]
+    copies = [j for j, t in enumerate(transfers) if item[j] not in shared
+              and _plain_copy(layout[t.src], t.layout)]
+    ops: list[tuple] = [(3 if item[j] in shared else 2, sh, t.src, t.dst, (), ())
+                        for j, (t, sh) in enumerate(zip(transfers, shardings))
+                        if j not in copies]
+    if copies:
+        ops.append((1, ([jax_compat.device_list(shardings[j]) for j in copies],
+                        [shardings[j] for j in copies],
+                        [jax_compat.REUSE_INPUT] * len(copies)),
+                    tuple(transfers[j].src for j in copies),
+                    tuple(transfers[j].dst for j in copies), (), ()))
+    return ops
 
 
 def _value_layouts(plan: Plan) -> dict[int, Layout]:

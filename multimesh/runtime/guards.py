@@ -58,9 +58,9 @@ def _check_donated_once(args, donated, name) -> None:
         if j != i:
             _raise_twice(j, i, name, both_donated=True)
     for i, a in enumerate(args):
-        j = owner.get(id(a))
-        if j is not None and j != i and type(a) is ArrayImpl:
-            _raise_twice(j, i, name, both_donated=False)
+        first = owner.get(id(a))
+        if first is not None and first != i and type(a) is ArrayImpl:
+            _raise_twice(first, i, name, both_donated=False)
 
 
 def _raise_twice(donor: int, other: int, name, *, both_donated: bool) -> None:

@@ -27,44 +27,55 @@ def _shard_bytes(shape, dtype: str, layout) -> int:
 
 def simulated_peaks(plan: Plan, executor) -> tuple[dict[int, int], dict[int, int]]:
     """(peak bytes per device while running the plan, max fragment peak per device)."""
-    live: dict[int, int] = {}  # device position -> bytes
-    where: dict[int, list] = {}
-    peak: dict[int, int] = {}
-    own: dict[int, int] = {}
-
-    def add(vid, shape, dtype, lay, sign=1):
-        b = _shard_bytes(shape, dtype, lay)
-        for p in lay[0]:
-            live[p] = live.get(p, 0) + sign * b
-        if sign > 0:
-            where[vid] = (shape, dtype, lay)
-
-    first = True
+    sim = _LiveBytes()
     for i, step in enumerate(plan.steps):
         if isinstance(step, Call):
-            frag = plan.fragments[step.fragment]
-            if first:
-                first = False
-            for vid, t, lay in zip(step.args, frag.in_types, frag.in_layouts):
-                if vid not in where:
-                    add(vid, t[0], t[1], lay)
-            stats = executor.exes[step.fragment].memory_analysis()
-            temp = stats.temp_size_in_bytes
-            fpeak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + temp)
-            for p in frag.devices:
-                own[p] = max(own.get(p, 0), fpeak)
-            for vid, t, lay in zip(step.results, frag.out_types, frag.out_layouts):
-                add(vid, t[0], t[1], lay)
-            for p in frag.devices:
-                peak[p] = max(peak.get(p, 0), live.get(p, 0) + temp)
+            sim.call(plan.fragments[step.fragment], step,
+                     executor.exes[step.fragment].memory_analysis())
             done = step.args
         else:
-            src = where.get(step.src)
+            src = sim.where.get(step.src)
             if src is not None:
-                add(step.dst, src[0], src[1], step.layout)
+                sim.add(step.dst, src[0], src[1], step.layout)
             done = [step.src]
         for vid in set(done):
-            if plan.last_use.get(vid) == i and vid not in plan.outputs and vid in where:
-                shape, dtype, lay = where.pop(vid)
-                add(vid, shape, dtype, lay, sign=-1)
-    return peak, own
+            if plan.last_use.get(vid) == i and vid not in plan.outputs:
+                sim.free(vid)
+    return sim.peak, sim.own
+
+
+class _LiveBytes:
+    """Bytes alive on each device as the plan's steps run in order."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}  # device position -> bytes
+        self.where: dict[int, tuple] = {}  # value -> (shape, dtype, layout) while alive
+        self.peak: dict[int, int] = {}
+        self.own: dict[int, int] = {}  # device position -> largest fragment peak
+
+    def add(self, vid: int, shape, dtype, lay, sign: int = 1) -> None:
+        b = _shard_bytes(shape, dtype, lay)
+        for p in lay[0]:
+            self.live[p] = self.live.get(p, 0) + sign * b
+        if sign > 0:
+            self.where[vid] = (shape, dtype, lay)
+
+    def free(self, vid: int) -> None:
+        if vid in self.where:
+            shape, dtype, lay = self.where.pop(vid)
+            self.add(vid, shape, dtype, lay, sign=-1)
+
+    def call(self, frag, step: Call, stats) -> None:
+        """One fragment call: its inputs (if new), its outputs, and its temporaries
+        on top of what is alive at that point (``stats``: XLA's memory analysis)."""
+        for vid, t, lay in zip(step.args, frag.in_types, frag.in_layouts):
+            if vid not in self.where:
+                self.add(vid, t[0], t[1], lay)
+        temp = stats.temp_size_in_bytes
+        fpeak = stats.argument_size_in_bytes + stats.output_size_in_bytes + temp
+        for p in frag.devices:
+            self.own[p] = max(self.own.get(p, 0), fpeak)
+        for vid, t, lay in zip(step.results, frag.out_types, frag.out_layouts):
+            self.add(vid, t[0], t[1], lay)
+        for p in frag.devices:
+            self.peak[p] = max(self.peak.get(p, 0), self.live.get(p, 0) + temp)

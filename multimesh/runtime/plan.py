@@ -67,7 +67,7 @@ class Plan:
     num_devices: int
     fragments: dict[str, Fragment]
     steps: list  # Call | Transfer, in dispatch order
-    inputs: list[Layout | None]
+    inputs: list[Layout]
     input_ids: list[int]
     outputs: list[int]
     out_layouts: list[Layout]
@@ -151,15 +151,16 @@ class _Builder:
         self.module = module
         self.subs: dict[str, ir.Operation] = {}
         self.funcs: dict[str, ir.Operation] = {}
-        for op in module.body.operations:
-            op = op.operation
+        for view in module.body.operations:
+            op = view.operation
             if op.name == "builtin.module":
                 self.subs[ir.StringAttr(op.attributes["sym_name"]).value] = op
             elif op.name == "func.func":
                 self.funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op
-        self.main = self.funcs.get("main")
-        if self.main is None:
+        main = self.funcs.get("main")
+        if main is None:
             raise MultimeshValueError("The module has no 'main' function.")
+        self.main: ir.Operation = main
         attrs = module.operation.attributes
         self.num_devices = ir.IntegerAttr(attrs["mm.num_devices"]).value \
             if "mm.num_devices" in attrs else 1
@@ -170,8 +171,8 @@ class _Builder:
         self.constants: dict[int, tuple[int, Layout]] = {}
         self.const_ids: dict[tuple, int] = {}
         self.next_id = 0
-        self.num_microbatches = None
-        self.schedule_name = None
+        self.num_microbatches: int | None = None
+        self.schedule_name: str | None = None
         self._layouts: dict = {}
 
     def new_id(self, layout: Layout | None) -> int:
@@ -205,6 +206,7 @@ class _Builder:
                 self._loop(op, ids)
             else:
                 self._op(op, ids)
+        assert ret is not None  # a func.func body ends with its func.return
         outputs = [ids[v] for v in ret.operands]
         plan = Plan(self.num_devices, self.fragments, self.steps, inputs, input_ids, outputs,
                     [self.layout_of[o] for o in outputs], constants=self.constants,
@@ -298,7 +300,6 @@ class _Builder:
         ops = [o.operation for o in block.operations]
         ret = ops.pop()
         args = list(block.arguments)
-        n_carry = len(ret.operands)
         # Body ops grouped per call: the call, then the transfers of its results.
         units: list[list[ir.Operation]] = []
         before: list[ir.Operation] = []
@@ -317,15 +318,7 @@ class _Builder:
         order = self._order(loop, len(units), M)
         self.schedule_name = (attr_to_py(loop.attributes["mm.schedule"]).get("name")
                               if "mm.schedule" in loop.attributes else None)
-        outer = [ids[v] for v in loop.operands]
-        envs: list[_Env] = []
-        for m in range(M):
-            first = 0 if m == 0 else n_carry
-            env = _Env({args[1 + j]: outer[j] for j in range(first, len(outer))})
-            if m > 0:  # running sums come from the previous microbatch, when it made them
-                env.carried = {args[1 + j]: (envs[m - 1], v)
-                               for j, v in enumerate(ret.operands)}
-            envs.append(env)
+        envs = _Env.per_microbatch(M, args, [ids[v] for v in loop.operands], ret.operands)
         for k, m in order:
             self._microbatch = m
             for op in units[k]:
@@ -383,6 +376,21 @@ class _Env(dict):
 
     carried: dict = {}
 
+    @staticmethod
+    def per_microbatch(M: int, args: list, outer: list[int], carry: list) -> list[_Env]:
+        """One environment per microbatch. ``args`` are the body's block arguments (the
+        index, then one per loop operand), ``outer`` the loop operands' value ids and
+        ``carry`` the body's returned values: a running sum starts from its loop
+        operand in microbatch 0 and from the previous microbatch's result after."""
+        envs: list[_Env] = []
+        for m in range(M):
+            first = 0 if m == 0 else len(carry)
+            env = _Env({args[1 + j]: outer[j] for j in range(first, len(outer))})
+            if m > 0:  # running sums come from the previous microbatch, when it made them
+                env.carried = {args[1 + j]: (envs[m - 1], v) for j, v in enumerate(carry)}
+            envs.append(env)
+        return envs
+
     def __missing__(self, key):
         if key in self.carried:
             env, v = self.carried[key]
@@ -398,8 +406,8 @@ def _mesh_of(sub: ir.Operation):
 
 
 def _find_mesh(module: ir.Module, name: str):
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "sdy.mesh" and ir.StringAttr(op.attributes["sym_name"]).value == name:
             return sdy.MeshAttr(op.attributes["mesh"])
     raise MultimeshValueError(f"Unknown mesh @{name}.")
@@ -418,6 +426,7 @@ def _fragment(name: str, sub: ir.Operation) -> Fragment:
     for op in sub.regions[0].blocks[0].operations:
         if op.operation.name == "func.func":
             fn = op.operation
+    assert fn is not None  # mm-extract-fragments puts the fragment's function in it
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
     arg_attrs = _attr_list(fn, "arg_attrs", len(ftype.inputs))
 

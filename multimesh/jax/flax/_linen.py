@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -170,7 +171,8 @@ def _linen_task_class(model: type, explicit_name: str | None, spec: mm.Task) -> 
                                  "__doc__": f"``{model.__name__}`` run as a multimesh task."}
     for f in fields:
         annotations[f.name] = f.type
-        kw = {"kw_only": f.kw_only} if f.kw_only is not dataclasses.MISSING else {}
+        kw: dict[str, Any] = ({"kw_only": f.kw_only}
+                              if f.kw_only is not dataclasses.MISSING else {})
         if f.default is not dataclasses.MISSING:
             namespace[f.name] = dataclasses.field(default=f.default, **kw)
         elif f.default_factory is not dataclasses.MISSING:
@@ -184,7 +186,7 @@ def _linen_task_class(model: type, explicit_name: str | None, spec: mm.Task) -> 
         return _call_linen_task(self, model, fields, explicit_name, spec, args, kw)
 
     namespace["__call__"] = __call__
-    cls = type(f"Task[{model.__name__}]", (nn.Module,), namespace)
+    cls: type[Any] = type(f"Task[{model.__name__}]", (nn.Module,), namespace)
     cls.mm_task = spec
     cls.wrapped_model = model
     return cls
@@ -203,11 +205,7 @@ def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
         return {"params": variables.get("params", {})}
 
     mod = self.param("mod", init_mod)  # unboxed
-    collections = (set(stash) | set(self.variables)) - {"params"}
-    others = {}
-    for col in sorted(collections):
-        if col in stash or self.has_variable(col, "mod"):
-            others[col] = self.variable(col, "mod", lambda c=col: stash[c])
+    others = _task_collections(self, stash)
     mutable = [c for c in others if self.is_mutable_collection(c)]
     rngs = {k: self.make_rng(k) for k in rng_streams}
     other_vals = {c: nn.meta.unbox(v.value) for c, v in others.items()}
@@ -230,12 +228,28 @@ def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
         out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
     if mutable:
         out, updates = out
-        for col, val in dict(updates).items():
-            if col in others:
-                others[col].value = val
-            elif self.is_mutable_collection(col):
-                self.put_variable(col, "mod", val)
+        _write_back(self, others, updates)
     return out
+
+
+def _task_collections(self, stash: dict) -> dict:
+    """The task's non-param collections (batch stats, ...) as variables of the wrapper,
+    made from the inner init's values (``stash``) the first time."""
+    collections = (set(stash) | set(self.variables)) - {"params"}
+    others = {}
+    for col in sorted(collections):
+        if col in stash or self.has_variable(col, "mod"):
+            others[col] = self.variable(col, "mod", lambda c=col: stash[c])
+    return others
+
+
+def _write_back(self, others: dict, updates) -> None:
+    """Store the inner apply's mutated collections in the wrapper's variables."""
+    for col, val in dict(updates).items():
+        if col in others:
+            others[col].value = val
+        elif self.is_mutable_collection(col):
+            self.put_variable(col, "mod", val)
 
 
 def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
@@ -379,6 +393,7 @@ class MicrobatchOptions:
         total = rows.pop()
         if self.microbatch_size is not None:
             return self.microbatch_size
+        assert self.num_microbatches is not None  # active: one of the two is set
         if total % self.num_microbatches:
             raise MultimeshValueError(
                 f"parallelize_step num_microbatches={self.num_microbatches} does not divide "
@@ -448,31 +463,57 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         return _nnx.parallelize_step(model, optimizer, mesh=mesh, global_batch=global_batch,
                                      local_batch=local_batch, replicate_inputs=replicate_inputs,
                                      microbatching=mb)
-    if not isinstance(model, nn.Module):
-        if isinstance(model, type) and (issubclass(model, nn.Module)
-                                        or _nnx.is_nnx_module_class(model)):
-            raise MultimeshTypeError(
-                f"parallelize_step expects a linen or NNX module instance, got the class "
-                f"{model.__name__}; pass an instance, e.g. {model.__name__}(...).")
-        raise MultimeshTypeError(
-            f"parallelize_step expects a linen or NNX module instance, got "
-            f"{type(model).__name__}.")
+    _check_linen_model(model)
     check_optimizer(optimizer, allow_nnx=False)
     _check_batches(global_batch, local_batch)
     mesh = _default_mesh(mesh)
+    init_fn = functools.partial(_linen_init_state, model, optimizer)
+    batch_avals = _batch_avals(global_batch, local_batch)
+    step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
+    key = jax.random.key(42) if rng is None else rng
+    if init_state is not None:
+        init_state = _initial_state(init_state, model, optimizer)
+    compiled = mm.mjit(step_fn, mesh=mesh).lower(
+        _state_avals(init_fn, key, batch_avals, init_state), batch_avals).compile()
+    state_sh, batch_sh = compiled.input_shardings[0]
+    prepare_batch = make_prepare_batch(batch_sh, batch_avals)
+    init_batch = global_batch if global_batch is not None else local_batch
+    state = _placed_state(init_fn, init_state, state_sh, key, init_batch)
+    if global_batch is not None:
+        return compiled, state, mesh
+    return compiled, state, mesh, prepare_batch
+
+
+def _check_linen_model(model) -> None:
+    """``model`` must be a linen module instance (NNX ones were handled before)."""
+    from multimesh.jax.flax import _nnx
+
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type) and (issubclass(model, nn.Module)
+                                    or _nnx.is_nnx_module_class(model)):
+        raise MultimeshTypeError(
+            f"parallelize_step expects a linen or NNX module instance, got the class "
+            f"{model.__name__}; pass an instance, e.g. {model.__name__}(...).")
+    raise MultimeshTypeError(
+        f"parallelize_step expects a linen or NNX module instance, got "
+        f"{type(model).__name__}.")
+
+
+def _linen_init_state(model, optimizer, key, batch):
+    """A fresh ``TrainState``: ``model``'s variables for ``batch`` and the optimizer's."""
     from flax.training.train_state import TrainState
 
-    def init_fn(key, batch):
-        variables = model.init(key, batch)
-        return TrainState.create(apply_fn=model.apply, params=variables, tx=optimizer)
+    variables = model.init(key, batch)
+    return TrainState.create(apply_fn=model.apply, params=variables, tx=optimizer)
 
-    batch_avals = _batch_avals(global_batch, local_batch)
 
-    def grad_fn(params, inputs):
+def _linen_step_fn(model, mb: MicrobatchOptions, batch_avals, replicate_inputs: bool):
+    """The training step that ``mjit`` compiles: (state, inputs) -> (loss, new state)."""
+    def plain_grad(params, inputs):
         return jax.value_and_grad(model.apply)(params, inputs)
 
-    if mb.active:
-        grad_fn = mb.wrap(grad_fn, batch_avals)
+    grad_fn = mb.wrap(plain_grad, batch_avals) if mb.active else plain_grad
 
     def step_fn(state, inputs):
         state = constrain_linen_state(state)
@@ -483,31 +524,28 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
         # like the old one, so it feeds the next step without resharding.
         return loss, constrain_linen_state(state.apply_gradients(grads=grads))
 
-    key = jax.random.key(42) if rng is None else rng
+    return step_fn
+
+
+def _state_avals(init_fn, key, batch_avals, init_state):
+    """The state's shapes: traced from ``init_fn`` or read off ``init_state``."""
     if init_state is None:
         with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
-            state_avals = jax.eval_shape(init_fn, key, batch_avals)
-    else:
-        init_state = _initial_state(init_state, model, optimizer)
-        state_avals = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
-            init_state)
-    compiled = mm.mjit(step_fn, mesh=mesh).lower(
-        state_avals, batch_avals).compile()
-    state_sh, batch_sh = compiled.input_shardings[0]
-    prepare_batch = make_prepare_batch(batch_sh, batch_avals)
-    init_batch = global_batch if global_batch is not None else local_batch
+            return jax.eval_shape(init_fn, key, batch_avals)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
+        init_state)
+
+
+def _placed_state(init_fn, init_state, state_sh, key, init_batch):
+    """The first state on the step's input shardings (under jax.distributed each
+    variable is computed only by the processes that own it)."""
     if init_state is not None:
-        state = place(init_state, state_sh)
-    else:
-        with mm.ignore_transforms():
-            if jax.process_count() > 1:  # each variable computed only by its owners
-                state = distributed.owner_init(init_fn, state_sh, key, init_batch)
-            else:
-                state = place(jax.jit(init_fn)(key, init_batch), state_sh)
-    if global_batch is not None:
-        return compiled, state, mesh
-    return compiled, state, mesh, prepare_batch
+        return place(init_state, state_sh)
+    with mm.ignore_transforms():
+        if jax.process_count() > 1:
+            return distributed.owner_init(init_fn, state_sh, key, init_batch)
+        return place(jax.jit(init_fn)(key, init_batch), state_sh)
 
 
 def _initial_state(given, model, optimizer):

@@ -17,8 +17,9 @@ rejected with an error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -30,6 +31,7 @@ import multimesh.jax as mm
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh
+from multimesh.jax._task import TaskFunction
 from multimesh.jax.flax._linen import (
     _batch_avals,
     _check_batches,
@@ -142,29 +144,48 @@ def _describe_mismatch(old: _Split, new: _Split, static_argnums) -> str:
     by_kind: dict[str, list] = {"node": [], "dyn": [], "static": []}
     for p, k in zip(paths, new.kinds):
         by_kind[k].append(p)
+    why = _leaf_mismatch(old, new, by_kind, static_argnums)
+    if why is None and (old.graphdef != new.graphdef or old.node_paths() != new.node_paths()
+                        or old.var_dynamic != new.var_dynamic):
+        why = ("NNX objects whose structure (attributes, Variables or static "
+               "fields) differs from the ones it was compiled for.")
+    if why is None:
+        why = _variable_mismatch(old, new, by_kind["node"], static_argnums)
+    if why is None:
+        why = ("arguments whose structure, shapes or dtypes differ from those it was "
+               "compiled for.")
+    return f"{head} {why}{tail}"
+
+
+def _leaf_mismatch(old: _Split, new: _Split, by_kind: dict[str, list],
+                   static_argnums) -> str | None:
+    """The first array leaf of another shape or dtype, or static leaf of another value."""
     for p, a, b in zip(by_kind["dyn"], old.dyn, new.dyn):
         if _aval_sig(a) != _aval_sig(b):
-            return (f"{head} {_arg_name(p, static_argnums)} of {_describe_aval(_aval_sig(b))}, "
-                    f"but it was compiled for {_describe_aval(_aval_sig(a))}.{tail}")
+            return (f"{_arg_name(p, static_argnums)} of {_describe_aval(_aval_sig(b))}, "
+                    f"but it was compiled for {_describe_aval(_aval_sig(a))}.")
     for p, a, b in zip(by_kind["static"], old.static, new.static):
         if _hashable(a) != _hashable(b):
-            return (f"{head} {_arg_name(p, static_argnums)} = {b!r}, but it was compiled for "
-                    f"{a!r} (a static, non-array value).{tail}")
-    if (old.graphdef != new.graphdef or old.node_paths() != new.node_paths()
-            or old.var_dynamic != new.var_dynamic):
-        return (f"{head} NNX objects whose structure (attributes, Variables or static "
-                f"fields) differs from the ones it was compiled for.{tail}")
+            return (f"{_arg_name(p, static_argnums)} = {b!r}, but it was compiled for "
+                    f"{a!r} (a static, non-array value).")
+    return None
+
+
+def _variable_mismatch(old: _Split, new: _Split, node_paths: list,
+                       static_argnums) -> str | None:
+    """The first Variable of the NNX objects whose value no longer fits."""
     for (path, _), dynamic, a, b in zip(new.flat, new.var_dynamic, old.values, new.values):
-        where = f"{_arg_name(by_kind['node'][path[0]], static_argnums)}" + "".join(
+        node = path[0]
+        assert isinstance(node, int)  # the nodes were split as a tuple: paths start at an index
+        where = f"{_arg_name(node_paths[node], static_argnums)}" + "".join(
             f".{k}" for k in path[1:])
         if dynamic and _aval_sig(a) != _aval_sig(b):
-            return (f"{head} the Variable {where} of {_describe_aval(_aval_sig(b))}, but it "
-                    f"was compiled for {_describe_aval(_aval_sig(a))}.{tail}")
+            return (f"the Variable {where} of {_describe_aval(_aval_sig(b))}, but it "
+                    f"was compiled for {_describe_aval(_aval_sig(a))}.")
         if not dynamic and _hashable(a) != _hashable(b):
-            return (f"{head} the Variable {where} holding {b!r}, but it was compiled for "
-                    f"{a!r} (a static, non-array value).{tail}")
-    return (f"{head} arguments whose structure, shapes or dtypes differ from those it was "
-            f"compiled for.{tail}")
+            return (f"the Variable {where} holding {b!r}, but it was compiled for "
+                    f"{a!r} (a static, non-array value).")
+    return None
 
 
 class _Split:
@@ -177,6 +198,7 @@ class _Split:
 
     def __init__(self, tree, *, allow_abstract: bool = False, scalars_dynamic: bool = True):
         self._tree = tree  # for naming leaves in errors
+        self.treedef: Any  # a PyTreeDef: jax's alias for it is opaque to mypy
         leaves, self.treedef = jax.tree.flatten(tree, is_leaf=_is_node)
         self.kinds: list[str] = []
         nodes, dyn, static = [], [], []
@@ -194,11 +216,11 @@ class _Split:
         self.nodes = tuple(nodes)
         self.dyn = dyn
         self.static = static
+        self.graphdef: nnx.GraphDef | None = None
+        self.flat: list = []
         if nodes:
             self.graphdef, state = nnx.split(self.nodes)
             self.flat = list(nnx.to_flat_state(state))
-        else:
-            self.graphdef, self.flat = None, []
         self.values, self.var_dynamic = [], []
         for _, leaf in self.flat:
             val = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
@@ -230,7 +252,8 @@ class _Split:
         for (path, leaf), d, val in zip(self.flat, self.var_dynamic, self.values):
             v = next(it) if d else val
             entries.append((path, leaf.replace(value=v) if isinstance(leaf, nnx.Variable) else v))
-        nodes = nnx.merge(self.graphdef, nnx.from_flat_state(entries)) if self.nodes else ()
+        nodes = (nnx.merge(self.graphdef, nnx.from_flat_state(entries))
+                 if self.graphdef is not None else ())  # None: no graph nodes
         node_it, dyn_it, static_it = iter(nodes), iter(dyn), iter(self.static)
         leaves = [next(node_it) if k == "node" else next(dyn_it) if k == "dyn" else next(static_it)
                   for k in self.kinds]
@@ -295,9 +318,10 @@ def graph_task(fun: Callable, name: str | None, spec: mm.Task) -> Callable:
         return _call_graph_task(fun, default, spec, args, kwargs)
 
     wrapped.__name__ = default
-    wrapped.__wrapped__ = fun
-    wrapped.mm_task = spec
-    return wrapped
+    functools.update_wrapper(wrapped, fun, assigned=(), updated=())  # __wrapped__ only
+    out = cast(TaskFunction, wrapped)
+    out.mm_task = spec
+    return out
 
 
 def _call_graph_task(fun, name, spec, args, kwargs):
@@ -384,7 +408,8 @@ class TaskModule(nnx.Module):
 
 
 def _is_stand_in_leaf(tree) -> bool:
-    return jax.tree.structure(tree) == jax.tree.structure(0)
+    treedef: Any = jax.tree.structure(tree)  # a PyTreeDef: jax's alias is opaque to mypy
+    return bool(treedef == jax.tree.structure(0))
 
 
 def _broadcast(prefix, tree, where: str) -> list:
@@ -393,6 +418,7 @@ def _broadcast(prefix, tree, where: str) -> list:
         return [prefix]
     if _is_spec(prefix):
         return [prefix] * len(jax.tree.leaves(tree))
+    p_def: Any  # a PyTreeDef: jax's alias is opaque to mypy
     p_children, p_def = jax.tree.flatten(prefix, is_leaf=lambda x: x is not prefix)
     t_children, t_def = jax.tree.flatten(tree, is_leaf=lambda x: x is not tree)
     if p_def != t_def:
@@ -479,8 +505,10 @@ def _arg_specs(split: _Split, shardings, where: str):
             dyn_specs[dyn_i] = _leaf_spec(e, where)
             dyn_i += 1
     for j, (path, leaf) in enumerate(split.flat):
-        if path[0] < len(node_specs):
-            var_specs[j] = _node_var_spec(node_specs[path[0]], path[1:], leaf, where)
+        node = path[0]
+        assert isinstance(node, int)  # the nodes were split as a tuple: paths start at an index
+        if node < len(node_specs):
+            var_specs[j] = _node_var_spec(node_specs[node], path[1:], leaf, where)
     return var_specs, dyn_specs
 
 
@@ -800,6 +828,25 @@ def _warn_unstepped(model) -> None:
             "the step does not update them.", MultimeshWarning, stacklevel=3)
 
 
+def _split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """``model`` as (graph, its ``nnx.Param`` values, every other value)."""
+    graphdef, *states = nnx.split(model, nnx.Param, ...)
+    params, rest = states
+    return graphdef, params, rest
+
+
+class _NnxStep:
+    """``step_fn(state, batch) -> (loss, state)``: the compiled step, which updates the
+    NNX objects in ``state`` in place; ``compiled`` and ``input_shardings`` are its."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+        self.input_shardings = compiled.input_shardings
+
+    def __call__(self, state, batch):
+        return self.compiled(state, batch), state
+
+
 def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, global_batch=None,
                      local_batch=None, replicate_inputs: bool = True, microbatching=None):
     """NNX flavour of :func:`multimesh.jax.flax.parallelize_step`.
@@ -839,7 +886,7 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
 
             loss, grads = nnx.value_and_grad(loss_fn)(state.model)
         else:
-            graphdef, params, rest = nnx.split(state.model, nnx.Param, ...)
+            graphdef, params, rest = _split_params(state.model)
 
             def loss_of(p, b):
                 return nnx.merge(graphdef, p, rest)(b)
@@ -856,11 +903,7 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     batch_sh = compiled.input_shardings[0][1]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
 
-    def step_fn(state, batch):
-        return compiled(state, batch), state
-
-    step_fn.compiled = compiled
-    step_fn.input_shardings = compiled.input_shardings
+    step_fn = _NnxStep(compiled)
     if global_batch is not None:
         return step_fn, state, mesh
     return step_fn, state, mesh, prepare_batch
