@@ -86,3 +86,23 @@ def test_full_pipeline_on_its_own_output_refuses(tmp_path):
            "MPMD form" in msg and "it has already been through mm-extract-fragments" in msg
     line = int(msg.split(":")[1])
     assert golden.read_text().splitlines()[line - 1].lstrip().startswith("module @"), msg
+
+
+def test_zero_sized_sub_axis_in_an_mpmd_type_is_an_error_not_a_crash(tmp_path):
+    """jaxlib's mpmd parser divides by a sub-axis size (SIGFPE); found by the IR fuzzer."""
+    text = ('!m1 = !mpmd.mesh_tensor<"m1", tensor<8xf32>, sharding=<@mesh, [{"x":(1)0}]>>\n'
+            '!m2 = !mpmd.mesh_tensor<"m2", tensor<8xf32>>\n'
+            "module {\n  sdy.mesh @mesh = <[\"x\"=4]>\n"
+            "  func.func public @main(%0: !m1) -> !m2 attributes {topology = #mpmd.topology<"
+            '<"m1" : <["x"=4]>>, <"m2" : <["x"=2]>>>} {\n'
+            "    %1 = mpmd.transfer %0 : (!m1) -> !m2\n    return %1 : !m2\n  }\n}\n")
+    path = tmp_path / "sub_axis.mlir"
+    path.write_text(text)
+    p = _cli([str(path), "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-5})"])
+    assert p.returncode == 1 and p.stdout == b"", (p.returncode, p.stderr)
+    assert p.stderr.startswith(f"{path}:1:65: error: sub-axis sizes must be greater than 1, "
+                               'got "x":(1)0;'.encode()), p.stderr
+    from multimesh._src.mlir import parse_module
+
+    with pytest.raises(ValueError, match=r"1:65: sub-axis sizes must be greater than 1"):
+        parse_module(text)

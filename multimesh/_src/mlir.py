@@ -18,7 +18,7 @@ from multimesh._src.jax_compat import fresh_ir_context
 
 __all__ = [
     "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
-    "make_context", "parse_module", "print_module", "clone_module", "unchanged_on_error",
+    "make_context", "parse_module", "zero_sub_axis", "print_module", "clone_module", "unchanged_on_error",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
     "symbol_table", "attr_to_py", "py_to_attr",
@@ -37,9 +37,35 @@ def make_context() -> ir.Context:
 
 
 def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Module:
+    """Parse ``text``; a size-0 sub-axis in an mpmd type raises instead of killing us."""
+    if isinstance(text, str) and (offset := zero_sub_axis(text)) is not None:
+        line = text.count("\n", 0, offset) + 1
+        col = offset - (text.rfind("\n", 0, offset) + 1) + 1
+        raise ValueError(f"Unable to parse module assembly: {line}:{col}: sub-axis sizes must "
+                         f"be greater than 1, got {_SUB_AXIS.match(text, offset)[0]}.")
     ctx = context or make_context()
     with ctx:
         return ir.Module.parse(text)
+
+
+# A Shardy sub-axis, ``"x":(pre-size)size``, inside a ``!mpmd.mesh_tensor`` type.
+_SUB_AXIS = re.compile(r'"[^"\n]*"\s*:\s*\(\s*\d+\s*\)\s*(\d+)')
+
+
+def zero_sub_axis(text: str) -> int | None:
+    """Offset of the first sub-axis of size 0 in an mpmd type, or None.
+
+    jaxlib's mpmd dialect divides by a sub-axis size while it parses an
+    ``!mpmd.mesh_tensor``, before Shardy's verifier rejects sizes below 2, so a size of
+    0 kills the process (SIGFPE; found by fuzzing). Plain ``sdy`` attributes are
+    verified first and fail cleanly, so only text with mpmd types is scanned.
+    """
+    if "mpmd.mesh_tensor" not in text:
+        return None
+    for m in _SUB_AXIS.finditer(text):
+        if int(m[1]) == 0:
+            return m.start()
+    return None
 
 
 def print_module(module: ir.Module | ir.Operation, *, debug_info: bool = False,

@@ -29,7 +29,7 @@ from multimesh._src.errors import (
     MultimeshError,
     PipelineError,
 )
-from multimesh._src.mlir import file_line_col, ir, make_context, print_module
+from multimesh._src.mlir import file_line_col, ir, make_context, print_module, zero_sub_axis
 
 __all__ = ["main"]
 
@@ -356,6 +356,7 @@ class _Driver:
                 raise _Failure from None
         text = self._decode(data) if isinstance(data, bytes) else data
         self._check_nesting(text)
+        self._check_sub_axes(text)
         return text
 
     def _decode(self, data: bytes) -> str:
@@ -381,6 +382,19 @@ class _Driver:
             f"{self.display}:{line}:{col}: error: the input nests brackets more than "
             f"{MAX_NESTING} levels deep (regions, attributes or types); {PROG} does not "
             f"accept deeper modules\n")
+        raise _Failure from None
+
+    def _check_sub_axes(self, text: str) -> None:
+        """Refuse a size-0 sub-axis in an mpmd type: jaxlib's parser divides by it."""
+        offset = zero_sub_axis(text)
+        if offset is None:
+            return
+        line = text.count("\n", 0, offset) + 1
+        col = offset - (text.rfind("\n", 0, offset) + 1) + 1
+        sys.stderr.write(
+            f"{self.display}:{line}:{col}: error: sub-axis sizes must be greater than 1, "
+            f"got {text[offset:].split(']', 1)[0].split('}', 1)[0]}; jaxlib's mpmd parser "
+            f"would divide by zero\n")
         raise _Failure from None
 
     def _write_output(self, text: str) -> None:
