@@ -41,8 +41,9 @@ def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Mod
     if isinstance(text, str) and (offset := zero_sub_axis(text)) is not None:
         line = text.count("\n", 0, offset) + 1
         col = offset - (text.rfind("\n", 0, offset) + 1) + 1
+        got = text[offset:].split("]", 1)[0].split("}", 1)[0]
         raise ValueError(f"Unable to parse module assembly: {line}:{col}: sub-axis sizes must "
-                         f"be greater than 1, got {_SUB_AXIS.match(text, offset)[0]}.")
+                         f"be greater than 1, got {got}.")
     ctx = context or make_context()
     with ctx:
         return ir.Module.parse(text)
