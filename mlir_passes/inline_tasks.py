@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
 
 
@@ -121,8 +122,7 @@ def _scan_body(fn: ir.Operation) -> tuple[bool, list[ir.Operation]]:
             name = op.name
             if name == "func.call":
                 calls.append(op.operation)
-            elif name == "stablehlo.custom_call" and ir.StringAttr(
-                    attrs["call_target_name"]).value in _MARKER_TARGETS:
+            elif custom_call_target(op) in _MARKER_TARGETS:
                 plain[0] = False
             if plain[0] and any(a in attrs for a in _NOT_PLAIN_ATTRS):
                 plain[0] = False

@@ -14,6 +14,7 @@ from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from mlir_passes.logical_axes import resolve_logical_spec
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, ir, sdy
 
 __all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
@@ -132,10 +133,7 @@ def _naming_task(message: str, task: _Task, axes: list[list[str]]) -> str:
 
 
 def _is_marker(op: ir.Operation) -> bool:
-    if op.name != "stablehlo.custom_call" or "call_target_name" not in op.attributes:
-        return False
-    target = op.attributes["call_target_name"]
-    return isinstance(target, ir.StringAttr) and target.value == MARKER_TARGET
+    return custom_call_target(op) == MARKER_TARGET
 
 
 def _marker_axes(op: ir.Operation) -> list[list[str]]:

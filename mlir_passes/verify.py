@@ -12,6 +12,7 @@ from mlir_passes import _contract as c
 from mlir_passes._contract import reject_internal_sdy_ops
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import ir
 
 __all__ = ["VerifyPass"]
@@ -55,7 +56,7 @@ class VerifyPass(ModulePass):
 
         mod_op.walk(collect, ir.WalkOrder.PRE_ORDER)
         for op in ops:
-            if op.name == "stablehlo.custom_call" and _target(op) == _MARKER:
+            if op.name == "stablehlo.custom_call" and custom_call_target(op) == _MARKER:
                 _check_marker(op)
             if "mm.task" not in op.attributes or op == mod_op:
                 continue
@@ -90,11 +91,6 @@ def _fmt(v) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_fmt(x) for x in v) + "]"
     return str(v)
-
-
-def _target(op: ir.Operation) -> str | None:
-    a = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
-    return ir.StringAttr(a).value if a is not None and isinstance(a, ir.StringAttr) else None
 
 
 def _as_dict(attr: ir.Attribute, what: str, loc) -> dict[str, ir.Attribute]:
