@@ -229,97 +229,103 @@ class ResolveLogicalShardingsPass(ModulePass):
         markers = _markers_in_program_order(module)
         if not markers:
             return
-        tasks = _read_tasks(module)
-        sym_names = mesh_symbol_names(tasks or {})
-
+        tasks = _read_tasks(module) or {}
+        sym_names = mesh_symbol_names(tasks)
         # Phase 1: resolve everything (may raise); no IR is modified.
-        plan: list[tuple[ir.Operation, _Task | None, tuple[tuple[str, ...], ...]]] = []
-        needed: dict[str, _Task] = {}
-        for op in markers:
-            loc = op.location
-            if len(op.operands) != 1 or len(op.results) != 1:
-                raise DiagnosticError(
-                    f"logical sharding marker must have exactly one operand and one result, "
-                    f"got {len(op.operands)} and {len(op.results)}", loc)
-            name = _task_name_of(op)
-            if name is None:
-                raise DiagnosticError(
-                    "logical sharding marker is not assigned to a task; run mm-assign-tasks "
-                    "first", loc)
-            if tasks is None or name not in tasks:
-                known = ", ".join(f"'{t}'" for t in sorted(tasks or {})) or "none"
-                raise DiagnosticError(
-                    f"logical sharding marker is assigned to task '{name}', which is not in "
-                    f"the module's mm.tasks table (known tasks: {known})", loc)
-            task = tasks[name]
-            axes = _marker_axes(op)
-            ty = op.operands[0].type
-            if not isinstance(ty, ir.RankedTensorType):
-                raise DiagnosticError(
-                    f"logical sharding marker operand must be a ranked tensor, got {ty}", loc)
-            if op.results[0].type != ty:
-                raise DiagnosticError(
-                    f"logical sharding marker must be an identity, but its operand type {ty} "
-                    f"differs from its result type {op.results[0].type}", loc)
-            shape = ty.shape
-            if not task.logical_axes:
-                # No mapping: every logical name means "replicated" on this task's
-                # devices (MultiMesh's rule). Writing it explicitly also keeps the
-                # value on the task's submesh when the marker is the task's only op.
-                spec = tuple(() for _ in shape)
-                plan.append((op, task, spec))
-                needed[name] = task
-                continue
-            try:
-                spec = resolve_logical_spec(
-                    axes, shape, task.axis_names, task.axis_sizes, task.logical_axes)
-            except LogicalShardingError as e:
-                raise DiagnosticError(_naming_task(str(e), task, axes), loc) from None
-            plan.append((op, task, spec))
-            needed[name] = task
-
-        # Mesh symbols: reuse an identical existing one, reject a conflicting one.
-        table = ir.SymbolTable(module.operation)
-        to_create: list[tuple[str, ir.Attribute]] = []
-        for name in sorted(needed):
-            sym = sym_names[name]
-            mesh = _mesh_attr(needed[name])
-            if sym in table:
-                existing = table[sym]
-                if existing.operation.name != "sdy.mesh" or \
-                        existing.operation.attributes["mesh"] != mesh:
-                    what = (f"mesh {existing.operation.attributes['mesh']}"
-                            if existing.operation.name == "sdy.mesh"
-                            else f"'{existing.operation.name}' op")
-                    raise DiagnosticError(
-                        f"symbol @{sym} for task '{name}' already exists as {what}, which "
-                        f"differs from the task's mesh {mesh}", existing.operation.location)
-            else:
-                to_create.append((sym, mesh))
-
+        plan = [_resolve(op, tasks) for op in markers]
+        needed = {task.name: task for _, task, _ in plan}
+        to_create = _meshes_to_create(module, needed, sym_names)
         # Phase 2: rewrite.
-        body = module.body
-        anchor = None
-        for o in body.operations:
-            if o.operation.name != "sdy.mesh":
-                anchor = o.operation
-                break
-        for sym, mesh in to_create:
-            ip = ir.InsertionPoint(anchor) if anchor is not None else ir.InsertionPoint(body)
-            sdy.MeshOp(sym, mesh, ip=ip)
-
+        _insert_meshes(module, to_create)
         for op, task, spec in plan:
-            operand = op.operands[0]
-            if task is None:
-                op.results[0].replace_all_uses_with(operand)
-                op.erase()
-                continue
-            dims = [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(a) for a in axes],
-                                                  is_closed=True) for axes in spec]
-            sharding = sdy.TensorShardingAttr.get(sym_names[task.name], dims)
-            new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
-                                           loc=op.location, ip=ir.InsertionPoint(op))
-            if "mm.task" in op.attributes:
-                new.operation.attributes["mm.task"] = op.attributes["mm.task"]
-            op.results[0].replace_all_uses_with(new.result)
-            op.erase()
+            _to_constraint(op, sym_names[task.name], spec)
+
+
+_Spec = tuple[tuple[str, ...], ...]
+
+
+def _resolve(op: ir.Operation, tasks: dict[str, _Task]) -> tuple[ir.Operation, _Task, _Spec]:
+    """One marker checked and resolved to its task and per-dimension device axes."""
+    loc = op.location
+    if len(op.operands) != 1 or len(op.results) != 1:
+        raise DiagnosticError(
+            f"logical sharding marker must have exactly one operand and one result, "
+            f"got {len(op.operands)} and {len(op.results)}", loc)
+    name = _task_name_of(op)
+    if name is None:
+        raise DiagnosticError(
+            "logical sharding marker is not assigned to a task; run mm-assign-tasks first", loc)
+    if name not in tasks:
+        known = ", ".join(f"'{t}'" for t in sorted(tasks)) or "none"
+        raise DiagnosticError(
+            f"logical sharding marker is assigned to task '{name}', which is not in "
+            f"the module's mm.tasks table (known tasks: {known})", loc)
+    task = tasks[name]
+    axes = _marker_axes(op)
+    ty = op.operands[0].type
+    if not isinstance(ty, ir.RankedTensorType):
+        raise DiagnosticError(
+            f"logical sharding marker operand must be a ranked tensor, got {ty}", loc)
+    if op.results[0].type != ty:
+        raise DiagnosticError(
+            f"logical sharding marker must be an identity, but its operand type {ty} "
+            f"differs from its result type {op.results[0].type}", loc)
+    if not task.logical_axes:
+        # No mapping: every logical name means "replicated" on this task's
+        # devices (MultiMesh's rule). Writing it explicitly also keeps the
+        # value on the task's submesh when the marker is the task's only op.
+        return op, task, tuple(() for _ in ty.shape)
+    try:
+        spec = resolve_logical_spec(
+            axes, ty.shape, task.axis_names, task.axis_sizes, task.logical_axes)
+    except LogicalShardingError as e:
+        raise DiagnosticError(_naming_task(str(e), task, axes), loc) from None
+    return op, task, spec
+
+
+def _meshes_to_create(module: ir.Module, needed: dict[str, _Task],
+                      sym_names: dict[str, str]) -> list[tuple[str, ir.Attribute]]:
+    """Mesh symbols: reuse an identical existing one, reject a conflicting one."""
+    table = ir.SymbolTable(module.operation)
+    to_create: list[tuple[str, ir.Attribute]] = []
+    for name in sorted(needed):
+        sym = sym_names[name]
+        mesh = _mesh_attr(needed[name])
+        if sym not in table:
+            to_create.append((sym, mesh))
+            continue
+        existing = table[sym].operation
+        if existing.name != "sdy.mesh" or existing.attributes["mesh"] != mesh:
+            what = (f"mesh {existing.attributes['mesh']}" if existing.name == "sdy.mesh"
+                    else f"'{existing.name}' op")
+            raise DiagnosticError(
+                f"symbol @{sym} for task '{name}' already exists as {what}, which "
+                f"differs from the task's mesh {mesh}", existing.location)
+    return to_create
+
+
+def _insert_meshes(module: ir.Module, to_create: list[tuple[str, ir.Attribute]]) -> None:
+    """New meshes go after the existing ``sdy.mesh`` ops at the top of the module."""
+    body = module.body
+    anchor = None
+    for o in body.operations:
+        if o.operation.name != "sdy.mesh":
+            anchor = o.operation
+            break
+    for sym, mesh in to_create:
+        ip = ir.InsertionPoint(anchor) if anchor is not None else ir.InsertionPoint(body)
+        sdy.MeshOp(sym, mesh, ip=ip)
+
+
+def _to_constraint(op: ir.Operation, mesh_sym: str, spec: _Spec) -> None:
+    """Replace the marker by ``sdy.sharding_constraint``, keeping its ``mm.task`` tag."""
+    operand = op.operands[0]
+    dims = [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(a) for a in axes],
+                                          is_closed=True) for axes in spec]
+    sharding = sdy.TensorShardingAttr.get(mesh_sym, dims)
+    new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
+                                   loc=op.location, ip=ir.InsertionPoint(op))
+    if "mm.task" in op.attributes:
+        new.operation.attributes["mm.task"] = op.attributes["mm.task"]
+    op.results[0].replace_all_uses_with(new.result)
+    op.erase()
