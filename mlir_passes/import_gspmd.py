@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 from mlir_passes.base import DiagnosticError, ModulePass
 from multimesh._src.ir_util import AttrsKey, custom_call_target, update_attr_dicts
@@ -80,7 +80,7 @@ class _Parser:
         self.s = text
         self.i = 0
 
-    def fail(self, what: str):
+    def fail(self, what: str) -> NoReturn:
         raise GspmdParseError(f"{what} at offset {self.i} in GSPMD sharding '{self.s}'")
 
     def ws(self):
@@ -165,50 +165,67 @@ class _Parser:
             self.expect("=")
             result = GspmdSharding("maximal", device=self.int())
         elif kw == "devices":
-            self.expect("=")
-            tile_dims = self.int_list()
-            if not tile_dims or any(d < 1 for d in tile_dims):
-                self.fail("tile dimensions must be positive")
-            n = math.prod(tile_dims)
-            if self.eat("<="):
-                reshape = self.int_list()
-                perm = list(range(len(reshape)))
-                if self.eat("T"):
-                    self.expect("(")
-                    perm = [self.int()]
-                    while self.eat(","):
-                        perm.append(self.int())
-                    self.expect(")")
-                if math.prod(reshape) != n:
-                    self.fail(f"iota shape {reshape} does not hold {n} devices")
-                if sorted(perm) != list(range(len(reshape))):
-                    self.fail(f"T{tuple(perm)} is not a permutation of {len(reshape)} dims")
-                devices = _iota_devices(reshape, perm)
-            else:
-                devices = [self.int()]
-                while self.eat(","):
-                    devices.append(self.int())
-                if len(devices) != n:
-                    self.fail(f"{len(devices)} device ids for a {tile_dims} tile assignment")
-                if sorted(devices) != list(range(n)):
-                    self.fail(f"device ids {devices} are not a permutation of 0..{n - 1}")
-            subgroups: tuple[str, ...] = ()
-            if self.eat("last_tile_dim_replicate"):
-                subgroups = ("replicated",)
-            elif self.eat("last_tile_dims"):
-                self.expect("=")
-                self.expect("{")
-                types = [self.word()]
-                while self.eat(","):
-                    types.append(self.word())
-                self.expect("}")
-                subgroups = tuple(types)
-            if len(subgroups) > len(tile_dims):
-                self.fail("more subgroup dimensions than tile dimensions")
-            result = GspmdSharding("tiled", tuple(tile_dims), tuple(devices), subgroups)
+            result = self._tiled()
         else:
             self.fail(f"unknown sharding kind '{kw}'")
-        # Trailing annotations that do not change the device -> shard mapping.
+        self._annotations()
+        self.expect("}")
+        return result
+
+    def _tiled(self) -> GspmdSharding:
+        """``devices=[dims]`` then the assignment (iota or a list) and the subgroups."""
+        self.expect("=")
+        tile_dims = self.int_list()
+        if not tile_dims or any(d < 1 for d in tile_dims):
+            self.fail("tile dimensions must be positive")
+        n = math.prod(tile_dims)
+        devices = self._iota(n) if self.eat("<=") else self._device_list(n, tile_dims)
+        subgroups = self._subgroups()
+        if len(subgroups) > len(tile_dims):
+            self.fail("more subgroup dimensions than tile dimensions")
+        return GspmdSharding("tiled", tuple(tile_dims), tuple(devices), subgroups)
+
+    def _iota(self, n: int) -> list[int]:
+        """``<=[reshape]`` with an optional ``T(perm)``."""
+        reshape = self.int_list()
+        perm = list(range(len(reshape)))
+        if self.eat("T"):
+            self.expect("(")
+            perm = [self.int()]
+            while self.eat(","):
+                perm.append(self.int())
+            self.expect(")")
+        if math.prod(reshape) != n:
+            self.fail(f"iota shape {reshape} does not hold {n} devices")
+        if sorted(perm) != list(range(len(reshape))):
+            self.fail(f"T{tuple(perm)} is not a permutation of {len(reshape)} dims")
+        return _iota_devices(reshape, perm)
+
+    def _device_list(self, n: int, tile_dims: list[int]) -> list[int]:
+        devices = [self.int()]
+        while self.eat(","):
+            devices.append(self.int())
+        if len(devices) != n:
+            self.fail(f"{len(devices)} device ids for a {tile_dims} tile assignment")
+        if sorted(devices) != list(range(n)):
+            self.fail(f"device ids {devices} are not a permutation of 0..{n - 1}")
+        return devices
+
+    def _subgroups(self) -> tuple[str, ...]:
+        if self.eat("last_tile_dim_replicate"):
+            return ("replicated",)
+        if not self.eat("last_tile_dims"):
+            return ()
+        self.expect("=")
+        self.expect("{")
+        types = [self.word()]
+        while self.eat(","):
+            types.append(self.word())
+        self.expect("}")
+        return tuple(types)
+
+    def _annotations(self) -> None:
+        """Trailing annotations that do not change the device -> shard mapping."""
         while True:
             if self.eat("metadata"):
                 self.expect("=")
@@ -217,8 +234,6 @@ class _Parser:
                 self.fail("shard_as/shard_like shardings are not supported")
             else:
                 break
-        self.expect("}")
-        return result
 
 
 def _iota_devices(reshape: list[int], perm: list[int]) -> list[int]:
