@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.layouts import layout_key
 from multimesh._src.ir_util import attr_entries
+from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, sdy, stablehlo
 
 
