@@ -317,29 +317,15 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
     members: list[list[int]] = [[] for _ in range(n)]
     for i, f in enumerate(frag):
         members[f].append(i)
-    ins: list[list[ir.Value]] = [[] for _ in range(n)]
-    in_seen: list[set] = [set() for _ in range(n)]
-    out_set: list[dict] = [{} for _ in range(n)]  # value -> (producer, result number)
-    rewire: list[list] = [[] for _ in range(n)]  # (user op, operand number, value)
-    for j, rec in enumerate(uses):
-        f = frag[j]
-        for user, k, v, p in rec:
-            if p >= 0 and frag[p] == f:
-                continue
-            if v not in in_seen[f]:
-                in_seen[f].add(v)
-                ins[f].append(v)
-            rewire[f].append((user, k, v))
-            if p >= 0:
-                out_set[frag[p]].setdefault(v, (p, v.result_number))
-    index = {op: i for i, op in enumerate(ops)}
+    ins, rewire, out_set = _boundaries(frag, uses, n)
     external = [(ret, k, v) for k, v in enumerate(ret.operands)]
     external += [(m, k, v) for m in markers for k, v in enumerate(m.operands)]
+    index = {op: i for i, op in enumerate(ops)}
     for _, _, v in external:
         owner = v.owner
         if not isinstance(owner, ir.Block) and owner.operation in index:
             p = index[owner.operation]
-            out_set[frag[p]].setdefault(v, (p, v.result_number))
+            out_set[frag[p]].setdefault(v, (p, ir.OpResult(v).result_number))
     outs = [sorted(d, key=d.get) for d in out_set]
     avail: dict[ir.Value, ir.Value] = {}
     for f in range(n):
@@ -353,25 +339,10 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
     for user, j, v in external:
         if v in avail:
             user.operands[j] = avail[v]
-    for m in markers:  # a sum follows the call that produces what it sums
-        for v in m.operands:
-            owner = v.owner
-            if not isinstance(owner, ir.Block) and owner.operation != m:
-                m.move_after(owner.operation)
+    _follow_producers(markers)
     for f in range(n):
-        key = keys[f]
-        task = tasks[key[0]]
-        with ir.InsertionPoint(module.body), main.location:
-            fn = func.FuncOp(names[f], ir.FunctionType.get([v.type for v in ins[f]],
-                                                           [v.type for v in outs[f]]),
-                             visibility="private")
-            body = fn.add_entry_block()
-        fn.operation.attributes[c.TASK_ATTR] = c.tag_attr(*key)
-        fn.operation.attributes["mm.devices"] = py_to_attr(list(task.devices))
-        if task.loop_devices and key[2] >= 0:
-            fn.operation.attributes[c.LOOP_DEVICES_ATTR] = py_to_attr(
-                [list(d) for d in task.loop_devices])
-        fn.operation.attributes["mm.mesh"] = ir.FlatSymbolRefAttr.get(meshes[key[0]])
+        body = _fragment_func(module, main, names[f], keys[f], tasks[keys[f][0]],
+                              meshes[keys[f][0]], ins[f], outs[f])
         remap = dict(zip(ins[f], body.arguments))
         for i in members[f]:
             body.append(ops[i])
@@ -386,6 +357,54 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
         count = _call_counts(calls)
         for call in calls:
             _inline_leaf(call, funcs, count)
+
+
+def _boundaries(frag: list[int], uses, n: int) -> tuple[list, list, list]:
+    """Per fragment: its inputs (in first-use order), the operands to rewire to its
+    arguments ``(user op, operand number, value)``, and the values other fragments
+    read from it (value -> (producer, result number))."""
+    ins: list[list[ir.Value]] = [[] for _ in range(n)]
+    in_seen: list[set] = [set() for _ in range(n)]
+    out_set: list[dict] = [{} for _ in range(n)]
+    rewire: list[list] = [[] for _ in range(n)]
+    for j, rec in enumerate(uses):
+        f = frag[j]
+        for user, k, v, p in rec:
+            if p >= 0 and frag[p] == f:
+                continue
+            if v not in in_seen[f]:
+                in_seen[f].add(v)
+                ins[f].append(v)
+            rewire[f].append((user, k, v))
+            if p >= 0:
+                out_set[frag[p]].setdefault(v, (p, v.result_number))
+    return ins, rewire, out_set
+
+
+def _follow_producers(markers) -> None:
+    """A sum follows the call that produces what it sums."""
+    for m in markers:
+        for v in m.operands:
+            owner = v.owner
+            if not isinstance(owner, ir.Block) and owner.operation != m:
+                m.move_after(owner.operation)
+
+
+def _fragment_func(module, main, name: str, key: c.Tag, task: c.TaskMeshInfo, mesh: str,
+                   ins: list[ir.Value], outs: list[ir.Value]) -> ir.Block:
+    """An empty fragment function, tagged with its task, mesh and devices; its body."""
+    with ir.InsertionPoint(module.body), main.location:
+        fn = func.FuncOp(name, ir.FunctionType.get([v.type for v in ins],
+                                                   [v.type for v in outs]),
+                         visibility="private")
+        body = fn.add_entry_block()
+    attrs = fn.operation.attributes
+    attrs[c.TASK_ATTR] = c.tag_attr(*key)
+    attrs["mm.devices"] = py_to_attr(list(task.devices))
+    if task.loop_devices and key[2] >= 0:
+        attrs[c.LOOP_DEVICES_ATTR] = py_to_attr([list(d) for d in task.loop_devices])
+    attrs["mm.mesh"] = ir.FlatSymbolRefAttr.get(mesh)
+    return body
 
 
 def _inline_leaf(call: ir.Operation, funcs, count: dict[str, int], tag=None) -> None:
