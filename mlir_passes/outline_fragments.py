@@ -256,16 +256,7 @@ def _remat_constants(ops, main) -> None:
     for op in ops:
         if op.name not in _REMAT or len(op.operands):
             continue
-        mine = c.tag_of(op)
-        groups: dict[c.Tag, list] = {}
-        for r in op.results:
-            for use in r.uses:
-                user = top(use.owner)
-                t = c.tag_of(user) if user is not None else None
-                if t is None or t == mine:
-                    continue
-                groups.setdefault(t, []).append((use.owner.operation, use.operand_number, user))
-        for t, uses in groups.items():
+        for t, uses in _uses_by_other_task(op, top).items():
             first = min((u[2] for u in uses), key=lambda o: index.get(o, 0))
             plans.append((op, t, first, [(o, k) for o, k, _ in uses]))
     for op, t, first, uses in plans:
@@ -280,6 +271,21 @@ def _remat_constants(ops, main) -> None:
         done.append(op)
         if all(not list(r.uses) for r in op.results):
             op.erase()
+
+
+def _uses_by_other_task(op: ir.Operation, top) -> dict[c.Tag, list]:
+    """Uses of ``op``'s results by ops of other tasks, by task:
+    ``(user, operand number, the user's top-level op)``."""
+    mine = c.tag_of(op)
+    groups: dict[c.Tag, list] = {}
+    for r in op.results:
+        for use in r.uses:
+            user = top(use.owner)
+            t = c.tag_of(user) if user is not None else None
+            if t is None or t == mine:
+                continue
+            groups.setdefault(t, []).append((use.owner.operation, use.operand_number, user))
+    return groups
 
 
 def _fragment_names(keys: list[c.Tag]) -> list[str]:
