@@ -383,29 +383,13 @@ class _Program:
     """Index structures over the units shared by the algorithms."""
 
     def __init__(self, units: Sequence[Unit]):
-        for k, u in enumerate(units):
-            if u.index != k:
-                raise ScheduleError(f"unit {k} has index {u.index}; units must be in "
-                                    "program order with index = position")
-            if u.kind not in KINDS:
-                raise ScheduleError(f"unit {k} has unknown kind '{u.kind}' (one of {KINDS})")
-            for d in u.deps:
-                if not 0 <= d < len(units) or d == k:
-                    raise ScheduleError(f"unit {k} depends on invalid unit {d}")
+        _check_units(units)
         self.units = list(units)
         self.num_meshes = max((u.mesh for u in units), default=-1) + 1
         mbs = sorted({u.microbatch for u in units if not u.free})
         self.mb_rank = {m: r for r, m in enumerate(mbs)}
         self.M = len(mbs)
-        # Stage -> home submesh (its first forward unit), per submesh its stages.
-        home: dict[int, int] = {}
-        for u in units:
-            if not u.free and u.kind == "fwd":
-                home.setdefault(u.stage, u.mesh)
-        for u in units:
-            if not u.free:
-                home.setdefault(u.stage, u.mesh)
-        self.home = home
+        self.home = home = _homes(units)
         self.stages_of: list[list[int]] = [[] for _ in range(self.num_meshes)]
         for s in sorted(home):
             self.stages_of[home[s]].append(s)
@@ -423,6 +407,30 @@ class _Program:
         # Activation bookkeeping: (mesh, stage, mb) keys that have a backward.
         self.has_bwd = {(u.mesh, u.stage, u.microbatch) for u in units
                         if not u.free and u.kind in ("bwd", "bwd_w")}
+
+
+def _check_units(units: Sequence[Unit]) -> None:
+    for k, u in enumerate(units):
+        if u.index != k:
+            raise ScheduleError(f"unit {k} has index {u.index}; units must be in "
+                                "program order with index = position")
+        if u.kind not in KINDS:
+            raise ScheduleError(f"unit {k} has unknown kind '{u.kind}' (one of {KINDS})")
+        for d in u.deps:
+            if not 0 <= d < len(units) or d == k:
+                raise ScheduleError(f"unit {k} depends on invalid unit {d}")
+
+
+def _homes(units: Sequence[Unit]) -> dict[int, int]:
+    """Stage -> home submesh: that of its first forward unit (else its first unit)."""
+    home: dict[int, int] = {}
+    for u in units:
+        if not u.free and u.kind == "fwd":
+            home.setdefault(u.stage, u.mesh)
+    for u in units:
+        if not u.free:
+            home.setdefault(u.stage, u.mesh)
+    return home
 
 
 def _warmup(P: int, r: int, V: int, total: int) -> int:
@@ -450,54 +458,62 @@ def _plan(prog: _Program, name: str, num_stages: int | None,
     ``r``-th pipeline submesh). ``unrolling``: GPipe in groups of that many
     microbatches, each group filling and draining before the next.
     """
-    M = prog.M
     P = num_stages or prog.P
     plans: list[list[tuple[str, int, int]]] = []
     for m in range(prog.num_meshes):
         chunks = prog.stages_of[m]
-        V = len(chunks)
-        seq: list[tuple[str, int, int]] = []
-
-        def bwd(s, b, seq=seq):
-            seq.append(("bwd", s, b))
-            if with_w:
-                seq.append(("bwd_w", s, b))
-
         if not chunks:
-            plans.append(seq)
-            continue
-        if name == "gpipe":
-            k = unrolling or M
-            for lo in range(0, M, k):
-                group = range(lo, min(M, lo + k))
-                for s in chunks:
-                    seq += [("fwd", s, b) for b in group]
-                for s in reversed(chunks):
-                    for b in group:
-                        bwd(s, b)
+            plans.append([])
+        elif name == "gpipe":
+            plans.append(_gpipe_plan(chunks, prog.M, unrolling or prog.M, with_w))
         else:  # 1f1b family (also the F/B skeleton of zero-bubble-h1)
-            r = prog.rank[m]
-            fseq, bseq = [], []
-            for group in _groups(M, max(1, prog.P)):
-                for c in chunks:
-                    fseq += [(c, b) for b in group]
-                for c in reversed(chunks):
-                    bseq += [(c, b) for b in group]
-            total = len(fseq)
-            w = _warmup(P, r, V, total)
+            w = _warmup(P, prog.rank[m], len(chunks), prog.M * len(chunks))
             if h2:
-                w = 2 * (P - r) - 1 if V == 1 else 2 * w + 1
-            w = min(total, w + extra)
-            for s, b in fseq[:w]:
-                seq.append(("fwd", s, b))
-            for i in range(total - w):
-                s, b = fseq[w + i]
-                seq.append(("fwd", s, b))
-                bwd(*bseq[i])
-            for s, b in bseq[total - w:]:
-                bwd(s, b)
-        plans.append(seq)
+                w = 2 * (P - prog.rank[m]) - 1 if len(chunks) == 1 else 2 * w + 1
+            plans.append(_1f1b_plan(chunks, prog.M, max(1, prog.P), w + extra, with_w))
     return plans
+
+
+def _bwd(seq: list[tuple[str, int, int]], s: int, b: int, with_w: bool) -> None:
+    seq.append(("bwd", s, b))
+    if with_w:
+        seq.append(("bwd_w", s, b))
+
+
+def _gpipe_plan(chunks: list[int], M: int, k: int, with_w: bool) -> list[tuple[str, int, int]]:
+    """All forwards of a group of ``k`` microbatches, then their backwards, per group."""
+    seq: list[tuple[str, int, int]] = []
+    for lo in range(0, M, k):
+        group = range(lo, min(M, lo + k))
+        for s in chunks:
+            seq += [("fwd", s, b) for b in group]
+        for s in reversed(chunks):
+            for b in group:
+                _bwd(seq, s, b, with_w)
+    return seq
+
+
+def _1f1b_plan(chunks: list[int], M: int, group_size: int, warmup: int,
+               with_w: bool) -> list[tuple[str, int, int]]:
+    """``warmup`` forwards, then one forward and one backward in turn, then the rest
+    of the backwards (chunks interleaved in Megatron's microbatch groups)."""
+    fseq: list[tuple[int, int]] = []
+    bseq: list[tuple[int, int]] = []
+    for group in _groups(M, group_size):
+        for c in chunks:
+            fseq += [(c, b) for b in group]
+        for c in reversed(chunks):
+            bseq += [(c, b) for b in group]
+    total = len(fseq)
+    w = min(total, warmup)
+    seq: list[tuple[str, int, int]] = [("fwd", s, b) for s, b in fseq[:w]]
+    for i in range(total - w):
+        s, b = fseq[w + i]
+        seq.append(("fwd", s, b))
+        _bwd(seq, *bseq[i], with_w)
+    for s, b in bseq[total - w:]:
+        _bwd(seq, s, b, with_w)
+    return seq
 
 
 def _unit_plans(prog: _Program, slot_plans) -> tuple[list[list[int]], dict[int, int]]:
@@ -572,49 +588,67 @@ class _Sim:
 
     def run(self, choose, stall) -> None:
         n = len(self.prog.units)
-        G = self.prog.num_meshes
-        free_at = [0.0] * G
-        running: list[tuple[float, int]] = []
+        self.free_at = [0.0] * self.prog.num_meshes
+        self.running: list[tuple[float, int]] = []
         t = 0.0
         finished = 0
         while finished < n:
-            progress = True
-            while progress:
-                progress = False
-                for m in range(G):
-                    if free_at[m] <= t and self.ready[m]:
-                        i = choose(m, self.ready[m])
-                        if i is not None:
-                            self.dispatch(i, t)
-                            free_at[m] = self.end[i]
-                            heapq.heappush(running, (self.end[i], i))
-                            progress = True
-            times = [x for x in (running[0][0] if running else None,
+            self._fill(t, choose)
+            times = [x for x in (self.running[0][0] if self.running else None,
                                  self.pending[0][0] if self.pending else None)
                      if x is not None]
             if not times:
                 if any(self.ready):
-                    i = stall()
-                    self.dispatch(i, t)
-                    free_at[self.prog.units[i].mesh] = self.end[i]
-                    heapq.heappush(running, (self.end[i], i))
+                    self._start(stall(), t)
                     continue
                 raise ScheduleError("the units' dependencies form a cycle")
             t = max(t, min(times))
-            while running and running[0][0] <= t:
-                _, i = heapq.heappop(running)
-                self.done[i] = True
-                finished += 1
-                for j in self.users[i]:
-                    self.left[j] -= 1
-                    if self.left[j] == 0:
-                        avail = max((self.end[d] + (self.comm if self.prog.units[d].mesh
-                                                    != self.prog.units[j].mesh else 0.0))
-                                    for d in set(self.prog.units[j].deps))
-                        heapq.heappush(self.pending, (avail, j))
+            finished += self._complete(t)
             while self.pending and self.pending[0][0] <= t:
                 _, j = heapq.heappop(self.pending)
                 self.ready[self.prog.units[j].mesh].add(j)
+
+    def _start(self, i: int, t: float) -> None:
+        self.dispatch(i, t)
+        end = self.end[i]
+        assert end is not None
+        self.free_at[self.prog.units[i].mesh] = end
+        heapq.heappush(self.running, (end, i))
+
+    def _fill(self, t: float, choose) -> None:
+        """Give every idle submesh work at time ``t`` until none takes any more."""
+        progress = True
+        while progress:
+            progress = False
+            for m in range(self.prog.num_meshes):
+                if self.free_at[m] <= t and self.ready[m]:
+                    i = choose(m, self.ready[m])
+                    if i is not None:
+                        self._start(i, t)
+                        progress = True
+
+    def _complete(self, t: float) -> int:
+        """Finish the units done by ``t``; their users become pending once all their
+        inputs are done (and, across submeshes, sent). Returns how many finished."""
+        units = self.prog.units
+        finished = 0
+        while self.running and self.running[0][0] <= t:
+            _, i = heapq.heappop(self.running)
+            self.done[i] = True
+            finished += 1
+            for j in self.users[i]:
+                self.left[j] -= 1
+                if self.left[j] == 0:
+                    avail = max(self._end(d) + (self.comm if units[d].mesh != units[j].mesh
+                                                else 0.0)
+                                for d in set(units[j].deps))
+                    heapq.heappush(self.pending, (avail, j))
+        return finished
+
+    def _end(self, i: int) -> float:
+        end = self.end[i]
+        assert end is not None
+        return end
 
 
 def _run_plans(prog: _Program, plans: list[list[int]], pos: dict[int, int], *,
