@@ -731,23 +731,7 @@ def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
     """
     key = canonical_schedule_name(name, custom)
     prog = _Program(units)
-    if unrolling is not None:
-        if key != "gpipe":
-            raise ScheduleError(
-                f"unrolling={unrolling} applies to the gpipe schedule only, not '{key}'")
-        if unrolling < 1:
-            raise ScheduleError(f"unrolling must be >= 1, got {unrolling}")
-    if num_stages is not None and num_stages < 1:
-        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
-    if interleave is not None:
-        if interleave < 1:
-            raise ScheduleError(f"interleave must be >= 1, got {interleave}")
-        for m in range(prog.num_meshes):
-            if prog.stages_of[m] and len(prog.stages_of[m]) != interleave:
-                raise ScheduleError(
-                    f"interleave={interleave}, but submesh {m} runs "
-                    f"{len(prog.stages_of[m])} pipeline stage(s) "
-                    f"(stages {prog.stages_of[m]})")
+    _check_options(prog, key, num_stages, interleave, unrolling)
     if key == "custom":
         if custom is None:
             raise ScheduleError("schedule 'custom' needs a custom_schedule")
@@ -761,6 +745,27 @@ def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
     sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost, name=key)
     return _finish(prog, key, sim, devices)
 
+
+
+def _check_options(prog: _Program, key: str, num_stages: int | None,
+                   interleave: int | None, unrolling: int | None) -> None:
+    if unrolling is not None:
+        if key != "gpipe":
+            raise ScheduleError(
+                f"unrolling={unrolling} applies to the gpipe schedule only, not '{key}'")
+        if unrolling < 1:
+            raise ScheduleError(f"unrolling must be >= 1, got {unrolling}")
+    if num_stages is not None and num_stages < 1:
+        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
+    if interleave is None:
+        return
+    if interleave < 1:
+        raise ScheduleError(f"interleave must be >= 1, got {interleave}")
+    for m in range(prog.num_meshes):
+        if prog.stages_of[m] and len(prog.stages_of[m]) != interleave:
+            raise ScheduleError(
+                f"interleave={interleave}, but submesh {m} runs "
+                f"{len(prog.stages_of[m])} pipeline stage(s) (stages {prog.stages_of[m]})")
 
 def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: bool = True,
                     h2: bool = False, unrolling: int | None = None):
@@ -830,43 +835,46 @@ def canonicalize_custom_schedule(rows: Sequence[Sequence], num_microbatches: int
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise ScheduleError("custom_schedule must be a list of rows (one per submesh), "
                             f"got {type(rows).__name__}")
-    out = []
-    for r, row in enumerate(rows):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise ScheduleError(f"custom_schedule row {r} must be a list of entries, "
-                                f"got {row!r}")
-        seen: dict[str, set[int]] = {}
-        canon = []
-        for k, e in enumerate(row):
-            if isinstance(e, str):
-                mb, name = 0, e
-                while mb in seen.get(e, ()):
-                    mb += 1
-            elif (isinstance(e, Sequence) and len(e) == 2 and isinstance(e[1], str)
-                  and isinstance(e[0], int) and not isinstance(e[0], bool)):
-                mb, name = int(e[0]), e[1]
-            else:
-                raise ScheduleError(
-                    f"custom_schedule row {r} entry {k} must be a task name or a "
-                    f"(microbatch, name) pair, got {e!r}")
-            if not 0 <= mb < num_microbatches:
-                raise ScheduleError(
-                    f"custom_schedule row {r}: microbatch {mb} of task '{name}' is out of "
-                    f"range (there are {num_microbatches} microbatches)")
-            if mb in seen.setdefault(name, set()):
-                raise ScheduleError(
-                    f"task '{name}' appears twice for microbatch {mb} in custom_schedule "
-                    f"row {r}")
-            seen[name].add(mb)
-            canon.append((mb, name))
-        for name, mbs in seen.items():
-            if len(mbs) != num_microbatches:
-                raise ScheduleError(
-                    f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
-                    f"but there are {num_microbatches} microbatches")
-        out.append(canon)
-    return out
+    return [_canonical_row(r, row, num_microbatches) for r, row in enumerate(rows)]
 
+
+def _canonical_row(r: int, row, num_microbatches: int) -> list[tuple[int, str]]:
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+        raise ScheduleError(f"custom_schedule row {r} must be a list of entries, got {row!r}")
+    seen: dict[str, set[int]] = {}
+    canon = []
+    for k, e in enumerate(row):
+        mb, name = _canonical_entry(r, k, e, seen)
+        if not 0 <= mb < num_microbatches:
+            raise ScheduleError(
+                f"custom_schedule row {r}: microbatch {mb} of task '{name}' is out of "
+                f"range (there are {num_microbatches} microbatches)")
+        if mb in seen.setdefault(name, set()):
+            raise ScheduleError(
+                f"task '{name}' appears twice for microbatch {mb} in custom_schedule row {r}")
+        seen[name].add(mb)
+        canon.append((mb, name))
+    for name, mbs in seen.items():
+        if len(mbs) != num_microbatches:
+            raise ScheduleError(
+                f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
+                f"but there are {num_microbatches} microbatches")
+    return canon
+
+
+def _canonical_entry(r: int, k: int, e, seen: dict[str, set[int]]) -> tuple[int, str]:
+    """``name`` (its next microbatch in the row) or ``(microbatch, name)``."""
+    if isinstance(e, str):
+        mb = 0
+        while mb in seen.get(e, ()):
+            mb += 1
+        return mb, e
+    if (isinstance(e, Sequence) and len(e) == 2 and isinstance(e[1], str)
+            and isinstance(e[0], int) and not isinstance(e[0], bool)):
+        return int(e[0]), e[1]
+    raise ScheduleError(
+        f"custom_schedule row {r} entry {k} must be a task name or a "
+        f"(microbatch, name) pair, got {e!r}")
 
 def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, int]]:
     rows = canonicalize_custom_schedule(custom, prog.M)
