@@ -327,21 +327,13 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
     external = [(ret, k, v) for k, v in enumerate(ret.operands)]
     external += [(m, k, v) for m in markers for k, v in enumerate(m.operands)]
     index = {op: i for i, op in enumerate(ops)}
-    for _, _, v in external:
+    for _, _, v in external:  # values read after the fragments: results too
         owner = v.owner
         if not isinstance(owner, ir.Block) and owner.operation in index:
             p = index[owner.operation]
             out_set[frag[p]].setdefault(v, (p, ir.OpResult(v).result_number))
     outs = [sorted(d, key=d.get) for d in out_set]
-    avail: dict[ir.Value, ir.Value] = {}
-    for f in range(n):
-        inputs = [avail.get(v, v) for v in ins[f]]
-        with ir.InsertionPoint(ret), ops[members[f][-1]].location:
-            call = func.CallOp([v.type for v in outs[f]], ir.FlatSymbolRefAttr.get(names[f]),
-                               inputs)
-        call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
-        for v, r in zip(outs[f], call.results):
-            avail[v] = r
+    avail = _emit_calls(ret, [ops[m[-1]].location for m in members], names, ins, outs)
     for user, j, v in external:
         if v in avail:
             user.operands[j] = avail[v]
@@ -356,7 +348,11 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
             user.operands[k] = remap[v]
         with ir.InsertionPoint(body), ret.location:
             func.ReturnOp(outs[f])
-    # Leaf task calls (flat form) become their bodies, now inside their fragments.
+    _inline_leaves(module, ops)
+
+
+def _inline_leaves(module: ir.Module, ops: list[ir.Operation]) -> None:
+    """Leaf task calls (flat form) become their bodies, now inside their fragments."""
     calls = [op for op in ops if op.name == "func.call"]
     if calls:
         funcs = c.func_by_name(module)
@@ -364,6 +360,22 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
         for call in calls:
             _inline_leaf(call, funcs, count)
 
+
+
+def _emit_calls(ret: ir.Operation, locations: list, names: list[str],
+                ins: list[list[ir.Value]], outs: list[list[ir.Value]]) -> dict:
+    """One ``func.call`` per fragment before ``ret``, in order; returns the map from
+    each value a fragment yields to the call result that now carries it."""
+    avail: dict[ir.Value, ir.Value] = {}
+    for f, name in enumerate(names):
+        inputs = [avail.get(v, v) for v in ins[f]]
+        with ir.InsertionPoint(ret), locations[f]:
+            call = func.CallOp([v.type for v in outs[f]], ir.FlatSymbolRefAttr.get(name),
+                               inputs)
+        call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+        for v, r in zip(outs[f], call.results):
+            avail[v] = r
+    return avail
 
 def _boundaries(frag: list[int], uses, n: int) -> tuple[list, list, list]:
     """Per fragment: its inputs (in first-use order), the operands to rewire to its
