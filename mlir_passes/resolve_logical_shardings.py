@@ -152,44 +152,51 @@ def _markers_in_program_order(module: ir.Module) -> list[ir.Operation]:
     """Every marker of the module, those in a called function at the call (depth first
     from ``@main``, so the body of a leaf task call comes where it would be inlined),
     then those of functions no call reaches and of any other top-level op."""
-    funcs = c.func_by_name(module)
-
-    def scan(root: ir.Operation) -> list:
-        items: list = []
-
-        def cb(op):
-            name = op.name
-            if name == "stablehlo.custom_call":
-                if _is_marker(op):
-                    items.append(op.operation)
-            elif name == "func.call":
-                items.append(c.callee_of(op))
-            return ir.WalkResult.ADVANCE
-
-        root.walk(cb, ir.WalkOrder.PRE_ORDER)
-        return items
-
-    out: list[ir.Operation] = []
-    seen: set[str] = set()
-
-    def expand(name: str) -> None:
-        if name in seen or name not in funcs:
-            return
-        seen.add(name)
-        for item in scan(funcs[name]):
-            if isinstance(item, str):
-                expand(item)
-            else:
-                out.append(item)
-
-    if "main" in funcs:
-        expand("main")
-    for name in funcs:
-        expand(name)
+    order = _ProgramOrder(c.func_by_name(module))
+    if "main" in order.funcs:
+        order.expand("main")
+    for name in order.funcs:
+        order.expand(name)
     for op in module.body.operations:
         if op.operation.name != "func.func":
-            out.extend(x for x in scan(op.operation) if not isinstance(x, str))
-    return out
+            order.out.extend(x for x in _scan(op.operation) if not isinstance(x, str))
+    return order.out
+
+
+def _scan(root: ir.Operation) -> list[ir.Operation | str]:
+    """The markers and the callees of calls under ``root``, in walk order."""
+    items: list[ir.Operation | str] = []
+
+    def cb(op):
+        name = op.name
+        if name == "stablehlo.custom_call":
+            if _is_marker(op):
+                items.append(op.operation)
+        elif name == "func.call":
+            items.append(c.callee_of(op))
+        return ir.WalkResult.ADVANCE
+
+    root.walk(cb, ir.WalkOrder.PRE_ORDER)
+    return items
+
+
+class _ProgramOrder:
+    """Markers collected depth first through calls, each function once."""
+
+    def __init__(self, funcs: dict[str, ir.Operation]) -> None:
+        self.funcs = funcs
+        self.out: list[ir.Operation] = []
+        self.seen: set[str] = set()
+
+    def expand(self, name: str) -> None:
+        if name in self.seen or name not in self.funcs:
+            return
+        self.seen.add(name)
+        for item in _scan(self.funcs[name]):
+            if isinstance(item, str):
+                self.expand(item)
+            else:
+                self.out.append(item)
 
 
 def _mesh_attr(task: _Task) -> ir.Attribute:
