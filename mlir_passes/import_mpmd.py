@@ -136,21 +136,7 @@ def parse_meshes_option(text: str) -> dict[str, tuple[int, ...]]:
             raise _option_error(f"entry '{entry}' is not of the form name=positions")
         if name in out:
             raise _option_error(f"mesh '{name}' is given twice")
-        positions: list[int] = []
-        for item in (i.strip() for i in spec.split(",")):
-            lo, dash, hi = item.partition("-")
-            try:
-                if dash:
-                    first, last = int(lo), int(hi)
-                    if last < first:
-                        raise ValueError
-                    positions.extend(range(first, last + 1))
-                else:
-                    positions.append(int(item))
-            except ValueError:
-                raise _option_error(
-                    f"mesh '{name}' has device position '{item}', which is not an integer "
-                    f"or an increasing range a-b") from None
+        positions = [p for item in spec.split(",") for p in _positions(name, item.strip())]
         if any(p < 0 for p in positions):
             raise _option_error(f"mesh '{name}' has a negative device position")
         if len(set(positions)) != len(positions):
@@ -158,6 +144,22 @@ def parse_meshes_option(text: str) -> dict[str, tuple[int, ...]]:
         out[name] = tuple(positions)
     return out
 
+
+
+def _positions(mesh: str, item: str) -> list[int]:
+    """``"3"`` or ``"0-3"`` (increasing) -> device positions."""
+    lo, dash, hi = item.partition("-")
+    try:
+        if not dash:
+            return [int(item)]
+        first, last = int(lo), int(hi)
+        if last < first:
+            raise ValueError
+        return list(range(first, last + 1))
+    except ValueError:
+        raise _option_error(
+            f"mesh '{mesh}' has device position '{item}', which is not an integer "
+            f"or an increasing range a-b") from None
 
 def _option_error(what: str) -> PipelineError:
     return PipelineError(
@@ -357,14 +359,7 @@ class _Importer:
         for op in ops:
             if op.name not in _MAIN_OPS:
                 raise self._unsupported(op)
-        arg_types = [self._mesh_tensor(a.type) for a in block.arguments]
-        for a, mt in zip(block.arguments, arg_types):
-            if mt is None:
-                raise DiagnosticError(
-                    f"@main argument #{a.arg_number} has type {a.type}, not an "
-                    f"!mpmd.mesh_tensor; is this the output of Shardy's MPMD partitioner?",
-                    main.location)
-        self.arg_types = arg_types
+        self.arg_types = self._arg_types()
         self.topology = read_topology(main)
         self.calls = [op for op in ops if op.name == "mpmd.fragment_call"]
         self.transfers = [op for op in ops if op.name == "mpmd.transfer"]
@@ -378,14 +373,7 @@ class _Importer:
         self._check_positions()
         # Values in @main: where each one lives, as (mesh, sharding or None).
         self.value_mesh: dict[ir.Value, MeshTensor] = {}
-        arg_dicts = attr_dicts(main, "arg_attrs")
-        for a, mt, d in zip(block.arguments, arg_types, arg_dicts):
-            what = f"@main argument #{a.arg_number}"
-            for key in _MEMORY_KIND_ATTRS:
-                if key in d and attr_to_py(d[key]) != "device":
-                    raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
-            self._check_value(mt, what, main.location)
-            self.value_mesh[a] = mt
+        self._check_args()
         for op in ops:
             if op.name == "mpmd.fragment_call":
                 self._check_call(op)
@@ -394,6 +382,29 @@ class _Importer:
                 self._check_value(dst, "the transfer's result", op.location)
                 self.value_mesh[op.results[0]] = dst
         return self
+
+    def _arg_types(self) -> list[MeshTensor]:
+        out = []
+        for a in self.block.arguments:
+            mt = self._mesh_tensor(a.type)
+            if mt is None:
+                raise DiagnosticError(
+                    f"@main argument #{a.arg_number} has type {a.type}, not an "
+                    f"!mpmd.mesh_tensor; is this the output of Shardy's MPMD partitioner?",
+                    self.main.location)
+            out.append(mt)
+        return out
+
+    def _check_args(self) -> None:
+        main = self.main
+        arg_dicts = attr_dicts(main, "arg_attrs")
+        for a, mt, d in zip(self.block.arguments, self.arg_types, arg_dicts):
+            what = f"@main argument #{a.arg_number}"
+            for key in _MEMORY_KIND_ATTRS:
+                if key in d and attr_to_py(d[key]) != "device":
+                    raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
+            self._check_value(mt, what, main.location)
+            self.value_mesh[a] = mt
 
     def _unsupported(self, op: ir.Operation) -> DiagnosticError:
         if op.name in ("mpmd.reduce", "mpmd.broadcast"):
