@@ -63,8 +63,8 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
     say so themselves. Neither has one whose ``@main`` only returns: it is in every form.
     """
     top = _TopLevel()
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "builtin.module" and ("mm.devices" in op.attributes
                                             or "mm.task" in op.attributes):
             return EXTRACTED, op  # a fragment module

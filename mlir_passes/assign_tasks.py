@@ -200,7 +200,7 @@ def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
 
     op.walk(cb, ir.WalkOrder.PRE_ORDER)
     # tag_of outside the walk: an exception in a walk callback becomes a RuntimeError
-    found = [(c.tag_of(o), o) for o in tagged]
+    found = [(t, o) for o in tagged if (t := c.tag_of(o)) is not None]
     if not found:
         return None
     first, _ = found[0]

@@ -78,6 +78,7 @@ def _nest(fn: ir.Operation, info: c.FragmentInfo, meshes: dict[str, ir.Operation
     with copies of the meshes it names."""
     name = c.func_name(fn)
     mesh_sym = info.mesh
+    assert mesh_sym is not None  # fragment_info was given the meshes
     i32 = ir.IntegerType.get_signless(32)
     with ir.InsertionPoint(fn), fn.location:
         sub = ir.Operation.create("builtin.module", regions=1)

@@ -101,7 +101,7 @@ class _Parser:
         if not self.eat(tok):
             self.fail(f"expected '{tok}'")
 
-    def int(self) -> int:
+    def integer(self) -> int:
         self.ws()
         m = re.compile(r"\d+").match(self.s, self.i)
         if not m:
@@ -111,11 +111,11 @@ class _Parser:
 
     def int_list(self) -> list[int]:
         self.expect("[")
-        out = []
+        out: list[int] = []
         if self.eat("]"):
             return out
         while True:
-            out.append(self.int())
+            out.append(self.integer())
             if self.eat("]"):
                 return out
             self.expect(",")
@@ -163,7 +163,7 @@ class _Parser:
         elif kw == "maximal":
             self.expect("device")
             self.expect("=")
-            result = GspmdSharding("maximal", device=self.int())
+            result = GspmdSharding("maximal", device=self.integer())
         elif kw == "devices":
             result = self._tiled()
         else:
@@ -191,9 +191,9 @@ class _Parser:
         perm = list(range(len(reshape)))
         if self.eat("T"):
             self.expect("(")
-            perm = [self.int()]
+            perm = [self.integer()]
             while self.eat(","):
-                perm.append(self.int())
+                perm.append(self.integer())
             self.expect(")")
         if math.prod(reshape) != n:
             self.fail(f"iota shape {reshape} does not hold {n} devices")
@@ -202,9 +202,9 @@ class _Parser:
         return _iota_devices(reshape, perm)
 
     def _device_list(self, n: int, tile_dims: list[int]) -> list[int]:
-        devices = [self.int()]
+        devices = [self.integer()]
         while self.eat(","):
-            devices.append(self.int())
+            devices.append(self.integer())
         if len(devices) != n:
             self.fail(f"{len(devices)} device ids for a {tile_dims} tile assignment")
         if sorted(devices) != list(range(n)):
@@ -481,6 +481,7 @@ def _check_maximal_devices(module: ir.Module, targets: list[_Target],
         for s in t.shardings:
             if s.kind != "maximal":
                 continue
+            assert s.device is not None  # the parser sets it on every maximal sharding
             if count is not None and s.device >= count:
                 raise DiagnosticError(
                     f"GSPMD sharding '{{maximal device={s.device}}}' names device "

@@ -710,13 +710,13 @@ class _Importer:
         """Erase the top-level ``sdy.mesh`` ops whose users all moved into fragment modules
         (functions that are not fragments are left alone, with their meshes)."""
         still_used: set[str] = set()
-        for op in self.module.body.operations:
-            op = op.operation
-            if op.name == "func.func" and op != self.main:
-                still_used.update(c.referenced_meshes(op, set(self.sdy_meshes)))
-        for sym, op in self.sdy_meshes.items():
+        for view in self.module.body.operations:
+            fn = view.operation
+            if fn.name == "func.func" and fn != self.main:
+                still_used.update(c.referenced_meshes(fn, set(self.sdy_meshes)))
+        for sym, mesh in self.sdy_meshes.items():
             if sym not in still_used:
-                op.erase()
+                mesh.erase()
 
     def _set_module_attrs(self, tasks: dict[str, dict]) -> None:
         attrs = self.module.operation.attributes

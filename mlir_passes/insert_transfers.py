@@ -108,12 +108,15 @@ class _Edges:
         self.plans = []
 
 
-def _transfer(v: ir.Value, block: ir.Block, loc, sh, devs, ip=None) -> ir.Value:
+def _transfer(v: ir.Value, block: ir.Block | None, loc, sh, devs, ip=None) -> ir.Value:
     """``mm.transfer`` of ``v`` right after its producer (or at ``ip``)."""
     owner = v.owner
     if ip is None:
-        ip = (ir.InsertionPoint.at_block_begin(block) if isinstance(owner, ir.Block)
-              else ir.InsertionPoint.after(owner))
+        if isinstance(owner, ir.Block):
+            assert block is not None  # callers give the block of any block argument
+            ip = ir.InsertionPoint.at_block_begin(block)
+        else:
+            ip = ir.InsertionPoint.after(owner)
     with ip, loc:
         op = stablehlo.CustomCallOp(
             [v.type], [v], call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
@@ -198,8 +201,7 @@ def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
             [r.type for r in loop.results], list(loop.operands) + list(extra),
             call_target_name=ir.StringAttr.get(c.LOOP_TARGET),
             has_side_effect=ir.BoolAttr.get(False),
-            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-    new = new.operation
+            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)).operation
     for name in (c.BODY_ATTR, c.NUM_MICROBATCHES_ATTR, "mm.schedule"):
         if name in loop.attributes:
             new.attributes[name] = loop.attributes[name]
@@ -212,13 +214,11 @@ def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
     return new
 
 
-def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, str]):
+def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, ir.Attribute]):
     """The device -> shard mapping of a value (see ``multimesh._src.layouts``)."""
     ts = sdy.TensorShardingAttr(sharding)
-    mesh = ts.mesh_or_ref
-    if isinstance(mesh, ir.FlatSymbolRefAttr):
-        mesh = meshes[mesh.value]
-    mesh = sdy.MeshAttr(mesh)
+    ref = ts.mesh_or_ref
+    mesh = sdy.MeshAttr(meshes[ref.value] if isinstance(ref, ir.FlatSymbolRefAttr) else ref)
     names = [sdy.MeshAxisAttr(a).name for a in mesh.axes]
     sizes = [sdy.MeshAxisAttr(a).size for a in mesh.axes]
     dims = [[sdy.AxisRefAttr(a).name for a in sdy.DimensionShardingAttr(d).axes]

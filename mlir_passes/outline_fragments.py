@@ -185,7 +185,8 @@ def _first_op_is_early(call: ir.Operation, funcs, late: set[int]) -> bool:
     if len(op.regions):
         return True
     for v in op.operands:
-        if isinstance(v.owner, ir.Block) and v.owner == blk and v.arg_number in late:
+        if isinstance(v.owner, ir.Block) and v.owner == blk and \
+                ir.BlockArgument(v).arg_number in late:
             return False
     return True
 
@@ -264,7 +265,7 @@ def _remat_constants(ops, main) -> None:
         clone.attributes[c.TASK_ATTR] = c.tag_attr(*t)
         for owner, k in uses:
             owner.operands[k] = clone.results[0]
-    done = []
+    done: list[ir.Operation] = []
     for op, *_ in plans:
         if any(op is d for d in done):
             continue
@@ -412,10 +413,10 @@ def _fragment_func(module, main, name: str, key: c.Tag, task: c.TaskMeshInfo, me
                    ins: list[ir.Value], outs: list[ir.Value]) -> ir.Block:
     """An empty fragment function, tagged with its task, mesh and devices; its body."""
     with ir.InsertionPoint(module.body), main.location:
-        fn = func.FuncOp(name, ir.FunctionType.get([v.type for v in ins],
-                                                   [v.type for v in outs]),
-                         visibility="private")
-        body = fn.add_entry_block()
+        fn = func.FuncOp(  # type: ignore[call-arg]  # stubs show the generated FuncOp,
+            name, ir.FunctionType.get([v.type for v in ins],  # not func.py's subclass
+                                      [v.type for v in outs]), visibility="private")
+        body = fn.add_entry_block()  # type: ignore[attr-defined]  # (the same subclass)
     attrs = fn.operation.attributes
     attrs[c.TASK_ATTR] = c.tag_attr(*key)
     attrs["mm.devices"] = py_to_attr(list(task.devices))

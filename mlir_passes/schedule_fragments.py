@@ -221,8 +221,8 @@ def _callee(op: ir.Operation) -> str | None:
 
 def _fragment_attrs(module: ir.Module, name: str):
     """The op holding a fragment's attributes: its function, or its nested module."""
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name in ("func.func", "builtin.module") and "sym_name" in op.attributes and \
                 ir.StringAttr(op.attributes["sym_name"]).value == name:
             return op
@@ -245,13 +245,16 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
     out = []
     for op, name in calls_ops:
         holder, task, split = _fragment_tag(module, op, name)
-        deps, carried = set(), set()
+        deps: set[int] = set()
+        carried: set[int] = set()
         for v in op.operands:
             src = _through_transfers(v)
             if src in producer:
                 deps.add(producer[src])
-            elif src in carry_of_arg and carry_producer[carry_of_arg[src]] is not None:
-                carried.add(carry_producer[carry_of_arg[src]])
+            elif src in carry_of_arg:
+                carry = carry_producer[carry_of_arg[src]]
+                if carry is not None:
+                    carried.add(carry)
         info = tasks.get(str(task["name"]))
         out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
                             tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),

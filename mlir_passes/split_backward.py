@@ -58,7 +58,7 @@ class SplitBackwardPass(ModulePass):
 
 
 def _activation_outputs(call: ir.Operation, task: str,
-                        task_of: dict[str, tuple[str, int] | None]) -> list[int]:
+                        task_of: dict[str, c.Tag | None]) -> list[int]:
     """Results of a backward fragment that another task's backward fragment reads: the
     gradients with respect to activations, which the next stage waits for."""
     act = []
