@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
@@ -199,8 +201,7 @@ def _canonical_signature(call: ir.Operation, callee: ir.Operation) -> ir.Operati
     ret = blk.operations[len(blk.operations) - 1].operation
     fn = callee.operation
     keys = _first_uses(blk, fn)
-    args = sorted((i for i, k in enumerate(keys) if k is not None),
-                  key=functools.cmp_to_key(lambda i, j: _cmp(keys[i], keys[j]) or i - j))
+    args = _sorted_by([i for i, k in enumerate(keys) if k is not None], keys)
     results, same_as = _result_order(ret)
     if args == list(range(len(keys))) and results == list(range(len(ret.operands))):
         return call
@@ -232,11 +233,17 @@ def _result_order(ret: ir.Operation) -> tuple[list[int], dict[int, int]]:
         else:
             seen[v] = k
     firsts = [k for k in range(len(ret.operands)) if k not in same_as]
-    made = {k: (ret.operands[k].owner.operation, ir.OpResult(ret.operands[k]).result_number)
+    made = {k: (ret.operands[k].owner.operation, 0, ir.OpResult(ret.operands[k]).result_number)
             for k in firsts}
-    results = sorted(firsts, key=functools.cmp_to_key(
-        lambda i, j: _cmp((made[i][0], 0, made[i][1]), (made[j][0], 0, made[j][1])) or i - j))
-    return results, same_as
+    return _sorted_by(firsts, made), same_as
+
+
+def _sorted_by(order: list[int], keys: Sequence[Any] | Mapping[int, Any]) -> list[int]:
+    """``order`` sorted by ``keys[i]`` (see :func:`_cmp`), ties by position."""
+    def cmp(i: int, j: int) -> int:
+        return _cmp(keys[i], keys[j]) or i - j
+
+    return sorted(order, key=functools.cmp_to_key(cmp))
 
 
 def _reorder_callee(fn: ir.Operation, blk: ir.Block, ret: ir.Operation, args: list[int],
@@ -301,8 +308,8 @@ def _earliest_use(uses: list, fn: ir.Operation) -> tuple | None:
 
 def _walk_first_uses(blk: ir.Block, many: dict, keys: list) -> None:
     """Fill ``keys`` for the arguments in ``many`` by walking the body in order."""
-    for op in blk.operations:
-        op = op.operation
+    for view in blk.operations:
+        op = view.operation
         for k, v in enumerate(op.operands):
             i = many.get(v)
             if i is not None and keys[i] is None:

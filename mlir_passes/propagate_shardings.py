@@ -95,6 +95,7 @@ class _Propagation:
         fn = self.funcs[name]
         info = self.infos[name]
         mesh_sym, devs = info.mesh, info.devices_attr
+        assert mesh_sym is not None  # fragment_info was given the meshes
         hints = self._hints(call, mesh_sym, devs)
         done = _propagate(fn, mesh_sym, self.meshes, self.scans[name], hints, self.pm)
         arg_sh = _shardings(done, "arg_attrs", len(call.operands), mesh_sym)
@@ -119,10 +120,13 @@ class _Propagation:
         update_attr_dicts(self.main, "arg_attrs", changes)
 
 
-def _pinned_args(main, meshes) -> dict[ir.Value, tuple]:
-    """``@main`` arguments with a caller-given layout: value -> (devices, names, sizes,
-    per-dim axes)."""
-    out = {}
+# a caller-given layout: (devices, axis names, axis sizes, per-dim axes)
+_Pin = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
+
+
+def _pinned_args(main, meshes) -> dict[ir.Value, _Pin]:
+    """``@main`` arguments with a caller-given layout."""
+    out: dict[ir.Value, _Pin] = {}
     attrs = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else []
     for a, raw in zip(c.entry_block(main).arguments, attrs):
         d = ir.DictAttr(raw)
@@ -143,10 +147,10 @@ def _pinned_args(main, meshes) -> dict[ir.Value, tuple]:
     return out
 
 
-def _pinned_hint(pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None:
+def _pinned_hint(pin: _Pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None:
     """The pinned layout on the consumer's mesh, if that mesh can express it."""
     m = sdy.MeshAttr(mesh)
-    dims = translate_dims(*pin[:3], pin[3], attr_to_py(devices_attr),
+    dims = translate_dims(pin[0], pin[1], pin[2], pin[3], attr_to_py(devices_attr),
                           [sdy.MeshAxisAttr(x).name for x in m.axes],
                           [sdy.MeshAxisAttr(x).size for x in m.axes])
     if dims is None:
@@ -200,7 +204,8 @@ def _propagate(fn, mesh_sym, meshes, referenced, hints, pm) -> ir.Operation:
     for op in tmp.body.operations:
         if op.operation.name == "func.func":
             new_main = op.operation
-    return new_main.detach_from_parent()
+    assert new_main is not None  # the module holds the one function it was given
+    return new_main.detach_from_parent().operation
 
 
 def _shardings(fn, which: str, n: int, mesh_sym: str) -> list[ir.Attribute]:
