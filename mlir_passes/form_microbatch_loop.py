@@ -76,7 +76,7 @@ class FormMicrobatchLoopPass(ModulePass):
 
 
 def _num_microbatches(sums, index_ops, module) -> int:
-    found = {}
+    found: dict[int, ir.Operation] = {}
     for op in sums:
         d = attr_to_py(op.attributes[c.MICROBATCH_ATTR]) if c.MICROBATCH_ATTR in \
             op.attributes else None
@@ -200,8 +200,7 @@ class _Builder:
                 carry_types, inits + invariants,
                 call_target_name=ir.StringAttr.get(c.LOOP_TARGET),
                 has_side_effect=ir.BoolAttr.get(False),
-                api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-        loop = loop.operation
+                api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)).operation
         loop.attributes[c.BODY_ATTR] = ir.FlatSymbolRefAttr.get(BODY_NAME)
         loop.attributes[c.NUM_MICROBATCHES_ATTR] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), self.num)
@@ -238,9 +237,10 @@ class _Builder:
         i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
         arg_types = [i32] + carry_types + [v.type for v in invariants]
         with ir.InsertionPoint(self.module.body), self.main.location:
-            body_fn = func.FuncOp(BODY_NAME, ir.FunctionType.get(arg_types, carry_types),
-                                  visibility="private")
-            body = body_fn.add_entry_block()
+            body_fn = func.FuncOp(  # type: ignore[call-arg]  # stubs show the generated
+                BODY_NAME, ir.FunctionType.get(arg_types, carry_types),  # FuncOp, not
+                visibility="private")  # func.py's subclass, which adds these
+            body = body_fn.add_entry_block()  # type: ignore[attr-defined]  # (the same)
         args = list(body.arguments)
         value: dict[ir.Value, ir.Value] = {v: args[0] for v in index_values}
         carry_args = args[1:1 + len(carries)]
@@ -281,7 +281,7 @@ class _Builder:
         numbers = []
         for rn, _group in items:
             a = body.add_argument(call.results[rn].type, fn.location)
-            d = {_DONOR: ir.BoolAttr.get(True)}
+            d: dict[str, ir.Attribute] = {_DONOR: ir.BoolAttr.get(True)}
             if "sdy.sharding" in res_attrs[rn]:
                 d["sdy.sharding"] = res_attrs[rn]["sdy.sharding"]
             arg_attrs.append(ir.DictAttr.get(d))
@@ -309,7 +309,7 @@ class _Builder:
         """Zero running sums: one ``@<task>_acc_init`` fragment per task, before the loop."""
         by_task: dict[str, list[int]] = {}
         for k, (call, _, _) in enumerate(carries):
-            by_task.setdefault(c.tag_of(self.funcs[c.callee_of(call)])[0], []).append(k)
+            by_task.setdefault(_task_of(self.funcs[c.callee_of(call)])[0], []).append(k)
         out: list = [None] * len(carries)
         for task, ks in by_task.items():
             first = self.funcs[c.callee_of(carries[ks[0]][0])]
@@ -324,13 +324,14 @@ class _Builder:
                 types.append(self._result_type(call, rn))
                 attrs.append(attr_entries(fn, "res_attrs")[rn])
             with ir.InsertionPoint(self.module.body), self.main.location:
-                init = func.FuncOp(name, ir.FunctionType.get([], types), visibility="private")
-                body = init.add_entry_block()
+                init_op = func.FuncOp(  # type: ignore[call-arg]  # as in _body_fn
+                    name, ir.FunctionType.get([], types), visibility="private")
+                body = init_op.add_entry_block()  # type: ignore[attr-defined]  # (the same)
             with ir.InsertionPoint(body), self.main.location:
                 func.ReturnOp([_zeros(t) for t in types])
-            init = init.operation
+            init = init_op.operation
             init.attributes["res_attrs"] = ir.ArrayAttr.get(attrs)
-            tag = c.tag_of(first)
+            tag = _task_of(first)
             init.attributes[c.TASK_ATTR] = c.tag_attr(tag[0], tag[1])
             for key in ("mm.devices", "mm.mesh"):
                 init.attributes[key] = first.attributes[key]
@@ -343,6 +344,13 @@ class _Builder:
         return out
 
 
+
+def _task_of(fn: ir.Operation) -> c.Tag:
+    """A fragment's tag (outlined fragments always carry one)."""
+    tag = c.tag_of(fn)
+    assert tag is not None, c.func_name(fn)
+    return tag
+
 def _zeros(t) -> ir.Value:
     """A splat zero constant of tensor type ``t`` (XLA materialises it on device)."""
     rt = ir.RankedTensorType(t)
@@ -352,7 +360,8 @@ def _zeros(t) -> ir.Value:
     elif isinstance(et, ir.ComplexType):
         part = ir.ComplexType(et).element_type
         dtype = np.complex64 if ir.FloatType(part).width == 32 else np.complex128
-        attr = ir.DenseElementsAttr.get(np.zeros(rt.shape, dtype=dtype), type=rt)
+        attr = ir.DenseElementsAttr.get(  # type: ignore[call-overload]  # the stubs do not
+            np.zeros(rt.shape, dtype=dtype), type=rt)  # list numpy arrays (buffers) it takes
     else:
         attr = ir.DenseElementsAttr.get_splat(rt, ir.FloatAttr.get(et, 0.0))
     return stablehlo.ConstantOp(attr).result
