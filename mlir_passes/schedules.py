@@ -83,6 +83,12 @@ class Unit:
         """Not part of the pipeline proper: no microbatch, no stage or kind "other"."""
         return self.microbatch is None or self.stage is None or self.kind == "other"
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """``(mesh, stage, microbatch)`` of a pipeline unit (one that is not free)."""
+        assert self.stage is not None and self.microbatch is not None, self
+        return self.mesh, self.stage, self.microbatch
+
 
 @dataclass(frozen=True)
 class Call:
@@ -127,9 +133,7 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
                     if c.transpose_count == 1 and c.split == "weight"}
     # A call that reads a later microbatch's result combines microbatches (a sum over
     # them, say): it cannot hold its microbatch's slot, so it runs as a free unit.
-    combines = {i for i, c in enumerate(calls) if c.microbatch is not None and any(
-        calls[d].microbatch is not None and calls[d].microbatch > c.microbatch
-        for d in c.deps)}
+    combines = _combining(calls)
     units = []
     for i, c in enumerate(calls):
         if c.transpose_count == 0:
@@ -147,6 +151,19 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
                           kind != "fwd" and c.forward is not None))
     return units, meshes
 
+
+
+def _combining(calls: Sequence[Call]) -> set[int]:
+    """Calls that read a later microbatch's result (they combine microbatches)."""
+    out = set()
+    for i, call in enumerate(calls):
+        mb = call.microbatch
+        if mb is None:
+            continue
+        later = [m for d in call.deps if (m := calls[d].microbatch) is not None and m > mb]
+        if later:
+            out.add(i)
+    return out
 
 def _backward_stages(calls: Sequence[Call], stage_of: dict[str, int], mesh_of) -> None:
     """Stages of backward tasks named apart from their forward (``layer0_bwd`` next to
@@ -193,7 +210,7 @@ def pipeline_units(P: int, M: int, *, interleave: int = 1,
         return len(units) - 1
 
     for m in range(M):
-        f = []
+        f: list[int] = []
         for k in range(S):
             f.append(add("fwd", m, k, [f[-1]] if f else []))
         prev = None
@@ -386,7 +403,7 @@ class _Program:
         _check_units(units)
         self.units = list(units)
         self.num_meshes = max((u.mesh for u in units), default=-1) + 1
-        mbs = sorted({u.microbatch for u in units if not u.free})
+        mbs = sorted({u.key[2] for u in units if not u.free})
         self.mb_rank = {m: r for r, m in enumerate(mbs)}
         self.M = len(mbs)
         self.home = home = _homes(units)
@@ -402,8 +419,8 @@ class _Program:
         self.slot: dict[tuple[str, int, int], list[int]] = {}
         for u in units:
             if not u.free:
-                self.slot.setdefault((u.kind, u.stage, self.mb_rank[u.microbatch]),
-                                     []).append(u.index)
+                _, stage, mb = u.key
+                self.slot.setdefault((u.kind, stage, self.mb_rank[mb]), []).append(u.index)
         # Activation bookkeeping: (mesh, stage, mb) keys that have a backward.
         self.has_bwd = {(u.mesh, u.stage, u.microbatch) for u in units
                         if not u.free and u.kind in ("bwd", "bwd_w")}
@@ -426,10 +443,10 @@ def _homes(units: Sequence[Unit]) -> dict[int, int]:
     home: dict[int, int] = {}
     for u in units:
         if not u.free and u.kind == "fwd":
-            home.setdefault(u.stage, u.mesh)
+            home.setdefault(u.key[1], u.mesh)
     for u in units:
         if not u.free:
-            home.setdefault(u.stage, u.mesh)
+            home.setdefault(u.key[1], u.mesh)
     return home
 
 
@@ -558,8 +575,7 @@ class _Sim:
         self.bwd_left: dict[tuple[int, int, int], int] = {}
         for u in prog.units:
             if not u.free and u.kind in ("bwd", "bwd_w"):
-                k = (u.mesh, u.stage, u.microbatch)
-                self.bwd_left[k] = self.bwd_left.get(k, 0) + 1
+                self.bwd_left[u.key] = self.bwd_left.get(u.key, 0) + 1
         self.live = [0] * prog.num_meshes
         self.peak = [0] * prog.num_meshes
         self.opened: set[tuple[int, int, int]] = set()
@@ -644,6 +660,13 @@ class _Sim:
                                 for d in set(units[j].deps))
                     heapq.heappush(self.pending, (avail, j))
         return finished
+
+    def times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Start and end of every unit, once all have run."""
+        start = tuple(x for x in self.start if x is not None)
+        end = tuple(x for x in self.end if x is not None)
+        assert len(start) == len(end) == len(self.start), "not every unit ran"
+        return start, end
 
     def _end(self, i: int) -> float:
         end = self.end[i]
@@ -804,8 +827,8 @@ def _zero_bubble(prog: _Program, num_stages, devices, h2: bool = False) -> Sched
 
     def chooser(sim: _Sim, m: int, ready: set[int], h: int | None):
         ws = sorted((i for i in ready if i in w_pool),
-                    key=lambda i: (prog.mb_rank[prog.units[i].microbatch],
-                                   -prog.units[i].stage, i))
+                    key=lambda i: (prog.mb_rank[prog.units[i].key[2]],
+                                   -prog.units[i].key[1], i))
         if h is not None and h in ready:
             u = prog.units[h]
             opens = (u.kind == "fwd" and (u.mesh, u.stage, u.microbatch) in prog.has_bwd
@@ -886,7 +909,7 @@ def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, in
     for u in prog.units:
         if not u.free:
             by_label[u.mesh].setdefault(unit_label(u), {}).setdefault(
-                prog.mb_rank[u.microbatch], []).append(u.index)
+                prog.mb_rank[u.key[2]], []).append(u.index)
     plans: list[list[int]] = []
     for r, row in enumerate(rows):
         labels = by_label[r]
@@ -925,7 +948,7 @@ def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
         raise ScheduleError(f"schedule does not place units {sorted(missing)}")
     sim = _run_plans(prog, plans, pos, strict=True, cost=cost or default_cost, comm=comm,
                      name=schedule.name)
-    return Timeline(schedule, tuple(sim.start), tuple(sim.end))
+    return Timeline(schedule, *sim.times())
 
 
 def live_activation_profile(schedule: Schedule) -> list[list[int]]:
@@ -941,13 +964,14 @@ def live_activation_profile(schedule: Schedule) -> list[list[int]]:
     bwd_total: dict[tuple[int, int, int], int] = {}
     for u in schedule.units:
         if not u.free and u.kind in ("bwd", "bwd_w"):
-            k = (u.mesh, u.stage, u.microbatch)
-            bwd_total[k] = bwd_total.get(k, 0) + 1
+            bwd_total[u.key] = bwd_total.get(u.key, 0) + 1
     for row in schedule.rows():
-        live, prof, opened, seen = 0, [], set(), {}
+        live, prof = 0, []
+        opened: set[tuple[int, int, int]] = set()
+        seen: dict[tuple[int, int, int], int] = {}
         for u in row:
             if not u.free:
-                k = (u.mesh, u.stage, u.microbatch)
+                k = u.key
                 if u.kind == "fwd" and k in bwd_total and k not in opened:
                     opened.add(k)
                     if seen.get(k, 0) < bwd_total[k]:  # some backward still to come
@@ -1035,9 +1059,9 @@ def chunk_of(schedule: Schedule) -> dict[int, int]:
     stages: dict[int, set[int]] = {}
     for u in schedule.units:
         if not u.free:
-            stages.setdefault(u.mesh, set()).add(u.stage)
+            stages.setdefault(u.mesh, set()).add(u.key[1])
     rank = {m: {st: k for k, st in enumerate(sorted(ss))} for m, ss in stages.items()}
-    return {u.index: rank[u.mesh][u.stage] for u in schedule.units if not u.free}
+    return {u.index: rank[u.mesh][u.key[1]] for u in schedule.units if not u.free}
 
 
 def _quantum(values: Iterable[float]) -> float:
