@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import mesh_ops
 from multimesh._src.mlir import ir, stablehlo
 
 
@@ -38,8 +39,7 @@ class ExtractFragmentsPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value: o.operation
-                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
+            meshes = mesh_ops(module)
             calls = _fragment_calls(main, funcs)
             infos = {n: c.fragment_info(funcs[n], meshes, need_task=True)
                      for n in map(c.callee_of, calls)}

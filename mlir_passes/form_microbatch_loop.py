@@ -9,7 +9,7 @@ import numpy as np
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.ir_util import attr_entries
+from multimesh._src.ir_util import attr_entries, mesh_attrs
 from multimesh._src.mlir import attr_to_py, func, ir, stablehlo
 
 __all__ = ["FormMicrobatchLoopPass", "BODY_NAME"]
@@ -58,9 +58,7 @@ class FormMicrobatchLoopPass(ModulePass):
             if not index_ops and not sums:
                 return
             funcs = c.func_by_name(module)
-            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value:
-                      o.operation.attributes["mesh"]
-                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
+            meshes = mesh_attrs(module)
             num = _num_microbatches(sums, index_ops, module)
             for op in ops:
                 if op.name == "func.call":

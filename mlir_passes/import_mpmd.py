@@ -15,7 +15,7 @@ from math import prod
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.ir_util import attr_dicts, set_attr_dicts, update_attr_dicts
+from multimesh._src.ir_util import attr_dicts, mesh_ops, set_attr_dicts, update_attr_dicts
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
 
@@ -353,8 +353,7 @@ class _Importer:
         self.main = main = c.main_func(module)
         self.block = block = c.entry_block(main)
         self.funcs = c.func_by_name(module)
-        self.sdy_meshes = {c.func_name(o.operation): o.operation
-                           for o in module.body.operations if o.operation.name == "sdy.mesh"}
+        self.sdy_meshes = mesh_ops(module)
         ops = [o.operation for o in block.operations]
         for op in ops:
             if op.name not in _MAIN_OPS:

@@ -10,7 +10,7 @@ from typing import Any
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.ir_util import custom_call_target
+from multimesh._src.ir_util import custom_call_target, select_attr_entries
 from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
 
 
@@ -260,10 +260,8 @@ def _reorder_callee(fn: ir.Operation, blk: ir.Block, ret: ir.Operation, args: li
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
     fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
         [ftype.inputs[i] for i in args], [ftype.results[k] for k in results]))
-    for key, order in (("arg_attrs", args), ("res_attrs", results)):
-        if key in fn.attributes:
-            old = list(ir.ArrayAttr(fn.attributes[key]))
-            fn.attributes[key] = ir.ArrayAttr.get([old[i] for i in order])
+    select_attr_entries(fn, "arg_attrs", args)
+    select_attr_entries(fn, "res_attrs", results)
     return ftype
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.ir_util import attr_entries
+from multimesh._src.ir_util import attr_entries, mesh_attrs
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, sdy, stablehlo
 
@@ -39,9 +39,7 @@ class InsertTransfersPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value:
-                      o.operation.attributes["mesh"]
-                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
+            meshes = mesh_attrs(module)
             block = c.entry_block(main)
             where: dict[ir.Value, tuple] = {}
             for a, d in zip(block.arguments, attr_entries(main, "arg_attrs")):

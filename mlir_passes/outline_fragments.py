@@ -8,6 +8,7 @@ from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from mlir_passes.resolve_logical_shardings import mesh_symbol_names
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import mesh_ops
 from multimesh._src.mlir import func, ir, py_to_attr, sdy
 
 _REMAT = ("stablehlo.constant", "stablehlo.iota")
@@ -304,8 +305,7 @@ def _fragment_names(keys: list[c.Tag]) -> list[str]:
 
 
 def _ensure_meshes(module, tasks, meshes, used) -> None:
-    existing = {ir.StringAttr(o.operation.attributes["sym_name"]).value
-                for o in module.body.operations if o.operation.name == "sdy.mesh"}
+    existing = set(mesh_ops(module))
     first = module.body.operations[0] if len(module.body.operations) else None
     for name in sorted(used):
         sym = meshes[name]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.ir_util import AttrsKey, update_attr_dicts
+from multimesh._src.ir_util import AttrsKey, attr_entries, mesh_attrs, update_attr_dicts
 from multimesh._src.layouts import translate_dims
 from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
 
@@ -54,7 +54,7 @@ class _Propagation:
     def __init__(self, module: ir.Module) -> None:
         self.main = c.main_func(module)
         self.funcs = c.func_by_name(module)
-        self.meshes = _meshes(module)
+        self.meshes = mesh_attrs(module)
         self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
@@ -127,9 +127,7 @@ _Pin = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str,
 def _pinned_args(main, meshes) -> dict[ir.Value, _Pin]:
     """``@main`` arguments with a caller-given layout."""
     out: dict[ir.Value, _Pin] = {}
-    attrs = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else []
-    for a, raw in zip(c.entry_block(main).arguments, attrs):
-        d = ir.DictAttr(raw)
+    for a, d in zip(c.entry_block(main).arguments, attr_entries(main, "arg_attrs")):
         if "mm.sharding" not in d or "mm.devices" not in d:
             continue
         c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
@@ -158,15 +156,6 @@ def _pinned_hint(pin: _Pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None
     return sdy.TensorShardingAttr.get(
         mesh_sym, [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(x) for x in axes],
                                                  is_closed=True) for axes in dims])
-
-
-def _meshes(module) -> dict[str, ir.Attribute]:
-    out = {}
-    for op in module.body.operations:
-        op = op.operation
-        if op.name == "sdy.mesh":
-            out[ir.StringAttr(op.attributes["sym_name"]).value] = op.attributes["mesh"]
-    return out
 
 
 def _same_shape(a: ir.Attribute, b: ir.Attribute) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
+from multimesh._src.ir_util import select_attr_entries
 from multimesh._src.mlir import func, ir
 
 # Free to recompute (MultiMesh's rule): they only describe data the consumer has.
@@ -149,10 +150,7 @@ def _rewrite(fn, call, items) -> None:
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
     fn.attributes["function_type"] = ir.TypeAttr.get(
         ir.FunctionType.get([v.type for v in inputs], list(ftype.results)))
-    if "arg_attrs" in fn.attributes:
-        old = list(fn.attributes["arg_attrs"])
-        old += [ir.DictAttr.get({})] * (len(new_inputs) - len(old))
-        fn.attributes["arg_attrs"] = ir.ArrayAttr.get([old[i] for i in keep])
+    select_attr_entries(fn, "arg_attrs", keep)
     with ir.InsertionPoint(call), call.location:
         new = func.CallOp([r.type for r in call.results],
                           ir.FlatSymbolRefAttr.get(c.callee_of(call)), inputs)
@@ -218,9 +216,7 @@ def _prune_unused_results(module, main, funcs) -> None:
         ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
         fn.attributes["function_type"] = ir.TypeAttr.get(
             ir.FunctionType.get(list(ftype.inputs), [v.type for v in vals]))
-        if "res_attrs" in fn.attributes:
-            old = list(fn.attributes["res_attrs"])
-            fn.attributes["res_attrs"] = ir.ArrayAttr.get([old[j] for j in keep])
+        select_attr_entries(fn, "res_attrs", keep)
         with ir.InsertionPoint(call), call.location:
             new = func.CallOp([v.type for v in vals], ir.FlatSymbolRefAttr.get(name),
                               list(call.operands))

@@ -7,13 +7,13 @@ know nothing of multimesh's IR contract (that is ``mlir_passes/_contract.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from multimesh._src.mlir import ir
 
-__all__ = ["custom_call_target", "attr_entries", "attr_dicts", "set_attr_dicts",
-           "update_attr_dicts"]
+__all__ = ["custom_call_target", "mesh_ops", "mesh_attrs", "attr_entries", "attr_dicts",
+           "set_attr_dicts", "update_attr_dicts", "select_attr_entries"]
 
 AttrsKey = Literal["arg_attrs", "res_attrs"]
 
@@ -28,6 +28,17 @@ def custom_call_target(op: ir.Operation) -> str | None:
         return None
     a = attrs["call_target_name"]
     return a.value if isinstance(a, ir.StringAttr) else None
+
+
+def mesh_ops(module: ir.Module) -> dict[str, ir.Operation]:
+    """The module's top-level ``sdy.mesh`` ops by symbol name."""
+    return {ir.StringAttr(o.operation.attributes["sym_name"]).value: o.operation
+            for o in module.body.operations if o.operation.name == "sdy.mesh"}
+
+
+def mesh_attrs(module: ir.Module) -> dict[str, ir.Attribute]:
+    """The module's top-level meshes (``#sdy.mesh`` attributes) by symbol name."""
+    return {name: op.attributes["mesh"] for name, op in mesh_ops(module).items()}
 
 
 def _count(fn: ir.Operation, key: AttrsKey) -> int:
@@ -67,3 +78,14 @@ def update_attr_dicts(fn: ir.Operation, key: AttrsKey,
             else:
                 dicts[i][name] = value
     set_attr_dicts(fn, key, dicts)
+
+
+def select_attr_entries(fn: ir.Operation, key: AttrsKey, order: Sequence[int]) -> None:
+    """Keep ``fn``'s ``key`` entries ``order`` (in that order), after its arguments or
+    results were dropped or permuted; an index past the array's end (an argument added
+    since) gets an empty entry. A function without the array keeps none."""
+    if key not in fn.attributes:
+        return
+    old = list(ir.ArrayAttr(fn.attributes[key]))
+    empty = ir.DictAttr.get({})
+    fn.attributes[key] = ir.ArrayAttr.get([old[i] if i < len(old) else empty for i in order])
