@@ -136,8 +136,10 @@ def _check_structure(ops, inloop, sums, funcs) -> None:
 
 
 def _check_no_escape(ops, inloop) -> None:
-    """No op outside the loop (sums and markers aside) reads an in-loop value."""
+    """No op outside the loop (sums and markers aside) reads an in-loop value or the
+    microbatch index (which exists only inside the loop)."""
     inside = {r for call in inloop for r in call.results}
+    index = {op.results[0] for op in ops if c.is_custom_call(op, c.INDEX_TARGET)}
     loop_ops = set(inloop)
     for op in ops:
         if op.name == "func.return" or c.is_loop_marker(op) or op in loop_ops:
@@ -148,6 +150,11 @@ def _check_no_escape(ops, inloop) -> None:
                     f"'{op.name}' outside the microbatch loop reads a value of the loop "
                     f"directly; loop values leave the loop only through '{c.SUM_TARGET}'",
                     op.location)
+            if v in index:
+                raise DiagnosticError(
+                    f"'{op.name}' outside the microbatch loop reads the microbatch index "
+                    f"'{c.INDEX_TARGET}'; only calls in the loop (mm.task with loop = 0) "
+                    f"may read it", op.location)
 
 
 def _plan_accumulators(sums, inloop, funcs) -> dict:
