@@ -38,6 +38,8 @@ __all__ = ["ImportGspmdPass", "GspmdSharding", "GspmdParseError", "parse_gspmd_s
 _ATTR = "mhlo.sharding"
 _SHARD_MAP_TARGETS = ("SPMDFullToShardShape", "SPMDShardToFullShape")
 _VISITED = ("stablehlo.custom_call", "func.func")
+_INT = re.compile(r"\d+")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class GspmdParseError(ValueError):
@@ -101,13 +103,16 @@ class _Parser:
         if not self.eat(tok):
             self.fail(f"expected '{tok}'")
 
-    def integer(self) -> int:
+    def _token(self, pattern: re.Pattern[str], what: str) -> str:
         self.ws()
-        m = re.compile(r"\d+").match(self.s, self.i)
+        m = pattern.match(self.s, self.i)
         if not m:
-            self.fail("expected an integer")
+            self.fail(f"expected {what}")
         self.i = m.end()
-        return int(m.group())
+        return m.group()
+
+    def integer(self) -> int:
+        return int(self._token(_INT, "an integer"))
 
     def int_list(self) -> list[int]:
         self.expect("[")
@@ -121,12 +126,7 @@ class _Parser:
             self.expect(",")
 
     def word(self) -> str:
-        self.ws()
-        m = re.compile(r"[A-Za-z_][A-Za-z0-9_]*").match(self.s, self.i)
-        if not m:
-            self.fail("expected a keyword")
-        self.i = m.end()
-        return m.group()
+        return self._token(_WORD, "a keyword")
 
     def skip_balanced(self):
         """Skip a ``{...}`` group (metadata), honouring quoted strings."""
