@@ -11,6 +11,7 @@ from math import prod
 
 from multimesh._src.caches import WeakKeyCache
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
 
 TASK_ATTR = "mm.task"
@@ -323,8 +324,7 @@ def loop_of(op: ir.Operation) -> int:
 
 def is_loop_marker(op: ir.Operation) -> bool:
     """``mm.microbatch_index`` / ``mm.microbatch_sum``: loop structure, not task work."""
-    return op.name == "stablehlo.custom_call" and ir.StringAttr(
-        op.attributes["call_target_name"]).value in (INDEX_TARGET, SUM_TARGET)
+    return custom_call_target(op) in (INDEX_TARGET, SUM_TARGET)
 
 
 def loop_body(loop: ir.Operation, funcs: dict[str, ir.Operation]) -> tuple[ir.Operation, int]:
@@ -417,8 +417,7 @@ def warn_at(location, message: str) -> None:
 
 
 def is_custom_call(op: ir.Operation, target: str) -> bool:
-    return (op.name == "stablehlo.custom_call"
-            and ir.StringAttr(op.attributes["call_target_name"]).value == target)
+    return custom_call_target(op) == target
 
 
 def value_bytes(v: ir.Value) -> int:

@@ -12,6 +12,8 @@ functions other than fragments remain, so it is cheap at any module size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mlir_passes import _contract as c
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
@@ -34,43 +36,64 @@ _ENTERED_BY = {FLAT: "mm-inline-tasks", MPMD: "mm-outline-fragments",
 """The pass that takes a module from the previous stage into this one."""
 
 
+@dataclass
+class _TopLevel:
+    """What ``stage_of`` needs to know about the module's top-level functions."""
+
+    main: ir.Operation | None = None
+    fragment_fn: ir.Operation | None = None  # the first one with mm.devices
+    other_fn: bool = False  # untagged callees: task bodies not inlined yet
+    leaf_fn: bool = False  # tagged callees: leaf task bodies or bare MPMD fragments
+
+    def add(self, op: ir.Operation) -> None:
+        if ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            self.main = op
+        elif "mm.devices" in op.attributes:
+            self.fragment_fn = self.fragment_fn or op
+        elif "mm.task" in op.attributes:  # a leaf task call's body (flat form), or a
+            self.leaf_fn = True             # fragment without mm.devices (MPMD form)
+        else:
+            self.other_fn = True
+
+
 def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
     """``(stage, op)``: the module's form and the first op that shows it (None if none).
 
     A module without ``@main`` has no stage (None): the passes that need ``@main``
     say so themselves. Neither has one whose ``@main`` only returns: it is in every form.
     """
-    main, fragment_fn, other_fn, leaf_fn = None, None, False, False
-    for op in module.body.operations:
-        op = op.operation
+    top = _TopLevel()
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "builtin.module" and ("mm.devices" in op.attributes
                                             or "mm.task" in op.attributes):
             return EXTRACTED, op  # a fragment module
-        if op.name != "func.func":
-            continue
-        if ir.StringAttr(op.attributes["sym_name"]).value == "main":
-            main = op
-        elif "mm.devices" in op.attributes:
-            fragment_fn = fragment_fn or op
-        elif "mm.task" in op.attributes:  # a leaf task call's body (flat form), or a
-            leaf_fn = True                  # fragment without mm.devices (MPMD form)
-        else:
-            other_fn = True
-    if main is None:
+        if op.name == "func.func":
+            top.add(op)
+    if top.main is None:
         return None, None
-    first = _first_op(main)
+    first = _first_op(top.main)
     if first is None or first.name == "func.return":
         return None, None  # nothing but the return: every form at once (an identity program)
-    if fragment_fn is not None:
-        return MPMD, _first_call(main, fragment=True) or fragment_fn
-    if other_fn or leaf_fn:  # callees remain: task bodies not inlined yet (or composites'
-        call = _first_call(main, fragment=None)  # bodies, or leaf task calls' bodies)
-        if call is not None:  # a call marked mm.fragment to a malformed fragment: MPMD
-            if "mm.fragment" in call.attributes:
-                return MPMD, call
-            if other_fn and not _leaf_call(call):
-                return FRONT_END, call
+    if top.fragment_fn is not None:
+        return MPMD, _first_call(top.main, fragment=True) or top.fragment_fn
+    if top.other_fn or top.leaf_fn:  # callees remain: task bodies not inlined yet (or
+        stage = _stage_by_first_call(top)  # composites' or leaf task calls' bodies)
+        if stage is not None:
+            return stage
     return FLAT, first
+
+
+def _stage_by_first_call(top: _TopLevel) -> tuple[str, ir.Operation] | None:
+    assert top.main is not None
+    call = _first_call(top.main, fragment=None)
+    if call is None:
+        return None
+    if "mm.fragment" in call.attributes:  # a call to a malformed fragment: MPMD
+        return MPMD, call
+    if top.other_fn and not _leaf_call(call):
+        return FRONT_END, call
+    return None
 
 
 def _leaf_call(call: ir.Operation) -> bool:

@@ -47,41 +47,15 @@ class AssignTasksPass(ModulePass):
         with module.context:
             tasks = c.read_tasks(module)
             main = c.main_func(module)
-            block = c.entry_block(main)
             # drop func.return; loop markers belong to the loop, not to a task, but a sum
             # passes its task on to what reads it (so it is coloured, never written)
-            ops = [o.operation for o in block.operations][:-1]
+            ops = [o.operation for o in c.entry_block(main).operations][:-1]
             markers = {op for op in ops if c.is_loop_marker(op)}
             loop = {op: -1 if op in markers else c.loop_of(op) for op in ops}
-            tag: dict[ir.Operation, c.Tag] = {}
-            for op in ops:
-                t = c.tag_of(op)
-                if t is None and len(op.regions):
-                    t = _nested_tag(op, tasks)
-                    if t is not None:
-                        t = (t[0], t[1], loop[op])
-                if t is not None:
-                    tag[op] = t
-            untagged = [op for op in ops if op not in tag]
+            tag = _given_tags(ops, loop, tasks)
             pretagged = {op for op in ops if op in tag and c.TASK_ATTR in op.attributes}
             pretagged |= markers
-            pos = {op: i for i, op in enumerate(ops)}
-            top = c.top_finder(main)
-            backward = {op: _is_backward(op) for op in untagged}
-            reads = _Reads(c.func_by_name(module))
-
-            changed = True
-            while changed and untagged:
-                changed = False
-                for order in (untagged, list(reversed(untagged))):
-                    for op in order:
-                        if op in tag:
-                            continue
-                        best = _heaviest(op, tag, top, pos, backward.get(op, False), reads)
-                        if best is not None:
-                            tag[op] = (best[0], best[1], loop[op])
-                            changed = True
-                untagged = [op for op in untagged if op not in tag]
+            untagged = _spread(module, main, ops, tag, loop)
             untagged = [op for op in untagged if op not in markers]
             if untagged or not tasks:
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
@@ -90,19 +64,63 @@ class AssignTasksPass(ModulePass):
                                  c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ()))
                 for op in untagged:
                     tag[op] = (c.DEFAULT_TASK, 0, loop[op])
-            # Attributes are written last: in these bindings an Operation's hash
-            # follows its contents, so editing ops would break the maps above.
-            attrs: dict = {}
-            writes = [(op, tag[op] if op not in pretagged else None) for op in ops
-                      if op not in markers]
-            for op, t in writes:
-                if t is not None:
-                    if t not in attrs:
-                        attrs[t] = c.tag_attr(*t)
-                    op.attributes[c.TASK_ATTR] = attrs[t]
-                if c.LOOP_ATTR in op.attributes:  # the loop now lives in the tag
-                    del op.attributes[c.LOOP_ATTR]
+            _write_tags(ops, tag, pretagged, markers)
             c.write_tasks(module, tasks)
+
+
+def _given_tags(ops: list[ir.Operation], loop: dict[ir.Operation, int],
+                tasks: dict[str, c.TaskMeshInfo]) -> dict[ir.Operation, c.Tag]:
+    """The tags ops carry already, or that ops with regions get from their nested ops."""
+    tag: dict[ir.Operation, c.Tag] = {}
+    for op in ops:
+        t = c.tag_of(op)
+        if t is None and len(op.regions):
+            nested = _nested_tag(op, tasks)
+            if nested is not None:
+                t = (nested[0], nested[1], loop[op])
+        if t is not None:
+            tag[op] = t
+    return tag
+
+
+def _spread(module: ir.Module, main: ir.Operation, ops: list[ir.Operation],
+            tag: dict[ir.Operation, c.Tag], loop: dict[ir.Operation, int]) -> list[ir.Operation]:
+    """Give untagged ops the task of their heaviest tagged neighbour, sweeping forward
+    and backward until nothing changes; returns the ops still untagged."""
+    untagged = [op for op in ops if op not in tag]
+    pos = {op: i for i, op in enumerate(ops)}
+    top = c.top_finder(main)
+    backward = {op: _is_backward(op) for op in untagged}
+    reads = _Reads(c.func_by_name(module))
+    changed = True
+    while changed and untagged:
+        changed = False
+        for order in (untagged, list(reversed(untagged))):
+            for op in order:
+                if op in tag:
+                    continue
+                best = _heaviest(op, tag, top, pos, backward.get(op, False), reads)
+                if best is not None:
+                    tag[op] = (best[0], best[1], loop[op])
+                    changed = True
+        untagged = [op for op in untagged if op not in tag]
+    return untagged
+
+
+def _write_tags(ops: list[ir.Operation], tag: dict[ir.Operation, c.Tag],
+                pretagged: set[ir.Operation], markers: set[ir.Operation]) -> None:
+    """Attributes are written last: in these bindings an Operation's hash follows its
+    contents, so editing ops would break the maps built before."""
+    attrs: dict = {}
+    writes = [(op, tag[op] if op not in pretagged else None) for op in ops
+              if op not in markers]
+    for op, t in writes:
+        if t is not None:
+            if t not in attrs:
+                attrs[t] = c.tag_attr(*t)
+            op.attributes[c.TASK_ATTR] = attrs[t]
+        if c.LOOP_ATTR in op.attributes:  # the loop now lives in the tag
+            del op.attributes[c.LOOP_ATTR]
 
 
 def _is_backward(op: ir.Operation) -> bool:
@@ -182,7 +200,7 @@ def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
 
     op.walk(cb, ir.WalkOrder.PRE_ORDER)
     # tag_of outside the walk: an exception in a walk callback becomes a RuntimeError
-    found = [(c.tag_of(o), o) for o in tagged]
+    found = [(t, o) for o in tagged if (t := c.tag_of(o)) is not None]
     if not found:
         return None
     first, _ = found[0]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import mesh_ops
 from multimesh._src.mlir import ir, stablehlo
 
 
@@ -38,64 +39,81 @@ class ExtractFragmentsPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value: o.operation
-                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
-            blocks = [c.entry_block(main)]
-            for op in c.entry_block(main).operations:
-                if c.is_custom_call(op.operation, c.LOOP_TARGET):
-                    body, _ = c.loop_body(op.operation, funcs)
-                    blocks.append(c.entry_block(body))
-            calls = [o.operation for b in blocks for o in b.operations
-                     if o.operation.name == "func.call"]
-            for call in calls:
-                if "mm.fragment" not in call.attributes:
-                    raise DiagnosticError(
-                        "call in @main is not a fragment call; run mm-outline-fragments first",
-                        call.location)
+            meshes = mesh_ops(module)
+            calls = _fragment_calls(main, funcs)
             infos = {n: c.fragment_info(funcs[n], meshes, need_task=True)
                      for n in map(c.callee_of, calls)}
-            i32 = ir.IntegerType.get_signless(32)
             # Shardings inside a fragment name its own mesh, or one of jax's own (e.g.
             # @empty_mesh); only those need a look, and none at all if there are none.
-            own = {infos[n].mesh for n in infos}
-            foreign = set(meshes) - own
+            foreign = set(meshes) - {info.mesh for info in infos.values()}
             done = set()
             for call in calls:
                 name = c.callee_of(call)
                 if name not in done:
                     done.add(name)
-                    fn = funcs[name]
-                    mesh_sym = infos[name].mesh
-                    n = len(infos[name].devices)
-                    with ir.InsertionPoint(fn), fn.location:
-                        sub = ir.Operation.create("builtin.module", regions=1)
-                    sub.regions[0].blocks.append()
-                    sub.attributes["sym_name"] = ir.StringAttr.get(name)
-                    for key in ("mm.devices", "mm.task", "mm.split", c.LOOP_DEVICES_ATTR):
-                        if key in fn.attributes:
-                            sub.attributes[key] = fn.attributes[key]
-                    sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, n)
-                    sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
-                    body = sub.regions[0].blocks[0]
-                    meshes[mesh_sym].clone(ip=ir.InsertionPoint(body))
-                    others = c.scan_fragment(fn, foreign | {mesh_sym})[0] if foreign else []
-                    for other in others:
-                        if other != mesh_sym:
-                            meshes[other].clone(ip=ir.InsertionPoint(body))
-                    body.append(fn)
-                    fn.attributes["sym_name"] = ir.StringAttr.get("main")
-                    fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
-                    _strip(fn)
-                with ir.InsertionPoint(call), call.location:
-                    op = stablehlo.CustomCallOp(
-                        [r.type for r in call.results], list(call.operands),
-                        call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
-                        has_side_effect=ir.BoolAttr.get(False),
-                        api_version=ir.IntegerAttr.get(i32, 1))
-                op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(name)
-                for old, new in zip(call.results, op.results):
-                    old.replace_all_uses_with(new)
-                call.erase()
+                    _nest(funcs[name], infos[name], meshes, foreign)
+                _to_fragment_call(call, name)
+
+
+def _fragment_calls(main: ir.Operation, funcs: dict[str, ir.Operation]) -> list[ir.Operation]:
+    """The calls of ``@main`` and of microbatch loop bodies, all checked to be fragments."""
+    blocks = [c.entry_block(main)]
+    for op in c.entry_block(main).operations:
+        if c.is_custom_call(op.operation, c.LOOP_TARGET):
+            body, _ = c.loop_body(op.operation, funcs)
+            blocks.append(c.entry_block(body))
+    calls = [o.operation for b in blocks for o in b.operations
+             if o.operation.name == "func.call"]
+    for call in calls:
+        if "mm.fragment" not in call.attributes:
+            raise DiagnosticError(
+                "call in @main is not a fragment call; run mm-outline-fragments first",
+                call.location)
+    return calls
+
+
+def _nest(fn: ir.Operation, info: c.FragmentInfo, meshes: dict[str, ir.Operation],
+          foreign: set[str]) -> None:
+    """Move fragment ``fn`` into a nested module of its own, as its public ``@main``,
+    with copies of the meshes it names."""
+    name = c.func_name(fn)
+    mesh_sym = info.mesh
+    assert mesh_sym is not None  # fragment_info was given the meshes
+    i32 = ir.IntegerType.get_signless(32)
+    with ir.InsertionPoint(fn), fn.location:
+        sub = ir.Operation.create("builtin.module", regions=1)
+    sub.regions[0].blocks.append()
+    sub.attributes["sym_name"] = ir.StringAttr.get(name)
+    for key in ("mm.devices", "mm.task", "mm.split", c.LOOP_DEVICES_ATTR):
+        if key in fn.attributes:
+            sub.attributes[key] = fn.attributes[key]
+    sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, len(info.devices))
+    sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
+    body = sub.regions[0].blocks[0]
+    meshes[mesh_sym].clone(ip=ir.InsertionPoint(body))
+    others = c.scan_fragment(fn, foreign | {mesh_sym})[0] if foreign else []
+    for other in others:
+        if other != mesh_sym:
+            meshes[other].clone(ip=ir.InsertionPoint(body))
+    body.append(fn)
+    fn.attributes["sym_name"] = ir.StringAttr.get("main")
+    fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
+    _strip(fn)
+
+
+def _to_fragment_call(call: ir.Operation, name: str) -> None:
+    """``func.call @f`` -> ``stablehlo.custom_call @mm.fragment_call {mm.fragment = @f}``."""
+    i32 = ir.IntegerType.get_signless(32)
+    with ir.InsertionPoint(call), call.location:
+        op = stablehlo.CustomCallOp(
+            [r.type for r in call.results], list(call.operands),
+            call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
+            has_side_effect=ir.BoolAttr.get(False),
+            api_version=ir.IntegerAttr.get(i32, 1))
+    op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(name)
+    for old, new in zip(call.results, op.results):
+        old.replace_all_uses_with(new)
+    call.erase()
 
 
 def _strip(fn: ir.Operation) -> None:

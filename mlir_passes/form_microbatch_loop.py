@@ -9,6 +9,7 @@ import numpy as np
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import attr_entries, mesh_attrs
 from multimesh._src.mlir import attr_to_py, func, ir, stablehlo
 
 __all__ = ["FormMicrobatchLoopPass", "BODY_NAME"]
@@ -57,9 +58,7 @@ class FormMicrobatchLoopPass(ModulePass):
             if not index_ops and not sums:
                 return
             funcs = c.func_by_name(module)
-            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value:
-                      o.operation.attributes["mesh"]
-                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
+            meshes = mesh_attrs(module)
             num = _num_microbatches(sums, index_ops, module)
             for op in ops:
                 if op.name == "func.call":
@@ -75,7 +74,7 @@ class FormMicrobatchLoopPass(ModulePass):
 
 
 def _num_microbatches(sums, index_ops, module) -> int:
-    found = {}
+    found: dict[int, ir.Operation] = {}
     for op in sums:
         d = attr_to_py(op.attributes[c.MICROBATCH_ATTR]) if c.MICROBATCH_ATTR in \
             op.attributes else None
@@ -117,23 +116,10 @@ def _loop_calls(ops, funcs) -> list[ir.Operation]:
 
 def _check_structure(ops, inloop, sums, funcs) -> None:
     """In-loop values leave the loop only through sums; every sum reads the loop."""
-    inside = set()
-    for call in inloop:
-        for r in call.results:
-            inside.add(r)
-    for op in ops:
-        if op.name == "func.return" or c.is_loop_marker(op) or op in set(inloop):
-            continue
-        for v in op.operands:
-            if v in inside:
-                raise DiagnosticError(
-                    f"'{op.name}' outside the microbatch loop reads a value of the loop "
-                    f"directly; loop values leave the loop only through '{c.SUM_TARGET}'",
-                    op.location)
-    calls = {op: op for op in inloop}
+    _check_no_escape(ops, inloop)
+    calls = set(inloop)
     for s in sums:
-        v = s.operands[0]
-        owner = v.owner
+        owner = s.operands[0].owner
         if isinstance(owner, ir.Block) or owner.operation not in calls:
             raise DiagnosticError(
                 f"'{c.SUM_TARGET}' must sum a result of a fragment call in the loop "
@@ -149,6 +135,28 @@ def _check_structure(ops, inloop, sums, funcs) -> None:
                 f"sum; each accumulating fragment must have one call", call.location)
 
 
+def _check_no_escape(ops, inloop) -> None:
+    """No op outside the loop (sums and markers aside) reads an in-loop value or the
+    microbatch index (which exists only inside the loop)."""
+    inside = {r for call in inloop for r in call.results}
+    index = {op.results[0] for op in ops if c.is_custom_call(op, c.INDEX_TARGET)}
+    loop_ops = set(inloop)
+    for op in ops:
+        if op.name == "func.return" or c.is_loop_marker(op) or op in loop_ops:
+            continue
+        for v in op.operands:
+            if v in inside:
+                raise DiagnosticError(
+                    f"'{op.name}' outside the microbatch loop reads a value of the loop "
+                    f"directly; loop values leave the loop only through '{c.SUM_TARGET}'",
+                    op.location)
+            if v in index:
+                raise DiagnosticError(
+                    f"'{op.name}' outside the microbatch loop reads the microbatch index "
+                    f"'{c.INDEX_TARGET}'; only calls in the loop (mm.task with loop = 0) "
+                    f"may read it", op.location)
+
+
 def _plan_accumulators(sums, inloop, funcs) -> dict:
     """Per in-loop call: ``[(result number, [sum ops])]`` of the values it accumulates."""
     per_call: dict = {}
@@ -157,6 +165,22 @@ def _plan_accumulators(sums, inloop, funcs) -> dict:
         call = v.owner.operation
         per_call.setdefault(call, {}).setdefault(v.result_number, []).append(s)
     return {call: sorted(d.items()) for call, d in per_call.items()}
+
+
+def _invariants(inloop, index_values) -> list[ir.Value]:
+    """Values the loop's calls read from outside the loop (the index aside), in order."""
+    loop_set = set(inloop)
+    invariants: list[ir.Value] = []
+    seen: set = set()
+    for call in inloop:
+        for v in call.operands:
+            owner = v.owner
+            inside = not isinstance(owner, ir.Block) and owner.operation in loop_set
+            if v in index_values or inside or v in seen:
+                continue
+            seen.add(v)
+            invariants.append(v)
+    return invariants
 
 
 class _Builder:
@@ -169,56 +193,11 @@ class _Builder:
     def build(self, ops, inloop, index_ops, sums, acc) -> None:
         block = c.entry_block(self.main)
         ret = ops[-1]
-        # 1. each producing fragment accumulates its sums in place
-        carries = []  # (old call, new result number, sum ops), in carry order
-        extra_args: dict = {}  # old call -> carry numbers of its running-sum arguments
-        for call in inloop:
-            if call in acc:
-                new_numbers = self._accumulate(call, acc[call])
-                extra_args[call] = []
-                for (_, group), rn in zip(acc[call], new_numbers):
-                    extra_args[call].append(len(carries))
-                    carries.append((call, rn, group))
-        # 2. the loop body: index, invariants, running sums -> new running sums
-        loop_set = set(inloop)
+        carries, extra_args = self._carries(inloop, acc)
         index_values = {op.results[0] for op in index_ops}
-        invariants: list[ir.Value] = []
-        seen: set = set()
-        for call in inloop:
-            for v in call.operands:
-                owner = v.owner
-                inside = not isinstance(owner, ir.Block) and owner.operation in loop_set
-                if v in index_values or inside or v in seen:
-                    continue
-                seen.add(v)
-                invariants.append(v)
-        i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+        invariants = _invariants(inloop, index_values)
         carry_types = [self._result_type(call, rn) for call, rn, _ in carries]
-        arg_types = [i32] + carry_types + [v.type for v in invariants]
-        with ir.InsertionPoint(self.module.body), self.main.location:
-            body_fn = func.FuncOp(BODY_NAME, ir.FunctionType.get(arg_types, carry_types),
-                                  visibility="private")
-            body = body_fn.add_entry_block()
-        args = list(body.arguments)
-        value: dict[ir.Value, ir.Value] = {v: args[0] for v in index_values}
-        carry_args = args[1:1 + len(carries)]
-        value.update({v: args[1 + len(carries) + k] for k, v in enumerate(invariants)})
-        new_calls: dict = {}
-        for call in inloop:
-            operands = [value[v] for v in call.operands]
-            operands += [carry_args[k] for k in extra_args.get(call, [])]
-            fn = self.funcs[c.callee_of(call)]
-            ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
-            with ir.InsertionPoint(body), call.location:
-                new = func.CallOp(list(ftype.results), ir.FlatSymbolRefAttr.get(
-                    c.callee_of(call)), operands)
-            new = new.operation
-            new.attributes["mm.fragment"] = ir.UnitAttr.get()
-            new_calls[call] = new
-            for r, nr in zip(call.results, new.results):
-                value[r] = nr
-        with ir.InsertionPoint(body), self.main.location:
-            func.ReturnOp([new_calls[call].results[rn] for call, rn, _ in carries])
+        self._body_fn(inloop, index_values, invariants, carries, carry_types, extra_args)
         # 3. @main: zero initialisers and the loop in place of the markers and calls
         inits = self._initializers(carries, ret)
         with ir.InsertionPoint(ret), self.main.location:
@@ -226,8 +205,7 @@ class _Builder:
                 carry_types, inits + invariants,
                 call_target_name=ir.StringAttr.get(c.LOOP_TARGET),
                 has_side_effect=ir.BoolAttr.get(False),
-                api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-        loop = loop.operation
+                api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)).operation
         loop.attributes[c.BODY_ATTR] = ir.FlatSymbolRefAttr.get(BODY_NAME)
         loop.attributes[c.NUM_MICROBATCHES_ATTR] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), self.num)
@@ -242,6 +220,52 @@ class _Builder:
             op.erase()
         _order_main(block, loop, ret)
 
+    def _carries(self, inloop, acc) -> tuple[list, dict]:
+        """1. Each producing fragment accumulates its sums in place: the carries
+        ``(old call, new result number, sum ops)`` in order, and per old call the carry
+        numbers of its running-sum arguments."""
+        carries: list = []
+        extra_args: dict = {}
+        for call in inloop:
+            if call not in acc:
+                continue
+            new_numbers = self._accumulate(call, acc[call])
+            extra_args[call] = []
+            for (_, group), rn in zip(acc[call], new_numbers):
+                extra_args[call].append(len(carries))
+                carries.append((call, rn, group))
+        return carries, extra_args
+
+    def _body_fn(self, inloop, index_values, invariants, carries, carry_types,
+                 extra_args) -> None:
+        """2. The loop body: index, running sums, invariants -> new running sums."""
+        i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+        arg_types = [i32] + carry_types + [v.type for v in invariants]
+        with ir.InsertionPoint(self.module.body), self.main.location:
+            body_fn = func.FuncOp(  # type: ignore[call-arg]  # stubs show the generated
+                BODY_NAME, ir.FunctionType.get(arg_types, carry_types),  # FuncOp, not
+                visibility="private")  # func.py's subclass, which adds these
+            body = body_fn.add_entry_block()  # type: ignore[attr-defined]  # (the same)
+        args = list(body.arguments)
+        value: dict[ir.Value, ir.Value] = {v: args[0] for v in index_values}
+        carry_args = args[1:1 + len(carries)]
+        value.update({v: args[1 + len(carries) + k] for k, v in enumerate(invariants)})
+        new_calls: dict = {}
+        for call in inloop:
+            operands = [value[v] for v in call.operands]
+            operands += [carry_args[k] for k in extra_args.get(call, [])]
+            fn = self.funcs[c.callee_of(call)]
+            ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+            with ir.InsertionPoint(body), call.location:
+                new = func.CallOp(list(ftype.results), ir.FlatSymbolRefAttr.get(
+                    c.callee_of(call)), operands).operation
+            new.attributes["mm.fragment"] = ir.UnitAttr.get()
+            new_calls[call] = new
+            for r, nr in zip(call.results, new.results):
+                value[r] = nr
+        with ir.InsertionPoint(body), self.main.location:
+            func.ReturnOp([new_calls[call].results[rn] for call, rn, _ in carries])
+
     def _result_type(self, call, rn):
         fn = self.funcs[c.callee_of(call)]
         return ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value).results[rn]
@@ -255,19 +279,16 @@ class _Builder:
         body = c.entry_block(fn)
         ret = list(body.operations)[-1].operation
         nres = len(call.results)
-        n_args = len(body.arguments)
-        arg_attrs = list(fn.attributes["arg_attrs"]) if "arg_attrs" in fn.attributes \
-            else [ir.DictAttr.get({})] * n_args
-        res_attrs = list(fn.attributes["res_attrs"]) if "res_attrs" in fn.attributes \
-            else [ir.DictAttr.get({})] * nres
+        arg_attrs = attr_entries(fn, "arg_attrs")
+        res_attrs = attr_entries(fn, "res_attrs")
         outs = list(ret.operands)
         extra: list = []
         numbers = []
         for rn, _group in items:
             a = body.add_argument(call.results[rn].type, fn.location)
-            d = {_DONOR: ir.BoolAttr.get(True)}
-            if "sdy.sharding" in ir.DictAttr(res_attrs[rn]):
-                d["sdy.sharding"] = ir.DictAttr(res_attrs[rn])["sdy.sharding"]
+            d: dict[str, ir.Attribute] = {_DONOR: ir.BoolAttr.get(True)}
+            if "sdy.sharding" in res_attrs[rn]:
+                d["sdy.sharding"] = res_attrs[rn]["sdy.sharding"]
             arg_attrs.append(ir.DictAttr.get(d))
             with ir.InsertionPoint(ret), ret.location:
                 total = stablehlo.AddOp(a, outs[rn]).result
@@ -293,7 +314,7 @@ class _Builder:
         """Zero running sums: one ``@<task>_acc_init`` fragment per task, before the loop."""
         by_task: dict[str, list[int]] = {}
         for k, (call, _, _) in enumerate(carries):
-            by_task.setdefault(c.tag_of(self.funcs[c.callee_of(call)])[0], []).append(k)
+            by_task.setdefault(_task_of(self.funcs[c.callee_of(call)])[0], []).append(k)
         out: list = [None] * len(carries)
         for task, ks in by_task.items():
             first = self.funcs[c.callee_of(carries[ks[0]][0])]
@@ -306,16 +327,16 @@ class _Builder:
                 call, rn, _ = carries[k]
                 fn = self.funcs[c.callee_of(call)]
                 types.append(self._result_type(call, rn))
-                attrs.append(list(fn.attributes["res_attrs"])[rn] if "res_attrs" in
-                             fn.attributes else ir.DictAttr.get({}))
+                attrs.append(attr_entries(fn, "res_attrs")[rn])
             with ir.InsertionPoint(self.module.body), self.main.location:
-                init = func.FuncOp(name, ir.FunctionType.get([], types), visibility="private")
-                body = init.add_entry_block()
+                init_op = func.FuncOp(  # type: ignore[call-arg]  # as in _body_fn
+                    name, ir.FunctionType.get([], types), visibility="private")
+                body = init_op.add_entry_block()  # type: ignore[attr-defined]  # (the same)
             with ir.InsertionPoint(body), self.main.location:
                 func.ReturnOp([_zeros(t) for t in types])
-            init = init.operation
+            init = init_op.operation
             init.attributes["res_attrs"] = ir.ArrayAttr.get(attrs)
-            tag = c.tag_of(first)
+            tag = _task_of(first)
             init.attributes[c.TASK_ATTR] = c.tag_attr(tag[0], tag[1])
             for key in ("mm.devices", "mm.mesh"):
                 init.attributes[key] = first.attributes[key]
@@ -328,6 +349,13 @@ class _Builder:
         return out
 
 
+
+def _task_of(fn: ir.Operation) -> c.Tag:
+    """A fragment's tag (outlined fragments always carry one)."""
+    tag = c.tag_of(fn)
+    assert tag is not None, c.func_name(fn)
+    return tag
+
 def _zeros(t) -> ir.Value:
     """A splat zero constant of tensor type ``t`` (XLA materialises it on device)."""
     rt = ir.RankedTensorType(t)
@@ -337,7 +365,8 @@ def _zeros(t) -> ir.Value:
     elif isinstance(et, ir.ComplexType):
         part = ir.ComplexType(et).element_type
         dtype = np.complex64 if ir.FloatType(part).width == 32 else np.complex128
-        attr = ir.DenseElementsAttr.get(np.zeros(rt.shape, dtype=dtype), type=rt)
+        attr = ir.DenseElementsAttr.get(  # type: ignore[call-overload]  # the stubs do not
+            np.zeros(rt.shape, dtype=dtype), type=rt)  # list numpy arrays (buffers) it takes
     else:
         attr = ir.DenseElementsAttr.get_splat(rt, ir.FloatAttr.get(et, 0.0))
     return stablehlo.ConstantOp(attr).result

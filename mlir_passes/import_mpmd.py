@@ -15,6 +15,7 @@ from math import prod
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError, PipelineError
+from multimesh._src.ir_util import attr_dicts, mesh_ops, set_attr_dicts, update_attr_dicts
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
 
@@ -135,21 +136,7 @@ def parse_meshes_option(text: str) -> dict[str, tuple[int, ...]]:
             raise _option_error(f"entry '{entry}' is not of the form name=positions")
         if name in out:
             raise _option_error(f"mesh '{name}' is given twice")
-        positions: list[int] = []
-        for item in (i.strip() for i in spec.split(",")):
-            lo, dash, hi = item.partition("-")
-            try:
-                if dash:
-                    first, last = int(lo), int(hi)
-                    if last < first:
-                        raise ValueError
-                    positions.extend(range(first, last + 1))
-                else:
-                    positions.append(int(item))
-            except ValueError:
-                raise _option_error(
-                    f"mesh '{name}' has device position '{item}', which is not an integer "
-                    f"or an increasing range a-b") from None
+        positions = [p for item in spec.split(",") for p in _positions(name, item.strip())]
         if any(p < 0 for p in positions):
             raise _option_error(f"mesh '{name}' has a negative device position")
         if len(set(positions)) != len(positions):
@@ -157,6 +144,22 @@ def parse_meshes_option(text: str) -> dict[str, tuple[int, ...]]:
         out[name] = tuple(positions)
     return out
 
+
+
+def _positions(mesh: str, item: str) -> list[int]:
+    """``"3"`` or ``"0-3"`` (increasing) -> device positions."""
+    lo, dash, hi = item.partition("-")
+    try:
+        if not dash:
+            return [int(item)]
+        first, last = int(lo), int(hi)
+        if last < first:
+            raise ValueError
+        return list(range(first, last + 1))
+    except ValueError:
+        raise _option_error(
+            f"mesh '{mesh}' has device position '{item}', which is not an integer "
+            f"or an increasing range a-b") from None
 
 def _option_error(what: str) -> PipelineError:
     return PipelineError(
@@ -319,16 +322,6 @@ def _memory_kind_error(kind: str, what: str, loc) -> DiagnosticError:
         f"(no host offloading)", loc)
 
 
-def _arg_attr_dicts(fn: ir.Operation, key: str, n: int) -> list[dict[str, ir.Attribute]]:
-    if key not in fn.attributes:
-        return [{} for _ in range(n)]
-    out = []
-    for a in ir.ArrayAttr(fn.attributes[key]):
-        d = ir.DictAttr(a)
-        out.append({d[i].name: d[i].attr for i in range(len(d))})
-    return out
-
-
 @dataclass
 class _Fragment:
     fn: ir.Operation
@@ -360,20 +353,12 @@ class _Importer:
         self.main = main = c.main_func(module)
         self.block = block = c.entry_block(main)
         self.funcs = c.func_by_name(module)
-        self.sdy_meshes = {c.func_name(o.operation): o.operation
-                           for o in module.body.operations if o.operation.name == "sdy.mesh"}
+        self.sdy_meshes = mesh_ops(module)
         ops = [o.operation for o in block.operations]
         for op in ops:
             if op.name not in _MAIN_OPS:
                 raise self._unsupported(op)
-        arg_types = [self._mesh_tensor(a.type) for a in block.arguments]
-        for a, mt in zip(block.arguments, arg_types):
-            if mt is None:
-                raise DiagnosticError(
-                    f"@main argument #{a.arg_number} has type {a.type}, not an "
-                    f"!mpmd.mesh_tensor; is this the output of Shardy's MPMD partitioner?",
-                    main.location)
-        self.arg_types = arg_types
+        self.arg_types = self._arg_types()
         self.topology = read_topology(main)
         self.calls = [op for op in ops if op.name == "mpmd.fragment_call"]
         self.transfers = [op for op in ops if op.name == "mpmd.transfer"]
@@ -387,14 +372,7 @@ class _Importer:
         self._check_positions()
         # Values in @main: where each one lives, as (mesh, sharding or None).
         self.value_mesh: dict[ir.Value, MeshTensor] = {}
-        arg_dicts = _arg_attr_dicts(main, "arg_attrs", len(block.arguments))
-        for a, mt, d in zip(block.arguments, arg_types, arg_dicts):
-            what = f"@main argument #{a.arg_number}"
-            for key in _MEMORY_KIND_ATTRS:
-                if key in d and attr_to_py(d[key]) != "device":
-                    raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
-            self._check_value(mt, what, main.location)
-            self.value_mesh[a] = mt
+        self._check_args()
         for op in ops:
             if op.name == "mpmd.fragment_call":
                 self._check_call(op)
@@ -403,6 +381,29 @@ class _Importer:
                 self._check_value(dst, "the transfer's result", op.location)
                 self.value_mesh[op.results[0]] = dst
         return self
+
+    def _arg_types(self) -> list[MeshTensor]:
+        out = []
+        for a in self.block.arguments:
+            mt = self._mesh_tensor(a.type)
+            if mt is None:
+                raise DiagnosticError(
+                    f"@main argument #{a.arg_number} has type {a.type}, not an "
+                    f"!mpmd.mesh_tensor; is this the output of Shardy's MPMD partitioner?",
+                    self.main.location)
+            out.append(mt)
+        return out
+
+    def _check_args(self) -> None:
+        main = self.main
+        arg_dicts = attr_dicts(main, "arg_attrs")
+        for a, mt, d in zip(self.block.arguments, self.arg_types, arg_dicts):
+            what = f"@main argument #{a.arg_number}"
+            for key in _MEMORY_KIND_ATTRS:
+                if key in d and attr_to_py(d[key]) != "device":
+                    raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
+            self._check_value(mt, what, main.location)
+            self.value_mesh[a] = mt
 
     def _unsupported(self, op: ir.Operation) -> DiagnosticError:
         if op.name in ("mpmd.reduce", "mpmd.broadcast"):
@@ -436,8 +437,7 @@ class _Importer:
         mesh_shape = fn.attributes["mesh_shape"]
         axes = _axes(mesh_shape)[0]
         ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
-        frag = _Fragment(fn, mesh_shape, _arg_attr_dicts(fn, "arg_attrs", len(ftype.inputs)),
-                         _arg_attr_dicts(fn, "res_attrs", len(ftype.results)),
+        frag = _Fragment(fn, mesh_shape, attr_dicts(fn, "arg_attrs"), attr_dicts(fn, "res_attrs"),
                          list(ftype.inputs), list(ftype.results), [])
         for kind, dicts in (("argument", frag.args), ("result", frag.results)):
             for k, d in enumerate(dicts):
@@ -581,14 +581,29 @@ class _Importer:
     # ---------------------------------------------------------------- rewriting
 
     def rewrite(self) -> None:
-        module, main, block = self.module, self.main, self.block
         taken = set(self.funcs) | set(self.sdy_meshes)
-        mesh_sym = {}
-        for mesh in sorted(self.mesh_shapes):
-            sym = _fresh(f"mesh_{_safe(mesh)}", taken)
-            mesh_sym[mesh] = sym
+        mesh_sym = {mesh: _fresh(f"mesh_{_safe(mesh)}", taken)
+                    for mesh in sorted(self.mesh_shapes)}
         devices = {m: py_to_attr(list(p)) for m, p in self.positions.items()}
-        # Tasks: one per (origins, mesh); a name on two meshes gets the mesh appended.
+        tasks, modules, frag_tasks = self._plan_tasks(taken)
+        # Top-level meshes, before @main.
+        with ir.InsertionPoint(self.main), self.main.location:
+            for mesh in sorted(self.mesh_shapes):
+                sdy.MeshOp(mesh_sym[mesh], self.mesh_shapes[mesh])
+        # Nested fragment modules (cloned when one function runs on two meshes).
+        moved: set[str] = set()
+        for (name, mesh), sub_name in modules.items():
+            self._nest_fragment(name, mesh, sub_name, frag_tasks[(name, mesh)],
+                                devices[mesh], clone=name in moved)
+            moved.add(name)
+        self._rewrite_main(devices, mesh_sym, modules)
+        self._drop_moved_meshes()
+        self._set_module_attrs(tasks)
+
+    def _plan_tasks(self, taken: set[str]) -> tuple[
+            dict[str, dict], dict[tuple[str, str], str], dict[tuple[str, str], tuple[str, int]]]:
+        """Tasks (one per origins and mesh; a name on two meshes gets the mesh appended),
+        the nested module name of each (fragment, mesh) and its task tag."""
         tasks: dict[str, dict] = {}
         modules: dict[tuple[str, str], str] = {}  # (fragment, mesh) -> nested module name
         frag_tasks: dict[tuple[str, str], tuple[str, int]] = {}
@@ -603,96 +618,107 @@ class _Importer:
                 task = f"{task}@{mesh}"
             tasks[task] = entry
             key = (name, mesh)
-            if key not in modules:
-                modules[key] = name if not any(k[0] == name for k in modules) else \
-                    _fresh(f"{name}_{_safe(mesh)}", taken)
-                taken.add(modules[key])
-                frag_tasks[key] = (task, count)
-            else:  # several calls, several origins: keep the highest transpose count
+            if key in modules:  # several calls, several origins: keep the highest count
                 old_task, old_count = frag_tasks[key]
                 frag_tasks[key] = (old_task, max(old_count, count))
+                continue
+            modules[key] = name if not any(k[0] == name for k in modules) else \
+                _fresh(f"{name}_{_safe(mesh)}", taken)
+            taken.add(modules[key])
+            frag_tasks[key] = (task, count)
+        return tasks, modules, frag_tasks
+
+    def _nest_fragment(self, name: str, mesh: str, sub_name: str, tag: tuple[str, int],
+                       devices: ir.Attribute, *, clone: bool) -> None:
+        """Move (or copy) fragment ``name`` into its own module as that module's ``@main``."""
+        module = self.module
         i32 = ir.IntegerType.get_signless(32)
-        # Top-level meshes, before @main.
-        with ir.InsertionPoint(main), main.location:
-            for mesh in sorted(self.mesh_shapes):
-                sdy.MeshOp(mesh_sym[mesh], self.mesh_shapes[mesh])
-        # Nested fragment modules (cloned when one function runs on two meshes).
-        moved: set[str] = set()
-        for (name, mesh), sub_name in modules.items():
-            frag = self.fragments[name]
-            fn = frag.fn if name not in moved else frag.fn.clone(
-                ip=ir.InsertionPoint(module.body))
-            moved.add(name)
-            with ir.InsertionPoint(module.body), fn.location:
-                sub = ir.Operation.create("builtin.module", regions=1)
-            sub.regions[0].blocks.append()
-            task, count = frag_tasks[(name, mesh)]
-            sub.attributes["sym_name"] = ir.StringAttr.get(sub_name)
-            sub.attributes["mm.devices"] = devices[mesh]
-            sub.attributes["mm.task"] = c.tag_attr(task, count)
-            sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
-                i32, len(self.positions[mesh]))
-            sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
-            body = sub.regions[0].blocks[0]
-            own = frag.mesh_syms[0] if frag.mesh_syms else "mesh"
-            with ir.InsertionPoint(body), fn.location:
-                sdy.MeshOp(own, frag.mesh_shape)
-                for sym in frag.mesh_syms[1:]:
-                    shape = self.sdy_meshes[sym].attributes["mesh"]
-                    sdy.MeshOp(sym, shape if _is_empty(shape) else frag.mesh_shape)
-            body.append(fn)
-            _to_fragment_main(fn, frag, own)
-        # @main: plain tensors placed by mm.devices / mm.sharding.
-        arg_dicts = _arg_attr_dicts(main, "arg_attrs", len(block.arguments))
-        new_arg_attrs = []
-        for a, mt, d in zip(block.arguments, self.arg_types, arg_dicts):
-            d = dict(d)
-            d["mm.devices"] = devices[mt.mesh]
-            d["mm.sharding"] = _on_mesh(mt.sharding, mesh_sym[mt.mesh], _rank(mt.tensor))
-            new_arg_attrs.append(ir.DictAttr.get(d))
+        frag = self.fragments[name]
+        fn = frag.fn.clone(ip=ir.InsertionPoint(module.body)) if clone else frag.fn
+        with ir.InsertionPoint(module.body), fn.location:
+            sub = ir.Operation.create("builtin.module", regions=1)
+        sub.regions[0].blocks.append()
+        sub.attributes["sym_name"] = ir.StringAttr.get(sub_name)
+        sub.attributes["mm.devices"] = devices
+        sub.attributes["mm.task"] = c.tag_attr(*tag)
+        sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
+            i32, len(self.positions[mesh]))
+        sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
+        body = sub.regions[0].blocks[0]
+        own = frag.mesh_syms[0] if frag.mesh_syms else "mesh"
+        with ir.InsertionPoint(body), fn.location:
+            sdy.MeshOp(own, frag.mesh_shape)
+            for sym in frag.mesh_syms[1:]:
+                shape = self.sdy_meshes[sym].attributes["mesh"]
+                sdy.MeshOp(sym, shape if _is_empty(shape) else frag.mesh_shape)
+        body.append(fn)
+        _to_fragment_main(fn, frag, own)
+
+    def _rewrite_main(self, devices: dict[str, ir.Attribute], mesh_sym: dict[str, str],
+                      modules: dict[tuple[str, str], str]) -> None:
+        """``@main``: plain tensors placed by ``mm.devices`` / ``mm.sharding``, fragment
+        calls and transfers as custom calls."""
+        main, block = self.main, self.block
+        changes = {}
+        for a, mt in zip(block.arguments, self.arg_types):
+            changes[a.arg_number] = {
+                "mm.devices": devices[mt.mesh],
+                "mm.sharding": _on_mesh(mt.sharding, mesh_sym[mt.mesh], _rank(mt.tensor))}
             a.set_type(mt.tensor)
         for call in self.calls:
-            mesh = ir.StringAttr(call.attributes["mesh_name"]).value
-            name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-            with ir.InsertionPoint(call), call.location:
-                op = stablehlo.CustomCallOp(
-                    [self.value_mesh[r].tensor for r in call.results], list(call.operands),
-                    call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
-                    has_side_effect=ir.BoolAttr.get(False),
-                    api_version=ir.IntegerAttr.get(i32, 1))
-            op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(
-                modules[(name, mesh)])
-            for old, new in zip(call.results, op.results):
-                old.replace_all_uses_with(new)
-            call.erase()
+            self._rewrite_call(call, modules)
         for t in self.transfers:
-            dst = self.value_mesh[t.results[0]]
-            with ir.InsertionPoint(t), t.location:
-                op = stablehlo.CustomCallOp(
-                    [dst.tensor], list(t.operands),
-                    call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
-                    has_side_effect=ir.BoolAttr.get(False),
-                    api_version=ir.IntegerAttr.get(i32, 1))
-            op.operation.attributes["mm.devices"] = devices[dst.mesh]
-            op.operation.attributes["mm.sharding"] = _on_mesh(
-                dst.sharding, mesh_sym[dst.mesh], _rank(dst.tensor))
-            t.results[0].replace_all_uses_with(op.results[0])
-            t.erase()
+            self._rewrite_transfer(t, devices, mesh_sym)
         ftype = ir.FunctionType.get([a.type for a in block.arguments],
                                     [v.type for v in self.ret.operands])
         main.attributes["function_type"] = ir.TypeAttr.get(ftype)
-        main.attributes["arg_attrs"] = ir.ArrayAttr.get(new_arg_attrs)
+        update_attr_dicts(main, "arg_attrs", changes)
         if "topology" in main.attributes:
             del main.attributes["topology"]
-        still_used: set[str] = set()  # by functions that are not fragments (left alone)
-        for op in module.body.operations:
-            op = op.operation
-            if op.name == "func.func" and op != main:
-                still_used.update(c.referenced_meshes(op, set(self.sdy_meshes)))
-        for sym, op in self.sdy_meshes.items():  # other users moved into fragment modules
+
+    def _rewrite_call(self, call: ir.Operation, modules: dict[tuple[str, str], str]) -> None:
+        mesh = ir.StringAttr(call.attributes["mesh_name"]).value
+        name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        with ir.InsertionPoint(call), call.location:
+            op = stablehlo.CustomCallOp(
+                [self.value_mesh[r].tensor for r in call.results], list(call.operands),
+                call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
+                has_side_effect=ir.BoolAttr.get(False),
+                api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
+        op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(modules[(name, mesh)])
+        for old, new in zip(call.results, op.results):
+            old.replace_all_uses_with(new)
+        call.erase()
+
+    def _rewrite_transfer(self, t: ir.Operation, devices: dict[str, ir.Attribute],
+                          mesh_sym: dict[str, str]) -> None:
+        dst = self.value_mesh[t.results[0]]
+        with ir.InsertionPoint(t), t.location:
+            op = stablehlo.CustomCallOp(
+                [dst.tensor], list(t.operands),
+                call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
+                has_side_effect=ir.BoolAttr.get(False),
+                api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
+        op.operation.attributes["mm.devices"] = devices[dst.mesh]
+        op.operation.attributes["mm.sharding"] = _on_mesh(
+            dst.sharding, mesh_sym[dst.mesh], _rank(dst.tensor))
+        t.results[0].replace_all_uses_with(op.results[0])
+        t.erase()
+
+    def _drop_moved_meshes(self) -> None:
+        """Erase the top-level ``sdy.mesh`` ops whose users all moved into fragment modules
+        (functions that are not fragments are left alone, with their meshes)."""
+        still_used: set[str] = set()
+        for view in self.module.body.operations:
+            fn = view.operation
+            if fn.name == "func.func" and fn != self.main:
+                still_used.update(c.referenced_meshes(fn, set(self.sdy_meshes)))
+        for sym, mesh in self.sdy_meshes.items():
             if sym not in still_used:
-                op.erase()
-        attrs = module.operation.attributes
+                mesh.erase()
+
+    def _set_module_attrs(self, tasks: dict[str, dict]) -> None:
+        attrs = self.module.operation.attributes
         if MESHES_ATTR in attrs:  # now spelled out as mm.devices everywhere
             del attrs[MESHES_ATTR]
         attrs[c.TASKS_ATTR] = py_to_attr({k: tasks[k] for k in sorted(tasks)})
@@ -762,13 +788,19 @@ def _to_fragment_main(fn: ir.Operation, frag: _Fragment, mesh_ref: str) -> None:
     for key in _DROPPED_FUNC_ATTRS:
         if key in fn.attributes:
             del fn.attributes[key]
-    for key, dicts, types in (("arg_attrs", frag.args, frag.in_types),
-                              ("res_attrs", frag.results, frag.out_types)):
-        new = []
-        for d, t in zip(dicts, types):
-            d = {k: v for k, v in d.items()
-                 if k not in _DONATION_ATTRS and k not in _MEMORY_KIND_ATTRS}
-            if "sdy.sharding" not in d:
-                d["sdy.sharding"] = _replicated(mesh_ref, _rank(t))
-            new.append(ir.DictAttr.get(d))
-        fn.attributes[key] = ir.ArrayAttr.get(new)
+    set_attr_dicts(fn, "arg_attrs", _boundary_dicts(frag.args, frag.in_types, mesh_ref))
+    set_attr_dicts(fn, "res_attrs", _boundary_dicts(frag.results, frag.out_types, mesh_ref))
+
+
+def _boundary_dicts(dicts: list[dict[str, ir.Attribute]], types: list[ir.Type],
+                    mesh_ref: str) -> list[dict[str, ir.Attribute]]:
+    """Each boundary value's attributes with an explicit sharding and without the
+    donation and memory-kind attributes the partitioner leaves."""
+    out = []
+    for d, t in zip(dicts, types):
+        d = {k: v for k, v in d.items()
+             if k not in _DONATION_ATTRS and k not in _MEMORY_KIND_ATTRS}
+        if "sdy.sharding" not in d:
+            d["sdy.sharding"] = _replicated(mesh_ref, _rank(t))
+        out.append(d)
+    return out

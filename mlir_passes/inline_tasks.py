@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import custom_call_target, select_attr_entries
 from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
 
 
@@ -121,8 +124,7 @@ def _scan_body(fn: ir.Operation) -> tuple[bool, list[ir.Operation]]:
             name = op.name
             if name == "func.call":
                 calls.append(op.operation)
-            elif name == "stablehlo.custom_call" and ir.StringAttr(
-                    attrs["call_target_name"]).value in _MARKER_TARGETS:
+            elif custom_call_target(op) in _MARKER_TARGETS:
                 plain[0] = False
             if plain[0] and any(a in attrs for a in _NOT_PLAIN_ATTRS):
                 plain[0] = False
@@ -196,42 +198,14 @@ def _canonical_signature(call: ir.Operation, callee: ir.Operation) -> ir.Operati
     the call (a new one when the signature changed).
     """
     blk = c.entry_block(callee)
-    n_ops = len(blk.operations)
-    ret = blk.operations[n_ops - 1].operation
+    ret = blk.operations[len(blk.operations) - 1].operation
     fn = callee.operation
     keys = _first_uses(blk, fn)
-    args = sorted((i for i, k in enumerate(keys) if k is not None),
-                  key=functools.cmp_to_key(lambda i, j: _cmp(keys[i], keys[j]) or i - j))
-    seen: dict = {}
-    same_as: dict[int, int] = {}  # result -> an earlier result returning the same value
-    for k, v in enumerate(ret.operands):
-        if v in seen:
-            same_as[k] = seen[v]
-        else:
-            seen[v] = k
-    firsts = [k for k in range(len(ret.operands)) if k not in same_as]
-    made = {k: (ret.operands[k].owner.operation, ret.operands[k].result_number)
-            for k in firsts}
-    results = sorted(firsts, key=functools.cmp_to_key(
-        lambda i, j: _cmp((made[i][0], 0, made[i][1]), (made[j][0], 0, made[j][1])) or i - j))
+    args = _sorted_by([i for i, k in enumerate(keys) if k is not None], keys)
+    results, same_as = _result_order(ret)
     if args == list(range(len(keys))) and results == list(range(len(ret.operands))):
         return call
-    # the callee: arguments and results in their new order
-    old_args = list(blk.arguments)
-    for i in args:
-        old_args[i].replace_all_uses_with(blk.add_argument(old_args[i].type, old_args[i].location))
-    for _ in old_args:
-        blk.erase_argument(0)
-    with ir.InsertionPoint(ret), ret.location:
-        func.ReturnOp([ret.operands[k] for k in results])
-    ret.erase()
-    ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
-    fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
-        [ftype.inputs[i] for i in args], [ftype.results[k] for k in results]))
-    for key, order in (("arg_attrs", args), ("res_attrs", results)):
-        if key in fn.attributes:
-            old = list(ir.ArrayAttr(fn.attributes[key]))
-            fn.attributes[key] = ir.ArrayAttr.get([old[i] for i in order])
+    ftype = _reorder_callee(fn, blk, ret, args, results)
     # the call
     with ir.InsertionPoint(call), call.location:
         new = func.CallOp([ftype.results[k] for k in results],
@@ -246,6 +220,49 @@ def _canonical_signature(call: ir.Operation, callee: ir.Operation) -> ir.Operati
         r.replace_all_uses_with(new.results[where[same_as.get(k, k)]])
     call.erase()
     return new
+
+
+def _result_order(ret: ir.Operation) -> tuple[list[int], dict[int, int]]:
+    """The callee's results in the order their values are made, repeats merged: the
+    kept result numbers, and for each repeat the earlier result it returns again."""
+    seen: dict = {}
+    same_as: dict[int, int] = {}
+    for k, v in enumerate(ret.operands):
+        if v in seen:
+            same_as[k] = seen[v]
+        else:
+            seen[v] = k
+    firsts = [k for k in range(len(ret.operands)) if k not in same_as]
+    made = {k: (ret.operands[k].owner.operation, 0, ir.OpResult(ret.operands[k]).result_number)
+            for k in firsts}
+    return _sorted_by(firsts, made), same_as
+
+
+def _sorted_by(order: list[int], keys: Sequence[Any] | Mapping[int, Any]) -> list[int]:
+    """``order`` sorted by ``keys[i]`` (see :func:`_cmp`), ties by position."""
+    def cmp(i: int, j: int) -> int:
+        return _cmp(keys[i], keys[j]) or i - j
+
+    return sorted(order, key=functools.cmp_to_key(cmp))
+
+
+def _reorder_callee(fn: ir.Operation, blk: ir.Block, ret: ir.Operation, args: list[int],
+                    results: list[int]) -> ir.FunctionType:
+    """The callee with arguments and results in their new order; returns its old type."""
+    old_args = list(blk.arguments)
+    for i in args:
+        old_args[i].replace_all_uses_with(blk.add_argument(old_args[i].type, old_args[i].location))
+    for _ in old_args:
+        blk.erase_argument(0)
+    with ir.InsertionPoint(ret), ret.location:
+        func.ReturnOp([ret.operands[k] for k in results])
+    ret.erase()
+    ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+    fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        [ftype.inputs[i] for i in args], [ftype.results[k] for k in results]))
+    select_attr_entries(fn, "arg_attrs", args)
+    select_attr_entries(fn, "res_attrs", results)
+    return ftype
 
 
 _FEW_USES = 8
@@ -267,29 +284,38 @@ def _first_uses(blk: ir.Block, fn: ir.Operation) -> list:
         if len(uses) > _FEW_USES:
             many[arg] = i
             keys.append(None)
-            continue
-        best = None
-        for use in uses:
-            user = use.owner.operation
-            top = user
-            while top.parent.operation != fn:
-                top = top.parent.operation
-            key = (top, 0, use.operand_number) if top == user else (top, 1, 0)
-            if best is None or _cmp(key, best) < 0:
-                best = key
-        keys.append(best)
+        else:
+            keys.append(_earliest_use(uses, fn))
     if many:
-        for op in blk.operations:
-            op = op.operation
-            for k, v in enumerate(op.operands):
-                i = many.get(v)
-                if i is not None and keys[i] is None:
-                    keys[i] = (op, 0, k)
-            if len(op.regions):
-                _first_nested(op, many, keys)
-            if all(keys[i] is not None for i in many.values()):
-                break
+        _walk_first_uses(blk, many, keys)
     return keys
+
+
+def _earliest_use(uses: list, fn: ir.Operation) -> tuple | None:
+    best = None
+    for use in uses:
+        user = use.owner.operation
+        top = user
+        while top.parent.operation != fn:
+            top = top.parent.operation
+        key = (top, 0, use.operand_number) if top == user else (top, 1, 0)
+        if best is None or _cmp(key, best) < 0:
+            best = key
+    return best
+
+
+def _walk_first_uses(blk: ir.Block, many: dict, keys: list) -> None:
+    """Fill ``keys`` for the arguments in ``many`` by walking the body in order."""
+    for view in blk.operations:
+        op = view.operation
+        for k, v in enumerate(op.operands):
+            i = many.get(v)
+            if i is not None and keys[i] is None:
+                keys[i] = (op, 0, k)
+        if len(op.regions):
+            _first_nested(op, many, keys)
+        if all(keys[i] is not None for i in many.values()):
+            break
 
 
 def _first_nested(top: ir.Operation, many: dict, keys: list) -> None:
@@ -374,15 +400,7 @@ def _inline(call: ir.Operation, funcs, names: _Names, uses, scan: _Scan | None =
         task = names.allocate(d) if "devices" in d else d["name"]
         tag = c.tag_attr(task, int(d["transpose_count"]), loop)
     moved = uses.get(name, 0) <= 1
-    if moved:
-        body = callee  # only use: move the body instead of cloning it
-        if scan is not None:
-            scan.forget(name)
-    else:
-        body = callee.clone()
-        for inner in _collect_calls(body):  # the copy's calls are new uses
-            uses[c.callee_of(inner)] = uses.get(c.callee_of(inner), 0) + 1
-    uses[name] = uses.get(name, 0) - 1
+    body = _body_to_inline(callee, name, moved, uses, scan)
     blk = c.entry_block(body)
     ret_op = blk.operations[len(blk.operations) - 1].operation
     for arg, operand in zip(blk.arguments, call.operands):
@@ -391,27 +409,45 @@ def _inline(call: ir.Operation, funcs, names: _Names, uses, scan: _Scan | None =
         _pin_passthrough(ret_op, blk)
     ops = [o.operation for o in blk.operations]
     ret = ops[-1]
-    loop_attr = (ir.IntegerAttr.get(ir.IntegerType.get_signless(64), loop)
-                 if loop >= 0 else None)
     for op in ops[:-1]:
         op.move_before(call)
-        if c.TASK_ATTR not in op.attributes:
-            if tag is not None:
-                op.attributes[c.TASK_ATTR] = tag
-            elif loop_attr is not None:
-                op.attributes[c.LOOP_ATTR] = loop_attr
-        elif loop_attr is not None:
-            if op.name == "func.call":  # a task call: its ops learn the loop when inlined
-                op.attributes[c.LOOP_ATTR] = loop_attr
-            else:  # tagged by mm-match-tasks: the tag carries the loop
-                t = c.tag_of(op)
-                op.attributes[c.TASK_ATTR] = c.tag_attr(t[0], t[1], loop)
+        _retag(op, tag, loop)
     for res, val in zip(call.results, ret.operands):
         res.replace_all_uses_with(val)
     call.erase()
     if body is not callee:
         body.erase()
     return moved
+
+
+def _body_to_inline(callee: ir.Operation, name: str, moved: bool, uses,
+                    scan: _Scan | None) -> ir.Operation:
+    """The callee itself when this is its only use, else a copy (whose calls count)."""
+    uses[name] = uses.get(name, 0) - 1
+    if moved:
+        if scan is not None:
+            scan.forget(name)
+        return callee
+    body = callee.clone()
+    for inner in _collect_calls(body):  # the copy's calls are new uses
+        uses[c.callee_of(inner)] = uses.get(c.callee_of(inner), 0) + 1
+    return body
+
+
+def _retag(op: ir.Operation, tag: ir.Attribute | None, loop: int) -> None:
+    """An inlined op gets the call's task (untagged ops) or learns its loop."""
+    has_task = c.TASK_ATTR in op.attributes
+    if not has_task and tag is not None:
+        op.attributes[c.TASK_ATTR] = tag
+        return
+    if loop < 0:
+        return
+    if not has_task or op.name == "func.call":  # a task call's ops learn it when inlined
+        op.attributes[c.LOOP_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), loop)
+        return
+    t = c.tag_of(op)  # tagged by mm-match-tasks: the tag carries the loop
+    assert t is not None
+    op.attributes[c.TASK_ATTR] = c.tag_attr(t[0], t[1], loop)
 
 
 def _call_loop(call: ir.Operation) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import attr_entries, mesh_attrs
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, sdy, stablehlo
 
@@ -38,16 +39,11 @@ class InsertTransfersPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            meshes = {ir.StringAttr(o.operation.attributes["sym_name"]).value:
-                      o.operation.attributes["mesh"]
-                      for o in module.body.operations if o.operation.name == "sdy.mesh"}
+            meshes = mesh_attrs(module)
             block = c.entry_block(main)
-            args_attrs = (list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes
-                          else [None] * len(block.arguments))
             where: dict[ir.Value, tuple] = {}
-            for a, attrs in zip(block.arguments, args_attrs):
-                d = ir.DictAttr(attrs) if attrs is not None else None
-                if d is not None and "mm.sharding" in d and "mm.devices" in d:
+            for a, d in zip(block.arguments, attr_entries(main, "arg_attrs")):
+                if "mm.sharding" in d and "mm.devices" in d:
                     c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
                                       f"@main argument #{a.arg_number}", main.location)
                     where[a] = _layout(d["mm.devices"], d["mm.sharding"], meshes)
@@ -72,12 +68,12 @@ class _Edges:
         """(layout, sharding, devices) that fragment argument ``k`` of ``call`` wants."""
         fn = self.funcs[c.callee_of(call)]
         devs = c.fragment_info(fn, self.meshes).devices_attr
-        arg_attrs = list(fn.attributes["arg_attrs"]) if "arg_attrs" in fn.attributes else []
-        if k >= len(arg_attrs) or "sdy.sharding" not in ir.DictAttr(arg_attrs[k]):
+        arg_attrs = attr_entries(fn, "arg_attrs")
+        if k >= len(arg_attrs) or "sdy.sharding" not in arg_attrs[k]:
             raise DiagnosticError(
                 f"fragment '@{c.callee_of(call)}' argument #{k} has no sdy.sharding; "
                 f"run mm-propagate-shardings first", call.location)
-        sh = ir.DictAttr(arg_attrs[k])["sdy.sharding"]
+        sh = arg_attrs[k]["sdy.sharding"]
         return _layout(devs, sh, self.meshes), sh, devs
 
     def call(self, call: ir.Operation, where: dict, hoist=None) -> None:
@@ -110,12 +106,15 @@ class _Edges:
         self.plans = []
 
 
-def _transfer(v: ir.Value, block: ir.Block, loc, sh, devs, ip=None) -> ir.Value:
+def _transfer(v: ir.Value, block: ir.Block | None, loc, sh, devs, ip=None) -> ir.Value:
     """``mm.transfer`` of ``v`` right after its producer (or at ``ip``)."""
     owner = v.owner
     if ip is None:
-        ip = (ir.InsertionPoint.at_block_begin(block) if isinstance(owner, ir.Block)
-              else ir.InsertionPoint.after(owner))
+        if isinstance(owner, ir.Block):
+            assert block is not None  # callers give the block of any block argument
+            ip = ir.InsertionPoint.at_block_begin(block)
+        else:
+            ip = ir.InsertionPoint.after(owner)
     with ip, loc:
         op = stablehlo.CustomCallOp(
             [v.type], [v], call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
@@ -129,54 +128,67 @@ def _transfer(v: ir.Value, block: ir.Block, loc, sh, devs, ip=None) -> ir.Value:
 def _loop(loop: ir.Operation, where: dict, edges: _Edges, funcs) -> None:
     """Transfers of a microbatch loop: inside its body per microbatch, except that an
     input of the loop that a body fragment wants elsewhere moves once, before the loop."""
-    body_fn, _ = c.loop_body(loop, funcs)
-    body = c.entry_block(body_fn)
-    ret = list(body.operations)[-1].operation
-    n_carry = len(ret.operands)
-    args = list(body.arguments)
-    inner: dict[ir.Value, tuple] = {}
-    outer_of: dict[ir.Value, ir.Value] = {}
-    for k, v in enumerate(loop.operands):
-        a = args[1 + k]
-        outer_of[a] = v
-        if v in where:
-            inner[a] = where[v]
-    hoisted: dict[tuple, ir.Value] = {}  # (outer value, layout) -> new body argument
-    extra: list[ir.Value] = []  # new loop operands (transfers in @main)
+    _LoopTransfers(loop, where, funcs).run(edges)
 
-    def hoist(call, k, v, want, sh, devs) -> bool:
-        if v not in outer_of or args.index(v) <= n_carry:
+
+class _LoopTransfers:
+    """One microbatch loop's transfers, and the loop inputs hoisted out of it."""
+
+    def __init__(self, loop: ir.Operation, where: dict, funcs) -> None:
+        self.loop = loop
+        self.where = where
+        self.body_fn, _ = c.loop_body(loop, funcs)
+        self.body = c.entry_block(self.body_fn)
+        self.ret = list(self.body.operations)[-1].operation
+        self.n_carry = len(self.ret.operands)
+        self.args = list(self.body.arguments)
+        self.inner: dict[ir.Value, tuple] = {}  # body value -> layout
+        self.outer_of: dict[ir.Value, ir.Value] = {}  # body argument -> loop operand
+        for k, v in enumerate(loop.operands):
+            a = self.args[1 + k]
+            self.outer_of[a] = v
+            if v in where:
+                self.inner[a] = where[v]
+        self.hoisted: dict[tuple, ir.Value] = {}  # (outer value, layout) -> new argument
+        self.extra: list[ir.Value] = []  # new loop operands (transfers in @main)
+
+    def hoist(self, call, k, v, want, sh, devs) -> bool:
+        """Move a loop input once, before the loop, instead of every microbatch."""
+        if v not in self.outer_of or self.args.index(v) <= self.n_carry:
             return False  # the index, a running sum, or a value made inside the loop
-        key = (outer_of[v], want)
-        a = hoisted.get(key)
+        key = (self.outer_of[v], want)
+        a = self.hoisted.get(key)
         if a is None:
-            outer = outer_of[v]
+            outer = self.outer_of[v]
             owner = outer.owner
-            ip = (ir.InsertionPoint(loop) if isinstance(owner, ir.Block)
+            ip = (ir.InsertionPoint(self.loop) if isinstance(owner, ir.Block)
                   else ir.InsertionPoint.after(owner))
-            extra.append(_transfer(outer, None, call.location, sh, devs, ip=ip))
-            a = body.add_argument(v.type, body_fn.location)
-            hoisted[key] = a
-            inner[a] = want
+            self.extra.append(_transfer(outer, None, call.location, sh, devs, ip=ip))
+            a = self.body.add_argument(v.type, self.body_fn.location)
+            self.hoisted[key] = a
+            self.inner[a] = want
         call.operands[k] = a
         return True
 
-    inside = _Edges(edges.funcs, edges.meshes)
-    for op in [o.operation for o in body.operations]:
-        if op.name == "func.call":
-            inside.call(op, inner, hoist)
-    inside.insert(body)
-    for j, v in enumerate(ret.operands):  # a running sum keeps one layout
-        a = args[1 + j]
-        if inner.get(a) is not None and inner.get(v) is not None and inner[a] != inner[v]:
-            raise DiagnosticError(
-                f"running sum #{j} of the microbatch loop changes layout between microbatches",
-                loop.location)
-    if extra:
-        loop = _add_loop_operands(loop, extra, body_fn)
-    for j, r in enumerate(loop.results):
-        if ret.operands[j] in inner:
-            where[r] = inner[ret.operands[j]]
+    def run(self, edges: _Edges) -> None:
+        inside = _Edges(edges.funcs, edges.meshes)
+        for op in [o.operation for o in self.body.operations]:
+            if op.name == "func.call":
+                inside.call(op, self.inner, self.hoist)
+        inside.insert(self.body)
+        inner, ret = self.inner, self.ret
+        for j, v in enumerate(ret.operands):  # a running sum keeps one layout
+            a = self.args[1 + j]
+            if inner.get(a) is not None and inner.get(v) is not None and inner[a] != inner[v]:
+                raise DiagnosticError(
+                    f"running sum #{j} of the microbatch loop changes layout between "
+                    f"microbatches", self.loop.location)
+        loop = self.loop
+        if self.extra:
+            loop = _add_loop_operands(loop, self.extra, self.body_fn)
+        for j, r in enumerate(loop.results):
+            if ret.operands[j] in inner:
+                self.where[r] = inner[ret.operands[j]]
 
 
 def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
@@ -187,8 +199,7 @@ def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
             [r.type for r in loop.results], list(loop.operands) + list(extra),
             call_target_name=ir.StringAttr.get(c.LOOP_TARGET),
             has_side_effect=ir.BoolAttr.get(False),
-            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-    new = new.operation
+            api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)).operation
     for name in (c.BODY_ATTR, c.NUM_MICROBATCHES_ATTR, "mm.schedule"):
         if name in loop.attributes:
             new.attributes[name] = loop.attributes[name]
@@ -201,13 +212,11 @@ def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
     return new
 
 
-def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, str]):
+def _layout(devices: ir.Attribute, sharding: ir.Attribute, meshes: dict[str, ir.Attribute]):
     """The device -> shard mapping of a value (see ``multimesh._src.layouts``)."""
     ts = sdy.TensorShardingAttr(sharding)
-    mesh = ts.mesh_or_ref
-    if isinstance(mesh, ir.FlatSymbolRefAttr):
-        mesh = meshes[mesh.value]
-    mesh = sdy.MeshAttr(mesh)
+    ref = ts.mesh_or_ref
+    mesh = sdy.MeshAttr(meshes[ref.value] if isinstance(ref, ir.FlatSymbolRefAttr) else ref)
     names = [sdy.MeshAxisAttr(a).name for a in mesh.axes]
     sizes = [sdy.MeshAxisAttr(a).size for a in mesh.axes]
     dims = [[sdy.AxisRefAttr(a).name for a in sdy.DimensionShardingAttr(d).axes]

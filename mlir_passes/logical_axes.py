@@ -41,6 +41,16 @@ def format_axes(axes: Sequence[str], sizes: dict[str, int]) -> str:
     return "device axes " + ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
+
+def _check_mesh(names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    if len(names) != len(sizes):
+        raise LogicalShardingError(
+            f"The task mesh has {len(names)} axis names ({_quote_list(names)}) but "
+            f"{len(sizes)} axis sizes {list(sizes)}; they must have the same length.")
+    if len(set(names)) != len(names):
+        raise LogicalShardingError(
+            f"The task mesh has duplicate axis names: {_quote_list(names)}.")
+
 def resolve_logical_spec(
     logical_axes_per_dim: Sequence[Sequence[str]],
     shape: Sequence[int],
@@ -61,14 +71,7 @@ def resolve_logical_spec(
     mesh_axis_names = tuple(mesh_axis_names)
     mesh_axis_sizes = tuple(int(s) for s in mesh_axis_sizes)
     desc = f"tensor {tensor_desc}" if tensor_desc else "tensor"
-    if len(mesh_axis_names) != len(mesh_axis_sizes):
-        raise LogicalShardingError(
-            f"The task mesh has {len(mesh_axis_names)} axis names "
-            f"({_quote_list(mesh_axis_names)}) but {len(mesh_axis_sizes)} axis sizes "
-            f"{list(mesh_axis_sizes)}; they must have the same length.")
-    if len(set(mesh_axis_names)) != len(mesh_axis_names):
-        raise LogicalShardingError(
-            f"The task mesh has duplicate axis names: {_quote_list(mesh_axis_names)}.")
+    _check_mesh(mesh_axis_names, mesh_axis_sizes)
     if len(names) != len(shape):
         raise LogicalShardingError(
             f"The logical sharding has {len(names)} "

@@ -8,6 +8,7 @@ from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from mlir_passes.resolve_logical_shardings import mesh_symbol_names
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import mesh_ops
 from multimesh._src.mlir import func, ir, py_to_attr, sdy
 
 _REMAT = ("stablehlo.constant", "stablehlo.iota")
@@ -185,7 +186,8 @@ def _first_op_is_early(call: ir.Operation, funcs, late: set[int]) -> bool:
     if len(op.regions):
         return True
     for v in op.operands:
-        if isinstance(v.owner, ir.Block) and v.owner == blk and v.arg_number in late:
+        if isinstance(v.owner, ir.Block) and v.owner == blk and \
+                ir.BlockArgument(v).arg_number in late:
             return False
     return True
 
@@ -256,16 +258,7 @@ def _remat_constants(ops, main) -> None:
     for op in ops:
         if op.name not in _REMAT or len(op.operands):
             continue
-        mine = c.tag_of(op)
-        groups: dict[c.Tag, list] = {}
-        for r in op.results:
-            for use in r.uses:
-                user = top(use.owner)
-                t = c.tag_of(user) if user is not None else None
-                if t is None or t == mine:
-                    continue
-                groups.setdefault(t, []).append((use.owner.operation, use.operand_number, user))
-        for t, uses in groups.items():
+        for t, uses in _uses_by_other_task(op, top).items():
             first = min((u[2] for u in uses), key=lambda o: index.get(o, 0))
             plans.append((op, t, first, [(o, k) for o, k, _ in uses]))
     for op, t, first, uses in plans:
@@ -273,13 +266,28 @@ def _remat_constants(ops, main) -> None:
         clone.attributes[c.TASK_ATTR] = c.tag_attr(*t)
         for owner, k in uses:
             owner.operands[k] = clone.results[0]
-    done = []
+    done: list[ir.Operation] = []
     for op, *_ in plans:
         if any(op is d for d in done):
             continue
         done.append(op)
         if all(not list(r.uses) for r in op.results):
             op.erase()
+
+
+def _uses_by_other_task(op: ir.Operation, top) -> dict[c.Tag, list]:
+    """Uses of ``op``'s results by ops of other tasks, by task:
+    ``(user, operand number, the user's top-level op)``."""
+    mine = c.tag_of(op)
+    groups: dict[c.Tag, list] = {}
+    for r in op.results:
+        for use in r.uses:
+            user = top(use.owner)
+            t = c.tag_of(user) if user is not None else None
+            if t is None or t == mine:
+                continue
+            groups.setdefault(t, []).append((use.owner.operation, use.operand_number, user))
+    return groups
 
 
 def _fragment_names(keys: list[c.Tag]) -> list[str]:
@@ -297,8 +305,7 @@ def _fragment_names(keys: list[c.Tag]) -> list[str]:
 
 
 def _ensure_meshes(module, tasks, meshes, used) -> None:
-    existing = {ir.StringAttr(o.operation.attributes["sym_name"]).value
-                for o in module.body.operations if o.operation.name == "sdy.mesh"}
+    existing = set(mesh_ops(module))
     first = module.body.operations[0] if len(module.body.operations) else None
     for name in sorted(used):
         sym = meshes[name]
@@ -317,10 +324,68 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
     members: list[list[int]] = [[] for _ in range(n)]
     for i, f in enumerate(frag):
         members[f].append(i)
+    ins, rewire, out_set = _boundaries(frag, uses, n)
+    external = [(ret, k, v) for k, v in enumerate(ret.operands)]
+    external += [(m, k, v) for m in markers for k, v in enumerate(m.operands)]
+    index = {op: i for i, op in enumerate(ops)}
+    for _, _, v in external:  # values read after the fragments: results too
+        owner = v.owner
+        if not isinstance(owner, ir.Block) and owner.operation in index:
+            p = index[owner.operation]
+            out_set[frag[p]].setdefault(v, (p, ir.OpResult(v).result_number))
+    outs = [sorted(d, key=d.get) for d in out_set]
+    avail = _emit_calls(ret, [ops[m[-1]].location for m in members], names, ins, outs)
+    for user, j, v in external:
+        if v in avail:
+            user.operands[j] = avail[v]
+    _follow_producers(markers)
+    for f in range(n):
+        body = _fragment_func(module, main, names[f], keys[f], tasks[keys[f][0]],
+                              meshes[keys[f][0]], ins[f], outs[f])
+        remap = dict(zip(ins[f], body.arguments))
+        for i in members[f]:
+            body.append(ops[i])
+        for user, k, v in rewire[f]:
+            user.operands[k] = remap[v]
+        with ir.InsertionPoint(body), ret.location:
+            func.ReturnOp(outs[f])
+    _inline_leaves(module, ops)
+
+
+def _inline_leaves(module: ir.Module, ops: list[ir.Operation]) -> None:
+    """Leaf task calls (flat form) become their bodies, now inside their fragments."""
+    calls = [op for op in ops if op.name == "func.call"]
+    if calls:
+        funcs = c.func_by_name(module)
+        count = _call_counts(calls)
+        for call in calls:
+            _inline_leaf(call, funcs, count)
+
+
+
+def _emit_calls(ret: ir.Operation, locations: list, names: list[str],
+                ins: list[list[ir.Value]], outs: list[list[ir.Value]]) -> dict:
+    """One ``func.call`` per fragment before ``ret``, in order; returns the map from
+    each value a fragment yields to the call result that now carries it."""
+    avail: dict[ir.Value, ir.Value] = {}
+    for f, name in enumerate(names):
+        inputs = [avail.get(v, v) for v in ins[f]]
+        with ir.InsertionPoint(ret), locations[f]:
+            call = func.CallOp([v.type for v in outs[f]], ir.FlatSymbolRefAttr.get(name),
+                               inputs)
+        call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+        for v, r in zip(outs[f], call.results):
+            avail[v] = r
+    return avail
+
+def _boundaries(frag: list[int], uses, n: int) -> tuple[list, list, list]:
+    """Per fragment: its inputs (in first-use order), the operands to rewire to its
+    arguments ``(user op, operand number, value)``, and the values other fragments
+    read from it (value -> (producer, result number))."""
     ins: list[list[ir.Value]] = [[] for _ in range(n)]
     in_seen: list[set] = [set() for _ in range(n)]
-    out_set: list[dict] = [{} for _ in range(n)]  # value -> (producer, result number)
-    rewire: list[list] = [[] for _ in range(n)]  # (user op, operand number, value)
+    out_set: list[dict] = [{} for _ in range(n)]
+    rewire: list[list] = [[] for _ in range(n)]
     for j, rec in enumerate(uses):
         f = frag[j]
         for user, k, v, p in rec:
@@ -332,60 +397,33 @@ def _outline_all(module, main, ret, ops, frag, keys, names, uses, tasks, meshes,
             rewire[f].append((user, k, v))
             if p >= 0:
                 out_set[frag[p]].setdefault(v, (p, v.result_number))
-    index = {op: i for i, op in enumerate(ops)}
-    external = [(ret, k, v) for k, v in enumerate(ret.operands)]
-    external += [(m, k, v) for m in markers for k, v in enumerate(m.operands)]
-    for _, _, v in external:
-        owner = v.owner
-        if not isinstance(owner, ir.Block) and owner.operation in index:
-            p = index[owner.operation]
-            out_set[frag[p]].setdefault(v, (p, v.result_number))
-    outs = [sorted(d, key=d.get) for d in out_set]
-    avail: dict[ir.Value, ir.Value] = {}
-    for f in range(n):
-        inputs = [avail.get(v, v) for v in ins[f]]
-        with ir.InsertionPoint(ret), ops[members[f][-1]].location:
-            call = func.CallOp([v.type for v in outs[f]], ir.FlatSymbolRefAttr.get(names[f]),
-                               inputs)
-        call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
-        for v, r in zip(outs[f], call.results):
-            avail[v] = r
-    for user, j, v in external:
-        if v in avail:
-            user.operands[j] = avail[v]
-    for m in markers:  # a sum follows the call that produces what it sums
+    return ins, rewire, out_set
+
+
+def _follow_producers(markers) -> None:
+    """A sum follows the call that produces what it sums."""
+    for m in markers:
         for v in m.operands:
             owner = v.owner
             if not isinstance(owner, ir.Block) and owner.operation != m:
                 m.move_after(owner.operation)
-    for f in range(n):
-        key = keys[f]
-        task = tasks[key[0]]
-        with ir.InsertionPoint(module.body), main.location:
-            fn = func.FuncOp(names[f], ir.FunctionType.get([v.type for v in ins[f]],
-                                                           [v.type for v in outs[f]]),
-                             visibility="private")
-            body = fn.add_entry_block()
-        fn.operation.attributes[c.TASK_ATTR] = c.tag_attr(*key)
-        fn.operation.attributes["mm.devices"] = py_to_attr(list(task.devices))
-        if task.loop_devices and key[2] >= 0:
-            fn.operation.attributes[c.LOOP_DEVICES_ATTR] = py_to_attr(
-                [list(d) for d in task.loop_devices])
-        fn.operation.attributes["mm.mesh"] = ir.FlatSymbolRefAttr.get(meshes[key[0]])
-        remap = dict(zip(ins[f], body.arguments))
-        for i in members[f]:
-            body.append(ops[i])
-        for user, k, v in rewire[f]:
-            user.operands[k] = remap[v]
-        with ir.InsertionPoint(body), ret.location:
-            func.ReturnOp(outs[f])
-    # Leaf task calls (flat form) become their bodies, now inside their fragments.
-    calls = [op for op in ops if op.name == "func.call"]
-    if calls:
-        funcs = c.func_by_name(module)
-        count = _call_counts(calls)
-        for call in calls:
-            _inline_leaf(call, funcs, count)
+
+
+def _fragment_func(module, main, name: str, key: c.Tag, task: c.TaskMeshInfo, mesh: str,
+                   ins: list[ir.Value], outs: list[ir.Value]) -> ir.Block:
+    """An empty fragment function, tagged with its task, mesh and devices; its body."""
+    with ir.InsertionPoint(module.body), main.location:
+        fn = func.FuncOp(  # type: ignore[call-arg]  # stubs show the generated FuncOp,
+            name, ir.FunctionType.get([v.type for v in ins],  # not func.py's subclass
+                                      [v.type for v in outs]), visibility="private")
+        body = fn.add_entry_block()  # type: ignore[attr-defined]  # (the same subclass)
+    attrs = fn.operation.attributes
+    attrs[c.TASK_ATTR] = c.tag_attr(*key)
+    attrs["mm.devices"] = py_to_attr(list(task.devices))
+    if task.loop_devices and key[2] >= 0:
+        attrs[c.LOOP_DEVICES_ATTR] = py_to_attr([list(d) for d in task.loop_devices])
+    attrs["mm.mesh"] = ir.FlatSymbolRefAttr.get(mesh)
+    return body
 
 
 def _inline_leaf(call: ir.Operation, funcs, count: dict[str, int], tag=None) -> None:

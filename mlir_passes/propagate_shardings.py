@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import AttrsKey, attr_entries, mesh_attrs, update_attr_dicts
 from multimesh._src.layouts import translate_dims
 from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
 
@@ -40,72 +41,93 @@ class PropagateShardingsPass(ModulePass):
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
-            main = c.main_func(module)
-            funcs = c.func_by_name(module)
-            meshes = _meshes(module)
-            # value -> (mesh symbol, sharding attr, devices attr) as laid out where it lives
-            layout: dict[ir.Value, tuple[str, ir.Attribute, ir.Attribute]] = {}
-            pinned = _pinned_args(main, meshes)  # inputs whose layout the caller gave
-            pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
-            calls = c.fragment_calls(main)
-            # Check every fragment before Shardy sees any (it may crash on bad input).
-            infos = {n: c.fragment_info(funcs[n], meshes) for n in map(c.callee_of, calls)}
-            scans = {}
-            for n in infos:  # one walk each: meshes named inside, Shardy-internal ops
-                scans[n], internal = c.scan_fragment(funcs[n], set(meshes))
-                c.reject_internal_sdy_ops(funcs[n], internal, scanned=True)
-            pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
-            for call in calls:
-                name = c.callee_of(call)
-                fn = funcs[name]
-                mesh_sym = infos[name].mesh
-                mesh = meshes[mesh_sym]
-                hints = []
-                for v in call.operands:
-                    src = layout.get(v)
-                    if v in pinned:
-                        hints.append(_pinned_hint(pinned[v], mesh_sym, mesh,
-                                                  infos[name].devices_attr))
-                    elif src is not None and _same_shape(meshes[src[0]], mesh):
-                        hints.append(_rebase(src[1], mesh_sym))
-                    else:
-                        hints.append(None)
-                done = _propagate(fn, mesh_sym, meshes, scans[name], hints, pm)
-                arg_sh = _shardings(done, "arg_attrs", len(call.operands), mesh_sym)
-                res_sh = _shardings(done, "res_attrs", len(call.results), mesh_sym)
-                done.erase()
-                # Only the boundary is kept: XLA re-propagates inside the body at compile
-                # time, exactly as for a plain jax module.
-                _write(fn, "arg_attrs", arg_sh)
-                _write(fn, "res_attrs", res_sh)
-                devs = infos[name].devices_attr
-                for v, sh in zip(call.operands, arg_sh):
-                    if isinstance(v.owner, ir.Block) and v not in layout:
-                        layout[v] = (mesh_sym, sh, devs)
-                for r, sh in zip(call.results, res_sh):
-                    layout[r] = (mesh_sym, sh, devs)
-            blk = c.entry_block(main)
-            attrs = []
-            old = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else []
-            for i, a in enumerate(blk.arguments):
-                d = {}
-                if i < len(old):
-                    od = ir.DictAttr(old[i])
-                    d = {od[k].name: od[k].attr for k in range(len(od))}
-                if a in layout and a not in pinned:
-                    d["mm.sharding"] = layout[a][1]
-                    d["mm.devices"] = layout[a][2]
-                attrs.append(ir.DictAttr.get(d))
-            main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+            _Propagation(module).run()
 
 
-def _pinned_args(main, meshes) -> dict[ir.Value, tuple]:
-    """``@main`` arguments with a caller-given layout: value -> (devices, names, sizes,
-    per-dim axes)."""
-    out = {}
-    attrs = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else []
-    for a, raw in zip(c.entry_block(main).arguments, attrs):
-        d = ir.DictAttr(raw)
+# where a value is laid out: (mesh symbol, sharding attr, devices attr)
+_Layout = tuple[str, ir.Attribute, ir.Attribute]
+
+
+class _Propagation:
+    """One run of the pass: fragments in ``@main`` order, each handing its layouts on."""
+
+    def __init__(self, module: ir.Module) -> None:
+        self.main = c.main_func(module)
+        self.funcs = c.func_by_name(module)
+        self.meshes = mesh_attrs(module)
+        self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
+        self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
+        self.calls = c.fragment_calls(self.main)
+        self.pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
+        self.pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
+
+    def run(self) -> None:
+        self._check_fragments()
+        for call in self.calls:
+            self._fragment(call)
+        self._place_main_args()
+
+    def _check_fragments(self) -> None:
+        """Check every fragment before Shardy sees any (it may crash on bad input)."""
+        names = [c.callee_of(call) for call in self.calls]
+        self.infos = {n: c.fragment_info(self.funcs[n], self.meshes) for n in names}
+        self.scans: dict[str, list[str]] = {}
+        for n in self.infos:  # one walk each: meshes named inside, Shardy-internal ops
+            self.scans[n], internal = c.scan_fragment(self.funcs[n], set(self.meshes))
+            c.reject_internal_sdy_ops(self.funcs[n], internal, scanned=True)
+
+    def _hints(self, call: ir.Operation, mesh_sym: str, devices: ir.Attribute) -> list:
+        """Per operand, the layout the fragment should start from (None: Shardy's choice)."""
+        mesh = self.meshes[mesh_sym]
+        hints: list[ir.Attribute | None] = []
+        for v in call.operands:
+            src = self.layout.get(v)
+            if v in self.pinned:
+                hints.append(_pinned_hint(self.pinned[v], mesh_sym, mesh, devices))
+            elif src is not None and _same_shape(self.meshes[src[0]], mesh):
+                hints.append(_rebase(src[1], mesh_sym))
+            else:
+                hints.append(None)
+        return hints
+
+    def _fragment(self, call: ir.Operation) -> None:
+        name = c.callee_of(call)
+        fn = self.funcs[name]
+        info = self.infos[name]
+        mesh_sym, devs = info.mesh, info.devices_attr
+        assert mesh_sym is not None  # fragment_info was given the meshes
+        hints = self._hints(call, mesh_sym, devs)
+        done = _propagate(fn, mesh_sym, self.meshes, self.scans[name], hints, self.pm)
+        arg_sh = _shardings(done, "arg_attrs", len(call.operands), mesh_sym)
+        res_sh = _shardings(done, "res_attrs", len(call.results), mesh_sym)
+        done.erase()
+        # Only the boundary is kept: XLA re-propagates inside the body at compile
+        # time, exactly as for a plain jax module.
+        _write(fn, "arg_attrs", arg_sh)
+        _write(fn, "res_attrs", res_sh)
+        for v, sh in zip(call.operands, arg_sh):
+            if isinstance(v.owner, ir.Block) and v not in self.layout:
+                self.layout[v] = (mesh_sym, sh, devs)
+        for r, sh in zip(call.results, res_sh):
+            self.layout[r] = (mesh_sym, sh, devs)
+
+    def _place_main_args(self) -> None:
+        """Each unpinned ``@main`` argument goes where its first consumer wants it."""
+        changes = {a.arg_number: {"mm.sharding": self.layout[a][1],
+                                  "mm.devices": self.layout[a][2]}
+                   for a in c.entry_block(self.main).arguments
+                   if a in self.layout and a not in self.pinned}
+        update_attr_dicts(self.main, "arg_attrs", changes)
+
+
+# a caller-given layout: (devices, axis names, axis sizes, per-dim axes)
+_Pin = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
+
+
+def _pinned_args(main, meshes) -> dict[ir.Value, _Pin]:
+    """``@main`` arguments with a caller-given layout."""
+    out: dict[ir.Value, _Pin] = {}
+    for a, d in zip(c.entry_block(main).arguments, attr_entries(main, "arg_attrs")):
         if "mm.sharding" not in d or "mm.devices" not in d:
             continue
         c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
@@ -123,10 +145,10 @@ def _pinned_args(main, meshes) -> dict[ir.Value, tuple]:
     return out
 
 
-def _pinned_hint(pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None:
+def _pinned_hint(pin: _Pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None:
     """The pinned layout on the consumer's mesh, if that mesh can express it."""
     m = sdy.MeshAttr(mesh)
-    dims = translate_dims(*pin[:3], pin[3], attr_to_py(devices_attr),
+    dims = translate_dims(pin[0], pin[1], pin[2], pin[3], attr_to_py(devices_attr),
                           [sdy.MeshAxisAttr(x).name for x in m.axes],
                           [sdy.MeshAxisAttr(x).size for x in m.axes])
     if dims is None:
@@ -134,15 +156,6 @@ def _pinned_hint(pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None:
     return sdy.TensorShardingAttr.get(
         mesh_sym, [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(x) for x in axes],
                                                  is_closed=True) for axes in dims])
-
-
-def _meshes(module) -> dict[str, ir.Attribute]:
-    out = {}
-    for op in module.body.operations:
-        op = op.operation
-        if op.name == "sdy.mesh":
-            out[ir.StringAttr(op.attributes["sym_name"]).value] = op.attributes["mesh"]
-    return out
 
 
 def _same_shape(a: ir.Attribute, b: ir.Attribute) -> bool:
@@ -167,18 +180,8 @@ def _propagate(fn, mesh_sym, meshes, referenced, hints, pm) -> ir.Operation:
     clone = fn.clone(ip=ir.InsertionPoint(tmp.body))
     clone.attributes["sym_name"] = ir.StringAttr.get("main")
     clone.attributes["sym_visibility"] = ir.StringAttr.get("public")
-    n = len(c.entry_block(clone).arguments)
-    old = list(clone.attributes["arg_attrs"]) if "arg_attrs" in clone.attributes else [None] * n
-    attrs = []
-    for h, o in zip(hints, old):
-        d = {}
-        if o is not None:
-            od = ir.DictAttr(o)
-            d = {od[k].name: od[k].attr for k in range(len(od))}
-        if h is not None:
-            d[SHARDING] = h
-        attrs.append(ir.DictAttr.get(d))
-    clone.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+    update_attr_dicts(clone, "arg_attrs",
+                      {i: {SHARDING: h} for i, h in enumerate(hints) if h is not None})
     try:
         pm.run(tmp.operation)
     except ir.MLIRError as e:
@@ -190,7 +193,8 @@ def _propagate(fn, mesh_sym, meshes, referenced, hints, pm) -> ir.Operation:
     for op in tmp.body.operations:
         if op.operation.name == "func.func":
             new_main = op.operation
-    return new_main.detach_from_parent()
+    assert new_main is not None  # the module holds the one function it was given
+    return new_main.detach_from_parent().operation
 
 
 def _shardings(fn, which: str, n: int, mesh_sym: str) -> list[ir.Attribute]:
@@ -228,14 +232,5 @@ def _close(sh: ir.Attribute, mesh_sym: str) -> ir.Attribute:
     return sdy.TensorShardingAttr.get(mesh_sym, dims)
 
 
-def _write(fn, which: str, shardings) -> None:
-    old = list(fn.attributes[which]) if which in fn.attributes else [None] * len(shardings)
-    out = []
-    for o, sh in zip(old, shardings):
-        d = {}
-        if o is not None:
-            od = ir.DictAttr(o)
-            d = {od[k].name: od[k].attr for k in range(len(od))}
-        d[SHARDING] = sh
-        out.append(ir.DictAttr.get(d))
-    fn.attributes[which] = ir.ArrayAttr.get(out)
+def _write(fn: ir.Operation, which: AttrsKey, shardings: list[ir.Attribute]) -> None:
+    update_attr_dicts(fn, which, {i: {SHARDING: sh} for i, sh in enumerate(shardings)})

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
+from multimesh._src.ir_util import select_attr_entries
 from multimesh._src.mlir import func, ir
 
 # Free to recompute (MultiMesh's rule): they only describe data the consumer has.
@@ -55,32 +56,35 @@ class RecomputeTransfersPass(ModulePass):
         with module.context:
             main = c.main_func(module)
             funcs = c.func_by_name(module)
-            calls = c.fragment_calls(main)
-            devices = {n: c.fragment_info(funcs[n]).devices for n in map(c.callee_of, calls)}
-            producer_of: dict = {}
-            for call in calls:
-                for j, r in enumerate(call.results):
-                    producer_of[r] = (call, j)
-            plans = []
-            for call in calls:
-                devs = devices[c.callee_of(call)]
-                for k, v in enumerate(call.operands):
-                    if v not in producer_of:
-                        continue
-                    pcall, j = producer_of[v]
-                    pfn = funcs[c.callee_of(pcall)]
-                    if devices[c.callee_of(pcall)] == devs:
-                        continue
-                    tree = _cheap_tree(pfn, pcall, j, self.max_cost)
-                    if tree is not None:
-                        plans.append((call, k, pfn, pcall, tree))
-            by_call: dict = {}
-            for call, k, pfn, pcall, tree in plans:
-                by_call.setdefault(call, []).append((k, pfn, pcall, tree))
+            by_call = _plans(c.fragment_calls(main), funcs, self.max_cost)
             for call, items in by_call.items():
                 _rewrite(funcs[c.callee_of(call)], call, items)
             if by_call:
                 _prune_unused_results(module, main, funcs)
+
+
+def _plans(calls: list[ir.Operation], funcs: dict[str, ir.Operation], max_cost: int) -> dict:
+    """Per consuming call: ``(operand number, producer fn, producer call, cheap tree)``
+    for each operand made on other devices by a tree cheap enough to recompute."""
+    devices = {n: c.fragment_info(funcs[n]).devices for n in map(c.callee_of, calls)}
+    producer_of: dict = {}
+    for call in calls:
+        for j, r in enumerate(call.results):
+            producer_of[r] = (call, j)
+    by_call: dict = {}
+    for call in calls:
+        devs = devices[c.callee_of(call)]
+        for k, v in enumerate(call.operands):
+            if v not in producer_of:
+                continue
+            pcall, j = producer_of[v]
+            if devices[c.callee_of(pcall)] == devs:
+                continue
+            pfn = funcs[c.callee_of(pcall)]
+            tree = _cheap_tree(pfn, pcall, j, max_cost)
+            if tree is not None:
+                by_call.setdefault(call, []).append((k, pfn, pcall, tree))
+    return by_call
 
 
 def _cheap_tree(pfn, pcall, j, max_cost):
@@ -133,32 +137,10 @@ def _rewrite(fn, call, items) -> None:
     first = list(body.operations)[0]
     new_inputs = list(call.operands)
     drop = set()
-    mapping = {}  # shared by all recomputed values, so common subtrees are cloned once
+    mapping: dict = {}  # shared by all recomputed values, so common subtrees are cloned once
     for k, pfn, pcall, (ops, root, leaves) in items:
-        for idx in leaves:
-            src = pcall.operands[idx]
-            if src in new_inputs:
-                pos = new_inputs.index(src)
-                if pos < len(body.arguments):
-                    mapping[c.entry_block(pfn).arguments[idx]] = body.arguments[pos]
-                    continue
-            new_inputs.append(src)
-            arg = body.add_argument(src.type, fn.location)
-            mapping[c.entry_block(pfn).arguments[idx]] = arg
-        for op in ops:
-            if op.results[0] in mapping:
-                continue
-            if op.name in _PASS:
-                mapping[op.results[0]] = mapping.get(op.operands[0], op.operands[0])
-                continue
-            clone = op.clone(ip=ir.InsertionPoint(first))
-            for i, operand in enumerate(list(clone.operands)):
-                if operand in mapping:
-                    clone.operands[i] = mapping[operand]
-            if c.TASK_ATTR in fn.attributes:
-                clone.attributes[c.TASK_ATTR] = fn.attributes[c.TASK_ATTR]
-            for old, new in zip(op.results, clone.results):
-                mapping[old] = new
+        _map_leaves(fn, pfn, pcall, leaves, new_inputs, mapping)
+        _clone_tree(fn, ops, first, mapping)
         body.arguments[k].replace_all_uses_with(mapping[root])
         drop.add(k)
     keep = [i for i in range(len(new_inputs)) if i not in drop]
@@ -168,10 +150,7 @@ def _rewrite(fn, call, items) -> None:
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
     fn.attributes["function_type"] = ir.TypeAttr.get(
         ir.FunctionType.get([v.type for v in inputs], list(ftype.results)))
-    if "arg_attrs" in fn.attributes:
-        old = list(fn.attributes["arg_attrs"])
-        old += [ir.DictAttr.get({})] * (len(new_inputs) - len(old))
-        fn.attributes["arg_attrs"] = ir.ArrayAttr.get([old[i] for i in keep])
+    select_attr_entries(fn, "arg_attrs", keep)
     with ir.InsertionPoint(call), call.location:
         new = func.CallOp([r.type for r in call.results],
                           ir.FlatSymbolRefAttr.get(c.callee_of(call)), inputs)
@@ -181,6 +160,39 @@ def _rewrite(fn, call, items) -> None:
     for old, res in zip(call.results, new.results):
         old.replace_all_uses_with(res)
     call.erase()
+
+
+def _map_leaves(fn, pfn, pcall, leaves, new_inputs: list, mapping: dict) -> None:
+    """The tree's program inputs as arguments of ``fn``: an existing one, or a new one."""
+    body = c.entry_block(fn)
+    for idx in leaves:
+        src = pcall.operands[idx]
+        if src in new_inputs:
+            pos = new_inputs.index(src)
+            if pos < len(body.arguments):
+                mapping[c.entry_block(pfn).arguments[idx]] = body.arguments[pos]
+                continue
+        new_inputs.append(src)
+        arg = body.add_argument(src.type, fn.location)
+        mapping[c.entry_block(pfn).arguments[idx]] = arg
+
+
+def _clone_tree(fn, ops, first, mapping: dict) -> None:
+    """Clone the tree's ops (pass-through ops aside) at the start of ``fn``."""
+    for op in ops:
+        if op.results[0] in mapping:
+            continue
+        if op.name in _PASS:
+            mapping[op.results[0]] = mapping.get(op.operands[0], op.operands[0])
+            continue
+        clone = op.clone(ip=ir.InsertionPoint(first))
+        for i, operand in enumerate(list(clone.operands)):
+            if operand in mapping:
+                clone.operands[i] = mapping[operand]
+        if c.TASK_ATTR in fn.attributes:
+            clone.attributes[c.TASK_ATTR] = fn.attributes[c.TASK_ATTR]
+        for old, new in zip(op.results, clone.results):
+            mapping[old] = new
 
 
 def _prune_unused_results(module, main, funcs) -> None:
@@ -204,9 +216,7 @@ def _prune_unused_results(module, main, funcs) -> None:
         ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
         fn.attributes["function_type"] = ir.TypeAttr.get(
             ir.FunctionType.get(list(ftype.inputs), [v.type for v in vals]))
-        if "res_attrs" in fn.attributes:
-            old = list(fn.attributes["res_attrs"])
-            fn.attributes["res_attrs"] = ir.ArrayAttr.get([old[j] for j in keep])
+        select_attr_entries(fn, "res_attrs", keep)
         with ir.InsertionPoint(call), call.location:
             new = func.CallOp([v.type for v in vals], ir.FlatSymbolRefAttr.get(name),
                               list(call.operands))

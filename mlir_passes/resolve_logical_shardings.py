@@ -14,6 +14,7 @@ from mlir_passes import _contract as c
 from mlir_passes.base import ModulePass
 from mlir_passes.logical_axes import resolve_logical_spec
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, ir, sdy
 
 __all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
@@ -132,10 +133,7 @@ def _naming_task(message: str, task: _Task, axes: list[list[str]]) -> str:
 
 
 def _is_marker(op: ir.Operation) -> bool:
-    if op.name != "stablehlo.custom_call" or "call_target_name" not in op.attributes:
-        return False
-    target = op.attributes["call_target_name"]
-    return isinstance(target, ir.StringAttr) and target.value == MARKER_TARGET
+    return custom_call_target(op) == MARKER_TARGET
 
 
 def _marker_axes(op: ir.Operation) -> list[list[str]]:
@@ -154,44 +152,51 @@ def _markers_in_program_order(module: ir.Module) -> list[ir.Operation]:
     """Every marker of the module, those in a called function at the call (depth first
     from ``@main``, so the body of a leaf task call comes where it would be inlined),
     then those of functions no call reaches and of any other top-level op."""
-    funcs = c.func_by_name(module)
-
-    def scan(root: ir.Operation) -> list:
-        items: list = []
-
-        def cb(op):
-            name = op.name
-            if name == "stablehlo.custom_call":
-                if _is_marker(op):
-                    items.append(op.operation)
-            elif name == "func.call":
-                items.append(c.callee_of(op))
-            return ir.WalkResult.ADVANCE
-
-        root.walk(cb, ir.WalkOrder.PRE_ORDER)
-        return items
-
-    out: list[ir.Operation] = []
-    seen: set[str] = set()
-
-    def expand(name: str) -> None:
-        if name in seen or name not in funcs:
-            return
-        seen.add(name)
-        for item in scan(funcs[name]):
-            if isinstance(item, str):
-                expand(item)
-            else:
-                out.append(item)
-
-    if "main" in funcs:
-        expand("main")
-    for name in funcs:
-        expand(name)
+    order = _ProgramOrder(c.func_by_name(module))
+    if "main" in order.funcs:
+        order.expand("main")
+    for name in order.funcs:
+        order.expand(name)
     for op in module.body.operations:
         if op.operation.name != "func.func":
-            out.extend(x for x in scan(op.operation) if not isinstance(x, str))
-    return out
+            order.out.extend(x for x in _scan(op.operation) if not isinstance(x, str))
+    return order.out
+
+
+def _scan(root: ir.Operation) -> list[ir.Operation | str]:
+    """The markers and the callees of calls under ``root``, in walk order."""
+    items: list[ir.Operation | str] = []
+
+    def cb(op):
+        name = op.name
+        if name == "stablehlo.custom_call":
+            if _is_marker(op):
+                items.append(op.operation)
+        elif name == "func.call":
+            items.append(c.callee_of(op))
+        return ir.WalkResult.ADVANCE
+
+    root.walk(cb, ir.WalkOrder.PRE_ORDER)
+    return items
+
+
+class _ProgramOrder:
+    """Markers collected depth first through calls, each function once."""
+
+    def __init__(self, funcs: dict[str, ir.Operation]) -> None:
+        self.funcs = funcs
+        self.out: list[ir.Operation] = []
+        self.seen: set[str] = set()
+
+    def expand(self, name: str) -> None:
+        if name in self.seen or name not in self.funcs:
+            return
+        self.seen.add(name)
+        for item in _scan(self.funcs[name]):
+            if isinstance(item, str):
+                self.expand(item)
+            else:
+                self.out.append(item)
 
 
 def _mesh_attr(task: _Task) -> ir.Attribute:
@@ -231,97 +236,103 @@ class ResolveLogicalShardingsPass(ModulePass):
         markers = _markers_in_program_order(module)
         if not markers:
             return
-        tasks = _read_tasks(module)
-        sym_names = mesh_symbol_names(tasks or {})
-
+        tasks = _read_tasks(module) or {}
+        sym_names = mesh_symbol_names(tasks)
         # Phase 1: resolve everything (may raise); no IR is modified.
-        plan: list[tuple[ir.Operation, _Task | None, tuple[tuple[str, ...], ...]]] = []
-        needed: dict[str, _Task] = {}
-        for op in markers:
-            loc = op.location
-            if len(op.operands) != 1 or len(op.results) != 1:
-                raise DiagnosticError(
-                    f"logical sharding marker must have exactly one operand and one result, "
-                    f"got {len(op.operands)} and {len(op.results)}", loc)
-            name = _task_name_of(op)
-            if name is None:
-                raise DiagnosticError(
-                    "logical sharding marker is not assigned to a task; run mm-assign-tasks "
-                    "first", loc)
-            if tasks is None or name not in tasks:
-                known = ", ".join(f"'{t}'" for t in sorted(tasks or {})) or "none"
-                raise DiagnosticError(
-                    f"logical sharding marker is assigned to task '{name}', which is not in "
-                    f"the module's mm.tasks table (known tasks: {known})", loc)
-            task = tasks[name]
-            axes = _marker_axes(op)
-            ty = op.operands[0].type
-            if not isinstance(ty, ir.RankedTensorType):
-                raise DiagnosticError(
-                    f"logical sharding marker operand must be a ranked tensor, got {ty}", loc)
-            if op.results[0].type != ty:
-                raise DiagnosticError(
-                    f"logical sharding marker must be an identity, but its operand type {ty} "
-                    f"differs from its result type {op.results[0].type}", loc)
-            shape = ty.shape
-            if not task.logical_axes:
-                # No mapping: every logical name means "replicated" on this task's
-                # devices (MultiMesh's rule). Writing it explicitly also keeps the
-                # value on the task's submesh when the marker is the task's only op.
-                spec = tuple(() for _ in shape)
-                plan.append((op, task, spec))
-                needed[name] = task
-                continue
-            try:
-                spec = resolve_logical_spec(
-                    axes, shape, task.axis_names, task.axis_sizes, task.logical_axes)
-            except LogicalShardingError as e:
-                raise DiagnosticError(_naming_task(str(e), task, axes), loc) from None
-            plan.append((op, task, spec))
-            needed[name] = task
-
-        # Mesh symbols: reuse an identical existing one, reject a conflicting one.
-        table = ir.SymbolTable(module.operation)
-        to_create: list[tuple[str, ir.Attribute]] = []
-        for name in sorted(needed):
-            sym = sym_names[name]
-            mesh = _mesh_attr(needed[name])
-            if sym in table:
-                existing = table[sym]
-                if existing.operation.name != "sdy.mesh" or \
-                        existing.operation.attributes["mesh"] != mesh:
-                    what = (f"mesh {existing.operation.attributes['mesh']}"
-                            if existing.operation.name == "sdy.mesh"
-                            else f"'{existing.operation.name}' op")
-                    raise DiagnosticError(
-                        f"symbol @{sym} for task '{name}' already exists as {what}, which "
-                        f"differs from the task's mesh {mesh}", existing.operation.location)
-            else:
-                to_create.append((sym, mesh))
-
+        plan = [_resolve(op, tasks) for op in markers]
+        needed = {task.name: task for _, task, _ in plan}
+        to_create = _meshes_to_create(module, needed, sym_names)
         # Phase 2: rewrite.
-        body = module.body
-        anchor = None
-        for o in body.operations:
-            if o.operation.name != "sdy.mesh":
-                anchor = o.operation
-                break
-        for sym, mesh in to_create:
-            ip = ir.InsertionPoint(anchor) if anchor is not None else ir.InsertionPoint(body)
-            sdy.MeshOp(sym, mesh, ip=ip)
-
+        _insert_meshes(module, to_create)
         for op, task, spec in plan:
-            operand = op.operands[0]
-            if task is None:
-                op.results[0].replace_all_uses_with(operand)
-                op.erase()
-                continue
-            dims = [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(a) for a in axes],
-                                                  is_closed=True) for axes in spec]
-            sharding = sdy.TensorShardingAttr.get(sym_names[task.name], dims)
-            new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
-                                           loc=op.location, ip=ir.InsertionPoint(op))
-            if "mm.task" in op.attributes:
-                new.operation.attributes["mm.task"] = op.attributes["mm.task"]
-            op.results[0].replace_all_uses_with(new.result)
-            op.erase()
+            _to_constraint(op, sym_names[task.name], spec)
+
+
+_Spec = tuple[tuple[str, ...], ...]
+
+
+def _resolve(op: ir.Operation, tasks: dict[str, _Task]) -> tuple[ir.Operation, _Task, _Spec]:
+    """One marker checked and resolved to its task and per-dimension device axes."""
+    loc = op.location
+    if len(op.operands) != 1 or len(op.results) != 1:
+        raise DiagnosticError(
+            f"logical sharding marker must have exactly one operand and one result, "
+            f"got {len(op.operands)} and {len(op.results)}", loc)
+    name = _task_name_of(op)
+    if name is None:
+        raise DiagnosticError(
+            "logical sharding marker is not assigned to a task; run mm-assign-tasks first", loc)
+    if name not in tasks:
+        known = ", ".join(f"'{t}'" for t in sorted(tasks)) or "none"
+        raise DiagnosticError(
+            f"logical sharding marker is assigned to task '{name}', which is not in "
+            f"the module's mm.tasks table (known tasks: {known})", loc)
+    task = tasks[name]
+    axes = _marker_axes(op)
+    ty = op.operands[0].type
+    if not isinstance(ty, ir.RankedTensorType):
+        raise DiagnosticError(
+            f"logical sharding marker operand must be a ranked tensor, got {ty}", loc)
+    if op.results[0].type != ty:
+        raise DiagnosticError(
+            f"logical sharding marker must be an identity, but its operand type {ty} "
+            f"differs from its result type {op.results[0].type}", loc)
+    if not task.logical_axes:
+        # No mapping: every logical name means "replicated" on this task's
+        # devices (MultiMesh's rule). Writing it explicitly also keeps the
+        # value on the task's submesh when the marker is the task's only op.
+        return op, task, tuple(() for _ in ty.shape)
+    try:
+        spec = resolve_logical_spec(
+            axes, ty.shape, task.axis_names, task.axis_sizes, task.logical_axes)
+    except LogicalShardingError as e:
+        raise DiagnosticError(_naming_task(str(e), task, axes), loc) from None
+    return op, task, spec
+
+
+def _meshes_to_create(module: ir.Module, needed: dict[str, _Task],
+                      sym_names: dict[str, str]) -> list[tuple[str, ir.Attribute]]:
+    """Mesh symbols: reuse an identical existing one, reject a conflicting one."""
+    table = ir.SymbolTable(module.operation)
+    to_create: list[tuple[str, ir.Attribute]] = []
+    for name in sorted(needed):
+        sym = sym_names[name]
+        mesh = _mesh_attr(needed[name])
+        if sym not in table:
+            to_create.append((sym, mesh))
+            continue
+        existing = table[sym].operation
+        if existing.name != "sdy.mesh" or existing.attributes["mesh"] != mesh:
+            what = (f"mesh {existing.attributes['mesh']}" if existing.name == "sdy.mesh"
+                    else f"'{existing.name}' op")
+            raise DiagnosticError(
+                f"symbol @{sym} for task '{name}' already exists as {what}, which "
+                f"differs from the task's mesh {mesh}", existing.location)
+    return to_create
+
+
+def _insert_meshes(module: ir.Module, to_create: list[tuple[str, ir.Attribute]]) -> None:
+    """New meshes go after the existing ``sdy.mesh`` ops at the top of the module."""
+    body = module.body
+    anchor = None
+    for o in body.operations:
+        if o.operation.name != "sdy.mesh":
+            anchor = o.operation
+            break
+    for sym, mesh in to_create:
+        ip = ir.InsertionPoint(anchor) if anchor is not None else ir.InsertionPoint(body)
+        sdy.MeshOp(sym, mesh, ip=ip)
+
+
+def _to_constraint(op: ir.Operation, mesh_sym: str, spec: _Spec) -> None:
+    """Replace the marker by ``sdy.sharding_constraint``, keeping its ``mm.task`` tag."""
+    operand = op.operands[0]
+    dims = [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(a) for a in axes],
+                                          is_closed=True) for axes in spec]
+    sharding = sdy.TensorShardingAttr.get(mesh_sym, dims)
+    new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
+                                   loc=op.location, ip=ir.InsertionPoint(op))
+    if "mm.task" in op.attributes:
+        new.operation.attributes["mm.task"] = op.attributes["mm.task"]
+    op.results[0].replace_all_uses_with(new.result)
+    op.erase()

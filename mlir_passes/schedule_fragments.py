@@ -221,8 +221,8 @@ def _callee(op: ir.Operation) -> str | None:
 
 def _fragment_attrs(module: ir.Module, name: str):
     """The op holding a fragment's attributes: its function, or its nested module."""
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name in ("func.func", "builtin.module") and "sym_name" in op.attributes and \
                 ir.StringAttr(op.attributes["sym_name"]).value == name:
             return op
@@ -237,9 +237,38 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
     block = c.entry_block(body)
     ops = [o.operation for o in block.operations]
     ret = ops[-1]
+    producer, calls_ops = _body_calls(ops[:-1])
+    n_carry = len(ret.operands)  # arguments: the index, the running sums, the invariants
+    tasks = c.read_tasks(module)
+    carry_of_arg = {block.arguments[1 + j]: j for j in range(n_carry)}
+    carry_producer = [producer.get(v) for v in ret.operands]
+    out = []
+    for op, name in calls_ops:
+        holder, task, split = _fragment_tag(module, op, name)
+        deps: set[int] = set()
+        carried: set[int] = set()
+        for v in op.operands:
+            src = _through_transfers(v)
+            if src in producer:
+                deps.add(producer[src])
+            elif src in carry_of_arg:
+                carry = carry_producer[carry_of_arg[src]]
+                if carry is not None:
+                    carried.add(carry)
+        info = tasks.get(str(task["name"]))
+        out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
+                            tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
+                            split, tuple(sorted(deps)), tuple(sorted(carried)),
+                            info.forward if info is not None else None))
+    return LoopInfo(loop, body, int(M), tuple(out))
+
+
+def _body_calls(ops: list[ir.Operation]) -> tuple[dict[ir.Value, int], list]:
+    """The body's fragment calls ``(op, callee)`` in order, and which call (by position)
+    makes each value, through transfers."""
     producer: dict[ir.Value, int] = {}
-    calls_ops = []
-    for op in ops[:-1]:
+    calls_ops: list[tuple[ir.Operation, str]] = []
+    for op in ops:
         name = _callee(op)
         if name is not None:
             for r in op.results:
@@ -253,45 +282,38 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
             raise DiagnosticError(
                 f"the microbatch loop body may hold only fragment calls and transfers, found "
                 f"'{op.name}'", op.location)
-    n_carry = len(ret.operands)  # arguments: the index, the running sums, the invariants
-    tasks = c.read_tasks(module)
-    carry_of_arg = {block.arguments[1 + j]: j for j in range(n_carry)}
-    carry_producer = [producer.get(v) for v in ret.operands]
-    out = []
-    for op, name in calls_ops:
-        holder = _fragment_attrs(module, name)
-        if holder is None:
-            raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
-        task = attr_to_py(holder.attributes[c.TASK_ATTR]) if c.TASK_ATTR in \
-            holder.attributes else {}
-        if "name" not in task or "transpose_count" not in task or \
-                "mm.devices" not in holder.attributes:
-            raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
-                                  f"and 'mm.devices'", op.location)
-        split = None
-        for h in (holder, op):
-            if SPLIT_ATTR in h.attributes:
-                split = attr_to_py(h.attributes[SPLIT_ATTR])
-        if split is not None and split not in _SPLITS:
-            raise DiagnosticError(
-                f"fragment @{name} has {SPLIT_ATTR} = {split!r}; expected \"activation\" or "
-                f"\"weight\"", op.location)
-        deps, carried = set(), set()
-        for v in op.operands:
-            src = v
-            while not isinstance(src.owner, ir.Block) and \
-                    c.is_custom_call(src.owner.operation, c.TRANSFER_TARGET):
-                src = src.owner.operation.operands[0]
-            if src in producer:
-                deps.add(producer[src])
-            elif src in carry_of_arg and carry_producer[carry_of_arg[src]] is not None:
-                carried.add(carry_producer[carry_of_arg[src]])
-        info = tasks.get(str(task["name"]))
-        out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
-                            tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
-                            split, tuple(sorted(deps)), tuple(sorted(carried)),
-                            info.forward if info is not None else None))
-    return LoopInfo(loop, body, int(M), tuple(out))
+    return producer, calls_ops
+
+
+def _through_transfers(v: ir.Value) -> ir.Value:
+    """The value a chain of transfers moves."""
+    while not isinstance(v.owner, ir.Block) and \
+            c.is_custom_call(v.owner.operation, c.TRANSFER_TARGET):
+        v = v.owner.operation.operands[0]
+    return v
+
+
+def _fragment_tag(module: ir.Module, op: ir.Operation, name: str
+                  ) -> tuple[ir.Operation, dict, str | None]:
+    """The op holding the fragment's attributes, its ``mm.task`` and its split, checked."""
+    holder = _fragment_attrs(module, name)
+    if holder is None:
+        raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
+    task = attr_to_py(holder.attributes[c.TASK_ATTR]) if c.TASK_ATTR in \
+        holder.attributes else {}
+    if "name" not in task or "transpose_count" not in task or \
+            "mm.devices" not in holder.attributes:
+        raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
+                              f"and 'mm.devices'", op.location)
+    split = None
+    for h in (holder, op):
+        if SPLIT_ATTR in h.attributes:
+            split = attr_to_py(h.attributes[SPLIT_ATTR])
+    if split is not None and split not in _SPLITS:
+        raise DiagnosticError(
+            f"fragment @{name} has {SPLIT_ATTR} = {split!r}; expected \"activation\" or "
+            f"\"weight\"", op.location)
+    return holder, task, split
 
 
 def loop_calls(info: LoopInfo) -> list[Call]:

@@ -85,6 +85,12 @@ class Unit:
         """Not part of the pipeline proper: no microbatch, no stage or kind "other"."""
         return self.microbatch is None or self.stage is None or self.kind == "other"
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """``(mesh, stage, microbatch)`` of a pipeline unit (one that is not free)."""
+        assert self.stage is not None and self.microbatch is not None, self
+        return self.mesh, self.stage, self.microbatch
+
 
 @dataclass(frozen=True)
 class Call:
@@ -129,9 +135,7 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
                     if c.transpose_count == 1 and c.split == "weight"}
     # A call that reads a later microbatch's result combines microbatches (a sum over
     # them, say): it cannot hold its microbatch's slot, so it runs as a free unit.
-    combines = {i for i, c in enumerate(calls) if c.microbatch is not None and any(
-        calls[d].microbatch is not None and calls[d].microbatch > c.microbatch
-        for d in c.deps)}
+    combines = _combining(calls)
     units = []
     for i, c in enumerate(calls):
         if c.transpose_count == 0:
@@ -149,6 +153,19 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
                           kind != "fwd" and c.forward is not None))
     return units, meshes
 
+
+
+def _combining(calls: Sequence[Call]) -> set[int]:
+    """Calls that read a later microbatch's result (they combine microbatches)."""
+    out = set()
+    for i, call in enumerate(calls):
+        mb = call.microbatch
+        if mb is None:
+            continue
+        later = [m for d in call.deps if (m := calls[d].microbatch) is not None and m > mb]
+        if later:
+            out.add(i)
+    return out
 
 def _backward_stages(calls: Sequence[Call], stage_of: dict[str, int], mesh_of) -> None:
     """Stages of backward tasks named apart from their forward (``layer0_bwd`` next to
@@ -195,7 +212,7 @@ def pipeline_units(P: int, M: int, *, interleave: int = 1,
         return len(units) - 1
 
     for m in range(M):
-        f = []
+        f: list[int] = []
         for k in range(S):
             f.append(add("fwd", m, k, [f[-1]] if f else []))
         prev = None
@@ -385,29 +402,13 @@ class _Program:
     """Index structures over the units shared by the algorithms."""
 
     def __init__(self, units: Sequence[Unit]):
-        for k, u in enumerate(units):
-            if u.index != k:
-                raise ScheduleError(f"unit {k} has index {u.index}; units must be in "
-                                    "program order with index = position")
-            if u.kind not in KINDS:
-                raise ScheduleError(f"unit {k} has unknown kind '{u.kind}' (one of {KINDS})")
-            for d in u.deps:
-                if not 0 <= d < len(units) or d == k:
-                    raise ScheduleError(f"unit {k} depends on invalid unit {d}")
+        _check_units(units)
         self.units = list(units)
         self.num_meshes = max((u.mesh for u in units), default=-1) + 1
-        mbs = sorted({u.microbatch for u in units if not u.free})
+        mbs = sorted({u.key[2] for u in units if not u.free})
         self.mb_rank = {m: r for r, m in enumerate(mbs)}
         self.M = len(mbs)
-        # Stage -> home submesh (its first forward unit), per submesh its stages.
-        home: dict[int, int] = {}
-        for u in units:
-            if not u.free and u.kind == "fwd":
-                home.setdefault(u.stage, u.mesh)
-        for u in units:
-            if not u.free:
-                home.setdefault(u.stage, u.mesh)
-        self.home = home
+        self.home = home = _homes(units)
         self.stages_of: list[list[int]] = [[] for _ in range(self.num_meshes)]
         for s in sorted(home):
             self.stages_of[home[s]].append(s)
@@ -420,11 +421,35 @@ class _Program:
         self.slot: dict[tuple[str, int, int], list[int]] = {}
         for u in units:
             if not u.free:
-                self.slot.setdefault((u.kind, u.stage, self.mb_rank[u.microbatch]),
-                                     []).append(u.index)
+                _, stage, mb = u.key
+                self.slot.setdefault((u.kind, stage, self.mb_rank[mb]), []).append(u.index)
         # Activation bookkeeping: (mesh, stage, mb) keys that have a backward.
         self.has_bwd = {(u.mesh, u.stage, u.microbatch) for u in units
                         if not u.free and u.kind in ("bwd", "bwd_w")}
+
+
+def _check_units(units: Sequence[Unit]) -> None:
+    for k, u in enumerate(units):
+        if u.index != k:
+            raise ScheduleError(f"unit {k} has index {u.index}; units must be in "
+                                "program order with index = position")
+        if u.kind not in KINDS:
+            raise ScheduleError(f"unit {k} has unknown kind '{u.kind}' (one of {KINDS})")
+        for d in u.deps:
+            if not 0 <= d < len(units) or d == k:
+                raise ScheduleError(f"unit {k} depends on invalid unit {d}")
+
+
+def _homes(units: Sequence[Unit]) -> dict[int, int]:
+    """Stage -> home submesh: that of its first forward unit (else its first unit)."""
+    home: dict[int, int] = {}
+    for u in units:
+        if not u.free and u.kind == "fwd":
+            home.setdefault(u.key[1], u.mesh)
+    for u in units:
+        if not u.free:
+            home.setdefault(u.key[1], u.mesh)
+    return home
 
 
 def _warmup(P: int, r: int, V: int, total: int) -> int:
@@ -452,54 +477,62 @@ def _plan(prog: _Program, name: str, num_stages: int | None,
     ``r``-th pipeline submesh). ``unrolling``: GPipe in groups of that many
     microbatches, each group filling and draining before the next.
     """
-    M = prog.M
     P = num_stages or prog.P
     plans: list[list[tuple[str, int, int]]] = []
     for m in range(prog.num_meshes):
         chunks = prog.stages_of[m]
-        V = len(chunks)
-        seq: list[tuple[str, int, int]] = []
-
-        def bwd(s, b, seq=seq):
-            seq.append(("bwd", s, b))
-            if with_w:
-                seq.append(("bwd_w", s, b))
-
         if not chunks:
-            plans.append(seq)
-            continue
-        if name == "gpipe":
-            k = unrolling or M
-            for lo in range(0, M, k):
-                group = range(lo, min(M, lo + k))
-                for s in chunks:
-                    seq += [("fwd", s, b) for b in group]
-                for s in reversed(chunks):
-                    for b in group:
-                        bwd(s, b)
+            plans.append([])
+        elif name == "gpipe":
+            plans.append(_gpipe_plan(chunks, prog.M, unrolling or prog.M, with_w))
         else:  # 1f1b family (also the F/B skeleton of zero-bubble-h1)
-            r = prog.rank[m]
-            fseq, bseq = [], []
-            for group in _groups(M, max(1, prog.P)):
-                for c in chunks:
-                    fseq += [(c, b) for b in group]
-                for c in reversed(chunks):
-                    bseq += [(c, b) for b in group]
-            total = len(fseq)
-            w = _warmup(P, r, V, total)
+            w = _warmup(P, prog.rank[m], len(chunks), prog.M * len(chunks))
             if h2:
-                w = 2 * (P - r) - 1 if V == 1 else 2 * w + 1
-            w = min(total, w + extra)
-            for s, b in fseq[:w]:
-                seq.append(("fwd", s, b))
-            for i in range(total - w):
-                s, b = fseq[w + i]
-                seq.append(("fwd", s, b))
-                bwd(*bseq[i])
-            for s, b in bseq[total - w:]:
-                bwd(s, b)
-        plans.append(seq)
+                w = 2 * (P - prog.rank[m]) - 1 if len(chunks) == 1 else 2 * w + 1
+            plans.append(_1f1b_plan(chunks, prog.M, max(1, prog.P), w + extra, with_w))
     return plans
+
+
+def _bwd(seq: list[tuple[str, int, int]], s: int, b: int, with_w: bool) -> None:
+    seq.append(("bwd", s, b))
+    if with_w:
+        seq.append(("bwd_w", s, b))
+
+
+def _gpipe_plan(chunks: list[int], M: int, k: int, with_w: bool) -> list[tuple[str, int, int]]:
+    """All forwards of a group of ``k`` microbatches, then their backwards, per group."""
+    seq: list[tuple[str, int, int]] = []
+    for lo in range(0, M, k):
+        group = range(lo, min(M, lo + k))
+        for s in chunks:
+            seq += [("fwd", s, b) for b in group]
+        for s in reversed(chunks):
+            for b in group:
+                _bwd(seq, s, b, with_w)
+    return seq
+
+
+def _1f1b_plan(chunks: list[int], M: int, group_size: int, warmup: int,
+               with_w: bool) -> list[tuple[str, int, int]]:
+    """``warmup`` forwards, then one forward and one backward in turn, then the rest
+    of the backwards (chunks interleaved in Megatron's microbatch groups)."""
+    fseq: list[tuple[int, int]] = []
+    bseq: list[tuple[int, int]] = []
+    for group in _groups(M, group_size):
+        for c in chunks:
+            fseq += [(c, b) for b in group]
+        for c in reversed(chunks):
+            bseq += [(c, b) for b in group]
+    total = len(fseq)
+    w = min(total, warmup)
+    seq: list[tuple[str, int, int]] = [("fwd", s, b) for s, b in fseq[:w]]
+    for i in range(total - w):
+        s, b = fseq[w + i]
+        seq.append(("fwd", s, b))
+        _bwd(seq, *bseq[i], with_w)
+    for s, b in bseq[total - w:]:
+        _bwd(seq, s, b, with_w)
+    return seq
 
 
 def _unit_plans(prog: _Program, slot_plans) -> tuple[list[list[int]], dict[int, int]]:
@@ -544,8 +577,7 @@ class _Sim:
         self.bwd_left: dict[tuple[int, int, int], int] = {}
         for u in prog.units:
             if not u.free and u.kind in ("bwd", "bwd_w"):
-                k = (u.mesh, u.stage, u.microbatch)
-                self.bwd_left[k] = self.bwd_left.get(k, 0) + 1
+                self.bwd_left[u.key] = self.bwd_left.get(u.key, 0) + 1
         self.live = [0] * prog.num_meshes
         self.peak = [0] * prog.num_meshes
         self.opened: set[tuple[int, int, int]] = set()
@@ -574,49 +606,74 @@ class _Sim:
 
     def run(self, choose, stall) -> None:
         n = len(self.prog.units)
-        G = self.prog.num_meshes
-        free_at = [0.0] * G
-        running: list[tuple[float, int]] = []
+        self.free_at = [0.0] * self.prog.num_meshes
+        self.running: list[tuple[float, int]] = []
         t = 0.0
         finished = 0
         while finished < n:
-            progress = True
-            while progress:
-                progress = False
-                for m in range(G):
-                    if free_at[m] <= t and self.ready[m]:
-                        i = choose(m, self.ready[m])
-                        if i is not None:
-                            self.dispatch(i, t)
-                            free_at[m] = self.end[i]
-                            heapq.heappush(running, (self.end[i], i))
-                            progress = True
-            times = [x for x in (running[0][0] if running else None,
+            self._fill(t, choose)
+            times = [x for x in (self.running[0][0] if self.running else None,
                                  self.pending[0][0] if self.pending else None)
                      if x is not None]
             if not times:
                 if any(self.ready):
-                    i = stall()
-                    self.dispatch(i, t)
-                    free_at[self.prog.units[i].mesh] = self.end[i]
-                    heapq.heappush(running, (self.end[i], i))
+                    self._start(stall(), t)
                     continue
                 raise ScheduleError("the units' dependencies form a cycle")
             t = max(t, min(times))
-            while running and running[0][0] <= t:
-                _, i = heapq.heappop(running)
-                self.done[i] = True
-                finished += 1
-                for j in self.users[i]:
-                    self.left[j] -= 1
-                    if self.left[j] == 0:
-                        avail = max((self.end[d] + (self.comm if self.prog.units[d].mesh
-                                                    != self.prog.units[j].mesh else 0.0))
-                                    for d in set(self.prog.units[j].deps))
-                        heapq.heappush(self.pending, (avail, j))
+            finished += self._complete(t)
             while self.pending and self.pending[0][0] <= t:
                 _, j = heapq.heappop(self.pending)
                 self.ready[self.prog.units[j].mesh].add(j)
+
+    def _start(self, i: int, t: float) -> None:
+        self.dispatch(i, t)
+        end = self.end[i]
+        assert end is not None
+        self.free_at[self.prog.units[i].mesh] = end
+        heapq.heappush(self.running, (end, i))
+
+    def _fill(self, t: float, choose) -> None:
+        """Give every idle submesh work at time ``t`` until none takes any more."""
+        progress = True
+        while progress:
+            progress = False
+            for m in range(self.prog.num_meshes):
+                if self.free_at[m] <= t and self.ready[m]:
+                    i = choose(m, self.ready[m])
+                    if i is not None:
+                        self._start(i, t)
+                        progress = True
+
+    def _complete(self, t: float) -> int:
+        """Finish the units done by ``t``; their users become pending once all their
+        inputs are done (and, across submeshes, sent). Returns how many finished."""
+        units = self.prog.units
+        finished = 0
+        while self.running and self.running[0][0] <= t:
+            _, i = heapq.heappop(self.running)
+            self.done[i] = True
+            finished += 1
+            for j in self.users[i]:
+                self.left[j] -= 1
+                if self.left[j] == 0:
+                    avail = max(self._end(d) + (self.comm if units[d].mesh != units[j].mesh
+                                                else 0.0)
+                                for d in set(units[j].deps))
+                    heapq.heappush(self.pending, (avail, j))
+        return finished
+
+    def times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Start and end of every unit, once all have run."""
+        start = tuple(x for x in self.start if x is not None)
+        end = tuple(x for x in self.end if x is not None)
+        assert len(start) == len(end) == len(self.start), "not every unit ran"
+        return start, end
+
+    def _end(self, i: int) -> float:
+        end = self.end[i]
+        assert end is not None
+        return end
 
 
 def _run_plans(prog: _Program, plans: list[list[int]], pos: dict[int, int], *,
@@ -699,23 +756,7 @@ def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
     """
     key = canonical_schedule_name(name, custom)
     prog = _Program(units)
-    if unrolling is not None:
-        if key != "gpipe":
-            raise ScheduleError(
-                f"unrolling={unrolling} applies to the gpipe schedule only, not '{key}'")
-        if unrolling < 1:
-            raise ScheduleError(f"unrolling must be >= 1, got {unrolling}")
-    if num_stages is not None and num_stages < 1:
-        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
-    if interleave is not None:
-        if interleave < 1:
-            raise ScheduleError(f"interleave must be >= 1, got {interleave}")
-        for m in range(prog.num_meshes):
-            if prog.stages_of[m] and len(prog.stages_of[m]) != interleave:
-                raise ScheduleError(
-                    f"interleave={interleave}, but submesh {m} runs "
-                    f"{len(prog.stages_of[m])} pipeline stage(s) "
-                    f"(stages {prog.stages_of[m]})")
+    _check_options(prog, key, num_stages, interleave, unrolling)
     if key == "custom":
         if custom is None:
             raise ScheduleError("schedule 'custom' needs a custom_schedule")
@@ -729,6 +770,27 @@ def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
     sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost, name=key)
     return _finish(prog, key, sim, devices)
 
+
+
+def _check_options(prog: _Program, key: str, num_stages: int | None,
+                   interleave: int | None, unrolling: int | None) -> None:
+    if unrolling is not None:
+        if key != "gpipe":
+            raise ScheduleError(
+                f"unrolling={unrolling} applies to the gpipe schedule only, not '{key}'")
+        if unrolling < 1:
+            raise ScheduleError(f"unrolling must be >= 1, got {unrolling}")
+    if num_stages is not None and num_stages < 1:
+        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
+    if interleave is None:
+        return
+    if interleave < 1:
+        raise ScheduleError(f"interleave must be >= 1, got {interleave}")
+    for m in range(prog.num_meshes):
+        if prog.stages_of[m] and len(prog.stages_of[m]) != interleave:
+            raise ScheduleError(
+                f"interleave={interleave}, but submesh {m} runs "
+                f"{len(prog.stages_of[m])} pipeline stage(s) (stages {prog.stages_of[m]})")
 
 def _feasible_plans(prog: _Program, algo: str, num_stages: int | None, with_w: bool = True,
                     h2: bool = False, unrolling: int | None = None):
@@ -767,8 +829,8 @@ def _zero_bubble(prog: _Program, num_stages, devices, h2: bool = False) -> Sched
 
     def chooser(sim: _Sim, m: int, ready: set[int], h: int | None):
         ws = sorted((i for i in ready if i in w_pool),
-                    key=lambda i: (prog.mb_rank[prog.units[i].microbatch],
-                                   -prog.units[i].stage, i))
+                    key=lambda i: (prog.mb_rank[prog.units[i].key[2]],
+                                   -prog.units[i].key[1], i))
         if h is not None and h in ready:
             u = prog.units[h]
             opens = (u.kind == "fwd" and (u.mesh, u.stage, u.microbatch) in prog.has_bwd
@@ -798,43 +860,46 @@ def canonicalize_custom_schedule(rows: Sequence[Sequence], num_microbatches: int
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise ScheduleError("custom_schedule must be a list of rows (one per submesh), "
                             f"got {type(rows).__name__}")
-    out = []
-    for r, row in enumerate(rows):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise ScheduleError(f"custom_schedule row {r} must be a list of entries, "
-                                f"got {row!r}")
-        seen: dict[str, set[int]] = {}
-        canon = []
-        for k, e in enumerate(row):
-            if isinstance(e, str):
-                mb, name = 0, e
-                while mb in seen.get(e, ()):
-                    mb += 1
-            elif (isinstance(e, Sequence) and len(e) == 2 and isinstance(e[1], str)
-                  and isinstance(e[0], int) and not isinstance(e[0], bool)):
-                mb, name = int(e[0]), e[1]
-            else:
-                raise ScheduleError(
-                    f"custom_schedule row {r} entry {k} must be a task name or a "
-                    f"(microbatch, name) pair, got {e!r}")
-            if not 0 <= mb < num_microbatches:
-                raise ScheduleError(
-                    f"custom_schedule row {r}: microbatch {mb} of task '{name}' is out of "
-                    f"range (there are {num_microbatches} microbatches)")
-            if mb in seen.setdefault(name, set()):
-                raise ScheduleError(
-                    f"task '{name}' appears twice for microbatch {mb} in custom_schedule "
-                    f"row {r}")
-            seen[name].add(mb)
-            canon.append((mb, name))
-        for name, mbs in seen.items():
-            if len(mbs) != num_microbatches:
-                raise ScheduleError(
-                    f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
-                    f"but there are {num_microbatches} microbatches")
-        out.append(canon)
-    return out
+    return [_canonical_row(r, row, num_microbatches) for r, row in enumerate(rows)]
 
+
+def _canonical_row(r: int, row, num_microbatches: int) -> list[tuple[int, str]]:
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+        raise ScheduleError(f"custom_schedule row {r} must be a list of entries, got {row!r}")
+    seen: dict[str, set[int]] = {}
+    canon = []
+    for k, e in enumerate(row):
+        mb, name = _canonical_entry(r, k, e, seen)
+        if not 0 <= mb < num_microbatches:
+            raise ScheduleError(
+                f"custom_schedule row {r}: microbatch {mb} of task '{name}' is out of "
+                f"range (there are {num_microbatches} microbatches)")
+        if mb in seen.setdefault(name, set()):
+            raise ScheduleError(
+                f"task '{name}' appears twice for microbatch {mb} in custom_schedule row {r}")
+        seen[name].add(mb)
+        canon.append((mb, name))
+    for name, mbs in seen.items():
+        if len(mbs) != num_microbatches:
+            raise ScheduleError(
+                f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
+                f"but there are {num_microbatches} microbatches")
+    return canon
+
+
+def _canonical_entry(r: int, k: int, e, seen: dict[str, set[int]]) -> tuple[int, str]:
+    """``name`` (its next microbatch in the row) or ``(microbatch, name)``."""
+    if isinstance(e, str):
+        mb = 0
+        while mb in seen.get(e, ()):
+            mb += 1
+        return mb, e
+    if (isinstance(e, Sequence) and len(e) == 2 and isinstance(e[1], str)
+            and isinstance(e[0], int) and not isinstance(e[0], bool)):
+        return int(e[0]), e[1]
+    raise ScheduleError(
+        f"custom_schedule row {r} entry {k} must be a task name or a "
+        f"(microbatch, name) pair, got {e!r}")
 
 def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, int]]:
     rows = canonicalize_custom_schedule(custom, prog.M)
@@ -846,7 +911,7 @@ def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, in
     for u in prog.units:
         if not u.free:
             by_label[u.mesh].setdefault(unit_label(u), {}).setdefault(
-                prog.mb_rank[u.microbatch], []).append(u.index)
+                prog.mb_rank[u.key[2]], []).append(u.index)
     plans: list[list[int]] = []
     for r, row in enumerate(rows):
         labels = by_label[r]
@@ -885,7 +950,7 @@ def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
         raise ScheduleError(f"schedule does not place units {sorted(missing)}")
     sim = _run_plans(prog, plans, pos, strict=True, cost=cost or default_cost, comm=comm,
                      name=schedule.name)
-    return Timeline(schedule, tuple(sim.start), tuple(sim.end))
+    return Timeline(schedule, *sim.times())
 
 
 def live_activation_profile(schedule: Schedule) -> list[list[int]]:
@@ -901,13 +966,14 @@ def live_activation_profile(schedule: Schedule) -> list[list[int]]:
     bwd_total: dict[tuple[int, int, int], int] = {}
     for u in schedule.units:
         if not u.free and u.kind in ("bwd", "bwd_w"):
-            k = (u.mesh, u.stage, u.microbatch)
-            bwd_total[k] = bwd_total.get(k, 0) + 1
+            bwd_total[u.key] = bwd_total.get(u.key, 0) + 1
     for row in schedule.rows():
-        live, prof, opened, seen = 0, [], set(), {}
+        live, prof = 0, []
+        opened: set[tuple[int, int, int]] = set()
+        seen: dict[tuple[int, int, int], int] = {}
         for u in row:
             if not u.free:
-                k = (u.mesh, u.stage, u.microbatch)
+                k = u.key
                 if u.kind == "fwd" and k in bwd_total and k not in opened:
                     opened.add(k)
                     if seen.get(k, 0) < bwd_total[k]:  # some backward still to come
@@ -995,9 +1061,9 @@ def chunk_of(schedule: Schedule) -> dict[int, int]:
     stages: dict[int, set[int]] = {}
     for u in schedule.units:
         if not u.free:
-            stages.setdefault(u.mesh, set()).add(u.stage)
+            stages.setdefault(u.mesh, set()).add(u.key[1])
     rank = {m: {st: k for k, st in enumerate(sorted(ss))} for m, ss in stages.items()}
-    return {u.index: rank[u.mesh][u.stage] for u in schedule.units if not u.free}
+    return {u.index: rank[u.mesh][u.key[1]] for u in schedule.units if not u.free}
 
 
 def _quantum(values: Iterable[float]) -> float:

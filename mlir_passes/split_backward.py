@@ -37,10 +37,7 @@ class SplitBackwardPass(ModulePass):
             main = c.main_func(module)
             funcs = c.func_by_name(module)
             calls = c.fragment_calls(main)
-            task_of = {}
-            for call in calls:
-                fn = funcs[c.callee_of(call)]
-                task_of[c.callee_of(call)] = c.tag_of(fn)
+            task_of = {c.callee_of(call): c.tag_of(funcs[c.callee_of(call)]) for call in calls}
             uses: dict[str, int] = {}
             for call in calls:
                 uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1
@@ -54,68 +51,81 @@ class SplitBackwardPass(ModulePass):
                 suffixes = info.split_backprop if info is not None else None
                 if not self.all and not suffixes:
                     continue
-                act = []
-                for j, r in enumerate(call.results):
-                    for use in r.uses:
-                        owner = use.owner.operation
-                        if owner.name != "func.call":
-                            continue
-                        other = task_of.get(c.callee_of(owner))
-                        if other is not None and other[1] == 1 and other[0] != tag[0]:
-                            act.append(j)
-                            break
+                act = _activation_outputs(call, tag[0], task_of)
                 if not act or len(act) == len(call.results):
                     continue
-                _split(module, main, funcs, call, funcs[name], act,
-                       suffixes or ("_act", "_w"))
+                _split(call, funcs[name], act, suffixes or ("_act", "_w"))
 
 
-def _split(module, main, funcs, call, fn, act_outputs, suffixes) -> None:
-    body = c.entry_block(fn)
-    ops = [o.operation for o in body.operations]
-    ret = ops[-1]
-    ops = ops[:-1]
-    index = {op: i for i, op in enumerate(ops)}
+def _activation_outputs(call: ir.Operation, task: str,
+                        task_of: dict[str, c.Tag | None]) -> list[int]:
+    """Results of a backward fragment that another task's backward fragment reads: the
+    gradients with respect to activations, which the next stage waits for."""
+    act = []
+    for j, r in enumerate(call.results):
+        for use in r.uses:
+            owner = use.owner.operation
+            if owner.name != "func.call":
+                continue
+            other = task_of.get(c.callee_of(owner))
+            if other is not None and other[1] == 1 and other[0] != task:
+                act.append(j)
+                break
+    return act
 
-    def producer_index(v):
+
+class _Body:
+    """A fragment body's ops (return excluded), indexed, for dependence queries."""
+
+    def __init__(self, fn: ir.Operation) -> None:
+        ops = [o.operation for o in c.entry_block(fn).operations]
+        self.ret, self.ops = ops[-1], ops[:-1]
+        self.index = {op: i for i, op in enumerate(self.ops)}
+
+    def producer(self, v: ir.Value) -> int | None:
         owner = v.owner
         if isinstance(owner, ir.Block):
             return None
-        return index.get(owner.operation)
+        return self.index.get(owner.operation)
 
-    # ops needed for the activation outputs (indices)
-    need: set[int] = set()
-    stack = [producer_index(ret.operands[j]) for j in act_outputs]
-    while stack:
-        i = stack.pop()
-        if i is None or i in need:
-            continue
-        need.add(i)
-        for v in _all_operands(ops[i]):
-            stack.append(producer_index(v))
-    weight_outputs = [j for j in range(len(ret.operands)) if j not in act_outputs]
-    # values defined in the activation half and read by the weight half
-    crossing: list[tuple[int, int]] = []  # (op index, result number)
-    for i, op in enumerate(ops):
-        if i in need:
-            continue
-        for v in _all_operands(op):
-            p = producer_index(v)
+    def needed_by(self, outputs: list[int]) -> set[int]:
+        """Indices of the ops the given return operands depend on."""
+        need: set[int] = set()
+        stack = [self.producer(self.ret.operands[j]) for j in outputs]
+        while stack:
+            i = stack.pop()
+            if i is None or i in need:
+                continue
+            need.add(i)
+            stack.extend(self.producer(v) for v in _all_operands(self.ops[i]))
+        return need
+
+    def crossing(self, need: set[int], weight_outputs: list[int]) -> list[tuple[int, int]]:
+        """(op index, result number) of the values defined in the activation half and
+        read by the weight half (by its ops or its returned values)."""
+        read = [v for i, op in enumerate(self.ops) if i not in need for v in _all_operands(op)]
+        read += [self.ret.operands[j] for j in weight_outputs]
+        crossing: list[tuple[int, int]] = []
+        for v in read:
+            p = self.producer(v)
             if p is not None and p in need:
-                key = (p, v.result_number)
+                key = (p, ir.OpResult(v).result_number)
                 if key not in crossing:
                     crossing.append(key)
-    for j in weight_outputs:
-        p = producer_index(ret.operands[j])
-        if p is not None and p in need:
-            key = (p, ret.operands[j].result_number)
-            if key not in crossing:
-                crossing.append(key)
+        return crossing
+
+
+def _split(call: ir.Operation, fn: ir.Operation, act_outputs: list[int],
+           suffixes: tuple[str, str]) -> None:
+    body = _Body(fn)
+    need = body.needed_by(act_outputs)
+    weight_outputs = [j for j in range(len(body.ret.operands)) if j not in act_outputs]
+    crossing = body.crossing(need, weight_outputs)
     name = c.func_name(fn)
     a_name, w_name = f"{name}{suffixes[0]}", f"{name}{suffixes[1]}"
     a_fn = _make_half(fn, a_name, keep=need, outputs=[("ret", j) for j in act_outputs]
                       + [("op", k) for k in crossing], split="activation")
-    w_fn = _make_half(fn, w_name, keep=set(range(len(ops))) - need,
+    w_fn = _make_half(fn, w_name, keep=set(range(len(body.ops))) - need,
                       outputs=[("ret", j) for j in weight_outputs], split="weight",
                       crossing=crossing)
     # rebuild the call site: act half, then weight half
@@ -136,30 +146,34 @@ def _split(module, main, funcs, call, fn, act_outputs, suffixes) -> None:
     fn.erase()
 
 
-def _all_operands(op):
+def _defined_inside(op: ir.Operation) -> set[ir.Value]:
+    """Every value defined in ``op``'s regions (results and block arguments)."""
+    inner: set[ir.Value] = set()
+
+    def cb(o):
+        inner.update(o.results)
+        for reg in o.regions:
+            for b in reg.blocks:
+                inner.update(b.arguments)
+        return ir.WalkResult.ADVANCE
+
+    op.walk(cb, ir.WalkOrder.PRE_ORDER)
+    return inner
+
+
+def _all_operands(op: ir.Operation) -> list[ir.Value]:
+    """``op``'s operands and the values its regions capture from outside."""
     vals = list(op.operands)
-    if len(op.regions):
-        inner = set()
+    if not len(op.regions):
+        return vals
+    inner = _defined_inside(op)
 
-        def cb(o):
-            for r in o.results:
-                inner.add(r)
-            for reg in o.regions:
-                for b in reg.blocks:
-                    for a in b.arguments:
-                        inner.add(a)
-            return ir.WalkResult.ADVANCE
+    def cb(o):
+        if o.operation != op:
+            vals.extend(v for v in o.operands if v not in inner)
+        return ir.WalkResult.ADVANCE
 
-        op.walk(cb, ir.WalkOrder.PRE_ORDER)
-
-        def cb2(o):
-            if o.operation != op:
-                for v in o.operands:
-                    if v not in inner:
-                        vals.append(v)
-            return ir.WalkResult.ADVANCE
-
-        op.walk(cb2, ir.WalkOrder.PRE_ORDER)
+    op.walk(cb, ir.WalkOrder.PRE_ORDER)
     return vals
 
 

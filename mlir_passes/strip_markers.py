@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import ir
 
 __all__ = ["StripMarkersPass"]
@@ -47,16 +48,16 @@ class StripMarkersPass(ModulePass):
             self._rewrite(ops)
 
     def _rewrite(self, ops: list[ir.Operation]) -> None:
-        flags = [op.name == "stablehlo.custom_call" and _target(op) in _MARKERS for op in ops]
+        flags = [op.name == "stablehlo.custom_call" and custom_call_target(op) in _MARKERS for op in ops]
         markers = [op for op, m in zip(ops, flags) if m]
         for op in markers:  # every check before the first edit
             if len(op.operands) != 1 or len(op.results) != 1:
                 raise DiagnosticError(
-                    f"'{_target(op)}' must have exactly one operand and one result, got "
+                    f"'{custom_call_target(op)}' must have exactly one operand and one result, got "
                     f"{len(op.operands)} and {len(op.results)}", op.location)
             if op.operands[0].type != op.results[0].type:
                 raise DiagnosticError(
-                    f"'{_target(op)}' result type {op.results[0].type} differs from operand "
+                    f"'{custom_call_target(op)}' result type {op.results[0].type} differs from operand "
                     f"type {op.operands[0].type}", op.location)
         for op, m in zip(ops, flags):
             if not m:
@@ -64,13 +65,6 @@ class StripMarkersPass(ModulePass):
         for op in markers:
             op.results[0].replace_all_uses_with(op.operands[0])
             op.erase()
-
-
-def _target(op: ir.Operation) -> str | None:
-    if "call_target_name" not in op.attributes:
-        return None
-    a = op.attributes["call_target_name"]
-    return ir.StringAttr(a).value if isinstance(a, ir.StringAttr) else None
 
 
 def _strip_attrs(op: ir.Operation) -> None:

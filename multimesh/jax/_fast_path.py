@@ -48,15 +48,15 @@ def eligible(program, implicit, notes: dict, pins: dict, num_devices: int) -> bo
 
 def _has_task_or_marker(module) -> bool:
     """Whether any op carries ``mm.task`` or is a ``@mm.logical_sharding`` marker."""
+    from multimesh._src.ir_util import custom_call_target
     from multimesh._src.mlir import ir
 
     found = []
 
     def cb(op):
         attrs = op.attributes
-        if len(attrs) and ("mm.task" in attrs or (
-                op.name == "stablehlo.custom_call"
-                and ir.StringAttr(attrs["call_target_name"]).value == "mm.logical_sharding")):
+        if len(attrs) and ("mm.task" in attrs
+                           or custom_call_target(op) == "mm.logical_sharding"):
             found.append(op)
             return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE

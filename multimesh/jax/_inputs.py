@@ -29,6 +29,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from multimesh._src.errors import MeshError
+from multimesh._src.ir_util import custom_call_target, update_attr_dicts
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._task import logical_axes_of  # per-dim names; here mesh axis names
 
@@ -161,18 +162,11 @@ def pin_module(text: str | ir.Module, pins: dict[int, Layout], drop: Set[int],
                        if len(op.operands) == 1 and op.operands[0] in args
                        and args.index(op.operands[0]) not in drop}
         pins = {i: lay for i, lay in pins.items() if i not in soft or i not in constrained}
-        old = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes \
-            else [ir.DictAttr.get({})] * len(args)
-        new = []
-        for i, raw in enumerate(old):
-            d = ir.DictAttr(raw)
-            items = {d[k].name: d[k].attr for k in range(len(d))}
-            if i in pins:
-                items["mm.sharding"] = _sharding_attr(pins[i])
-                items["mm.devices"] = ir.ArrayAttr.get(
-                    [ir.IntegerAttr.get(ir.IntegerType.get_signless(64), p) for p in pins[i][0]])
-            new.append(ir.DictAttr.get(items))
-        main.attributes["arg_attrs"] = ir.ArrayAttr.get(new)
+        i64 = ir.IntegerType.get_signless(64)
+        update_attr_dicts(main, "arg_attrs", {i: {
+            "mm.sharding": _sharding_attr(pin),
+            "mm.devices": ir.ArrayAttr.get([ir.IntegerAttr.get(i64, p) for p in pin[0]]),
+        } for i, pin in pins.items()})
         for op in _markers(block):
             if len(op.operands) == 1 and op.operands[0] in args \
                     and args.index(op.operands[0]) in drop:
@@ -186,9 +180,7 @@ def _markers(block) -> list:
     out = []
     for op in block.operations:
         op = op.operation
-        if (op.name == "stablehlo.custom_call"
-                and ir.StringAttr(op.attributes["call_target_name"]).value
-                == "mm.logical_sharding"):
+        if custom_call_target(op) == "mm.logical_sharding":
             out.append(op)
     return out
 

@@ -124,6 +124,7 @@ def _copy(x, sharding):
 
 
 def _mark_donors(module, donors) -> None:
+    from multimesh._src.ir_util import update_attr_dicts
     from multimesh._src.mlir import ir
 
     with module.context:
@@ -131,15 +132,9 @@ def _mark_donors(module, donors) -> None:
             op = op.operation
             if op.name != "func.func":
                 continue
-            attrs = list(op.attributes["arg_attrs"])
-            new = []
-            for k, a in enumerate(attrs):
-                d = ir.DictAttr(a)
-                items = {d[i].name: d[i].attr for i in range(len(d))}
-                if k in donors:
-                    items["jax.buffer_donor"] = ir.BoolAttr.get(True)
-                new.append(ir.DictAttr.get(items))
-            op.attributes["arg_attrs"] = ir.ArrayAttr.get(new)
+            donor = {"jax.buffer_donor": ir.BoolAttr.get(True)}
+            n_args = len(op.regions[0].blocks[0].arguments)
+            update_attr_dicts(op, "arg_attrs", {k: donor for k in donors if k < n_args})
 
 
 class Executor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh._src.ir_util import custom_call_target
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, print_module, sdy
 
@@ -124,12 +125,6 @@ def _type_info(t) -> tuple[tuple[int, ...], str]:
     return tuple(rt.shape), str(rt.element_type)
 
 
-def _target(op: ir.Operation) -> str | None:
-    if op.name != "stablehlo.custom_call":
-        return None
-    return ir.StringAttr(op.attributes["call_target_name"]).value
-
-
 def same_layout(a: Layout, b: Layout) -> bool:
     return a == b or layout_key(*a) == layout_key(*b)
 
@@ -202,7 +197,7 @@ class _Builder:
             op = op.operation
             if op.name == "func.return":
                 ret = op
-            elif _target(op) == LOOP:
+            elif custom_call_target(op) == LOOP:
                 self._loop(op, ids)
             else:
                 self._op(op, ids)
@@ -220,7 +215,7 @@ class _Builder:
 
     def _op(self, op: ir.Operation, ids: dict, microbatch: int | None = None,
             index: ir.Value | None = None) -> None:
-        target = _target(op)
+        target = custom_call_target(op)
         if target == TRANSFER:
             src = ids[op.operands[0]]
             lay = self._layout(op.attributes["mm.devices"], op.attributes["mm.sharding"])
@@ -304,10 +299,10 @@ class _Builder:
         units: list[list[ir.Operation]] = []
         before: list[ir.Operation] = []
         for op in ops:
-            if _target(op) == FRAGMENT_CALL:
+            if custom_call_target(op) == FRAGMENT_CALL:
                 units.append(before + [op])
                 before = []
-            elif units and _target(op) == TRANSFER and not isinstance(
+            elif units and custom_call_target(op) == TRANSFER and not isinstance(
                     op.operands[0].owner, ir.Block):
                 units[-1].append(op)
             else:

@@ -131,6 +131,28 @@ module {
 
 // -----
 
+// The microbatch index exists only inside the loop: a call outside it cannot read it
+// (found by IR fuzzing: the index op was erased under its reader).
+module {
+  sdy.mesh @mesh = <["x"=1]>
+  func.func @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %i = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    // expected-error@+1 {{'func.call' outside the microbatch loop reads the microbatch index 'mm.microbatch_index'}}
+    %0 = call @f(%i, %arg0) {mm.fragment} : (tensor<i32>, tensor<4xf32>) -> tensor<4xf32>
+    %1 = call @g(%0) {mm.fragment} : (tensor<4xf32>) -> tensor<4xf32>
+    %2 = stablehlo.custom_call @mm.microbatch_sum(%1) {mm.microbatch = {loop = 0 : i64, num_microbatches = 2 : i64}} : (tensor<4xf32>) -> tensor<4xf32>
+    return %2 : tensor<4xf32>
+  }
+  func.func private @f(%i: tensor<i32>, %arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64}} {
+    return %arg0 : tensor<4xf32>
+  }
+  func.func private @g(%arg0: tensor<4xf32>) -> tensor<4xf32> attributes {mm.devices = [0], mm.mesh = @mesh, mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<4xf32>
+  }
+}
+
+// -----
+
 // Every sum of the loop agrees on the number of microbatches.
 module {
   sdy.mesh @mesh = <["x"=1]>
