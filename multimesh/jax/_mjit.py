@@ -379,49 +379,62 @@ def run_pipeline(module: ir.Module, pipeline: str | Pipeline, name: str | None =
     where = _dump.program_dir(root, name) if root else None
     if source is None:
         source = _snapshot(module)
-    counter = [0]
-    level = compile_log_level()
-    log = logger.isEnabledFor(level)
-    label = f"mjit({name})" if name else "multimesh"
-
-    def write(step_name: str, mod) -> None:
-        assert where is not None  # only called when dumping
-        safe = step_name.replace("/", "_")[:60]
-        with open(os.path.join(where, f"{counter[0]:02d}-{safe}.mlir"), "w") as f:
-            f.write(print_module(mod, debug_info=True))
-        counter[0] += 1
-
-    def after(step, mod, dt):
-        if log:
-            logger.log(level, "%s: pass %s took %.4f s", label, step.argument, dt)
-        if where:
-            write(step.argument, mod)
-
+    watch = _PassWatch(f"mjit({name})" if name else "multimesh", where)
     pipe = parse_pipeline(pipeline)
     if where:
-        write("input", module)
+        watch.write("input", module)
         for step in pipe.steps:  # what a replay of the dumps needs besides the files
             step.replay_element(os.path.join(where, step.argument))
     try:
-        timings = pipe.run(module, PipelineHooks(after=after if log or where else None),
+        timings = pipe.run(module, PipelineHooks(after=watch.after if watch.active else None),
                            replay=source)
     except DiagnosticError as e:
-        failed = getattr(e, "failed_pass", "?")
-        path = _dump.repro_path(where)
-        with open(path, "w") as f:
-            f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
-        where_loc = file_line_col(e.location)
-        loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
-        element, note = _replay_element(pipe, e, path)
-        repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
-        raise PassFailure(
-            f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
-            f"Reproduce with:\n  {repro}{note}", failed, repro, e) from None
-    if log:
-        verify = dict(timings).get(VERIFIER)
-        if verify is not None:
-            logger.log(level, "%s: verified the module in %.4f s", label, verify)
+        raise _pass_failure(pipe, e, where, source) from None
+    watch.log_verifier(timings)
     return timings
+
+
+class _PassWatch:
+    """What ``run_pipeline`` does after each pass: log its time, dump the module."""
+
+    def __init__(self, label: str, where: str | None):
+        self.label, self.where, self.counter = label, where, 0
+        self.level = compile_log_level()
+        self.log = logger.isEnabledFor(self.level)
+        self.active = self.log or bool(where)
+
+    def write(self, step_name: str, mod: ir.Module) -> None:
+        assert self.where is not None  # only called when dumping
+        safe = step_name.replace("/", "_")[:60]
+        with open(os.path.join(self.where, f"{self.counter:02d}-{safe}.mlir"), "w") as f:
+            f.write(print_module(mod, debug_info=True))
+        self.counter += 1
+
+    def after(self, step, mod: ir.Module, dt: float) -> None:
+        if self.log:
+            logger.log(self.level, "%s: pass %s took %.4f s", self.label, step.argument, dt)
+        if self.where:
+            self.write(step.argument, mod)
+
+    def log_verifier(self, timings: list[tuple[str, float]]) -> None:
+        verify = dict(timings).get(VERIFIER)
+        if self.log and verify is not None:
+            logger.log(self.level, "%s: verified the module in %.4f s", self.label, verify)
+
+
+def _pass_failure(pipe: Pipeline, e: DiagnosticError, where: str | None,
+                  source: Callable[[], ir.Module]) -> PassFailure:
+    """The error for a failed pass: its input written as a repro, and the mm-opt line."""
+    failed = getattr(e, "failed_pass", "?")
+    path = _dump.repro_path(where)
+    with open(path, "w") as f:
+        f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
+    where_loc = file_line_col(e.location)
+    loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
+    element, note = _replay_element(pipe, e, path)
+    repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
+    return PassFailure(f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
+                       f"Reproduce with:\n  {repro}{note}", failed, repro, e)
 
 
 def _replay_element(pipe: Pipeline, e: DiagnosticError, path: str) -> tuple[str, str]:

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mlir_passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
+from mlir_passes.pipeline import parse_pipeline
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh._src.mlir import ir, make_context, parse_module, print_module, py_to_attr, sdy
 from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devices
@@ -90,7 +91,7 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
     res_tree = _tree("out_tree", out_tree, n_out, "@main result")
     lowered = MpmdLowered(
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
-        res_tree, kept, _PIPELINE, donated_leaves=info.donated,
+        res_tree, kept, parse_pipeline(_PIPELINE), donated_leaves=info.donated,
         in_avals=info.arg_types if in_avals is None else in_avals)
     compiled = lowered.compile()
     assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
