@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from mlir_passes.base import ModulePass
+from .base import ModulePass
 
 # argument -> "module:Class". One module per pass; its golden test is
 # tests/filecheck/<module>.mlir.
@@ -38,7 +38,7 @@ def _loader(spec: str) -> Callable[[], type[ModulePass]]:
     module, cls = spec.split(":")
 
     def load() -> type[ModulePass]:
-        return getattr(importlib.import_module(f"mlir_passes.{module}"), cls)
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
     return load
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
+
+from . import _contract as c
 
 __all__ = ["STAGES", "stage_of", "check_stage"]
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
-from mlir_passes.match_tasks import BACKPROP_MARKER, name_stack
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
+
+from . import _contract as c
+from .base import ModulePass
+from .match_tasks import BACKPROP_MARKER, name_stack
 
 
 @dataclass(frozen=True)

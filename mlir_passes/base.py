@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mlir_passes._stages import check_stage
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, unchanged_on_error
+
+from ._stages import check_stage
 
 __all__ = ["ModulePass", "DiagnosticError", "option_fields", "NOT_AN_OPTION", "verify_module",
            "verify_each_pass", "VERIFY_EACH_ENV"]
@@ -44,7 +45,7 @@ class ModulePass:
     argument: ClassVar[str]
     summary: ClassVar[str]
     consumes: ClassVar[tuple[str, ...] | None] = None
-    """The forms of docs/ir.md the pass accepts (``mlir_passes._stages.STAGES``); None: any."""
+    """The forms of docs/ir.md the pass accepts (``multimesh.passes._stages.STAGES``); None: any."""
     requires: ClassVar[tuple[str, ...]] = ()
     """Passes that must have run before, besides those that reach ``consumes``."""
     mutates: ClassVar[bool] = True

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import mesh_ops
 from multimesh._src.mlir import ir, stablehlo
+
+from . import _contract as c
+from .base import ModulePass
 
 
 @dataclass(frozen=True)

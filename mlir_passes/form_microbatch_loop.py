@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import attr_entries, mesh_attrs
 from multimesh._src.mlir import attr_to_py, func, ir, stablehlo
+
+from . import _contract as c
+from .base import ModulePass
 
 __all__ = ["FormMicrobatchLoopPass", "BODY_NAME"]
 

@@ -29,9 +29,10 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, NoReturn
 
-from mlir_passes.base import DiagnosticError, ModulePass
 from multimesh._src.ir_util import AttrsKey, custom_call_target, update_attr_dicts
 from multimesh._src.mlir import ir, sdy
+
+from .base import DiagnosticError, ModulePass
 
 __all__ = ["ImportGspmdPass", "GspmdSharding", "GspmdParseError", "parse_gspmd_sharding"]
 

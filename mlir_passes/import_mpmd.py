@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.ir_util import attr_dicts, mesh_ops, set_attr_dicts, update_attr_dicts
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
+
+from . import _contract as c
+from .base import ModulePass
 
 __all__ = ["ImportMpmdPass", "MESHES_ATTR", "MeshTensor", "parse_mesh_tensor", "parse_meshes_option",
            "read_topology"]

@@ -7,11 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import custom_call_target, select_attr_entries
 from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
+
+from . import _contract as c
+from .base import ModulePass
 
 
 @dataclass(frozen=True)

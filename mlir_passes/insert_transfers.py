@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import attr_entries, mesh_attrs
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, sdy, stablehlo
+
+from . import _contract as c
+from .base import ModulePass
 
 
 @dataclass(frozen=True)

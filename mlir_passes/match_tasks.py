@@ -38,11 +38,12 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mlir_passes import _contract as c
-from mlir_passes.base import NOT_AN_OPTION, ModulePass
 from multimesh._src.brackets import read_string, skip_balanced, skip_element
 from multimesh._src.errors import DiagnosticError, MultimeshValueError, PipelineError
 from multimesh._src.mlir import ir
+
+from . import _contract as c
+from .base import NOT_AN_OPTION, ModulePass
 
 __all__ = ["MatchTasksPass", "Match", "Rule", "RuleTask", "find_matches", "compile_matcher",
            "name_stack", "parse_rules", "rules_to_json", "BACKPROP_MARKER"]
@@ -491,7 +492,7 @@ class MatchTasksPass(ModulePass):
         bad = [r for r in table if not isinstance(r, Rule)]
         if bad:
             raise PipelineError(
-                f"Pass 'mm-match-tasks': rule_table must hold mlir_passes.match_tasks.Rule "
+                f"Pass 'mm-match-tasks': rule_table must hold multimesh.passes.match_tasks.Rule "
                 f"values, got {type(bad[0]).__name__} {bad[0]!r}")
         object.__setattr__(self, "rule_table", table)
         object.__setattr__(self, "_parsed", table + tuple(_load(self.rules, self.rules_file)))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
-from mlir_passes.resolve_logical_shardings import mesh_symbol_names
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import mesh_ops
 from multimesh._src.mlir import func, ir, py_to_attr, sdy
+
+from . import _contract as c
+from .base import ModulePass
+from .resolve_logical_shardings import mesh_symbol_names
 
 _REMAT = ("stablehlo.constant", "stablehlo.iota")
 

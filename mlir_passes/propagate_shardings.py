@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass, verify_each_pass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import AttrsKey, attr_entries, mesh_attrs, update_attr_dicts
 from multimesh._src.layouts import translate_dims
 from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
+
+from . import _contract as c
+from .base import ModulePass, verify_each_pass
 
 SHARDING = "sdy.sharding"
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.ir_util import select_attr_entries
 from multimesh._src.mlir import func, ir
+
+from . import _contract as c
+from .base import ModulePass
 
 # Free to recompute (MultiMesh's rule): they only describe data the consumer has.
 _FREE = {"stablehlo.constant", "stablehlo.iota", "stablehlo.broadcast_in_dim",

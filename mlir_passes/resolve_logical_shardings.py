@@ -10,12 +10,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
-from mlir_passes.logical_axes import resolve_logical_spec
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, ir, sdy
+
+from . import _contract as c
+from .base import ModulePass
+from .logical_axes import resolve_logical_spec
 
 __all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
 

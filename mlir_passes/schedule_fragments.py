@@ -6,9 +6,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
-from mlir_passes.schedules import (
+from multimesh._src.errors import DiagnosticError, PipelineError
+from multimesh._src.mlir import attr_to_py, ir
+
+from . import _contract as c
+from .base import ModulePass
+from .schedules import (
     Call,
     Schedule,
     ScheduleError,
@@ -16,8 +19,6 @@ from mlir_passes.schedules import (
     canonical_schedule_name,
     units_from_calls,
 )
-from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import attr_to_py, ir
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
            "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]

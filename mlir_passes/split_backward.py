@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.mlir import func, ir
+
+from . import _contract as c
+from .base import ModulePass
 
 
 @dataclass(frozen=True)

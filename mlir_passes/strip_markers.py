@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import ir
+
+from .base import ModulePass
 
 __all__ = ["StripMarkersPass"]
 

@@ -2,7 +2,7 @@
 
 Every later pass assumes these invariants, so checking them once, with a
 location, turns a confusing failure deep in a pipeline into a one-line error.
-The checks are the contract's own readers (:mod:`mlir_passes._contract`) in their
+The checks are the contract's own readers (:mod:`multimesh.passes._contract`) in their
 strict mode: mm-verify reads everything the way the passes do and reports the first
 thing that fails.
 """
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlir_passes import _contract as c
-from mlir_passes.base import ModulePass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
+
+from . import _contract as c
+from .base import ModulePass
 
 __all__ = ["VerifyPass"]
 

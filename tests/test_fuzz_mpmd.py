@@ -170,7 +170,8 @@ def test_generator_microbatch_draws():
 @given(st.data())
 def test_oracle_matches_resolve_logical_spec(data):
     """The generator's reference model of the logical rule agrees with the library's."""
-    from mlir_passes.logical_axes import resolve_logical_spec
+    from multimesh.passes.logical_axes import resolve_logical_spec
+
     from multimesh._src.errors import LogicalShardingError
 
     d = gen.HypothesisDrawer(data.draw)
@@ -272,7 +273,7 @@ def test_regression_live_activations_backward_before_forward():
     microbatch=True)`` gets the loss submesh row F0 B0 B1 B2 B3 F1 F2 F3 under gpipe, and
     ``live_activations()`` reported 3 there, not 1 (the late forwards opened activations
     that nothing closed). The same order, by hand:"""
-    from mlir_passes.schedules import Schedule, Unit, live_activation_profile
+    from multimesh.passes.schedules import Schedule, Unit, live_activation_profile
 
     units = tuple(Unit(2 * m + (kind == "bwd"), 0, kind, m, 0, (), "loss",
                        f"loss_{kind}_mb{m}") for m in range(3) for kind in ("fwd", "bwd"))

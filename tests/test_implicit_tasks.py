@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from multimesh.passes.match_tasks import find_matches, name_stack, parse_rules, rules_to_json
+from multimesh.passes.pipeline import parse_pipeline
 
 import multimesh.jax as mm
-from mlir_passes.match_tasks import find_matches, name_stack, parse_rules, rules_to_json
-from mlir_passes.pipeline import parse_pipeline
 from multimesh._src.errors import (
     MeshError,
     MultimeshError,

@@ -1,6 +1,7 @@
 """The architecture's import rules, checked on the source (docs/architecture.md).
 
-front end (multimesh.jax, multimesh.tools) -> passes (mlir_passes) -> runtime
+front end (multimesh.jax, multimesh.tools) -> passes (multimesh.passes, folder
+mlir_passes/) -> runtime
 (multimesh.runtime) -> binding surface (multimesh._src). Imports only point down,
 only ``multimesh/_src/mlir.py`` imports jaxlib's MLIR bindings, and only
 ``multimesh/_src/jax_compat.py`` touches jax's internals (``jax._src``, ``jaxlib._*``).
@@ -16,9 +17,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = {  # package prefix -> prefixes it must never import
-    "multimesh._src": ("multimesh.jax", "multimesh.runtime", "multimesh.tools", "mlir_passes"),
-    "multimesh.runtime": ("multimesh.jax", "multimesh.tools", "mlir_passes"),
-    "mlir_passes": ("multimesh.jax", "multimesh.runtime", "multimesh.tools"),
+    "multimesh._src": ("multimesh.jax", "multimesh.runtime", "multimesh.tools", "multimesh.passes"),
+    "multimesh.runtime": ("multimesh.jax", "multimesh.tools", "multimesh.passes"),
+    "multimesh.passes": ("multimesh.jax", "multimesh.runtime", "multimesh.tools"),
 }
 BINDINGS = ("jaxlib.mlir", "jax._src.lib.mlir", "jax.extend.mlir")
 COMPAT = "multimesh._src.jax_compat"
@@ -29,17 +30,23 @@ def _modules():
     for path in sorted([*ROOT.joinpath("multimesh").rglob("*.py"),
                         *ROOT.joinpath("mlir_passes").rglob("*.py")]):
         rel = path.relative_to(ROOT).with_suffix("")
-        yield ".".join(p for p in rel.parts if p != "__init__"), path
+        parts = ["multimesh", "passes", *rel.parts[1:]] if rel.parts[0] == "mlir_passes" else rel.parts
+        yield ".".join(p for p in parts if p != "__init__"), path
 
 
-def _imports(path: pathlib.Path):
+def _imports(path: pathlib.Path, name: str = ""):
+    """Absolute names of what ``path`` (module ``name``) imports; relative imports resolved."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1]
+            yield ".".join([*base, *([node.module] if node.module else [])]), node.lineno
 
 
 MODULES = list(_modules())
@@ -49,7 +56,7 @@ MODULES = list(_modules())
 def test_imports_point_down(name, path):
     for layer, banned in LAYERS.items():
         if name == layer or name.startswith(layer + "."):
-            for imported, line in _imports(path):
+            for imported, line in _imports(path, name):
                 assert not imported.startswith(banned), (
                     f"{path.relative_to(ROOT)}:{line} imports {imported}, which is above "
                     f"{layer} in the layering")
@@ -104,3 +111,18 @@ def test_no_other_library_file_mentions_jax_internals():
             if p.parts[len(ROOT.parts)] in ("multimesh", "mlir_passes")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert {h.split(":")[0] for h in hits} <= {"multimesh/_src/jax_compat.py"}, hits
+
+
+@pytest.mark.parametrize("path", PY_FILES, ids=[str(p.relative_to(ROOT)) for p in PY_FILES])
+def test_the_passes_are_imported_under_the_projects_namespace(path):
+    """``mlir_passes/`` is a folder, installed as ``multimesh.passes``; importing it as a
+    top-level ``mlir_passes`` would load every pass twice (two registries)."""
+    for imported, line in _imports(path):
+        assert imported.split(".")[0] != "mlir_passes", (
+            f"{path.relative_to(ROOT)}:{line} imports {imported}; import multimesh.passes")
+
+
+def test_the_pass_package_is_the_mlir_passes_folder():
+    import multimesh.passes
+
+    assert pathlib.Path(multimesh.passes.__file__).resolve() == ROOT / "mlir_passes" / "__init__.py"

@@ -233,7 +233,7 @@ def test_verify_diagnostics_designators(tmp_path, capsys, where, offset):
 
 
 def test_internal_error_has_no_traceback(tmp_path, capsys, monkeypatch):
-    from mlir_passes import verify
+    from multimesh.passes import verify
 
     def boom(self, module):
         raise RuntimeError("kaboom")

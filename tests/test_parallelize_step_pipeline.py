@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from multimesh.passes.schedules import build_schedule, pipeline_units
 
 import multimesh.jax as mm
-from mlir_passes.schedules import build_schedule, pipeline_units
 from multimesh.jax.flax import parallelize_step
 
 

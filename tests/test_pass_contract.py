@@ -19,11 +19,11 @@ import random
 import sys
 from pathlib import Path
 
+import multimesh.passes.base as base
 import pytest
+from multimesh.passes import get_all_passes
+from multimesh.passes.pipeline import NativeStep, Pipeline, parse_pipeline
 
-import mlir_passes.base as base
-from mlir_passes import get_all_passes
-from mlir_passes.pipeline import NativeStep, Pipeline, parse_pipeline
 from multimesh._src.errors import DiagnosticError, MultimeshError
 from multimesh._src.mlir import ir, make_context, print_module
 
@@ -180,7 +180,8 @@ def test_a_failing_native_step_is_undone_too():
 
 def test_stages_follow_the_pipeline():
     """stage_of reads each form of docs/ir.md as the default pipeline produces it."""
-    from mlir_passes._stages import stage_of
+    from multimesh.passes._stages import stage_of
+
     from multimesh.jax._mjit import default_pipeline
 
     text = """
@@ -217,7 +218,7 @@ def test_strip_markers_checks_every_marker_before_its_first_edit():
       return %1 : tensor<8xf32>
     }
     """
-    from mlir_passes.strip_markers import StripMarkersPass
+    from multimesh.passes.strip_markers import StripMarkersPass
 
     module = _parse(text)
     before = _snapshot(module)

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from multimesh.passes.insert_transfers import InsertTransfersPass
 
 import multimesh.jax as mm
-from mlir_passes.insert_transfers import InsertTransfersPass
 from multimesh._src.errors import PassFailure
 from multimesh._src.mlir import ir
 from multimesh.jax import _mjit
@@ -61,8 +61,8 @@ def test_compiling_prints_nothing(monkeypatch):
 
 
 def test_verification_runs_once(monkeypatch):
-    import mlir_passes.base as base
-    import mlir_passes.pipeline as pipeline
+    import multimesh.passes.base as base
+    import multimesh.passes.pipeline as pipeline
 
     calls = []
     real, real_each = pipeline._verify, base.verify_module
@@ -123,7 +123,7 @@ def _break_ir(module: ir.Module) -> None:
 def test_pass_that_breaks_the_ir_is_named(tmp_path, monkeypatch, each):
     """Verification at the end finds the broken IR; replaying the passes with
     verification after each names the pass that broke it (as debug mode does)."""
-    import mlir_passes.pipeline as pipeline
+    import multimesh.passes.pipeline as pipeline
 
     monkeypatch.setenv("MULTIMESH_DUMP_IR_TO", str(tmp_path))
     if each:
@@ -208,8 +208,9 @@ def test_crash_after_invalid_ir_names_the_pass_that_broke_it():
     replaying with verification after each pass names the pass that broke the IR."""
     from dataclasses import dataclass
 
-    from mlir_passes.base import ModulePass
-    from mlir_passes.pipeline import Pipeline
+    from multimesh.passes.base import ModulePass
+    from multimesh.passes.pipeline import Pipeline
+
     from multimesh._src.errors import DiagnosticError
     from multimesh._src.mlir import make_context, parse_module
 

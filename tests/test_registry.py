@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from mlir_passes import get_all_passes, pass_module_name
-from mlir_passes.base import ModulePass
+from multimesh.passes import get_all_passes, pass_module_name
+from multimesh.passes.base import ModulePass
 
 ROOT = Path(__file__).resolve().parent.parent
 FILECHECK = ROOT / "tests" / "filecheck"

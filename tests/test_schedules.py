@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from mlir_passes.schedule_fragments import ScheduleFragmentsPass, read_schedule
-from mlir_passes.schedules import (
+from multimesh.passes.schedule_fragments import ScheduleFragmentsPass, read_schedule
+from multimesh.passes.schedules import (
     SCHEDULES,
     Call,
     Schedule,
@@ -29,6 +28,7 @@ from mlir_passes.schedules import (
     theoretical_bubble,
     units_from_calls,
 )
+
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import parse_module, print_module
 
@@ -429,7 +429,7 @@ def test_pass_options_override_config_and_read_custom_file(tmp_path):
 
 
 def test_pass_from_pipeline_string():
-    from mlir_passes.pipeline import parse_pipeline
+    from multimesh.passes.pipeline import parse_pipeline
 
     module = parse_module(mpmd_module(pipeline_units(2, 3)))
     parse_pipeline("builtin.module(mm-schedule-fragments{schedule=1f1b,num-stages=2})").run(module)
@@ -549,8 +549,9 @@ def test_schedule_names_have_one_source():
     the schedules page."""
     import pathlib
 
-    from mlir_passes.schedule_fragments import ScheduleFragmentsPass
-    from mlir_passes.schedules import ALIASES, SPLIT_SCHEDULES
+    from multimesh.passes.schedule_fragments import ScheduleFragmentsPass
+    from multimesh.passes.schedules import ALIASES, SPLIT_SCHEDULES
+
     from multimesh.jax import _microbatch
 
     assert _microbatch.SCHEDULES is SCHEDULES

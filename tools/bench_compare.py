@@ -24,7 +24,7 @@ sys.path.insert(0, root); sys.path.insert(0, os.path.join(root, "tools"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import multimesh, bench
 assert os.path.realpath(multimesh.__file__).startswith(os.path.realpath(root))
-from mlir_passes.pipeline import parse_pipeline
+from multimesh.passes.pipeline import parse_pipeline
 from multimesh._src.mlir import make_context, parse_module
 from multimesh.jax._mjit import default_pipeline, run_pipeline
 text = bench.generate_module(int(sys.argv[2]))

@@ -3,7 +3,7 @@
     python tools/bench_schedules.py [--json PATH]
 
 Simulated with unit costs (forward 1, backward 2, each half of a split backward 1)
-on textbook pipelines (``mlir_passes.schedules.pipeline_units``), next to the theory:
+on textbook pipelines (``multimesh.passes.schedules.pipeline_units``), next to the theory:
 (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with V
 stages per submesh, (P-1)/(3M+P-1) for zero bubble H1 and H2. The stage bubble is
 the idle share inside each submesh's own span (first unit to last), what a submesh
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlir_passes.schedules import (  # noqa: E402
+from multimesh.passes.schedules import (  # noqa: E402
     build_schedule,
     live_activations,
     pipeline_units,

@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlir_passes import get_all_passes, pass_module_name  # noqa: E402
-from mlir_passes.base import option_fields  # noqa: E402
+from multimesh.passes import get_all_passes, pass_module_name  # noqa: E402
+from multimesh.passes.base import option_fields  # noqa: E402
 
 DOC = ROOT / "docs" / "passes.md"
 HEADER = """\
@@ -68,7 +68,7 @@ def render_pass(argument: str, cls) -> str:
         lines += [doc, ""]
     consumes = getattr(cls, "consumes", None)
     if consumes:
-        from mlir_passes._stages import DESCRIPTION
+        from multimesh.passes._stages import DESCRIPTION
 
         forms = " or ".join(DESCRIPTION[s] for s in consumes)
         after = "".join(f"; needs `{r}` to have run" for r in getattr(cls, "requires", ()))
@@ -88,7 +88,7 @@ def render_pass(argument: str, cls) -> str:
         lines.append("")
     else:
         lines += ["Options: none.", ""]
-    lines += [f"Class: `mlir_passes.{module}.{cls.__name__}`. "
+    lines += [f"Class: `multimesh.passes.{module}.{cls.__name__}`. "
               f"Golden test: `tests/filecheck/{module}.mlir`.", ""]
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 
 Every other module gets ``ir``, ``passmanager`` and the dialects from here, so
 a jaxlib upgrade touches one file. Helpers here are tiny and generic; anything
-that knows about multimesh's IR contract lives in ``mlir_passes``.
+that knows about multimesh's IR contract lives in ``multimesh.passes``.
 """
 
 from __future__ import annotations

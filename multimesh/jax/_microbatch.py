@@ -26,18 +26,18 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mlir_passes.schedules import (
+from multimesh._src import jax_compat
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
+from multimesh.jax import _checks, _contexts
+from multimesh.jax._primitives import bind_microbatch
+from multimesh.jax._task import with_sharding_constraint
+from multimesh.passes.schedules import (
     ALIASES,
     SCHEDULES,
     ScheduleError,
     canonical_schedule_name,
     canonicalize_custom_schedule,
 )
-from multimesh._src import jax_compat
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
-from multimesh.jax import _checks, _contexts
-from multimesh.jax._primitives import bind_microbatch
-from multimesh.jax._task import with_sharding_constraint
 
 __all__ = ["microbatch", "SCHEDULES"]
 

@@ -12,8 +12,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlir_passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
-from mlir_passes.schedules import SPLIT_SCHEDULES
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
@@ -27,6 +25,8 @@ from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, p
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
+from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
+from multimesh.passes.schedules import SPLIT_SCHEDULES
 from multimesh.runtime import Executor, build_plan, distributed
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdLowered", "MpmdCompiled"]
@@ -188,7 +188,7 @@ class MpmdCompiled:
     @property
     def schedule(self):
         """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
-        from mlir_passes.schedule_fragments import read_schedule
+        from multimesh.passes.schedule_fragments import read_schedule
 
         return read_schedule(self._module)
 

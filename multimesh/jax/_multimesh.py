@@ -73,8 +73,8 @@ class _Registration:
 
 
 def _make_registration(matcher, callback, task) -> _Registration:
-    from mlir_passes.match_tasks import compile_matcher
     from multimesh.jax._task import Task
+    from multimesh.passes.match_tasks import compile_matcher
 
     if not isinstance(matcher, str):
         raise MultimeshTypeError(
@@ -541,10 +541,10 @@ def implicit_tasks_pass(program):
     regs = active_registrations()
     if not regs or _contexts.state.ignore_transforms:
         return None
-    from mlir_passes import _contract
-    from mlir_passes.match_tasks import MatchTasksPass, Rule, RuleTask, find_matches
     from multimesh._src.mlir import make_context, parse_module
     from multimesh.jax._task import loop_placement, resolve_task_info
+    from multimesh.passes import _contract
+    from multimesh.passes.match_tasks import MatchTasksPass, Rule, RuleTask, find_matches
 
     module = parse_module(program, make_context()) if isinstance(program, str) else program
     stacks: set[str] = set()

@@ -6,8 +6,8 @@ order of the whole pipeline is visible in one place.
 
 from __future__ import annotations
 
-from mlir_passes.base import ModulePass
-from mlir_passes.pipeline import Pipeline, parse_pipeline
+from multimesh.passes.base import ModulePass
+from multimesh.passes.pipeline import Pipeline, parse_pipeline
 
 __all__ = ["build_pipeline"]
 

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mlir_passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
-from mlir_passes.pipeline import parse_pipeline
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh._src.mlir import ir, make_context, parse_module, print_module, py_to_attr, sdy
 from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devices
+from multimesh.passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
+from multimesh.passes.pipeline import parse_pipeline
 from multimesh.runtime.executor import _dtype
 
 __all__ = ["compile_mpmd"]

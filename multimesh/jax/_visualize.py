@@ -6,8 +6,8 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 
-from mlir_passes.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.passes.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
 
 __all__ = ["visualize_schedule", "as_schedule"]
 
@@ -31,7 +31,7 @@ def as_schedule(obj) -> Schedule:
         raise MultimeshTypeError(
             f"visualize_schedule expects a compiled program, a module or a Schedule, got "
             f"{type(obj).__name__}.")
-    from mlir_passes.schedule_fragments import read_schedule
+    from multimesh.passes.schedule_fragments import read_schedule
 
     s = read_schedule(module)
     if s is None:

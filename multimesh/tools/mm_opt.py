@@ -153,7 +153,7 @@ def _make_parser() -> argparse.ArgumentParser:
 
 def _load_passes() -> list[tuple[str, type | None, str]]:
     """``[(argument, class or None, summary or load error)]``; never raises."""
-    from mlir_passes import get_all_passes
+    from multimesh.passes import get_all_passes
 
     out: list[tuple[str, type | None, str]] = []
     for arg, factory in get_all_passes().items():
@@ -177,7 +177,7 @@ def _passes_help() -> str:
 
 
 def _list_passes(out) -> None:
-    from mlir_passes.base import option_fields
+    from multimesh.passes.base import option_fields
 
     for arg, cls, summary in _load_passes():
         out.write(f"  {arg}\n    {summary}\n")
@@ -334,7 +334,7 @@ class _Driver:
     def _parse_pipeline(self):
         if self.args.pipeline is None:
             return None
-        from mlir_passes.pipeline import parse_pipeline
+        from multimesh.passes.pipeline import parse_pipeline
 
         try:
             return parse_pipeline(self.args.pipeline)
@@ -500,7 +500,7 @@ class _Driver:
         return out, warned
 
     def _run_pipeline(self, pipeline, module: ir.Module, replay=None) -> None:
-        from mlir_passes.pipeline import VERIFIER, PipelineHooks
+        from multimesh.passes.pipeline import VERIFIER, PipelineHooks
 
         a = self.args
 

@@ -941,7 +941,7 @@ def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int]) -> None:
     if len(live) != len(sched.orders) or not 0.0 <= bubble < 1.0:
         raise FuzzFailure("schedule", f"live activations {live}, bubble {bubble}", p)
     # peak live activations: the library's count against a model written from the
-    # docstring of mlir_passes.schedules.live_activation_profile (_expected_live)
+    # docstring of multimesh.passes.schedules.live_activation_profile (_expected_live)
     _check_live(p, sched)
     # the same units under every schedule (pure Python, no compile): on every submesh that
     # runs one stage 1F1B holds no more activations than GPipe (with V stages on a submesh
@@ -950,7 +950,7 @@ def _check_schedule(p: ProgramSpec, compiled, dev_ids: list[int]) -> None:
     # the largest over submeshes (a later stage may hold more under ZB-H1 than under 1F1B,
     # as in the paper). (ZB-H1's bubble is not always below 1F1B's on these DAGs: a
     # heuristic, not checked.)
-    from mlir_passes.schedules import build_schedule
+    from multimesh.passes.schedules import build_schedule
 
     alt = {name: build_schedule(sched.units, name) for name in _PLAIN_SCHEDULES}
     peak = {name: _check_live(p, a) for name, a in alt.items()}
