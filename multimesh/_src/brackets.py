@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["UnbalancedError", "read_string", "skip_string", "skip_balanced",
-           "skip_element", "split_top", "deepest_nesting", "ALL_BRACKETS"]
+           "skip_element", "split_top", "deepest_nesting", "line_col", "ALL_BRACKETS"]
 
 ALL_BRACKETS = ("([{<", ")]}>")
 """Every bracket pair MLIR text uses (attributes, types, locations)."""
@@ -162,3 +162,8 @@ def deepest_nesting(text: str, limit: int) -> tuple[int, int]:
     if deepest <= limit:
         return deepest, 0
     return deepest, int(np.argmax(depth > limit))
+
+
+def line_col(text: str, offset: int) -> tuple[int, int]:
+    """1-based line and column of ``offset`` in ``text``, as MLIR diagnostics count them."""
+    return text.count("\n", 0, offset) + 1, offset - (text.rfind("\n", 0, offset) + 1) + 1

@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterable, Iterator
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func, mpmd, sdy, stablehlo
 
+from multimesh._src.brackets import line_col
 from multimesh._src.jax_compat import fresh_ir_context
 
 __all__ = [
     "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
-    "make_context", "parse_module", "zero_sub_axis", "print_module", "clone_module", "unchanged_on_error",
+    "make_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module", "clone_module", "unchanged_on_error",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
     "symbol_table", "attr_to_py", "py_to_attr",
@@ -39,11 +40,9 @@ def make_context() -> ir.Context:
 def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Module:
     """Parse ``text``; a size-0 sub-axis in an mpmd type raises instead of killing us."""
     if isinstance(text, str) and (offset := zero_sub_axis(text)) is not None:
-        line = text.count("\n", 0, offset) + 1
-        col = offset - (text.rfind("\n", 0, offset) + 1) + 1
-        got = text[offset:].split("]", 1)[0].split("}", 1)[0]
+        line, col = line_col(text, offset)
         raise ValueError(f"Unable to parse module assembly: {line}:{col}: sub-axis sizes must "
-                         f"be greater than 1, got {got}.")
+                         f"be greater than 1, got {sub_axis_at(text, offset)}.")
     ctx = context or make_context()
     with ctx:
         return ir.Module.parse(text)
@@ -51,6 +50,11 @@ def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Mod
 
 # A Shardy sub-axis, ``"x":(pre-size)size``, inside a ``!mpmd.mesh_tensor`` type.
 _SUB_AXIS = re.compile(r'"[^"\n]*"\s*:\s*\(\s*\d+\s*\)\s*(\d+)')
+
+
+def sub_axis_at(text: str, offset: int) -> str:
+    """The sub-axis text (``"x":(1)0``) that :func:`zero_sub_axis` found at ``offset``."""
+    return text[offset:].split("]", 1)[0].split("}", 1)[0]
 
 
 def zero_sub_axis(text: str) -> int | None:

@@ -21,15 +21,23 @@ import time
 import traceback
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
-from multimesh._src.brackets import deepest_nesting
+from multimesh._src.brackets import deepest_nesting, line_col
 from multimesh._src.errors import (
     DiagnosticError,
     DiagnosticWarning,
     MultimeshError,
     PipelineError,
 )
-from multimesh._src.mlir import file_line_col, ir, make_context, print_module, zero_sub_axis
+from multimesh._src.mlir import (
+    file_line_col,
+    ir,
+    make_context,
+    print_module,
+    sub_axis_at,
+    zero_sub_axis,
+)
 
 __all__ = ["main"]
 
@@ -374,27 +382,22 @@ class _Driver:
     def _check_nesting(self, text: str) -> None:
         """Refuse inputs nested deeper than :data:`MAX_NESTING` before MLIR recurses into them."""
         depth, offset = deepest_nesting(text, MAX_NESTING)
-        if depth <= MAX_NESTING:
-            return
-        line = text.count("\n", 0, offset) + 1
-        col = offset - (text.rfind("\n", 0, offset) + 1) + 1
-        sys.stderr.write(
-            f"{self.display}:{line}:{col}: error: the input nests brackets more than "
-            f"{MAX_NESTING} levels deep (regions, attributes or types); {PROG} does not "
-            f"accept deeper modules\n")
-        raise _Failure from None
+        if depth > MAX_NESTING:
+            self._refuse(text, offset, f"the input nests brackets more than {MAX_NESTING} "
+                         f"levels deep (regions, attributes or types); {PROG} does not "
+                         f"accept deeper modules")
 
     def _check_sub_axes(self, text: str) -> None:
         """Refuse a size-0 sub-axis in an mpmd type: jaxlib's parser divides by it."""
         offset = zero_sub_axis(text)
-        if offset is None:
-            return
-        line = text.count("\n", 0, offset) + 1
-        col = offset - (text.rfind("\n", 0, offset) + 1) + 1
-        sys.stderr.write(
-            f"{self.display}:{line}:{col}: error: sub-axis sizes must be greater than 1, "
-            f"got {text[offset:].split(']', 1)[0].split('}', 1)[0]}; jaxlib's mpmd parser "
-            f"would divide by zero\n")
+        if offset is not None:
+            self._refuse(text, offset, f"sub-axis sizes must be greater than 1, got "
+                         f"{sub_axis_at(text, offset)}; jaxlib's mpmd parser would divide by zero")
+
+    def _refuse(self, text: str, offset: int, message: str) -> NoReturn:
+        """Report an input we do not hand to MLIR's parser, at ``offset``, and stop."""
+        line, col = line_col(text, offset)
+        sys.stderr.write(f"{self.display}:{line}:{col}: error: {message}\n")
         raise _Failure from None
 
     def _write_output(self, text: str) -> None:
