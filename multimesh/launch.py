@@ -52,7 +52,7 @@ def _cluster_env():
 
     base, types = cluster_env_base()
 
-    class LocalCluster(base):
+    class LocalCluster(base):  # type: ignore[valid-type, misc]  # jax's ClusterEnv, found at run time
         name = "multimesh-launch"
 
         @classmethod

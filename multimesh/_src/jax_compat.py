@@ -19,7 +19,7 @@ import functools
 import importlib
 import re
 from collections.abc import Callable, Set
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import jax
 from jax._src import config as _config
@@ -180,7 +180,7 @@ def _partial_eval_010(prim, trace, *in_tracers, call_jaxpr, **params):
 @_util.weakref_lru_cache
 def _transpose_jaxpr_010(call_jaxpr, in_avals, in_tree):
     """The backward pass of ``call_jaxpr`` traced to a jaxpr (cached per jaxpr)."""
-    cell = lambda: None  # noqa: E731
+    cell = SimpleNamespace(out_tree=None)  # set by the traced function
 
     def transposed_fun(*in_flat):
         primals_in, cts_in = jax.tree_util.tree_unflatten(in_tree, in_flat)
@@ -441,6 +441,4 @@ def sdy_mpmd_partitioner():
 
     sys.modules.setdefault("jax.jaxlib", jaxlib)
     sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
-    from jaxlib import _sdy_mpmd
-
-    return _sdy_mpmd
+    return importlib.import_module("jaxlib._sdy_mpmd")  # an extension module, untyped

@@ -771,7 +771,10 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     if initial_batch is not None:
         return compiled, init_sharded_params
 
+    make_batch = get_input_batch
+    assert make_batch is not None  # one of the two was required above
+
     def get_sharded_batch():
-        return jax.device_put(get_input_batch(), batch_sh)
+        return jax.device_put(make_batch(), batch_sh)
 
     return compiled, init_sharded_params, get_sharded_batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -355,7 +355,7 @@ class MicrobatchOptions:
     interleave: int | None = None
     num_stages: int | None = None
     unrolling: int | None = None
-    custom_schedule: object = None
+    custom_schedule: Sequence[Sequence[Any]] | None = None
     reduction: str = "mean"
 
     @property

@@ -607,6 +607,8 @@ class _OutSplit:
 
     def __init__(self, out, inner_in_nodes, where):
         leaves, self.treedef = jax.tree.flatten(out, is_leaf=_is_node)
+        self.num_leaves = len(leaves)
+        self.graphdef: Any = None  # nnx's GraphDef of the output's nodes, if any
         self.kinds, nodes, self.dyn, self.static = [], [], [], []
         self.input_refs = []
         for x in leaves:
@@ -638,7 +640,7 @@ class _OutSplit:
 
     def specs(self, shardings, where):
         n_nodes = sum(k == "node" for k in self.kinds)
-        stand_in = jax.tree.unflatten(self.treedef, list(range(self.treedef.num_leaves)))
+        stand_in = jax.tree.unflatten(self.treedef, list(range(self.num_leaves)))
         entries = _broadcast(shardings, stand_in, where)
         node_specs, dyn_specs = [], []
         for kind, e in zip(self.kinds, entries):
@@ -648,7 +650,8 @@ class _OutSplit:
                 dyn_specs.append(_leaf_spec(e, where))
         var_specs = []
         for path, leaf in self.flat:
-            idx = path[0]
+            idx = path[0]  # the node's position in the tuple that nnx.split was given
+            assert isinstance(idx, int)
             var_specs.append(_node_var_spec(node_specs[idx], path[1:], leaf, where)
                              if idx < n_nodes else None)
         return var_specs, dyn_specs
@@ -661,7 +664,7 @@ class _OutSplit:
             nodes = nnx.merge(self.graphdef, nnx.from_flat_state(entries))
         node_it, dyn_it, st_it, ref_it = (iter(nodes), iter(dyn_vals), iter(self.static),
                                           iter(self.input_refs))
-        leaves = []
+        leaves: list[Any] = []
         for k in self.kinds:
             if k == "node":
                 leaves.append(next(node_it))
