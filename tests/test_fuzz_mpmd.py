@@ -281,3 +281,32 @@ def test_regression_live_activations_backward_before_forward():
     sched = Schedule("gpipe", units, orders=(row,), order=row)
     assert live_activation_profile(sched) == [[1, 0, 0, 0, 0, 0]]
     assert sched.live_activations() == [1]
+
+
+def test_regression_dead_nondividing_constraint_under_microbatch():
+    """Found by the long fuzz (an oracle error, not a library one): a constraint that
+    cannot divide (8 rows over y=3), whose value only reaches an argument the next task
+    ignores, is dead. The microbatch loop drops it, as ``jax.jit`` drops a dead
+    constraint, and computes jax's numbers; the flat form still resolves it and raises.
+    The oracle therefore says 'may raise' (``predict_error`` follows used outputs)."""
+    mesh3 = mm.TaskMesh(devices=(0, 1, 2), axis_names=("x", "y"), axis_sizes=(1, 3))
+    t1 = mm.task(lambda v: (jnp.tanh(v), wsc(v, P(None, "y"))), name="t1", mesh=mesh3)
+    t2 = mm.task(lambda ignored, v: jnp.tanh(v), name="t2", mesh=mm.TaskMesh(devices=(3, 4)))
+
+    def loss(x, w):
+        a, b = t1(x * w)
+        return jnp.sum(t2(b, a))
+
+    rng = np.random.RandomState(0)
+    x = rng.uniform(-1, 1, (16, 8)).astype(np.float32)
+    w = rng.uniform(-1, 1, (8,)).astype(np.float32)
+    step = mm.microbatch(jax.value_and_grad(loss, argnums=1), dim=0, size=8, argnum=0,
+                         schedule="gpipe")
+    value, grad = mm.mjit(step)(x, w)
+    with mm.ignore_transforms():
+        ref = [jax.value_and_grad(loss, argnums=1)(x[i * 8:(i + 1) * 8], w) for i in (0, 1)]
+    np.testing.assert_allclose(float(value), float(ref[0][0] + ref[1][0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref[0][1] + ref[1][1]), rtol=1e-5)
+    assert _ids(value) == [3, 4] and _ids(grad) == [0, 1, 2]
+    with pytest.raises(ValueError, match="3 does not evenly divide 8"):
+        mm.mjit(jax.value_and_grad(loss, argnums=1))(x[:8], w)

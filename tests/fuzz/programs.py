@@ -719,23 +719,6 @@ def _live_locals(t: TaskSpec, outs: Sequence[int] | None = None) -> set[int]:
     return live
 
 
-def _live_steps(p: ProgramSpec) -> list[bool]:
-    live_names = set(p.outputs)
-    live = [False] * len(p.steps)
-    for i in range(len(p.steps) - 1, -1, -1):
-        s = p.steps[i]
-        if any(o in live_names for o in s.outs):
-            live[i] = True
-            if s.kind == "task":
-                t = p.tasks[s.task]
-                ll = _live_locals(t)
-                used = [a for j, a in enumerate(s.args) if j in ll]
-                live_names.update(used)
-            else:
-                live_names.update(s.args)
-    return live
-
-
 def _fine_liveness(p: ProgramSpec) -> dict[int, set[int]]:
     """Step index -> live locals of its task, following only the outputs that are used."""
     live_names = set(p.outputs)
@@ -757,22 +740,27 @@ def _fine_liveness(p: ProgramSpec) -> dict[int, set[int]]:
 
 
 def predict_error(p: ProgramSpec) -> str:
-    """``"none"``, ``"must"`` (a live in-task constraint cannot divide) or ``"may"``."""
+    """``"none"``, ``"must"`` (a live in-task constraint cannot divide) or ``"may"``.
+
+    "Live" follows only the task outputs that are used (:func:`_fine_liveness`): a
+    constraint whose value only reaches arguments the next task ignores is dead. The
+    flat form still resolves it (the value crosses the task boundary) and raises; the
+    microbatch loop's body drops it, like ``jax.jit`` drops a dead constraint. So such a
+    constraint *may* raise."""
     must = may = False
-    live = _live_steps(p)
+    fine = _fine_liveness(p)
     shape = lambda r: (p.n,) * r  # noqa: E731
     for i, s in enumerate(p.steps):
         if s.kind == "task":
             t = p.tasks[s.task]
             ranks = _local_ranks(t)
-            ll = _live_locals(t)
             for j, op in enumerate(t.body):
                 if op.kind != "wsc":
                     continue
                 r = expected_resolution(op.spec, shape(ranks[op.args[0]]), t.axis_names,
                                         t.axis_sizes, t.logical_axes)
                 if r == "nondividing":
-                    if live[i] and len(t.in_ranks) + j in ll:
+                    if len(t.in_ranks) + j in fine.get(i, ()):
                         must = True
                     else:
                         may = True
