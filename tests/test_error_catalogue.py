@@ -9,29 +9,16 @@ are strict xfails: fixing the library turns them into failures until the
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from multimesh._src.errors import MultimeshError, PassFailure
+from tests import error_catalogue as cat
+from tests.tools import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cat = _load("error_catalogue", ROOT / "tests" / "error_catalogue.py")
 
 
 def _params():
@@ -77,6 +64,6 @@ def test_error(entry, tmp_path):
 def test_errors_doc_up_to_date():
     for module in ("flax", "optax"):  # the doc shows the Flax entries' messages
         pytest.importorskip(module)
-    gen = _load("gen_errors_doc", ROOT / "tools" / "gen_errors_doc.py")
+    gen = load_tool("gen_errors_doc")
     current = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
     assert current == gen.render(), "docs/errors.md is stale: run `python tools/gen_errors_doc.py`"

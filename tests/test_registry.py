@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 from multimesh.passes import get_all_passes, pass_module_name
 from multimesh.passes.base import ModulePass
+
+from tests.tools import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 FILECHECK = ROOT / "tests" / "filecheck"
@@ -16,12 +16,7 @@ PASSES = get_all_passes()
 
 
 def _gen_doc_module():
-    spec = importlib.util.spec_from_file_location("gen_passes_doc",
-                                                  ROOT / "tools" / "gen_passes_doc.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gen_passes_doc", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gen_passes_doc")
 
 
 @pytest.mark.parametrize("argument", sorted(PASSES))

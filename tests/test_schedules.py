@@ -3,9 +3,7 @@ the text Gantt, the PNG and the trace file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from multimesh.passes.schedules import (
 
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import parse_module, print_module
+from tests.tools import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN = [s for s in SCHEDULES if s != "custom"]
@@ -530,11 +529,7 @@ def test_trace_json_one_track_per_submesh(tmp_path):
 
 
 def test_p6():
-    spec = importlib.util.spec_from_file_location("bench_schedules",
-                                                  ROOT / "tools" / "bench_schedules.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_schedules", mod)
-    spec.loader.exec_module(mod)
+    mod = load_tool("bench_schedules")
     res = mod.P6(shapes=((4, 8),))
     for name in ("gpipe", "1f1b", "interleaved-1f1b"):
         assert res[f"P6/{name}/P4M8/bubble"] == pytest.approx(res[f"P6/{name}/P4M8/theory"])

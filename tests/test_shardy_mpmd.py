@@ -13,7 +13,6 @@ lowered by the stand-in in ``tools/sdy_mpmd.py`` and go straight into
 from __future__ import annotations
 
 import functools
-import importlib.util
 import io
 import sys
 from contextlib import redirect_stdout
@@ -30,21 +29,12 @@ import multimesh.jax as mm
 from multimesh._src.errors import PassFailure
 from multimesh._src.mlir import make_context, parse_module
 from multimesh.runtime import Executor, build_plan
+from tests.tools import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-S = _load("sdy_mpmd", ROOT / "tools" / "sdy_mpmd.py")
+S = load_tool("sdy_mpmd")
 
 X4 = (("x", 4),)
 X2Y2 = (("x", 2), ("y", 2))
@@ -148,7 +138,7 @@ def test_mm_opt_output_runs_on_the_runtime(tmp_path):
     """The golden inputs, imported by the mm-opt CLI, run through build_plan + Executor."""
     from multimesh.tools.mm_opt import main
 
-    gen = _load("gen_import_mpmd_inputs", ROOT / "tools" / "gen_import_mpmd_inputs.py")
+    gen = load_tool("gen_import_mpmd_inputs")
     for name, (mb, _) in gen.CASES.items():
         out = tmp_path / f"{name}.out"
         src = ROOT / "tests" / "filecheck" / "Inputs" / name
@@ -168,7 +158,7 @@ def test_mm_opt_output_runs_on_the_runtime(tmp_path):
            "jax lowers the same program to different text (e.g. tanh's derivative), while "
            "the tests above check that the programs agree on every version")
 def test_golden_inputs_up_to_date():
-    gen = _load("gen_import_mpmd_inputs", ROOT / "tools" / "gen_import_mpmd_inputs.py")
+    gen = load_tool("gen_import_mpmd_inputs")
     with redirect_stdout(io.StringIO()) as out:
         assert gen.main(["--check"]) == 0, out.getvalue()
 
