@@ -28,6 +28,7 @@ import re
 import shlex
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from multimesh._src.errors import (
     MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
+    MultimeshWarning,
     PassFailure,
     PipelineError,  # noqa: F401
 )
@@ -103,6 +105,11 @@ class Entry:
                 return cls
         return None
 
+    @property
+    def is_warning(self) -> bool:
+        """A warning entry: the trigger must warn ``exc`` (a ``MultimeshWarning``)."""
+        return self.exc is not None and issubclass(self.exc, Warning)
+
     def source(self) -> str:
         """The trigger's body (Python) or the command line (CLI), for the docs."""
         if self.is_cli:
@@ -125,6 +132,18 @@ def error(id: str, category: str, title: str, exc: type[BaseException], match: s
         return fn
 
     return register
+
+
+def warning(id: str, category: str, title: str, exc: type[Warning], match: str, fix: str,
+            *, issue: str | None = None, check: Callable | None = None,
+            requires: tuple[str, ...] = ()):
+    """Decorator: register the decorated function as the trigger of a warning.
+
+    The trigger runs with ``exc`` turned into an error, so the outcome is the first
+    such warning, checked like an error (class and message).
+    """
+    return error(id, category, title, exc, match, fix, issue=issue, check=check,
+                 requires=requires)
 
 
 def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: str, *,
@@ -951,6 +970,19 @@ def _():
     mm.register_task("x*", task=mm.Task(mesh_slice={"stage": 0}))
 
 
+@warning("register-task-matched-nothing", IMPLICIT, "A task rule that places nothing",
+         MultimeshWarning,
+         r"Task matcher 'layer_7' claimed no op of this program: no op's name stack contains "
+         r"a match, so it places nothing",
+         """A registered rule matched no op's name stack (a typo, or a model whose modules
+         have other names). The warning lists the closest names the program has; fix the
+         matcher or drop the rule.""")
+def _():
+    with mm.context():
+        mm.register_task("layer_7", task=mm.Task(mesh=mesh4()))
+        mm.mjit(layered_model)(*layered_args())
+
+
 @error("register-task-invalid-regex", IMPLICIT, "A matcher that is not a regular expression",
        MultimeshValueError,
        r"Task matcher 'layer\(' is not a valid regular expression: missing \), unterminated "
@@ -1676,7 +1708,9 @@ def run(entry: Entry, workdir: Path) -> Outcome:
     dump = workdir / "dump"
     mm.clear_tasks()
     try:
-        with _env("MULTIMESH_DUMP_IR_TO", str(dump)):
+        with _env("MULTIMESH_DUMP_IR_TO", str(dump)), warnings.catch_warnings():
+            if entry.is_warning:
+                warnings.simplefilter("error", entry.exc)
             entry.trigger()
     except Exception as e:  # noqa: BLE001 - any exception is the outcome
         return Outcome(error=e, message=str(e))
@@ -1761,6 +1795,9 @@ def validate_catalogue() -> list[str]:
         else:
             if e.trigger is None or e.exc is None:
                 problems.append(f"{e.id}: needs a trigger and an exception class")
+            elif e.is_warning:
+                if not issubclass(e.exc, MultimeshWarning):
+                    problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshWarning")
             elif not issubclass(e.exc, MultimeshError) or e.builtin not in (ValueError,
                                                                             TypeError):
                 problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshError and a "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from multimesh._src.errors import MultimeshError, PassFailure
+from multimesh._src.errors import MultimeshError, MultimeshWarning, PassFailure
 from tests import error_catalogue as cat
 from tests.tools import load_tool
 
@@ -49,8 +49,11 @@ def test_error(entry, tmp_path):
     assert err is not None, "no error was raised"
     assert isinstance(err, entry.exc), \
         f"expected {entry.exc.__name__}, got {type(err).__module__}.{type(err).__name__}: {err}"
-    assert isinstance(err, MultimeshError), type(err).__mro__
-    assert isinstance(err, entry.builtin), type(err).__mro__
+    if entry.is_warning:
+        assert isinstance(err, MultimeshWarning), type(err).__mro__
+    else:
+        assert isinstance(err, MultimeshError), type(err).__mro__
+        assert isinstance(err, entry.builtin), type(err).__mro__
     assert re.search(entry.match, str(err), re.DOTALL), str(err)
     if entry.check is not None:
         entry.check(err)

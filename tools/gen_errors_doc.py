@@ -105,10 +105,12 @@ def helpers(cat) -> str:
 
 
 def _class_line(exc: type) -> str:
-    from multimesh._src.errors import MultimeshError
+    from multimesh._src.errors import MultimeshError, MultimeshWarning
 
     builtins = [c.__name__ for c in exc.__mro__
                 if c.__module__ == "builtins" and c not in (Exception, BaseException, object)]
+    if issubclass(exc, MultimeshWarning):
+        return f"`{exc.__name__}` (a `MultimeshWarning`, a `UserWarning`)"
     if issubclass(exc, MultimeshError):
         return f"`{exc.__name__}` (a `MultimeshError` and a `{builtins[0]}`)"
     return f"`{exc.__name__}`"
@@ -139,6 +141,8 @@ def render_entry(cat, entry, workdir: Path) -> str:
         else:
             current = None
         verb = "Should be raised as" if entry.issue and current else "Raised as"
+        if entry.is_warning:
+            verb = "Should be warned as" if entry.issue and current else "Warned as"
         parts[-1] += f"{verb} {_class_line(entry.exc)}."
         parts.append("")
         parts.append(fence(entry.source(), "python"))
