@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh._src.errors import (
+from multimesh.jax.errors import (
     DiagnosticError,
     DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)

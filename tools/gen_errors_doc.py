@@ -42,7 +42,7 @@ Each entry is backed by a test (`tests/test_error_catalogue.py`, one test per en
 that provokes the error and checks its class and message; the messages below were
 captured by running those triggers.
 
-Python errors all inherit `multimesh.jax.MultimeshError` *and* the matching builtin, so
+Python errors all inherit `multimesh.jax.errors.MultimeshError` *and* the matching builtin, so
 `except ValueError` (or `TypeError`) keeps working for code that does not know about
 multimesh. A compile-time failure inside a pass is a `PassFailure` that names the pass
 and ends with an `mm-opt` command replaying it on the saved input (written to the
@@ -81,11 +81,14 @@ def fence(body: str, info: str = "") -> str:
 
 
 def error_classes() -> str:
-    from multimesh._src import errors
+    from multimesh.jax import errors
 
-    lines = ["## Error classes", ""]
-    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
-               if c.__module__ == errors.__name__]
+    lines = ["## Error classes", "",
+             "Every class below is importable from `multimesh.jax.errors` "
+             "(`from multimesh.jax.errors import PassFailure`), as jax's are from "
+             "`jax.errors`.", ""]
+    classes = [c for name, c in inspect.getmembers(errors, inspect.isclass)
+               if not name.startswith("_")]
     classes.sort(key=lambda c: (len(c.__mro__), c.__name__))
     for c in classes:
         bases = ", ".join(b.__name__ for b in c.__bases__)
@@ -105,7 +108,7 @@ def helpers(cat) -> str:
 
 
 def _class_line(exc: type) -> str:
-    from multimesh._src.errors import MultimeshError, MultimeshWarning
+    from multimesh.jax.errors import MultimeshError, MultimeshWarning
 
     builtins = [c.__name__ for c in exc.__mro__
                 if c.__module__ == "builtins" and c not in (Exception, BaseException, object)]
