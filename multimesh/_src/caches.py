@@ -15,14 +15,38 @@ from typing import Any, NamedTuple
 
 from multimesh._src import jax_compat
 
-__all__ = ["LRUCache", "WeakKeyCache", "clear_caches"]
+__all__ = ["CacheInfo", "CachesInfo", "LRUCache", "ProgramCaches", "WeakKeyCache",
+           "cache_info", "clear_caches"]
 
 
 class CacheInfo(NamedTuple):
+    """Hits, misses, bound and size of one cache (as ``functools.lru_cache``'s)."""
+
     hits: int
     misses: int
     maxsize: int | None
     currsize: int
+
+
+def _sum(infos) -> CacheInfo:
+    infos = list(infos)
+    sizes = [i.maxsize for i in infos]
+    return CacheInfo(sum(i.hits for i in infos), sum(i.misses for i in infos),
+                     None if None in sizes else sum(s for s in sizes if s is not None),
+                     sum(i.currsize for i in infos))
+
+
+class CachesInfo(NamedTuple):
+    """:func:`multimesh.jax.cache_info`: multimesh's two kinds of compile cache."""
+
+    programs: CacheInfo
+    """The programs every live ``mjit`` function compiled (one per argument types and
+    context), summed over the functions."""
+    fragments: CacheInfo
+    """Compiled fragments (XLA executables), shared by every program."""
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every LRUCache, for cache_info()
 
 
 class LRUCache:
@@ -40,6 +64,7 @@ class LRUCache:
         self._hits = self._misses = 0
         # jax holds registered caches weakly: the registration lasts as long as we do.
         jax_compat.register_cache(self, for_what)
+        _LIVE.add(self)
 
     def get(self, key, default=None) -> Any:
         with self._lock:
@@ -105,6 +130,49 @@ class WeakKeyCache(weakref.WeakKeyDictionary):
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(0, 0, None, len(self))
+
+
+def _kind(cache: LRUCache) -> str | None:
+    """Which field of :class:`CachesInfo` a cache counts in, by what it holds."""
+    for kind in CachesInfo._fields:
+        if kind in cache.for_what:
+            return kind
+    return None
+
+
+def cache_info() -> CachesInfo:
+    """Hits, misses and sizes of multimesh's compile caches, as :class:`CachesInfo`.
+
+    ``programs`` sums the caches of every ``mjit`` function still alive;
+    ``fragments`` is the cache of compiled fragments they share. jax's own caches
+    are not counted (each fragment is also in jax's, as a ``jax.jit`` is).
+    """
+    live = list(_LIVE)
+    return CachesInfo(*(_sum(c.cache_info() for c in live if _kind(c) == kind)
+                        for kind in CachesInfo._fields))
+
+
+class ProgramCaches:
+    """``cache_info()``/``clear_cache()`` of an ``mjit`` function (like ``jax.jit``'s
+    ``clear_cache``): over the :class:`LRUCache` attributes named in ``_program_caches``."""
+
+    _program_caches: tuple[str, ...] = ("_cache",)
+
+    def _caches(self) -> list[LRUCache]:
+        return [c for c in (getattr(self, n, None) for n in self._program_caches)
+                if c is not None]
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses and size of the programs this function compiled."""
+        return _sum(c.cache_info() for c in self._caches())
+
+    def clear_cache(self) -> None:
+        """Forget the programs this function compiled; the next call compiles again.
+
+        Compiled fragments stay in the shared cache (:func:`clear_caches` empties it).
+        """
+        for c in self._caches():
+            c.cache_clear()
 
 
 def clear_caches() -> None:

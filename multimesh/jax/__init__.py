@@ -1,7 +1,12 @@
 """multimesh's public JAX API (MultiMesh-compatible)."""
 
+from multimesh._src.caches import CacheInfo as CacheInfo
+from multimesh._src.caches import CachesInfo as CachesInfo
+from multimesh._src.caches import cache_info as cache_info
+from multimesh._src.caches import clear_caches as clear_caches
 from multimesh._src.errors import MultimeshError as MultimeshError
 from multimesh._src.errors import MultimeshWarning as MultimeshWarning
+from multimesh.jax import errors as errors
 from multimesh.jax._contexts import autoshard as autoshard
 from multimesh.jax._contexts import context as context
 from multimesh.jax._contexts import enable_fast_path as enable_fast_path
@@ -15,6 +20,7 @@ from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._multimesh import clear_tasks as clear_tasks
 from multimesh.jax._multimesh import register_task as register_task
 from multimesh.jax._multimesh import tasks as tasks
+from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
 from multimesh.jax._task import Task as Task
 from multimesh.jax._task import TaskMesh as TaskMesh

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from multimesh._src.caches import LRUCache
+from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import (
     DiagnosticError,
     MultimeshTypeError,
@@ -24,6 +24,7 @@ from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
+from multimesh.jax._results import ParallelizeResult
 from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
 from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 from multimesh.passes.schedules import SPLIT_SCHEDULES
@@ -253,6 +254,12 @@ class MpmdCompiled:
 
     def plan(self) -> str:
         return self.plan_data.describe()
+
+    def process_plan(self) -> str | None:
+        """Under ``jax.distributed``, the plan as this process runs it: the calls it
+        runs or skips, the transfers it sends, receives or joins; None in one process."""
+        pp = self._exec.process_plan
+        return None if pp is None else pp.describe()
 
     def cost_analysis(self) -> dict:
         total: dict[str, float] = {}
@@ -541,7 +548,9 @@ def _check_distinct_devices(devices) -> None:
                 f"{times} in {ids}.")
 
 
-class _MJit:
+class _MJit(ProgramCaches):
+    _program_caches = ("_cache", "_placed")
+
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
         self.fun = fun
@@ -740,8 +749,10 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
                 devices: Sequence | None = None):
     """Compiles an abstract ``fun(params, batch)`` into a sharded function.
 
-    Returns ``(sharded_fun, init_sharded_params, get_sharded_batch)`` when
-    ``get_input_batch`` is given, else ``(sharded_fun, init_sharded_params)``.
+    Returns a :class:`ParallelizeResult`: it unpacks as ``(sharded_fun,
+    init_sharded_params, get_sharded_batch)`` when ``get_input_batch`` is given,
+    else as ``(sharded_fun, init_sharded_params)``; all three are attributes in
+    both forms.
     Parameters and the batch are placed where the task that first consumes them
     wants them.
     """
@@ -768,13 +779,12 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
             return distributed.owner_init(init_params, param_sh)
         return jax.device_put(init_params(), param_sh)
 
-    if initial_batch is not None:
-        return compiled, init_sharded_params
-
-    make_batch = get_input_batch
+    make_batch = get_input_batch if initial_batch is None else lambda: initial_batch
     assert make_batch is not None  # one of the two was required above
 
     def get_sharded_batch():
         return jax.device_put(make_batch(), batch_sh)
 
-    return compiled, init_sharded_params, get_sharded_batch
+    # MultiMesh's forms: 3 values with get_input_batch, 2 with initial_batch.
+    return ParallelizeResult((compiled, init_sharded_params, get_sharded_batch),
+                             length=3 if initial_batch is None else 2)

@@ -25,6 +25,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from multimesh.jax import with_sharding_constraint as with_sharding_constraint
+from multimesh.jax._results import ParallelizeStepResult as ParallelizeStepResult
 from multimesh.jax.flax._linen import parallelize_step as parallelize_step
 from multimesh.jax.flax._linen import shard_axes as shard_axes
 from multimesh.jax.flax._linen import task as task
@@ -36,4 +37,4 @@ from multimesh.jax.flax._nnx import mjit as nnx_mjit
 from multimesh.jax.flax._nnx import nnx_shard_axes as nnx_shard_axes
 
 __all__ = ["task", "shard_axes", "nnx_shard_axes", "with_sharding_constraint",
-           "parallelize_step", "mjit", "nnx_mjit", "StateSharding", "TaskModule", "NnxTrainState"]
+           "parallelize_step", "ParallelizeStepResult", "mjit", "nnx_mjit", "StateSharding", "TaskModule", "NnxTrainState"]

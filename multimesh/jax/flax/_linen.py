@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts
+from multimesh.jax._results import ParallelizeStepResult
 from multimesh.runtime import distributed
 
 __all__ = ["task", "shard_axes", "parallelize_step"]
@@ -444,10 +445,12 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     are the mean over microbatches (``microbatch_reduction="mean"``, the same as
     the whole batch for a loss that averages over it) or their sum (``"sum"``).
 
-    Returns ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
+    Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult` that unpacks as
+    ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
     ``(step_fn, state, mesh, prepare_batch)`` for ``local_batch`` (this
     process's part of the batch; ``prepare_batch`` turns such host data into
-    the global batch arrays). ``loss, state = step_fn(state, batch)``.
+    the global batch arrays); all four are attributes in both forms.
+    ``loss, state = step_fn(state, batch)``.
     """
     from multimesh.jax.flax import _nnx
 
@@ -479,9 +482,9 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
     state = _placed_state(init_fn, init_state, state_sh, key, init_batch)
-    if global_batch is not None:
-        return compiled, state, mesh
-    return compiled, state, mesh, prepare_batch
+    # MultiMesh's forms: 3 values with global_batch, 4 with local_batch.
+    return ParallelizeStepResult((compiled, state, mesh, prepare_batch),
+                                 length=3 if global_batch is not None else 4)
 
 
 def _check_linen_model(model) -> None:

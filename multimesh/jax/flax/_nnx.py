@@ -28,9 +28,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh._src.caches import LRUCache
+from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh
+from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._task import TaskFunction
 from multimesh.jax.flax._linen import (
     _batch_avals,
@@ -523,7 +524,7 @@ def _encode(vals):
     return data, impls
 
 
-class _NnxMJit:
+class _NnxMJit(ProgramCaches):
     def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
                  static_argnums):
         self.fun = fun
@@ -863,8 +864,9 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     as logical names. ``loss, state = step_fn(state, batch)`` updates the state
     in place (and returns it).
 
-    Returns ``(step_fn, state, mesh)`` for ``global_batch`` or
-    ``(step_fn, state, mesh, prepare_batch)`` for ``local_batch``.
+    Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult`: ``(step_fn, state,
+    mesh)`` for ``global_batch`` or ``(step_fn, state, mesh, prepare_batch)`` for
+    ``local_batch``.
     """
     _check_batches(global_batch, local_batch)
     mesh = _default_mesh(mesh)
@@ -907,7 +909,6 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
 
     step_fn = _NnxStep(compiled)
-    if global_batch is not None:
-        return step_fn, state, mesh
-    return step_fn, state, mesh, prepare_batch
+    return ParallelizeStepResult((step_fn, state, mesh, prepare_batch),
+                                 length=3 if global_batch is not None else 4)
 
