@@ -28,7 +28,7 @@ class InsertTransfersPass(ModulePass):
     right after the producer, so the copy can start as early as possible, and
     rewires the consumer to ``%t``. One transfer per value and destination layout.
     Two layouts are the same when every device holds the same piece of the value,
-    whatever the mesh axes are called (``multimesh._src.layouts.layout_key``).
+    whatever the mesh axes are called (``layout_key`` in ``multimesh/_src/layouts.py``).
     """
 
     argument = "mm-insert-transfers"

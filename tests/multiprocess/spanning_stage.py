@@ -61,7 +61,7 @@ for g in grads[:2]:
     assert not g.is_fully_addressable and len(g.addressable_shards) == 2
     assert {tuple(s.data.shape) for s in g.addressable_shards} == {(16, 4)}
 # what each process does with each step
-kinds = [line.split()[0] for line in compiled._exec.process_plan.describe().splitlines()[1:]]
+kinds = [line.split()[0] for line in compiled.process_plan().splitlines()[1:]]
 # stage0 <-> stage1: shard to shard, within each process; stage1 <-> stage2: 4 <-> 2 devices
 assert kinds.count("paired") == 2 and kinds.count("replicated") == 2, kinds
 assert kinds.count("skip") == (2 if me == 0 else 0), kinds
