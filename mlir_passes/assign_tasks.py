@@ -14,7 +14,7 @@ from .match_tasks import BACKPROP_MARKER, name_stack
 
 @dataclass(frozen=True)
 class AssignTasksPass(ModulePass):
-    """Colour untagged ops of ``@main`` (flat form) by the MultiMesh rule.
+    """Colour untagged ops of ``@main`` (flat form) by the original library's rule.
 
     An op outside every task joins the task whose ops it exchanges the most bytes
     with (operands and users together; a leaf task call counts a value once per op of

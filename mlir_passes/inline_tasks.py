@@ -39,8 +39,8 @@ class InlineTasksPass(ModulePass):
     ``mm.tasks`` table. A task name that comes with a second, different mesh or
     logical mapping (one function wrapped twice, ``task(f, mesh=a)`` and
     ``task(f, mesh=b)``) names a new task: the first keeps the name, the others
-    become ``name.1``, ``name.2``, ... in program order (MultiMesh uniquifies colours
-    the same way). Private functions left unreferenced are removed.
+    become ``name.1``, ``name.2``, ... in program order (as the original library,
+    multimesh-jax, uniquifies colours). Private functions left unreferenced are removed.
     """
 
     argument = "mm-inline-tasks"

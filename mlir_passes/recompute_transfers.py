@@ -37,8 +37,8 @@ class RecomputeTransfersPass(ModulePass):
     constants, and its total cost is at most ``max-cost``, the tree is cloned into
     the consumer, the consumer takes the program inputs directly, and the transfer
     disappears. Sharding constraints inside the tree are dropped from the copy (the
-    consumer's own propagation decides its layout). This is MultiMesh's
-    comm-avoiding recompute (``enable_recomputation``), applied to the MPMD form
+    consumer's own propagation decides its layout). This is the original
+    library's comm-avoiding recompute (``enable_recomputation``), applied to the MPMD form
     right after ``mm-outline-fragments``.
     """
 

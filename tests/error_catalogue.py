@@ -474,7 +474,7 @@ def _():
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
        MultimeshValueError,
        r"MultiMesh\.__exit__ was called without a matching __enter__ in this thread",
-       """Enter a MultiMesh (or Context) with `with` or use it as a decorator; a manual
+       """Enter a `MultiMesh` (or `Context`) with `with` or use it as a decorator; a manual
        `__exit__` must follow an `__enter__` in the same thread.""")
 def _():
     global_mesh().__exit__(None, None, None)
@@ -633,7 +633,7 @@ def _():
     mm.mjit(lambda p, x: lax.cond(p, a, b, x))(True, jnp.ones(8))
 
 
-@error("multimesh-device-count-mismatch", MESHES, "MultiMesh axis sizes and devices disagree",
+@error("multimesh-device-count-mismatch", MESHES, "`MultiMesh` axis sizes and devices disagree",
        MeshError, r"MultiMesh axis_sizes \(2, 2\) describe 4 devices but 8 devices were given",
        """`MultiMesh(axis_sizes=...)` reshapes its devices (all of `jax.devices()` by
        default) to `axis_sizes`; the sizes must multiply to the number of devices.""")
@@ -641,7 +641,7 @@ def _():
     mm.MultiMesh(axis_sizes=(2, 2), axis_names=("stage", "x"))
 
 
-@error("multimesh-global-mesh-and-axes", MESHES, "MultiMesh given both a mesh and axes",
+@error("multimesh-global-mesh-and-axes", MESHES, "`MultiMesh` given both a mesh and axes",
        MultimeshValueError,
        r"MultiMesh takes either `global_mesh` or `axis_sizes`/`axis_names`/`devices`, not both",
        """Either wrap an existing mesh (`MultiMesh(global_mesh=mesh)`) or describe one
@@ -650,7 +650,7 @@ def _():
     mm.MultiMesh(global_mesh=jax.make_mesh((8,), ("x",)), axis_names=("x",))
 
 
-@error("multimesh-slice-out-of-range", MESHES, "MultiMesh.slice index beyond the axis",
+@error("multimesh-slice-out-of-range", MESHES, "`MultiMesh.slice` index beyond the axis",
        MeshError,
        r"MultiMesh\.slice: index 2 is out of range for axis 'stage' of size 2 "
        r"\(valid indices are 0\.\.1\)",
@@ -780,8 +780,8 @@ def _():
        MultimeshValueError,
        r"`microbatch` size 3 does not divide the batch: dim 0 has size 16, which leaves a "
        r"remainder of 1\. Choose a size that divides 16",
-       """Unlike MultiMesh, multimesh does not drop a remainder silently: choose a
-       microbatch `size` that divides the batch dimension.""")
+       """Unlike the original library (docs/compared.md), multimesh does not drop a
+       remainder silently: choose a microbatch `size` that divides the batch dimension.""")
 def _():
     grad_fn, ws, x = two_stage()
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=3, argnum=1))(ws, x)
@@ -1023,7 +1023,7 @@ def _():
        r"register_task\('layer0'\): the Task has neither `mesh` nor `mesh_slice`; give one of "
        r"them so the matched ops have a submesh",
        """A registered task places ops, so it needs a `mesh` or a `mesh_slice` of the
-       active MultiMesh.""")
+       active `MultiMesh`.""")
 def _():
     mm.register_task("layer0", task=mm.Task(name="x"))
 
@@ -1068,7 +1068,7 @@ def _():
 
 @error("task-mesh-and-mesh-slice", IMPLICIT, "A Task with both `mesh` and `mesh_slice`",
        MultimeshValueError, r"^(?!Task None).*both .*mesh.* and .*mesh_slice",
-       """A task's submesh is either a `mesh` or a `mesh_slice` of the active MultiMesh,
+       """A task's submesh is either a `mesh` or a `mesh_slice` of the active `MultiMesh`,
        not both.""")
 def _():
     mm.Task(mesh=mesh4(), mesh_slice={"stage": 0})
@@ -1080,7 +1080,7 @@ def _():
        r"mesh_slice selects part of the global mesh",
        """A mesh_slice cuts the current global mesh: the entered `MultiMesh`, else jax's
        mesh (`jax.set_mesh(mesh)` or `with mesh:`). Compile inside one of them (or
-       decorate the function with the MultiMesh), or give the task a `mesh` instead.""")
+       decorate the function with the `MultiMesh`), or give the task a `mesh` instead.""")
 def _():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     mm.mjit(layered_model).lower(*layered_args())
@@ -1090,7 +1090,7 @@ def _():
        MeshError,
        r"Task 'layer0' mesh_slice: unknown axis name\(s\) \['pipe'\]; the global mesh has axes "
        r"\('stage', 'x'\)",
-       """`mesh_slice` keys are axis names of the active MultiMesh.""")
+       """`mesh_slice` keys are axis names of the active `MultiMesh`.""")
 def _():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"pipe": 0}))
     with global_mesh():

@@ -264,3 +264,24 @@ def test_private_names_are_found():
     for code in ("import jaxlib._jax", "jax._src", "multimesh.jax.errors", "x.__name__",
                  "f.cache_info()"):
         assert not _PRIVATE.search(code), code
+
+
+# ------------------------------------------------------------------ one word, one meaning
+
+def _prose(text: str) -> list[tuple[int, str]]:
+    """(line, text) of a page outside fenced blocks, inline code and link targets."""
+    in_block = {i for b in blocks(text) for i in range(b.open, b.close + 1)}
+    return [(i + 1, re.sub(r"\]\([^)]*\)", "]", _INLINE.sub("", line)))
+            for i, line in enumerate(text.splitlines()) if i not in in_block]
+
+
+@pytest.mark.parametrize("page", _user_pages(), ids=lambda p: p.name)
+def test_multimesh_the_class_is_never_the_original_library(page: Path):
+    """``MultiMesh`` is a class: prose names it in backticks. The original library is
+    "the original library" (NVIDIA's multimesh-jax), compared on one page."""
+    if page.name == "compared.md":
+        return
+    bad = [f"{page.name}:{n}: {line.strip()}" for n, line in _prose(page.read_text())
+           if re.search(r"\bMultiMesh\b", line)]
+    assert not bad, ("bare 'MultiMesh' in prose: write `MultiMesh` for the class, or "
+                     "'the original library' and link compared.md:\n" + "\n".join(bad))

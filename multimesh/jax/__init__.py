@@ -1,4 +1,4 @@
-"""multimesh's public JAX API (MultiMesh-compatible)."""
+"""multimesh's public JAX API (the API of the original library, NVIDIA's multimesh-jax)."""
 
 from multimesh._src.caches import CacheInfo as CacheInfo
 from multimesh._src.caches import CachesInfo as CachesInfo
