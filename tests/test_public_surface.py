@@ -279,7 +279,9 @@ def test_cache_info_and_clearing():
 
 def test_jax_clear_caches_clears_what_cache_info_counts():
     f = mm.mjit(lambda x: x * 2)
-    np.testing.assert_array_equal(f(jnp.arange(4.0)), [0, 2, 4, 6])
+    y = f(jnp.arange(4.0))
+    np.testing.assert_array_equal(y, [0, 2, 4, 6])
+    assert _ids(y) == list(range(8))  # no task: the program's devices
     assert f.cache_info().currsize == 1
     jax.clear_caches()
     assert f.cache_info().currsize == 0 and mm.cache_info().fragments.currsize == 0
@@ -290,3 +292,21 @@ def test_process_plan_is_none_in_one_process():
     compiled = mm.mjit(model).lower(init_params(), get_input_batch()).compile()
     assert compiled.process_plan() is None
     assert "s1_fwd" in compiled.plan()
+
+
+def test_nnx_mjit_cache_info_and_clear_cache():
+    """``multimesh.jax.flax.mjit`` functions count and forget their programs too."""
+    model = NnxTwoStage(nnx.Rngs(0))
+    ref = NnxTwoStage(nnx.Rngs(0), tasks=False)
+    x = jnp.linspace(-1, 1, 48).reshape(8, 6)
+    f = mmf.mjit(lambda m, x: m(x))
+    first, second = f(model, x), f(model, x)
+    info = f.cache_info()
+    assert (info.hits, info.misses, info.currsize) == (1, 1, 1), info
+    f.clear_cache()
+    assert f.cache_info().currsize == 0
+    third = f(model, x)
+    for y in (first, second, third):
+        np.testing.assert_allclose(float(y), float(ref(x)), rtol=1e-5)
+    assert f.cache_info().misses == 1 and f.cache_info().currsize == 1
+    assert _ids(third) == [4, 5, 6, 7]  # the loss is computed by the last stage

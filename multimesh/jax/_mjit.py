@@ -785,6 +785,6 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     def get_sharded_batch():
         return jax.device_put(make_batch(), batch_sh)
 
-    # MultiMesh's forms: 3 values with get_input_batch, 2 with initial_batch.
+    # The original library's forms: 3 values with get_input_batch, 2 with initial_batch.
     return ParallelizeResult((compiled, init_sharded_params, get_sharded_batch),
                              length=3 if initial_batch is None else 2)

@@ -1,6 +1,7 @@
 """What ``parallelize`` and ``parallelize_step`` return: tuples with named fields.
 
-MultiMesh returned plain tuples whose length depended on the keywords passed
+The original library (NVIDIA's multimesh-jax, docs/compared.md) returned plain
+tuples whose length depended on the keywords passed
 (``parallelize``: 3 values with ``get_input_batch``, 2 with ``initial_batch``;
 ``parallelize_step``: 4 with ``local_batch``, 3 with ``global_batch``), and its
 tutorials unpack them. These classes keep that: each is a ``tuple`` holding
@@ -47,7 +48,7 @@ class ParallelizeResult(_FormTuple):
 
     Unpacks as ``(sharded_fun, init_sharded_params, get_sharded_batch)`` when
     ``get_input_batch`` was given and as ``(sharded_fun, init_sharded_params)``
-    when ``initial_batch`` was (MultiMesh's two forms). ``get_sharded_batch`` is
+    when ``initial_batch`` was (the original library's two forms). ``get_sharded_batch`` is
     an attribute in both: with ``initial_batch`` it returns that batch placed
     where the program reads it.
     """
@@ -74,8 +75,8 @@ class ParallelizeStepResult(_FormTuple):
     """What :func:`multimesh.jax.flax.parallelize_step` returns.
 
     Unpacks as ``(step_fn, state, mesh, prepare_batch)`` when ``local_batch`` was
-    given and as ``(step_fn, state, mesh)`` when ``global_batch`` was (MultiMesh's
-    two forms); ``prepare_batch`` is an attribute in both.
+    given and as ``(step_fn, state, mesh)`` when ``global_batch`` was (the original
+    library's two forms); ``prepare_batch`` is an attribute in both.
     """
 
     _fields = ("step_fn", "state", "mesh", "prepare_batch")

@@ -482,7 +482,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
     state = _placed_state(init_fn, init_state, state_sh, key, init_batch)
-    # MultiMesh's forms: 3 values with global_batch, 4 with local_batch.
+    # The original library's forms: 3 values with global_batch, 4 with local_batch.
     return ParallelizeStepResult((compiled, state, mesh, prepare_batch),
                                  length=3 if global_batch is not None else 4)
 
