@@ -232,9 +232,9 @@ def iter_funcs(module: ir.Module) -> Iterable[ir.Operation]:
 
 
 # numpy's own dtypes first: ``i1`` is ``bool``, not ml_dtypes' ``int1``.
-_NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-                 np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
-                 np.complex128)
+_NUMPY_DTYPES: tuple[type[np.generic], ...] = (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)
 
 
 @functools.cache
@@ -244,8 +244,8 @@ def _element_dtypes() -> dict[str, np.dtype]:
     Derived from jax's own lowering of every numpy and ml_dtypes scalar type, so a
     dtype that ``jax.jit`` lowers has an entry without anyone listing it here.
     """
-    extra = [t for t in vars(ml_dtypes).values()
-             if isinstance(t, type) and issubclass(t, np.generic)]
+    extra: list[type[np.generic]] = [t for t in vars(ml_dtypes).values()
+                                     if isinstance(t, type) and issubclass(t, np.generic)]
     table: dict[str, np.dtype] = {}
     with make_context():
         for t in (*_NUMPY_DTYPES, *extra):
