@@ -61,7 +61,9 @@ class ScheduleFragmentsPass(ModulePass):
     array<i64: k0, m0, k1, m1, ...>}``: the global dispatch order as (body call,
     microbatch) pairs, which merges the per-submesh orders (units sorted by start
     time in a unit-cost simulation). A schedule that cannot do anything (the loop
-    runs on one submesh, or holds no task) is recorded as asked but warned about.
+    runs on one submesh, or holds no task) or that falls back to 1F1B's order
+    (``interleaved-1f1b`` with one stage per submesh, a zero-bubble schedule with no
+    weight half) is recorded as asked but warned about.
     A module without a microbatch loop is left unchanged.
 
     Options not given on the command line are read from the module attribute
