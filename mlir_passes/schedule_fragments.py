@@ -61,7 +61,9 @@ class ScheduleFragmentsPass(ModulePass):
     array<i64: k0, m0, k1, m1, ...>}``: the global dispatch order as (body call,
     microbatch) pairs, which merges the per-submesh orders (units sorted by start
     time in a unit-cost simulation). A schedule that cannot do anything (the loop
-    runs on one submesh, or holds no task) is recorded as asked but warned about.
+    runs on one submesh, or holds no task) or that falls back to 1F1B's order
+    (``interleaved-1f1b`` with one stage per submesh, a zero-bubble schedule with no
+    weight half) is recorded as asked but warned about.
     A module without a microbatch loop is left unchanged.
 
     Options not given on the command line are read from the module attribute
@@ -117,8 +119,9 @@ class ScheduleFragmentsPass(ModulePass):
                                        unrolling=unrolling)
             except ScheduleError as e:
                 raise DiagnosticError(str(e), loop.location) from None
-            if asked and name != "gpipe":
-                _warn_if_idle(sched, name, loop.location, info)
+            if asked and name != "gpipe" and not _warn_if_idle(sched, name, loop.location,
+                                                                info):
+                _warn_if_not_applied(sched, name, loop.location)
             S = len(info.calls)
             pairs = []
             for u in sched.order:
@@ -161,19 +164,46 @@ class ScheduleFragmentsPass(ModulePass):
         return name, custom, num_stages, interleave, unrolling, asked
 
 
-def _warn_if_idle(sched: Schedule, name: str, loc, info) -> None:
+def _warn_if_idle(sched: Schedule, name: str, loc, info) -> bool:
+    """Warn (and say so) when no schedule can order anything: no task, or one stage."""
     tasks = {cl.task for cl in info.calls}
     if tasks <= {c.DEFAULT_TASK}:
         c.warn_at(loc, f"schedule '{name}' does not apply: the microbatch loop holds no task, "
                        f"so it runs on all devices as one pipeline stage; place the work in "
                        f"tasks (task(...) or register_task) on different submeshes to "
                        f"pipeline it")
-        return
+        return True
     stages = {u.stage for u in sched.units if u.stage is not None}
     if len(stages) <= 1:
         c.warn_at(loc, f"schedule '{name}' does not apply: the microbatch loop has a single "
                        f"pipeline stage (all of its tasks run on one submesh), so every "
                        f"schedule runs the microbatches one after another")
+        return True
+    return False
+
+
+def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
+    """Interleaving with one stage per submesh, or a zero-bubble schedule with no weight
+    half to defer, is 1F1B: say so rather than run 1F1B under another name."""
+    units = [u for u in sched.units if not u.free]
+    stages: dict[int, set] = {}
+    for u in units:
+        stages.setdefault(u.mesh, set()).add(u.stage)
+    if name == "interleaved-1f1b" and all(len(s) == 1 for s in stages.values()):
+        c.warn_at(loc, f"schedule 'interleaved-1f1b' has nothing to interleave: each of the "
+                       f"{len(stages)} submeshes runs one pipeline stage (contiguous stages), "
+                       f"so it runs plain 1F1B; interleaving needs several stages per submesh, "
+                       f"placed round-robin (stage k on submesh k % {len(stages)}), or use "
+                       f"schedule='1f1b'")
+    if name.startswith("zero-bubble") and not any(u.kind == "bwd_w" for u in units):
+        order = "1F1B's order" if name.endswith("h1") else "1F1B's order with a longer warm-up"
+        c.warn_at(loc, f"schedule '{name}' has no weight-gradient half to defer: no backward "
+                       f"fragment of the loop splits into an activation-gradient and a "
+                       f"weight-gradient part (its weights take no gradient, or every weight "
+                       f"gradient is read by another stage's backward, as for stage weights "
+                       f"sliced from one stacked array), so it runs {order}; give each stage "
+                       f"its own weight arrays (a list or dict of per-stage parameters), or "
+                       f"use schedule='1f1b'")
 
 
 # ---------------------------------------------------------------------------- reading

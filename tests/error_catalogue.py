@@ -471,6 +471,44 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=-5))(ws, x)
 
 
+@error("microbatch-unknown-reduction", API, "`microbatch` given an unknown reduction",
+       MultimeshValueError,
+       r"`microbatch` reduction must be one of 'sum', 'mean', got 'avg'",
+       """`reduction="sum"` (the default, MultiMesh's semantics) adds the microbatches'
+       outputs, which is gradient accumulation; `reduction="mean"` averages them, which
+       gives the full batch's loss and gradients for a loss that averages over its batch.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, reduction="avg")
+
+
+@error("microbatch-mean-of-integers", API, "`reduction='mean'` with an integer output",
+       MultimeshTypeError,
+       r"`microbatch` reduction='mean' cannot average the integer output \[1\] \(dtype "
+       r"int32\): the mean of integers is not an integer",
+       """Under `reduction="mean"` every float output is averaged; an integer output (a
+       count, say) has no mean in its own dtype, and rounding it silently would be wrong.
+       Return it as a float, or use `reduction="sum"` and divide it yourself.""")
+def _():
+    def f(x):
+        return x.mean(), jnp.sum(x > 0)
+
+    mm.mjit(mm.microbatch(f, dim=0, size=4, reduction="mean"))(jnp.ones((16, 4)))
+
+
+@error("microbatch-argnum-cuts-the-parameters", API,
+       "`microbatch` cutting an argument that is not the batch", MultimeshValueError,
+       r"`microbatch`'s function runs on the whole of argument 0 but fails on one microbatch "
+       r"of it: argument 0 \(leaf shapes \[\(16, 16\), \(16, 16\)\]\) is cut along dim 0.*"
+       r"Is argument 0 the batch\?",
+       """`argnum` names the argument that is cut into microbatches. Here it names the
+       weights: they happen to divide, but the function fails on a piece of them while it
+       runs on the whole. Pass the batch's position as `argnum`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=0))(ws, x)
+
+
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
        MultimeshValueError,
        r"MultiMesh\.__exit__ was called without a matching __enter__ in this thread",
@@ -797,6 +835,17 @@ def _():
     mm.mjit(f)((jnp.ones((4, 2)), jnp.ones((6, 2))))
 
 
+@error("microbatch-empty-batch", SHAPES, "An empty batch given to `microbatch`",
+       MultimeshValueError,
+       r"`microbatch` got an empty batch: argument 1 has size 0 along dim 0, so there is no "
+       r"microbatch to run",
+       """A batch of size 0 has no microbatch to run (and a sum or mean over none would be
+       made up). Pass a batch whose `dim` is a positive multiple of `size`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1))(ws, x[:0])
+
+
 # =========================================================================== schedule misuse
 
 
@@ -956,6 +1005,40 @@ def _():
 def _():
     grad_fn, ws, x = two_stage()
     mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule="s0 s1")
+
+
+@warning("interleaved-1f1b-nothing-to-interleave", SCHEDULES,
+         "`interleaved-1f1b` on contiguous stages", MultimeshWarning,
+         r"schedule 'interleaved-1f1b' has nothing to interleave: each of the 2 submeshes "
+         r"runs one pipeline stage \(contiguous stages\), so it runs plain 1F1B",
+         """Interleaving needs several stages per submesh, placed round-robin (stage k on
+         submesh k % P). With one stage per submesh the schedule is plain 1F1B: place more
+         stages per submesh, or ask for `schedule="1f1b"`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    f = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="interleaved-1f1b")
+    mm.mjit(f)(ws, x)
+
+
+@warning("zero-bubble-nothing-to-split", SCHEDULES,
+         "A zero-bubble schedule with no weight-gradient half", MultimeshWarning,
+         r"schedule 'zero-bubble-h1' has no weight-gradient half to defer: no backward "
+         r"fragment of the loop splits.*so it runs 1F1B's order",
+         """Zero-bubble schedules fill the bubbles with the weight-gradient halves of
+         backward fragments. Here no backward splits (only the first stage's weights take a
+         gradient; or every weight gradient is read by another stage's backward, as for
+         stage weights sliced from one stacked array), so the order is 1F1B's. Give each
+         stage its own weight arrays, or ask for `schedule="1f1b"`.""")
+def _():
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mesh4(0))
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mesh4(4))
+
+    def loss(w0, w1, x):  # only the first stage's weights are trained
+        return (s1(w1, s0(w0, x)) ** 2).sum()
+
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2,
+                      schedule="zero-bubble-h1")
+    mm.mjit(f)(jnp.eye(16), jnp.eye(16), jnp.ones((16, 16)))
 
 
 # =========================================================================== implicit tasks
@@ -1211,6 +1294,34 @@ def _():
             return nn.Dense(4)(x).sum()
 
     mmf.parallelize_step(Model, optax.sgd(0.1), global_batch=jnp.ones((8, 4)))
+
+
+@error("parallelize-step-train-state-other-optimizer", FLAX,
+       "`init_state` with another optimizer than `optimizer=`", MultimeshValueError,
+       r"parallelize_step got `init_state`, a TrainState with its own optimizer "
+       r"\(`init_state.tx`\), and a different `optimizer`; one of them would be ignored",
+       """A flax `TrainState` carries its optimizer (`tx`) and that optimizer's state; a
+       different `optimizer=` cannot both train it and match its state. Pass the state's
+       own (`optimizer=init_state.tx`), or restart the optimizer with
+       `init_state.replace(tx=optimizer, opt_state=optimizer.init(init_state.params))`.
+       Two calls of `optax.adam(1e-3)` are two optimizers: pass the same object.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+    from flax.training.train_state import TrainState
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    batch = jnp.ones((8, 4))
+    params = Model().init(jax.random.key(0), batch)
+    state = TrainState.create(apply_fn=Model().apply, params=params, tx=optax.sgd(0.1))
+    mmf.parallelize_step(Model(), optax.adam(1e-3), global_batch=batch, init_state=state)
 
 
 @error("parallelize-step-bad-optimizer", FLAX, "`parallelize_step` (NNX) given no optimizer",

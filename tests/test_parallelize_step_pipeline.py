@@ -97,6 +97,28 @@ def test_linen_step_resumes_from_given_parameters():
     _assert_close(jax.device_get(other.params), params)
 
 
+def test_linen_step_takes_a_train_state_with_its_own_optimizer_only():
+    from flax.training.train_state import TrainState
+
+    params = Net().init(jax.random.key(7), X[:8])
+    tx = optax.sgd(0.1)
+    given = TrainState.create(apply_fn=Net().apply, params=params, tx=tx)
+    with mm.Context() as ctx:  # the state's own optimizer: it resumes
+        ctx.register_task(r"(block_\d+)", callback=_callback)
+        step, state, _ = parallelize_step(Net(), tx, global_batch=X, num_microbatches=4,
+                                          init_state=given)
+    loss, new = step(state, X)
+    ref_loss, ref_params = _plain_step(params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _assert_close(jax.device_get(new.params), ref_params)
+    # another optimizer than the state's: one would be ignored, so neither is
+    with pytest.raises(mm.MultimeshError, match=r"a TrainState with its own optimizer "
+                                                r"\(`init_state.tx`\), and a different "
+                                                r"`optimizer`") as e:
+        parallelize_step(Net(), optax.adam(1e-3), global_batch=X, init_state=given)
+    assert isinstance(e.value, ValueError)
+
+
 def test_nnx_step_pipelines_over_microbatches():
     from multimesh.jax.flax import task
 

@@ -325,9 +325,25 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
         committed=True, in_layouts=(None,) * len(in_shardings),
         out_layouts=(None,) * len(out_shardings), compiler_options_kvs=(),
         num_devices=len(devices))
+    _skip_sub_byte_layout_check(exe)
     args_info: tuple[tuple, dict] = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
     out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
     return stages.Compiled(exe, [], args_info, out_tree)
+
+
+def _skip_sub_byte_layout_check(exe) -> None:
+    """Let sub-byte arguments (``int4``, ``uint2``, ``float4_e2m1fn``, ...) through.
+
+    jax's CPU client gives such arrays unpacked layouts (``sub_byte_element_size_in_bits
+    = 0``) while the executable reports packed ones (4), and runs them fine: ``jax.jit``'s
+    own dispatch never compares the two, but the AOT path (``Compiled.call``, which the
+    runtime's calls take) does and refuses. Drop the comparison (``MeshExecutable.
+    _xla_in_layouts``, internal, 0.10.2 to 0.12) for those arguments only, as jit does.
+    """
+    layouts = getattr(exe, "_xla_in_layouts", None)
+    if layouts and any(getattr(lay, "sub_byte_element_size_in_bits", 0) for lay in layouts):
+        exe._xla_in_layouts = [None if getattr(lay, "sub_byte_element_size_in_bits", 0)
+                               else lay for lay in layouts]
 
 
 def dispatcher(compiled):

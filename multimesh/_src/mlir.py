@@ -8,9 +8,13 @@ that knows about multimesh's IR contract lives in ``multimesh.passes``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 
+import ml_dtypes
+import numpy as np
+from jax.interpreters import mlir as jax_mlir
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func, mpmd, sdy, stablehlo
 
@@ -22,7 +26,7 @@ __all__ = [
     "make_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module", "clone_module", "unchanged_on_error",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
-    "symbol_table", "attr_to_py", "py_to_attr",
+    "symbol_table", "attr_to_py", "py_to_attr", "element_dtype",
 ]
 
 
@@ -225,3 +229,40 @@ def iter_funcs(module: ir.Module) -> Iterable[ir.Operation]:
     for op in module.body.operations:
         if op.operation.name == "func.func":
             yield op.operation
+
+
+# numpy's own dtypes first: ``i1`` is ``bool``, not ml_dtypes' ``int1``.
+_NUMPY_DTYPES: tuple[type[np.generic], ...] = (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)
+
+
+@functools.cache
+def _element_dtypes() -> dict[str, np.dtype]:
+    """MLIR element type name (``f32``, ``complex<f32>``, ``f8E4M3FN``, ``i4``) -> dtype.
+
+    Derived from jax's own lowering of every numpy and ml_dtypes scalar type, so a
+    dtype that ``jax.jit`` lowers has an entry without anyone listing it here.
+    """
+    extra: list[type[np.generic]] = [t for t in vars(ml_dtypes).values()
+                                     if isinstance(t, type) and issubclass(t, np.generic)]
+    table: dict[str, np.dtype] = {}
+    with make_context():
+        for t in (*_NUMPY_DTYPES, *extra):
+            dtype = np.dtype(t)
+            try:
+                name = str(jax_mlir.dtype_to_ir_type(dtype))
+            except TypeError:  # ml_dtypes types that jax does not lower (complex32)
+                continue
+            table.setdefault(name, dtype)
+    return table
+
+
+def element_dtype(name: str) -> np.dtype:
+    """The numpy dtype of an MLIR tensor element type, by its printed name."""
+    try:
+        return _element_dtypes()[name]
+    except KeyError:
+        raise ValueError(
+            f"No numpy dtype for the MLIR element type {name!r}; known element types: "
+            f"{', '.join(sorted(_element_dtypes()))}.") from None

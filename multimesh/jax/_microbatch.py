@@ -1,4 +1,4 @@
-"""``microbatch``: one traced microbatch, repeated by the runtime, outputs summed.
+"""``microbatch``: one traced microbatch, repeated by the runtime, outputs reduced.
 
 ``fun`` is traced once, on one microbatch: the traced body takes the microbatch
 index and slices its microbatch out of the full batch itself. The body becomes
@@ -7,7 +7,9 @@ turn it into a loop whose fragments the runtime plan calls once per microbatch,
 in the order of the pipeline schedule. So the program, the pass pipeline and the
 compiled fragments are the same size for 2 microbatches or 64. Unlike MultiMesh,
 a batch that ``size`` does not divide is an error rather than a silently dropped
-remainder.
+remainder, and ``reduction="mean"`` averages the outputs instead of summing them: each
+microbatch's output is divided by the number of microbatches inside the loop, by the
+fragment that makes it, so the fragments stay the same as for a sum.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.api_util import debug_info, shaped_abstractify
@@ -27,7 +30,12 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh._src import jax_compat
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
+from multimesh._src.errors import (
+    MultimeshError,
+    MultimeshTypeError,
+    MultimeshValueError,
+    MultimeshWarning,
+)
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
 from multimesh.jax._task import with_sharding_constraint
@@ -39,7 +47,11 @@ from multimesh.passes.schedules import (
     canonicalize_custom_schedule,
 )
 
-__all__ = ["microbatch", "SCHEDULES"]
+__all__ = ["microbatch", "SCHEDULES", "REDUCTIONS"]
+
+REDUCTIONS = ("sum", "mean")
+"""How ``microbatch`` combines the microbatches' outputs (as ``parallelize_step``'s
+``microbatch_reduction``)."""
 
 
 def _check_positive(option: str, value) -> None:
@@ -82,12 +94,17 @@ def _schedule_name(schedule, custom_schedule) -> str | None:
 def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                interleave: int | None = None, num_stages: int | None = None,
                schedule: str | None = None, unrolling: int | None = None,
-               arg_shardings=None, custom_schedule: Sequence[Sequence] | None = None):
-    """Runs ``fun`` on microbatches of argument ``argnum`` and sums the outputs.
+               arg_shardings=None, custom_schedule: Sequence[Sequence] | None = None,
+               reduction: str = "sum"):
+    """Runs ``fun`` on microbatches of argument ``argnum`` and sums (or averages) the outputs.
 
     The argument (an array or pytree) is cut along ``dim`` into pieces of
     ``size``; ``fun`` runs on each piece and every output leaf is summed across
-    pieces, which is gradient accumulation for ``value_and_grad`` functions.
+    pieces (``reduction="sum"``, the default, as in MultiMesh), which is gradient
+    accumulation for ``value_and_grad`` functions, or averaged
+    (``reduction="mean"``: the full batch's loss and gradients for a loss that
+    averages over its batch). Integer outputs are summed in their own dtype (and
+    cannot be averaged); ``bool`` outputs are or-ed (true if any microbatch's is).
     ``fun`` is traced once; the pipeline schedule decides in which order each
     task's fragment runs for each microbatch: ``"gpipe"`` (default),
     ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble-h1"``,
@@ -98,6 +115,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     """
     argnum, name = _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling,
                                   schedule, custom_schedule)
+    _check_reduction(reduction)
 
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:
@@ -110,12 +128,14 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                     f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
                     f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
                     f"to order.", MultimeshWarning, stacklevel=2)
-            return fun(*args, **kwargs)
+            out = fun(*args, **kwargs)
+            _check_output_dtypes(out, reduction)
+            return out
         custom = (canonicalize_custom(custom_schedule, n)
                   if custom_schedule is not None else None)
         _note_loop(name, n, num_stages, interleave, unrolling, custom)
         x = _constrain_argument(args[index], arg_shardings)
-        return _run(fun, args, kwargs, index, x, dim, size, n)
+        return _run(fun, args, kwargs, index, x, (dim, size, n), reduction)
 
     wrapped.__name__ = getattr(fun, "__name__", "microbatch")
     functools.update_wrapper(wrapped, fun, assigned=(), updated=())  # __wrapped__ only
@@ -147,6 +167,42 @@ def _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling, sc
     return argnum, name
 
 
+def _check_reduction(reduction) -> None:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise MultimeshValueError(
+            f"`microbatch` reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got "
+            f"{reduction!r}: 'sum' adds the microbatches' outputs (gradient accumulation), "
+            f"'mean' averages them (the full batch's mean loss and its gradients).")
+
+
+def _check_output_dtypes(out, reduction: str) -> None:
+    """Integers have no mean in their own dtype: refuse rather than round."""
+    if reduction != "mean":
+        return
+    paths = jax.tree_util.tree_flatten_with_path(out)[0]
+    for path, leaf in paths:
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.integer):
+            where = jax.tree_util.keystr(path) or "the output"
+            raise MultimeshTypeError(
+                f"`microbatch` reduction='mean' cannot average the integer output {where} "
+                f"(dtype {dtype}): the mean of integers is not an integer. Return it as a "
+                f"float (`x.astype(jnp.float32)`), or use reduction='sum' and divide it "
+                f"yourself.")
+
+
+def _scale(leaf, inputs, n: int):
+    """One microbatch's share of a mean: a computed inexact value divided by ``n``.
+
+    Inputs and constants are left alone (they are passed through the loop, not summed);
+    so are bools, which are or-ed under either reduction."""
+    if not isinstance(leaf, Tracer) or any(leaf is v for v in inputs):
+        return leaf
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return leaf
+    return leaf / n
+
+
 def _constrain_argument(x, arg_shardings):
     """The microbatched argument under ``arg_shardings`` (one spec or sharding for every
     leaf, or a pytree of them)."""
@@ -173,27 +229,39 @@ def canonicalize_custom(custom_schedule, n: int):
         raise MultimeshValueError(f"{e}.") from None
 
 
+def _not_the_batch(argnum: int) -> str:
+    return (f" Is argument {argnum} the batch? `argnum` names the argument to cut; if the "
+            f"batch is another argument, pass its position as `argnum`.")
+
+
 def _num_microbatches(x, dim: int, size: int, argnum: int) -> int:
-    leaves = jax.tree.leaves(x)
+    leaves = jax.tree_util.tree_flatten_with_path(x)[0]
     if not leaves:
-        raise MultimeshValueError("`microbatch` argument has no array leaves to slice.")
+        raise MultimeshValueError(
+            f"`microbatch` argument {argnum} has no array leaves to slice.{_not_the_batch(argnum)}")
     sizes = []
-    for leaf in leaves:
+    for path, leaf in leaves:
         shape = np.shape(leaf)
         if not -len(shape) <= dim < len(shape):
             raise MultimeshValueError(
-                f"`microbatch` dim={dim} is out of range for a leaf of shape {shape}.")
+                f"`microbatch` dim={dim} is out of range for a leaf of shape {shape} "
+                f"(argument {argnum}{jax.tree_util.keystr(path)}).{_not_the_batch(argnum)}")
         sizes.append(shape[dim])
     if len(set(sizes)) != 1:
         raise MultimeshValueError(
             f"`microbatch` needs every leaf of argument {argnum} to have the same size "
-            f"along dim {dim}, got sizes {sizes}.")
+            f"along dim {dim}, got sizes {sizes}.{_not_the_batch(argnum)}")
     total = sizes[0]
+    if total == 0:
+        raise MultimeshValueError(
+            f"`microbatch` got an empty batch: argument {argnum} has size 0 along dim {dim}, "
+            f"so there is no microbatch to run. Pass a batch whose dim {dim} is a positive "
+            f"multiple of size={size}.")
     if total % size:
         raise MultimeshValueError(
             f"`microbatch` size {size} does not divide the batch: dim {dim} has size "
             f"{total}, which leaves a remainder of {total % size}. Choose a size that "
-            f"divides {total}.")
+            f"divides {total}.{_not_the_batch(argnum)}")
     return total // size
 
 
@@ -221,8 +289,11 @@ def _is_operand(x) -> bool:
     return isinstance(x, (Tracer, jax.Array, np.ndarray, np.generic))
 
 
-def _run(fun, args, kwargs, argnum, x, dim, size, n):
-    """Trace ``fun`` once on microbatch ``i`` (a traced index) and bind the loop."""
+def _run(fun, args, kwargs, argnum, x, cut, reduction):
+    """Trace ``fun`` once on microbatch ``i`` (a traced index) and bind the loop.
+
+    ``cut`` is ``(dim, size, number of microbatches)``."""
+    dim, size, n = cut
     x_leaves, x_tree = jax.tree.flatten(x)
     rest = (tuple(a for k, a in enumerate(args) if k != argnum), kwargs)
     rest_leaves, rest_tree = jax.tree.flatten(rest)
@@ -241,8 +312,11 @@ def _run(fun, args, kwargs, argnum, x, dim, size, n):
         call = list(others)
         call.insert(argnum, jax.tree.unflatten(x_tree, xs))
         out = fun(*call, **kw)
+        _check_output_dtypes(out, reduction)
         flat_out, tree = jax.tree.flatten(out)
         out_tree_cell.append(tree)
+        if reduction == "mean":
+            flat_out = [_scale(v, (i, *flat), n) for v in flat_out]
         return flat_out
 
     in_avals = [ShapedArray((), np.dtype(np.int32))] + [
@@ -255,6 +329,11 @@ def _run(fun, args, kwargs, argnum, x, dim, size, n):
         with _contexts.autoshard(True):
             traced, _, consts = pe.trace_to_jaxpr_dynamic(
                 lu.wrap_init(body, debug_info=dbg.with_unknown_names()), in_avals)
+    except MultimeshError:
+        raise
+    except Exception as e:
+        _blame_the_cut(fun, args, kwargs, argnum, cut, e)
+        raise
     finally:
         st.microbatch_loop = old
     out_tree = out_tree_cell[-1]
@@ -272,8 +351,48 @@ def _run(fun, args, kwargs, argnum, x, dim, size, n):
             if keep[k]:
                 outs[k] = next(results)
     for k, v in through.items():
-        outs[k] = jax.numpy.asarray(v) * n
+        outs[k] = _repeated(v, n, reduction)
     return jax.tree.unflatten(out_tree, outs)
+
+
+def _repeated(v, n: int, reduction: str):
+    """The reduction of ``n`` copies of ``v``: ``v`` itself for a mean or a bool (or),
+    ``n * v`` in ``v``'s dtype for a sum."""
+    v = jnp.asarray(v)
+    if reduction == "mean" or v.dtype == np.bool_:
+        return v
+    if jnp.issubdtype(v.dtype, jnp.integer) and v.dtype.itemsize < 8:
+        return (v.astype(np.int32) * n).astype(v.dtype)  # wraps like n additions would
+    return v * n
+
+
+def _blame_the_cut(fun, args, kwargs, argnum: int, cut, error: Exception) -> None:
+    """``fun`` failed on one microbatch: if it traces on the whole batch, cutting argument
+    ``argnum`` broke it (``argnum`` names the parameters, say), so say that."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dyn = [k for k, leaf in enumerate(leaves) if _is_operand(leaf)]
+
+    def whole(*vals):
+        new = list(leaves)
+        for k, v in zip(dyn, vals):
+            new[k] = v
+        a, kw = jax.tree.unflatten(tree, new)
+        return fun(*a, **kw)
+
+    try:
+        with _contexts.ignore_transforms():
+            jax.eval_shape(whole, *[jax.ShapeDtypeStruct(np.shape(leaves[k]),
+                                                         jnp.result_type(leaves[k]))
+                                    for k in dyn])
+    except Exception:
+        return  # it fails on the whole batch too: not the cut's doing
+    dim, size, n = cut
+    shapes = [np.shape(v) for v in jax.tree.leaves(args[argnum])]
+    raise MultimeshValueError(
+        f"`microbatch`'s function runs on the whole of argument {argnum} but fails on one "
+        f"microbatch of it: argument {argnum} (leaf shapes {shapes}) is cut along dim {dim} "
+        f"into {n} microbatches of {size}, and then {type(error).__name__}: {error}"
+        f"{_not_the_batch(argnum)}") from error
 
 
 def _passed_through(jaxpr, consts, operands) -> dict[int, object]:

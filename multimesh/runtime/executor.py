@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
-from multimesh._src.mlir import make_context, parse_module
+from multimesh._src.mlir import element_dtype, make_context, parse_module
 from multimesh.runtime.guards import check_args
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 
@@ -47,11 +47,8 @@ def _aval(t):
     return ShapedArray(shape, _dtype(dtype))
 
 
-def _dtype(s: str):
-    table = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": jax.numpy.bfloat16,
-             "i32": np.int32, "i64": np.int64, "i16": np.int16, "i8": np.int8, "i1": np.bool_,
-             "ui32": np.uint32, "ui8": np.uint8, "ui64": np.uint64, "ui16": np.uint16}
-    return np.dtype(table[s])
+def _dtype(s: str) -> np.dtype:
+    return element_dtype(s)
 
 
 def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),

@@ -133,6 +133,74 @@ module attributes {mm.schedule_config = {schedule = "1f1b"}} {
 
 // -----
 
+// interleaved-1f1b with one stage per submesh (contiguous) has nothing to interleave:
+// it warns and records 1F1B's order.
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: attributes {contiguous}
+// CHECK: mm.schedule = {name = "interleaved-1f1b", order = array<i64: 0, 0, 0, 1, 1, 0, 2, 0, 3, 0, 1, 1, 2, 1, 3, 1>}
+module attributes {mm.schedule_config = {schedule = "interleaved-1f1b"}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {contiguous} {
+    // expected-warning@+1 {{schedule 'interleaved-1f1b' has nothing to interleave: each of the 2 submeshes runs one pipeline stage (contiguous stages), so it runs plain 1F1B}}
+    %0 = stablehlo.custom_call @mm.microbatch_loop(%arg0, %arg0) {mm.body = @microbatch_loop, mm.num_microbatches = 2 : i64} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func private @microbatch_loop(%i: tensor<i32>, %acc: tensor<8xf32>, %x: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @a_fwd(%x) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %1 = call @b_fwd(%0) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %2 = call @b_bwd(%1) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %3 = call @a_bwd(%2, %0, %acc) {mm.fragment} : (tensor<8xf32>, tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %3 : tensor<8xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @b_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.task = {name = "b", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @b_bwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.task = {name = "b", transpose_count = 1 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @a_bwd(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>, %arg2: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.task = {name = "a", transpose_count = 1 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+}
+
+// -----
+
+// zero-bubble-h1 with no backward split into activation and weight halves (no
+// mm.split) has nothing to defer: it warns and records 1F1B's order.
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: attributes {unsplit}
+// CHECK: mm.schedule = {name = "zero-bubble-h1", order = array<i64: 0, 0, 0, 1, 1, 0, 2, 0, 3, 0, 1, 1, 2, 1, 3, 1>}
+module attributes {mm.schedule_config = {schedule = "zero-bubble-h1"}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {unsplit} {
+    // expected-warning@+1 {{schedule 'zero-bubble-h1' has no weight-gradient half to defer}}
+    %0 = stablehlo.custom_call @mm.microbatch_loop(%arg0, %arg0) {mm.body = @microbatch_loop, mm.num_microbatches = 2 : i64} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func private @microbatch_loop(%i: tensor<i32>, %acc: tensor<8xf32>, %x: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @a_fwd(%x) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %1 = call @b_fwd(%0) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %2 = call @b_bwd(%1) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %3 = call @a_bwd(%2, %0, %acc) {mm.fragment} : (tensor<8xf32>, tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %3 : tensor<8xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @b_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.task = {name = "b", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @b_bwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.task = {name = "b", transpose_count = 1 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @a_bwd(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>, %arg2: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.task = {name = "a", transpose_count = 1 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+}
+
+// -----
+
 // interleave=2 needs two stages per submesh; these submeshes run one each.
 module attributes {mm.schedule_config = {schedule = "interleaved-1f1b", interleave = 2 : i64}} {
   func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {

@@ -1029,9 +1029,36 @@ def _check_warnings(p: ProgramSpec, compiled, caught) -> None:
     if skipped and not single:
         raise FuzzFailure("warning", f"warned {str(skipped[0].message)!r} on a "
                           f"{len(sched.orders) if sched else 0}-stage loop", p)
+    _check_not_applied(p, sched, caught, single)
     for w in caught:
-        if w not in skipped:
+        if w not in skipped and not _not_applied(w):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _not_applied(w) -> bool:
+    return any(s in str(w.message) for s in ("has nothing to interleave",
+                                              "has no weight-gradient half"))
+
+
+def _check_not_applied(p: ProgramSpec, sched, caught, single: bool) -> None:
+    """Interleaving with one stage per submesh, or zero-bubble with no weight half, warns
+    -- exactly then."""
+    if sched is None or single or p.microbatch.schedule == "gpipe":
+        return
+    units = [u for u in sched.units if not u.free]
+    stages: dict[int, set] = {}
+    for u in units:
+        stages.setdefault(u.mesh, set()).add(u.stage)
+    expect = ((p.microbatch.schedule == "interleaved-1f1b"
+               and all(len(v) == 1 for v in stages.values()))
+              or (p.microbatch.schedule.startswith("zero-bubble")
+                  and not any(u.kind == "bwd_w" for u in units)))
+    warned = any(_not_applied(w) for w in caught)
+    if expect != warned:
+        raise FuzzFailure("warning", f"schedule {p.microbatch.schedule!r} "
+                          f"{'ran as 1F1B without' if expect else 'warned with'} a warning "
+                          f"that it has nothing to interleave or split; schedule units "
+                          f"{units}", p)
 
 
 def check(p: ProgramSpec, *, rtol: float = 1e-4, atol: float = 1e-4,

@@ -403,20 +403,10 @@ class MicrobatchOptions:
 
     def wrap(self, grad_fn, batch_avals):
         """``grad_fn(params, batch) -> (loss, grads)`` over microbatches, reduced."""
-        size = self.size(batch_avals)
-        total = int(np.shape(jax.tree.leaves(batch_avals)[0])[0])
-        n = total // size
-        step = mm.microbatch(grad_fn, dim=0, size=size, argnum=1, schedule=self.schedule,
-                             interleave=self.interleave, num_stages=self.num_stages,
-                             unrolling=self.unrolling, custom_schedule=self.custom_schedule)
-        if self.reduction == "sum" or n == 1:
-            return step
-
-        def mean(params, batch):
-            loss, grads = step(params, batch)
-            return loss / n, jax.tree.map(lambda g: g / n, grads)
-
-        return mean
+        return mm.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
+                             schedule=self.schedule, interleave=self.interleave,
+                             num_stages=self.num_stages, unrolling=self.unrolling,
+                             custom_schedule=self.custom_schedule, reduction=self.reduction)
 
 
 def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
@@ -556,6 +546,13 @@ def _initial_state(given, model, optimizer):
     from flax.training.train_state import TrainState
 
     if isinstance(given, TrainState):
+        if given.tx is not optimizer and given.tx != optimizer:
+            raise MultimeshValueError(
+                "parallelize_step got `init_state`, a TrainState with its own optimizer "
+                "(`init_state.tx`), and a different `optimizer`; one of them would be "
+                "ignored silently. Pass the state's own (`optimizer=init_state.tx`), or "
+                "restart the optimizer: `init_state.replace(tx=optimizer, "
+                "opt_state=optimizer.init(init_state.params))`.")
         return given
     if isinstance(given, dict) or hasattr(given, "keys"):
         return TrainState.create(apply_fn=model.apply, params=given, tx=optimizer)
