@@ -249,6 +249,68 @@ def test_arguments_name_modules_called_directly():
     np.testing.assert_allclose(got, first_blocks(model, x), rtol=1e-5)
 
 
+def test_one_multimesh_rule_places_linen_and_nnx_alike():
+    """Numbered blocks are ``h_0``, ``h_1`` in linen and in NNX: one ``MultiMesh`` rule
+    places both models the same way, with equal gradients."""
+    import flax.linen as nn
+    from jax.sharding import Mesh
+
+    class LinenBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(8, name="fc")(x))
+
+    class LinenNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = LinenBlock(name=f"h_{i}")(x)
+            return (x ** 2).sum()
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.fc(x))
+
+    class NnxNet(nnx.Module):
+        def __init__(self, rngs):
+            self.h_0, self.h_1 = NnxBlock(rngs), NnxBlock(rngs)
+
+        def __call__(self, x):
+            return (self.h_1(self.h_0(x)) ** 2).sum()
+
+    x = jnp.cos(jnp.arange(64.0)).reshape(8, 8)
+    linen_params = LinenNet().init(jax.random.key(0), x)
+    nnx_net = NnxNet(nnx.Rngs(0))
+    for i in range(2):  # the same weights in both
+        dense = linen_params["params"][f"h_{i}"]["fc"]
+        getattr(nnx_net, f"h_{i}").fc.kernel[...] = dense["kernel"]
+        getattr(nnx_net, f"h_{i}").fc.bias[...] = dense["bias"]
+    graphdef, nnx_params = nnx.split(nnx_net)
+
+    def nnx_loss(p, x):
+        return nnx.merge(graphdef, p)(x)
+
+    multi_mesh = mm.MultiMesh(global_mesh=Mesh(np.array(jax.devices()).reshape(2, 4),
+                                               ("stage", "x")))
+    multi_mesh.register_task(r"/h_(\d+)", callback=lambda name, backprop: mm.Task(
+        name=f"stage{name}", mesh_slice={"stage": int(name)}))
+    placed = []
+    with multi_mesh:
+        for fun, params in ((lambda p, x: LinenNet().apply(p, x), linen_params),
+                            (nnx_loss, nnx_params)):
+            compiled = mm.mjit(jax.grad(fun)).lower(params, x).compile()
+            grads = compiled(params, x)
+            _assert_close(grads, jax.jit(jax.grad(fun))(params, x))
+            placed.append({f["task"]: f["devices"] for f in compiled.fragments})
+            kernels = [g for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+                       if "kernel" in jax.tree_util.keystr(path)]
+            assert [_ids(k) for k in kernels] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert placed[0] == placed[1] == {"stage0": [0, 1, 2, 3], "stage1": [4, 5, 6, 7]}
+
+
 # --------------------------------------------------------------------------- pipelines
 
 
