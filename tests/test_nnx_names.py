@@ -193,6 +193,49 @@ def test_modules_are_named_by_graph_path(numbered):
     assert not any(f"{block}/{block}" in s or "GPT/GPT" in s for s in stacks)
 
 
+def test_copies_made_inside_a_call_are_named_by_class():
+    """A flax transform inside a module call copies the module: the copy is named by its
+    class under its caller; the documented remedies keep the block's path."""
+
+    class Unit(nnx.Module):
+        def __init__(self, rngs, remat_inside=False):
+            self.fc = nnx.Linear(8, 8, rngs=rngs)
+            self.remat_inside = remat_inside
+
+        def __call__(self, x):
+            if self.remat_inside:
+                return jnp.tanh(nnx.remat(lambda m, y: m.fc(y))(self, x))
+            return jnp.tanh(self.fc(x))
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs, how):
+            self.blocks = nnx.List([Unit(rngs, how == "inside") for _ in range(2)])
+            self.how = how
+
+        def __call__(self, x):
+            for i, b in enumerate(self.blocks):
+                if self.how == "inside":
+                    x = b(x)
+                elif self.how == "scope":
+                    with jax.named_scope(f"blocks/{i}"):
+                        x = nnx.remat(lambda m, y: m(y))(b, x)
+                else:
+                    x = nnx.remat(lambda m, y: m(y))(b, x)
+            return x.sum()
+
+    x = jnp.ones((2, 8))
+    found = {}
+    for how in ("outside", "scope", "inside"):
+        text = nnx_mjit(lambda m, x: m(x)).lower(Stack(nnx.Rngs(0), how), x).as_text()
+        found[how] = sorted(s.replace("checkpoint/", "") for s in _name_stacks(text)
+                            if s.endswith("dot_general"))  # remat adds `checkpoint/`
+    assert found["outside"] == ["jit(wrapped)/Stack/Unit/fc/dot_general"], found
+    assert found["scope"] == [f"jit(wrapped)/Stack/blocks/{i}/Unit/fc/dot_general"
+                              for i in (0, 1)], found
+    assert found["inside"] == [f"jit(wrapped)/Stack/blocks/{i}/Linear/dot_general"
+                               for i in (0, 1)], found
+
+
 def test_names_exist_only_while_multimesh_traces():
     model = _model(False)
     original = Block.__call__
