@@ -236,6 +236,27 @@ def test_copies_made_inside_a_call_are_named_by_class():
                                for i in (0, 1)], found
 
 
+def test_modules_built_inside_the_program_keep_their_paths():
+    """A model constructed inside the traced function (a method named while it was half
+    built) still names children added after that by their paths."""
+
+    class Late(nnx.Module):
+        def __init__(self, rngs):
+            self.first = nnx.Linear(8, 8, rngs=rngs)
+            self.build(rngs)  # a public method: named while only `first` exists
+
+        def build(self, rngs):
+            self.second = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.second(self.first(x)).sum()
+
+    text = mm.mjit(lambda x: Late(nnx.Rngs(0))(x)).lower(jnp.ones((2, 8))).as_text()
+    stacks = {s for s in _name_stacks(text) if s.endswith("dot_general")}
+    assert stacks == {"jit(wrapped)/Late/first/dot_general",
+                      "jit(wrapped)/Late/second/dot_general"}, stacks
+
+
 def test_names_exist_only_while_multimesh_traces():
     model = _model(False)
     original = Block.__call__

@@ -47,7 +47,7 @@ class _Naming:
 
     def __init__(self) -> None:
         self.paths: dict[int, tuple[object, tuple[str, ...]]] = {}  # id -> (module, path)
-        self.calls: list[tuple[str, ...]] = []  # paths of the module calls under way
+        self.calls: list[tuple[object, tuple[str, ...]]] = []  # (module, path) under way
 
     def add_root(self, node, prefix: tuple[str, ...]) -> None:
         """Name every module in ``node``'s graph ``prefix/<graph path>`` (first name wins)."""
@@ -58,8 +58,11 @@ class _Naming:
 
     def path_of(self, module) -> tuple[str, ...]:
         entry = self.paths.get(id(module))
+        if entry is None and self.calls:  # a child set since its parent was named?
+            self.add_root(*self.calls[-1])
+            entry = self.paths.get(id(module))
         if entry is None:  # an object made inside the trace
-            outer = self.calls[-1] if self.calls else ()
+            outer = self.calls[-1][1] if self.calls else ()
             self.add_root(module, (*outer, type(module).__name__))
             entry = self.paths[id(module)]
         return entry[1]
@@ -67,8 +70,8 @@ class _Naming:
     def scope(self, module) -> str:
         """The scope a call of ``module`` enters: its path below the enclosing call's."""
         path = self.path_of(module)
-        outer = self.calls[-1] if self.calls else ()
-        self.calls.append(path)
+        outer = self.calls[-1][1] if self.calls else ()
+        self.calls.append((module, path))
         if path[:len(outer)] == outer:
             path = path[len(outer):]
         return "/".join(path)
