@@ -257,6 +257,24 @@ def test_modules_built_inside_the_program_keep_their_paths():
                       "jit(wrapped)/Late/second/dot_general"}, stacks
 
 
+@pytest.mark.parametrize("matcher,hint", [
+    (r"H/(\d+)", "Ignoring case it would match 'h/0', 'h/1', 'h/2'."),
+    (r"attn/(c_atn)", "Did you mean 'attn/c_attn'"),
+])
+def test_a_path_rule_that_matches_nothing_names_the_paths(matcher, hint):
+    """A typo in a path rule warns with the NNX paths it may have meant."""
+    model = _model(False)
+    graphdef, params = nnx.split(model)
+
+    def configure():
+        mm.register_task(matcher, task=mm.Task(mesh=mm.TaskMesh(devices=range(4))))
+
+    with mm.tasks(configure), pytest.warns(mm.MultimeshWarning) as caught:
+        mm.mjit(lambda p, b: lm_loss(nnx.merge(graphdef, p), b)).lower(params, BATCH)
+    message = str(caught[0].message)
+    assert f"Task matcher {matcher!r} claimed no op" in message and hint in message, message
+
+
 def test_names_exist_only_while_multimesh_traces():
     model = _model(False)
     original = Block.__call__
