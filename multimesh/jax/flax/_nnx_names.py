@@ -14,11 +14,13 @@ scope holds only the part of the path below the module whose call encloses
 it, so nested calls spell the full path once, as linen's scopes do.
 
 Which module is where: the NNX objects passed as roots (the arguments of the
-traced function) are named from their class; a module first called without a
-known path (an object rebuilt inside the trace, as ``nnx.value_and_grad``,
-``nnx.merge`` and ``microbatch`` do) becomes a root of its own, named by its
-class, or, when another module's call encloses it, a child named by its class
-under that module.
+traced function) are named from their class. A module first called without a
+known path is looked up among the children of the module whose call encloses
+it (set since that one was named); failing that it is an object rebuilt inside
+the trace (``nnx.value_and_grad``, ``nnx.merge`` and ``microbatch`` rebuild
+their arguments; ``nnx.remat`` and ``nnx.scan`` inside a call copy them) and
+becomes a root of its own, named by its class, or a child named by its class
+under the enclosing module.
 
 The methods are wrapped by patching the module classes while any thread
 traces (a reference count; the originals are back when the last trace ends);
@@ -37,10 +39,6 @@ import jax
 from flax import nnx
 
 __all__ = ["module_names"]
-
-_BASES = frozenset(nnx.Module.__mro__)
-"""Classes whose methods (``sow``, ``train``, ...) are NNX's, not a model's."""
-
 
 class _Naming:
     """One thread's naming while it traces: module paths and the calls under way."""
@@ -116,14 +114,14 @@ def _methods(cls: type) -> dict[str, object]:
 
 
 def _module_classes() -> Iterator[type]:
+    """Every subclass of ``nnx.Module`` (whose own methods, ``sow``, ``train``, ... stay)."""
     todo, seen = [nnx.Module], set()
     while todo:
         for sub in todo.pop().__subclasses__():
             if sub not in seen:
                 seen.add(sub)
                 todo.append(sub)
-                if sub not in _BASES:
-                    yield sub
+                yield sub
 
 
 def _patch() -> None:
@@ -164,9 +162,10 @@ def module_names(*roots) -> Iterator[None]:
         naming.add_root(root, (type(root).__name__,))
     with _lock:
         _users += 1
-        _patch()
-    _local.naming = naming
     try:
+        with _lock:
+            _patch()
+        _local.naming = naming
         yield
     finally:
         _local.naming = None
@@ -174,4 +173,3 @@ def module_names(*roots) -> Iterator[None]:
             _users -= 1
             if _users == 0:
                 _unpatch()
-
