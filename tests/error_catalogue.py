@@ -713,6 +713,27 @@ def _():
         mm.mjit(f).lower(jnp.eye(16), jnp.ones((16, 16)))
 
 
+@error("explicit-sharding-mode", MESHES, "Explicit-sharding mode in a program with tasks",
+       MultimeshValueError,
+       r"This program uses jax's explicit-sharding mode, which multimesh does not support in "
+       r"programs with tasks yet: `reshard` gives a value of type float32\[8@fsdp,8\], "
+       r"sharded over the mesh axes \('fsdp',\) of type AxisType\.Explicit.*Make the "
+       r"mesh's axes Auto",
+       """Under a mesh with `AxisType.Explicit` axes, jax types values with shardings over
+       the whole mesh, which a task's submesh (with axes of its own) cannot hold; it is
+       caught before any pass runs, where Shardy or XLA used to fail late or abort. Use
+       `AxisType.Auto` axes (`jax.set_mesh` works), drop `reshard`/`out_sharding=`, and
+       give shardings as logical names with `multimesh.jax.with_sharding_constraint`
+       (parameters: `nnx_shard_axes`/`shard_axes`). A program without tasks runs under
+       an explicit mesh.""")
+def _():
+    explicit = jax.make_mesh((2, 4), ("fsdp", "tp"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    s0 = mm.task(lambda x: jax.sharding.reshard(x, P("fsdp")), name="s0", mesh=mesh4(0))
+    with jax.set_mesh(explicit):
+        mm.mjit(s0)(jnp.ones((8, 8)))
+
+
 # =========================================================================== logical mappings
 
 

@@ -23,6 +23,7 @@ from multimesh._src.errors import (
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
+from multimesh.jax._module_names import module_names
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._results import ParallelizeResult
 from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
@@ -609,7 +610,7 @@ class _MJit(ProgramCaches):
         abstract = jax.tree.map(_abstract, (tuple(dyn_args), kwargs))
         notes: dict = {}
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
-                _contexts.notes(notes):
+                _contexts.notes(notes), module_names():
             traced = jax.jit(wrapped, keep_unused=True).trace(*abstract[0], **abstract[1])
             lowered = traced.lower()
             # jax's module moves into our context as bytecode (no text printed or parsed)
@@ -617,6 +618,7 @@ class _MJit(ProgramCaches):
             program = _bytecode(lowered.compiler_ir("stablehlo"))
             module = parse_module(program, make_context())
             implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
+            _checks.no_explicit_sharding(traced.jaxpr, implicit is not None)
         trace_seconds = time.perf_counter() - t0
         warn_renamed_tasks(notes)
         flat_all, in_tree = jax.tree.flatten((tuple(args), kwargs))

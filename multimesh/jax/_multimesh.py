@@ -511,9 +511,21 @@ def _warn_unmatched(regs: list[_Registration], hits, stacks: set[str]) -> None:
             f"places nothing.{hint}", MultimeshWarning, stacklevel=_user_level())
 
 
+def _scope_names(stacks: set[str], paths: bool) -> list[str]:
+    """The scopes of the name stacks; with ``paths`` also each two consecutive scopes
+    (``blocks/3``), the names a matcher with a ``/`` (an NNX graph path) means."""
+    out: set[str] = set()
+    for st in stacks:
+        parts = [p for p in st.split("/")[:-1]
+                 if p and not p.startswith(("jit(", "pjit(", "transpose(", "jvp("))]
+        out.update(parts)
+        if paths:
+            out.update(f"{a}/{b}" for a, b in zip(parts, parts[1:]))
+    return sorted(out)
+
+
 def _near_names(reg: _Registration, stacks: set[str]) -> str:
-    scopes = sorted({part for st in stacks for part in st.split("/")[:-1]
-                     if part and not part.startswith(("jit(", "pjit(", "transpose(", "jvp("))})
+    scopes = _scope_names(stacks, "/" in reg.matcher)
     if not scopes:
         return ""
     folded = [m for m in scopes if re.search(reg.regex.pattern, m, re.IGNORECASE)]

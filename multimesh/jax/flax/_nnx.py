@@ -31,6 +31,7 @@ import multimesh.jax as mm
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh
+from multimesh.jax._module_names import module_names
 from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._task import TaskFunction
 from multimesh.jax.flax._linen import (
@@ -568,7 +569,8 @@ class _NnxMJit(ProgramCaches):
             full, it, sit = [], iter(a), iter(static)
             for i in range(len(a) + nargs):
                 full.append(next(sit) if i in static_argnums else next(it))
-            out = fun(*full, **k)
+            with module_names(*nodes):  # modules named from the arguments they sit in
+                out = fun(*full, **k)
             collected = split.collect(nodes, where)
             after = [collected[i] for i in dyn_idx]
             changed = [j for j, (new, old) in enumerate(zip(after, var_vals)) if new is not old]
