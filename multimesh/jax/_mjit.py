@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src import callbacks as _callbacks
+from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import (
     DiagnosticError,
@@ -312,6 +314,9 @@ class MpmdLowered:
         _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
         return module
 
+    host_callbacks: Sequence[Callable] = ()
+    """The Python callbacks the program calls (jax.debug.print, ...), kept alive here
+    while it may compile (``multimesh._src.callbacks``)."""
     fast: _fast_path.FastPath | None = None
     """A FastPath when the program takes enable_fast_path's jax.jit route."""
     default_mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
@@ -607,6 +612,9 @@ class _MJit:
             # and is parsed once: the registered-task scan and compile() share it.
             program = _bytecode(lowered.compiler_ir("stablehlo"))
             module = parse_module(program, make_context())
+            held = _callbacks.adopt(module, jax_compat.lowered_callbacks(lowered)[0])
+            if held:  # the callbacks' numbers are in the program now
+                program = _bytecode(module)
             implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
         trace_seconds = time.perf_counter() - t0
         warn_renamed_tasks(notes)
@@ -641,6 +649,7 @@ class _MJit:
                                            jax.tree.leaves(abstract), pins, devices, donated,
                                            low.as_text(), low.default_mesh)
         low.trace_seconds = trace_seconds
+        low.host_callbacks = held  # alive while the program may compile
         _log_phase(low, "traced and lowered", trace_seconds)
         return low
 
