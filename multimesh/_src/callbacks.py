@@ -81,39 +81,37 @@ def has_callbacks(module: ir.Module) -> bool:
 
 def adopt(module: ir.Module, callbacks: Sequence[Callable]) -> list[Callable]:
     """Give jax's ``callbacks`` (the lowered program's list) their process-wide numbers
-    in ``module``, in place; returns the callbacks the module calls, which the caller
-    keeps alive for as long as the program may be compiled."""
-    if not callbacks:
+    in ``module`` and cut its token chains (:func:`drop_tokens`), in place; returns the
+    callbacks, which the caller keeps alive for as long as the program may compile
+    (the registry holds them weakly)."""
+    if not callbacks:  # (the common case: nothing to walk)
         return []
-    _check_ffi(module)
-    ops = _callback_ops(module)
-    used = []
     with module.context:
-        for op in ops:
+        for op in _callback_ops(module):
             index = ir.IntegerAttr(_config(op)["index"]).value
-            cb = callbacks[index]
-            used.append(cb)
-            _set_config(op, index=index, **{_KEY: _number(cb)})
+            _set_config(op, index=index, **{_KEY: _number(callbacks[index])})
     drop_tokens(module)
-    return used
+    return list(callbacks)
 
 
-def _check_ffi(module: ir.Module) -> None:
-    """Callbacks lowered as host send/recv (TPU) cannot be split across fragments."""
+def _check_ffi(module: ir.Module, name: str) -> None:
+    """Callbacks lowered to host send/recv (jax on TPU) are bound to the whole
+    program's channels and cannot be split across fragments."""
     found: list[str] = []
     walk(module.operation, lambda o: found.append(o.name) if o.name in _HOST_TRANSFER
          and "is_host_transfer" in o.attributes else None)
     if found:
         raise MultimeshValueError(
-            "This program calls a Python host callback through host send/recv "
-            f"(`{found[0]}`: jax.debug.print, pure_callback or io_callback on TPU). "
-            "multimesh compiles each submesh's fragment on its own and supports host "
-            "callbacks on CPU and GPU only; remove the callback or run the program "
-            "under `jax.jit`.")
+            f"Fragment `{name}` calls a Python host callback through a host transfer "
+            f"(`{found[0]}`, as jax lowers jax.debug.print, pure_callback and "
+            "io_callback on TPU). multimesh compiles each fragment on its own and "
+            "supports host callbacks where jax lowers them to FFI calls (CPU and GPU); "
+            "remove the callback or run the program with `jax.jit`.")
 
 
 def take(module: ir.Module, name: str) -> list[Callable]:
     """The callbacks ``module`` (one fragment) calls, renumbered ``0..k-1`` in place."""
+    _check_ffi(module, name)
     ops = _callback_ops(module)
     out: list[Callable] = []
     local: dict[int, int] = {}
@@ -125,10 +123,10 @@ def take(module: ir.Module, name: str) -> list[Callable]:
             if cb is None:
                 raise MultimeshValueError(
                     f"Fragment `{name}` calls a Python host callback (jax.debug.print, "
-                    "pure_callback or io_callback) that this process does not hold: such "
-                    "a program compiles only through `mjit` in the process that traced it "
-                    "(a callback is a Python object; a saved or imported module has only "
-                    "its index).")
+                    "pure_callback or io_callback) that this process does not hold. A "
+                    "program with host callbacks compiles only through `mjit`, in the "
+                    "process that traced it: a callback is a Python object, and a saved "
+                    "or imported module holds only its index.")
             if n not in local:
                 local[n] = len(out)
                 out.append(cb)
