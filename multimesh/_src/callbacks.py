@@ -12,9 +12,10 @@ compile-cache key) differs whenever they differ, and :func:`take` gives a fragme
 callbacks the indices ``0..k-1`` and returns them for its compile.
 
 Ordered callbacks (``ordered=True``) thread a ``!stablehlo.token`` through the
-program. multimesh drops those tokens at function boundaries (:func:`drop_tokens`;
-no token crosses a task or a fragment) and re-threads them per fragment at compile
-time (:func:`take`): the fragment's ordered callbacks are chained in op order and
+program. multimesh cuts those chains wherever the passes may split the program
+(:func:`drop_tokens`, at lowering: no token crosses a task, a fragment or the
+program's signature) and threads them again per fragment at compile time
+(:func:`thread_tokens`): the fragment's ordered callbacks are chained in op order and
 the fragment takes and returns jax's runtime token of each ordered effect, so jax
 orders it against every other ordered computation, as it orders two ``jit`` calls.
 """
@@ -27,11 +28,15 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from multimesh._src.errors import MultimeshValueError
-from multimesh._src.ir_util import custom_call_target
+from multimesh._src.ir_util import (
+    attr_dicts,
+    custom_call_target,
+    select_attr_entries,
+    set_attr_dicts,
+)
 from multimesh._src.mlir import func, ir, stablehlo, walk
 
-__all__ = ["TARGETS", "adopt", "take", "drop_tokens", "ordered", "thread_tokens",
-           "has_callbacks"]
+__all__ = ["TARGETS", "adopt", "take", "drop_tokens", "ordered", "thread_tokens"]
 
 TARGETS = frozenset(f"xla_ffi{p}_python_{d}_callback"
                     for p in ("", "_partitioned") for d in ("cpu", "gpu"))
@@ -72,11 +77,6 @@ def _set_config(op: ir.Operation, **entries: int) -> None:
     """``mhlo.backend_config`` with exactly ``entries`` (unsigned integers)."""
     op.attributes["mhlo.backend_config"] = ir.DictAttr.get(
         {k: ir.IntegerAttr.get(ir.IntegerType.get_unsigned(64), v) for k, v in entries.items()})
-
-
-def has_callbacks(module: ir.Module) -> bool:
-    """Whether ``module`` calls a Python callback."""
-    return bool(_callback_ops(module))
 
 
 def adopt(module: ir.Module, callbacks: Sequence[Callable]) -> list[Callable]:
@@ -149,7 +149,6 @@ def _run_once(ops: list[ir.Operation], module: ir.Module) -> None:
         one = f"<@{_MESH}, []>"
         op.attributes["sdy.sharding"] = ir.Attribute.parse(
             f"#sdy.sharding_per_value<[{', '.join([one] * max(1, len(op.results)))}]>")
-
 
 
 # ----------------------------------------------------------------------------
@@ -250,8 +249,6 @@ def _erase_dead_tokens(module: ir.Module) -> None:
 
 
 def _drop_signature_tokens(fn: ir.Operation) -> bool:
-    from multimesh._src.ir_util import select_attr_entries
-
     ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
     keep_in = [i for i, t in enumerate(ftype.inputs) if not _is_token(t)]
     keep_out = [i for i, t in enumerate(ftype.results) if not _is_token(t)]
@@ -341,8 +338,6 @@ def thread_tokens(module: ir.Module, n: int) -> None:
 def _prepend_tokens(main: ir.Operation, n: int) -> ir.Operation:
     """``main`` rebuilt with ``n`` token arguments and results first (MLIR's Python
     API cannot insert a block argument, so the body moves into a new function)."""
-    from multimesh._src.ir_util import attr_dicts, set_attr_dicts
-
     ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
     token = stablehlo.TokenType.get()
     marker: dict[str, ir.Attribute] = {"jax.token": ir.BoolAttr.get(True)}

@@ -42,7 +42,8 @@ from jax.extend.core.primitives import closed_call_p
 __all__ = [
     "JAX_VERSION", "register_call_primitive", "lower_call", "fresh_ir_context", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
-    "compile_module", "lowered_callbacks", "ORDERED_EFFECTS", "dispatcher", "shard_args", "batched_copy", "device_list",
+    "compile_module", "lowered_callbacks", "ORDERED_EFFECTS", "dispatcher", "shard_args",
+    "batched_copy", "device_list",
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
 ]
@@ -326,11 +327,11 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     """
     from jax._src import stages
 
-    effectful = bool(host_callbacks)
+    # jax only asks whether there are unordered effects (then it keeps runtime tokens)
+    unordered: list[_core.Effect] = [_debugging.debug_effect] if host_callbacks else []
     exe = _pxla.UnloadedMeshExecutable.from_hlo(
         name, module, list(in_avals), list(out_avals), list(in_shardings),
-        list(out_shardings), tuple_args=False,
-        unordered_effects=[_debugging.debug_effect] if effectful else [],
+        list(out_shardings), tuple_args=False, unordered_effects=unordered,
         ordered_effects=list(ordered_effects),
         host_callbacks=list(host_callbacks), keepalive=list(host_callbacks) or None,
         kept_var_idx=set(range(len(in_shardings))),
@@ -349,15 +350,12 @@ ORDERED_EFFECTS: tuple = (_debugging.ordered_debug_effect, _callback._OrderedIOE
 jax's runtime token of each (internal objects in every version)."""
 
 
-def lowered_callbacks(lowered) -> tuple[list, list]:
-    """``(host_callbacks, ordered_effects)`` of a ``jax.stages.Lowered``: the Python
-    callbacks its module calls (``index`` i of a callback custom call is entry i) and
-    the ordered effects it threads tokens for (``jax.token`` arguments of ``main``).
-    jax hands both to XLA's compile itself and has no public reader for them
-    (``Lowered._lowering.compile_args``, internal, the same keys 0.10.2 to 0.12).
-    """
-    args = lowered._lowering.compile_args
-    return list(args.get("host_callbacks") or ()), list(args.get("ordered_effects") or ())
+def lowered_callbacks(lowered) -> list[Callable]:
+    """The Python callbacks a ``jax.stages.Lowered``'s module calls (``index`` i of a
+    callback custom call is entry i). jax hands them to XLA's compile itself and has no
+    public reader for them (``Lowered._lowering.compile_args``, internal, the same key
+    from 0.10.2 to 0.12)."""
+    return list(lowered._lowering.compile_args.get("host_callbacks") or ())
 
 
 def dispatcher(compiled):

@@ -612,7 +612,7 @@ class _MJit:
             # and is parsed once: the registered-task scan and compile() share it.
             program = _bytecode(lowered.compiler_ir("stablehlo"))
             module = parse_module(program, make_context())
-            held = _callbacks.adopt(module, jax_compat.lowered_callbacks(lowered)[0])
+            held = _callbacks.adopt(module, jax_compat.lowered_callbacks(lowered))
             if held:  # the callbacks' numbers are in the program now
                 program = _bytecode(module)
             implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
