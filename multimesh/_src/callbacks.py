@@ -36,7 +36,8 @@ from multimesh._src.ir_util import (
 )
 from multimesh._src.mlir import func, ir, stablehlo, walk
 
-__all__ = ["TARGETS", "adopt", "take", "drop_tokens", "ordered", "thread_tokens"]
+__all__ = ["TARGETS", "adopt", "may_call_back", "take", "drop_tokens", "ordered",
+           "thread_tokens"]
 
 TARGETS = frozenset(f"xla_ffi{p}_python_{d}_callback"
                     for p in ("", "_partitioned") for d in ("cpu", "gpu"))
@@ -107,6 +108,13 @@ def _check_ffi(module: ir.Module, name: str) -> None:
             "io_callback on TPU). multimesh compiles each fragment on its own and "
             "supports host callbacks where jax lowers them to FFI calls (CPU and GPU); "
             "remove the callback or run the program with `jax.jit`.")
+
+
+def may_call_back(text: str) -> bool:
+    """Whether a fragment's text may hold a host callback (a substring test, so that
+    fragments without one are never walked)."""
+    return "_python_cpu_callback" in text or "_python_gpu_callback" in text \
+        or "is_host_transfer" in text
 
 
 def take(module: ir.Module, name: str) -> list[Callable]:

@@ -77,10 +77,11 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     out_sh = [layout_sharding(moved(lay, home, positions), devices)
               for lay in frag.out_layouts]
     module = parse_module(frag.text, make_context())
-    host_callbacks = callbacks.take(module, frag.name)
+    calls_back = callbacks.may_call_back(frag.text)
+    host_callbacks = callbacks.take(module, frag.name) if calls_back else []
     if donors:
         _mark_donors(module, donors)
-    effects = jax_compat.ORDERED_EFFECTS if callbacks.ordered(module) else ()
+    effects = jax_compat.ORDERED_EFFECTS if calls_back and callbacks.ordered(module) else ()
     if effects:  # jax's runtime tokens order it against other ordered calls
         callbacks.thread_tokens(module, len(effects))
     global xla_compiles
