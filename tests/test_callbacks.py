@@ -458,3 +458,58 @@ def test_callbacks_in_registered_tasks():
     for layer in ("layer0", "layer1"):  # ordered: each stage prints microbatches in order
         assert _values(lines, f"{layer} ") == pytest.approx(want[layer], rel=1e-5)
     assert got["got"]["ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_callbacks_in_a_microbatched_body_under_grad():
+    """microbatch(jax.grad(loss)) (GPipe): a custom_jvp pure_callback and an
+    io_callback in a task and a debug.callback in the default task run once per
+    microbatch with that microbatch's values; the summed gradients equal plain jax."""
+    lines, got = _run_child("""
+    log = []
+    M, SIZE = 4, 2
+
+    @jax.custom_jvp
+    def host_sin(x):
+        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @host_sin.defjvp
+    def _(primals, tangents):
+        (x,), (t,) = primals, tangents
+        cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return host_sin(x), cos * t
+
+    def s0(w, x):
+        y = host_sin(x @ w)
+        io_callback(lambda a: log.append(["io", float(a)]), None, jax.lax.stop_gradient(y).sum())
+        return y
+
+    t0 = mm.task(s0, name="s0", mesh=mesh(range(4)))
+    t1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mesh(range(4, 8)))
+
+    def loss(ws, x):
+        h = t1(ws[1], t0(ws[0], x))
+        jax.debug.callback(lambda a: log.append(["cb", float(a)]), jax.lax.stop_gradient(h).sum())
+        return (h ** 2).sum()
+
+    ws = [jnp.eye(8) * 0.5 + 0.02, jnp.eye(8) * 0.3]
+    x = jnp.linspace(0, 1, M * SIZE * 8).reshape(M * SIZE, 8)
+    g = mm.mjit(mm.microbatch(jax.grad(loss), dim=0, size=SIZE, argnum=1))(ws, x)
+    jax.effects_barrier()
+
+    def plain(ws, x):
+        return (jnp.tanh(jnp.sin(x @ ws[0]) @ ws[1]) ** 2).sum()
+
+    for a, b in zip(g, jax.grad(plain)(ws, x)):
+        close(a, b)
+    want = []
+    for m in range(M):
+        y = jnp.sin(x[m * SIZE:(m + 1) * SIZE] @ ws[0])
+        want += [["io", float(y.sum())], ["cb", float(jnp.tanh(y @ ws[1]).sum())]]
+    emit("got", {"log": log, "want": want, "ids": [ids(a) for a in g]})
+    """)
+    log, want = got["got"]["log"], got["got"]["want"]
+    assert len(log) == len(want) == 8  # each callback once per microbatch
+    for kind in ("io", "cb"):
+        assert sorted(v for k, v in log if k == kind) == pytest.approx(
+            sorted(v for k, v in want if k == kind), rel=1e-5)
+    assert got["got"]["ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
