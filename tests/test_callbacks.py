@@ -513,3 +513,28 @@ def test_callbacks_in_a_microbatched_body_under_grad():
         assert sorted(v for k, v in log if k == kind) == pytest.approx(
             sorted(v for k, v in want if k == kind), rel=1e-5)
     assert got["got"]["ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_ordered_print_without_tasks_skips_the_fast_path():
+    """jax.jit refuses an ordered debug.print on 8 devices; mjit of the same program
+    (no task: the fast path's kind) runs it on the MPMD path, once, in order."""
+    lines, got = _run_child("""
+    def f(x):
+        y = jnp.sin(x)
+        jax.debug.print("first {s}", s=y.sum(), ordered=True)
+        jax.debug.print("second {s}", s=y.max(), ordered=True)
+        return y * 2
+
+    x = jnp.arange(16.0)
+    compiled = mm.mjit(f).lower(x).compile()
+    out = compiled(x)
+    jax.effects_barrier()
+    close(out, np.sin(np.arange(16.0)) * 2)
+    emit("got", {"fast": compiled.fast_path, "ids": ids(out),
+                 "sum": float(jnp.sin(x).sum()), "max": float(jnp.sin(x).max())})
+    """)
+    assert got["got"]["fast"] is False
+    assert got["got"]["ids"] == list(range(8))
+    assert [line.split()[0] for line in lines] == ["first", "second"]
+    _close(_values(lines, "first ")[0], got["got"]["sum"])
+    _close(_values(lines, "second ")[0], got["got"]["max"])

@@ -350,12 +350,13 @@ ORDERED_EFFECTS: tuple = (_debugging.ordered_debug_effect, _callback._OrderedIOE
 jax's runtime token of each (internal objects in every version)."""
 
 
-def lowered_callbacks(lowered) -> list[Callable]:
+def lowered_callbacks(lowered) -> tuple[list[Callable], bool]:
     """The Python callbacks a ``jax.stages.Lowered``'s module calls (``index`` i of a
-    callback custom call is entry i). jax hands them to XLA's compile itself and has no
-    public reader for them (``Lowered._lowering.compile_args``, internal, the same key
-    from 0.10.2 to 0.12)."""
-    return list(lowered._lowering.compile_args.get("host_callbacks") or ())
+    callback custom call is entry i), and whether it threads tokens for ordered effects.
+    jax hands both to XLA's compile itself and has no public reader for them
+    (``Lowered._lowering.compile_args``, internal, the same keys from 0.10.2 to 0.12)."""
+    args = lowered._lowering.compile_args
+    return list(args.get("host_callbacks") or ()), bool(args.get("ordered_effects"))
 
 
 def dispatcher(compiled):

@@ -612,7 +612,8 @@ class _MJit:
             # and is parsed once: the registered-task scan and compile() share it.
             program = _bytecode(lowered.compiler_ir("stablehlo"))
             module = parse_module(program, make_context())
-            held = _callbacks.adopt(module, jax_compat.lowered_callbacks(lowered))
+            host_callbacks, ordered = jax_compat.lowered_callbacks(lowered)
+            held = _callbacks.adopt(module, host_callbacks)
             if held:  # the callbacks' numbers are in the program now
                 program = _bytecode(module)
             implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
@@ -644,7 +645,8 @@ class _MJit:
         mesh = self._program_mesh(devices)
         if mesh is not None:
             low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
-        if _fast_path.eligible(module, implicit, notes, pins, len(devices)):
+        # (ordered callbacks: jax.jit runs ordered debug prints on one device only)
+        if not ordered and _fast_path.eligible(module, implicit, notes, pins, len(devices)):
             low.fast = _fast_path.FastPath(traced.jaxpr, in_tree_dyn, lowered.out_tree,
                                            jax.tree.leaves(abstract), pins, devices, donated,
                                            low.as_text(), low.default_mesh)
