@@ -538,3 +538,27 @@ def test_ordered_print_without_tasks_skips_the_fast_path():
     assert [line.split()[0] for line in lines] == ["first", "second"]
     _close(_values(lines, "first ")[0], got["got"]["sum"])
     _close(_values(lines, "second ")[0], got["got"]["max"])
+
+
+def test_ordered_callbacks_keep_call_order_with_jax_jit():
+    """Ordered prints of an mjit program and of a jax.jit function called in turn,
+    without waiting, come out in call order (jax's runtime tokens go through both)."""
+    lines, _ = _run_child("""
+    def f(w, x):
+        y = jnp.tanh(x @ w)
+        for _ in range(10):  # some work, so that a race would show
+            y = jnp.tanh(y @ w)
+        jax.debug.print("mm {i}", i=x[0, 0], ordered=True)
+        return y
+
+    t1 = mm.task(f, name="t1", mesh=mesh(range(4)))
+    t2 = mm.task(lambda w, x: x @ w, name="t2", mesh=mesh(range(4, 8)))
+    prog = mm.mjit(lambda ws, x: t2(ws[1], t1(ws[0], x)))
+    plain = jax.jit(lambda i: jax.debug.print("jit {i}", i=i, ordered=True))
+    ws = (jnp.eye(128) * 0.5, jnp.eye(128))
+    for i in range(4):
+        prog(ws, jnp.full((128, 128), float(i)))
+        plain(i)
+    jax.effects_barrier()
+    """)
+    assert lines == [line for i in range(4) for line in (f"mm {float(i)}", f"jit {i}")]
