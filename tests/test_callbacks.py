@@ -17,7 +17,11 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
+
+import multimesh.jax as mm
 
 _PRELUDE = """
 import json
@@ -562,3 +566,25 @@ def test_ordered_callbacks_keep_call_order_with_jax_jit():
     jax.effects_barrier()
     """)
     assert lines == [line for i in range(4) for line in (f"mm {float(i)}", f"jit {i}")]
+
+
+def test_lowered_program_numbers_callbacks_and_cuts_tokens():
+    """In process (nothing runs): after lowering, every callback op carries its process
+    number beside jax's index, and no token crosses @main's signature or a task call;
+    each task body keeps its callbacks (the IR the passes and fragments see)."""
+    def body(w, x):
+        y = x @ w
+        jax.debug.print("a {s}", s=y.sum(), ordered=True)
+        return y
+
+    mesh = mm.TaskMesh(devices=range(4), axis_names=("x",), axis_sizes=(4,))
+    t1 = mm.task(body, name="t1", mesh=mesh)
+    t2 = mm.task(body, name="t2", mesh=mesh.place(range(4, 8)))
+    text = mm.mjit(lambda ws, x: t2(ws[1], t1(ws[0], x))).lower(
+        (jnp.eye(4), jnp.eye(4)), jnp.ones((4, 4))).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert "!stablehlo.token" not in main
+    calls = [line for line in text.splitlines() if "call @mm_task_" in line]
+    assert len(calls) == 2 and not any("token" in line for line in calls)
+    numbers = re.findall(r"xla_ffi_python_cpu_callback.*mm\.callback = (\d+)", text)
+    assert len(numbers) == 2 and len(set(numbers)) == 2
