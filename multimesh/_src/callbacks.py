@@ -196,7 +196,7 @@ def drop_tokens(module: ir.Module) -> bool:
         walk(module.operation, lambda o: rebuild.append(o) if _calls(o, names) else None)
         cut: list[ir.Operation] = []  # other ops of split functions that take a token
         for fn in split:
-            for o in fn.regions[0].blocks[0].operations:
+            for o in (fn.regions[0].blocks[0].operations if fn.regions[0].blocks else ()):
                 op = o.operation
                 if _calls(op, names) or not any(_is_token(v.type) for v in op.operands):
                     continue
