@@ -588,3 +588,25 @@ def test_lowered_program_numbers_callbacks_and_cuts_tokens():
     assert len(calls) == 2 and not any("token" in line for line in calls)
     numbers = re.findall(r"xla_ffi_python_cpu_callback.*mm\.callback = (\d+)", text)
     assert len(numbers) == 2 and len(set(numbers)) == 2
+
+
+def test_callbacks_under_jax_distributed():
+    """2 processes x 4 devices: each callback runs once, in the process that owns its
+    fragment's first device; values and gradients equal plain jax in both."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "multiprocess", "host_callbacks.py")
+    p = subprocess.run([sys.executable, "-m", "multimesh.launch", "-n", "2",
+                        "--devices-per-process", "4", "--timeout", "200", script],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    out = "\n".join(line for line in p.stdout.splitlines() if "[Gloo]" not in line)
+    assert p.returncode == 0, out + p.stderr[-3000:]
+    for k in range(2):
+        assert re.search(rf"^\[{k}\] OK process {k}: \d+ arrays checked", out, re.M), out
+    printed = re.findall(r"^\[0\] t1 (\S+)$", out, re.M)
+    assert len(printed) == 1, out
+    assert not re.search(r"^\[1\] t1 ", out, re.M), out
+    assert re.search(r"^\[0\] log \[\] want ", out, re.M), out
+    logged = re.search(r"^\[1\] log \[(\S+)\] want (\S+) t1 want (\S+)$", out, re.M)
+    assert logged is not None, out
+    _close(float(logged.group(1)), float(logged.group(2)))
+    _close(float(printed[0]), float(logged.group(3)))
