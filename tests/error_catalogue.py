@@ -214,7 +214,21 @@ def partitioned_identity() -> str:
             f"  return %x : {t}\n}}\n")
 
 
-HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity)
+def calling_back(op: str) -> str:
+    """A Shardy:MPMD-partitioned program whose one fragment (on mesh ``m1``, ``x=4``)
+    runs ``op`` on its argument ``%a`` (a ``tensor<8xf32>``) and returns it."""
+    t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
+    return (f"func.func public @main(%x: {t}) -> {t} attributes "
+            f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
+            f'  %0 = mpmd.fragment_call<mesh="m1", origin=["f"]> @f(%x) : ({t}) -> {t}\n'
+            f"  return %0 : {t}\n}}\n"
+            "func.func @f(%a: tensor<8xf32>) -> tensor<8xf32> attributes "
+            f'{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  {op}\n'
+            "  return %a : tensor<8xf32>\n}\n")
+
+
+HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity,
+           calling_back)
 
 
 def _repro_check(pass_argument: str):
@@ -1552,6 +1566,39 @@ def _():
 def _():
     mm.compile_mpmd(partitioned_identity(), {"m1": range(4)},
                     in_tree=jax.tree.structure((0, 0)))
+
+
+@error("callback-not-held", SHARDY, "A saved or imported program calls a Python callback",
+       MultimeshValueError,
+       r"Fragment `f` calls a Python host callback \(jax\.debug\.print, pure_callback or "
+       r"io_callback\) that this process does not hold\. A program with host callbacks "
+       r"compiles only through `mjit`",
+       """A host callback is a Python object that jax hands to XLA when it compiles the
+       program; the IR holds only its index. `mjit` carries the callbacks of a program it
+       traced into every fragment that calls one; a module from `compile_mpmd` (or saved
+       to a file) has none to carry. Compile the jax function with `mjit`, or remove the
+       callback before partitioning.""")
+def _():
+    mm.compile_mpmd(calling_back(
+        "stablehlo.custom_call @xla_ffi_python_cpu_callback(%a) {has_side_effect = true, "
+        "mhlo.backend_config = {index = 0 : ui64}} : (tensor<8xf32>) -> ()"), {"m1": range(4)})
+
+
+@error("callback-host-transfer", SHARDY, "A Python callback lowered to host send/recv (TPU)",
+       MultimeshValueError,
+       r"Fragment `f` calls a Python host callback through a host transfer "
+       r"\(`stablehlo\.send`, as jax lowers jax\.debug\.print, pure_callback and "
+       r"io_callback on TPU\)",
+       """On TPU, jax lowers host callbacks to `stablehlo.send`/`recv` on channels of the
+       whole program, which cannot be split into fragments compiled on their own.
+       multimesh runs host callbacks where jax lowers them to FFI calls (CPU and GPU).
+       Remove the callback, or run that program with `jax.jit`.""")
+def _():
+    mm.compile_mpmd(calling_back(
+        "%t = stablehlo.after_all : !stablehlo.token\n  %s = \"stablehlo.send\"(%a, %t) "
+        "{channel_handle = #stablehlo.channel_handle<handle = 1, type = 2>, "
+        "is_host_transfer = true} : (tensor<8xf32>, !stablehlo.token) -> !stablehlo.token"),
+        {"m1": range(4)})
 # =========================================================================== multi-process
 
 

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src import callbacks as _callbacks
+from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import (
     DiagnosticError,
@@ -320,6 +322,9 @@ class MpmdLowered:
         _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
         return module
 
+    host_callbacks: Sequence[Callable] = ()
+    """The Python callbacks the program calls (jax.debug.print, ...), kept alive here
+    while it may compile (``multimesh._src.callbacks``)."""
     fast: _fast_path.FastPath | None = None
     """A FastPath when the program takes enable_fast_path's jax.jit route."""
     default_mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
@@ -617,6 +622,10 @@ class _MJit(ProgramCaches):
             # and is parsed once: the registered-task scan and compile() share it.
             program = _bytecode(lowered.compiler_ir("stablehlo"))
             module = parse_module(program, make_context())
+            host_callbacks, ordered = jax_compat.lowered_callbacks(lowered)
+            held = _callbacks.adopt(module, host_callbacks)
+            if held:  # the callbacks' numbers are in the program now
+                program = _bytecode(module)
             implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
             _checks.no_explicit_sharding(traced.jaxpr, implicit is not None)
         trace_seconds = time.perf_counter() - t0
@@ -647,11 +656,13 @@ class _MJit(ProgramCaches):
         mesh = self._program_mesh(devices)
         if mesh is not None:
             low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
-        if _fast_path.eligible(module, implicit, notes, pins, len(devices)):
+        # (ordered callbacks: jax.jit runs ordered debug prints on one device only)
+        if not ordered and _fast_path.eligible(module, implicit, notes, pins, len(devices)):
             low.fast = _fast_path.FastPath(traced.jaxpr, in_tree_dyn, lowered.out_tree,
                                            jax.tree.leaves(abstract), pins, devices, donated,
                                            low.as_text(), low.default_mesh)
         low.trace_seconds = trace_seconds
+        low.host_callbacks = held  # alive while the program may compile
         _log_phase(low, "traced and lowered", trace_seconds)
         return low
 

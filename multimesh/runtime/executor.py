@@ -18,7 +18,7 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from multimesh._src import jax_compat
+from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
@@ -74,16 +74,23 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     out_sh = [layout_sharding(moved(lay, home, positions), devices)
               for lay in frag.out_layouts]
     module = parse_module(frag.text, make_context())
+    calls_back = callbacks.may_call_back(frag.text)
+    host_callbacks = callbacks.take(module, frag.name) if calls_back else []
     if donors:
         _mark_donors(module, donors)
+    effects = jax_compat.ORDERED_EFFECTS if calls_back and callbacks.ordered(module) else ()
+    if effects:  # jax's runtime tokens order it against other ordered calls
+        callbacks.thread_tokens(module, len(effects))
     global xla_compiles
     xla_compiles += 1
     # A jax.stages.Compiled: calls take jax's C++ dispatch path (a few µs, like a
     # jitted function) instead of MeshExecutable.call's Python checks (~15 µs); the
-    # plan guarantees argument layouts.
+    # plan guarantees argument layouts. (With host callbacks, jax's Python path, which
+    # keeps runtime tokens so that jax.effects_barrier() waits for them.)
     exe = jax_compat.compile_module(
         frag.name, module, [_aval(t) for t in frag.in_types],
-        [_aval(t) for t in frag.out_types], in_sh, out_sh, sub)
+        [_aval(t) for t in frag.out_types], in_sh, out_sh, sub, host_callbacks,
+        effects)
     level = compile_log_level()
     if logger.isEnabledFor(level):
         logger.log(level, "multimesh: XLA compiled fragment %s on devices %s%s in %.3f s",
