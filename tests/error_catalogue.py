@@ -840,10 +840,11 @@ def _():
 
 
 @error("custom-schedule-wrong-count", SCHEDULES,
-       "A custom schedule row lists a task the wrong number of times", MultimeshValueError,
+       "A custom schedule row lists a task the wrong number of times", PassFailure,
        r"task 's0' has 1 microbatch(es)? in custom_schedule row 0, but there are 2 microbatches",
        """Each name must appear once per microbatch in its row: with 2 microbatches,
-       `"s0"` appears twice.""")
+       `"s0"` appears twice.""",
+       check=_repro_check("mm-schedule-fragments"))
 def _():
     grad_fn, ws, x = two_stage()
     f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[["s0"], ["s1"]])
@@ -863,8 +864,8 @@ def _():
 
 @error("custom-schedule-row-count", SCHEDULES, "A custom schedule without a row per submesh",
        PassFailure,
-       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows, but the "
-       r"program has 2 submeshes \(one row per submesh, in order of first use\)",
+       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows for 2 "
+       r"submeshes; give one row per submesh, in the order the program first uses them",
        """Give one row per submesh, in the order the program first uses them.""",
        check=_repro_check("mm-schedule-fragments"))
 def _():
@@ -875,7 +876,7 @@ def _():
 
 @error("custom-schedule-task-of-other-submesh", SCHEDULES,
        "A custom schedule row names a task of another submesh", PassFailure,
-       r"custom_schedule row 1 names 'head', which is not a task of submesh 1 "
+       r"custom_schedule row 1 entry 4 names 'head', which is not a task of submesh 1 "
        r"\(its tasks: s1, s1_bwd\)",
        """Row *k* lists only the tasks (`name`, `name_bwd`, `name_bwd_w`) that run on
        submesh *k*; the message lists them.""",
@@ -884,6 +885,42 @@ def _():
     grad_fn, ws, x = two_stage()
     rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd", "head", "head"]]
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-misspelt-task", SCHEDULES, "A misspelt task in a custom schedule",
+       PassFailure,
+       r"custom_schedule row 0 entry 3 names 's0_bdw', which is not a task of submesh 0 "
+       r"\(its tasks: s0, s0_bwd\); did you mean 's0_bwd'\?",
+       """Names match task names exactly (`name`, `name_bwd`, `name_bwd_w`); the message
+       gives the row and entry of the first name that is not a task of that row's
+       submesh, the valid names, and the closest one.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bdw"], ["s1", "s1_bwd", "s1", "s1_bwd"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-extra-row", SCHEDULES, "A custom schedule with more rows than submeshes",
+       PassFailure,
+       r"custom_schedule has 3 rows for 2 submeshes; give one row per submesh, in the order "
+       r"the program first uses them",
+       """The row count is checked before the rows themselves: drop the extra row.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd"], ["s2"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-empty", SCHEDULES, "An empty `custom_schedule`", MultimeshValueError,
+       r"`microbatch` custom_schedule is empty; give one row per submesh, in the order the "
+       r"program first uses them",
+       """Raised by `microbatch` itself. Give one row per submesh, or drop
+       `custom_schedule` for a named schedule.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[])
 
 
 @error("custom-schedule-deadlock", SCHEDULES, "A custom schedule that cannot run",

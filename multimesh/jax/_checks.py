@@ -98,6 +98,12 @@ def custom_schedule(rows) -> None:
             f"list of task names or (microbatch, task name) pairs, got "
             f"{type(rows).__name__} {rows!r}. For example: [['s0', 's0_bwd'], ['s1', "
             f"'s1_bwd']].")
+    if len(rows) == 0:
+        raise MultimeshValueError(
+            "`microbatch` custom_schedule is empty; give one row per submesh, in the order "
+            "the program first uses them, each listing that submesh's tasks once per "
+            "microbatch. For example: [['s0', 's0', 's0_bwd', 's0_bwd'], ['s1', 's1_bwd', "
+            "'s1', 's1_bwd']] for 2 microbatches.")
     for r, row in enumerate(rows):
         if isinstance(row, str) or not isinstance(row, Sequence):
             raise MultimeshTypeError(
