@@ -289,8 +289,11 @@ def _device_flags(flags: str, count: int) -> str:
 def _forward(stream, out, prefix: str, lock: threading.Lock) -> None:
     for line in iter(stream.readline, b""):
         with lock:
-            out.write(prefix + line.decode(errors="replace"))
-            out.flush()
+            try:
+                out.write(prefix + line.decode(errors="replace"))
+                out.flush()
+            except (OSError, ValueError):  # the launcher's own output is gone: keep draining
+                pass
     stream.close()
 
 
@@ -436,20 +439,22 @@ class _Launch:
 
     def check_early_exits(self) -> None:
         """A process gone while its peers run: named; stopped if they wait for it."""
-        now = time.monotonic()
         running = self.running()
+        if self.stop is not None or not running:
+            return
+        now = time.monotonic()
+        waiting = [o.k for o in running if o.joined]
         for w in self.workers:
-            if w.exited_at is None or w.proc.returncode != 0 or w.noticed or not running:
+            if w.exited_at is None or w.proc.returncode != 0:
                 continue
-            waiting = [o.k for o in running if o.joined]
-            if not w.joined and waiting and self.stop is None:
-                w.noticed = True
+            if not w.joined and waiting:
                 self.say(f"process {w.k} exited with code 0 without joining "
                          f"jax.distributed.initialize(), which processes {waiting} wait in "
                          f"for it; stopping them.")
                 self.first_failure = (w.k, EXIT_STRANDED)
                 self.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
-            elif now - w.exited_at >= EARLY_EXIT_NOTICE:
+                return
+            if not w.noticed and now - w.exited_at >= EARLY_EXIT_NOTICE:
                 w.noticed = True
                 self.say(f"process {w.k} exited with code 0 {now - w.exited_at:.0f} s ago; "
                          f"processes {[o.k for o in running]} still run. If they wait for it "
