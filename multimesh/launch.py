@@ -451,6 +451,7 @@ class _Launch:
                 self.say(f"process {w.k} exited with code 0 without joining "
                          f"jax.distributed.initialize(), which processes {waiting} wait in "
                          f"for it; stopping them.")
+                w.failed = (EXIT_STRANDED, "it left before joining jax.distributed.initialize()")
                 self.first_failure = (w.k, EXIT_STRANDED)
                 self.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
                 return
