@@ -17,8 +17,8 @@ import os
 import re
 import tempfile
 
-__all__ = ["dump_root", "program_dir", "repro_path", "repro_dir", "prune_repros", "REPRO_NAME",
-           "REPRO_DIR_ENV", "REPRO_KEEP_ENV", "DEFAULT_REPRO_KEEP"]
+__all__ = ["dump_root", "program_dir", "repro_path", "repro_dir", "repro_keep", "prune_repros",
+           "NoRepro", "REPRO_NAME", "REPRO_DIR_ENV", "REPRO_KEEP_ENV", "DEFAULT_REPRO_KEEP"]
 
 REPRO_NAME = "multimesh-failed-input.mlir"
 REPRO_PREFIX = "multimesh-failed-input-"
