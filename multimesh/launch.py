@@ -486,10 +486,12 @@ class _Launch:
     # ---------------------------------------------------------------- stopping
 
     def begin_stop(self, code: int, cause: int | None, signum: int) -> None:
-        """Send ``signum`` to every running process but ``cause`` (which is exiting by
-        itself); whatever still runs after the grace period gets SIGKILL."""
+        """Send ``signum`` to every process group but ``cause``'s (it is exiting by
+        itself); whatever still runs after the grace period gets SIGKILL. The groups of
+        processes that have exited already may still hold their children: signalled too
+        (a group's id is not reused while it has members)."""
         self.stop = _Stop(code, cause, signum, time.monotonic() + self.opts.grace_period)
-        for w in self.running():
+        for w in self.workers:
             if w.k != cause:
                 _signal(w, signum)
 
@@ -523,6 +525,9 @@ class _Launch:
         while self.running():
             self.tick(0.05)
         self.reap()
+        if self.stop is not None:  # a stopped run leaves nothing behind, children included
+            for w in self.workers:
+                _signal(w, signal.SIGKILL)
         deadline = time.monotonic() + 2
         for t in self.threads:  # the last output lines
             t.join(timeout=max(0.0, deadline - time.monotonic()))

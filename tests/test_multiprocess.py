@@ -9,6 +9,7 @@ ends by printing ``OK process k``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -219,7 +220,12 @@ def test_a_killed_launcher_takes_its_processes_along(tmp_path):
     proc, out, pids = _start_launcher(tmp_path, SLEEPER, n=2)
     proc.kill()  # no chance to forward anything: the kernel's parent-death signal does it
     proc.wait(timeout=30)
-    _assert_gone(pids[0::2])  # the workers; their children are theirs to stop
+    try:
+        _assert_gone(pids[0::2])  # the workers; their own children outlive them (documented)
+    finally:
+        for pid in pids[1::2]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_launcher_environment_and_prefixes(tmp_path):
@@ -236,8 +242,10 @@ def test_launcher_environment_and_prefixes(tmp_path):
 
 
 def test_launcher_fails_fast_with_the_first_failure_code(tmp_path):
-    code = ("import os, sys, time\n"
-            "print('pid', os.getpid(), flush=True)\n"
+    # every process has a child of its own; the one that fails leaves its child behind
+    code = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print('pids', os.getpid(), child.pid, flush=True)\n"
             "if os.environ['MULTIMESH_LAUNCH_PROCESS_ID'] == '1':\n"
             "    time.sleep(0.5)\n"
             "    sys.exit(3)\n"
