@@ -216,6 +216,19 @@ def test_launcher_kills_what_ignores_the_signal_after_the_grace_period(tmp_path)
     _assert_gone(pids)
 
 
+def test_a_second_signal_kills_at_once(tmp_path):
+    code = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
+    proc, out, pids = _start_launcher(tmp_path, code, "--grace-period", "60", n=2)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=30)
+    assert rc == 143, out.read_text()  # the first signal's code
+    assert time.monotonic() - start < 5, out.read_text()
+    _assert_gone(pids)
+
+
 def test_a_killed_launcher_takes_its_processes_along(tmp_path):
     proc, out, pids = _start_launcher(tmp_path, SLEEPER, n=2)
     proc.kill()  # no chance to forward anything: the kernel's parent-death signal does it
