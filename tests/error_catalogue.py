@@ -869,7 +869,7 @@ def _():
        `(microbatch, name)` pair.""")
 def _():
     grad_fn, ws, x = two_stage()
-    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]]))(ws, x)
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]])
 
 
 @error("custom-schedule-row-count", SCHEDULES, "A custom schedule without a row per submesh",

@@ -111,3 +111,15 @@ def custom_schedule(rows) -> None:
                 f"(microbatch, task name) pairs, got {type(row).__name__} {row!r}"
                 + (f"; a string is not split into names: write {row.split()!r}."
                    if isinstance(row, str) else "."))
+        for entry in row:
+            if not _schedule_entry(entry):
+                raise MultimeshTypeError(
+                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
+                    f"(microbatch, task name) pairs.")
+
+
+def _schedule_entry(entry) -> bool:
+    """A task name, or a ``(microbatch, task name)`` pair."""
+    return isinstance(entry, str) or (
+        isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], str)
+        and isinstance(entry[0], (int, np.integer)) and not isinstance(entry[0], bool))
