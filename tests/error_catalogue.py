@@ -84,6 +84,7 @@ class Entry:
     check: Callable[[BaseException], None] | None = None  # extra assertions
     # CLI errors
     argv: tuple[str, ...] | None = None  # mm-opt arguments; run in a directory holding in.mlir
+    tool: str = "mm-opt"  # or "python -m multimesh.launch"
     input_text: str | None = None  # written to in.mlir when given
     input_bytes: bytes | None = None  # written to in.mlir as is (not UTF-8 text)
     exit_code: int | None = None
@@ -113,7 +114,7 @@ class Entry:
     def source(self) -> str:
         """The trigger's body (Python) or the command line (CLI), for the docs."""
         if self.is_cli:
-            return "mm-opt " + shlex.join(self.argv)
+            return f"{self.tool} " + shlex.join(self.argv)
         return function_body(self.trigger)
 
 
@@ -152,6 +153,15 @@ def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: s
     ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
                          fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
                          input_bytes=input_bytes, exit_code=exit_code, issue=issue))
+
+
+LAUNCH = "python -m multimesh.launch"
+
+
+def launch(id: str, title: str, argv: list[str], match: str, fix: str) -> None:
+    """A ``python -m multimesh.launch`` command line it refuses (argparse: exit code 2)."""
+    ENTRIES.append(Entry(id=id, category=MULTI, title=title, match=match,
+                         fix=" ".join(fix.split()), argv=tuple(argv), exit_code=2, tool=LAUNCH))
 
 
 def function_body(fn: Callable) -> str:
@@ -924,10 +934,11 @@ def _():
 
 
 @error("custom-schedule-wrong-count", SCHEDULES,
-       "A custom schedule row lists a task the wrong number of times", MultimeshValueError,
+       "A custom schedule row lists a task the wrong number of times", PassFailure,
        r"task 's0' has 1 microbatch(es)? in custom_schedule row 0, but there are 2 microbatches",
        """Each name must appear once per microbatch in its row: with 2 microbatches,
-       `"s0"` appears twice.""")
+       `"s0"` appears twice.""",
+       check=_repro_check("mm-schedule-fragments"))
 def _():
     grad_fn, ws, x = two_stage()
     f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[["s0"], ["s1"]])
@@ -942,13 +953,13 @@ def _():
        `(microbatch, name)` pair.""")
 def _():
     grad_fn, ws, x = two_stage()
-    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]]))(ws, x)
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]])
 
 
 @error("custom-schedule-row-count", SCHEDULES, "A custom schedule without a row per submesh",
        PassFailure,
-       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows, but the "
-       r"program has 2 submeshes \(one row per submesh, in order of first use\)",
+       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows for 2 "
+       r"submeshes; give one row per submesh, in the order the program first uses them",
        """Give one row per submesh, in the order the program first uses them.""",
        check=_repro_check("mm-schedule-fragments"))
 def _():
@@ -959,7 +970,7 @@ def _():
 
 @error("custom-schedule-task-of-other-submesh", SCHEDULES,
        "A custom schedule row names a task of another submesh", PassFailure,
-       r"custom_schedule row 1 names 'head', which is not a task of submesh 1 "
+       r"custom_schedule row 1 entry 4 names 'head', which is not a task of submesh 1 "
        r"\(its tasks: s1, s1_bwd\)",
        """Row *k* lists only the tasks (`name`, `name_bwd`, `name_bwd_w`) that run on
        submesh *k*; the message lists them.""",
@@ -968,6 +979,42 @@ def _():
     grad_fn, ws, x = two_stage()
     rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd", "head", "head"]]
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-misspelt-task", SCHEDULES, "A misspelt task in a custom schedule",
+       PassFailure,
+       r"custom_schedule row 0 entry 3 names 's0_bdw', which is not a task of submesh 0 "
+       r"\(its tasks: s0, s0_bwd\); did you mean 's0_bwd'\?",
+       """Names match task names exactly (`name`, `name_bwd`, `name_bwd_w`); the message
+       gives the row and entry of the first name that is not a task of that row's
+       submesh, the valid names, and the closest one.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bdw"], ["s1", "s1_bwd", "s1", "s1_bwd"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-extra-row", SCHEDULES, "A custom schedule with more rows than submeshes",
+       PassFailure,
+       r"custom_schedule has 3 rows for 2 submeshes; give one row per submesh, in the order "
+       r"the program first uses them",
+       """The row count is checked before the rows themselves: drop the extra row.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd"], ["s2"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-empty", SCHEDULES, "An empty `custom_schedule`", MultimeshValueError,
+       r"`microbatch` custom_schedule is empty; give one row per submesh, in the order the "
+       r"program first uses them",
+       """Raised by `microbatch` itself. Give one row per submesh, or drop
+       `custom_schedule` for a named schedule.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[])
 
 
 @error("custom-schedule-deadlock", SCHEDULES, "A custom schedule that cannot run",
@@ -1631,6 +1678,37 @@ def _():
         del os.environ["MULTIMESH_PEER_TIMEOUT"]
 
 
+launch("launch-bad-process-count", "`multimesh.launch -n` out of range",
+       ["-n", "0", "train.py"],
+       r"argument -n/--num-processes: must be between 1 and 256, got 0",
+       """Every process runs on this machine: give 1 to 256 (a cluster's own launcher
+       starts more, see docs/multiprocess.md).""")
+
+launch("launch-bad-port", "`multimesh.launch --port` that is not a TCP port",
+       ["-n", "2", "--port", "99999", "train.py"],
+       r"argument --port: must be a TCP port number from 1 to 65535 \(or 0 for a free one\), "
+       r"got '99999'",
+       """Give a port from 1 to 65535 that nothing else uses, or leave `--port` out (0, the
+       default, takes a free one). A port that is in use is refused too, by number.""")
+
+launch("launch-bad-timeout", "`multimesh.launch --timeout` that is not positive",
+       ["-n", "2", "--timeout", "-1", "train.py"],
+       r"argument --timeout: must be a positive number of seconds, got '-1'",
+       """`--timeout S` stops every process after S seconds (exit code 124); leave it out
+       for no limit.""")
+
+launch("launch-bad-grace-period", "`multimesh.launch --grace-period` below 0",
+       ["-n", "2", "--grace-period", "-3", "train.py"],
+       r"argument --grace-period: must be a number of seconds, 0 or more, got '-3'",
+       """The seconds stopped processes get between SIGTERM and SIGKILL (default 3; 0 kills
+       at once).""")
+
+launch("launch-missing-script", "`multimesh.launch` of a script that is not there",
+       ["-n", "2", "train.py"], r"no such script: train\.py",
+       """The script path is read from the launcher's directory; for a module, use `-m
+       package.module`.""")
+
+
 # =========================================================================== CLI misuse
 
 OK_MLIR = """\
@@ -1899,7 +1977,10 @@ def run(entry: Entry, workdir: Path) -> Outcome:
 
 
 def _run_cli(entry: Entry, workdir: Path) -> Outcome:
-    from multimesh.tools.mm_opt import main
+    if entry.tool == LAUNCH:
+        from multimesh.launch import main
+    else:
+        from multimesh.tools.mm_opt import main
 
     if entry.input_text is not None:
         (workdir / "in.mlir").write_text(entry.input_text, encoding="utf-8")
@@ -1912,7 +1993,10 @@ def _run_cli(entry: Entry, workdir: Path) -> Outcome:
         # COLUMNS: argparse wraps its usage text to the terminal width.
         with _cwd(workdir), _env("COLUMNS", "80"), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err):
-            code = main(list(entry.argv))
+            try:
+                code = main(list(entry.argv))
+            except SystemExit as e:  # argparse
+                code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.stdin = old_stdin
     return Outcome(exit_code=code, stdout=out.getvalue(), message=err.getvalue())

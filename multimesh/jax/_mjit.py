@@ -439,15 +439,35 @@ def _pass_failure(pipe: Pipeline, e: DiagnosticError, where: str | None,
                   source: Callable[[], ir.Module]) -> PassFailure:
     """The error for a failed pass: its input written as a repro, and the mm-opt line."""
     failed = getattr(e, "failed_pass", "?")
-    path = _dump.repro_path(where)
-    with open(path, "w") as f:
-        f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
     where_loc = file_line_col(e.location)
     loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
+    headline = f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
+    try:
+        path = _write_repro(pipe, e, where, source)
+    except _dump.NoRepro as why:
+        return PassFailure(f"{headline}No repro file was written: {why}.", failed, None, e)
     element, note = _replay_element(pipe, e, path)
+    if where is None:
+        note += (f"\n(repros go to {os.path.dirname(path)}, which keeps the newest "
+                 f"{_dump.repro_keep()}; {_dump.REPRO_DIR_ENV} and {_dump.REPRO_KEEP_ENV} "
+                 f"change that, {_dump.REPRO_KEEP_ENV}=0 turns them off)")
     repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
-    return PassFailure(f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
-                       f"Reproduce with:\n  {repro}{note}", failed, repro, e)
+    return PassFailure(f"{headline}Reproduce with:\n  {repro}{note}", failed, repro, e)
+
+
+def _write_repro(pipe: Pipeline, e: DiagnosticError, where: str | None,
+                 source: Callable[[], ir.Module]) -> str:
+    """Write the failing pass's input; its path. Outside a dump directory, the repro
+    directory keeps only the newest repros (``_dump.prune_repros``)."""
+    path = _dump.repro_path(where)
+    try:
+        with open(path, "w") as f:
+            f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
+    except OSError as err:
+        raise _dump.NoRepro(f"cannot write {path!r} ({err.strerror or err})") from None
+    if where is None:
+        _dump.prune_repros(os.path.dirname(path), _dump.repro_keep())
+    return path
 
 
 def _replay_element(pipe: Pipeline, e: DiagnosticError, path: str) -> tuple[str, str]:
