@@ -24,7 +24,11 @@ from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._pipeline import build_pipeline
-from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
+from multimesh.jax._task import (
+    jax_constraint_hint,
+    warn_renamed_tasks,
+    with_sharding_constraint,
+)
 from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 from multimesh.passes.schedules import SPLIT_SCHEDULES
 from multimesh.runtime import Executor, build_plan, distributed
@@ -591,7 +595,8 @@ class _MJit:
                 full.append(args[i] if i in static else next(it))
             if in_sh is not None:
                 full = list(_constrain_tree(tuple(full), in_sh))
-            out = fun(*full, **kw)
+            with jax_constraint_hint("in an `mjit` program"):
+                out = fun(*full, **kw)
             if out_sh is not None:
                 out = _constrain_tree(out, out_sh)
             return out
@@ -751,7 +756,7 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
             "initial_batch argument.")
     if init_params is None:
         raise MultimeshValueError("multimesh.jax.parallelize requires init_params.")
-    with _contexts.autoshard(True):
+    with _contexts.autoshard(True), _contexts.internal_trace():  # shapes only
         params = jax.eval_shape(init_params)
         if initial_batch is None:
             assert get_input_batch is not None  # one of the two was required above
