@@ -769,9 +769,10 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     param_sh, batch_sh = compiled.input_shardings[0]
 
     def init_sharded_params():
-        if jax.process_count() > 1:  # each parameter computed only by its owners
-            return distributed.owner_init(init_params, param_sh)
-        return jax.device_put(init_params(), param_sh)
+        with _contexts.internal_trace():  # placed by param_sh, not by its tasks
+            if jax.process_count() > 1:  # each parameter computed only by its owners
+                return distributed.owner_init(init_params, param_sh)
+            return jax.device_put(init_params(), param_sh)
 
     if initial_batch is not None:
         return compiled, init_sharded_params
@@ -780,6 +781,7 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     assert make_batch is not None  # one of the two was required above
 
     def get_sharded_batch():
-        return jax.device_put(make_batch(), batch_sh)
+        with _contexts.internal_trace():
+            return jax.device_put(make_batch(), batch_sh)
 
     return compiled, init_sharded_params, get_sharded_batch

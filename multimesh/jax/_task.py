@@ -416,7 +416,21 @@ def _warn_outside_mjit(info: TaskInfo) -> None:
         f"submesh (device positions {list(info.devices)}). The values are the same. To "
         f"place it, compile the program with `multimesh.jax.mjit` (or `parallelize`); to "
         f"run plain jax on purpose, call it under `multimesh.jax.ignore_transforms()`.",
-        MultimeshWarning, stacklevel=3)
+        MultimeshWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, called from here's caller, that points at the
+    first frame outside multimesh, jax and flax (the user's call of the task)."""
+    import sys
+
+    library = tuple(os.path.dirname(m.__file__) + os.sep
+                    for m in (jax, sys.modules.get("flax")) if m is not None and m.__file__)
+    library += (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # multimesh/
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 class TaskFunction(Protocol):
