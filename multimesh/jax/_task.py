@@ -8,6 +8,8 @@ import dataclasses
 import functools
 import math
 import os
+import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -422,12 +424,11 @@ def _warn_outside_mjit(info: TaskInfo) -> None:
 def _user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, called from here's caller, that points at the
     first frame outside multimesh, jax and flax (the user's call of the task)."""
-    import sys
-
     library = tuple(os.path.dirname(m.__file__) + os.sep
                     for m in (jax, sys.modules.get("flax")) if m is not None and m.__file__)
     library += (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # multimesh/
-    frame, level = sys._getframe(2), 2
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(library):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 2
