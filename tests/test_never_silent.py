@@ -113,6 +113,27 @@ def test_eval_shape_of_tasks_warns():
     assert (out.shape, out.dtype) == ((), jnp.float32)
 
 
+def test_jit_traced_inside_mjit_then_run_outside_warns():
+    """jax.jit keeps the jaxpr it traced inside ``mjit``; run outside, the task is not
+    bound again, so the lowering rule is what notices (once per process per task)."""
+    t = mm.task(lambda x: jnp.sin(x) * 2, name="cached_in_jit", mesh=_mesh(4))
+    inner = jax.jit(lambda x: t(x) + 1)
+    x = jnp.arange(8.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        placed = mm.mjit(lambda x: inner(x) * 3)(x)
+        assert not _outside(caught)
+        plain = [inner(x) for _ in range(3)]
+    msgs = _outside(caught)
+    assert len(msgs) == 1 and msgs[0].startswith("Task 'cached_in_jit' is traced outside")
+    np.testing.assert_allclose(np.asarray(placed), np.asarray((jnp.sin(x) * 2 + 1) * 3),
+                               rtol=1e-6)
+    assert _ids(placed) == {4, 5, 6, 7}
+    for out in plain:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.sin(x) * 2 + 1), rtol=1e-6)
+        assert _ids(out) == {jax.devices()[0].id}
+
+
 def test_mjit_and_ignore_transforms_do_not_warn():
     ws, x = _args()
     with warnings.catch_warnings():

@@ -8,8 +8,6 @@ import dataclasses
 import functools
 import math
 import os
-import sys
-import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -33,7 +31,7 @@ from multimesh._src.errors import (
     MultimeshWarning,
 )
 from multimesh.jax import _checks, _contexts
-from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
+from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, warn_unplaced
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
            "warn_renamed_tasks", "jax_constraint_hint"]
@@ -383,7 +381,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         info = resolve_task_info(spec, task_name)
         if not warned and not _contexts.traced_by_multimesh():
             warned.append(True)
-            _warn_outside_mjit(info)
+            warn_unplaced(info)
         if explicit:
             _note_explicit_name(info)
         if spec.loop_dependent_mesh_slice is not None:
@@ -406,32 +404,6 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     out = cast(TaskFunction, wrapped)
     out.mm_task = spec
     return out
-
-
-def _warn_outside_mjit(info: TaskInfo) -> None:
-    """A task bound outside ``mjit`` (eagerly, under ``jax.jit``, ``jax.eval_shape``,
-    ...) is an ordinary call: nothing puts it on its submesh."""
-    warnings.warn(
-        f"Task {info.name!r} is traced outside `multimesh.jax.mjit` (called eagerly, or "
-        f"under jax.jit, jax.eval_shape or another jax transformation), so its placement "
-        f"is ignored: it runs as an ordinary jax call where jax puts it, not on its "
-        f"submesh (device positions {list(info.devices)}). The values are the same. To "
-        f"place it, compile the program with `multimesh.jax.mjit` (or `parallelize`); to "
-        f"run plain jax on purpose, call it under `multimesh.jax.ignore_transforms()`.",
-        MultimeshWarning, stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel, called from here's caller, that points at the
-    first frame outside multimesh, jax and flax (the user's call of the task)."""
-    library = tuple(os.path.dirname(m.__file__) + os.sep
-                    for m in (jax, sys.modules.get("flax")) if m is not None and m.__file__)
-    library += (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # multimesh/
-    frame: types.FrameType | None = sys._getframe(2)
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(library):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
 
 
 class TaskFunction(Protocol):
