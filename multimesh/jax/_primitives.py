@@ -42,6 +42,9 @@ class TaskInfo:
     split_backprop: tuple[str, str] | None = None
     loop_devices: tuple[tuple[int, ...], ...] | None = None
     """``Task.loop_dependent_mesh_slice``: the task's device positions in each microbatch."""
+    unplaced_ok: bool = False
+    """Bound by multimesh's own trace outside ``mjit`` (a Flax init): jax may lower it
+    later, unplaced, on purpose (see :func:`warn_unplaced`). Not part of the IR."""
 
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
@@ -87,7 +90,7 @@ def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
 def _lowering(ctx, *args, call_jaxpr, info):
     from multimesh.jax import _contexts
 
-    if not _contexts.traced_by_multimesh():  # a jaxpr traced under mjit, lowered by jax
+    if not (info.unplaced_ok or _contexts.traced_by_multimesh()):  # lowered by jax
         warn_unplaced(info, once_per_process=True)
     call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
                                             ctx.avals_in)

@@ -379,9 +379,8 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
-        if not warned and not _contexts.traced_by_multimesh():
-            warned.append(True)
-            warn_unplaced(info)
+        if _contexts.state.program_devices is None:
+            info = _outside_mjit(info, warned)
         if explicit:
             _note_explicit_name(info)
         if spec.loop_dependent_mesh_slice is not None:
@@ -404,6 +403,17 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     out = cast(TaskFunction, wrapped)
     out.mm_task = spec
     return out
+
+
+def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
+    """A task bound outside ``mjit``: quiet (and marked so for the lowering rule) in
+    multimesh's own traces, else warned once per task function (``warned``)."""
+    if _contexts.state.internal_trace:
+        return dataclasses.replace(info, unplaced_ok=True)
+    if not warned:
+        warned.append(True)
+        warn_unplaced(info)
+    return info
 
 
 class TaskFunction(Protocol):
