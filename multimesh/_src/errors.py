@@ -85,6 +85,8 @@ def _at(location) -> str:
 
     flc = file_line_col(location)
     return f" (at {flc[0]}:{flc[1]}:{flc[2]})" if flc else ""
+
+
 class DonationError(MultimeshValueError):
     """A compiled program got an argument whose buffer is gone (donated or deleted), or
     the same array both donated and passed as another argument."""
