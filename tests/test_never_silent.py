@@ -134,6 +134,22 @@ def test_jit_traced_inside_mjit_then_run_outside_warns():
         assert _ids(out) == {jax.devices()[0].id}
 
 
+def test_cached_jit_jaxpr_under_ignore_transforms_is_quiet():
+    """The same cache hit under ``ignore_transforms`` (a plain-jax reference run) is
+    plain jax on purpose: no warning."""
+    t = mm.task(lambda x: jnp.sin(x) * 2, name="cached_quiet", mesh=_mesh(4))
+    inner = jax.jit(lambda x: t(x) + 1)
+    x = jnp.arange(8.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MultimeshWarning)
+        placed = mm.mjit(lambda x: inner(x) * 3)(x)
+        with mm.ignore_transforms():
+            ref = jax.jit(lambda x: inner(x) * 3)(x)
+    np.testing.assert_allclose(np.asarray(placed), np.asarray(ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray((jnp.sin(x) * 2 + 1) * 3),
+                               rtol=1e-6)
+
+
 def test_mjit_and_ignore_transforms_do_not_warn():
     ws, x = _args()
     with warnings.catch_warnings():

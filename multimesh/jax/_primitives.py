@@ -90,8 +90,9 @@ def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
 def _lowering(ctx, *args, call_jaxpr, info):
     from multimesh.jax import _contexts
 
-    if not (info.unplaced_ok or _contexts.traced_by_multimesh()):  # lowered by jax
-        warn_unplaced(info, once_per_process=True)
+    st = _contexts.state
+    if not (info.unplaced_ok or st.ignore_transforms or _contexts.traced_by_multimesh()):
+        warn_unplaced(info, once_per_process=True)  # lowered by plain jax
     call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
                                             ctx.avals_in)
     call.attributes["mm.task"] = info.attribute()
