@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh.jax.errors import (
     DiagnosticError,
+    DiagnosticWarning,
     DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
@@ -531,6 +532,38 @@ def _():
 def _():
     grad_fn, ws, x = two_stage()
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=0))(ws, x)
+@warning("task-traced-outside-mjit", API, "A task traced outside `mjit`", MultimeshWarning,
+         r"Task 't' is traced outside `multimesh\.jax\.mjit` \(called eagerly, or under "
+         r"jax\.jit, jax\.eval_shape or another jax transformation\), so its placement is "
+         r"ignored: it runs as an ordinary jax call where jax puts it, not on its submesh "
+         r"\(device positions \[0, 1, 2, 3\]\)\. The values are the same\. To place it, "
+         r"compile the program with `multimesh\.jax\.mjit`",
+         """Only `mjit` (and `parallelize`, `parallelize_step`) put tasks on their submeshes;
+         eagerly, under `jax.jit` or `jax.eval_shape` a task is an ordinary call (on jax's
+         default device for uncommitted inputs). Warned once per task function. Compile
+         the program with `mjit`, or call it under `ignore_transforms()` to run plain jax
+         on purpose (a reference value, a debugging run).""")
+def _():
+    t = mm.task(lambda x: x * 2, name="t", mesh=mesh4())
+    jax.jit(t)(jnp.ones(8))
+
+
+@error("jax-with-sharding-constraint-in-task", API,
+       "`jax.lax.with_sharding_constraint` with logical names in a task",
+       MultimeshValueError,
+       r"`jax\.lax\.with_sharding_constraint` with a `PartitionSpec` inside task 't' needs a "
+       r"jax mesh in context, and multimesh sets none: in an MPMD program, axis names are "
+       r"logical names that each task maps to its own mesh axes \('batch' -> 'x'\)\. Use "
+       r"`multimesh\.jax\.with_sharding_constraint\(x, spec\)` instead\.",
+       """jax's constraint resolves a `PartitionSpec` against the mesh in context, and a
+       task sets none: jax's own error is "requires a non-empty mesh" (kept as the
+       cause). The logical constraint, `multimesh.jax.with_sharding_constraint`, is the one
+       that each task resolves through its `logical_axes`. The same holds outside tasks in
+       an `mjit` program.""")
+def _():
+    t = mm.task(lambda x: lax.with_sharding_constraint(x, P("batch")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
@@ -825,6 +858,49 @@ def _():
     t = mm.task(lambda x: mm.with_sharding_constraint(x, (P("batch"), P("batch"))), name="t",
                 mesh=mesh4(), logical_axes=(("batch", "x"),))
     mm.mjit(t)((jnp.ones(8),))
+
+
+@warning("logical-name-mapped-by-no-task", LOGICAL, "A logical name that no task maps (a typo)",
+         DiagnosticWarning,
+         r"logical axis name 'btach' is mapped by no task of the program, so it leaves its "
+         r"dimension unsharded in task 't'; did you mean 'batch'\? \(the logical names the "
+         r"tasks map: 'batch'\) \(at ",
+         """A name that no task's `logical_axes` maps shards nothing anywhere. When it is a near
+         miss of a name the tasks map, multimesh warns (once per program, at the
+         constraint's source line) with the closest names; fix the spelling. An unmapped
+         name that resembles no mapped name (`"seq"` without sequence sharding) is taken as
+         deliberate and stays quiet: replicated, as in MultiMesh.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("btach")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@warning("mesh-axis-used-as-logical-name", LOGICAL, "A mesh axis name used as a logical name",
+         DiagnosticWarning,
+         r"logical axis name 'x' is mapped by no task of the program, so it leaves its "
+         r"dimension unsharded in task 't'; 'x' is a mesh axis of task 't', not a logical "
+         r"name: use a logical name that task 't' maps onto it \('batch'\)",
+         """Inside an MPMD program, constraint names are logical: a task with `logical_axes`
+         reads only the logical names listed there, not its mesh axes. Use the logical name
+         mapped onto that axis, or map the axis name itself (`("x", "x")`).""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("x")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@warning("logical-axes-pair-swapped", LOGICAL, "A `logical_axes` pair written backwards",
+         DiagnosticWarning,
+         r"logical axis name 'batch' is mapped by no task of the program, .*; task 't' has the "
+         r"pair \('x', 'batch'\), which maps its mesh axis 'x' as a logical name onto "
+         r"'batch', not an axis of its mesh: the pair looks swapped, write \('batch', 'x'\) in "
+         r"its logical_axes",
+         """Pairs are `(logical_name, device_axis)`: logical name first.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name="t",
+                mesh=mesh4(), logical_axes=(("x", "batch"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 # =========================================================================== non-dividing shapes

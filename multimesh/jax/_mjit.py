@@ -28,7 +28,11 @@ from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multi
 from multimesh.jax._module_names import module_names
 from multimesh.jax._pipeline import build_pipeline
 from multimesh.jax._results import ParallelizeResult
-from multimesh.jax._task import warn_renamed_tasks, with_sharding_constraint
+from multimesh.jax._task import (
+    jax_constraint_hint,
+    warn_renamed_tasks,
+    with_sharding_constraint,
+)
 from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 from multimesh.passes.schedules import SPLIT_SCHEDULES
 from multimesh.runtime import Executor, build_plan, distributed
@@ -626,7 +630,8 @@ class _MJit(ProgramCaches):
                 full.append(args[i] if i in static else next(it))
             if in_sh is not None:
                 full = list(_constrain_tree(tuple(full), in_sh))
-            out = fun(*full, **kw)
+            with jax_constraint_hint("in an `mjit` program"):
+                out = fun(*full, **kw)
             if out_sh is not None:
                 out = _constrain_tree(out, out_sh)
             return out
@@ -795,7 +800,7 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
             "initial_batch argument.")
     if init_params is None:
         raise MultimeshValueError("multimesh.jax.parallelize requires init_params.")
-    with _contexts.autoshard(True):
+    with _contexts.autoshard(True), _contexts.internal_trace():  # shapes only
         params = jax.eval_shape(init_params)
         if initial_batch is None:
             assert get_input_batch is not None  # one of the two was required above
@@ -808,15 +813,17 @@ def parallelize(fun: Callable, *, init_params: Callable | None = None,
     param_sh, batch_sh = compiled.input_shardings[0]
 
     def init_sharded_params():
-        if jax.process_count() > 1:  # each parameter computed only by its owners
-            return distributed.owner_init(init_params, param_sh)
-        return jax.device_put(init_params(), param_sh)
+        with _contexts.internal_trace():  # placed by param_sh, not by its tasks
+            if jax.process_count() > 1:  # each parameter computed only by its owners
+                return distributed.owner_init(init_params, param_sh)
+            return jax.device_put(init_params(), param_sh)
 
     make_batch = get_input_batch if initial_batch is None else lambda: initial_batch
     assert make_batch is not None  # one of the two was required above
 
     def get_sharded_batch():
-        return jax.device_put(make_batch(), batch_sh)
+        with _contexts.internal_trace():
+            return jax.device_put(make_batch(), batch_sh)
 
     # The original library's forms: 3 values with get_input_batch, 2 with initial_batch.
     return ParallelizeResult((compiled, init_sharded_params, get_sharded_batch),
