@@ -136,9 +136,19 @@ class FastCompiled:
         ids = [d.id for d in self._fast.devices]
         return f"multimesh fast path: one jax.jit executable on devices {ids}"
 
-    def cost_analysis(self) -> dict:
+    def cost_analysis(self, *, by_fragment: bool = False) -> dict:
+        """XLA's cost estimates of the one executable (``by_fragment=True``: under the
+        name ``"main"``, as ``MpmdCompiled`` gives one entry per fragment)."""
         ca = self._compiled.cost_analysis()
-        return dict(ca[0] if isinstance(ca, (list, tuple)) else ca or {})
+        out = dict(ca[0] if isinstance(ca, (list, tuple)) else ca or {})
+        return {"main": out} if by_fragment else out
+
+    def memory_analysis(self, *, by_fragment: bool = False):
+        """XLA's memory estimates of the one executable (see ``cost_analysis``)."""
+        from multimesh.jax._mjit import MemoryAnalysis
+
+        stats = self._compiled.memory_analysis()
+        return {"main": stats} if by_fragment else MemoryAnalysis.total([stats])
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run once synchronously, as one span (see ``MpmdCompiled.profile``)."""
