@@ -150,6 +150,23 @@ class FastCompiled:
         stats = self._compiled.memory_analysis()
         return {"main": stats} if by_fragment else MemoryAnalysis.total([stats])
 
+    @property
+    def in_tree(self):
+        return self._fast.in_tree
+
+    @property
+    def out_tree(self):
+        return self._fast.out_tree
+
+    @property
+    def in_avals(self):
+        return self._fast.in_avals
+
+    def __getattr__(self, name):
+        from multimesh.jax._mjit import MpmdCompiled, _missing_attribute
+
+        raise _missing_attribute(self, name, MpmdCompiled)
+
     def profile(self, *args, trace_path=None, **kwargs):
         """Run once synchronously, as one span (see ``MpmdCompiled.profile``)."""
         from multimesh.runtime.trace import TraceRecorder

@@ -276,8 +276,22 @@ class MpmdCompiled:
                for name in self.plan_data.fragments}
         return per if by_fragment else MemoryAnalysis.total(per.values())
 
+    @property
+    def in_tree(self):
+        """The tree of the dynamic arguments, ``(args, kwargs)``, that calls take."""
+        return self._lowered.in_tree
+
+    @property
+    def out_tree(self):
+        return self._lowered.out_tree
+
+    @property
+    def in_avals(self):
+        return self._lowered.in_avals
+
     _jax_class = "jax.stages.Compiled"
     _not_offered = {
+        "donate_argnums": "see the `mjit` function's `donate_argnums`",
         "runtime_executable": "an MPMD program is one XLA executable per fragment; see "
                               "`fragments`, `xla_times` and `cost_analysis(by_fragment=True)`",
         "input_formats": "fragments choose their layouts separately; see `input_shardings`",
@@ -430,14 +444,17 @@ class MemoryAnalysis:
         return f"MemoryAnalysis({body})"
 
 
-def _missing_attribute(stage, name: str) -> AttributeError:
-    """The error for a missing attribute: why, for one that jax's stage has."""
+def _missing_attribute(stage, name: str, like: type | None = None) -> AttributeError:
+    """The error for a missing attribute: why, for one that jax's stage has (the
+    ``_not_offered`` table of ``like``, by default the stage's own class)."""
     cls = type(stage).__name__
-    why = type(stage)._not_offered.get(name)
+    table = like or type(stage)
+    why = table._not_offered.get(name)  # type: ignore[attr-defined]
     if why is None or name.startswith("__"):
         return AttributeError(f"{cls!r} object has no attribute {name!r}")
     return MultimeshAttributeError(
-        f"`{cls}.{name}` is not offered, although `{type(stage)._jax_class}` has it: {why}.")
+        f"`{cls}.{name}` is not offered, although `{table._jax_class}` has it: "  # type: ignore[attr-defined]
+        f"{why}.")
 
 
 def _annotate(module: ir.Module, schedule_config, num_devices: int,
@@ -824,6 +841,26 @@ class MpmdTraced:
     @property
     def in_avals(self) -> tuple:
         return tuple(self._traced.jaxpr.in_avals)
+
+    @property
+    def out_avals(self):
+        return self._traced.out_avals
+
+    @property
+    def fun_name(self) -> str:
+        return getattr(self._owner.fun, "__name__", "fun")
+
+    _jax_class = "jax.stages.Traced"
+    _not_offered = {
+        "args_info": "see `in_avals` (the dynamic arguments' leaves) and `compile()`'s "
+                     "`input_shardings`",
+        "in_tree": "see `lower().in_tree`",
+        "out_tree": "see `lower().out_tree`",
+        "donate_argnums": "see the `mjit` function's `donate_argnums`",
+    }
+
+    def __getattr__(self, name):
+        raise _missing_attribute(self, name)
 
     def lower(self) -> MpmdLowered:
         owner, traced, devices, notes = self._owner, self._traced, self._devices, self._notes
