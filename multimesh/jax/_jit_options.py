@@ -2,7 +2,7 @@
 
 ``static_argnums``/``static_argnames`` and ``donate_argnums``/``donate_argnames``
 are validated against the function's signature when ``mjit`` is called, and the
-missing half of each pair is inferred from it (``jax._src.api_util.resolve_argnums``):
+missing half of each pair is inferred from it (as jax's ``resolve_argnums`` does):
 a static or donated argument may then be passed by position or by keyword. Negative
 positions count from the end of the call's positional arguments, as in jax's
 dispatch. Unlike jax, duplicates are an error rather than ignored.
