@@ -34,6 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -42,9 +43,9 @@ import multimesh.jax as mm
 from multimesh._src.errors import (
     DiagnosticError,
     DonationError,
-    MultimeshAttributeError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
+    MultimeshAttributeError,
     MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
@@ -1447,6 +1448,23 @@ def _():
     model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     f = mm.mjit(lambda m, x, act: getattr(jax.nn, act)(m(x)), static_argnames="act")
     f.lower(model, jnp.ones((2, 4)), act="relu").compile()(model, jnp.ones((2, 4)), act="tanh")
+
+
+@error("nnx-physical-sharding", FLAX, "A physical `NamedSharding` for `mjit` over NNX objects",
+       MultimeshValueError,
+       r"mjit\(<lambda>\): in_shardings entry .* names mesh axes \['d'\] that no task of "
+       r"the program maps",
+       """With NNX objects among the arguments, `in_shardings`/`out_shardings` are logical
+       names, read by the task that uses each value; a `NamedSharding` whose axes no task
+       maps would do nothing. Use a `PartitionSpec` of logical names, or `jax.device_put`
+       the arrays.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P("d", None))
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    mm.mjit(lambda m, x: m(x), in_shardings=(None, rows))(model, jnp.ones((4, 4)))
 
 
 @error("nnx-bad-sharding-entry", FLAX, "An `in_shardings` entry for an NNX object of a wrong kind",

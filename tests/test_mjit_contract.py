@@ -136,6 +136,26 @@ def test_in_shardings_cover_the_dynamic_arguments_as_jax():
         mm.mjit(model, static_argnums=2, in_shardings=(None, rows, None))(WS, X, 2.0)
 
 
+def test_out_shardings_logical_and_physical():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    rows = NamedSharding(mesh, P("d", None))
+    want = _plain(model, WS, X)
+    # logical: the task producing the output resolves "batch" on its own submesh
+    out = mm.mjit(model, out_shardings=P("batch", None))(WS, X)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    assert _ids(out) == [4, 5, 6, 7] and out.sharding.spec == P("x", None)
+    # physical (no task maps "d"): the output is returned on it, as jax.jit returns it
+    c = mm.mjit(model, out_shardings=rows).lower(WS, X).compile()
+    out = c(WS, X)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    assert out.sharding.is_equivalent_to(rows, 2) and c.output_shardings == rows
+    plain = mm.mjit(lambda w, x: jnp.tanh(x @ w), out_shardings=rows)  # the fast path too
+    assert plain.lower(WS[0], X).compile().fast_path
+    out = plain(WS[0], X)
+    assert out.sharding.is_equivalent_to(rows, 2)
+    np.testing.assert_allclose(out, jnp.tanh(X @ WS[0]), rtol=1e-6)
+
+
 def test_decorator_form():
     @mm.mjit(static_argnames="scale")
     def g(ws, x, scale):
@@ -389,3 +409,12 @@ def test_nnx_static_argnames_and_eval_shape(nnx_kit):
         assert _ids(out) == [4, 5, 6, 7]
     with pytest.raises(MultimeshValueError, match="static arguments"):
         f.lower(model, XN, act="relu").compile()(model, XN, act="tanh")
+
+
+def test_nnx_shardings_must_be_logical(nnx_kit):
+    nnx, _, _, MLP = nnx_kit
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P("d", None))
+    f = mm.mjit(lambda m, x: m(x), in_shardings=(None, rows))
+    with pytest.raises(MultimeshValueError, match=r"in_shardings entry .* names mesh axes "
+                       r"\['d'\] that no task of the program maps"):
+        f(MLP(nnx.Rngs(0)), XN)

@@ -110,6 +110,7 @@ class FastCompiled:
     """A program compiled by ``jax.jit`` on the fast path; used like ``MpmdCompiled``."""
 
     fast_path = True
+    out_placements: dict = {}  # noqa: RUF012 - replaced by MpmdLowered.compile, never mutated
 
     def __init__(self, fast: FastPath, compiled, in_shardings):
         self._fast = fast
@@ -126,7 +127,11 @@ class FastCompiled:
 
         leaves = check_call(self._fast.in_tree, self._fast.in_avals, args, kwargs)
         leaves = [_place(x, sh) for x, sh in zip(leaves, self._in_sh)]
-        return jax.tree.unflatten(self._fast.out_tree, self._compiled(*leaves))
+        outs = self._compiled(*leaves)
+        if self.out_placements:  # physical out_shardings (see MpmdLowered)
+            outs = [jax.device_put(o, self.out_placements[i]) if i in self.out_placements
+                    else o for i, o in enumerate(outs)]
+        return jax.tree.unflatten(self._fast.out_tree, outs)
 
     def as_text(self) -> str:
         """The program as ``jax.jit`` compiled it (StableHLO before XLA)."""

@@ -33,13 +33,22 @@ from multimesh._src.ir_util import custom_call_target, update_attr_dicts
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._task import logical_axes_of  # per-dim names; here mesh axis names
 
-__all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits"]
+__all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits",
+           "is_physical"]
 
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
 
 
 def _is_spec(s) -> bool:
     return s is None or isinstance(s, (NamedSharding, PartitionSpec))
+
+
+def is_physical(sharding, mapped: Set[str]) -> bool:
+    """Whether ``sharding`` is kept as given: a ``NamedSharding`` on a concrete mesh
+    none of whose axis names a task of the program maps (``mapped``)."""
+    return (isinstance(sharding, NamedSharding)
+            and not isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+            and not _names(sharding.spec) & mapped)
 
 
 def leaf_in_shardings(in_shardings, args, static: tuple[int, ...], n_kwargs_leaves: int) -> list:
@@ -115,7 +124,7 @@ def plan_pins(leaves, specs: list, mapped: set[str], devices: tuple,
         spec = specs[i] if i < len(specs) else None
         ndim = len(getattr(x, "shape", ()))
         if isinstance(spec, NamedSharding):
-            if _names(spec.spec) & mapped or isinstance(spec.mesh, jax.sharding.AbstractMesh):
+            if not is_physical(spec, mapped):
                 continue  # logical: a task reads these names
             lay = layout_of(spec, ndim, devices)
             if lay is None:

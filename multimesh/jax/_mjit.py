@@ -164,6 +164,7 @@ class MpmdCompiled:
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
     fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+    out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
 
     def _arg_name(self, i: int) -> str:
         """``args[0]['w']``: how errors name the executor's argument ``i``."""
@@ -180,6 +181,8 @@ class MpmdCompiled:
         if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
             flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
         outs = self._exec(*flat)
+        if self.out_placements:
+            outs = _place_outputs(outs, self.out_placements)
         if low.key_outputs:
             outs = [jax.random.wrap_key_data(o, impl=impl) if impl is not None else o
                     for o, impl in zip(outs, low.key_outputs)]
@@ -212,6 +215,7 @@ class MpmdCompiled:
             _check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
         outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
+        outs = _place_outputs(outs, self.out_placements)
         if trace_path is not None:
             rec.write(trace_path)
         self.last_trace = rec
@@ -350,6 +354,9 @@ class MpmdLowered:
                 f"pipeline reads; dialect={dialect!r} is not offered (valid: 'stablehlo').")
         return parse_module(self._program, make_context())
 
+    out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - replaced, never mutated
+    """Output leaf -> the physical ``out_shardings`` entry it is moved onto after a run."""
+
     unused_leaves: frozenset[int] = frozenset()
     """Argument leaves the program never reads; ``keep_unused=False`` reports None as
     their input sharding (as ``jax.jit``), and no fragment receives them."""
@@ -383,6 +390,11 @@ class MpmdLowered:
         compiled = self._compile()
         if self.unused_leaves:
             _drop_unused(compiled, self.unused_leaves)
+        if self.out_placements:
+            compiled.out_placements = self.out_placements
+            leaves = jax.tree.leaves(compiled.output_shardings)
+            compiled.output_shardings = jax.tree.unflatten(
+                self.out_tree, [self.out_placements.get(i, sh) for i, sh in enumerate(leaves)])
         return compiled
 
     def _compile(self) -> MpmdCompiled | _fast_path.FastCompiled:
@@ -724,6 +736,7 @@ class _MJit:
         if nnx is not None:
             return nnx.trace(self, bound)
         fun, in_sh, out_sh = self.fun, self.in_shardings, self.out_shardings
+        placements: dict[int, NamedSharding] = {}
 
         def wrapped(*dargs, **dkw):
             if in_sh is not None:
@@ -732,11 +745,13 @@ class _MJit:
             out = fun(*full, **kw)
             if _holds_nnx(out):  # new NNX objects: returned as nnx.jit returns them
                 raise _NnxOutput
-            return out if out_sh is None else _constrain_tree(out, out_sh)
+            return out if out_sh is None else _constrain_outputs(out, out_sh, placements)
 
         try:
-            return self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
-                                   bound.donated_flags(), in_sh)
+            traced = self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
+                                     bound.donated_flags(), in_sh)
+            traced.out_placements = placements
+            return traced
         except _NnxOutput:
             from multimesh.jax.flax import _nnx
 
@@ -829,6 +844,7 @@ class MpmdTraced:
         self._donated = donated
         self._in_shardings = in_shardings
         self.trace_seconds = seconds
+        self.out_placements: dict[int, NamedSharding] = {}  # physical out_shardings
 
     @property
     def jaxpr(self):
@@ -891,6 +907,7 @@ class MpmdTraced:
                                                   recompute=_contexts.state.recomputation),
                           module=module, name=getattr(owner.fun, "__name__", None))
         _mark_keys(low, dyn_flat, traced.out_info)
+        low.out_placements = dict(self.out_placements)
         if not owner.keep_unused:
             low.unused_leaves = frozenset(jax_compat.unused_inputs(traced.jaxpr))
         mesh = owner._program_mesh(devices)
@@ -933,6 +950,49 @@ def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices
     changed = bool(pins or drop)
     _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
     return changed, pins
+
+
+def _constrain_outputs(out, shardings, placements: dict):
+    """``out`` under ``out_shardings``: logical ones become constraints; a physical
+    ``NamedSharding`` (no task maps its names) is where that output is put after the
+    program runs, as ``jax.jit`` returns it (recorded in ``placements``, by leaf)."""
+    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())  # tasks traced
+    leaves, tree = jax.tree.flatten(out)
+    entries = _leaf_entries(shardings, out)
+    for i, s in enumerate(entries):
+        if _inputs.is_physical(s, mapped):
+            placements[i] = s
+    logical = [None if i in placements else s for i, s in enumerate(entries)]
+    return jax.tree.unflatten(tree, [_constrain_leaf(x, s) for x, s in zip(leaves, logical)])
+
+
+def _leaf_entries(shardings, tree) -> list:
+    """One entry of ``shardings`` (a prefix of ``tree``, as for jax.jit) per leaf."""
+    def is_spec(s):
+        return s is None or isinstance(s, (NamedSharding, PartitionSpec))
+
+    if is_spec(shardings):
+        return [shardings] * len(jax.tree.leaves(tree))
+    try:
+        groups = jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)), shardings, tree,
+                              is_leaf=is_spec)
+    except ValueError as e:
+        raise MultimeshValueError(
+            f"`in_shardings`/`out_shardings` must be a prefix of the arguments/outputs "
+            f"(as for jax.jit): {e}") from None
+    return [s for g in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, list)) for s in g]
+
+
+def _constrain_leaf(x, s):
+    if isinstance(s, NamedSharding):
+        s = s.spec
+    return x if s is None else with_sharding_constraint(x, s)
+
+
+def _place_outputs(outs: list, placements: dict) -> list:
+    """Outputs with a physical ``out_shardings`` entry moved onto it."""
+    return [jax.device_put(o, placements[i]) if i in placements else o
+            for i, o in enumerate(outs)]
 
 
 def _constrain_tree(tree, shardings):

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh
+from multimesh.jax._inputs import is_physical
 from multimesh.jax._task import TaskFunction
 from multimesh.jax.flax._linen import (
     _batch_avals,
@@ -581,6 +582,7 @@ def _trace(owner, bound, split: _Split) -> NnxTraced:
         (a, k), nodes = split.rebuild(var_vals, dyn)
         full, kw = bound.merge(a, k)
         out = fun(*full, **kw)
+        _check_logical(owner, where)
         collected = split.collect(nodes, where)
         after = [collected[i] for i in dyn_idx]
         # Changed Variables come back; so do all of a donated argument's (its buffers go).
@@ -602,6 +604,39 @@ def _trace(owner, bound, split: _Split) -> NnxTraced:
     pure.__name__ = getattr(fun, "__name__", "fun")
     traced = owner.trace_flat(pure, (var_vals0, dyn0), {}, [*var_donated, *dyn_donated])
     return NnxTraced(owner, traced, bound, split, cell)
+
+
+def _check_logical(owner, where: str) -> None:
+    """For NNX objects, shardings are logical names; a ``NamedSharding`` none of whose
+    names a task of the program maps (tasks are traced by now) would silently do
+    nothing, so it is an error."""
+    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())
+    for kind in ("in_shardings", "out_shardings"):
+        for s in _named_shardings(getattr(owner, kind)):
+            if is_physical(s, mapped):
+                raise MultimeshValueError(
+                    f"{where}: {kind} entry {s} names mesh axes {sorted(_axis_names(s))} "
+                    f"that no task of the program maps. With NNX objects among the "
+                    f"arguments, shardings are logical (read by the task that uses each "
+                    f"value): use a PartitionSpec of logical names, or `jax.device_put` "
+                    f"the arrays themselves.")
+
+
+def _named_shardings(tree) -> list:
+    def leaf(x):
+        return isinstance(x, (NamedSharding, P, nnx.StateSharding))
+
+    out: list = []
+    for x in jax.tree.leaves(tree, is_leaf=leaf):
+        out.extend(x.shardings if isinstance(x, nnx.StateSharding) else [x])
+    return [x for x in out if isinstance(x, NamedSharding)]
+
+
+def _axis_names(s: NamedSharding) -> set[str]:
+    names: set[str] = set()
+    for e in s.spec:
+        names.update([e] if isinstance(e, str) else [n for n in (e or ()) if isinstance(n, str)])
+    return names
 
 
 def _constrain(vals: list, specs: list) -> list:
