@@ -418,3 +418,14 @@ def test_nnx_shardings_must_be_logical(nnx_kit):
     with pytest.raises(MultimeshValueError, match=r"in_shardings entry .* names mesh axes "
                        r"\['d'\] that no task of the program maps"):
         f(MLP(nnx.Rngs(0)), XN)
+
+
+def test_unused_committed_argument_reuses_the_program():
+    def f(ws, unused, x):
+        return model(ws, x)
+
+    g = mm.mjit(f)
+    g(WS, jnp.ones(3), X)
+    y = jax.device_put(jnp.ones(3), jax.devices()[5])  # committed, but never read
+    np.testing.assert_allclose(g(WS, y, X), _plain(f, WS, y, X), rtol=1e-6)
+    assert list(map(id, g._placed.values())) == list(map(id, g._cache.values()))

@@ -202,11 +202,11 @@ def committed_key(leaves) -> tuple:
 def fits(compiled, leaves) -> bool:
     """Whether every committed leaf already has the layout ``compiled`` takes it in
     (then pinning it would compile the same program again)."""
-    want = jax.tree.leaves(compiled.input_shardings)
+    want = jax.tree.leaves(compiled.input_shardings, is_leaf=lambda s: s is None)
     if len(want) != len(leaves):
         return False
     for x, sh in zip(leaves, want):
-        if getattr(x, "_committed", False):
+        if getattr(x, "_committed", False) and sh is not None:  # None: never read
             have = x.sharding
             if have != sh and not have.is_equivalent_to(sh, len(x.shape)):
                 return False
