@@ -391,6 +391,14 @@ def _():
     mm.mjit(lambda x, n: x * n, static_argnums=1, donate_argnums=1)
 
 
+@error("mjit-argnums-type", API, "`static_argnums`/`donate_argnums` not integers",
+       MultimeshTypeError, r"`mjit` static_argnums must be an int or a sequence of ints, got 'n'",
+       """Positions are ints (names go in `static_argnames`/`donate_argnames`); a bool is
+       not taken for a position.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums="n")
+
+
 @error("mjit-argnames-type", API, "`static_argnames`/`donate_argnames` not strings",
        MultimeshTypeError, r"`mjit` static_argnames must be a str or a sequence of str, got 1",
        """Names are strings (positions go in `static_argnums`/`donate_argnums`).""")
