@@ -407,8 +407,12 @@ def test_nnx_static_argnames_and_eval_shape(nnx_kit):
         np.testing.assert_allclose(out, nnx.jit(apply, static_argnames="act")(ref, XN, act=act),
                                    rtol=1e-5, atol=1e-6)
         assert _ids(out) == [4, 5, 6, 7]
+    compiled = f.lower(model, XN, act="tanh").compile()
+    want = nnx.jit(apply, static_argnames="act")(ref, XN, act="tanh")
+    np.testing.assert_allclose(compiled(model, XN), want, rtol=1e-5, atol=1e-6)  # as jax's
+    np.testing.assert_allclose(compiled(model, XN, act="tanh"), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(MultimeshValueError, match="static arguments"):
-        f.lower(model, XN, act="relu").compile()(model, XN, act="tanh")
+        compiled(model, XN, act="relu")
 
 
 def test_nnx_shardings_must_be_logical(nnx_kit):

@@ -810,6 +810,12 @@ class NnxCompiled:
         return getattr(self.compiled, name)  # fragments, plan(), memory_analysis(), ...
 
     def _bind(self, args, kwargs) -> tuple[Any, _Split]:
+        """The call's arguments: the dynamic ones only (as ``jax.jit``'s compiled
+        functions take them; the static ones are those it was lowered for), or all."""
+        old = self._lowered._bound
+        if len(args) == len(old.dyn_args) and set(kwargs) == set(old.dyn_kwargs):
+            full, kw = old.merge(args, kwargs)
+            args, kwargs = tuple(full), kw
         bound = self._lowered._owner.options.bind(args, kwargs)
         return bound, _Split((bound.dyn_args, bound.dyn_kwargs))
 
