@@ -70,6 +70,9 @@ class ArgOptions:
 
     def bind(self, args: tuple, kwargs: dict) -> Bound:
         """Split one call's arguments into static and dynamic ones (``Bound``)."""
+        if not (self.static_argnums or self.static_argnames or self.donate_argnums
+                or self.donate_argnames):  # the common case, on every call: nothing to do
+            return Bound(args, kwargs, (), (), _NONE, _NONE)
         n = len(args)
         static = self._positions("static_argnums", self.static_argnums, n)
         donate = self._positions("donate_argnums", self.donate_argnums, n)
@@ -118,23 +121,31 @@ def _check_hashable(label: str, value) -> None:
         ) from None
 
 
-@dataclasses.dataclass(frozen=True)
+_NONE: frozenset = frozenset()
+
+
 class Bound:
     """One call's arguments: the static ones taken out, the donated ones marked."""
 
-    args: tuple
-    kwargs: dict
-    static_pos: tuple[int, ...]
-    static_kw: tuple[str, ...]
-    donate_pos: frozenset[int]
-    donate_kw: frozenset[str]
+    __slots__ = ("args", "kwargs", "static_pos", "static_kw", "donate_pos", "donate_kw")
+
+    def __init__(self, args: tuple, kwargs: dict, static_pos: tuple[int, ...],
+                 static_kw: tuple[str, ...], donate_pos: frozenset[int],
+                 donate_kw: frozenset[str]):
+        self.args, self.kwargs = tuple(args), kwargs
+        self.static_pos, self.static_kw = static_pos, static_kw
+        self.donate_pos, self.donate_kw = donate_pos, donate_kw
 
     @property
     def dyn_args(self) -> tuple:
+        if not self.static_pos:
+            return self.args
         return tuple(a for i, a in enumerate(self.args) if i not in self.static_pos)
 
     @property
     def dyn_kwargs(self) -> dict:
+        if not self.static_kw:
+            return self.kwargs
         return {k: v for k, v in self.kwargs.items() if k not in self.static_kw}
 
     @property
@@ -144,6 +155,8 @@ class Bound:
 
     def static_key(self) -> tuple:
         """The static arguments as part of a cache key (hashable, checked in ``bind``)."""
+        if not (self.static_pos or self.static_kw):
+            return ()
         return (tuple((i, _Strict(self.args[i])) for i in self.static_pos),
                 tuple((k, _Strict(self.kwargs[k])) for k in self.static_kw))
 
