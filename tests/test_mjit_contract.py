@@ -126,7 +126,7 @@ def test_keep_unused_reports_input_shardings_as_jax():
 def test_in_shardings_cover_the_dynamic_arguments_as_jax():
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     rows = NamedSharding(mesh, P("d", None))
-    f = mm.mjit(model, static_argnums=2, in_shardings=(None, rows))  # no entry for `scale`
+    f = mm.mjit(model, static_argnums=2, in_shardings=[None, rows])  # no entry for `scale`
     c = f.lower(WS, X, 2.0).compile()
     assert c.input_shardings[0][1].is_equivalent_to(rows, 2)
     out = c(WS, X)  # as jax's Compiled: the dynamic arguments only
@@ -413,6 +413,13 @@ def test_nnx_static_argnames_and_eval_shape(nnx_kit):
     np.testing.assert_allclose(compiled(model, XN, act="tanh"), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(MultimeshValueError, match="static arguments"):
         compiled(model, XN, act="relu")
+    lowered = f.lower(model, XN, act="tanh")
+    assert "stablehlo" in str(lowered.compiler_ir())
+    with pytest.raises(MultimeshAttributeError, match="cost_analysis"):
+        lowered.cost_analysis()
+    assert compiled.cost_analysis()["flops"] == sum(
+        c["flops"] for c in compiled.cost_analysis(by_fragment=True).values()) > 0
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
 
 
 def test_nnx_shardings_must_be_logical(nnx_kit):

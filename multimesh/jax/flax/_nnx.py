@@ -671,6 +671,11 @@ class NnxTraced:
         return NnxLowered(self._owner, self.traced.lower(), self._bound, self._split,
                           self._cell)
 
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.traced, name)  # in_avals, out_avals, fun_name, ...
+
 
 def _abstract_keys(structs, impls) -> list:
     return [s if i is None else
@@ -768,6 +773,11 @@ class NnxLowered:
 
     def compile(self, compiler_options=None) -> NnxCompiled:
         return NnxCompiled(self, self.lowered.compile(compiler_options))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.lowered, name)  # compiler_ir(), in_avals, ...
 
 
 class NnxCompiled:
