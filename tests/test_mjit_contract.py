@@ -363,6 +363,10 @@ def test_both_mjits_train_nnx_like_nnx_jit(nnx_kit):
         for g, w in zip(_params(nnx, model), _params(nnx, ref)):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
         assert int(opt.step.get_value()) == int(ref_opt.step.get_value()) == 3
+        got_opt, want_opt = jax.tree.leaves(nnx.state(opt)), jax.tree.leaves(nnx.state(ref_opt))
+        assert len(got_opt) == len(want_opt) > 8  # adam's mu and nu for each parameter
+        for g, w in zip(got_opt, want_opt):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
         for i, layer in enumerate(model.layers):  # each layer's state on its submesh
             assert _ids(layer.mod.kernel.get_value()) == list(range(4 * i, 4 * i + 4))
         mu = nnx.state(opt)["opt_state"][0]["mu"]["layers"][1]["mod"]["kernel"]
