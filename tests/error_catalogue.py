@@ -34,6 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,6 +46,7 @@ from multimesh.jax.errors import (
     DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
+    MultimeshAttributeError,
     MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
@@ -99,7 +101,7 @@ class Entry:
 
     @property
     def builtin(self) -> type[BaseException] | None:
-        """The builtin exception class ``exc`` also inherits (ValueError, TypeError)."""
+        """The builtin exception class ``exc`` also inherits (ValueError, TypeError, ...)."""
         if self.exc is None:
             return None
         for cls in self.exc.__mro__:
@@ -352,24 +354,134 @@ def _():
     mm.mjit(lambda x, n: x * len(n), static_argnums=1)(jnp.ones(8), [1])
 
 
-@error("mjit-donate-argnum-out-of-range", API, "`donate_argnums` beyond the arguments",
+@error("mjit-donate-argnum-out-of-range", API, "`donate_argnums` beyond the parameters",
        MultimeshValueError,
-       r"`mjit` donate_argnums names argument 3, but the function was called with 2 "
-       r"positional arguments \(valid indices are 0\.\.1\)",
-       """`donate_argnums` are positions of positional arguments (negative ones count from
-       the end); keyword arguments cannot be donated.""")
+       r"`mjit` donate_argnums=\(3,\) names argument 3, but `<lambda>` takes 2 positional "
+       r"arguments \(valid indices are -2\.\.1\)",
+       """As for `jax.jit`, `donate_argnums` are checked against the function's signature
+       when `mjit` is called; negative ones count from the end.""")
 def _():
-    mm.mjit(lambda x, y: x + y, donate_argnums=3)(jnp.ones(4), jnp.ones(4))
+    mm.mjit(lambda x, y: x + y, donate_argnums=3)
 
 
-@error("mjit-static-argnum-out-of-range", API, "`static_argnums` beyond the arguments",
+@error("mjit-static-argnum-out-of-range", API, "`static_argnums` beyond the parameters",
+       MultimeshValueError,
+       r"`mjit` static_argnums=\(2,\) names argument 2, but `<lambda>` takes 2 positional "
+       r"arguments \(valid indices are -2\.\.1\)",
+       """As for `jax.jit`, `static_argnums` are checked against the function's signature
+       when `mjit` is called; negative ones count from the end.""")
+def _():
+    mm.mjit(lambda x, n=1: x * n, static_argnums=2)
+
+
+@error("mjit-argnum-beyond-call", API, "`static_argnums`/`donate_argnums` beyond a call's arguments",
        MultimeshValueError,
        r"`mjit` static_argnums names argument 2, but the function was called with 1 "
        r"positional argument \(valid indices are 0\.\.0\)",
-       """`static_argnums` are positions of positional arguments (negative ones count from
-       the end); pass the static argument positionally.""")
+       """For a function taking `*args` the positions are checked at each call: pass the
+       static or donated argument positionally.""")
 def _():
-    mm.mjit(lambda x, n=1: x * n, static_argnums=2)(jnp.ones(4))
+    mm.mjit(lambda *xs: xs[0], static_argnums=2)(jnp.ones(4))
+
+
+@error("mjit-duplicate-argnums", API, "An argument listed twice in `static_argnums` and the like",
+       MultimeshValueError,
+       r"`mjit` static_argnums=\(1, -1\) names the same argument twice \(-1\); list each "
+       r"argument once",
+       """Each argument appears once in `static_argnums`, `static_argnames`,
+       `donate_argnums` and `donate_argnames` (negative positions count from the end;
+       `jax.jit` ignores duplicates, multimesh names them).""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums=(1, -1))
+
+
+@error("mjit-unknown-argname", API, "`static_argnames`/`donate_argnames` names no parameter",
+       MultimeshValueError,
+       r"`mjit` static_argnames names 'sclae', which is not one of its parameters of "
+       r"`f`; names that can be given are \['x', 'scale'\]",
+       """Argument names must be parameters that can be passed by keyword (any name, for a
+       function taking `**kwargs`; never a positional-only one).""")
+def _():
+    def f(x, scale):
+        return x * scale
+
+    mm.mjit(f, static_argnames="sclae")
+
+
+@error("mjit-static-and-donated", API, "An argument both static and donated",
+       MultimeshValueError, r"`mjit` argument 1 is both static and donated",
+       """A static argument is a Python value in the cache key, not an array with a buffer;
+       it cannot also be donated.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums=1, donate_argnums=1)
+
+
+@error("mjit-argnums-type", API, "`static_argnums`/`donate_argnums` not integers",
+       MultimeshTypeError, r"`mjit` static_argnums must be an int or a sequence of ints, got 'n'",
+       """Positions are ints (names go in `static_argnames`/`donate_argnames`); a bool is
+       not taken for a position.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums="n")
+
+
+@error("mjit-argnames-type", API, "`static_argnames`/`donate_argnames` not strings",
+       MultimeshTypeError, r"`mjit` static_argnames must be a str or a sequence of str, got 1",
+       """Names are strings (positions go in `static_argnums`/`donate_argnums`).""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnames=1)
+
+
+@error("mjit-donate-argnames-without-signature", API,
+       "`donate_argnames` for a function without a signature", MultimeshValueError,
+       r"cannot read the signature of `max`, so donate_argnames=\('x',\) cannot be "
+       r"resolved; pass donate_argnums instead",
+       """As for `jax.jit`: names need the signature (builtins have none); use positions.""")
+def _():
+    mm.mjit(max, donate_argnames="x")
+
+
+@error("mjit-device-or-backend", API, "`mjit` given `device=` or `backend=`",
+       MultimeshValueError, r"`mjit` does not take device=.*Pass `devices=` or `mesh=` instead",
+       """`jax.jit` deprecates both; an MPMD program runs on a list of devices
+       (`devices=` or `mesh=`), its tasks on submeshes of it.""")
+def _():
+    mm.mjit(lambda x: x, device=jax.devices()[0])
+
+
+@error("mjit-inline", API, "`mjit` given `inline=True`", MultimeshValueError,
+       r"`mjit` does not take inline=True",
+       """An MPMD program runs in multimesh's runtime (one XLA executable per fragment) and
+       cannot be inlined into an enclosing jax trace.""")
+def _():
+    mm.mjit(lambda x: x, inline=True)
+
+
+@error("mjit-compiler-options", API, "`mjit` given `compiler_options=`", MultimeshValueError,
+       r"`mjit` does not take compiler_options=.*XLA_FLAGS",
+       """Fragments are compiled separately with XLA's defaults; XLA flags can be set
+       through the `XLA_FLAGS` environment variable.""")
+def _():
+    mm.mjit(lambda x: x, compiler_options={"xla_cpu_enable_fast_math": True})
+
+
+@error("mjit-stage-attribute-not-offered", API,
+       "A `jax.stages` attribute that multimesh's stage does not offer",
+       MultimeshAttributeError,
+       r"`MpmdLowered.cost_analysis` is not offered, although `jax.stages.Lowered` has it: "
+       r".*use `compile\(\)\.cost_analysis\(\)`",
+       """The error says what to use instead (docs/mpmd-runtime.md lists every `jax.jit`
+       feature and multimesh's answer). It is an `AttributeError`, so `hasattr` is
+       False.""")
+def _():
+    mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).cost_analysis()
+
+
+@error("mjit-lowered-dialect", API, "`compiler_ir` asked for a dialect other than StableHLO",
+       MultimeshValueError, r"dialect='hlo' is not offered \(valid: 'stablehlo'\)",
+       """The lowered program is jax's StableHLO module, which the pass pipeline reads; HLO
+       exists only per fragment, after `compile()`.""")
+def _():
+    mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compiler_ir("hlo")
 
 
 @error("parallelize-without-batch", API, "`parallelize` without an example batch",
@@ -1600,6 +1712,38 @@ def _():
     compiled(model, jnp.ones((3, 4)))
 
 
+@error("nnx-compiled-other-static-arguments", FLAX,
+       "A compiled NNX program called with other static arguments", MultimeshValueError,
+       r"Compiled function called with static arguments \{'act': 'tanh'\}, but it was "
+       r"compiled for \{'act': 'relu'\}",
+       """Static arguments are part of what was compiled; lower it again, or call `mjit(f)`,
+       which compiles once per set of static values.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    f = mm.mjit(lambda m, x, act: getattr(jax.nn, act)(m(x)), static_argnames="act")
+    f.lower(model, jnp.ones((2, 4)), act="relu").compile()(model, jnp.ones((2, 4)), act="tanh")
+
+
+@error("nnx-physical-sharding", FLAX, "A physical `NamedSharding` for `mjit` over NNX objects",
+       MultimeshValueError,
+       r"mjit\(<lambda>\): in_shardings entry .* names mesh axes \['d'\] that no task of "
+       r"the program maps",
+       """With NNX objects among the arguments, `in_shardings`/`out_shardings` are logical
+       names, read by the task that uses each value; a `NamedSharding` whose axes no task
+       maps would do nothing. Use a `PartitionSpec` of logical names, or `jax.device_put`
+       the arrays.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P("d", None))
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    mm.mjit(lambda m, x: m(x), in_shardings=(None, rows))(model, jnp.ones((4, 4)))
+
+
 @error("nnx-bad-sharding-entry", FLAX, "An `in_shardings` entry for an NNX object of a wrong kind",
        MultimeshValueError,
        r"mjit\(<lambda>\): the sharding for an NNX object must be a PartitionSpec, "
@@ -2137,10 +2281,10 @@ def validate_catalogue() -> list[str]:
             elif e.is_warning:
                 if not issubclass(e.exc, MultimeshWarning):
                     problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshWarning")
-            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (ValueError,
-                                                                            TypeError):
+            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (
+                    ValueError, TypeError, AttributeError):
                 problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshError and a "
-                                f"ValueError or TypeError")
+                                f"ValueError, TypeError or AttributeError")
     for cat in CATEGORIES:
         if not any(e.category == cat for e in ENTRIES):
             problems.append(f"category {cat!r} has no entry")

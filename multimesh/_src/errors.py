@@ -20,6 +20,10 @@ class MultimeshTypeError(MultimeshError, TypeError):
     """An argument given to a multimesh API has the wrong type."""
 
 
+class MultimeshAttributeError(MultimeshError, AttributeError):
+    """A ``jax.jit`` stage attribute that a multimesh stage does not offer, and why."""
+
+
 class MeshError(MultimeshValueError):
     """A task mesh is malformed or does not fit the program's devices."""
 

@@ -485,3 +485,12 @@ def sdy_mpmd_partitioner():
     sys.modules.setdefault("jax.jaxlib", jaxlib)
     sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
     return importlib.import_module("jaxlib._sdy_mpmd")  # an extension module, untyped
+
+
+def unused_inputs(closed) -> set[int]:
+    """Positions of a closed jaxpr's inputs that no equation and no output reads
+    (what ``jax.jit(keep_unused=False)`` drops)."""
+    jaxpr = closed.jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+    used |= {id(v) for v in jaxpr.outvars}
+    return {i for i, v in enumerate(jaxpr.invars) if id(v) not in used}

@@ -169,6 +169,10 @@ class Executor:
         self.xla_compiles = xla_compiles - before
         """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
+        # Inputs no step reads and the program does not return: left where they are
+        # (jax.jit's keep_unused=False), not moved onto their sharding at every call.
+        self._unread = frozenset(k for k, v in enumerate(plan.input_ids)
+                                 if v not in plan.last_use and v not in plan.outputs)
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
         self._steps: list[tuple] = []  # (kind, executable or sharding, srcs, dsts, drop)
         self._kept: list = []  # the plan steps this process runs, parallel to _steps
@@ -253,9 +257,9 @@ class Executor:
         if self.process_plan is not None:  # Hook: inputs may live on other processes
             return self.process_plan.place_inputs(args, self.input_shardings)
         out = []
-        for a, sh in zip(args, self.input_shardings):
+        for k, (a, sh) in enumerate(zip(args, self.input_shardings)):
             s = getattr(a, "sharding", None)
-            if s is not sh:
+            if s is not sh and k not in self._unread:
                 a = _move(a, sh) if isinstance(a, jax.Array) else jax.device_put(a, sh)
             out.append(a)
         return out
