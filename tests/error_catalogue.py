@@ -611,7 +611,7 @@ def _():
 @error("microbatch-unknown-reduction", API, "`microbatch` given an unknown reduction",
        MultimeshValueError,
        r"`microbatch` reduction must be one of 'sum', 'mean', got 'avg'",
-       """`reduction="sum"` (the default, MultiMesh's semantics) adds the microbatches'
+       """`reduction="sum"` (the default, the original library's semantics) adds the microbatches'
        outputs, which is gradient accumulation; `reduction="mean"` averages them, which
        gives the full batch's loss and gradients for a loss that averages over its batch.""")
 def _():
@@ -981,7 +981,7 @@ def _():
          miss of a name the tasks map, multimesh warns (once per program, at the
          constraint's source line) with the closest names; fix the spelling. An unmapped
          name that resembles no mapped name (`"seq"` without sequence sharding) is taken as
-         deliberate and stays quiet: replicated, as in MultiMesh.""")
+         deliberate and stays quiet: replicated, as in the original library.""")
 def _():
     t = mm.task(lambda x: mm.with_sharding_constraint(x, P("btach")), name="t",
                 mesh=mesh4(), logical_axes=(("batch", "x"),))
@@ -1478,7 +1478,7 @@ def _():
 @error("matcher-empty-capture-group", IMPLICIT, "A matcher whose capture group matches nothing",
        DiagnosticError,
        r"matcher 'layer\(\\d\*\)' produced an empty match on the op name stack "
-       r"'jit\(wrapped\)/layer/sin'; its first capture group is the task name",
+       r"'jit\(f\)/layer/sin'; its first capture group is the task name",
        """The first capture group of a matcher is the task name and must match at least one
        character: use `\\d+` instead of `\\d*`.""")
 def _():

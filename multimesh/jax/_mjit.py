@@ -786,6 +786,7 @@ class _MJit(ProgramCaches):
                 raise _NnxOutput
             return out if out_sh is None else _constrain_outputs(out, out_sh, placements)
 
+        wrapped.__name__ = getattr(fun, "__name__", "fun")  # name stacks read jit(<fun>)
         try:
             traced = self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
                                      bound.donated_flags(), in_sh)
