@@ -256,3 +256,28 @@ def test_p6_bubble_and_peak_live_equal_theory():
             assert r["bubble"] == pytest.approx(r["theory"]), r
         assert r["peak_live"] == r["peak_theory"], r
     assert "circular-reversed-backward" in mod.format_table(rows)
+
+
+def test_custom_schedule_may_run_backwards_in_any_order():
+    # the running gradient sums accumulate in the order the schedule runs the backwards
+    # (here 3, 1, 0, 2 on submesh 0), not in microbatch order
+    layers = [_layer(k, 2) for k in range(2)]
+
+    def loss(ws, x):
+        return jnp.mean(layers[1](ws[1], layers[0](ws[0], x)) ** 2)
+
+    ws = [jnp.eye(16) * 0.6 + 0.01, jnp.eye(16) * 0.7 - 0.02]
+    x = jnp.cos(jnp.arange(16 * 16.0)).reshape(16, 16)
+    with mm.ignore_transforms():
+        parts = [jax.value_and_grad(loss)(ws, x[4 * m:4 * m + 4]) for m in range(4)]
+    rows_ = [["layer0"] * 4 + [(3, "layer0_bwd"), (1, "layer0_bwd"), (0, "layer0_bwd"),
+                               (2, "layer0_bwd")],
+             ["layer1", "layer1_bwd"] * 4]
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1,
+                         custom_schedule=rows_)
+    compiled = mm.mjit(step).lower(ws, x).compile()
+    value, grads = compiled(ws, x)
+    _check_run(compiled, value, grads, sum(p[0] for p in parts),
+               [sum(g[k] for _, g in parts) for k in range(2)],
+               lambda path: list(range(4 * path[0].idx, 4 * path[0].idx + 4)))
+    assert compiled.schedule.labels()[0] == ["F0", "F1", "F2", "F3", "B3", "B1", "B0", "B2"]
