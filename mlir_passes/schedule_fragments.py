@@ -55,11 +55,12 @@ class ScheduleFragmentsPass(ModulePass):
     stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
     order with every weight-gradient half moved into idle slots, under 1F1B's peak
     memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory), four with a stage-placement rule (docs/schedules.md):
+    under twice that memory), five with a stage-placement rule (docs/schedules.md):
     ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
     last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
     (round-robin stages; every forward, then the backwards in group order or in the
-    mirror of the forwards), and ``custom`` (rows from ``custom-schedule-file``, a
+    mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
+    two microbatch streams, split backwards, at least 2P microbatches), and ``custom`` (rows from ``custom-schedule-file``, a
     JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
     row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
     ``[microbatch, name]``, each name once per microbatch).
@@ -84,7 +85,7 @@ class ScheduleFragmentsPass(ModulePass):
     consumes = ("mpmd",)
 
     schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
@@ -191,8 +192,8 @@ def _warn_if_idle(sched: Schedule, name: str, loc, info) -> bool:
 
 def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
     """Interleaving with one stage per submesh is 1F1B (GPipe), and a zero-bubble
-    schedule with no weight half to defer is 1F1B: say so rather than run it under
-    another name."""
+    schedule (or DualPipeV) with no weight half to defer runs without deferring any:
+    say so rather than run it under another name."""
     units = [u for u in sched.units if not u.free]
     stages: dict[int, set] = {}
     for u in units:
@@ -205,8 +206,11 @@ def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
                        f"so it runs plain {title}; interleaving needs several stages per "
                        f"submesh, placed round-robin (stage k on submesh k % {len(stages)}), "
                        f"or use schedule='{other}'")
-    if name.startswith("zero-bubble") and not any(u.kind == "bwd_w" for u in units):
-        order = "1F1B's order" if name.endswith("h1") else "1F1B's order with a longer warm-up"
+    orders = {"zero-bubble-h1": "1F1B's order",
+              "zero-bubble-h2": "1F1B's order with a longer warm-up",
+              "dualpipe-v": "DualPipeV's order with every weight gradient in its backward"}
+    if name in orders and not any(u.kind == "bwd_w" for u in units):
+        order = orders[name]
         c.warn_at(loc, f"schedule '{name}' has no weight-gradient half to defer: no backward "
                        f"fragment of the loop splits into an activation-gradient and a "
                        f"weight-gradient part (its weights take no gradient, or every weight "

@@ -51,6 +51,12 @@ def fits(units, name) -> bool:
         with pytest.raises(ScheduleError, match=f"schedule '{name}' needs"):
             build_schedule(units, name)
         return False
+    if name == "dualpipe-v":  # and at least 2P microbatches
+        try:
+            build_schedule(units, name)
+        except ScheduleError as e:
+            assert "needs at least 2P" in str(e)
+            return False
     return True
 
 
@@ -351,7 +357,7 @@ def test_custom_with_other_schedule_is_an_error():
 def test_unknown_schedule_lists_choices():
     with pytest.raises(ScheduleError, match="unknown schedule 'zero-bubble-h3'; valid schedules: "
                                             "1f1b, circular-reversed-backward, custom, "
-                                            "eager-1f1b, gpipe, gpipe-1f1b-last, "
+                                            "dualpipe-v, eager-1f1b, gpipe, gpipe-1f1b-last, "
                                             "interleaved-1f1b, interleaved-gpipe, "
                                             "zero-bubble-h1, zero-bubble-h2"):
         build_schedule(pipeline_units(2, 2), "zero-bubble-h3")

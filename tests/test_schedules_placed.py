@@ -1,5 +1,5 @@
 """The schedules with a stage-placement rule (issue 23): eager-1f1b, gpipe-1f1b-last,
-interleaved-gpipe, circular-reversed-backward.
+interleaved-gpipe, circular-reversed-backward, dualpipe-v.
 
 Textbook orders, bubble and peak live activations equal to the theory of
 docs/schedules.md, the placement checks, the peers' spellings, and real programs
@@ -24,6 +24,7 @@ from multimesh.passes.schedules import (
     pipeline_units,
     theoretical_bubble,
     theoretical_peak_live,
+    v_shape_units,
 )
 
 import multimesh.jax as mm
@@ -36,7 +37,21 @@ def rows(s) -> list[str]:
 
 
 def _interleave(name: str) -> int:
-    return 2 if PLACEMENTS[name] == "round-robin" else 1
+    return 1 if PLACEMENTS[name] == "contiguous" else 2
+
+
+def _units(name: str, P: int, M: int):
+    if PLACEMENTS[name] == "v-shape":
+        return v_shape_units(P, M)
+    return pipeline_units(P, M, interleave=_interleave(name))
+
+
+def _submesh(name: str, k: int, P: int) -> int:
+    """Where layer ``k`` of ``P * V`` goes under the schedule's placement."""
+    rule = PLACEMENTS[name]
+    if rule == "v-shape":
+        return k if k < P else 2 * P - 1 - k
+    return k % P if rule == "round-robin" else k
 
 
 # ------------------------------------------------------------------ textbook orders
@@ -83,7 +98,7 @@ def test_circular_reversed_backward_mirrors_the_forwards():
 @pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (4, 16), (8, 32), (3, 6)])
 def test_bubble_and_peak_live_equal_theory(name, P, M):
     V = _interleave(name)
-    s = build_schedule(pipeline_units(P, M, interleave=V), name)
+    s = build_schedule(_units(name, P, M), name)
     assert s.bubble_fraction() == pytest.approx(theoretical_bubble(name, P, M, V))
     assert max(live_activations(s)) == theoretical_peak_live(name, P, M, V)
 
@@ -100,11 +115,35 @@ def test_eager_peak_live_per_submesh():
     ("GPipeBut1F1BForLastMesh", "gpipe-1f1b-last"),
     ("CircularWithReversedBackward", "circular-reversed-backward"),
     ("circularwithreversedbackward", "circular-reversed-backward"),
+    ("DualPipeV", "dualpipe-v"), ("dualpipev", "dualpipe-v"),
 ])
 def test_peer_spellings(alias, name):
-    units = pipeline_units(2, 4, interleave=_interleave(name))
+    units = _units(name, 2, 4)
     s = build_schedule(units, alias)
     assert s.name == name and rows(s) == rows(build_schedule(units, name))
+
+
+def test_dualpipe_v_follows_the_published_steps():
+    # deepseek-ai/DualPipe dualpipev.py, P = 2 and M = 4, written out by hand from its
+    # eight steps: a = the submesh's stage on the way down, b = on the way back up; a
+    # backward either runs its weight part at once (B W) or defers it to a later W
+    s = build_schedule(v_shape_units(2, 4), "dualpipe-v")
+    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
+           for r, row in zip(s.labels(), s.rows(), strict=True)]
+    assert got == [
+        "F0a F1a F2a F0b B0b W0b F1b F3a B1b W1b F2b B0a W0a B2b W2b F3b B1a W1a B3b W3b "
+        "B2a W2a B3a W3a",
+        "F0a F0b F1a F1b F2a B0b W0b F2b B0a W0a F3a B1b W1b F3b B1a W1a B2b W2b B2a W2a "
+        "B3b B3a W3b W3a",
+    ]
+    assert live_activations(s) == [5, 5]  # 2P + 1
+
+
+def test_dualpipe_v_needs_2p_microbatches():
+    with pytest.raises(ScheduleError, match=r"schedule 'dualpipe-v' needs at least 2P = 8 "
+                                            r"microbatches for 4 pipeline submeshes, but there "
+                                            r"are 6"):
+        build_schedule(v_shape_units(4, 6), "dualpipe-v")
 
 
 # ------------------------------------------------------------------ placement
@@ -123,6 +162,14 @@ def _v_shape(P: int, M: int):
             for u in units]
 
 
+def test_v_shape_schedule_rejects_other_placements():
+    with pytest.raises(ScheduleError, match=r"schedule 'dualpipe-v' needs V-shape placement "
+                                            r".*but its stages run on submeshes \[0, 1, 0, 1\] "
+                                            r"in order, where V-shape needs \[0, 1, 0\]"):
+        build_schedule(pipeline_units(2, 4, interleave=2, split_backward=True), "dualpipe-v")
+    check_placement(_v_shape(2, 4), "DualPipeV")
+
+
 @pytest.mark.parametrize("name", ["interleaved-gpipe", "circular-reversed-backward"])
 def test_round_robin_schedules_reject_other_placements(name):
     with pytest.raises(ScheduleError, match=rf"schedule '{name}' needs round-robin placement "
@@ -135,9 +182,9 @@ def test_round_robin_schedules_reject_other_placements(name):
 
 # ------------------------------------------------------------------ real programs
 
-def _layer(k: int, P: int):
-    per = 8 // P
-    mesh = mm.TaskMesh(devices=range(per * (k % P), per * (k % P) + per))
+def _layer(k: int, P: int, at: int | None = None):
+    per, at = 8 // P, k % P if at is None else at
+    mesh = mm.TaskMesh(devices=range(per * at, per * at + per))
     return mm.task(lambda w, x: jnp.tanh(x @ w), name=f"layer{k}", mesh=mesh)
 
 
@@ -152,18 +199,32 @@ def _check_run(compiled, value, grads, ref_value, ref_grads, devices_of):
 def _check_dispatch(compiled, name, P, M, V):
     sched = compiled.schedule
     assert sched.name == name and len(sched.orders) == P
-    want = build_schedule(pipeline_units(P, M, interleave=V), name)
-    assert sched.labels() == want.labels()
+    if PLACEMENTS[name] == "v-shape":
+        # the first stage's backward has no activation half to split off and the turning
+        # submesh's two layers are one stage: the textbook rows on this program's units
+        assert sched.labels() == build_schedule(sched.units, name).labels()
+        assert any(u.kind == "bwd_w" for u in sched.units)
+        for row in sched.rows():  # every weight half after its activation half
+            done = set()
+            for u in row:
+                done.add((u.kind, u.stage, u.microbatch))
+                assert u.kind != "bwd_w" or ("bwd", u.stage, u.microbatch) in done
+    else:
+        want = build_schedule(pipeline_units(P, M, interleave=V), name)
+        assert sched.labels() == want.labels()
     dispatched = {k: [c for c in v if "@" in c] for k, v in compiled.calls_per_submesh().items()}
     for devs, row in zip(sched.devices, sched.rows(), strict=True):
         assert dispatched[tuple(devs)] == [f"{u.fragment}@{u.microbatch}" for u in row]
 
 
-@pytest.mark.parametrize("name", PLACED)
-@pytest.mark.parametrize("P,M", [(2, 4), (2, 8), (4, 4), (4, 8)])
+SHAPES = [(2, 4), (2, 8), (4, 4), (4, 8)]
+CASES = [(n, P, M) for n in PLACED for P, M in SHAPES if n != "dualpipe-v" or M >= 2 * P]
+
+
+@pytest.mark.parametrize("name,P,M", CASES)
 def test_explicit_tasks(name, P, M):
     V = _interleave(name)
-    layers = [_layer(k, P) for k in range(P * V)]
+    layers = [_layer(k, P, _submesh(name, k, P)) for k in range(P * V)]
 
     def loss(ws, x):
         for f, w in zip(layers, ws, strict=True):
@@ -180,7 +241,7 @@ def test_explicit_tasks(name, P, M):
     per = 8 // P
     _check_run(compiled, value, grads, sum(p[0] for p in parts),
                [sum(g[k] for _, g in parts) for k in range(P * V)],
-               lambda path: list(range(per * (path[0].idx % P), per * (path[0].idx % P) + per)))
+               lambda path: [per * _submesh(name, path[0].idx, P) + d for d in range(per)])
     _check_dispatch(compiled, name, P, M, V)
 
 
@@ -194,14 +255,13 @@ class Net(nn.Module):
         return (x ** 2).mean()
 
 
-@pytest.mark.parametrize("name", PLACED)
-@pytest.mark.parametrize("P,M", [(2, 4), (2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("name,P,M", CASES)
 def test_registered_flax_blocks(name, P, M):
     V = _interleave(name)
     per = 8 // P
 
-    def submesh(i):  # round-robin when interleaved, contiguous otherwise
-        return i % P if V > 1 else i
+    def submesh(i):
+        return _submesh(name, i, P)
 
     def callback(block, backprop):
         s = submesh(int(block.split("_")[1]))

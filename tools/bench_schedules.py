@@ -7,12 +7,13 @@ on textbook pipelines (``multimesh.passes.schedules.pipeline_units``), next to t
 (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with V
 stages per submesh, (P-1)/(3M+P-1) for zero bubble H1 and H2; eager 1F1B and GPipe
 with 1F1B on the last submesh as 1F1B, interleaved GPipe and circular with reversed
-backward as interleaved 1F1B. The stage bubble is
+backward as interleaved 1F1B; DualPipeV (V-shape, 2P half-size stages) its lower
+bound (P-1)/(6M+P-1). The stage bubble is
 the idle share inside each submesh's own span (first unit to last), what a submesh
 loses when consecutive steps overlap: ZB-H2's theory is 0. Peak live activations are
 per submesh, in (stage, microbatch) activations: 1F1B holds at most P, GPipe M,
 ZB-H2 2P, eager 1F1B 2P-1, interleaved GPipe and circular with reversed backward
-V*M (``theoretical_peak_live``; docs/schedules.md derives each). ``tools/bench.py``
+V*M, DualPipeV 2P+1 (``theoretical_peak_live``; docs/schedules.md derives each). ``tools/bench.py``
 calls :func:`P6`.
 """
 
@@ -26,11 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from multimesh.passes.schedules import (  # noqa: E402
+    PLACEMENTS,
     build_schedule,
     live_activations,
     pipeline_units,
     theoretical_bubble,
     theoretical_peak_live,
+    v_shape_units,
 )
 
 # (schedule, interleave, split backward): the setups P6 measures.
@@ -44,6 +47,7 @@ SETUPS = (
     ("gpipe-1f1b-last", 1, False),
     ("interleaved-gpipe", 2, False),
     ("circular-reversed-backward", 2, False),
+    ("dualpipe-v", 2, True),
 )
 SHAPES = ((2, 4), (4, 8), (4, 16), (8, 32))
 
@@ -53,7 +57,9 @@ def P6_rows(shapes=SHAPES, setups=SETUPS) -> list[dict]:
     rows = []
     for P, M in shapes:
         for name, V, split in setups:
-            sched = build_schedule(pipeline_units(P, M, interleave=V, split_backward=split), name)
+            units = (v_shape_units(P, M) if PLACEMENTS.get(name) == "v-shape"
+                     else pipeline_units(P, M, interleave=V, split_backward=split))
+            sched = build_schedule(units, name)
             theory = theoretical_bubble(name, P, M, V)
             rows.append({"P": P, "M": M, "schedule": name, "interleave": V,
                          "bubble": sched.bubble_fraction(), "theory": theory,
