@@ -1111,9 +1111,9 @@ PLACEMENTS = {
     "dualpipe-v": "v-shape",
 }
 """The stage placement each of these schedules needs: ``contiguous`` (one stage per
-submesh, stage k on the k-th submesh) or ``round-robin`` (stage k on submesh k % P,
-the same number of stages on every submesh) or ``v-shape`` (2P stages, stage i and
-stage 2P - 1 - i on submesh i)."""
+submesh, stage k on the k-th submesh), ``round-robin`` (stage k on submesh k % P, the
+same number of stages on every submesh) or ``v-shape`` (2P stages, stage i and stage
+2P - 1 - i on submesh i)."""
 
 _PLACEMENT_TEXT = {
     "contiguous": "one pipeline stage per submesh (contiguous placement: consecutive "
@@ -1288,7 +1288,7 @@ def theoretical_peak_live(name: str, P: int, M: int, interleave: int = 1) -> int
     """The most (stage, microbatch) activations one submesh holds, by the textbook.
 
     GPipe: M; 1F1B and ZB-H1: min(P, M) (submesh 0); ZB-H2: min(2P, M); interleaved
-    1F1B: Megatron's warm-up plus one, min((V+1)P - 1, VM); eager 1F1B: min(2P - 1,
+    1F1B (P dividing M): Megatron's warm-up plus one, min((V+1)P - 1, VM); eager 1F1B: min(2P - 1,
     M); GPipe with 1F1B on the last submesh: M (1 on the last submesh); interleaved
     GPipe and circular with reversed backward: every forward before any backward, VM;
     DualPipeV (M >= 2P): 2P + 1 half-size activations, its warm-up's 2P and the forward
@@ -1297,8 +1297,9 @@ def theoretical_peak_live(name: str, P: int, M: int, interleave: int = 1) -> int
     key = canonical_schedule_name(name)
     V = interleave
     one = V == 1
-    table = {"gpipe": M if one else None, "1f1b": min(P, M) if one else min((V + 1) * P - 1, V * M),
-             "interleaved-1f1b": min((V + 1) * P - 1, V * M),
+    megatron = min((V + 1) * P - 1, V * M) if M % P == 0 else None
+    table = {"gpipe": M if one else None, "1f1b": min(P, M) if one else megatron,
+             "interleaved-1f1b": megatron,
              "zero-bubble-h1": min(P, M) if one else None,
              "zero-bubble-h2": min(2 * P, M) if one else None,
              "eager-1f1b": min(2 * P - 1, M) if one else None,

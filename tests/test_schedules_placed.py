@@ -341,3 +341,19 @@ def test_custom_schedule_may_run_backwards_in_any_order():
                [sum(g[k] for _, g in parts) for k in range(2)],
                lambda path: list(range(4 * path[0].idx, 4 * path[0].idx + 4)))
     assert compiled.schedule.labels()[0] == ["F0", "F1", "F2", "F3", "B3", "B1", "B0", "B2"]
+
+
+@pytest.mark.parametrize("name,V,split", [
+    ("gpipe", 1, False), ("1f1b", 1, False), ("interleaved-1f1b", 2, False),
+    ("interleaved-1f1b", 3, False), ("zero-bubble-h1", 1, True), ("zero-bubble-h2", 1, True),
+    ("eager-1f1b", 1, False), ("gpipe-1f1b-last", 1, False), ("interleaved-gpipe", 2, False),
+    ("circular-reversed-backward", 2, False)])
+def test_peak_live_theory_for_every_shape(name, V, split):
+    for P in range(1, 6):
+        for M in range(1, 3 * P + 2):
+            want = theoretical_peak_live(name, P, M, V)
+            if want is None:  # interleaved 1F1B without P dividing M: no closed form
+                assert name in ("1f1b", "interleaved-1f1b") and M % P
+                continue
+            s = build_schedule(pipeline_units(P, M, interleave=V, split_backward=split), name)
+            assert max(live_activations(s)) == want, (P, M)
