@@ -41,7 +41,10 @@ class ScheduleFragmentsPass(ModulePass):
     direction (``transpose_count``), ``mm.devices`` the submesh (submeshes are
     numbered by first use), ``mm.split = "activation" | "weight"`` marks the halves
     of a split backward, and SSA uses give the data dependencies (within a
-    microbatch, and from the previous microbatch through the running sums). Stages
+    microbatch, and from the previous microbatch through a carried value that another
+    call reads; a running sum that only its accumulating call reads orders nothing,
+    as a sum is commutative and the runtime adds the microbatches in the schedule's
+    order). Stages
     come from the forward calls: a run of consecutive forward tasks on one submesh
     is one stage, so several stages on one submesh mean interleaving.
 
@@ -52,7 +55,12 @@ class ScheduleFragmentsPass(ModulePass):
     stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
     order with every weight-gradient half moved into idle slots, under 1F1B's peak
     memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory) and ``custom`` (rows from ``custom-schedule-file``, a
+    under twice that memory), five with a stage-placement rule (docs/schedules.md):
+    ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
+    last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
+    (round-robin stages; every forward, then the backwards in group order or in the
+    mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
+    two microbatch streams, split backwards, at least 2P microbatches), and ``custom`` (rows from ``custom-schedule-file``, a
     JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
     row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
     ``[microbatch, name]``, each name once per microbatch).
@@ -77,7 +85,7 @@ class ScheduleFragmentsPass(ModulePass):
     consumes = ("mpmd",)
 
     schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
@@ -183,20 +191,26 @@ def _warn_if_idle(sched: Schedule, name: str, loc, info) -> bool:
 
 
 def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
-    """Interleaving with one stage per submesh, or a zero-bubble schedule with no weight
-    half to defer, is 1F1B: say so rather than run 1F1B under another name."""
+    """Interleaving with one stage per submesh is 1F1B (GPipe), and a zero-bubble
+    schedule (or DualPipeV) with no weight half to defer runs without deferring any:
+    say so rather than run it under another name."""
     units = [u for u in sched.units if not u.free]
     stages: dict[int, set] = {}
     for u in units:
         stages.setdefault(u.mesh, set()).add(u.stage)
-    if name == "interleaved-1f1b" and all(len(s) == 1 for s in stages.values()):
-        c.warn_at(loc, f"schedule 'interleaved-1f1b' has nothing to interleave: each of the "
+    plain = {"interleaved-1f1b": ("1F1B", "1f1b"), "interleaved-gpipe": ("GPipe", "gpipe")}
+    if name in plain and all(len(s) == 1 for s in stages.values()):
+        title, other = plain[name]
+        c.warn_at(loc, f"schedule '{name}' has nothing to interleave: each of the "
                        f"{len(stages)} submeshes runs one pipeline stage (contiguous stages), "
-                       f"so it runs plain 1F1B; interleaving needs several stages per submesh, "
-                       f"placed round-robin (stage k on submesh k % {len(stages)}), or use "
-                       f"schedule='1f1b'")
-    if name.startswith("zero-bubble") and not any(u.kind == "bwd_w" for u in units):
-        order = "1F1B's order" if name.endswith("h1") else "1F1B's order with a longer warm-up"
+                       f"so it runs plain {title}; interleaving needs several stages per "
+                       f"submesh, placed round-robin (stage k on submesh k % {len(stages)}), "
+                       f"or use schedule='{other}'")
+    orders = {"zero-bubble-h1": "1F1B's order",
+              "zero-bubble-h2": "1F1B's order with a longer warm-up",
+              "dualpipe-v": "DualPipeV's order with every weight gradient in its backward"}
+    if name in orders and not any(u.kind == "bwd_w" for u in units):
+        order = orders[name]
         c.warn_at(loc, f"schedule '{name}' has no weight-gradient half to defer: no backward "
                        f"fragment of the loop splits into an activation-gradient and a "
                        f"weight-gradient part (its weights take no gradient, or every weight "
@@ -219,7 +233,7 @@ class LoopCall:
     devices: tuple[int, ...]
     split: str | None
     deps: tuple[int, ...]  # body calls of the same microbatch it reads
-    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (running sums)
+    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (not its own sums)
     forward: str | None = None  # the forward task of a backward named apart from it
 
 
@@ -273,6 +287,7 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
     tasks = c.read_tasks(module)
     carry_of_arg = {block.arguments[1 + j]: j for j in range(n_carry)}
     carry_producer = [producer.get(v) for v in ret.operands]
+    accumulations = _accumulations(calls_ops, carry_of_arg, carry_producer)
     out = []
     for op, name in calls_ops:
         holder, task, split = _fragment_tag(module, op, name)
@@ -282,7 +297,7 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
             src = _through_transfers(v)
             if src in producer:
                 deps.add(producer[src])
-            elif src in carry_of_arg:
+            elif src in carry_of_arg and carry_of_arg[src] not in accumulations:
                 carry = carry_producer[carry_of_arg[src]]
                 if carry is not None:
                     carried.add(carry)
@@ -292,6 +307,21 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                             split, tuple(sorted(deps)), tuple(sorted(carried)),
                             info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
+
+
+def _accumulations(calls_ops, carry_of_arg, carry_producer) -> set[int]:
+    """Running sums that only the call producing them reads: a fragment accumulating in
+    place (``mm-form-microbatch-loop``). Their microbatches may run in any order (a sum
+    is commutative; the runtime chains them in the schedule's order), so they add no
+    dependency between microbatches."""
+    readers: dict[int, set[int]] = {}
+    for k, (op, _) in enumerate(calls_ops):
+        for v in op.operands:
+            src = _through_transfers(v)
+            if src in carry_of_arg:
+                readers.setdefault(carry_of_arg[src], set()).add(k)
+    return {j for j, ks in readers.items() if carry_producer[j] is not None
+            and ks == {carry_producer[j]}}
 
 
 def _body_calls(ops: list[ir.Operation]) -> tuple[dict[ir.Value, int], list]:

@@ -1085,9 +1085,13 @@ def _():
 @error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",
        MultimeshValueError,
        r"Unknown microbatch schedule 'round-robin'; valid schedules are gpipe, 1f1b, "
-       r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, custom \(aliases: breadth-first = "
-       r"gpipe, fill-drain = gpipe, pipedream-flush = 1f1b, prefetch-wavefront = 1f1b, "
-       r"wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
+       r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, "
+       r"gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, custom \(aliases: "
+       r"breadth-first = gpipe, CircularWithReversedBackward = circular-reversed-backward, "
+       r"DualPipeV = dualpipe-v, Eager1F1B = "
+       r"eager-1f1b, fill-drain = gpipe, GPipeBut1F1BForLastMesh = gpipe-1f1b-last, "
+       r"InterleavedGPipe = interleaved-gpipe, pipedream-flush = 1f1b, prefetch-wavefront = "
+       r"1f1b, wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
        """Pick one of the listed schedules (aliases such as `fill-drain` and `wavefront`
        are accepted too); see docs/schedules.md.""")
 def _():
@@ -1233,6 +1237,89 @@ def _():
     mm.mjit(f)(ws, x)
 
 
+def three_layers_on_two_submeshes():
+    """Layers 0 and 2 on positions 0-3, layer 1 on 4-7: stages 0 and 2 share submesh 0."""
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k % 2)))
+              for k in range(3)]
+
+    def loss(ws, x):
+        for f, w in zip(layers, ws):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16)] * 3, jnp.ones((16, 16))
+
+
+@error("schedule-needs-contiguous-stages", SCHEDULES,
+       "A contiguous-stage schedule on several stages per submesh", PassFailure,
+       r"schedule 'eager-1f1b' needs one pipeline stage per submesh \(contiguous placement: "
+       r"consecutive layers on one submesh, stage k on the k-th submesh\), but submesh 0 runs "
+       r"2 stages \(stages \[0, 2\]\)",
+       """`eager-1f1b` and `gpipe-1f1b-last` order one stage per submesh. Place consecutive
+       layers together (one task, or consecutive tasks, per submesh), or pick a schedule
+       without a placement rule (`gpipe`, `1f1b`, `interleaved-1f1b`).""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = three_layers_on_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="eager-1f1b"))(ws, x)
+
+
+@error("schedule-needs-round-robin-stages", SCHEDULES,
+       "A round-robin schedule on stages placed otherwise", PassFailure,
+       r"schedule 'interleaved-gpipe' needs round-robin placement \(stage k on submesh k % P "
+       r"for P pipeline submeshes, every submesh running the same number of stages\), but "
+       r"submesh 0 runs 2 stages \(stages \[0, 2\]\) and submesh 1 runs fewer",
+       """`interleaved-gpipe` and `circular-reversed-backward` expect layer k on submesh
+       k % P, the same number of layers on every submesh. Place the layers round-robin, or
+       pick a schedule without a placement rule (`gpipe`, `1f1b`).""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = three_layers_on_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="interleaved-gpipe"))(ws, x)
+
+
+@error("schedule-needs-v-shape-stages", SCHEDULES,
+       "A V-shape schedule on stages placed otherwise", PassFailure,
+       r"schedule 'dualpipe-v' needs V-shape placement \(2P stages on P submeshes: stage i "
+       r"and stage 2P - 1 - i on submesh i, so the forward goes down the submeshes and back "
+       r"up\), but its stages run on submeshes \[0, 1\] in order, where V-shape needs "
+       r"\[0, 1, 0\]",
+       """DualPipeV runs two stages on every submesh, one on the way down and one on the way
+       back up: with P submeshes, layer k (of 2P) goes on submesh k for k < P and on
+       submesh 2P - 1 - k after, so the first submesh also holds the last layer (and the
+       loss). Place the layers that way, or pick a schedule without a placement rule.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="dualpipe-v"))(ws, x)
+
+
+def v_shape_two_submeshes():
+    """Layers 0 and 3 on positions 0-3, layers 1 and 2 on 4-7 (DualPipeV's placement)."""
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
+              for k in range(4)]
+
+    def loss(ws, x):
+        for f, w in zip(layers, ws):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16)] * 4, jnp.ones((16, 16))
+
+
+@error("dualpipe-v-too-few-microbatches", SCHEDULES,
+       "DualPipeV with fewer than 2P microbatches", PassFailure,
+       r"schedule 'dualpipe-v' needs at least 2P = 4 microbatches for 2 pipeline submeshes, "
+       r"but there are 2",
+       """DualPipeV's warm-up sends 2P microbatches through the two legs of the V before its
+       steady state (the published schedule asserts the same). Cut the batch into more
+       microbatches (a smaller `size`), or pick another schedule.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = v_shape_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="dualpipe-v"))(ws, x)
+
+
 @error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
        r"interleave.*(positive|>= 1).*0",
        """`interleave` and `num_stages` are positive integers.""")
@@ -1288,6 +1375,41 @@ def _():
     grad_fn, ws, x = two_stage()
     f = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="interleaved-1f1b")
     mm.mjit(f)(ws, x)
+
+
+@warning("interleaved-gpipe-nothing-to-interleave", SCHEDULES,
+         "`interleaved-gpipe` on contiguous stages", MultimeshWarning,
+         r"schedule 'interleaved-gpipe' has nothing to interleave: each of the 2 submeshes "
+         r"runs one pipeline stage \(contiguous stages\), so it runs plain GPipe",
+         """Interleaved GPipe needs several stages per submesh, placed round-robin (stage k
+         on submesh k % P). With one stage per submesh it is GPipe: place more stages per
+         submesh, or ask for `schedule="gpipe"`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    f = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="interleaved-gpipe")
+    mm.mjit(f)(ws, x)
+
+
+@warning("dualpipe-v-nothing-to-split", SCHEDULES,
+         "DualPipeV with no weight-gradient half", MultimeshWarning,
+         r"schedule 'dualpipe-v' has no weight-gradient half to defer: no backward fragment "
+         r"of the loop splits.*so it runs DualPipeV's order with every weight gradient in its "
+         r"backward",
+         """DualPipeV defers some weight-gradient halves into the gaps at the end of the
+         step. Here no backward splits (only the first stage's weights take a gradient), so
+         each backward keeps its weight gradient. Give each stage its own weight arrays.""")
+def _():
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
+              for k in range(4)]
+
+    def loss(w0, rest, x):  # only the first stage's weights are trained
+        x = layers[0](w0, x)
+        for f, w in zip(layers[1:], rest):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2, schedule="dualpipe-v")
+    mm.mjit(f)(jnp.eye(16), [jnp.eye(16)] * 3, jnp.ones((16, 16)))
 
 
 @warning("zero-bubble-nothing-to-split", SCHEDULES,
@@ -2015,8 +2137,9 @@ cli("cli-bad-option-value", "A pass option value of the wrong type",
 cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
     r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
-    r"'round-robin'; valid schedules: 1f1b, custom, gpipe, interleaved-1f1b, zero-bubble-h1, "
-    r"zero-bubble-h2",
+    r"'round-robin'; valid schedules: 1f1b, circular-reversed-backward, custom, dualpipe-v, "
+    r"eager-1f1b, gpipe, gpipe-1f1b-last, interleaved-1f1b, interleaved-gpipe, "
+    r"zero-bubble-h1, zero-bubble-h2",
     """Pick one of the listed schedules or aliases. Options given on the command line are
     checked before the input is read.""",
     input_text=OK_MLIR)
