@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import attr_to_py, ir
 
+from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 from .schedules import (
@@ -25,7 +26,16 @@ __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR"
 
 SCHEDULE_ATTR = "mm.schedule"
 CONFIG_ATTR = "mm.schedule_config"
-_CONFIG_KEYS = ("schedule", "num_stages", "interleave", "custom_schedule", "unrolling")
+_COUNT = ta.int_in(1, ta.MAX_MICROBATCHES)
+_ENTRY = ta.Spec('a task name or a [microbatch, "name"] pair',
+                lambda v: (isinstance(v, str) and bool(v)) or (
+                    isinstance(v, list) and len(v) == 2 and ta.MICROBATCH_INDEX.check(v[0])
+                    and isinstance(v[1], str) and bool(v[1])),
+                'task names or [microbatch, "name"] pairs')
+_ROWS = ta.list_of(ta.list_of(_ENTRY))
+CONFIG_SPEC = ta.dict_of(schedule=ta.NAME, num_stages=_COUNT, interleave=_COUNT,
+                        custom_schedule=_ROWS, unrolling=_COUNT)
+"""``mm.schedule_config``: every key optional (docs/ir.md)."""
 SPLIT_ATTR = "mm.split"
 _SPLITS = ("activation", "weight")
 
@@ -93,8 +103,9 @@ class ScheduleFragmentsPass(ModulePass):
             except ScheduleError as e:
                 raise PipelineError(f"Pass '{self.argument}' option 'schedule': {e}.") from None
         for option in ("num_stages", "interleave", "unrolling"):
-            if getattr(self, option) is not None and getattr(self, option) < 1:
-                raise self.bad_option(option, "a positive integer")
+            value = getattr(self, option)
+            if value is not None and not 1 <= value <= ta.MAX_MICROBATCHES:
+                raise self.bad_option(option, f"an integer in 1..{ta.MAX_MICROBATCHES}")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -129,12 +140,8 @@ class ScheduleFragmentsPass(ModulePass):
 
     def _config(self, module: ir.Module):
         """``(schedule, custom rows, num_stages, interleave, unrolling, asked)``."""
-        attrs = module.operation.attributes
-        cfg = attr_to_py(attrs[CONFIG_ATTR]) if CONFIG_ATTR in attrs else {}
-        if not isinstance(cfg, dict) or set(cfg) - set(_CONFIG_KEYS):
-            raise ScheduleError(
-                f"'{CONFIG_ATTR}' must be a dictionary with keys among "
-                f"{', '.join(_CONFIG_KEYS)}, got {cfg}")
+        cfg = ta.read_attr(module.operation, CONFIG_ATTR, CONFIG_SPEC, f"'{CONFIG_ATTR}'",
+                          default={})
         name = self.schedule if self.schedule is not None else cfg.get("schedule")
         asked = name is not None
         if self.custom_schedule_file:
@@ -145,6 +152,8 @@ class ScheduleFragmentsPass(ModulePass):
                 raise ScheduleError(
                     f"cannot read custom schedule file '{self.custom_schedule_file}': {e}"
                 ) from None
+            custom = ta.read(custom, _ROWS, f"custom schedule file '{self.custom_schedule_file}'",
+                            module.operation.location)
         elif self.schedule is None or str(self.schedule).strip().lower() == "custom":
             custom = cfg.get("custom_schedule")
         else:
@@ -258,7 +267,7 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                     carried.add(carry)
         info = tasks.get(str(task["name"]))
         out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
-                            tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
+                            c.fragment_info(holder).devices,
                             split, tuple(sorted(deps)), tuple(sorted(carried)),
                             info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
