@@ -270,7 +270,8 @@ def _check_bytecode(data: bytes) -> None:
                           "without a check")
 
 
-_TOPOLOGY = re.compile(r"\btopology\s*=\s*")
+_TOPOLOGY = re.compile(r'[{,]\s*"?topology"?\s*(?:=\s*|(?=[,}]))')
+"""``topology`` as a key of an attribute dictionary (``= value``, or alone: ``unit``)."""
 _ALIAS = r"^[ \t]*{}[ \t]*=[ \t]*"
 TOPOLOGY = Spec("an #mpmd.topology", lambda v: isinstance(v, ir.Attribute)
                 and str(v).startswith("#mpmd.topology<"), "#mpmd.topologies")
@@ -282,7 +283,7 @@ def _bad_topology(text: str) -> tuple[int, str] | None:
     """``(offset, message)`` of the first ``topology = X`` whose X is not an
     ``#mpmd.topology`` (directly or through an attribute alias)."""
     for m in _TOPOLOGY.finditer(text):
-        value = _attribute_text(text, m.end())
+        value = _attribute_text(text, m.end()) or "unit"
         if re.fullmatch(r"#[\w.$-]+", value):  # an attribute alias: its definition
             d = re.search(_ALIAS.format(re.escape(value)), text, re.M)
             value = _attribute_text(text, d.end()) if d else value
@@ -294,7 +295,7 @@ def _bad_topology(text: str) -> tuple[int, str] | None:
                 shown = show(ir.Attribute.parse(value))
         except ir.MLIRError:
             pass
-        return m.start(), (f"'topology' must be {TOPOLOGY.expected}, got {shown}; "
+        return text.index("topology", m.start()), (f"'topology' must be {TOPOLOGY.expected}, got {shown}; "
                            f"jaxlib's mpmd dialect reads it from the function that holds "
                            f"mpmd ops without a check")
     return None

@@ -322,7 +322,7 @@ def loop_of(op: ir.Operation) -> int:
     return ta.read_attr(op, LOOP_ATTR, LOOP_ID, default=-1)
 
 
-LOOP_ID = ta.int_in(0, None, ("a microbatch loop id", "microbatch loop ids"))
+LOOP_ID = ta.int_in(0, (1 << 31) - 1, ("a microbatch loop id", "microbatch loop ids"))
 MICROBATCH_SPEC = ta.dict_of(loop=LOOP_ID, num_microbatches=ta.MICROBATCHES)
 """``mm.microbatch = {loop = 0, num_microbatches = M}``."""
 
@@ -797,8 +797,14 @@ def _tag_from_dict(d: dict, what: str, loc) -> Tag:
             f"{what} transpose_count must be an integer, got {_fmt(count)}", loc)
     if count < 0:
         raise DiagnosticError(f"{what} transpose_count must be >= 0, got {count}", loc)
-    if not _is_int(mb) or mb < -1:
+    ta.read(count, TRANSPOSE_COUNT, f"{what} transpose_count", loc)
+    if not _is_int(mb) or not -1 <= mb <= MAX_ID:
         raise DiagnosticError(
-            f"{what} loop must be a microbatch loop id (an integer >= 0), got {_fmt(mb)}",
-            loc)
+            f"{what} loop must be a microbatch loop id (an integer in 0..{MAX_ID}), got "
+            f"{_fmt(mb)}", loc)
     return name, count, mb
+
+
+MAX_ID = (1 << 31) - 1
+"""The largest transpose count or loop id (they are written back as 64-bit integers)."""
+TRANSPOSE_COUNT = ta.int_in(0, MAX_ID, ("a transpose count", "transpose counts"))

@@ -462,7 +462,8 @@ def _call_loop(call: ir.Operation) -> int:
     if c.TASK_ATTR in call.attributes:
         d = attr_to_py(call.attributes[c.TASK_ATTR])
         if isinstance(d, dict) and "loop" in d:
-            return ta.read(d["loop"], ta.int_in(-1), f"'{c.TASK_ATTR}' loop", call.location)
+            return ta.read(d["loop"], ta.int_in(-1, c.MAX_ID), f"'{c.TASK_ATTR}' loop",
+                           call.location)
     return -1
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import attr_to_py, ir
+from multimesh._src.mlir import ir
 
 from . import _attrs as ta
 from . import _contract as c
@@ -265,8 +265,8 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                 carry = carry_producer[carry_of_arg[src]]
                 if carry is not None:
                     carried.add(carry)
-        info = tasks.get(str(task["name"]))
-        out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
+        info = tasks.get(task[0])
+        out.append(LoopCall(name, task[0], task[1],
                             c.fragment_info(holder).devices,
                             split, tuple(sorted(deps)), tuple(sorted(carried)),
                             info.forward if info is not None else None))
@@ -304,26 +304,23 @@ def _through_transfers(v: ir.Value) -> ir.Value:
 
 
 def _fragment_tag(module: ir.Module, op: ir.Operation, name: str
-                  ) -> tuple[ir.Operation, dict, str | None]:
+                  ) -> tuple[ir.Operation, c.Tag, str | None]:
     """The op holding the fragment's attributes, its ``mm.task`` and its split, checked."""
     holder = _fragment_attrs(module, name)
     if holder is None:
         raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
-    task = attr_to_py(holder.attributes[c.TASK_ATTR]) if c.TASK_ATTR in \
-        holder.attributes else {}
-    if "name" not in task or "transpose_count" not in task or \
-            "mm.devices" not in holder.attributes:
+    tag = c.tag_of(holder)
+    if tag is None or "mm.devices" not in holder.attributes:
         raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
                               f"and 'mm.devices'", op.location)
     split = None
     for h in (holder, op):
-        if SPLIT_ATTR in h.attributes:
-            split = attr_to_py(h.attributes[SPLIT_ATTR])
-    if split is not None and split not in _SPLITS:
-        raise DiagnosticError(
-            f"fragment @{name} has {SPLIT_ATTR} = {split!r}; expected \"activation\" or "
-            f"\"weight\"", op.location)
-    return holder, task, split
+        split = ta.read_attr(h, SPLIT_ATTR, _SPLIT, f"fragment @{name} '{SPLIT_ATTR}'",
+                             default=split)
+    return holder, tag, split
+
+
+_SPLIT = ta.one_of(*_SPLITS)
 
 
 def loop_calls(info: LoopInfo) -> list[Call]:
