@@ -26,11 +26,10 @@ from multimesh._src.brackets import deepest_nesting, skip_element
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import attr_to_py, ir, make_context, sub_axis_at, zero_sub_axis
 
-__all__ = ["MAX_DEVICES", "MAX_MICROBATCHES", "MAX_NESTING", "MAX_SHOWN", "Spec", "INT",
-           "BOOL", "STR", "NAME", "POSITION", "MICROBATCHES",
-           "MICROBATCH_INDEX", "int_in", "list_of", "one_of",
-           "dict_of", "map_of", "read", "read_attr", "show", "BYTECODE_MAGIC", "SourceError", "is_bytecode",
-           "decode_source", "check_source", "TOPOLOGY"]
+__all__ = ["MAX_DEVICES", "MAX_MICROBATCHES", "MAX_NESTING", "MAX_SHOWN", "Spec", "INT", "BOOL",
+           "STR", "NAME", "POSITION", "MICROBATCHES", "MICROBATCH_INDEX", "TOPOLOGY", "int_in",
+           "list_of", "one_of", "dict_of", "map_of", "read", "read_attr", "show", "listing",
+           "BYTECODE_MAGIC", "SourceError", "is_bytecode", "decode_source", "check_source"]
 
 MAX_DEVICES = 1 << 20
 """Device positions are below this (1,048,576), and no mesh has more devices."""
@@ -174,6 +173,13 @@ def show(v, limit: int = MAX_SHOWN) -> str:
     if v is None:
         return "unit"
     return str(v)
+
+
+def listing(items, limit: int = MAX_SHOWN) -> str:
+    """``a, b, c`` for a message; past ``limit`` items, the first ones and the count."""
+    items = list(items)
+    head = ", ".join(str(x) for x in items[:limit])
+    return head + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
 # ----------------------------------------------------------------------------- source text

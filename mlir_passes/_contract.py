@@ -300,7 +300,7 @@ def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo
 def _known(op: ir.Operation, name: str, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo:
     info = tasks.get(name)
     if info is None:
-        known = ", ".join(f'"{k}"' for k in sorted(tasks)) or "none"
+        known = ta.listing(f'"{k}"' for k in sorted(tasks)) or "none"
         raise DiagnosticError(
             f"'{TASK_ATTR}' on '{op.name}' names task \"{name}\" which is not in "
             f"'{TASKS_ATTR}' (known: {known})", op.location)

@@ -505,12 +505,12 @@ class _Importer:
             if mesh not in self.mesh_shapes:
                 raise DiagnosticError(
                     f"{src} names mesh \"{mesh}\", which the program does not have "
-                    f"(its meshes: {', '.join(known)})", self.main.location)
+                    f"(its meshes: {ta.listing(known)})", self.main.location)
         for mesh in known:
             if mesh not in self.positions:
                 raise DiagnosticError(
                     f"{src} gives no device positions for mesh \"{mesh}\" (it gives "
-                    f"{', '.join(sorted(self.positions))})", self.main.location)
+                    f"{ta.listing(sorted(self.positions))})", self.main.location)
             size = prod(_axes(self.mesh_shapes[mesh])[1])
             if len(self.positions[mesh]) != size:
                 raise DiagnosticError(
