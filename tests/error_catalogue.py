@@ -1786,6 +1786,16 @@ cli("cli-emit-bytecode-split", "`--emit-bytecode` with `--split-input-file`",
     module.""",
     input_text=OK_MLIR)
 
+cli("cli-empty-symbol", "A module with an empty symbol name",
+    ["in.mlir"], 1,
+    r"^in\.mlir:1:1: error: the result cannot be parsed again: an empty symbol name prints "
+    r"as @<<INVALID EMPTY SYMBOL>>",
+    """MLIR's generic form accepts `sym_name = ""` (or a custom call target `""`), but
+    prints it as `@<<INVALID EMPTY SYMBOL>>`, which no parser reads back; mm-opt refuses to
+    write such output (found by fuzzing attribute values).""",
+    input_text='"func.func"() <{function_type = () -> (), sym_name = ""}> ({\n'
+               '  "func.return"() : () -> ()\n}) : () -> ()\n')
+
 # --------------------------------------------------------------------------- running
 
 

@@ -469,6 +469,11 @@ class _Driver:
             return data, warned
         out = self._print(module)
         self._time("Output", time.perf_counter() - t0)
+        if _EMPTY_SYMBOL in out:
+            return None, [Diag(
+                "error", f"the result cannot be parsed again: an empty symbol name prints as "
+                f"@{_EMPTY_SYMBOL} (a symbol, callee or custom call target is \"\"); name it",
+                None, None, None)]
         if "mpmd." in out and not _reparses(out, ctx):
             return None, [Diag(
                 "error", "the result cannot be parsed again: jaxlib's mpmd dialect prints "
@@ -615,6 +620,8 @@ def _reparses(text: str, ctx: ir.Context) -> bool:
     except ir.MLIRError:
         return False
     return True
+_EMPTY_SYMBOL = "<<INVALID EMPTY SYMBOL>>"
+"""How MLIR prints a symbol reference with an empty name (its parser rejects it)."""
 _BUFFER_LOC = re.compile(r'"-":(\d+):(\d+)')
 def _join(outputs: list, bytecode: bool) -> str | bytes:
     """The output file: the chunks' text joined by split markers, or the bytecode."""

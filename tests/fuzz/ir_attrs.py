@@ -10,9 +10,10 @@ fragments' argument dictionaries) and replaces it, or one entry deep inside it (
 dictionary key, a list element), by a value of another type or an extreme value of its
 own: strings, integers of every width and sign (``i64`` max, ``i128``), floats (NaN,
 1e300), lists (empty, mixed, 2,000 long), dictionaries, ``unit``, booleans, symbol
-references, dense arrays, types, Shardy meshes and mpmd topologies. Inherent attributes
-(``sym_name``, ``function_type``, ``callee``) are left alone: the printer itself reads
-them. The module is printed in its custom form (or, one time in four, generic form).
+references, dense arrays, types, Shardy meshes and mpmd topologies. One time in seven
+the choice extends to ops' inherent attributes (``sym_name``, ``function_type``,
+``callee``, mpmd's ``origin``); the custom printers read those, so such a module is
+printed in generic form, as it is one time in four anyway.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def _readable(name: str) -> bool:
     return name not in _INHERENT and ("." in name or name in ("topology", "mesh_shape"))
 
 
-def _sites(module: ir.Module) -> list[tuple[ir.Operation, str, int | None]]:
-    """``(op, attribute name, argument index or None)`` for every attribute to mutate;
-    an argument index means an entry of the op's ``arg_attrs`` (a function argument)."""
+def _sites(module: ir.Module, inherent: bool = False
+           ) -> list[tuple[ir.Operation, str, int | None]]:
+    """``(op, attribute name, argument index or None)`` for every attribute to mutate
+    (with ``inherent``, ops' inherent attributes too); an argument index means an entry
+    of the op's ``arg_attrs`` (a function argument)."""
     sites: list[tuple[ir.Operation, str, int | None]] = []
 
     def visit(op):
@@ -63,7 +66,7 @@ def _sites(module: ir.Module) -> list[tuple[ir.Operation, str, int | None]]:
         attrs = op.attributes
         for i in range(len(attrs)):
             name = attrs[i].name
-            if _readable(name):
+            if _readable(name) or (inherent and name not in ("arg_attrs", "res_attrs")):
                 sites.append((op, name, None))
         if op.name == "func.func" and "arg_attrs" in attrs:
             for k, d in enumerate(ir.ArrayAttr(attrs["arg_attrs"])):
@@ -134,10 +137,11 @@ def mutate_attributes(text: str, rng: random.Random, count: int = 1) -> str:
             module = ir.Module.parse(text)
         except ir.MLIRError:
             return text
-        sites = _sites(module)
+        inherent = rng.random() < 1 / 7
+        sites = _sites(module, inherent)
         if not sites:
             return text
-        generic = rng.random() < 0.25
+        generic = inherent or rng.random() < 0.25
         for op, name, arg in rng.sample(sites, min(count, len(sites))):
             _mutate_site(op, name, arg, rng)
             generic = generic or name == "topology"  # mpmd's printers read it unchecked
