@@ -62,36 +62,11 @@ class _Task:
 
 
 def _read_tasks(module: ir.Module) -> dict[str, _Task] | None:
-    attrs = module.operation.attributes
-    if "mm.tasks" not in attrs:
+    """The ``mm.tasks`` table, read (and checked) by the contract's typed reader."""
+    if c.TASKS_ATTR not in module.operation.attributes:
         return None
-    raw = attr_to_py(attrs["mm.tasks"])
-    loc = module.operation.location
-    if not isinstance(raw, dict):
-        raise DiagnosticError("mm.tasks must be a dictionary of task descriptions", loc)
-    tasks = {}
-    for name, d in raw.items():
-        if not isinstance(d, dict):
-            raise DiagnosticError(f"mm.tasks entry '{name}' must be a dictionary", loc)
-        try:
-            names = tuple(str(a) for a in d.get("axis_names", []))
-            sizes = tuple(int(s) for s in d.get("axis_sizes", []))
-            pairs = tuple((str(p[0]), str(p[1])) for p in d.get("logical_axes", []))
-        except (TypeError, ValueError, IndexError):
-            raise DiagnosticError(
-                f"mm.tasks entry '{name}' is malformed: axis_names must be strings, "
-                f"axis_sizes integers and logical_axes [logical, device] pairs", loc) from None
-        if any(len(p) != 2 for p in d.get("logical_axes", [])):
-            raise DiagnosticError(
-                f"mm.tasks entry '{name}' is malformed: every logical_axes entry must be a "
-                f"[logical, device] pair", loc)
-        if len(names) != len(sizes):
-            raise DiagnosticError(
-                f"mm.tasks entry '{name}' has {len(names)} axis_names but {len(sizes)} "
-                f"axis_sizes", loc)
-        tasks[name] = _Task(name, names, sizes, pairs)
-    c.read_tasks(module)  # the rest of the contract (positive sizes, device count, ...)
-    return tasks
+    return {name: _Task(name, info.axis_names, info.axis_sizes, info.logical_axes)
+            for name, info in c.read_tasks(module).items()}
 
 
 def _task_name_of(op: ir.Operation) -> str | None:

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import attr_to_py, ir
+from multimesh._src.mlir import ir
 
+from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 from .schedules import (
@@ -25,7 +26,16 @@ __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR"
 
 SCHEDULE_ATTR = "mm.schedule"
 CONFIG_ATTR = "mm.schedule_config"
-_CONFIG_KEYS = ("schedule", "num_stages", "interleave", "custom_schedule", "unrolling")
+_COUNT = ta.int_in(1, ta.MAX_MICROBATCHES)
+_ENTRY = ta.Spec('a task name or a [microbatch, "name"] pair',
+                lambda v: (isinstance(v, str) and bool(v)) or (
+                    isinstance(v, list) and len(v) == 2 and ta.MICROBATCH_INDEX.check(v[0])
+                    and isinstance(v[1], str) and bool(v[1])),
+                'task names or [microbatch, "name"] pairs')
+_ROWS = ta.list_of(ta.list_of(_ENTRY))
+CONFIG_SPEC = ta.dict_of(schedule=ta.NAME, num_stages=_COUNT, interleave=_COUNT,
+                        custom_schedule=_ROWS, unrolling=_COUNT)
+"""``mm.schedule_config``: every key optional (docs/ir.md)."""
 SPLIT_ATTR = "mm.split"
 _SPLITS = ("activation", "weight")
 
@@ -103,8 +113,9 @@ class ScheduleFragmentsPass(ModulePass):
             except ScheduleError as e:
                 raise PipelineError(f"Pass '{self.argument}' option 'schedule': {e}.") from None
         for option in ("num_stages", "interleave", "unrolling"):
-            if getattr(self, option) is not None and getattr(self, option) < 1:
-                raise self.bad_option(option, "a positive integer")
+            value = getattr(self, option)
+            if value is not None and not 1 <= value <= ta.MAX_MICROBATCHES:
+                raise self.bad_option(option, f"an integer in 1..{ta.MAX_MICROBATCHES}")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -140,12 +151,8 @@ class ScheduleFragmentsPass(ModulePass):
 
     def _config(self, module: ir.Module):
         """``(schedule, custom rows, num_stages, interleave, unrolling, asked)``."""
-        attrs = module.operation.attributes
-        cfg = attr_to_py(attrs[CONFIG_ATTR]) if CONFIG_ATTR in attrs else {}
-        if not isinstance(cfg, dict) or set(cfg) - set(_CONFIG_KEYS):
-            raise ScheduleError(
-                f"'{CONFIG_ATTR}' must be a dictionary with keys among "
-                f"{', '.join(_CONFIG_KEYS)}, got {cfg}")
+        cfg = ta.read_attr(module.operation, CONFIG_ATTR, CONFIG_SPEC, f"'{CONFIG_ATTR}'",
+                          default={})
         name = self.schedule if self.schedule is not None else cfg.get("schedule")
         asked = name is not None
         if self.custom_schedule_file:
@@ -156,6 +163,8 @@ class ScheduleFragmentsPass(ModulePass):
                 raise ScheduleError(
                     f"cannot read custom schedule file '{self.custom_schedule_file}': {e}"
                 ) from None
+            custom = ta.read(custom, _ROWS, f"custom schedule file '{self.custom_schedule_file}'",
+                            module.operation.location)
         elif self.schedule is None or str(self.schedule).strip().lower() == "custom":
             custom = cfg.get("custom_schedule")
         else:
@@ -301,9 +310,9 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                 carry = carry_producer[carry_of_arg[src]]
                 if carry is not None:
                     carried.add(carry)
-        info = tasks.get(str(task["name"]))
-        out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
-                            tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
+        info = tasks.get(task[0])
+        out.append(LoopCall(name, task[0], task[1],
+                            c.fragment_info(holder).devices,
                             split, tuple(sorted(deps)), tuple(sorted(carried)),
                             info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
@@ -355,26 +364,23 @@ def _through_transfers(v: ir.Value) -> ir.Value:
 
 
 def _fragment_tag(module: ir.Module, op: ir.Operation, name: str
-                  ) -> tuple[ir.Operation, dict, str | None]:
+                  ) -> tuple[ir.Operation, c.Tag, str | None]:
     """The op holding the fragment's attributes, its ``mm.task`` and its split, checked."""
     holder = _fragment_attrs(module, name)
     if holder is None:
         raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
-    task = attr_to_py(holder.attributes[c.TASK_ATTR]) if c.TASK_ATTR in \
-        holder.attributes else {}
-    if "name" not in task or "transpose_count" not in task or \
-            "mm.devices" not in holder.attributes:
+    tag = c.tag_of(holder)
+    if tag is None or "mm.devices" not in holder.attributes:
         raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
                               f"and 'mm.devices'", op.location)
     split = None
     for h in (holder, op):
-        if SPLIT_ATTR in h.attributes:
-            split = attr_to_py(h.attributes[SPLIT_ATTR])
-    if split is not None and split not in _SPLITS:
-        raise DiagnosticError(
-            f"fragment @{name} has {SPLIT_ATTR} = {split!r}; expected \"activation\" or "
-            f"\"weight\"", op.location)
-    return holder, task, split
+        split = ta.read_attr(h, SPLIT_ATTR, _SPLIT, f"fragment @{name} '{SPLIT_ATTR}'",
+                             default=split)
+    return holder, tag, split
+
+
+_SPLIT = ta.one_of(*_SPLITS)
 
 
 def loop_calls(info: LoopInfo) -> list[Call]:

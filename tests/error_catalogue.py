@@ -240,8 +240,15 @@ def calling_back(op: str) -> str:
             "  return %a : tensor<8xf32>\n}\n")
 
 
+def transfer_program(topology: str) -> str:
+    """A partitioned program that moves its argument from mesh m1 to m2."""
+    t1, t2 = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>', '!mpmd.mesh_tensor<"m2", tensor<8xf32>>'
+    return (f"func.func public @main(%x: {t1}) -> {t2} attributes {{topology = {topology}}} "
+            f"{{\n  %0 = mpmd.transfer %x : ({t1}) -> {t2}\n  return %0 : {t2}\n}}\n")
+
+
 HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity,
-           calling_back)
+           calling_back, transfer_program)
 
 
 def _repro_check(pass_argument: str):
@@ -1887,8 +1894,8 @@ def _():
 
 @error("compile-mpmd-not-a-program", SHARDY, "`compile_mpmd` given something that is not a module",
        MultimeshTypeError,
-       r"`compile_mpmd` expects a module partitioned by Shardy:MPMD \(MLIR text or an "
-       r"ir\.Module\) or a program lowered by Shardy's front end, got function",
+       r"`compile_mpmd` expects a module partitioned by Shardy:MPMD \(MLIR text or "
+       r"bytecode, or an ir\.Module\) or a program lowered by Shardy's front end, got function",
        """Pass the partitioner's output (`apply_mpmd_partitioning(...).mpmd_module` or its
        text), or what Shardy's `mpmd.jit(f, config).lower(...)` returns; to compile a jax
        function with tasks use `mjit`.""")
@@ -1988,6 +1995,44 @@ def _():
         "{channel_handle = #stablehlo.channel_handle<handle = 1, type = 2>, "
         "is_host_transfer = true} : (tensor<8xf32>, !stablehlo.token) -> !stablehlo.token"),
         {"m1": range(4)})
+@error("compile-mpmd-bad-topology", SHARDY, "`compile_mpmd` given a `topology` of the wrong type",
+       MultimeshValueError,
+       r"`compile_mpmd` cannot read the program: 'topology' must be an #mpmd\.topology, got "
+       r"\"m1\"; jaxlib's mpmd dialect reads it from the function that holds mpmd ops without "
+       r"a check \(line 1, column 122\)\.",
+       """`@main`'s `topology` lists the program's meshes as `#mpmd.topology<<"m1" :
+       <["x"=4]>>, ...>`. Any other attribute there used to kill the process while jaxlib
+       parsed the program (its verifier casts it blindly); multimesh checks it first.""")
+def _():
+    mm.compile_mpmd(transfer_program('"m1"'), {"m1": range(4), "m2": range(4, 8)})
+
+
+@error("compile-mpmd-not-utf8", SHARDY, "`compile_mpmd` given bytes that are neither text nor bytecode",
+       MultimeshValueError,
+       r"`compile_mpmd` cannot read the program: input is not valid UTF-8: byte 0xe9 "
+       r"\(invalid continuation byte\); MLIR files are UTF-8 text or MLIR bytecode "
+       r"\(line 1, column 7\)\.",
+       """Programs given as `bytes` are MLIR bytecode (told apart by its first bytes,
+       `ML\\xefR`) or UTF-8 text. A `str` must not hold lone surrogates (e.g. from
+       `errors="surrogateescape"`), which UTF-8 cannot encode.""")
+def _():
+    mm.compile_mpmd(b"// caf\xe9 au lait\n" + partitioned_identity().encode(),
+                    {"m1": range(4)})
+
+
+@error("compile-mpmd-stray-module", SHARDY, "`compile_mpmd` given a program with a stray nested module",
+       PassFailure,
+       r"multimesh pass 'mm-import-mpmd' failed: 'builtin\.module' at the top level of the "
+       r"module: the output of Shardy's MPMD partitioner holds only functions and sdy\.mesh "
+       r"symbols",
+       """Shardy's partitioner emits functions and meshes only; a nested module at the top
+       level (here an unnamed one) is not part of the program. Remove it.""",
+       check=_repro_check("mm-import-mpmd"))
+def _():
+    mm.compile_mpmd("module {\n" + partitioned_identity() + "module {\n}\n}\n",
+                    {"m1": range(4)})
+
+
 # =========================================================================== multi-process
 
 
@@ -2205,8 +2250,8 @@ cli("cli-unreadable-rules-file", "An `mm-match-tasks` rules file that cannot be 
 
 cli("cli-option-out-of-range", "A pass option value outside its range",
     ["in.mlir", "-p", "builtin.module(mm-assign-tasks{num-devices=-3})"], 1,
-    r"^mm-opt: error: Pass 'mm-assign-tasks' option 'num-devices' must be a positive device "
-    r"count, or 0 to read it from the module, got -3\.",
+    r"^mm-opt: error: Pass 'mm-assign-tasks' option 'num-devices' must be a device count "
+    r"in 1\.\.1048576, or 0 to read it from the module, got -3\.",
     """Option values are checked when the pipeline is parsed, before the input is read
     (`mm-opt --list-passes` lists each option and its default).""",
     input_text=OK_MLIR)
@@ -2235,8 +2280,9 @@ cli("cli-pass-before-its-stage", "A pass given a module from an earlier stage",
 cli("cli-invalid-utf8", "An input file that is not UTF-8",
     ["in.mlir"], 1,
     r"^in\.mlir:2:6: error: input is not valid UTF-8: byte 0xff \(invalid start byte\)",
-    """MLIR files are UTF-8 text; the message points at the first invalid byte (here a
-    Latin-1 byte in a comment). Re-encode the file.""",
+    """MLIR files are UTF-8 text or MLIR bytecode (which starts with the bytes
+    `ML\\xefR`); the message points at the first invalid byte (here a Latin-1 byte in a
+    comment). Re-encode the file.""",
     input_bytes=OK_MLIR.replace("%0 = ", "// \xff\n  %0 = ", 1).encode("latin-1"))
 
 cli("cli-diagnostic-without-location", "A module-level diagnostic",
@@ -2262,6 +2308,92 @@ cli("cli-import-mpmd-no-meshes", "`mm-import-mpmd` without a mesh map",
     """The mpmd dialect has no device ids; the pass needs to know which devices each mesh
     is. `compile_mpmd` records the map it is given as `mm.meshes` on the module.""",
     input_text=partitioned_identity())
+
+LOOP_MLIR = """\
+module{attrs} {{
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {{
+    %0 = stablehlo.custom_call @mm.microbatch_loop(%arg0, %arg0) {{mm.body = @body, mm.num_microbatches = {m} : i64}} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }}
+  func.func private @body(%i: tensor<i32>, %acc: tensor<8xf32>, %x: tensor<8xf32>) -> tensor<8xf32> {{
+    %0 = call @a_fwd(%x) {{mm.fragment}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }}
+  func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {{mm.devices = [0, 1], mm.task = {{name = "a", transpose_count = 0 : i64, loop = 0 : i64}}}} {{
+    return %arg0 : tensor<8xf32>
+  }}
+}}
+"""
+
+cli("cli-topology-wrong-type", "A `topology` of the wrong type in an mpmd module",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-7})"], 1,
+    r"^in\.mlir:1:122: error: 'topology' must be an #mpmd\.topology, got 3 : i64; jaxlib's "
+    r"mpmd dialect reads it from the function that holds mpmd ops without a check",
+    """jaxlib's mpmd verifiers read `topology` without checking its type, so any other
+    attribute there (a string, an integer) killed the process while the module parsed;
+    mm-opt checks it before parsing. Write the meshes as `#mpmd.topology<<"m1" :
+    <["x"=4]>>, ...>`.""",
+    input_text=transfer_program("3 : i64"))
+
+cli("cli-attribute-wrong-type", "An `mm.*` attribute entry of the wrong type",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments)"], 1,
+    r"^in\.mlir:1:1: error: 'mm\.schedule_config' num_stages must be an integer in "
+    r"1\.\.65536, got \"4\"",
+    """Every attribute multimesh reads is checked for type and range before use (one typed
+    reader, `multimesh.passes._attrs`); the message names the attribute, the value and what
+    it must be. Here write `num_stages = 4`.""",
+    input_text=LOOP_MLIR.format(
+        attrs=' attributes {mm.schedule_config = {schedule = "1f1b", num_stages = "4"}}', m=2))
+
+cli("cli-too-many-microbatches", "A microbatch count beyond the limit",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments)"], 1,
+    r"^in\.mlir:3:10: error: 'mm\.num_microbatches' on 'mm\.microbatch_loop' must be a "
+    r"microbatch count in 1\.\.65536, got 1000000000",
+    """Sizes that drive allocation are bounded (docs/ir.md, "Limits"): at most 65,536
+    microbatches, device positions below 1,048,576. A larger count used to make mm-opt
+    grow its memory without end.""",
+    input_text=LOOP_MLIR.format(attrs="", m=1000000000))
+
+cli("cli-import-mpmd-position-too-large", "An `mm-import-mpmd` device position beyond the limit",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-99999999999})"], 1,
+    r"^mm-opt: error: Pass 'mm-import-mpmd' option 'meshes': mesh 'm1' has device position "
+    r"99999999999, but positions are below 1048576 \(MAX_DEVICES\)",
+    """Device positions are below 1,048,576 (docs/ir.md, "Limits"); a range is checked
+    before it is spelled out.""",
+    input_text=OK_MLIR)
+
+cli("cli-import-mpmd-long-list", "A mesh map that gives a mesh far too many positions",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-100})"], 1,
+    r"^in\.mlir:1:1: error: mesh \"m1\" \[\"x\"=4\] has 4 devices but option 'meshes' "
+    r"gives it 101: \[0, 1, 2, 3, 4, 5, 6, 7, \.\.\. \(101 entries\)\]",
+    """Messages that would list a long set print its first few entries and the count (a
+    typo like `m2=4-1000000` printed 7.9 MB). Give each mesh as many positions as its
+    axes multiply to.""",
+    input_text=partitioned_identity())
+
+cli("cli-bytecode-split-input", "`--split-input-file` on MLIR bytecode",
+    ["in.mlir", "--split-input-file"], 1,
+    r"^in\.mlir:1:1: error: --split-input-file needs text input, got MLIR bytecode",
+    """Bytecode holds one module; split text files only.""",
+    input_bytes=b"ML\xefR")
+
+cli("cli-emit-bytecode-split", "`--emit-bytecode` with `--split-input-file`",
+    ["in.mlir", "--split-input-file", "--emit-bytecode"], 1,
+    r"^mm-opt: error: --emit-bytecode writes one module; it does not combine with "
+    r"--split-input-file",
+    """Bytecode holds one module: write the chunks as text, or run mm-opt once per
+    module.""",
+    input_text=OK_MLIR)
+
+cli("cli-empty-symbol", "A module with an empty symbol name",
+    ["in.mlir"], 1,
+    r"^in\.mlir:1:1: error: the result cannot be parsed again: an empty symbol name prints "
+    r"as @<<INVALID EMPTY SYMBOL>>",
+    """MLIR's generic form accepts `sym_name = ""` (or a custom call target `""`), but
+    prints it as `@<<INVALID EMPTY SYMBOL>>`, which no parser reads back; mm-opt refuses to
+    write such output (found by fuzzing attribute values).""",
+    input_text='"func.func"() <{function_type = () -> (), sym_name = ""}> ({\n'
+               '  "func.return"() : () -> ()\n}) : () -> ()\n')
 
 # --------------------------------------------------------------------------- running
 

@@ -353,11 +353,15 @@ class MpmdLowered:
         """How logs name the program: ``mjit(<function name>)``."""
         return f"mjit({self.name})" if self.name else "mjit"
 
+    _text: str | None = None
+
     def as_text(self) -> str:
-        if isinstance(self._program, bytes):  # bytecode from jax: print it once, on demand
-            self._program = print_module(parse_module(self._program, make_context()),
-                                         debug_info=True)
-        return self._program
+        """The program as the pass pipeline starts from it: jax's module with the compile
+        options on it (``mm.schedule_config``, ``mm.num_devices``; docs/ir.md), so
+        ``mm-opt in.mlir -p "<lowered.pipeline>"`` replays ``compile()``."""
+        if self._text is None:  # printed once, on demand
+            self._text = print_module(self._input_module(), debug_info=True)
+        return self._text
 
     def compiler_ir(self, dialect: str | None = None) -> ir.Module:
         """The program as jax lowered it (StableHLO, before the pass pipeline)."""

@@ -151,6 +151,10 @@ class _Builder:
         for view in module.body.operations:
             op = view.operation
             if op.name == "builtin.module":
+                if "sym_name" not in op.attributes:
+                    raise MultimeshValueError(
+                        "The program has a nested module without a name; in MPMD form every "
+                        "nested module is a fragment, named by the calls that run it.")
                 self.subs[ir.StringAttr(op.attributes["sym_name"]).value] = op
             elif op.name == "func.func":
                 self.funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op
