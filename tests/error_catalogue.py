@@ -1995,6 +1995,8 @@ def _():
         "{channel_handle = #stablehlo.channel_handle<handle = 1, type = 2>, "
         "is_host_transfer = true} : (tensor<8xf32>, !stablehlo.token) -> !stablehlo.token"),
         {"m1": range(4)})
+
+
 @error("compile-mpmd-bad-topology", SHARDY, "`compile_mpmd` given a `topology` of the wrong type",
        MultimeshValueError,
        r"`compile_mpmd` cannot read the program: 'topology' must be an #mpmd\.topology, got "
