@@ -527,7 +527,9 @@ def _linen_step_fn(model, mb: MicrobatchOptions, batch_avals, replicate_inputs: 
 def _state_avals(init_fn, key, batch_avals, init_state):
     """The state's shapes: traced from ``init_fn`` or read off ``init_state``."""
     if init_state is None:
-        with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
+        # Constraints in the model are logical, also outside tasks; shapes only, so the
+        # model's tasks are traced outside mjit on purpose.
+        with mm.autoshard(True), _contexts.internal_trace():
             return jax.eval_shape(init_fn, key, batch_avals)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
