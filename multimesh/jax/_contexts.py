@@ -24,6 +24,7 @@ class _State(threading.local):
         self.fast_path = True
         self.recomputation = False
         self.program_devices = None  # tuple of jax.Device while mjit traces
+        self.remat = None  # microbatch(..., remat=): tasks' default while its body is traced
         self.microbatch_loop = None  # number of microbatches while a loop body is traced
         self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
         self.overrides: list[list] = []  # [token, name, value to restore], oldest first

@@ -506,6 +506,12 @@ def _wants_split(notes: dict) -> str | None:
     return "" if notes.get("split_backprop") else None
 
 
+def _remat_options(notes: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(registered tasks to recompute, explicit tasks traced under jax.checkpoint)."""
+    return (tuple(sorted(notes.get("remat_tasks", ()))),
+            tuple(sorted(notes.get("remat_inputs_of", ()))))
+
+
 def _schedule_options(notes: dict) -> str | None:
     # The options live in the module's mm.schedule_config; the pass reads them there.
     return "" if notes.get("microbatch") is not None else None
@@ -642,6 +648,7 @@ class _MJit(ProgramCaches):
                           pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
                                                   implicit_tasks=implicit,
                                                   split_backward=_wants_split(notes),
+                                                  remat=_remat_options(notes),
                                                   recompute=_contexts.state.recomputation),
                           module=module, name=getattr(self.fun, "__name__", None))
         mesh = self._program_mesh(devices)
