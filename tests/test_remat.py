@@ -201,3 +201,30 @@ def test_bad_remat_values():
         _registered("1f1b", task_remat=jax.checkpoint_policies.dots_saveable)
     with pytest.raises(MultimeshValueError, match="`remat`"):
         parallelize_step(Net(), optax.sgd(0.1), global_batch=X, remat=True)
+
+
+def test_memory_profile_measures_each_schedule():
+    """``memory_profile``: a real step's bytes per submesh, beside the schedule's theory."""
+    profiles = {(s, r): _explicit(s, loop_remat=r).memory_profile(WS, X)
+                for s in ("gpipe", "1f1b") for r in (None, True)}
+    gpipe, one = profiles["gpipe", None], profiles["1f1b", None]
+    s0, s1 = gpipe.submeshes
+    assert (s0.devices, s1.devices) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    # inputs are the stage's weights (replicated on its 4 devices), and the batch on s0
+    assert s0.inputs == WS[0].nbytes + X.nbytes and s1.inputs == WS[1].nbytes
+    assert gpipe.predicted_microbatches == [M, M] and one.predicted_microbatches == [P, 1]
+    assert [s.peak_microbatches for s in gpipe.submeshes] == [M, M]  # GPipe holds all M
+    assert one.submeshes[0].peak_microbatches == P  # 1F1B: at most P on the first
+    for prof in profiles.values():
+        for s, theory in zip(prof.submeshes, prof.predicted_activations):
+            assert s.peak == s.inputs + s.activations + s.other + s.temporaries
+            assert s.peak_activations <= 1.1 * theory + 1024  # (+ one stage output in flight)
+    # s1 (the last stage) without remat: M microbatches of L activations and more
+    assert s1.residual_bytes >= L * 8 * D * 4
+    for s in ("gpipe", "1f1b"):
+        # with remat s1 keeps per microbatch its stage input, its output (which the loss's
+        # backward, outside the task, reads) and the microbatch's loss
+        assert profiles[s, True].submeshes[1].residual_bytes == 2 * 8 * D * 4 + 4
+        assert profiles[s, True].submeshes[1].peak_activations < \
+            profiles[s, None].submeshes[1].peak_activations / 3
+    assert "theory" in gpipe.format()

@@ -213,6 +213,14 @@ class MpmdCompiled:
         self.last_trace = rec
         return jax.tree.unflatten(self._lowered.out_tree, outs)
 
+    def memory_profile(self, *args, **kwargs):
+        """Run one step and measure, per submesh, the peak bytes the runtime holds
+        (parameters, activations in flight, other values, XLA temporaries) beside
+        the schedule's prediction: a :class:`multimesh.jax._memory.MemoryProfile`."""
+        from multimesh.jax._memory import memory_profile
+
+        return memory_profile(self, args, kwargs)
+
     @property
     def fragments(self) -> list[dict]:
         out = []

@@ -3,12 +3,16 @@
 Used by the P7 benchmark and by tests that bound live activations. Sizes are
 per-device shard bytes, from each value's layout; a fragment's own peak is its
 arguments + outputs + XLA temporaries (``get_compiled_memory_stats``).
+:func:`measure_step` measures instead of simulating: it runs a real step and
+counts the buffers the runtime holds after every step.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from multimesh.runtime.plan import Call, Plan
@@ -79,3 +83,170 @@ class _LiveBytes:
             self.add(vid, t[0], t[1], lay)
         for p in frag.devices:
             self.peak[p] = max(self.peak.get(p, 0), self.live.get(p, 0) + temp)
+
+
+# ----------------------------------------------------------------------------- measured
+
+INPUTS, ACTIVATIONS, OTHER = "inputs", "activations", "other"
+
+
+@dataclass
+class SubmeshMemory:
+    """One submesh's memory during a real step, in bytes per device (its fullest device).
+
+    ``peak`` is the most the runtime held at once (live arrays + the running fragment's
+    XLA temporaries), split at that moment into ``inputs`` (parameters, optimizer
+    state, the batch), ``activations`` (forward results of microbatches still in
+    flight, and stage inputs received for them), ``other`` (gradients, accumulators,
+    cotangents) and ``temporaries``. ``peak_activations`` is the most activation bytes
+    held at any moment, by ``peak_microbatches`` microbatches; ``residual_bytes`` is
+    the most one microbatch held here at any moment, per stage on this submesh (what
+    one stage's forward leaves for its backward, or a split backward for its
+    weight-gradient half).
+    """
+
+    devices: tuple[int, ...]  # device ids
+    peak: int = 0
+    inputs: int = 0
+    activations: int = 0
+    other: int = 0
+    temporaries: int = 0
+    peak_activations: int = 0
+    peak_microbatches: int = 0
+    residual_bytes: int = 0
+    stages: int = 1  # pipeline stages (forward tasks in the loop) on this submesh
+
+
+def measure_step(executor, args) -> list[SubmeshMemory]:
+    """Run one step as ``executor`` does, step by step, recording after each step the
+    bytes of the arrays it holds on every device, and of the step's arguments (one
+    buffer counted once)."""
+    plan = executor.plan
+    cls, mb = _classes(plan)
+    env = executor._start(args)
+    # the caller holds its arguments through the step (unless donated): count them
+    held = [(v, env[v]) for v in plan.input_ids]
+    meter = _Meter(executor, cls, mb)
+    for (kind, what, srcs, dsts, drop), step in zip(executor._steps, executor._kept):
+        if kind == 0 and isinstance(step, Call):
+            for d, o in zip(dsts, what(*[env[a] for a in srcs])):
+                env[d] = o
+        elif kind == 0:
+            raise NotImplementedError("memory profiles measure one process")
+        else:
+            from multimesh.runtime.executor import _copy, _move
+
+            env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
+        jax.block_until_ready([env[d] for d in dsts])
+        meter.record([*held, *enumerate(env)], step)
+        for d in drop:
+            env[d] = None
+    executor._outputs(env)
+    return meter.result(_stages(plan))
+
+
+def _classes(plan: Plan) -> tuple[dict[int, str], dict[int, int]]:
+    """Each value's class (inputs / activations / other) and, for activations, its
+    microbatch. Activations are a loop forward's results and what a backward keeps
+    for a later backward of the same task and microbatch (a zero-bubble schedule's
+    weight-gradient inputs); a transferred value keeps its source's class."""
+    cls = {v: INPUTS for v in plan.input_ids}
+    mb: dict[int, int] = {}
+    made_by: dict[int, Call] = {}
+    looped = False
+    for s in plan.steps:
+        if isinstance(s, Call):
+            fwd = plan.fragments[s.fragment].transpose_count == 0 and s.microbatch is not None
+            looped = looped or s.microbatch is not None
+            # before the loop: the inputs as the step uses them (e.g. constrained weights)
+            before = not looped and bool(s.args) and all(cls.get(a) == INPUTS for a in s.args)
+            for r in s.results:
+                cls[r] = ACTIVATIONS if fwd else INPUTS if before else OTHER
+                made_by[r] = s
+                if fwd:
+                    mb[r] = s.microbatch or 0
+            for a in s.args:
+                src = made_by.get(a)
+                if src is not None and src is not s and _kept_for(plan, src, s):
+                    cls[a], mb[a] = ACTIVATIONS, s.microbatch or 0
+        else:
+            cls[s.dst] = cls.get(s.src, OTHER)
+            if s.src in mb:
+                mb[s.dst] = mb[s.src]
+    return cls, mb
+
+
+def _kept_for(plan: Plan, src: Call, dst: Call) -> bool:
+    """``src`` (a backward) hands a value to a later backward of the same task,
+    microbatch and devices: the weight-gradient half of a split backward."""
+    a, b = plan.fragments[src.fragment], plan.fragments[dst.fragment]
+    return (a.transpose_count > 0 and b.transpose_count > 0 and a.task == b.task
+            and src.microbatch is not None and src.microbatch == dst.microbatch
+            and plan.call_devices(src) == plan.call_devices(dst))
+
+
+def _stages(plan: Plan) -> dict[tuple[int, ...], int]:
+    """Per submesh of the loop, the number of pipeline stages (forward tasks) on it."""
+    tasks: dict[tuple[int, ...], set[str]] = {}
+    for s in plan.calls():
+        if s.microbatch is not None:
+            where = plan.call_devices(s)
+            tasks.setdefault(where, set())
+            if plan.fragments[s.fragment].transpose_count == 0:
+                tasks[where].add(plan.fragments[s.fragment].task)
+    return {w: max(1, len(t)) for w, t in tasks.items()}
+
+
+class _Meter:
+    """Live bytes per device and class after each step; the peaks per device."""
+
+    def __init__(self, executor, cls, mb) -> None:
+        self.ex, self.cls, self.mb = executor, cls, mb
+        self.pos = {d.id: p for p, d in enumerate(executor.devices)}
+        self.peak: dict[int, tuple[int, dict[str, int], int]] = {}  # pos -> (total, split, temp)
+        self.act: dict[int, tuple[int, int]] = {}  # pos -> (activation bytes, microbatches)
+        self.per_mb: dict[int, int] = {}  # pos -> most bytes one microbatch held
+
+    def record(self, values, step) -> None:
+        live: dict[int, dict[str, int]] = {}
+        mbs: dict[int, dict[int, int]] = {}
+        seen: set[tuple[int, int]] = set()
+        for vid, x in values:
+            if not isinstance(x, jax.Array) or x.is_deleted():
+                continue
+            for sh in x.addressable_shards:
+                key = (sh.device.id, sh.data.unsafe_buffer_pointer())
+                if key in seen:
+                    continue
+                seen.add(key)
+                p, n, c = self.pos[sh.device.id], sh.data.nbytes, self.cls.get(vid, OTHER)
+                live.setdefault(p, {}).setdefault(c, 0)
+                live[p][c] += n
+                if c == ACTIVATIONS and vid in self.mb:
+                    by = mbs.setdefault(p, {})
+                    by[self.mb[vid]] = by.get(self.mb[vid], 0) + n
+        temp, where = 0, ()
+        if isinstance(step, Call):
+            temp = self.ex.exes[step.fragment].memory_analysis().temp_size_in_bytes
+            where = self.ex.plan.call_devices(step)
+        for p, split in live.items():
+            t = temp if p in where else 0
+            total = sum(split.values()) + t
+            if total > self.peak.get(p, (-1,))[0]:
+                self.peak[p] = (total, dict(split), t)
+            a = split.get(ACTIVATIONS, 0)
+            if a > self.act.get(p, (-1, 0))[0]:
+                self.act[p] = (a, len(mbs.get(p, {})))
+            self.per_mb[p] = max(self.per_mb.get(p, 0), *mbs.get(p, {0: 0}).values())
+
+    def result(self, stages: dict[tuple[int, ...], int]) -> list[SubmeshMemory]:
+        out = []
+        for where, v in stages.items():
+            p = max(where, key=lambda q: self.peak.get(q, (0,))[0])
+            total, split, temp = self.peak.get(p, (0, {}, 0))
+            a, n = max((self.act.get(q, (0, 0)) for q in where), default=(0, 0))
+            res = max(self.per_mb.get(q, 0) for q in where) // v
+            out.append(SubmeshMemory(
+                tuple(self.ex.devices[q].id for q in where), total, split.get(INPUTS, 0),
+                split.get(ACTIVATIONS, 0), split.get(OTHER, 0), temp, a, n, res, v))
+        return out
