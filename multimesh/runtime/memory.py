@@ -100,9 +100,9 @@ class SubmeshMemory:
     flight, and stage inputs received for them), ``other`` (gradients, accumulators,
     cotangents) and ``temporaries``. ``peak_activations`` is the most activation bytes
     held at any moment, by ``peak_microbatches`` microbatches; ``residual_bytes`` is
-    the most one microbatch held here at any moment, per stage on this submesh (what
-    one stage's forward leaves for its backward, or a split backward for its
-    weight-gradient half).
+    the most one microbatch held here outside its own forward calls and transfers,
+    per stage on this submesh: what one stage's forward leaves for its backward, or
+    a split backward for its weight-gradient half.
     """
 
     devices: tuple[int, ...]  # device ids
@@ -208,6 +208,21 @@ class _Meter:
         self.per_mb: dict[int, int] = {}  # pos -> most bytes one microbatch held
 
     def record(self, values, step) -> None:
+        live, mbs = self._live(values)
+        busy, temp, where = self._step(step)
+        for p, split in live.items():
+            t = temp if p in where else 0
+            total = sum(split.values()) + t
+            if total > self.peak.get(p, (-1,))[0]:
+                self.peak[p] = (total, dict(split), t)
+            a = split.get(ACTIVATIONS, 0)
+            if a > self.act.get(p, (-1, 0))[0]:
+                self.act[p] = (a, len(mbs.get(p, {})))
+            waiting = [n for m, n in mbs.get(p, {}).items() if m != busy]
+            self.per_mb[p] = max(self.per_mb.get(p, 0), *waiting, 0)
+
+    def _live(self, values) -> tuple[dict[int, dict[str, int]], dict[int, dict[int, int]]]:
+        """Bytes per device and class, and activation bytes per device and microbatch."""
         live: dict[int, dict[str, int]] = {}
         mbs: dict[int, dict[int, int]] = {}
         seen: set[tuple[int, int]] = set()
@@ -225,19 +240,17 @@ class _Meter:
                 if c == ACTIVATIONS and vid in self.mb:
                     by = mbs.setdefault(p, {})
                     by[self.mb[vid]] = by.get(self.mb[vid], 0) + n
-        temp, where = 0, ()
-        if isinstance(step, Call):
-            temp = self.ex.exes[step.fragment].memory_analysis().temp_size_in_bytes
-            where = self.ex.plan.call_devices(step)
-        for p, split in live.items():
-            t = temp if p in where else 0
-            total = sum(split.values()) + t
-            if total > self.peak.get(p, (-1,))[0]:
-                self.peak[p] = (total, dict(split), t)
-            a = split.get(ACTIVATIONS, 0)
-            if a > self.act.get(p, (-1, 0))[0]:
-                self.act[p] = (a, len(mbs.get(p, {})))
-            self.per_mb[p] = max(self.per_mb.get(p, 0), *mbs.get(p, {0: 0}).values())
+        return live, mbs
+
+    def _step(self, step) -> tuple[int | None, int, tuple[int, ...]]:
+        """(the microbatch whose forward runs or whose value moves now, whose bytes at
+        this step are not what it keeps for its backward; the step's XLA temporaries;
+        the devices they are on)."""
+        if not isinstance(step, Call):
+            return self.mb.get(step.src), 0, ()
+        fwd = self.ex.plan.fragments[step.fragment].transpose_count == 0
+        temp = self.ex.exes[step.fragment].memory_analysis().temp_size_in_bytes
+        return (step.microbatch if fwd else None), temp, self.ex.plan.call_devices(step)
 
     def result(self, stages: dict[tuple[int, ...], int]) -> list[SubmeshMemory]:
         out = []
