@@ -100,9 +100,9 @@ class SubmeshMemory:
     flight, and stage inputs received for them), ``other`` (gradients, accumulators,
     cotangents) and ``temporaries``. ``peak_activations`` is the most activation bytes
     held at any moment, by ``peak_microbatches`` microbatches; ``residual_bytes`` is
-    the most one microbatch held here outside its own forward calls and transfers,
-    per stage on this submesh: what one stage's forward leaves for its backward, or
-    a split backward for its weight-gradient half.
+    the most one microbatch held here between its forward and its backward (outside
+    its own forward calls and transfers), per stage on this submesh, and
+    ``weight_bytes`` the most it held between the two halves of a split backward.
     """
 
     devices: tuple[int, ...]  # device ids
@@ -114,6 +114,8 @@ class SubmeshMemory:
     peak_activations: int = 0
     peak_microbatches: int = 0
     residual_bytes: int = 0
+    weight_bytes: int = 0
+    """What one microbatch keeps between the two halves of a split backward (per stage)."""
     stages: int = 1  # pipeline stages (forward tasks in the loop) on this submesh
 
 
@@ -205,10 +207,19 @@ class _Meter:
         self.pos = {d.id: p for p, d in enumerate(executor.devices)}
         self.peak: dict[int, tuple[int, dict[str, int], int]] = {}  # pos -> (total, split, temp)
         self.act: dict[int, tuple[int, int]] = {}  # pos -> (activation bytes, microbatches)
-        self.per_mb: dict[int, int] = {}  # pos -> most bytes one microbatch held
+        self.per_mb: dict[str, dict[int, int]] = {"fb": {}, "bw": {}}  # state -> pos -> bytes
+        plan = executor.plan
+        self.sub_of = {p: plan.call_devices(c) for c in plan.calls() for p in plan.call_devices(c)}
+        self.bwd_total: dict[tuple, int] = {}  # (submesh, microbatch) -> backward calls
+        for c in plan.calls():
+            if c.microbatch is not None and plan.fragments[c.fragment].transpose_count > 0:
+                k = (plan.call_devices(c), c.microbatch)
+                self.bwd_total[k] = self.bwd_total.get(k, 0) + 1
+        self.seen: dict[tuple, list[int]] = {}  # (submesh, microbatch) -> [fwd, bwd] calls run
 
     def record(self, values, step) -> None:
-        live, mbs = self._live(values)
+        fresh = set(step.results) if isinstance(step, Call) else {step.dst}
+        live, mbs = self._live(values, fresh)
         busy, temp, where = self._step(step)
         for p, split in live.items():
             t = temp if p in where else 0
@@ -218,13 +229,39 @@ class _Meter:
             a = split.get(ACTIVATIONS, 0)
             if a > self.act.get(p, (-1, 0))[0]:
                 self.act[p] = (a, len(mbs.get(p, {})))
-            waiting = [n for m, n in mbs.get(p, {}).items() if m != busy]
-            self.per_mb[p] = max(self.per_mb.get(p, 0), *waiting, 0)
+            for m, (old, new) in mbs.get(p, {}).items():
+                if m != busy:
+                    self._keep(p, m, old, new, step)
+        if isinstance(step, Call) and step.microbatch is not None:
+            k = self.seen.setdefault((where, step.microbatch), [0, 0])
+            k[self.ex.plan.fragments[step.fragment].transpose_count > 0] += 1
 
-    def _live(self, values) -> tuple[dict[int, dict[str, int]], dict[int, dict[int, int]]]:
-        """Bytes per device and class, and activation bytes per device and microbatch."""
+    def _state(self, p: int, m: int, after: int = 0) -> str | None:
+        """Microbatch ``m`` on device ``p``'s submesh: "fb" (forward run, backward to
+        come), "bw" (some of its backward run, the rest to come) or None."""
+        where = self.sub_of.get(p)
+        fwd, bwd = self.seen.get((where, m), [0, 0])
+        bwd += after
+        if not fwd or bwd >= self.bwd_total.get((where, m), 0):
+            return None
+        return "fb" if bwd == 0 else "bw"
+
+    def _keep(self, p: int, m: int, old: int, new: int, step) -> None:
+        """Count what microbatch ``m`` holds on ``p`` towards its state's most; at its own
+        backward call, what the call made belongs to the state after it."""
+        own = (isinstance(step, Call) and step.microbatch == m
+               and p in self.ex.plan.call_devices(step))
+        states = ([(self._state(p, m), old), (self._state(p, m, 1), new)] if own
+                  else [(self._state(p, m), old + new)])
+        for st, n in states:
+            if st is not None:
+                self.per_mb[st][p] = max(self.per_mb[st].get(p, 0), n)
+
+    def _live(self, values, fresh) -> tuple[dict, dict]:
+        """Bytes per device and class, and activation bytes per device and microbatch,
+        (older, made by this step: ``fresh``)."""
         live: dict[int, dict[str, int]] = {}
-        mbs: dict[int, dict[int, int]] = {}
+        mbs: dict[int, dict[int, list[int]]] = {}
         seen: set[tuple[int, int]] = set()
         for vid, x in values:
             if not isinstance(x, jax.Array) or x.is_deleted():
@@ -238,8 +275,8 @@ class _Meter:
                 live.setdefault(p, {}).setdefault(c, 0)
                 live[p][c] += n
                 if c == ACTIVATIONS and vid in self.mb:
-                    by = mbs.setdefault(p, {})
-                    by[self.mb[vid]] = by.get(self.mb[vid], 0) + n
+                    by = mbs.setdefault(p, {}).setdefault(self.mb[vid], [0, 0])
+                    by[vid in fresh] += n
         return live, mbs
 
     def _step(self, step) -> tuple[int | None, int, tuple[int, ...]]:
@@ -258,8 +295,8 @@ class _Meter:
             p = max(where, key=lambda q: self.peak.get(q, (0,))[0])
             total, split, temp = self.peak.get(p, (0, {}, 0))
             a, n = max((self.act.get(q, (0, 0)) for q in where), default=(0, 0))
-            res = max(self.per_mb.get(q, 0) for q in where) // v
+            res, w = (max(self.per_mb[st].get(q, 0) for q in where) // v for st in ("fb", "bw"))
             out.append(SubmeshMemory(
                 tuple(self.ex.devices[q].id for q in where), total, split.get(INPUTS, 0),
-                split.get(ACTIVATIONS, 0), split.get(OTHER, 0), temp, a, n, res, v))
+                split.get(ACTIVATIONS, 0), split.get(OTHER, 0), temp, a, n, res, w, v))
         return out
