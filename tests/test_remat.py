@@ -72,9 +72,10 @@ def _count(fragments, op: str) -> int:
 
 
 def _fwd_results(compiled, task) -> list:
-    """Result types of the task's forward fragment (what it keeps for later)."""
-    (f,) = _frags(compiled, task, "fwd")
-    return compiled.plan_data.fragments[f["name"]].out_types
+    """Result types of the task's forward fragment in the loop (what it keeps for later)."""
+    (name,) = {c["fragment"] for c in compiled.calls if c["task"] == task
+               and c["direction"] == "fwd" and c["microbatch"] is not None}
+    return compiled.plan_data.fragments[name].out_types
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
@@ -183,13 +184,9 @@ def test_parallelize_step_remat_matches_plain():
     np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    # the loop's forward of the last block (block_1_fwd_1; the others are the parameter
-    # constraints before and the update after the loop) keeps only the loss
-    in_loop = [c["fragment"] for c in out[1][2].calls
-               if c["task"] == "block_1_fwd" and c["microbatch"] is not None]
-    (name,) = set(in_loop)
-    assert out[1][2].plan_data.fragments[name].out_types == [((), "f32")]
-    assert len(out[0][2].plan_data.fragments[name].out_types) > 1
+    # the loop's forward of the last block keeps only the loss
+    assert _fwd_results(out[1][2], "block_1_fwd") == [((), "f32")]
+    assert len(_fwd_results(out[0][2], "block_1_fwd")) > 1
 
 
 def test_bad_remat_values():
@@ -228,3 +225,35 @@ def test_memory_profile_measures_each_schedule():
         assert profiles[s, True].submeshes[1].peak_activations < \
             profiles[s, None].submeshes[1].peak_activations / 3
     assert "theory" in gpipe.format()
+
+
+def test_nnx_parallelize_step_remat_matches_plain():
+    from flax import nnx
+
+    from multimesh.jax.flax import task
+
+    class Staged(nnx.Module):
+        def __init__(self, rngs):
+            self.l0 = task(nnx.Linear(D, D, rngs=rngs), name="s0",
+                           mesh=mm.TaskMesh(devices=range(4)))
+            self.l1 = task(nnx.Linear(D, D, rngs=rngs), name="s1",
+                           mesh=mm.TaskMesh(devices=range(4, 8)))
+
+        def __call__(self, x):
+            return (jnp.tanh(self.l1(jnp.tanh(self.l0(x)))) ** 2).mean()
+
+    out = []
+    for remat in (None, True):
+        step, state, _ = parallelize_step(Staged(nnx.Rngs(0)), optax.sgd(0.1), global_batch=X,
+                                          num_microbatches=M, schedule="1f1b", remat=remat)
+        loss, state = step(state, X)
+        kernel = state.model.l1.mod.kernel[...]
+        assert sorted(d.id for d in kernel.devices()) == [4, 5, 6, 7]
+        out.append((loss, jax.device_get(nnx.state(state.model, nnx.Param)), step.compiled))
+    np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # s0's forward kept its microbatch for its backward; with remat its output and the
+    # model's tanh of it (outside the task, read by a backward) are left
+    kept = [_fwd_results(c, "s0") for c in (out[0][2], out[1][2])]
+    assert len(kept[1]) < len(kept[0]), kept
