@@ -9,8 +9,9 @@ microbatches; ``interleaved-1f1b`` places 8 one-block stages round-robin. For ev
 schedule, without and with ``remat=True``, it reports per submesh the measured peak
 activation bytes (``MpmdCompiled.memory_profile``: the buffers the runtime holds
 after every step of a real run), the schedule's theory (its peak live microbatches
-times what one microbatch holds per stage there) and their ratio, the step time
-(median of ``--reps`` runs), and the forward ops the backward fragments recompute
+times what one microbatch holds per stage there, awaiting its backward or its
+weight half) and their ratio, the step time
+(median of ``--reps`` runs, the two variants alternating), and the forward ops the backward fragments recompute
 (``exponential``: one per block's softmax, counted over both halves of a split
 backward).
 
@@ -93,7 +94,7 @@ def _recomputed(compiled) -> int:
                if f["direction"] == "bwd" and f["task"].startswith("stage"))
 
 
-def run(schedule: str, remat: bool, seq: int, reps: int) -> dict:
+def _compile(schedule: str, remat: bool, seq: int):
     import jax
     import jax.numpy as jnp
 
@@ -104,27 +105,38 @@ def run(schedule: str, remat: bool, seq: int, reps: int) -> dict:
     x = jax.random.normal(jax.random.key(1), (BATCH, seq, D), jnp.float32)
     step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=BATCH // M, argnum=1,
                          schedule=schedule, remat=True if remat else None)
-    t0 = time.perf_counter()
     compiled = mm.mjit(step).lower(params, x).compile()
-    compile_s = time.perf_counter() - t0
     jax.block_until_ready(compiled(params, x))
-    times = []
+    return compiled, params, x
+
+
+def run(schedule: str, seq: int, reps: int) -> list[dict]:
+    """Both variants of one schedule: compiled, then timed alternately (the machine is
+    shared, so alternating keeps the two under the same load), then measured."""
+    import jax
+
+    variants = [(remat, *_compile(schedule, remat, seq)) for remat in (False, True)]
+    times: list[list[float]] = [[], []]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, x))
-        times.append(time.perf_counter() - t0)
-    prof = compiled.memory_profile(params, x)
-    rows = []
-    for s, theory, n in zip(prof.submeshes, prof.predicted_activations,
-                            prof.predicted_microbatches):
-        rows.append({"devices": list(s.devices), "measured": s.peak_activations,
-                     "theory": theory, "ratio": s.peak_activations / theory if theory else None,
-                     "mbs": s.peak_microbatches, "predicted_mbs": n,
-                     "per_microbatch": s.residual_bytes, "peak": s.peak,
-                     "temporaries": s.temporaries})
-    return {"schedule": schedule, "remat": remat, "step_s": statistics.median(times),
-            "compile_s": compile_s, "recomputed_exp": _recomputed(compiled),
-            "submeshes": rows}
+        for k, (_, compiled, params, x) in enumerate(variants):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(params, x))
+            times[k].append(time.perf_counter() - t0)
+    out = []
+    for (remat, compiled, params, x), ts in zip(variants, times):
+        prof = compiled.memory_profile(params, x)
+        rows = []
+        for s, theory, n in zip(prof.submeshes, prof.predicted_activations,
+                                prof.predicted_microbatches):
+            rows.append({"devices": list(s.devices), "measured": s.peak_activations,
+                         "theory": theory,
+                         "ratio": s.peak_activations / theory if theory else None,
+                         "mbs": s.peak_microbatches, "predicted_mbs": n,
+                         "per_microbatch": s.residual_bytes, "weight_half": s.weight_bytes,
+                         "peak": s.peak, "temporaries": s.temporaries})
+        out.append({"schedule": schedule, "remat": remat, "step_s": statistics.median(ts),
+                    "recomputed_exp": _recomputed(compiled), "submeshes": rows})
+    return out
 
 
 def _print(r: dict) -> None:
@@ -136,7 +148,8 @@ def _print(r: dict) -> None:
         ratio = f"{s['ratio']:.2f}" if s["ratio"] is not None else "-"
         print(f"    submesh {s['devices']}: measured {s['measured'] / mib:7.2f} MiB "
               f"({s['mbs']} mb)  theory {s['theory'] / mib:7.2f} MiB "
-              f"({s['predicted_mbs']} x {s['per_microbatch'] / mib:.2f})  ratio {ratio}  "
+              f"(<= {s['predicted_mbs']} mb; {s['per_microbatch'] / mib:.2f} + "
+              f"{s['weight_half'] / mib:.2f} each)  ratio {ratio}  "
               f"peak {s['peak'] / mib:.2f} MiB", flush=True)
 
 
@@ -151,8 +164,7 @@ def main(argv=None) -> int:
           f"{SUBMESHES} submeshes x 2 devices, M={M}", flush=True)
     results = []
     for schedule in args.schedules.split(","):
-        for remat in (False, True):
-            r = run(schedule, remat, args.seq, args.reps)
+        for r in run(schedule, args.seq, args.reps):
             _print(r)
             results.append(r)
         plain, rem = results[-2], results[-1]
