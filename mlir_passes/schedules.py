@@ -34,6 +34,7 @@ per-submesh orders.
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -854,8 +855,10 @@ def canonicalize_custom_schedule(rows: Sequence[Sequence], num_microbatches: int
     """Rows of ``name`` or ``(microbatch, name)`` -> rows of ``(microbatch, name)``.
 
     A bare ``name`` is that name's next microbatch in the row (its 1st occurrence
-    is microbatch 0, ...; the smallest one not yet listed). Every name must occur exactly ``num_microbatches`` times
-    per row, once per microbatch.
+    is microbatch 0, ...; the smallest one not yet listed). Checks the form only
+    (types, microbatch range, repeats): whether each name is a task of its row's
+    submesh, and occurs once per microbatch, is checked against the program
+    (:func:`build_schedule`), so a misspelt name is reported as such, not as a count.
     """
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise ScheduleError("custom_schedule must be a list of rows (one per submesh), "
@@ -879,11 +882,6 @@ def _canonical_row(r: int, row, num_microbatches: int) -> list[tuple[int, str]]:
                 f"task '{name}' appears twice for microbatch {mb} in custom_schedule row {r}")
         seen[name].add(mb)
         canon.append((mb, name))
-    for name, mbs in seen.items():
-        if len(mbs) != num_microbatches:
-            raise ScheduleError(
-                f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
-                f"but there are {num_microbatches} microbatches")
     return canon
 
 
@@ -905,34 +903,46 @@ def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, in
     rows = canonicalize_custom_schedule(custom, prog.M)
     if len(rows) != prog.num_meshes:
         raise ScheduleError(
-            f"custom_schedule has {len(rows)} rows, but the program has "
-            f"{prog.num_meshes} submeshes (one row per submesh, in order of first use)")
+            f"custom_schedule has {len(rows)} rows for {prog.num_meshes} submeshes; give one "
+            f"row per submesh, in the order the program first uses them")
     by_label: list[dict[str, dict[int, list[int]]]] = [{} for _ in range(prog.num_meshes)]
     for u in prog.units:
         if not u.free:
             by_label[u.mesh].setdefault(unit_label(u), {}).setdefault(
                 prog.mb_rank[u.key[2]], []).append(u.index)
+    for r, row in enumerate(rows):
+        _check_custom_row(r, row, by_label, prog.M)
     plans: list[list[int]] = []
     for r, row in enumerate(rows):
-        labels = by_label[r]
-        names = {name for _, name in row}
-        for name in sorted(names):
-            if name not in labels:
-                known = ", ".join(sorted(labels)) or "none"
-                raise ScheduleError(
-                    f"custom_schedule row {r} names '{name}', which is not a task of "
-                    f"submesh {r} (its tasks: {known})")
-        for name in sorted(labels):
-            if name not in names:
-                raise ScheduleError(
-                    f"task '{name}' has 0 microbatches in custom_schedule row {r}, but "
-                    f"there are {prog.M} microbatches")
         plan = []
         for mb, name in row:
-            plan += labels[name].get(mb, [])
+            plan += by_label[r][name].get(mb, [])
         plans.append(plan)
     pos = {i: k for row in plans for k, i in enumerate(row)}
     return plans, pos
+
+
+def _check_custom_row(r: int, row: list[tuple[int, str]], by_label: list[dict], M: int) -> None:
+    """Row ``r`` names only tasks of submesh ``r`` (a misspelling is named, with its
+    entry and the valid names), each once per microbatch."""
+    labels = by_label[r]
+    for k, (_, name) in enumerate(row):
+        if name in labels:
+            continue
+        known = ", ".join(sorted(labels)) or "none"
+        elsewhere = [m for m, other in enumerate(by_label) if name in other]
+        close = difflib.get_close_matches(name, list(labels), n=1)
+        hint = (f"; it runs on submesh {elsewhere[0]}" if elsewhere else
+                f"; did you mean '{close[0]}'?" if close else "")
+        raise ScheduleError(
+            f"custom_schedule row {r} entry {k} names '{name}', which is not a task of "
+            f"submesh {r} (its tasks: {known}){hint}")
+    for name in sorted(labels):
+        count = sum(1 for _, n in row if n == name)
+        if count != M:
+            raise ScheduleError(
+                f"task '{name}' has {count} microbatches in custom_schedule row {r}, but "
+                f"there are {M} microbatches (each task once per microbatch)")
 
 
 # ---------------------------------------------------------------------------- analysis

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,9 +42,11 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh.jax.errors import (
     DiagnosticError,
+    DiagnosticWarning,
     DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
+    MultimeshAttributeError,
     MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
@@ -84,6 +87,7 @@ class Entry:
     check: Callable[[BaseException], None] | None = None  # extra assertions
     # CLI errors
     argv: tuple[str, ...] | None = None  # mm-opt arguments; run in a directory holding in.mlir
+    tool: str = "mm-opt"  # or "python -m multimesh.launch"
     input_text: str | None = None  # written to in.mlir when given
     input_bytes: bytes | None = None  # written to in.mlir as is (not UTF-8 text)
     exit_code: int | None = None
@@ -97,7 +101,7 @@ class Entry:
 
     @property
     def builtin(self) -> type[BaseException] | None:
-        """The builtin exception class ``exc`` also inherits (ValueError, TypeError)."""
+        """The builtin exception class ``exc`` also inherits (ValueError, TypeError, ...)."""
         if self.exc is None:
             return None
         for cls in self.exc.__mro__:
@@ -113,7 +117,7 @@ class Entry:
     def source(self) -> str:
         """The trigger's body (Python) or the command line (CLI), for the docs."""
         if self.is_cli:
-            return "mm-opt " + shlex.join(self.argv)
+            return f"{self.tool} " + shlex.join(self.argv)
         return function_body(self.trigger)
 
 
@@ -152,6 +156,15 @@ def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: s
     ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
                          fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
                          input_bytes=input_bytes, exit_code=exit_code, issue=issue))
+
+
+LAUNCH = "python -m multimesh.launch"
+
+
+def launch(id: str, title: str, argv: list[str], match: str, fix: str) -> None:
+    """A ``python -m multimesh.launch`` command line it refuses (argparse: exit code 2)."""
+    ENTRIES.append(Entry(id=id, category=MULTI, title=title, match=match,
+                         fix=" ".join(fix.split()), argv=tuple(argv), exit_code=2, tool=LAUNCH))
 
 
 def function_body(fn: Callable) -> str:
@@ -214,7 +227,21 @@ def partitioned_identity() -> str:
             f"  return %x : {t}\n}}\n")
 
 
-HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity)
+def calling_back(op: str) -> str:
+    """A Shardy:MPMD-partitioned program whose one fragment (on mesh ``m1``, ``x=4``)
+    runs ``op`` on its argument ``%a`` (a ``tensor<8xf32>``) and returns it."""
+    t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
+    return (f"func.func public @main(%x: {t}) -> {t} attributes "
+            f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
+            f'  %0 = mpmd.fragment_call<mesh="m1", origin=["f"]> @f(%x) : ({t}) -> {t}\n'
+            f"  return %0 : {t}\n}}\n"
+            "func.func @f(%a: tensor<8xf32>) -> tensor<8xf32> attributes "
+            f'{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  {op}\n'
+            "  return %a : tensor<8xf32>\n}\n")
+
+
+HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity,
+           calling_back)
 
 
 def _repro_check(pass_argument: str):
@@ -327,24 +354,134 @@ def _():
     mm.mjit(lambda x, n: x * len(n), static_argnums=1)(jnp.ones(8), [1])
 
 
-@error("mjit-donate-argnum-out-of-range", API, "`donate_argnums` beyond the arguments",
+@error("mjit-donate-argnum-out-of-range", API, "`donate_argnums` beyond the parameters",
        MultimeshValueError,
-       r"`mjit` donate_argnums names argument 3, but the function was called with 2 "
-       r"positional arguments \(valid indices are 0\.\.1\)",
-       """`donate_argnums` are positions of positional arguments (negative ones count from
-       the end); keyword arguments cannot be donated.""")
+       r"`mjit` donate_argnums=\(3,\) names argument 3, but `<lambda>` takes 2 positional "
+       r"arguments \(valid indices are -2\.\.1\)",
+       """As for `jax.jit`, `donate_argnums` are checked against the function's signature
+       when `mjit` is called; negative ones count from the end.""")
 def _():
-    mm.mjit(lambda x, y: x + y, donate_argnums=3)(jnp.ones(4), jnp.ones(4))
+    mm.mjit(lambda x, y: x + y, donate_argnums=3)
 
 
-@error("mjit-static-argnum-out-of-range", API, "`static_argnums` beyond the arguments",
+@error("mjit-static-argnum-out-of-range", API, "`static_argnums` beyond the parameters",
+       MultimeshValueError,
+       r"`mjit` static_argnums=\(2,\) names argument 2, but `<lambda>` takes 2 positional "
+       r"arguments \(valid indices are -2\.\.1\)",
+       """As for `jax.jit`, `static_argnums` are checked against the function's signature
+       when `mjit` is called; negative ones count from the end.""")
+def _():
+    mm.mjit(lambda x, n=1: x * n, static_argnums=2)
+
+
+@error("mjit-argnum-beyond-call", API, "`static_argnums`/`donate_argnums` beyond a call's arguments",
        MultimeshValueError,
        r"`mjit` static_argnums names argument 2, but the function was called with 1 "
        r"positional argument \(valid indices are 0\.\.0\)",
-       """`static_argnums` are positions of positional arguments (negative ones count from
-       the end); pass the static argument positionally.""")
+       """For a function taking `*args` the positions are checked at each call: pass the
+       static or donated argument positionally.""")
 def _():
-    mm.mjit(lambda x, n=1: x * n, static_argnums=2)(jnp.ones(4))
+    mm.mjit(lambda *xs: xs[0], static_argnums=2)(jnp.ones(4))
+
+
+@error("mjit-duplicate-argnums", API, "An argument listed twice in `static_argnums` and the like",
+       MultimeshValueError,
+       r"`mjit` static_argnums=\(1, -1\) names the same argument twice \(-1\); list each "
+       r"argument once",
+       """Each argument appears once in `static_argnums`, `static_argnames`,
+       `donate_argnums` and `donate_argnames` (negative positions count from the end;
+       `jax.jit` ignores duplicates, multimesh names them).""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums=(1, -1))
+
+
+@error("mjit-unknown-argname", API, "`static_argnames`/`donate_argnames` names no parameter",
+       MultimeshValueError,
+       r"`mjit` static_argnames names 'sclae', which is not one of its parameters of "
+       r"`f`; names that can be given are \['x', 'scale'\]",
+       """Argument names must be parameters that can be passed by keyword (any name, for a
+       function taking `**kwargs`; never a positional-only one).""")
+def _():
+    def f(x, scale):
+        return x * scale
+
+    mm.mjit(f, static_argnames="sclae")
+
+
+@error("mjit-static-and-donated", API, "An argument both static and donated",
+       MultimeshValueError, r"`mjit` argument 1 is both static and donated",
+       """A static argument is a Python value in the cache key, not an array with a buffer;
+       it cannot also be donated.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums=1, donate_argnums=1)
+
+
+@error("mjit-argnums-type", API, "`static_argnums`/`donate_argnums` not integers",
+       MultimeshTypeError, r"`mjit` static_argnums must be an int or a sequence of ints, got 'n'",
+       """Positions are ints (names go in `static_argnames`/`donate_argnames`); a bool is
+       not taken for a position.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums="n")
+
+
+@error("mjit-argnames-type", API, "`static_argnames`/`donate_argnames` not strings",
+       MultimeshTypeError, r"`mjit` static_argnames must be a str or a sequence of str, got 1",
+       """Names are strings (positions go in `static_argnums`/`donate_argnums`).""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnames=1)
+
+
+@error("mjit-donate-argnames-without-signature", API,
+       "`donate_argnames` for a function without a signature", MultimeshValueError,
+       r"cannot read the signature of `max`, so donate_argnames=\('x',\) cannot be "
+       r"resolved; pass donate_argnums instead",
+       """As for `jax.jit`: names need the signature (builtins have none); use positions.""")
+def _():
+    mm.mjit(max, donate_argnames="x")
+
+
+@error("mjit-device-or-backend", API, "`mjit` given `device=` or `backend=`",
+       MultimeshValueError, r"`mjit` does not take device=.*Pass `devices=` or `mesh=` instead",
+       """`jax.jit` deprecates both; an MPMD program runs on a list of devices
+       (`devices=` or `mesh=`), its tasks on submeshes of it.""")
+def _():
+    mm.mjit(lambda x: x, device=jax.devices()[0])
+
+
+@error("mjit-inline", API, "`mjit` given `inline=True`", MultimeshValueError,
+       r"`mjit` does not take inline=True",
+       """An MPMD program runs in multimesh's runtime (one XLA executable per fragment) and
+       cannot be inlined into an enclosing jax trace.""")
+def _():
+    mm.mjit(lambda x: x, inline=True)
+
+
+@error("mjit-compiler-options", API, "`mjit` given `compiler_options=`", MultimeshValueError,
+       r"`mjit` does not take compiler_options=.*XLA_FLAGS",
+       """Fragments are compiled separately with XLA's defaults; XLA flags can be set
+       through the `XLA_FLAGS` environment variable.""")
+def _():
+    mm.mjit(lambda x: x, compiler_options={"xla_cpu_enable_fast_math": True})
+
+
+@error("mjit-stage-attribute-not-offered", API,
+       "A `jax.stages` attribute that multimesh's stage does not offer",
+       MultimeshAttributeError,
+       r"`MpmdLowered.cost_analysis` is not offered, although `jax.stages.Lowered` has it: "
+       r".*use `compile\(\)\.cost_analysis\(\)`",
+       """The error says what to use instead (docs/mpmd-runtime.md lists every `jax.jit`
+       feature and multimesh's answer). It is an `AttributeError`, so `hasattr` is
+       False.""")
+def _():
+    mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).cost_analysis()
+
+
+@error("mjit-lowered-dialect", API, "`compiler_ir` asked for a dialect other than StableHLO",
+       MultimeshValueError, r"dialect='hlo' is not offered \(valid: 'stablehlo'\)",
+       """The lowered program is jax's StableHLO module, which the pass pipeline reads; HLO
+       exists only per fragment, after `compile()`.""")
+def _():
+    mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compiler_ir("hlo")
 
 
 @error("parallelize-without-batch", API, "`parallelize` without an example batch",
@@ -474,7 +611,7 @@ def _():
 @error("microbatch-unknown-reduction", API, "`microbatch` given an unknown reduction",
        MultimeshValueError,
        r"`microbatch` reduction must be one of 'sum', 'mean', got 'avg'",
-       """`reduction="sum"` (the default, MultiMesh's semantics) adds the microbatches'
+       """`reduction="sum"` (the default, the original library's semantics) adds the microbatches'
        outputs, which is gradient accumulation; `reduction="mean"` averages them, which
        gives the full batch's loss and gradients for a loss that averages over its batch.""")
 def _():
@@ -507,6 +644,38 @@ def _():
 def _():
     grad_fn, ws, x = two_stage()
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=0))(ws, x)
+@warning("task-traced-outside-mjit", API, "A task traced outside `mjit`", MultimeshWarning,
+         r"Task 't' is traced outside `multimesh\.jax\.mjit` \(called eagerly, or under "
+         r"jax\.jit, jax\.eval_shape or another jax transformation\), so its placement is "
+         r"ignored: it runs as an ordinary jax call where jax puts it, not on its submesh "
+         r"\(device positions \[0, 1, 2, 3\]\)\. The values are the same\. To place it, "
+         r"compile the program with `multimesh\.jax\.mjit`",
+         """Only `mjit` (and `parallelize`, `parallelize_step`) put tasks on their submeshes;
+         eagerly, under `jax.jit` or `jax.eval_shape` a task is an ordinary call (on jax's
+         default device for uncommitted inputs). Warned once per task function. Compile
+         the program with `mjit`, or call it under `ignore_transforms()` to run plain jax
+         on purpose (a reference value, a debugging run).""")
+def _():
+    t = mm.task(lambda x: x * 2, name="t", mesh=mesh4())
+    jax.jit(t)(jnp.ones(8))
+
+
+@error("jax-with-sharding-constraint-in-task", API,
+       "`jax.lax.with_sharding_constraint` with logical names in a task",
+       MultimeshValueError,
+       r"`jax\.lax\.with_sharding_constraint` with a `PartitionSpec` inside task 't' needs a "
+       r"jax mesh in context, and multimesh sets none: in an MPMD program, axis names are "
+       r"logical names that each task maps to its own mesh axes \('batch' -> 'x'\)\. Use "
+       r"`multimesh\.jax\.with_sharding_constraint\(x, spec\)` instead\.",
+       """jax's constraint resolves a `PartitionSpec` against the mesh in context, and a
+       task sets none: jax's own error is "requires a non-empty mesh" (kept as the
+       cause). The logical constraint, `multimesh.jax.with_sharding_constraint`, is the one
+       that each task resolves through its `logical_axes`. The same holds outside tasks in
+       an `mjit` program.""")
+def _():
+    t = mm.task(lambda x: lax.with_sharding_constraint(x, P("batch")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
@@ -803,6 +972,49 @@ def _():
     mm.mjit(t)((jnp.ones(8),))
 
 
+@warning("logical-name-mapped-by-no-task", LOGICAL, "A logical name that no task maps (a typo)",
+         DiagnosticWarning,
+         r"logical axis name 'btach' is mapped by no task of the program, so it leaves its "
+         r"dimension unsharded in task 't'; did you mean 'batch'\? \(the logical names the "
+         r"tasks map: 'batch'\) \(at ",
+         """A name that no task's `logical_axes` maps shards nothing anywhere. When it is a near
+         miss of a name the tasks map, multimesh warns (once per program, at the
+         constraint's source line) with the closest names; fix the spelling. An unmapped
+         name that resembles no mapped name (`"seq"` without sequence sharding) is taken as
+         deliberate and stays quiet: replicated, as in the original library.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("btach")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@warning("mesh-axis-used-as-logical-name", LOGICAL, "A mesh axis name used as a logical name",
+         DiagnosticWarning,
+         r"logical axis name 'x' is mapped by no task of the program, so it leaves its "
+         r"dimension unsharded in task 't'; 'x' is a mesh axis of task 't', not a logical "
+         r"name: use a logical name that task 't' maps onto it \('batch'\)",
+         """Inside an MPMD program, constraint names are logical: a task with `logical_axes`
+         reads only the logical names listed there, not its mesh axes. Use the logical name
+         mapped onto that axis, or map the axis name itself (`("x", "x")`).""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("x")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@warning("logical-axes-pair-swapped", LOGICAL, "A `logical_axes` pair written backwards",
+         DiagnosticWarning,
+         r"logical axis name 'batch' is mapped by no task of the program, .*; task 't' has the "
+         r"pair \('x', 'batch'\), which maps its mesh axis 'x' as a logical name onto "
+         r"'batch', not an axis of its mesh: the pair looks swapped, write \('batch', 'x'\) in "
+         r"its logical_axes",
+         """Pairs are `(logical_name, device_axis)`: logical name first.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name="t",
+                mesh=mesh4(), logical_axes=(("x", "batch"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
 # =========================================================================== non-dividing shapes
 
 
@@ -910,10 +1122,11 @@ def _():
 
 
 @error("custom-schedule-wrong-count", SCHEDULES,
-       "A custom schedule row lists a task the wrong number of times", MultimeshValueError,
+       "A custom schedule row lists a task the wrong number of times", PassFailure,
        r"task 's0' has 1 microbatch(es)? in custom_schedule row 0, but there are 2 microbatches",
        """Each name must appear once per microbatch in its row: with 2 microbatches,
-       `"s0"` appears twice.""")
+       `"s0"` appears twice.""",
+       check=_repro_check("mm-schedule-fragments"))
 def _():
     grad_fn, ws, x = two_stage()
     f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[["s0"], ["s1"]])
@@ -928,13 +1141,13 @@ def _():
        `(microbatch, name)` pair.""")
 def _():
     grad_fn, ws, x = two_stage()
-    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]]))(ws, x)
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]])
 
 
 @error("custom-schedule-row-count", SCHEDULES, "A custom schedule without a row per submesh",
        PassFailure,
-       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows, but the "
-       r"program has 2 submeshes \(one row per submesh, in order of first use\)",
+       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows for 2 "
+       r"submeshes; give one row per submesh, in the order the program first uses them",
        """Give one row per submesh, in the order the program first uses them.""",
        check=_repro_check("mm-schedule-fragments"))
 def _():
@@ -945,7 +1158,7 @@ def _():
 
 @error("custom-schedule-task-of-other-submesh", SCHEDULES,
        "A custom schedule row names a task of another submesh", PassFailure,
-       r"custom_schedule row 1 names 'head', which is not a task of submesh 1 "
+       r"custom_schedule row 1 entry 4 names 'head', which is not a task of submesh 1 "
        r"\(its tasks: s1, s1_bwd\)",
        """Row *k* lists only the tasks (`name`, `name_bwd`, `name_bwd_w`) that run on
        submesh *k*; the message lists them.""",
@@ -954,6 +1167,42 @@ def _():
     grad_fn, ws, x = two_stage()
     rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd", "head", "head"]]
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-misspelt-task", SCHEDULES, "A misspelt task in a custom schedule",
+       PassFailure,
+       r"custom_schedule row 0 entry 3 names 's0_bdw', which is not a task of submesh 0 "
+       r"\(its tasks: s0, s0_bwd\); did you mean 's0_bwd'\?",
+       """Names match task names exactly (`name`, `name_bwd`, `name_bwd_w`); the message
+       gives the row and entry of the first name that is not a task of that row's
+       submesh, the valid names, and the closest one.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bdw"], ["s1", "s1_bwd", "s1", "s1_bwd"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-extra-row", SCHEDULES, "A custom schedule with more rows than submeshes",
+       PassFailure,
+       r"custom_schedule has 3 rows for 2 submeshes; give one row per submesh, in the order "
+       r"the program first uses them",
+       """The row count is checked before the rows themselves: drop the extra row.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd"], ["s2"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-empty", SCHEDULES, "An empty `custom_schedule`", MultimeshValueError,
+       r"`microbatch` custom_schedule is empty; give one row per submesh, in the order the "
+       r"program first uses them",
+       """Raised by `microbatch` itself. Give one row per submesh, or drop
+       `custom_schedule` for a named schedule.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[])
 
 
 @error("custom-schedule-deadlock", SCHEDULES, "A custom schedule that cannot run",
@@ -1255,7 +1504,7 @@ def _():
 @error("matcher-empty-capture-group", IMPLICIT, "A matcher whose capture group matches nothing",
        DiagnosticError,
        r"matcher 'layer\(\\d\*\)' produced an empty match on the op name stack "
-       r"'jit\(wrapped\)/layer/sin'; its first capture group is the task name",
+       r"'jit\(f\)/layer/sin'; its first capture group is the task name",
        """The first capture group of a matcher is the task name and must match at least one
        character: use `\\d+` instead of `\\d*`.""")
 def _():
@@ -1489,6 +1738,38 @@ def _():
     compiled(model, jnp.ones((3, 4)))
 
 
+@error("nnx-compiled-other-static-arguments", FLAX,
+       "A compiled NNX program called with other static arguments", MultimeshValueError,
+       r"Compiled function called with static arguments \{'act': 'tanh'\}, but it was "
+       r"compiled for \{'act': 'relu'\}",
+       """Static arguments are part of what was compiled; lower it again, or call `mjit(f)`,
+       which compiles once per set of static values.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    f = mm.mjit(lambda m, x, act: getattr(jax.nn, act)(m(x)), static_argnames="act")
+    f.lower(model, jnp.ones((2, 4)), act="relu").compile()(model, jnp.ones((2, 4)), act="tanh")
+
+
+@error("nnx-physical-sharding", FLAX, "A physical `NamedSharding` for `mjit` over NNX objects",
+       MultimeshValueError,
+       r"mjit\(<lambda>\): in_shardings entry .* names mesh axes \['d'\] that no task of "
+       r"the program maps",
+       """With NNX objects among the arguments, `in_shardings`/`out_shardings` are logical
+       names, read by the task that uses each value; a `NamedSharding` whose axes no task
+       maps would do nothing. Use a `PartitionSpec` of logical names, or `jax.device_put`
+       the arrays.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P("d", None))
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    mm.mjit(lambda m, x: m(x), in_shardings=(None, rows))(model, jnp.ones((4, 4)))
+
+
 @error("nnx-bad-sharding-entry", FLAX, "An `in_shardings` entry for an NNX object of a wrong kind",
        MultimeshValueError,
        r"mjit\(<lambda>\): the sharding for an NNX object must be a PartitionSpec, "
@@ -1578,6 +1859,39 @@ def _():
 def _():
     mm.compile_mpmd(partitioned_identity(), {"m1": range(4)},
                     in_tree=jax.tree.structure((0, 0)))
+
+
+@error("callback-not-held", SHARDY, "A saved or imported program calls a Python callback",
+       MultimeshValueError,
+       r"Fragment `f` calls a Python host callback \(jax\.debug\.print, pure_callback or "
+       r"io_callback\) that this process does not hold\. A program with host callbacks "
+       r"compiles only through `mjit`",
+       """A host callback is a Python object that jax hands to XLA when it compiles the
+       program; the IR holds only its index. `mjit` carries the callbacks of a program it
+       traced into every fragment that calls one; a module from `compile_mpmd` (or saved
+       to a file) has none to carry. Compile the jax function with `mjit`, or remove the
+       callback before partitioning.""")
+def _():
+    mm.compile_mpmd(calling_back(
+        "stablehlo.custom_call @xla_ffi_python_cpu_callback(%a) {has_side_effect = true, "
+        "mhlo.backend_config = {index = 0 : ui64}} : (tensor<8xf32>) -> ()"), {"m1": range(4)})
+
+
+@error("callback-host-transfer", SHARDY, "A Python callback lowered to host send/recv (TPU)",
+       MultimeshValueError,
+       r"Fragment `f` calls a Python host callback through a host transfer "
+       r"\(`stablehlo\.send`, as jax lowers jax\.debug\.print, pure_callback and "
+       r"io_callback on TPU\)",
+       """On TPU, jax lowers host callbacks to `stablehlo.send`/`recv` on channels of the
+       whole program, which cannot be split into fragments compiled on their own.
+       multimesh runs host callbacks where jax lowers them to FFI calls (CPU and GPU).
+       Remove the callback, or run that program with `jax.jit`.""")
+def _():
+    mm.compile_mpmd(calling_back(
+        "%t = stablehlo.after_all : !stablehlo.token\n  %s = \"stablehlo.send\"(%a, %t) "
+        "{channel_handle = #stablehlo.channel_handle<handle = 1, type = 2>, "
+        "is_host_transfer = true} : (tensor<8xf32>, !stablehlo.token) -> !stablehlo.token"),
+        {"m1": range(4)})
 # =========================================================================== multi-process
 
 
@@ -1608,6 +1922,37 @@ def _():
         peer_timeout()
     finally:
         del os.environ["MULTIMESH_PEER_TIMEOUT"]
+
+
+launch("launch-bad-process-count", "`multimesh.launch -n` out of range",
+       ["-n", "0", "train.py"],
+       r"argument -n/--num-processes: must be between 1 and 256, got 0",
+       """Every process runs on this machine: give 1 to 256 (a cluster's own launcher
+       starts more, see docs/multiprocess.md).""")
+
+launch("launch-bad-port", "`multimesh.launch --port` that is not a TCP port",
+       ["-n", "2", "--port", "99999", "train.py"],
+       r"argument --port: must be a TCP port number from 1 to 65535 \(or 0 for a free one\), "
+       r"got '99999'",
+       """Give a port from 1 to 65535 that nothing else uses, or leave `--port` out (0, the
+       default, takes a free one). A port that is in use is refused too, by number.""")
+
+launch("launch-bad-timeout", "`multimesh.launch --timeout` that is not positive",
+       ["-n", "2", "--timeout", "-1", "train.py"],
+       r"argument --timeout: must be a positive number of seconds, got '-1'",
+       """`--timeout S` stops every process after S seconds (exit code 124); leave it out
+       for no limit.""")
+
+launch("launch-bad-grace-period", "`multimesh.launch --grace-period` below 0",
+       ["-n", "2", "--grace-period", "-3", "train.py"],
+       r"argument --grace-period: must be a number of seconds, 0 or more, got '-3'",
+       """The seconds stopped processes get between SIGTERM and SIGKILL (default 3; 0 kills
+       at once).""")
+
+launch("launch-missing-script", "`multimesh.launch` of a script that is not there",
+       ["-n", "2", "train.py"], r"no such script: train\.py",
+       """The script path is read from the launcher's directory; for a module, use `-m
+       package.module`.""")
 
 
 # =========================================================================== CLI misuse
@@ -1878,7 +2223,10 @@ def run(entry: Entry, workdir: Path) -> Outcome:
 
 
 def _run_cli(entry: Entry, workdir: Path) -> Outcome:
-    from multimesh.tools.mm_opt import main
+    if entry.tool == LAUNCH:
+        from multimesh.launch import main
+    else:
+        from multimesh.tools.mm_opt import main
 
     if entry.input_text is not None:
         (workdir / "in.mlir").write_text(entry.input_text, encoding="utf-8")
@@ -1891,7 +2239,10 @@ def _run_cli(entry: Entry, workdir: Path) -> Outcome:
         # COLUMNS: argparse wraps its usage text to the terminal width.
         with _cwd(workdir), _env("COLUMNS", "80"), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err):
-            code = main(list(entry.argv))
+            try:
+                code = main(list(entry.argv))
+            except SystemExit as e:  # argparse
+                code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.stdin = old_stdin
     return Outcome(exit_code=code, stdout=out.getvalue(), message=err.getvalue())
@@ -1956,10 +2307,10 @@ def validate_catalogue() -> list[str]:
             elif e.is_warning:
                 if not issubclass(e.exc, MultimeshWarning):
                     problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshWarning")
-            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (ValueError,
-                                                                            TypeError):
+            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (
+                    ValueError, TypeError, AttributeError):
                 problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshError and a "
-                                f"ValueError or TypeError")
+                                f"ValueError, TypeError or AttributeError")
     for cat in CATEGORIES:
         if not any(e.category == cat for e in ENTRIES):
             problems.append(f"category {cat!r} has no entry")

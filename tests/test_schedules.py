@@ -300,10 +300,22 @@ def test_custom_bare_names_count_microbatches():
      "task 'stage1_bwd' has 0 microbatches in custom_schedule row 1, but there are 2"),
     ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"],
       ["stage1", "stage1", "stage1_bwd", "stage1_bwd", "nope", "nope"]],
-     "custom_schedule row 1 names 'nope', which is not a task of submesh 1 "
+     "custom_schedule row 1 entry 4 names 'nope', which is not a task of submesh 1 "
      "(its tasks: stage1, stage1_bwd)"),
+    # a misspelling is named as such (it used to read as a count), with the closest name
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bdw"], ["stage1", "stage1_bwd"] * 2],
+     "custom_schedule row 0 entry 3 names 'stage0_bdw', which is not a task of submesh 0 "
+     "(its tasks: stage0, stage0_bwd); did you mean 'stage0_bwd'?"),
+    # a task of another submesh
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1_bwd"] * 2 + ["stage0"]],
+     "custom_schedule row 1 entry 4 names 'stage0', which is not a task of submesh 1 "
+     "(its tasks: stage1, stage1_bwd); it runs on submesh 0"),
     ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"]],
-     "custom_schedule has 1 rows, but the program has 2 submeshes"),
+     "custom_schedule has 1 rows for 2 submeshes; give one row per submesh"),
+    # an extra row is counted before its contents are read
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1_bwd"] * 2, ["x"]],
+     "custom_schedule has 3 rows for 2 submeshes"),
+    ([], "custom_schedule has 0 rows for 2 submeshes"),
     ([[(0, "stage0"), (0, "stage0"), "stage0_bwd", "stage0_bwd"], []],
      "task 'stage0' appears twice for microbatch 0 in custom_schedule row 0"),
     ([[(5, "stage0")], []], "microbatch 5 of task 'stage0' is out of range"),

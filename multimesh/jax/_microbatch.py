@@ -229,17 +229,14 @@ def _constrain_argument(x, arg_shardings):
 
 
 def canonicalize_custom(custom_schedule, n: int):
-    for r, row in enumerate(custom_schedule):
-        for entry in row:
-            if not isinstance(entry, str) and not (
-                    isinstance(entry, (tuple, list)) and len(entry) == 2
-                    and isinstance(entry[1], str) and isinstance(entry[0], (int, np.integer))
-                    and not isinstance(entry[0], bool)):
-                raise MultimeshTypeError(
-                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
-                    f"(microbatch, task name) pairs.")
+    """The rows as ``(microbatch, name)`` pairs for ``n`` microbatches. Their form was
+    checked by ``microbatch`` itself (``_checks.custom_schedule``); here what needs
+    ``n`` (microbatch range, repeats), and the pass checks the names against the
+    program."""
+    rows = [[e if isinstance(e, str) else (int(e[0]), e[1]) for e in row]
+            for row in custom_schedule]
     try:
-        return canonicalize_custom_schedule(custom_schedule, n)
+        return canonicalize_custom_schedule(rows, n)
     except ScheduleError as e:
         raise MultimeshValueError(f"{e}.") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -227,7 +228,10 @@ def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
             a, k = rebuild(dyn_leaves)
             return apply(_constrain_flat(params, specs), others_in, rngs_in, *a, **k)
 
-        out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
+        # Flax's init runs the model once for its variables: nothing to place there.
+        quiet = _contexts.internal_trace() if self.is_initializing() else nullcontext()
+        with quiet:
+            out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
     if mutable:
         out, updates = out
         _write_back(self, others, updates)
