@@ -225,6 +225,14 @@ def test_memory_profile_measures_each_schedule():
         assert profiles[s, True].submeshes[1].peak_activations < \
             profiles[s, None].submeshes[1].peak_activations / 3
     assert "theory" in gpipe.format()
+    # a program without a loop: its submeshes, no schedule
+    stages = [mm.task(_layers, f"s{k}", mesh=mm.TaskMesh(devices=range(4 * k, 4 * k + 4)))
+              for k in range(P)]
+    whole = mm.mjit(jax.value_and_grad(_loss_of(stages))).lower(WS, X).compile()
+    prof = whole.memory_profile(WS, X)
+    assert prof.schedule is None
+    assert sorted(s.inputs for s in prof.submeshes) == sorted([WS[1].nbytes,
+                                                                WS[0].nbytes + X.nbytes])
 
 
 def test_nnx_parallelize_step_remat_matches_plain():

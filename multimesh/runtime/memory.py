@@ -155,13 +155,17 @@ def _classes(plan: Plan) -> tuple[dict[int, str], dict[int, int]]:
     cls = {v: INPUTS for v in plan.input_ids}
     mb: dict[int, int] = {}
     made_by: dict[int, Call] = {}
-    looped = False
+    # without a microbatch loop the whole step is one microbatch (0)
+    no_loop = not any(c.microbatch is not None for c in plan.calls())
+    seen_loop = False
     for s in plan.steps:
         if isinstance(s, Call):
-            fwd = plan.fragments[s.fragment].transpose_count == 0 and s.microbatch is not None
-            looped = looped or s.microbatch is not None
+            fwd = plan.fragments[s.fragment].transpose_count == 0 and (
+                s.microbatch is not None or no_loop)
+            seen_loop = seen_loop or s.microbatch is not None
             # before the loop: the inputs as the step uses them (e.g. constrained weights)
-            before = not looped and bool(s.args) and all(cls.get(a) == INPUTS for a in s.args)
+            before = (not no_loop and not seen_loop and bool(s.args)
+                      and all(cls.get(a) == INPUTS for a in s.args))
             for r in s.results:
                 cls[r] = ACTIVATIONS if fwd else INPUTS if before else OTHER
                 made_by[r] = s
@@ -188,14 +192,13 @@ def _kept_for(plan: Plan, src: Call, dst: Call) -> bool:
 
 
 def _stages(plan: Plan) -> dict[tuple[int, ...], int]:
-    """Per submesh of the loop, the number of pipeline stages (forward tasks) on it."""
+    """Per submesh, the number of pipeline stages (forward tasks in the loop) on it."""
     tasks: dict[tuple[int, ...], set[str]] = {}
     for s in plan.calls():
-        if s.microbatch is not None:
-            where = plan.call_devices(s)
-            tasks.setdefault(where, set())
-            if plan.fragments[s.fragment].transpose_count == 0:
-                tasks[where].add(plan.fragments[s.fragment].task)
+        where = plan.call_devices(s)
+        tasks.setdefault(where, set())
+        if s.microbatch is not None and plan.fragments[s.fragment].transpose_count == 0:
+            tasks[where].add(plan.fragments[s.fragment].task)
     return {w: max(1, len(t)) for w, t in tasks.items()}
 
 
