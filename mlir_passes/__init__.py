@@ -23,6 +23,7 @@ _PASSES: dict[str, str] = {
     "mm-assign-tasks": "assign_tasks:AssignTasksPass",
     "mm-resolve-logical-shardings": "resolve_logical_shardings:ResolveLogicalShardingsPass",
     "mm-outline-fragments": "outline_fragments:OutlineFragmentsPass",
+    "mm-recompute-forward": "recompute_forward:RecomputeForwardPass",
     "mm-split-backward": "split_backward:SplitBackwardPass",
     "mm-recompute-transfers": "recompute_transfers:RecomputeTransfersPass",
     "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",

@@ -141,7 +141,8 @@ def _format(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, tuple):
-        return ",".join(_format(v) for v in value)
+        text = ",".join(_format(v) for v in value)
+        return "{" + text + "}" if len(value) > 1 else text  # braced: commas split options
     return str(value)
 
 
@@ -155,6 +156,8 @@ def _convert(argument: str, key: str, text: str, tp):
         return _convert(argument, key, text, next(a for a in args if a is not type(None)))
     if origin is tuple:
         elem = args[0] if args else str
+        if text.startswith("{") and text.endswith("}"):  # several: {a,b} (see _format)
+            text = text[1:-1]
         items = [t.strip() for t in text.split(",")] if text.strip() else []
         return tuple(_convert(argument, key, t, elem) for t in items)
     convert = _SCALARS.get(tp)

@@ -1360,6 +1360,18 @@ def _():
     mm.task(lambda w, x: x @ w, name="t", mesh=mesh4(), split_backprop="_w")
 
 
+@error("task-remat-invalid", SCHEDULES, "`remat` that is neither a bool nor a policy",
+       MultimeshTypeError,
+       r"Task 't': `remat` must be True \(recompute the whole forward in the backward\), "
+       r"False, None \(inherit the `microbatch`/`parallelize_step` default\) or a jax "
+       r"checkpoint policy such as `jax.checkpoint_policies.dots_saveable`, got str 'all'\.",
+       """`remat` on a task (and on `microbatch`/`parallelize_step` for every stage) takes
+       True, False, None, or one of `jax.checkpoint_policies` (called, where it is a
+       factory such as `save_only_these_names("x")`).""")
+def _():
+    mm.task(lambda w, x: x @ w, name="t", mesh=mesh4(), remat="all")
+
+
 @error("custom-schedule-a-string", SCHEDULES, "`custom_schedule` given as a string",
        MultimeshTypeError,
        r"`microbatch` custom_schedule must be a list of rows, one per submesh, each a list of "
@@ -1534,6 +1546,20 @@ def _():
        both directions).""")
 def _():
     mm.register_task("layer0", callback=lambda name, backprop: {"mesh_slice": {"stage": 0}})
+    mm.mjit(layered_model).lower(*layered_args())
+
+
+@error("registered-task-remat-policy", IMPLICIT,
+       "A checkpoint policy for a registered task", MultimeshValueError,
+       r"Task 'layer0' \(match 'layer0' of task matcher 'layer0'\) is a registered task, "
+       r"whose forward multimesh finds in the traced program, so it can only be recomputed "
+       r"whole: `remat` must be True or False for it",
+       """A registered task's ops are found after tracing, where jax's checkpoint policies
+       no longer apply; `remat=True` recomputes its whole forward in its backward. To save
+       some values (a policy), wrap the stage in `task(..., remat=policy)` instead.""")
+def _():
+    policy = jax.checkpoint_policies.dots_saveable
+    mm.register_task("layer0", task=mm.Task(mesh=mesh4(), remat=policy))
     mm.mjit(layered_model).lower(*layered_args())
 
 

@@ -25,6 +25,7 @@ class _State(threading.local):
         self.fast_path = True
         self.recomputation = False
         self.program_devices = None  # tuple of jax.Device while mjit traces
+        self.remat = None  # microbatch(..., remat=): tasks' default while its body is traced
         self.microbatch_loop = None  # number of microbatches while a loop body is traced
         self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
         self.internal_trace = False  # multimesh traces tasks outside mjit on purpose

@@ -38,7 +38,7 @@ from multimesh._src.errors import (
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
-from multimesh.jax._task import with_sharding_constraint
+from multimesh.jax._task import check_remat, with_sharding_constraint
 from multimesh.passes.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -95,7 +95,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                interleave: int | None = None, num_stages: int | None = None,
                schedule: str | None = None, unrolling: int | None = None,
                arg_shardings=None, custom_schedule: Sequence[Sequence] | None = None,
-               reduction: str = "sum"):
+               reduction: str = "sum", remat=None):
     """Runs ``fun`` on microbatches of argument ``argnum`` and sums (or averages) the outputs.
 
     The argument (an array or pytree) is cut along ``dim`` into pieces of
@@ -113,15 +113,30 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     (these five check the tasks' stage placement, docs/schedules.md) or ``"custom"`` (with
     ``custom_schedule``, one row of task names per submesh). ``unrolling=k`` (GPipe only) runs the microbatches
     in groups of ``k``, fill-drain within each group, so at most ``k``
-    microbatches' activations are alive at once.
+    microbatches' activations are alive at once. ``remat=True`` (or a jax
+    checkpoint policy) is the default ``remat`` of every task traced in the loop
+    (see :class:`Task`): each stage's backward recomputes its forward.
     """
     argnum, name = _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling,
                                   schedule, custom_schedule)
     _check_reduction(reduction)
+    check_remat(remat, "`microbatch`")
 
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:
             return fun(*args, **kwargs)
+        # the tasks' default while fun is traced (an inner microbatch inherits it);
+        # registered tasks read it from the notes when they are matched
+        notes = _contexts.state.trace_notes
+        if notes is not None and remat is not None:
+            notes["remat"] = remat
+        token = _contexts.push("remat", _contexts.state.remat if remat is None else remat)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _contexts.pop(token)
+
+    def run(*args, **kwargs):
         index = _checks.resolve_argnum(argnum, len(args), "`microbatch`")
         n = _num_microbatches(args[index], dim, size, argnum)
         if n == 1:
@@ -129,7 +144,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                 warnings.warn(
                     f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
                     f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
-                    f"to order.", MultimeshWarning, stacklevel=2)
+                    f"to order.", MultimeshWarning, stacklevel=3)
             out = fun(*args, **kwargs)
             _check_output_dtypes(out, reduction)
             return out

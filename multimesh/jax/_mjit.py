@@ -228,6 +228,14 @@ class MpmdCompiled:
         self.last_trace = rec
         return jax.tree.unflatten(self._lowered.out_tree, outs)
 
+    def memory_profile(self, *args, **kwargs):
+        """Run one step and measure, per submesh, the peak bytes the runtime holds
+        (parameters, activations in flight, other values, XLA temporaries) beside
+        the schedule's prediction: a :class:`multimesh.jax._memory.MemoryProfile`."""
+        from multimesh.jax._memory import memory_profile
+
+        return memory_profile(self, args, kwargs)
+
     @property
     def fragments(self) -> list[dict]:
         out = []
@@ -676,6 +684,12 @@ def _wants_split(notes: dict) -> str | None:
     return "" if notes.get("split_backprop") else None
 
 
+def _remat_options(notes: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(registered tasks to recompute, explicit tasks traced under jax.checkpoint)."""
+    return (tuple(sorted(notes.get("remat_tasks", ()))),
+            tuple(sorted(notes.get("remat_inputs_of", ()))))
+
+
 def _schedule_options(notes: dict) -> str | None:
     # The options live in the module's mm.schedule_config; the pass reads them there.
     return "" if notes.get("microbatch") is not None else None
@@ -953,6 +967,7 @@ class MpmdTraced:
                           pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
                                                   implicit_tasks=implicit,
                                                   split_backward=_wants_split(notes),
+                                                  remat=_remat_options(notes),
                                                   recompute=_contexts.state.recomputation),
                           module=module, name=getattr(owner.fun, "__name__", None))
         _mark_keys(low, dyn_flat, traced.out_info)

@@ -571,6 +571,7 @@ def implicit_tasks_pass(program):
         spec = reg.task_for(hit.name, hit.backprop)
         name = spec.name or hit.name
         info = resolve_task_info(spec, name)
+        _note_remat(spec, name, reg, hit)
         if spec.loop_dependent_mesh_slice is not None:
             info = loop_placement(spec, name, info, _num_microbatches())
         what = (f"match {hit.name!r} ({_direction(hit.backprop)}) of task matcher "
@@ -604,6 +605,25 @@ def implicit_tasks_pass(program):
     return MatchTasksPass(rule_table=tuple(
         Rule(regs[i].regex.pattern, regs[i].regex, None, tuple(entries[i]))
         for i in sorted(entries)))
+
+
+def _note_remat(spec, name: str, reg: _Registration, hit) -> None:
+    """Record a registered task whose backward recomputes its forward (``Task.remat``,
+    else ``microbatch(..., remat=)``) for ``mm-recompute-forward``."""
+    notes = _contexts.state.trace_notes
+    if notes is None:
+        return
+    remat = spec.remat if spec.remat is not None else notes.get("remat")
+    if remat is None or remat is False:
+        return
+    if remat is not True:
+        raise MultimeshValueError(
+            f"Task {name!r} (match {hit.name!r} of task matcher {reg.matcher!r}) is a "
+            f"registered task, whose forward multimesh finds in the traced program, so it "
+            f"can only be recomputed whole: `remat` must be True or False for it, got the "
+            f"checkpoint policy {remat!r}. Wrap the stage in `task(..., remat=policy)` to "
+            f"recompute it under a jax checkpoint policy.")
+    notes.setdefault("remat_tasks", set()).add(name)
 
 
 def _num_microbatches() -> int | None:

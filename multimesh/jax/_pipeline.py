@@ -14,7 +14,8 @@ __all__ = ["build_pipeline"]
 
 def build_pipeline(num_devices: int, *, implicit_tasks: ModulePass | None = None,
                    recompute: bool = False, schedule: str | None = None,
-                   split_backward: str | None = None) -> Pipeline:
+                   split_backward: str | None = None,
+                   remat: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> Pipeline:
     """The pass pipeline for a program on ``num_devices`` devices (``str()`` of it is
     its ``builtin.module(...)`` text).
 
@@ -26,12 +27,19 @@ def build_pipeline(num_devices: int, *, implicit_tasks: ModulePass | None = None
     ``schedule``: options text for ``mm-schedule-fragments`` if the program is
     microbatched ("" = take them from the module's ``mm.schedule_config``); the
     loop is formed (``mm-form-microbatch-loop``) just before it.
+    ``remat``: ``mm-recompute-forward``'s ``tasks`` (registered tasks whose backward
+    recomputes its forward) and ``inputs-of`` (explicit tasks under
+    ``jax.checkpoint``), run before any split of the backward.
     """
     steps: list[str | ModulePass] = ["mm-import-gspmd"]
     if implicit_tasks is not None:
         steps.append(implicit_tasks)
     steps += ["mm-inline-tasks", f"mm-assign-tasks{{num-devices={num_devices}}}",
               "mm-resolve-logical-shardings", "mm-outline-fragments"]
+    if any(remat):
+        from multimesh.passes.recompute_forward import RecomputeForwardPass
+
+        steps.append(RecomputeForwardPass(tasks=remat[0], inputs_of=remat[1]).pipeline_element())
     if split_backward is not None:
         steps.append(f"mm-split-backward{{{split_backward}}}" if split_backward
                      else "mm-split-backward")

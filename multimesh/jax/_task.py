@@ -93,6 +93,26 @@ def _check_split_backprop(value, who: str) -> tuple[str, str] | None:
         f"(critical, non-critical), e.g. ('_activations', '_gradients'), got {value!r}.")
 
 
+def check_remat(value, who: str):
+    """``remat``: None (inherit), a bool, or a jax checkpoint policy (a callable)."""
+    if value is None or isinstance(value, bool) or callable(value):
+        return value
+    raise MultimeshTypeError(
+        f"{who}: `remat` must be True (recompute the whole forward in the backward), False, "
+        f"None (inherit the `microbatch`/`parallelize_step` default) or a jax checkpoint "
+        f"policy such as `jax.checkpoint_policies.dots_saveable`, got "
+        f"{type(value).__name__} {value!r}.")
+
+
+def rematted(fun: Callable, remat) -> Callable:
+    """``fun`` under ``jax.checkpoint`` when ``remat`` asks for it: the task's backward
+    then recomputes its forward from the task's inputs, so only those stay live
+    between the two (plus what a policy saves)."""
+    if remat is None or remat is False:
+        return fun
+    return jax.checkpoint(fun, policy=None if remat is True else remat)
+
+
 def _task_mesh_axes(axis_names, axis_sizes) -> tuple[tuple, tuple]:
     """``TaskMesh``'s axis names and sizes, checked: both given, one size per name,
     distinct string names, positive sizes."""
@@ -204,6 +224,9 @@ class Task:
     extra_axes: Sequence[tuple[str, str]] | None = None
     split_backprop: tuple[str, str] | None = None
     loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
+    remat: bool | Callable | None = None
+    """Recompute the task's forward in its backward: True, or a jax checkpoint policy
+    (``jax.checkpoint_policies.*``); None inherits ``microbatch(..., remat=)``."""
 
     def __post_init__(self):
         _checks.task_name(self.name, "`Task`")
@@ -220,6 +243,7 @@ class Task:
             if pairs is not None:
                 setattr(self, field, _check_pairs(pairs, field, who))
         self.split_backprop = _check_split_backprop(self.split_backprop, who)
+        check_remat(self.remat, who)
 
 
 def _program_devices() -> tuple:
@@ -388,9 +412,14 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         args_flat, in_tree = jax.tree.flatten((args, kw))
         in_avals = tuple(shaped_abstractify(x) for x in args_flat)
         dbg = debug_info("multimesh.task", fun, args, kw)
+        remat = check_remat(spec.remat, _who(task_name))
+        remat = _contexts.state.remat if remat is None else remat
+        if remat is True and _contexts.state.trace_notes is not None:
+            # jax keeps the task's inputs as residuals; the pass reads them in place
+            _contexts.state.trace_notes.setdefault("remat_inputs_of", set()).add(task_name)
         with _contexts.autoshard(True), jax_constraint_hint(f"inside task {task_name!r}",
                                                             info.logical_axes):
-            jaxpr, out_tree = _trace(fun, in_avals, in_tree, dbg)
+            jaxpr, out_tree = _trace(rematted(fun, remat), in_avals, in_tree, dbg)
         if any(isinstance(c, Tracer) for c in jaxpr.consts):
             jaxpr, consts = jax_compat.separate_consts(jaxpr)
         else:

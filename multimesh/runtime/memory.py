@@ -3,12 +3,16 @@
 Used by the P7 benchmark and by tests that bound live activations. Sizes are
 per-device shard bytes, from each value's layout; a fragment's own peak is its
 arguments + outputs + XLA temporaries (``get_compiled_memory_stats``).
+:func:`measure_step` measures instead of simulating: it runs a real step and
+counts the buffers the runtime holds after every step.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from multimesh.runtime.plan import Call, Plan
@@ -79,3 +83,223 @@ class _LiveBytes:
             self.add(vid, t[0], t[1], lay)
         for p in frag.devices:
             self.peak[p] = max(self.peak.get(p, 0), self.live.get(p, 0) + temp)
+
+
+# ----------------------------------------------------------------------------- measured
+
+INPUTS, ACTIVATIONS, OTHER = "inputs", "activations", "other"
+
+
+@dataclass
+class SubmeshMemory:
+    """One submesh's memory during a real step, in bytes per device (its fullest device).
+
+    ``peak`` is the most the runtime held at once (live arrays + the running fragment's
+    XLA temporaries), split at that moment into ``inputs`` (parameters, optimizer
+    state, the batch), ``activations`` (forward results of microbatches still in
+    flight, and stage inputs received for them), ``other`` (gradients, accumulators,
+    cotangents) and ``temporaries``. ``peak_activations`` is the most activation bytes
+    held at any moment, by ``peak_microbatches`` microbatches; ``residual_bytes`` is
+    the most one microbatch held here between its forward and its backward (outside
+    its own forward calls and transfers), per stage on this submesh, and
+    ``weight_bytes`` the most it held between the two halves of a split backward.
+    """
+
+    devices: tuple[int, ...]  # device ids
+    peak: int = 0
+    inputs: int = 0
+    activations: int = 0
+    other: int = 0
+    temporaries: int = 0
+    peak_activations: int = 0
+    peak_microbatches: int = 0
+    residual_bytes: int = 0
+    weight_bytes: int = 0
+    """What one microbatch keeps between the two halves of a split backward (per stage)."""
+    stages: int = 1  # pipeline stages (forward tasks in the loop) on this submesh
+
+
+def measure_step(executor, args) -> list[SubmeshMemory]:
+    """Run one step as ``executor`` does, step by step, recording after each step the
+    bytes of the arrays it holds on every device, and of the step's arguments (one
+    buffer counted once)."""
+    plan = executor.plan
+    cls, mb = _classes(plan)
+    env = executor._start(args)
+    # the caller holds its arguments through the step (unless donated): count them
+    held = [(v, env[v]) for v in plan.input_ids]
+    meter = _Meter(executor, cls, mb)
+    for (kind, what, srcs, dsts, drop), step in zip(executor._steps, executor._kept):
+        if kind == 0 and isinstance(step, Call):
+            for d, o in zip(dsts, what(*[env[a] for a in srcs])):
+                env[d] = o
+        elif kind == 0:
+            raise NotImplementedError("memory profiles measure one process")
+        else:
+            from multimesh.runtime.executor import _copy, _move
+
+            env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
+        jax.block_until_ready([env[d] for d in dsts])
+        meter.record([*held, *enumerate(env)], step)
+        for d in drop:
+            env[d] = None
+    executor._outputs(env)
+    return meter.result(_stages(plan))
+
+
+def _classes(plan: Plan) -> tuple[dict[int, str], dict[int, int]]:
+    """Each value's class (inputs / activations / other) and, for activations, its
+    microbatch. Activations are a loop forward's results and what a backward keeps
+    for a later backward of the same task and microbatch (a zero-bubble schedule's
+    weight-gradient inputs); a transferred value keeps its source's class."""
+    cls = {v: INPUTS for v in plan.input_ids}
+    mb: dict[int, int] = {}
+    made_by: dict[int, Call] = {}
+    # without a microbatch loop the whole step is one microbatch (0)
+    no_loop = not any(c.microbatch is not None for c in plan.calls())
+    seen_loop = False
+    for s in plan.steps:
+        if isinstance(s, Call):
+            fwd = plan.fragments[s.fragment].transpose_count == 0 and (
+                s.microbatch is not None or no_loop)
+            seen_loop = seen_loop or s.microbatch is not None
+            # before the loop: the inputs as the step uses them (e.g. constrained weights)
+            before = (not no_loop and not seen_loop and bool(s.args)
+                      and all(cls.get(a) == INPUTS for a in s.args))
+            for r in s.results:
+                cls[r] = ACTIVATIONS if fwd else INPUTS if before else OTHER
+                made_by[r] = s
+                if fwd:
+                    mb[r] = s.microbatch or 0
+            for a in s.args:
+                src = made_by.get(a)
+                if src is not None and src is not s and _kept_for(plan, src, s):
+                    cls[a], mb[a] = ACTIVATIONS, s.microbatch or 0
+        else:
+            cls[s.dst] = cls.get(s.src, OTHER)
+            if s.src in mb:
+                mb[s.dst] = mb[s.src]
+    return cls, mb
+
+
+def _kept_for(plan: Plan, src: Call, dst: Call) -> bool:
+    """``src`` (a backward) hands a value to a later backward of the same task,
+    microbatch and devices: the weight-gradient half of a split backward."""
+    a, b = plan.fragments[src.fragment], plan.fragments[dst.fragment]
+    return (a.transpose_count > 0 and b.transpose_count > 0 and a.task == b.task
+            and src.microbatch is not None and src.microbatch == dst.microbatch
+            and plan.call_devices(src) == plan.call_devices(dst))
+
+
+def _stages(plan: Plan) -> dict[tuple[int, ...], int]:
+    """Per submesh, the number of pipeline stages (forward tasks in the loop) on it."""
+    tasks: dict[tuple[int, ...], set[str]] = {}
+    for s in plan.calls():
+        where = plan.call_devices(s)
+        tasks.setdefault(where, set())
+        if s.microbatch is not None and plan.fragments[s.fragment].transpose_count == 0:
+            tasks[where].add(plan.fragments[s.fragment].task)
+    return {w: max(1, len(t)) for w, t in tasks.items()}
+
+
+class _Meter:
+    """Live bytes per device and class after each step; the peaks per device."""
+
+    def __init__(self, executor, cls, mb) -> None:
+        self.ex, self.cls, self.mb = executor, cls, mb
+        self.pos = {d.id: p for p, d in enumerate(executor.devices)}
+        self.peak: dict[int, tuple[int, dict[str, int], int]] = {}  # pos -> (total, split, temp)
+        self.act: dict[int, tuple[int, int]] = {}  # pos -> (activation bytes, microbatches)
+        self.per_mb: dict[str, dict[int, int]] = {"fb": {}, "bw": {}}  # state -> pos -> bytes
+        plan = executor.plan
+        self.sub_of = {p: plan.call_devices(c) for c in plan.calls() for p in plan.call_devices(c)}
+        self.bwd_total: dict[tuple, int] = {}  # (submesh, microbatch) -> backward calls
+        for c in plan.calls():
+            if c.microbatch is not None and plan.fragments[c.fragment].transpose_count > 0:
+                k = (plan.call_devices(c), c.microbatch)
+                self.bwd_total[k] = self.bwd_total.get(k, 0) + 1
+        self.seen: dict[tuple, list[int]] = {}  # (submesh, microbatch) -> [fwd, bwd] calls run
+
+    def record(self, values, step) -> None:
+        fresh = set(step.results) if isinstance(step, Call) else {step.dst}
+        live, mbs = self._live(values, fresh)
+        busy, temp, where = self._step(step)
+        for p, split in live.items():
+            t = temp if p in where else 0
+            total = sum(split.values()) + t
+            if total > self.peak.get(p, (-1,))[0]:
+                self.peak[p] = (total, dict(split), t)
+            a = split.get(ACTIVATIONS, 0)
+            if a > self.act.get(p, (-1, 0))[0]:
+                self.act[p] = (a, len(mbs.get(p, {})))
+            for m, (old, new) in mbs.get(p, {}).items():
+                if m != busy:
+                    self._keep(p, m, old, new, step)
+        if isinstance(step, Call) and step.microbatch is not None:
+            k = self.seen.setdefault((where, step.microbatch), [0, 0])
+            k[self.ex.plan.fragments[step.fragment].transpose_count > 0] += 1
+
+    def _state(self, p: int, m: int, after: int = 0) -> str | None:
+        """Microbatch ``m`` on device ``p``'s submesh: "fb" (forward run, backward to
+        come), "bw" (some of its backward run, the rest to come) or None."""
+        where = self.sub_of.get(p)
+        fwd, bwd = self.seen.get((where, m), [0, 0])
+        bwd += after
+        if not fwd or bwd >= self.bwd_total.get((where, m), 0):
+            return None
+        return "fb" if bwd == 0 else "bw"
+
+    def _keep(self, p: int, m: int, old: int, new: int, step) -> None:
+        """Count what microbatch ``m`` holds on ``p`` towards its state's most; at its own
+        backward call, what the call made belongs to the state after it."""
+        own = (isinstance(step, Call) and step.microbatch == m
+               and p in self.ex.plan.call_devices(step))
+        states = ([(self._state(p, m), old), (self._state(p, m, 1), new)] if own
+                  else [(self._state(p, m), old + new)])
+        for st, n in states:
+            if st is not None:
+                self.per_mb[st][p] = max(self.per_mb[st].get(p, 0), n)
+
+    def _live(self, values, fresh) -> tuple[dict, dict]:
+        """Bytes per device and class, and activation bytes per device and microbatch,
+        (older, made by this step: ``fresh``)."""
+        live: dict[int, dict[str, int]] = {}
+        mbs: dict[int, dict[int, list[int]]] = {}
+        seen: set[tuple[int, int]] = set()
+        for vid, x in values:
+            if not isinstance(x, jax.Array) or x.is_deleted():
+                continue
+            for sh in x.addressable_shards:
+                key = (sh.device.id, sh.data.unsafe_buffer_pointer())
+                if key in seen:
+                    continue
+                seen.add(key)
+                p, n, c = self.pos[sh.device.id], sh.data.nbytes, self.cls.get(vid, OTHER)
+                live.setdefault(p, {}).setdefault(c, 0)
+                live[p][c] += n
+                if c == ACTIVATIONS and vid in self.mb:
+                    by = mbs.setdefault(p, {}).setdefault(self.mb[vid], [0, 0])
+                    by[vid in fresh] += n
+        return live, mbs
+
+    def _step(self, step) -> tuple[int | None, int, tuple[int, ...]]:
+        """(the microbatch whose forward runs or whose value moves now, whose bytes at
+        this step are not what it keeps for its backward; the step's XLA temporaries;
+        the devices they are on)."""
+        if not isinstance(step, Call):
+            return self.mb.get(step.src), 0, ()
+        fwd = self.ex.plan.fragments[step.fragment].transpose_count == 0
+        temp = self.ex.exes[step.fragment].memory_analysis().temp_size_in_bytes
+        return (step.microbatch if fwd else None), temp, self.ex.plan.call_devices(step)
+
+    def result(self, stages: dict[tuple[int, ...], int]) -> list[SubmeshMemory]:
+        out = []
+        for where, v in stages.items():
+            p = max(where, key=lambda q: self.peak.get(q, (0,))[0])
+            total, split, temp = self.peak.get(p, (0, {}, 0))
+            a, n = max((self.act.get(q, (0, 0)) for q in where), default=(0, 0))
+            res, w = (max(self.per_mb[st].get(q, 0) for q in where) // v for st in ("fb", "bw"))
+            out.append(SubmeshMemory(
+                tuple(self.ex.devices[q].id for q in where), total, split.get(INPUTS, 0),
+                split.get(ACTIVATIONS, 0), split.get(OTHER, 0), temp, a, n, res, w, v))
+        return out

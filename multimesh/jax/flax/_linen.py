@@ -19,6 +19,7 @@ import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts
 from multimesh.jax._results import ParallelizeStepResult
+from multimesh.jax._task import check_remat
 from multimesh.runtime import distributed
 
 __all__ = ["task", "shard_axes", "parallelize_step"]
@@ -362,6 +363,7 @@ class MicrobatchOptions:
     unrolling: int | None = None
     custom_schedule: Sequence[Sequence[Any]] | None = None
     reduction: str = "mean"
+    remat: Any = None  # True or a jax checkpoint policy: every stage recomputes its forward
 
     @property
     def active(self) -> bool:
@@ -380,7 +382,9 @@ class MicrobatchOptions:
             raise MultimeshValueError(
                 f"parallelize_step `microbatch_reduction` must be 'mean' or 'sum', got "
                 f"{self.reduction!r}.")
-        pipelining = ("schedule", "interleave", "num_stages", "unrolling", "custom_schedule")
+        check_remat(self.remat, "parallelize_step")
+        pipelining = ("schedule", "interleave", "num_stages", "unrolling", "custom_schedule",
+                      "remat")
         given = [n for n in pipelining if getattr(self, n) is not None]
         if given and not self.active:
             raise MultimeshValueError(
@@ -410,7 +414,8 @@ class MicrobatchOptions:
         return mm.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
                              schedule=self.schedule, interleave=self.interleave,
                              num_stages=self.num_stages, unrolling=self.unrolling,
-                             custom_schedule=self.custom_schedule, reduction=self.reduction)
+                             custom_schedule=self.custom_schedule, reduction=self.reduction,
+                             remat=self.remat)
 
 
 def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
@@ -419,7 +424,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
                      schedule: str | None = None, interleave: int | None = None,
                      num_stages: int | None = None, unrolling: int | None = None,
                      custom_schedule=None, microbatch_reduction: str = "mean",
-                     init_state=None, rng=None):
+                     init_state=None, rng=None, remat=None):
     """Compiles one training step of ``model`` with ``optimizer`` as an MPMD program.
 
     ``model(batch)`` must return the scalar loss. For a linen module the state
@@ -438,6 +443,8 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     num_stages=..., unrolling=..., custom_schedule=...)``; the loss and gradients
     are the mean over microbatches (``microbatch_reduction="mean"``, the same as
     the whole batch for a loss that averages over it) or their sum (``"sum"``).
+    ``remat=True`` (or a jax checkpoint policy) makes every stage's backward
+    recompute its forward (``microbatch(..., remat=)``).
 
     Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult` that unpacks as
     ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
@@ -449,7 +456,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     from multimesh.jax.flax import _nnx
 
     mb = MicrobatchOptions(num_microbatches, microbatch_size, schedule, interleave, num_stages,
-                           unrolling, custom_schedule, microbatch_reduction)
+                           unrolling, custom_schedule, microbatch_reduction, remat)
     mb.check()
     if _nnx.is_nnx_module(model):
         if init_state is not None or rng is not None:

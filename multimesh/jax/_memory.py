@@ -1,0 +1,93 @@
+"""``MpmdCompiled.memory_profile``: measured memory per submesh beside the schedule's theory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from multimesh.runtime.memory import SubmeshMemory, measure_step
+
+__all__ = ["MemoryProfile", "memory_profile"]
+
+
+@dataclasses.dataclass
+class MemoryProfile:
+    """Per submesh (schedule order), what one real step held and what the schedule
+    predicts: ``predicted_microbatches`` live (stage, microbatch) pairs at most (the
+    schedule's ``live_activations``), and ``predicted_activations``, the most bytes
+    over the submesh's dispatch order of (pairs between forward and backward) x
+    ``residual_bytes`` + (pairs between the halves of a split backward) x
+    ``weight_bytes`` (a pair whose first half runs counts in both)."""
+
+    schedule: str | None
+    submeshes: list[SubmeshMemory]
+    predicted_microbatches: list[int]
+    states: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    """Per submesh, after each of its dispatches: (pairs awaiting their backward,
+    pairs awaiting their weight half)."""
+
+    @property
+    def predicted_activations(self) -> list[int]:
+        return [max((a * s.residual_bytes + b * s.weight_bytes for a, b in counts), default=0)
+                for counts, s in zip(self.states, self.submeshes)]
+
+    def format(self) -> str:
+        """A table, one row per submesh, sizes in KiB per device."""
+        head = (f"{'devices':<14}{'peak':>9}{'inputs':>9}{'activ.':>9}{'other':>9}{'temp':>9}"
+                f"{'act.peak':>10}{'mbs':>5}{'theory':>9}{'(mbs)':>6}")
+        rows = [head]
+        for s, n, t in zip(self.submeshes, self.predicted_microbatches,
+                           self.predicted_activations):
+            ids = ",".join(map(str, s.devices))
+            rows.append(f"{ids:<14}" + "".join(f"{v / 1024:>9.1f}" for v in (
+                s.peak, s.inputs, s.activations, s.other, s.temporaries))
+                + f"{s.peak_activations / 1024:>10.1f}{s.peak_microbatches:>5}"
+                + f"{t / 1024:>9.1f}{n:>6}")
+        return "\n".join(rows)
+
+
+def memory_profile(compiled, args, kwargs) -> MemoryProfile:
+    """Run one step of ``compiled`` on ``args`` and measure it (see :class:`MemoryProfile`)."""
+    low = compiled._lowered
+    flat, _ = jax.tree.flatten((args, kwargs))
+    flat = [flat[i] for i in low.dyn_idx]
+    if low.key_inputs:
+        flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
+    measured = {tuple(s.devices): s for s in measure_step(compiled._exec, flat)}
+    sched = compiled.schedule
+    if sched is None:
+        return MemoryProfile(None, list(measured.values()), [0] * len(measured),
+                             [[] for _ in measured])
+    ids = [tuple(low.devices[p].id for p in where) for where in sched.devices]
+    live = sched.live_activations()
+    rows = [measured.get(i, SubmeshMemory(i)) for i in ids]
+    return MemoryProfile(sched.name, rows, list(live), _states(sched))
+
+
+def _states(schedule) -> list[list[tuple[int, int]]]:
+    """Per submesh, after each dispatch: (stage, microbatch) pairs whose forward ran and
+    backward has not, and pairs whose backward has partly run (a weight half to come)."""
+    total: dict[tuple, int] = {}
+    for u in schedule.units:
+        if not u.free and u.kind in ("bwd", "bwd_w"):
+            total[u.key] = total.get(u.key, 0) + 1
+    out = []
+    for row in schedule.rows():
+        fwd: set[tuple] = set()
+        bwd: dict[tuple, int] = {}
+        counts = []
+        for u in row:
+            if not u.free and u.kind == "fwd":
+                fwd.add(u.key)
+            elif not u.free and u.kind in ("bwd", "bwd_w"):
+                bwd[u.key] = bwd.get(u.key, 0) + 1
+            waiting = [k for k in fwd if k in total and bwd.get(k, 0) < total[k]]
+            # while a split backward's first half runs, its microbatch's residuals are
+            # still held beside what it makes for the second half
+            running = int(not u.free and u.kind == "bwd" and u.key in fwd
+                          and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1)
+            counts.append((sum(1 for k in waiting if not bwd.get(k)) + running,
+                           sum(1 for k in waiting if bwd.get(k))))
+        out.append(counts)
+    return out
