@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import threading
 from collections.abc import Callable, Set
+from contextlib import ExitStack
 from types import ModuleType, SimpleNamespace
 
 import jax
@@ -43,6 +45,7 @@ __all__ = [
     "compile_module", "dispatcher", "shard_args", "batched_copy", "device_list",
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
+    "persistent_cache_hits", "in_config_of_caller",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -378,6 +381,55 @@ def device_list(sharding):
     """The device list a sharding holds, in the form :data:`batched_copy` takes
     (``Sharding._internal_device_list``, internal)."""
     return sharding._internal_device_list
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+_hits_lock = threading.Lock()
+_hits_listening = False
+
+
+def _count_cache_hit(event: str, **_: object) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+def persistent_cache_hits() -> int:
+    """How many executables this thread has loaded from jax's persistent compilation
+    cache (``jax_compilation_cache_dir``) so far.
+
+    ``compile_or_get_cached``, which :func:`compile_module` goes through (inside
+    ``UnloadedMeshExecutable.from_hlo``), says whether it read the executable from the
+    cache only through the monitoring event ``/jax/compilation_cache/cache_hits``
+    (the event's name is internal, the same from 0.10.2 to 0.12). Events are counted
+    per thread, so concurrent compiles each see their own.
+    """
+    global _hits_listening
+    if not _hits_listening:
+        with _hits_lock:
+            if not _hits_listening:
+                jax.monitoring.register_event_listener(_count_cache_hit)
+                _hits_listening = True
+    return getattr(_hits, "n", 0)
+
+
+def in_config_of_caller() -> Callable[[], ExitStack]:
+    """A context factory that re-enters, in another thread, the jax configuration this
+    thread set with context managers (``with jax.log_compiles(True):``, ...).
+
+    jax's config context managers are thread-local, so a worker thread compiling on the
+    caller's behalf would otherwise see only global values (``State.get_local`` and
+    ``config_states``: internal, the same from 0.10.2 to 0.12).
+    """
+    local = [(st, v) for st in _config.config_states.values()
+             if (v := st.get_local()) is not _config.config_ext.unset]
+
+    def enter() -> ExitStack:
+        stack = ExitStack()
+        for st, v in local:
+            stack.enter_context(st(v))
+        return stack
+    return enter
 
 
 # ----------------------------------------------------------------------------

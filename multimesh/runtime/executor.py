@@ -23,6 +23,7 @@ from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
 from multimesh.runtime.guards import check_args
+from multimesh.runtime.parallel import map_ordered
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
@@ -61,14 +62,33 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     ``positions``: run it on these device positions instead of its own (a task
     that moves with the microbatch).
     """
+    return _compile_one(frag, devices, donors, positions)[0]
+
+
+XLA, PERSISTENT_CACHE, MEMORY = "xla", "persistent cache", "memory"
+"""Where a fragment's executable came from: compiled by XLA now, loaded from jax's
+persistent compilation cache, or compiled earlier in this process."""
+_ORIGINS = (XLA, PERSISTENT_CACHE, MEMORY)
+
+
+def _fragment_key(frag: Fragment, devices: tuple, donors: tuple[int, ...],
+                  positions: tuple[int, ...] | None) -> tuple:
+    sub = tuple(devices[p] for p in (positions or frag.devices))
+    return (frag.text, tuple(d.id for d in sub), donors)
+
+
+def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
+                 positions: tuple[int, ...] | None = None
+                 ) -> tuple[jax.stages.Compiled, str]:
+    """:func:`compile_fragment`, and where the executable came from (:data:`XLA`, ...)."""
     home = frag.devices
     positions = positions or home
     sub = tuple(devices[p] for p in positions)
-    key = (frag.text, tuple(d.id for d in sub), donors)
+    key = _fragment_key(frag, devices, donors, positions)
     with _LOCK:
         exe = _COMPILE_CACHE.get(key)
     if exe is not None:
-        return exe
+        return exe, MEMORY
     t0 = time.perf_counter()
     in_sh = [layout_sharding(moved(lay, home, positions), devices) for lay in frag.in_layouts]
     out_sh = [layout_sharding(moved(lay, home, positions), devices)
@@ -77,22 +97,44 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     if donors:
         _mark_donors(module, donors)
     global xla_compiles
-    xla_compiles += 1
+    with _LOCK:
+        xla_compiles += 1
+    hits = jax_compat.persistent_cache_hits()
     # A jax.stages.Compiled: calls take jax's C++ dispatch path (a few µs, like a
     # jitted function) instead of MeshExecutable.call's Python checks (~15 µs); the
     # plan guarantees argument layouts.
     exe = jax_compat.compile_module(
         frag.name, module, [_aval(t) for t in frag.in_types],
         [_aval(t) for t in frag.out_types], in_sh, out_sh, sub)
+    origin = PERSISTENT_CACHE if jax_compat.persistent_cache_hits() > hits else XLA
     level = compile_log_level()
     if logger.isEnabledFor(level):
-        logger.log(level, "multimesh: XLA compiled fragment %s on devices %s%s in %.3f s",
+        logger.log(level, "multimesh: %s fragment %s on devices %s%s in %.3f s",
+                   "XLA compiled" if origin == XLA else "loaded from jax's persistent cache",
                    frag.name, [d.id for d in sub],
                    f" (donating arguments {list(donors)})" if donors else "",
                    time.perf_counter() - t0)
     with _LOCK:
         _COMPILE_CACHE[key] = exe
-    return exe
+    return exe, origin
+
+
+def _compile_all(jobs: list[tuple[Fragment, tuple[int, ...], tuple[int, ...]]],
+                 devices: tuple) -> list[tuple[jax.stages.Compiled, str, float]]:
+    """``(executable, origin, seconds)`` of every ``(fragment, donors, positions)`` job,
+    in order; distinct executables compile concurrently (:mod:`.parallel`), each once."""
+    first: dict[tuple, int] = {}
+    for j, (frag, donors, positions) in enumerate(jobs):
+        first.setdefault(_fragment_key(frag, devices, donors, positions), j)
+
+    def timed(j: int) -> tuple[jax.stages.Compiled, str, float]:
+        t0 = time.perf_counter()
+        exe, origin = _compile_one(jobs[j][0], devices, jobs[j][1], jobs[j][2])
+        return exe, origin, time.perf_counter() - t0
+
+    done = dict(zip(first.values(), map_ordered(timed, list(first.values()))))
+    return [done[j] if j in done else (done[first[k]][0], MEMORY, 0.0)
+            for j, k in enumerate(_fragment_key(f, devices, d, p) for f, d, p in jobs)]
 
 
 _shard_args = jax_compat.shard_args
@@ -225,12 +267,21 @@ class Executor:
         """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
         self._skipped_donations: dict[int, list[int]] = {}
         self._consumed: dict[int, set[int]] = {}  # call -> values it donates (or deletes)
+        jobs = []
         for (name, positions), calls in wants.items():
             common = set(calls[0][1]).intersection(*(d for _, d in calls[1:]))
-            t0 = time.perf_counter()
-            exe = compile_fragment(plan.fragments[name], self.devices, tuple(sorted(common)),
-                                   positions)
-            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + time.perf_counter() - t0
+            jobs.append((plan.fragments[name], tuple(sorted(common)), positions))
+        self.xla_sources: dict[str, str] = {}
+        """Fragment name -> where its executables came from (:data:`XLA` when any was
+        compiled, else :data:`PERSISTENT_CACHE` when any was loaded from it, else
+        :data:`MEMORY`)."""
+        results = _compile_all(jobs, self.devices)
+        for ((name, _), calls), (frag, common_t, _), (exe, origin, secs) in zip(
+                wants.items(), jobs, results):
+            common = set(common_t)
+            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + secs
+            self.xla_sources[name] = min(self.xla_sources.get(name, MEMORY), origin,
+                                         key=_ORIGINS.index)
             self.exes.setdefault(name, exe)
             for i, donors in calls:
                 exes[i] = exe
@@ -239,7 +290,7 @@ class Executor:
                     self._skipped_donations[i] = skipped
                 args = plan.steps[i].args
                 self._consumed[i] = {args[k] for k in donors} | {
-                    args[k] for k in plan.fragments[name].donors}
+                    args[k] for k in frag.donors}
         return exes
 
     def place_inputs(self, args):
