@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -79,9 +80,9 @@ def test_threads_change_nothing_but_the_time(monkeypatch):
         runs[threads] = (compiled.fragments, compiled.calls, compiled.xla_sources,
                          compiled._exec.xla_compiles, [np.asarray(g) for g in got[1]])
     (f1, c1, s1, n1, g1), (f4, c4, s4, n4, g4) = runs[1], runs[4]
-    assert len(f1) >= 8 and n1 == n4 == len(f1)
-    assert f1 == f4 and c1 == c4
-    assert s1 == s4 == {f["name"]: "xla" for f in f1}
+    assert f1 == f4 and c1 == c4 and s1 == s4
+    assert len(f1) >= 8 and n1 == n4 == list(s1.values()).count("xla")
+    assert set(s1.values()) == {"xla", "identical fragment"}
     for a, b in zip(g1, g4):
         np.testing.assert_array_equal(a, b)
 
@@ -92,6 +93,24 @@ def test_a_second_compile_is_served_from_memory(monkeypatch):
     assert set(again.xla_sources.values()) == {"memory"}
     assert again._exec.xla_compiles == 0
     _check(again(ws, x), _reference(loss, ws, x))
+
+
+def test_fragments_that_differ_only_in_their_devices_compile_once(monkeypatch):
+    """The middle stages run the same block on other submeshes: one of them compiles,
+    the others load its executable onto their devices (no XLA compile), and every
+    stage computes jax's numbers on its own devices."""
+    compiled, loss, ws, x = _compile(1, monkeypatch)
+    src = compiled.xla_sources
+    assert src["s1_fwd"] == "xla" and src["s2_fwd"] == "identical fragment", src
+    assert compiled._exec.xla_compiles == list(src.values()).count("xla") < len(src)
+    for name in ("s1_fwd", "s2_fwd"):
+        assert sorted(d.id for d in compiled._exec.exes[name].input_shardings[0][0].device_set) \
+            == sorted({d for f in compiled.fragments if f["name"] == name
+                       for d in f["devices"]})
+    got = compiled(ws, x)
+    _check(got, _reference(loss, ws, x))
+    assert [sorted(d.id for d in g.devices()) for g in got[1]] == [
+        [2 * k, 2 * k + 1] for k in range(4)]
 
 
 def test_a_failing_fragment_raises_what_serial_compilation_raises(monkeypatch):
@@ -119,8 +138,8 @@ def test_workers_compile_in_the_callers_jax_config(monkeypatch, caplog):
     monkeypatch.delenv("MULTIMESH_LOG_COMPILES", raising=False)
     with caplog.at_level(logging.WARNING, logger="multimesh"), jax.log_compiles(True):
         compiled, *_ = _compile(4, monkeypatch)
-    logged = [r.getMessage() for r in caplog.records
-              if r.name == "multimesh" and "XLA compiled fragment" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records if r.name == "multimesh"
+              and re.search("XLA compiled|identical fragment's executable", r.getMessage())]
     assert len(logged) == len(compiled.fragments)
 
 

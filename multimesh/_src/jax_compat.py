@@ -45,7 +45,8 @@ __all__ = [
     "compile_module", "dispatcher", "shard_args", "batched_copy", "device_list",
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
-    "persistent_cache_hits", "in_config_of_caller",
+    "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
+    "persistent_cache_on",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -334,6 +335,47 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     return stages.Compiled(exe, [], args_info, out_tree)
 
 
+def load_on_devices(compiled, name: str, in_shardings, out_shardings, devices):
+    """``compiled`` (from :func:`compile_module`) for other devices, without compiling.
+
+    An SPMD executable does not depend on which devices it runs on, only on how many:
+    PjRt loads a serialized one with any device assignment of the same size (what
+    jax's persistent cache does on GPU, where its key leaves out the device ids). jax
+    has no public "load this executable onto those devices", so this serializes the
+    executable, deserializes it for ``devices`` (``Client.deserialize_executable``
+    with a device assignment in its compile options) and rebuilds jit's wrapper around
+    it (``UnloadedMeshExecutable`` with the new shardings; internal, checked on
+    0.10.2). None where that cannot apply: an executable with host callbacks (their
+    pointers are compiled in) or devices of another process.
+    """
+    import dataclasses
+
+    import numpy as np
+    from jax._src import compiler as _compiler
+    from jax._src import stages
+
+    src = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+    if (src is None or src.host_callbacks or src.keepalive
+            or any(d.process_index != jax.process_index() for d in devices)):
+        return None
+    device_list = _xc.DeviceList(tuple(devices))
+    assignment = np.empty((1, len(devices)), dtype=object)
+    assignment[0, :] = devices
+    options = _compiler.get_compile_options(
+        num_replicas=1, num_partitions=len(devices), device_assignment=assignment,
+        backend=src.backend)
+    xla = src.backend.deserialize_executable(src.xla_executable.serialize(), device_list,
+                                             options)
+    try:
+        exe = dataclasses.replace(
+            src, xla_executable=xla, device_list=device_list, name=name,
+            input_shardings=tuple(in_shardings), output_shardings=tuple(out_shardings)).load()
+    except (TypeError, AttributeError):  # another jax's fields: compile instead
+        return None
+    _skip_sub_byte_layout_check(exe)
+    return stages.Compiled(exe, [], compiled.args_info, compiled.out_tree)
+
+
 def _skip_sub_byte_layout_check(exe) -> None:
     """Let sub-byte arguments (``int4``, ``uint2``, ``float4_e2m1fn``, ...) through.
 
@@ -411,6 +453,14 @@ def persistent_cache_hits() -> int:
                 jax.monitoring.register_event_listener(_count_cache_hit)
                 _hits_listening = True
     return getattr(_hits, "n", 0)
+
+
+def persistent_cache_on() -> bool:
+    """Whether jax's persistent compilation cache is in use (``jax_compilation_cache_dir``
+    set and ``jax_enable_compilation_cache`` on; the flags are public, reading them
+    through ``config`` is the same from 0.10.2 to 0.12)."""
+    return bool(_config.enable_compilation_cache.value
+                and _config.compilation_cache_dir.value)
 
 
 def in_config_of_caller() -> Callable[[], ExitStack]:
