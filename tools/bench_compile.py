@@ -121,15 +121,21 @@ def _clear():
     jax.clear_caches()
 
 
-def ours(schedule: str, threads: int) -> dict:
-    """One compile of the step with ``threads`` compile threads (caches cleared)."""
+def ours(schedule: str, threads: int, share: bool = True) -> dict:
+    """One compile of the step with ``threads`` compile threads (caches cleared);
+    ``share=False`` compiles every fragment, also those identical up to their devices
+    (what multimesh did before issue 25)."""
     import jax
 
     import multimesh.jax as mm
+    from multimesh.runtime import executor
 
     loss, params, tokens, name = model(schedule)
     _clear()
     os.environ["MULTIMESH_COMPILE_THREADS"] = str(threads)
+    shape_key = executor._shape_key
+    if not share:  # every fragment its own group: nothing is loaded from another
+        executor._shape_key = lambda frag, donors: (frag.text, frag.devices, donors)
     try:
         step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB_SIZE, argnum=1,
                              schedule=name)
@@ -138,13 +144,17 @@ def ours(schedule: str, threads: int) -> dict:
         total = time.perf_counter() - t0
     finally:
         del os.environ["MULTIMESH_COMPILE_THREADS"]
+        executor._shape_key = shape_key
     per_task: dict[str, int] = {}
+    compiles: dict[str, int] = {}
     for f in compiled.fragments:
         per_task[f["task"]] = per_task.get(f["task"], 0) + 1
+        compiles[f["task"]] = (compiles.get(f["task"], 0)
+                               + (compiled.xla_sources[f["name"]] == "xla"))
     return {"total": total, "xla": compiled.compile_times["xla"],
             "xla_sum": sum(compiled.xla_times.values()),
             "fragments": len(compiled.fragments), "xla_compiles": compiled._exec.xla_compiles,
-            "per_task": per_task, "sources": sorted(set(compiled.xla_sources.values()))}
+            "per_task": per_task, "compiles_per_task": compiles, "sources": sorted(set(compiled.xla_sources.values()))}
 
 
 def jit_scan(schedule: str) -> float:
@@ -216,25 +226,30 @@ def main(argv=None) -> int:
     print(f"{os.cpu_count()} CPUs; compile threads {threads}; {reps} repetition(s)")
     res: dict = {}
     for sched in args.schedules.split(","):
-        runs: dict[int, list[dict]] = {t: [] for t in threads}
+        # (threads, share): before issue 25 (serial, every fragment compiled), then
+        # identical fragments once, then each thread count
+        setups = [(1, False)] + [(t, True) for t in threads]
+        runs: dict[tuple, list[dict]] = {st: [] for st in setups}
         scans = []
-        for _ in range(reps):  # side by side: every thread count in every repetition
-            for t in threads:
-                runs[t].append(ours(sched, t))
+        for _ in range(reps):  # side by side: every setup in every repetition
+            for st in setups:
+                runs[st].append(ours(sched, *st))
             scans.append(jit_scan(sched))
         scan = statistics.median(scans)
-        base = statistics.median(r["total"] for r in runs[threads[0]])
-        for t in threads:
-            total = statistics.median(r["total"] for r in runs[t])
-            xla = statistics.median(r["xla"] for r in runs[t])
-            last = runs[t][-1]
-            res[f"{sched} threads={t}"] = {"total": total, "xla": xla, "/jit+scan": total / scan,
-                                           f"/threads={threads[0]}": total / base, **last}
-            print(f"{sched:12} threads={t}: compile {total:6.2f} s (XLA {xla:6.2f} s, "
-                  f"{last['xla_compiles']} XLA compiles), {total / scan:4.2f}x jax.jit+scan, "
-                  f"{total / base:4.2f}x threads={threads[0]}")
-        print(f"{sched:12} jax.jit + lax.scan: {scan:6.2f} s; XLA compiles per stage: "
-              f"{runs[threads[0]][-1]['per_task']}")
+        base = statistics.median(r["total"] for r in runs[setups[0]])
+        for st in setups:
+            total = statistics.median(r["total"] for r in runs[st])
+            xla = statistics.median(r["xla"] for r in runs[st])
+            last = runs[st][-1]
+            label = f"threads={st[0]}{'' if st[1] else ' no sharing'}"
+            res[f"{sched} {label}"] = {"total": total, "xla": xla, "/jit+scan": total / scan,
+                                       "/before": total / base, **last}
+            print(f"{sched:12} {label:22}: compile {total:6.2f} s (XLA {xla:6.2f} s, "
+                  f"{last['xla_compiles']:2} XLA compiles of {last['fragments']} fragments), "
+                  f"{total / scan:4.2f}x jax.jit+scan, {total / base:4.2f}x before")
+        print(f"{sched:12} jax.jit + lax.scan: {scan:6.2f} s; fragments per stage: "
+              f"{runs[setups[0]][-1]['per_task']}; XLA compiles per stage: "
+              f"{runs[setups[1]][-1]['compiles_per_task']}")
         res[f"{sched} jit+scan"] = scan
     if not args.no_persistent:
         sched = args.schedules.split(",")[0]

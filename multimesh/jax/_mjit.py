@@ -147,8 +147,9 @@ class MpmdCompiled:
         overlap, since fragments compile concurrently (``MULTIMESH_COMPILE_THREADS``)."""
         self.xla_sources = dict(self._exec.xla_sources)
         """Fragment name -> where its executable came from: ``"xla"`` (compiled now),
-        ``"persistent cache"`` (jax's ``jax_compilation_cache_dir``) or ``"memory"``
-        (compiled earlier in this process)."""
+        ``"persistent cache"`` (jax's ``jax_compilation_cache_dir``), ``"identical
+        fragment"`` (loaded from a fragment that differs only in its devices) or
+        ``"memory"`` (compiled earlier in this process)."""
         _log_phase(lowered, "compiled the fragments with XLA", self.compile_times["xla"],
                    f"{self._exec.xla_compiles} XLA compilations")
         _log_phase(lowered, "finished compiling", sum(self.compile_times.values()),
