@@ -364,14 +364,14 @@ def load_on_devices(compiled, name: str, in_shardings, out_shardings, devices):
     options = _compiler.get_compile_options(
         num_replicas=1, num_partitions=len(devices), device_assignment=assignment,
         backend=src.backend)
-    xla = src.backend.deserialize_executable(src.xla_executable.serialize(), device_list,
-                                             options)
     try:
+        xla = src.backend.deserialize_executable(src.xla_executable.serialize(),
+                                                 device_list, options)
         exe = dataclasses.replace(
             src, xla_executable=xla, device_list=device_list, name=name,
             input_shardings=tuple(in_shardings), output_shardings=tuple(out_shardings)).load()
-    except (TypeError, AttributeError):  # another jax's fields: compile instead
-        return None
+    except (TypeError, AttributeError, jax.errors.JaxRuntimeError):
+        return None  # another jax's fields, or a backend that cannot: compile instead
     _skip_sub_byte_layout_check(exe)
     return stages.Compiled(exe, [], compiled.args_info, compiled.out_tree)
 
@@ -471,8 +471,9 @@ def in_config_of_caller() -> Callable[[], ExitStack]:
     caller's behalf would otherwise see only global values (``State.get_local`` and
     ``config_states``: internal, the same from 0.10.2 to 0.12).
     """
-    local = [(st, v) for st in _config.config_states.values()
-             if (v := st.get_local()) is not _config.config_ext.unset]
+    unset = _config.config_ext.unset
+    local = [(st, v) for st in getattr(_config, "config_states", {}).values()
+             if (v := st.get_local()) is not unset]
 
     def enter() -> ExitStack:
         stack = ExitStack()
