@@ -14,6 +14,8 @@ from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
 
+from . import _attrs as ta
+
 TASK_ATTR = "mm.task"
 TASKS_ATTR = "mm.tasks"
 LOGICAL_TARGET = "mm.logical_sharding"
@@ -298,7 +300,7 @@ def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo
 def _known(op: ir.Operation, name: str, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo:
     info = tasks.get(name)
     if info is None:
-        known = ", ".join(f'"{k}"' for k in sorted(tasks)) or "none"
+        known = ta.listing(f'"{k}"' for k in sorted(tasks)) or "none"
         raise DiagnosticError(
             f"'{TASK_ATTR}' on '{op.name}' names task \"{name}\" which is not in "
             f"'{TASKS_ATTR}' (known: {known})", op.location)
@@ -317,9 +319,17 @@ def loop_of(op: ir.Operation) -> int:
     tag = tag_of(op)
     if tag is not None:
         return tag[2]
-    if LOOP_ATTR in op.attributes:
-        return ir.IntegerAttr(op.attributes[LOOP_ATTR]).value
-    return -1
+    return ta.read_attr(op, LOOP_ATTR, LOOP_ID, default=-1)
+
+
+LOOP_ID = ta.int_in(0, (1 << 31) - 1, ("a microbatch loop id", "microbatch loop ids"))
+MICROBATCH_SPEC = ta.dict_of(loop=LOOP_ID, num_microbatches=ta.MICROBATCHES)
+"""``mm.microbatch = {loop = 0, num_microbatches = M}``."""
+
+
+def microbatch_of(op: ir.Operation) -> dict | None:
+    """The ``mm.microbatch`` of a front-end loop call or marker, checked (None if absent)."""
+    return ta.read_attr(op, MICROBATCH_ATTR, MICROBATCH_SPEC, default=None)
 
 
 def is_loop_marker(op: ir.Operation) -> bool:
@@ -343,11 +353,8 @@ def loop_body(loop: ir.Operation, funcs: dict[str, ir.Operation]) -> tuple[ir.Op
     if fn is None:
         raise DiagnosticError(f"'{LOOP_TARGET}' body @{name} is not a function of the module",
                               loc)
-    num = attrs[NUM_MICROBATCHES_ATTR] if NUM_MICROBATCHES_ATTR in attrs else None
-    if not isinstance(num, ir.IntegerAttr) or isinstance(num, ir.BoolAttr) or \
-            ir.IntegerAttr(num).value < 1:
-        raise DiagnosticError(f"'{LOOP_TARGET}' needs '{NUM_MICROBATCHES_ATTR}', an integer "
-                              f">= 1", loc)
+    num = ta.read_attr(loop, NUM_MICROBATCHES_ATTR, ta.MICROBATCHES,
+                      f"'{NUM_MICROBATCHES_ATTR}' on '{LOOP_TARGET}'")
     block = entry_block(fn)
     ops = list(block.operations)
     if len(block.arguments) != 1 + len(loop.operands):
@@ -362,7 +369,7 @@ def loop_body(loop: ir.Operation, funcs: dict[str, ir.Operation]) -> tuple[ir.Op
         raise DiagnosticError(
             f"'{LOOP_TARGET}' has {len(loop.results)} results, but its body @{name} does not "
             f"return as many running sums", loc)
-    return fn, ir.IntegerAttr(num).value
+    return fn, num
 
 
 def logical_marker_axes(op: ir.Operation) -> list[list[str]]:
@@ -442,10 +449,12 @@ def value_bytes(v: ir.Value) -> int:
 
 
 def num_devices(module: ir.Module) -> int | None:
-    attrs = module.operation.attributes
-    if "mm.num_devices" in attrs:
-        return ir.IntegerAttr(attrs["mm.num_devices"]).value
-    return None
+    """The module's ``mm.num_devices``, checked (None if absent)."""
+    return ta.read_attr(module.operation, "mm.num_devices", DEVICE_COUNT, "'mm.num_devices'",
+                       default=None)
+
+
+DEVICE_COUNT = ta.int_in(1, ta.MAX_DEVICES, ("a device count", "device counts"))
 
 
 def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
@@ -590,9 +599,7 @@ def fragment_info(fn: ir.Operation, meshes=None, *, need_task: bool = False) -> 
     if (dup := _duplicate(devices)) is not None:
         raise DiagnosticError(
             f"{what} 'mm.devices' {_fmt(devices)} list device {dup} twice", loc)
-    if (neg := [x for x in devices if x < 0]):
-        raise DiagnosticError(
-            f"{what} 'mm.devices' {_fmt(devices)} has negative entry {neg[0]}", loc)
+    ta.read(devices, ta.list_of(ta.POSITION), f"{what} 'mm.devices'", loc)
     if meshes is None:
         return FragmentInfo(tuple(devices), attrs["mm.devices"], None, tag_of(fn))
     ref = attrs["mm.mesh"]
@@ -660,13 +667,7 @@ def _mesh_axes(meshes, name: str, what: str, loc) -> dict[str, int]:
 
 
 def _fmt(v) -> str:
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_fmt(x)}" for k, x in v.items()) + "}"
-    return str(v)
+    return ta.show(v)
 
 
 def _is_int(v) -> bool:
@@ -731,7 +732,7 @@ def _loop_devices(v, count: int, what: str, loc) -> tuple[tuple[int, ...], ...] 
         return None
     rows = []
     for row in _list(v, f"{what} loop_devices", "device lists", loc):
-        row = _int_list(row, f"{what} loop_devices entry", loc)
+        row = ta.read(row, ta.list_of(ta.POSITION), f"{what} loop_devices entry", loc)
         if len(row) != count or len(set(row)) != len(row) or min(row) < 0:
             raise DiagnosticError(
                 f"{what} loop_devices entries must list {count} distinct "
@@ -753,8 +754,7 @@ def check_mesh(devices: list[int], names: list[str], sizes: list[int], what: str
         raise DiagnosticError(f"{what} devices must not be empty", loc)
     if (dup := _duplicate(devices)) is not None:
         raise DiagnosticError(f"{what} devices {_fmt(devices)} list device {dup} twice", loc)
-    if (neg := [x for x in devices if x < 0]):
-        raise DiagnosticError(f"{what} devices {_fmt(devices)} has negative entry {neg[0]}", loc)
+    ta.read(devices, ta.list_of(ta.POSITION), f"{what} devices", loc)
     if (dup := _duplicate(names)) is not None:
         raise DiagnosticError(f"{what} axis_names {_fmt(names)} name axis \"{dup}\" twice", loc)
     if len(sizes) != len(names):
@@ -764,6 +764,10 @@ def check_mesh(devices: list[int], names: list[str], sizes: list[int], what: str
     if (bad := [s for s in sizes if s <= 0]):
         raise DiagnosticError(
             f"{what} axis_sizes {_fmt(sizes)} must be positive, got {bad[0]}", loc)
+    if (bad := [s for s in sizes if s > ta.MAX_DEVICES]):
+        raise DiagnosticError(
+            f"{what} axis_sizes {_fmt(sizes)} must be at most {ta.MAX_DEVICES} (MAX_DEVICES), "
+            f"got {bad[0]}", loc)
     if prod(sizes) != len(devices):
         raise DiagnosticError(
             f"{what} axis_sizes {_fmt(sizes)} multiply to {prod(sizes)} but devices has "
@@ -793,8 +797,14 @@ def _tag_from_dict(d: dict, what: str, loc) -> Tag:
             f"{what} transpose_count must be an integer, got {_fmt(count)}", loc)
     if count < 0:
         raise DiagnosticError(f"{what} transpose_count must be >= 0, got {count}", loc)
-    if not _is_int(mb) or mb < -1:
+    ta.read(count, TRANSPOSE_COUNT, f"{what} transpose_count", loc)
+    if not _is_int(mb) or not -1 <= mb <= MAX_ID:
         raise DiagnosticError(
-            f"{what} loop must be a microbatch loop id (an integer >= 0), got {_fmt(mb)}",
-            loc)
+            f"{what} loop must be a microbatch loop id (an integer in 0..{MAX_ID}), got "
+            f"{_fmt(mb)}", loc)
     return name, count, mb
+
+
+MAX_ID = (1 << 31) - 1
+"""The largest transpose count or loop id (they are written back as 64-bit integers)."""
+TRANSPOSE_COUNT = ta.int_in(0, MAX_ID, ("a transpose count", "transpose counts"))

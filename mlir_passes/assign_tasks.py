@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
 
+from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 from .match_tasks import BACKPROP_MARKER, name_stack
@@ -40,9 +41,9 @@ class AssignTasksPass(ModulePass):
     """Devices of the implicit default task; 0 reads `mm.num_devices` or `mhlo.num_partitions`."""
 
     def __post_init__(self):
-        if self.num_devices < 0:
-            raise self.bad_option("num_devices", "a positive device count, or 0 to read it "
-                                                 "from the module")
+        if not 0 <= self.num_devices <= ta.MAX_DEVICES:
+            raise self.bad_option("num_devices", f"a device count in 1..{ta.MAX_DEVICES}, or 0 "
+                                                 f"to read it from the module")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -223,7 +224,5 @@ def _nested_tag(op: ir.Operation, tasks) -> c.Tag | None:
 
 
 def _num_partitions(module: ir.Module) -> int:
-    attrs = module.operation.attributes
-    if "mhlo.num_partitions" in attrs:
-        return int(ir.IntegerAttr(attrs["mhlo.num_partitions"]).value)
-    return 1
+    return ta.read_attr(module.operation, "mhlo.num_partitions", c.DEVICE_COUNT,
+                       "'mhlo.num_partitions'", default=1)

@@ -8,7 +8,7 @@ import numpy as np
 
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import attr_entries, mesh_attrs
-from multimesh._src.mlir import attr_to_py, func, ir, stablehlo
+from multimesh._src.mlir import func, ir, stablehlo
 
 from . import _contract as c
 from .base import ModulePass
@@ -77,10 +77,8 @@ class FormMicrobatchLoopPass(ModulePass):
 def _num_microbatches(sums, index_ops, module) -> int:
     found: dict[int, ir.Operation] = {}
     for op in sums:
-        d = attr_to_py(op.attributes[c.MICROBATCH_ATTR]) if c.MICROBATCH_ATTR in \
-            op.attributes else None
-        if not isinstance(d, dict) or not isinstance(d.get("num_microbatches"), int) or \
-                d["num_microbatches"] < 1:
+        d = c.microbatch_of(op)
+        if d is None or "num_microbatches" not in d:
             raise DiagnosticError(
                 f"'{c.SUM_TARGET}' needs '{c.MICROBATCH_ATTR} = {{loop = 0, num_microbatches = "
                 f"M}}' with M >= 1", op.location)

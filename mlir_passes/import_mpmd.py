@@ -17,6 +17,7 @@ from multimesh._src.ir_util import attr_dicts, mesh_ops, set_attr_dicts, update_
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
 
+from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 
@@ -24,6 +25,7 @@ __all__ = ["ImportMpmdPass", "MESHES_ATTR", "MeshTensor", "parse_mesh_tensor", "
            "read_topology"]
 
 _MAIN_OPS = ("mpmd.fragment_call", "mpmd.transfer", "func.return")
+_TOP_OPS = ("func.func", "sdy.mesh")
 _UNPARTITIONED = ("mpmd.named_computation", "mpmd.call", "mpmd.fragment", "mpmd.assign",
                   "mpmd.unassign", "mpmd.named_tensor")
 _DROPPED_FUNC_ATTRS = ("mesh_shape", "reserved_hbm_bytes")
@@ -107,19 +109,19 @@ MESHES_ATTR = "mm.meshes"
 (``compile_mpmd`` sets it, so a failing module saved for a repro replays as is)."""
 
 
+_MESHES = ta.map_of(ta.list_of(ta.POSITION, non_empty=True), "mesh names")
+
+
 def _read_meshes_attr(attr: ir.Attribute, loc) -> dict[str, tuple[int, ...]]:
-    value = attr_to_py(attr)
-    if not isinstance(value, dict) or not all(
-            isinstance(v, list) and all(isinstance(p, int) and not isinstance(p, bool)
-                                        and p >= 0 for p in v) for v in value.values()):
-        raise DiagnosticError(
-            f"'{MESHES_ATTR}' must map mesh names to lists of device positions, got {attr}",
-            loc)
+    value = ta.read(attr, _MESHES, f"'{MESHES_ATTR}'", loc)
     return {k: tuple(v) for k, v in value.items()}
 
 
 def _format_meshes(positions: dict[str, tuple[int, ...]]) -> str:
-    return ";".join(f"{k}={','.join(map(str, v))}" for k, v in positions.items())
+    def one(v: tuple[int, ...]) -> str:
+        more = f",...({len(v)} positions)" if len(v) > ta.MAX_SHOWN else ""
+        return ",".join(map(str, v[:ta.MAX_SHOWN])) + more
+    return ";".join(f"{k}={one(v)}" for k, v in positions.items())
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -138,29 +140,32 @@ def parse_meshes_option(text: str) -> dict[str, tuple[int, ...]]:
         if name in out:
             raise _option_error(f"mesh '{name}' is given twice")
         positions = [p for item in spec.split(",") for p in _positions(name, item.strip())]
-        if any(p < 0 for p in positions):
-            raise _option_error(f"mesh '{name}' has a negative device position")
         if len(set(positions)) != len(positions):
-            raise _option_error(f"mesh '{name}' lists a device position twice: {positions}")
+            raise _option_error(f"mesh '{name}' lists a device position twice: "
+                                f"{ta.show(positions)}")
         out[name] = tuple(positions)
     return out
 
 
 
 def _positions(mesh: str, item: str) -> list[int]:
-    """``"3"`` or ``"0-3"`` (increasing) -> device positions."""
+    """``"3"`` or ``"0-3"`` (increasing) -> device positions (below ``MAX_DEVICES``)."""
     lo, dash, hi = item.partition("-")
     try:
-        if not dash:
-            return [int(item)]
-        first, last = int(lo), int(hi)
+        first, last = (int(lo), int(hi)) if dash else (int(item), int(item))
         if last < first:
             raise ValueError
-        return list(range(first, last + 1))
     except ValueError:
         raise _option_error(
             f"mesh '{mesh}' has device position '{item}', which is not an integer "
             f"or an increasing range a-b") from None
+    if first < 0:
+        raise _option_error(f"mesh '{mesh}' has a negative device position")
+    if last >= ta.MAX_DEVICES:
+        raise _option_error(
+            f"mesh '{mesh}' has device position {last}, but positions are below "
+            f"{ta.MAX_DEVICES} (MAX_DEVICES)")
+    return list(range(first, last + 1))
 
 def _option_error(what: str) -> PipelineError:
     return PipelineError(
@@ -236,13 +241,12 @@ def parse_mesh_tensor(t: ir.Type) -> MeshTensor | None:
 
 def read_topology(main: ir.Operation) -> dict[str, ir.Attribute] | None:
     """``{mesh name: #sdy.mesh}`` from ``@main``'s ``topology`` attribute (None if absent)."""
-    if "topology" not in main.attributes:
+    topology = ta.read_attr(main, "topology", ta.TOPOLOGY, "'topology' on @main",
+                           default=None)
+    if topology is None:
         return None
-    text = str(main.attributes["topology"])
+    text = str(topology)
     prefix = "#mpmd.topology<"
-    if not text.startswith(prefix) or not text.endswith(">"):
-        raise DiagnosticError(f"'topology' on @main is not an #mpmd.topology, got {text}",
-                              main.location)
     out = {}
     for entry in _split_top(text[len(prefix):-1]):
         inner = entry[1:-1] if entry.startswith("<") and entry.endswith(">") else entry
@@ -355,6 +359,12 @@ class _Importer:
         self.block = block = c.entry_block(main)
         self.funcs = c.func_by_name(module)
         self.sdy_meshes = mesh_ops(module)
+        for view in module.body.operations:
+            if view.operation.name not in _TOP_OPS:
+                raise DiagnosticError(
+                    f"'{view.operation.name}' at the top level of the module: the output of "
+                    f"Shardy's MPMD partitioner holds only functions and sdy.mesh "
+                    f"symbols", view.operation.location)
         ops = [o.operation for o in block.operations]
         for op in ops:
             if op.name not in _MAIN_OPS:
@@ -495,22 +505,22 @@ class _Importer:
             if mesh not in self.mesh_shapes:
                 raise DiagnosticError(
                     f"{src} names mesh \"{mesh}\", which the program does not have "
-                    f"(its meshes: {', '.join(known)})", self.main.location)
+                    f"(its meshes: {ta.listing(known)})", self.main.location)
         for mesh in known:
             if mesh not in self.positions:
                 raise DiagnosticError(
                     f"{src} gives no device positions for mesh \"{mesh}\" (it gives "
-                    f"{', '.join(sorted(self.positions))})", self.main.location)
+                    f"{ta.listing(sorted(self.positions))})", self.main.location)
             size = prod(_axes(self.mesh_shapes[mesh])[1])
             if len(self.positions[mesh]) != size:
                 raise DiagnosticError(
                     f"mesh \"{mesh}\" {_mesh_str(self.mesh_shapes[mesh])} has {size} devices "
                     f"but {src} gives it {len(self.positions[mesh])}: "
-                    f"{list(self.positions[mesh])}", self.main.location)
+                    f"{ta.show(list(self.positions[mesh]))}", self.main.location)
         for mesh, pos in self.positions.items():
             if len(set(pos)) != len(pos):
                 raise DiagnosticError(f"{src} lists a device of mesh \"{mesh}\" twice: "
-                                      f"{list(pos)}", self.main.location)
+                                      f"{ta.show(list(pos))}", self.main.location)
 
     def _mesh_tensor(self, t: ir.Type) -> MeshTensor | None:
         if t not in self._types:

@@ -11,6 +11,7 @@ from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import custom_call_target, select_attr_entries
 from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
 
+from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 
@@ -453,14 +454,16 @@ def _retag(op: ir.Operation, tag: ir.Attribute | None, loop: int) -> None:
 
 def _call_loop(call: ir.Operation) -> int:
     """The microbatch loop the call's ops belong to: the loop it opens, or the one it is in."""
-    if c.MICROBATCH_ATTR in call.attributes:
-        d = attr_to_py(call.attributes[c.MICROBATCH_ATTR])
-        return int(d.get("loop", 0)) if isinstance(d, dict) else 0
+    d = c.microbatch_of(call)
+    if d is not None:
+        return d.get("loop", 0)
     if c.LOOP_ATTR in call.attributes:
-        return ir.IntegerAttr(call.attributes[c.LOOP_ATTR]).value
+        return ta.read_attr(call, c.LOOP_ATTR, c.LOOP_ID)
     if c.TASK_ATTR in call.attributes:
         d = attr_to_py(call.attributes[c.TASK_ATTR])
-        return int(d.get("loop", -1)) if isinstance(d, dict) else -1
+        if isinstance(d, dict) and "loop" in d:
+            return ta.read(d["loop"], ta.int_in(-1, c.MAX_ID), f"'{c.TASK_ATTR}' loop",
+                           call.location)
     return -1
 
 

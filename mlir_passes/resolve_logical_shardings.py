@@ -5,6 +5,7 @@ Consumes the flat form (docs/ir.md §2), produces the resolved form (§3).
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -61,36 +62,11 @@ class _Task:
 
 
 def _read_tasks(module: ir.Module) -> dict[str, _Task] | None:
-    attrs = module.operation.attributes
-    if "mm.tasks" not in attrs:
+    """The ``mm.tasks`` table, read (and checked) by the contract's typed reader."""
+    if c.TASKS_ATTR not in module.operation.attributes:
         return None
-    raw = attr_to_py(attrs["mm.tasks"])
-    loc = module.operation.location
-    if not isinstance(raw, dict):
-        raise DiagnosticError("mm.tasks must be a dictionary of task descriptions", loc)
-    tasks = {}
-    for name, d in raw.items():
-        if not isinstance(d, dict):
-            raise DiagnosticError(f"mm.tasks entry '{name}' must be a dictionary", loc)
-        try:
-            names = tuple(str(a) for a in d.get("axis_names", []))
-            sizes = tuple(int(s) for s in d.get("axis_sizes", []))
-            pairs = tuple((str(p[0]), str(p[1])) for p in d.get("logical_axes", []))
-        except (TypeError, ValueError, IndexError):
-            raise DiagnosticError(
-                f"mm.tasks entry '{name}' is malformed: axis_names must be strings, "
-                f"axis_sizes integers and logical_axes [logical, device] pairs", loc) from None
-        if any(len(p) != 2 for p in d.get("logical_axes", [])):
-            raise DiagnosticError(
-                f"mm.tasks entry '{name}' is malformed: every logical_axes entry must be a "
-                f"[logical, device] pair", loc)
-        if len(names) != len(sizes):
-            raise DiagnosticError(
-                f"mm.tasks entry '{name}' has {len(names)} axis_names but {len(sizes)} "
-                f"axis_sizes", loc)
-        tasks[name] = _Task(name, names, sizes, pairs)
-    c.read_tasks(module)  # the rest of the contract (positive sizes, device count, ...)
-    return tasks
+    return {name: _Task(name, info.axis_names, info.axis_sizes, info.logical_axes)
+            for name, info in c.read_tasks(module).items()}
 
 
 def _task_name_of(op: ir.Operation) -> str | None:
@@ -222,6 +198,11 @@ class ResolveLogicalShardingsPass(ModulePass):
     per task used is added at the start of the module (task names are sanitised to
     ``[A-Za-z0-9_]``, see :func:`mesh_symbol_names`). The rewrite is all-or-nothing:
     every marker is resolved before the IR is touched.
+
+    A logical name that no task of the module maps leaves its dimension unsharded; when
+    it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device
+    side of a swapped pair) the pass warns once per name, at the first marker using it,
+    naming the fix.
     """
 
     argument: ClassVar[str] = "mm-resolve-logical-shardings"
@@ -243,6 +224,7 @@ class ResolveLogicalShardingsPass(ModulePass):
         plan = [_resolve(op, tasks) for op in markers]
         needed = {task.name: task for _, task, _ in plan}
         to_create = _meshes_to_create(module, needed, sym_names)
+        _warn_unmapped_names(plan, tasks)
         # Phase 2: rewrite.
         _insert_meshes(module, to_create)
         for op, task, spec in plan:
@@ -289,6 +271,67 @@ def _resolve(op: ir.Operation, tasks: dict[str, _Task]) -> tuple[ir.Operation, _
     except LogicalShardingError as e:
         raise DiagnosticError(_naming_task(str(e), task, axes), loc) from None
     return op, task, spec
+
+
+def _warn_unmapped_names(plan: list[tuple[ir.Operation, _Task, _Spec]],
+                         tasks: dict[str, _Task]) -> None:
+    """Warn once per logical name that no task of the program maps and that looks like a
+    mistake: a mesh axis name, the device side of a swapped pair, or a near miss of a
+    name the tasks map (a typo). Each leaves its dimension unsharded everywhere.
+
+    A name that some task maps is fine elsewhere (unmapped in one task means replicated
+    there), and so is one that resembles nothing the tasks map (``"seq"`` in a model
+    run without sequence sharding): MultiMesh's rule, replicated. A program in which
+    no task maps any name (no tasks, or none with ``logical_axes``) is quiet too.
+    """
+    mapped = {logical for t in tasks.values() for logical, _ in t.logical_axes}
+    if not mapped:
+        return
+    seen: set[str] = set()
+    for op, task, _ in plan:
+        for name in (n for dim in _marker_axes(op) for n in dim):
+            if name in mapped or name in seen:
+                continue
+            seen.add(name)
+            message = _unmapped_message(name, task, tasks, mapped)
+            if message is not None:
+                c.warn_at(op.location, message)
+
+
+def _unmapped_message(name: str, task: _Task, tasks: dict[str, _Task],
+                      mapped: set[str]) -> str | None:
+    """Why ``name`` maps to nothing, and the fix (None: nothing suggests a mistake)."""
+    head = (f"logical axis name '{name}' is mapped by no task of the program, so it leaves "
+            f"its dimension unsharded in task '{task.name}'")
+    for t in _this_first(task, tasks):
+        for logical, device in t.logical_axes:
+            if device == name and device not in t.axis_names and logical in t.axis_names:
+                return (f"{head}; task '{t.name}' has the pair ('{logical}', '{name}'), which "
+                        f"maps its mesh axis '{logical}' as a logical name onto '{name}', "
+                        f"not an axis of its mesh: the pair looks swapped, write "
+                        f"('{name}', '{logical}') in its logical_axes")
+    for t in _this_first(task, tasks):
+        if name in t.axis_names:
+            onto = sorted({lg for lg, d in t.logical_axes if d == name})
+            use = (f"use a logical name that task '{t.name}' maps onto it "
+                   f"({_quoted(onto, ' or ')})" if onto else
+                   f"map a logical name onto it in the logical_axes of task '{t.name}', "
+                   f"e.g. ('{name}', '{name}')")
+            return (f"{head}; '{name}' is a mesh axis of task '{t.name}', not a logical "
+                    f"name: {use}")
+    near = difflib.get_close_matches(name, sorted(mapped), n=3)
+    if not near:
+        return None
+    return (f"{head}; did you mean {_quoted(near, ' or ')}? (the logical names the tasks "
+            f"map: {_quoted(sorted(mapped))})")
+
+
+def _this_first(task: _Task, tasks: dict[str, _Task]) -> list[_Task]:
+    return [task] + [t for n, t in sorted(tasks.items()) if n != task.name]
+
+
+def _quoted(names: Iterable[str], sep: str = ", ") -> str:
+    return sep.join(f"'{n}'" for n in names)
 
 
 def _meshes_to_create(module: ir.Module, needed: dict[str, _Task],

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import attr_to_py, ir
+from multimesh._src.mlir import ir
 
+from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 from .schedules import (
@@ -25,7 +26,16 @@ __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR"
 
 SCHEDULE_ATTR = "mm.schedule"
 CONFIG_ATTR = "mm.schedule_config"
-_CONFIG_KEYS = ("schedule", "num_stages", "interleave", "custom_schedule", "unrolling")
+_COUNT = ta.int_in(1, ta.MAX_MICROBATCHES)
+_ENTRY = ta.Spec('a task name or a [microbatch, "name"] pair',
+                lambda v: (isinstance(v, str) and bool(v)) or (
+                    isinstance(v, list) and len(v) == 2 and ta.MICROBATCH_INDEX.check(v[0])
+                    and isinstance(v[1], str) and bool(v[1])),
+                'task names or [microbatch, "name"] pairs')
+_ROWS = ta.list_of(ta.list_of(_ENTRY))
+CONFIG_SPEC = ta.dict_of(schedule=ta.NAME, num_stages=_COUNT, interleave=_COUNT,
+                        custom_schedule=_ROWS, unrolling=_COUNT)
+"""``mm.schedule_config``: every key optional (docs/ir.md)."""
 SPLIT_ATTR = "mm.split"
 _SPLITS = ("activation", "weight")
 
@@ -41,7 +51,10 @@ class ScheduleFragmentsPass(ModulePass):
     direction (``transpose_count``), ``mm.devices`` the submesh (submeshes are
     numbered by first use), ``mm.split = "activation" | "weight"`` marks the halves
     of a split backward, and SSA uses give the data dependencies (within a
-    microbatch, and from the previous microbatch through the running sums). Stages
+    microbatch, and from the previous microbatch through a carried value that another
+    call reads; a running sum that only its accumulating call reads orders nothing,
+    as a sum is commutative and the runtime adds the microbatches in the schedule's
+    order). Stages
     come from the forward calls: a run of consecutive forward tasks on one submesh
     is one stage, so several stages on one submesh mean interleaving.
 
@@ -52,7 +65,12 @@ class ScheduleFragmentsPass(ModulePass):
     stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
     order with every weight-gradient half moved into idle slots, under 1F1B's peak
     memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory) and ``custom`` (rows from ``custom-schedule-file``, a
+    under twice that memory), five with a stage-placement rule (docs/schedules.md):
+    ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
+    last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
+    (round-robin stages; every forward, then the backwards in group order or in the
+    mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
+    two microbatch streams, split backwards, at least 2P microbatches), and ``custom`` (rows from ``custom-schedule-file``, a
     JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
     row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
     ``[microbatch, name]``, each name once per microbatch).
@@ -77,7 +95,7 @@ class ScheduleFragmentsPass(ModulePass):
     consumes = ("mpmd",)
 
     schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
@@ -95,8 +113,9 @@ class ScheduleFragmentsPass(ModulePass):
             except ScheduleError as e:
                 raise PipelineError(f"Pass '{self.argument}' option 'schedule': {e}.") from None
         for option in ("num_stages", "interleave", "unrolling"):
-            if getattr(self, option) is not None and getattr(self, option) < 1:
-                raise self.bad_option(option, "a positive integer")
+            value = getattr(self, option)
+            if value is not None and not 1 <= value <= ta.MAX_MICROBATCHES:
+                raise self.bad_option(option, f"an integer in 1..{ta.MAX_MICROBATCHES}")
 
     def apply(self, module: ir.Module) -> None:
         with module.context:
@@ -132,12 +151,8 @@ class ScheduleFragmentsPass(ModulePass):
 
     def _config(self, module: ir.Module):
         """``(schedule, custom rows, num_stages, interleave, unrolling, asked)``."""
-        attrs = module.operation.attributes
-        cfg = attr_to_py(attrs[CONFIG_ATTR]) if CONFIG_ATTR in attrs else {}
-        if not isinstance(cfg, dict) or set(cfg) - set(_CONFIG_KEYS):
-            raise ScheduleError(
-                f"'{CONFIG_ATTR}' must be a dictionary with keys among "
-                f"{', '.join(_CONFIG_KEYS)}, got {cfg}")
+        cfg = ta.read_attr(module.operation, CONFIG_ATTR, CONFIG_SPEC, f"'{CONFIG_ATTR}'",
+                          default={})
         name = self.schedule if self.schedule is not None else cfg.get("schedule")
         asked = name is not None
         if self.custom_schedule_file:
@@ -148,6 +163,8 @@ class ScheduleFragmentsPass(ModulePass):
                 raise ScheduleError(
                     f"cannot read custom schedule file '{self.custom_schedule_file}': {e}"
                 ) from None
+            custom = ta.read(custom, _ROWS, f"custom schedule file '{self.custom_schedule_file}'",
+                            module.operation.location)
         elif self.schedule is None or str(self.schedule).strip().lower() == "custom":
             custom = cfg.get("custom_schedule")
         else:
@@ -183,20 +200,26 @@ def _warn_if_idle(sched: Schedule, name: str, loc, info) -> bool:
 
 
 def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
-    """Interleaving with one stage per submesh, or a zero-bubble schedule with no weight
-    half to defer, is 1F1B: say so rather than run 1F1B under another name."""
+    """Interleaving with one stage per submesh is 1F1B (GPipe), and a zero-bubble
+    schedule (or DualPipeV) with no weight half to defer runs without deferring any:
+    say so rather than run it under another name."""
     units = [u for u in sched.units if not u.free]
     stages: dict[int, set] = {}
     for u in units:
         stages.setdefault(u.mesh, set()).add(u.stage)
-    if name == "interleaved-1f1b" and all(len(s) == 1 for s in stages.values()):
-        c.warn_at(loc, f"schedule 'interleaved-1f1b' has nothing to interleave: each of the "
+    plain = {"interleaved-1f1b": ("1F1B", "1f1b"), "interleaved-gpipe": ("GPipe", "gpipe")}
+    if name in plain and all(len(s) == 1 for s in stages.values()):
+        title, other = plain[name]
+        c.warn_at(loc, f"schedule '{name}' has nothing to interleave: each of the "
                        f"{len(stages)} submeshes runs one pipeline stage (contiguous stages), "
-                       f"so it runs plain 1F1B; interleaving needs several stages per submesh, "
-                       f"placed round-robin (stage k on submesh k % {len(stages)}), or use "
-                       f"schedule='1f1b'")
-    if name.startswith("zero-bubble") and not any(u.kind == "bwd_w" for u in units):
-        order = "1F1B's order" if name.endswith("h1") else "1F1B's order with a longer warm-up"
+                       f"so it runs plain {title}; interleaving needs several stages per "
+                       f"submesh, placed round-robin (stage k on submesh k % {len(stages)}), "
+                       f"or use schedule='{other}'")
+    orders = {"zero-bubble-h1": "1F1B's order",
+              "zero-bubble-h2": "1F1B's order with a longer warm-up",
+              "dualpipe-v": "DualPipeV's order with every weight gradient in its backward"}
+    if name in orders and not any(u.kind == "bwd_w" for u in units):
+        order = orders[name]
         c.warn_at(loc, f"schedule '{name}' has no weight-gradient half to defer: no backward "
                        f"fragment of the loop splits into an activation-gradient and a "
                        f"weight-gradient part (its weights take no gradient, or every weight "
@@ -219,7 +242,7 @@ class LoopCall:
     devices: tuple[int, ...]
     split: str | None
     deps: tuple[int, ...]  # body calls of the same microbatch it reads
-    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (running sums)
+    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (not its own sums)
     forward: str | None = None  # the forward task of a backward named apart from it
 
 
@@ -273,6 +296,7 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
     tasks = c.read_tasks(module)
     carry_of_arg = {block.arguments[1 + j]: j for j in range(n_carry)}
     carry_producer = [producer.get(v) for v in ret.operands]
+    accumulations = _accumulations(calls_ops, carry_of_arg, carry_producer)
     out = []
     for op, name in calls_ops:
         holder, task, split = _fragment_tag(module, op, name)
@@ -282,16 +306,31 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
             src = _through_transfers(v)
             if src in producer:
                 deps.add(producer[src])
-            elif src in carry_of_arg:
+            elif src in carry_of_arg and carry_of_arg[src] not in accumulations:
                 carry = carry_producer[carry_of_arg[src]]
                 if carry is not None:
                     carried.add(carry)
-        info = tasks.get(str(task["name"]))
-        out.append(LoopCall(name, str(task["name"]), int(task["transpose_count"]),
-                            tuple(int(d) for d in attr_to_py(holder.attributes["mm.devices"])),
+        info = tasks.get(task[0])
+        out.append(LoopCall(name, task[0], task[1],
+                            c.fragment_info(holder).devices,
                             split, tuple(sorted(deps)), tuple(sorted(carried)),
                             info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
+
+
+def _accumulations(calls_ops, carry_of_arg, carry_producer) -> set[int]:
+    """Running sums that only the call producing them reads: a fragment accumulating in
+    place (``mm-form-microbatch-loop``). Their microbatches may run in any order (a sum
+    is commutative; the runtime chains them in the schedule's order), so they add no
+    dependency between microbatches."""
+    readers: dict[int, set[int]] = {}
+    for k, (op, _) in enumerate(calls_ops):
+        for v in op.operands:
+            src = _through_transfers(v)
+            if src in carry_of_arg:
+                readers.setdefault(carry_of_arg[src], set()).add(k)
+    return {j for j, ks in readers.items() if carry_producer[j] is not None
+            and ks == {carry_producer[j]}}
 
 
 def _body_calls(ops: list[ir.Operation]) -> tuple[dict[ir.Value, int], list]:
@@ -325,26 +364,23 @@ def _through_transfers(v: ir.Value) -> ir.Value:
 
 
 def _fragment_tag(module: ir.Module, op: ir.Operation, name: str
-                  ) -> tuple[ir.Operation, dict, str | None]:
+                  ) -> tuple[ir.Operation, c.Tag, str | None]:
     """The op holding the fragment's attributes, its ``mm.task`` and its split, checked."""
     holder = _fragment_attrs(module, name)
     if holder is None:
         raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
-    task = attr_to_py(holder.attributes[c.TASK_ATTR]) if c.TASK_ATTR in \
-        holder.attributes else {}
-    if "name" not in task or "transpose_count" not in task or \
-            "mm.devices" not in holder.attributes:
+    tag = c.tag_of(holder)
+    if tag is None or "mm.devices" not in holder.attributes:
         raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
                               f"and 'mm.devices'", op.location)
     split = None
     for h in (holder, op):
-        if SPLIT_ATTR in h.attributes:
-            split = attr_to_py(h.attributes[SPLIT_ATTR])
-    if split is not None and split not in _SPLITS:
-        raise DiagnosticError(
-            f"fragment @{name} has {SPLIT_ATTR} = {split!r}; expected \"activation\" or "
-            f"\"weight\"", op.location)
-    return holder, task, split
+        split = ta.read_attr(h, SPLIT_ATTR, _SPLIT, f"fragment @{name} '{SPLIT_ATTR}'",
+                             default=split)
+    return holder, tag, split
+
+
+_SPLIT = ta.one_of(*_SPLITS)
 
 
 def loop_calls(info: LoopInfo) -> list[Call]:

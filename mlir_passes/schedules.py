@@ -34,28 +34,44 @@ per-submesh orders.
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from multimesh._src.errors import MultimeshValueError
 
 __all__ = [
-    "KINDS", "SCHEDULES", "ALIASES", "ScheduleError", "Unit", "Call", "Schedule", "Timeline",
+    "KINDS", "SCHEDULES", "ALIASES", "alias_list", "ScheduleError", "Unit", "Call", "Schedule", "Timeline",
     "units_from_calls", "pipeline_units", "build_schedule", "canonical_schedule_name",
     "canonicalize_custom_schedule", "unit_label", "default_cost", "simulate",
     "live_activations", "live_activation_profile", "theoretical_bubble", "format_gantt",
-    "chunk_of", "SPLIT_SCHEDULES",
+    "chunk_of", "SPLIT_SCHEDULES", "PLACEMENTS", "check_placement", "theoretical_peak_live",
+    "v_shape_units",
 ]
 
 KINDS = ("fwd", "bwd", "bwd_w", "other")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "zero-bubble-h2", "custom")
-SPLIT_SCHEDULES = ("zero-bubble-h1", "zero-bubble-h2")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "zero-bubble-h2",
+             "eager-1f1b", "interleaved-gpipe", "gpipe-1f1b-last", "circular-reversed-backward",
+             "dualpipe-v", "custom")
+SPLIT_SCHEDULES = ("zero-bubble-h1", "zero-bubble-h2", "dualpipe-v")
 """Schedules that run weight gradients apart (``mm-split-backward{all=true}`` first)."""
 ALIASES = {"fill-drain": "gpipe", "breadth-first": "gpipe", "wavefront": "1f1b",
            "prefetch-wavefront": "1f1b", "zb-h2": "zero-bubble-h2",
-           "pipedream-flush": "1f1b", "zb-h1": "zero-bubble-h1"}
+           "pipedream-flush": "1f1b", "zb-h1": "zero-bubble-h1",
+           # the peers' spellings (JaxPP, SpectraX, Shardy:MPMD), matched in any case
+           "Eager1F1B": "eager-1f1b", "InterleavedGPipe": "interleaved-gpipe",
+           "GPipeBut1F1BForLastMesh": "gpipe-1f1b-last",
+           "CircularWithReversedBackward": "circular-reversed-backward",
+           "DualPipeV": "dualpipe-v"}
+"""Other names of the schedules; matched case-insensitively (:func:`alias_list`)."""
+
+
+def alias_list() -> str:
+    """``alias = schedule, ...`` in alphabetical order, for error messages."""
+    return ", ".join(f"{a} = {t}" for a, t in sorted(ALIASES.items(),
+                                                      key=lambda kv: kv[0].lower()))
 
 
 class ScheduleError(MultimeshValueError):
@@ -386,9 +402,9 @@ def canonical_schedule_name(name: str | None, custom=None) -> str:
     if name is None:
         return "custom" if custom is not None else "gpipe"
     key = str(name).strip().lower()
-    key = ALIASES.get(key, key)
+    key = {a.lower(): t for a, t in ALIASES.items()}.get(key, key)
     if key not in SCHEDULES:
-        aliases = ", ".join(f"{a} = {t}" for a, t in sorted(ALIASES.items()))
+        aliases = alias_list()
         raise ScheduleError(
             f"unknown schedule '{name}'; valid schedules: {', '.join(sorted(SCHEDULES))} "
             f"(aliases: {aliases})")
@@ -757,6 +773,8 @@ def build_schedule(units: Sequence[Unit], name: str | None = "gpipe", *,
     key = canonical_schedule_name(name, custom)
     prog = _Program(units)
     _check_options(prog, key, num_stages, interleave, unrolling)
+    if key in PLACEMENTS:
+        return _placed_schedule(prog, key, num_stages, devices)
     if key == "custom":
         if custom is None:
             raise ScheduleError("schedule 'custom' needs a custom_schedule")
@@ -854,8 +872,10 @@ def canonicalize_custom_schedule(rows: Sequence[Sequence], num_microbatches: int
     """Rows of ``name`` or ``(microbatch, name)`` -> rows of ``(microbatch, name)``.
 
     A bare ``name`` is that name's next microbatch in the row (its 1st occurrence
-    is microbatch 0, ...; the smallest one not yet listed). Every name must occur exactly ``num_microbatches`` times
-    per row, once per microbatch.
+    is microbatch 0, ...; the smallest one not yet listed). Checks the form only
+    (types, microbatch range, repeats): whether each name is a task of its row's
+    submesh, and occurs once per microbatch, is checked against the program
+    (:func:`build_schedule`), so a misspelt name is reported as such, not as a count.
     """
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise ScheduleError("custom_schedule must be a list of rows (one per submesh), "
@@ -879,11 +899,6 @@ def _canonical_row(r: int, row, num_microbatches: int) -> list[tuple[int, str]]:
                 f"task '{name}' appears twice for microbatch {mb} in custom_schedule row {r}")
         seen[name].add(mb)
         canon.append((mb, name))
-    for name, mbs in seen.items():
-        if len(mbs) != num_microbatches:
-            raise ScheduleError(
-                f"task '{name}' has {len(mbs)} microbatches in custom_schedule row {r}, "
-                f"but there are {num_microbatches} microbatches")
     return canon
 
 
@@ -905,34 +920,46 @@ def _custom_plans(prog: _Program, custom) -> tuple[list[list[int]], dict[int, in
     rows = canonicalize_custom_schedule(custom, prog.M)
     if len(rows) != prog.num_meshes:
         raise ScheduleError(
-            f"custom_schedule has {len(rows)} rows, but the program has "
-            f"{prog.num_meshes} submeshes (one row per submesh, in order of first use)")
+            f"custom_schedule has {len(rows)} rows for {prog.num_meshes} submeshes; give one "
+            f"row per submesh, in the order the program first uses them")
     by_label: list[dict[str, dict[int, list[int]]]] = [{} for _ in range(prog.num_meshes)]
     for u in prog.units:
         if not u.free:
             by_label[u.mesh].setdefault(unit_label(u), {}).setdefault(
                 prog.mb_rank[u.key[2]], []).append(u.index)
+    for r, row in enumerate(rows):
+        _check_custom_row(r, row, by_label, prog.M)
     plans: list[list[int]] = []
     for r, row in enumerate(rows):
-        labels = by_label[r]
-        names = {name for _, name in row}
-        for name in sorted(names):
-            if name not in labels:
-                known = ", ".join(sorted(labels)) or "none"
-                raise ScheduleError(
-                    f"custom_schedule row {r} names '{name}', which is not a task of "
-                    f"submesh {r} (its tasks: {known})")
-        for name in sorted(labels):
-            if name not in names:
-                raise ScheduleError(
-                    f"task '{name}' has 0 microbatches in custom_schedule row {r}, but "
-                    f"there are {prog.M} microbatches")
         plan = []
         for mb, name in row:
-            plan += labels[name].get(mb, [])
+            plan += by_label[r][name].get(mb, [])
         plans.append(plan)
     pos = {i: k for row in plans for k, i in enumerate(row)}
     return plans, pos
+
+
+def _check_custom_row(r: int, row: list[tuple[int, str]], by_label: list[dict], M: int) -> None:
+    """Row ``r`` names only tasks of submesh ``r`` (a misspelling is named, with its
+    entry and the valid names), each once per microbatch."""
+    labels = by_label[r]
+    for k, (_, name) in enumerate(row):
+        if name in labels:
+            continue
+        known = ", ".join(sorted(labels)) or "none"
+        elsewhere = [m for m, other in enumerate(by_label) if name in other]
+        close = difflib.get_close_matches(name, list(labels), n=1)
+        hint = (f"; it runs on submesh {elsewhere[0]}" if elsewhere else
+                f"; did you mean '{close[0]}'?" if close else "")
+        raise ScheduleError(
+            f"custom_schedule row {r} entry {k} names '{name}', which is not a task of "
+            f"submesh {r} (its tasks: {known}){hint}")
+    for name in sorted(labels):
+        count = sum(1 for _, n in row if n == name)
+        if count != M:
+            raise ScheduleError(
+                f"task '{name}' has {count} microbatches in custom_schedule row {r}, but "
+                f"there are {M} microbatches (each task once per microbatch)")
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -999,8 +1026,9 @@ def theoretical_bubble(name: str, P: int, M: int, interleave: int = 1) -> float 
     (P-1)/(V*M+P-1); ZB-H1 (forward, activation- and weight-gradient halves all
     cost 1): the paper's bubble (P-1)(F+B-W) over a step of 3M+(P-1), i.e.
     (P-1)/(3M+P-1); ZB-H2 the same over one step (its gain is inside each submesh's
-    span, :meth:`Timeline.stage_bubble_fraction`, which is 0). None where there is no
-    closed form (custom, interleaved GPipe).
+    span, :meth:`Timeline.stage_bubble_fraction`, which is 0); the schedules with a
+    placement rule: :func:`_placed_bubble`. None where there is no closed form
+    (custom).
     """
     key = canonical_schedule_name(name)
     if key in ("gpipe", "1f1b") and interleave == 1:
@@ -1009,7 +1037,7 @@ def theoretical_bubble(name: str, P: int, M: int, interleave: int = 1) -> float 
         return (P - 1) / (interleave * M + P - 1)
     if key in ("zero-bubble-h1", "zero-bubble-h2") and interleave == 1:
         return (P - 1) / (3 * M + P - 1)
-    return None
+    return _placed_bubble(key, P, M, interleave)
 
 
 # ---------------------------------------------------------------------------- text Gantt
@@ -1077,3 +1105,215 @@ def _quantum(values: Iterable[float]) -> float:
             q = math.gcd(round(q * 1000), round(v * 1000)) / 1000 or q
     return q
 
+
+
+# ---------------------------------------------------------------------------- placed schedules
+#
+# Schedules that assume a stage placement (docs/schedules.md): each checks that the
+# program's stages sit where it needs them, writes its textbook slot plan per submesh
+# and runs it through the simulator like the others.
+
+PLACEMENTS = {
+    "eager-1f1b": "contiguous",
+    "gpipe-1f1b-last": "contiguous",
+    "interleaved-gpipe": "round-robin",
+    "circular-reversed-backward": "round-robin",
+    "dualpipe-v": "v-shape",
+}
+"""The stage placement each of these schedules needs: ``contiguous`` (one stage per
+submesh, stage k on the k-th submesh), ``round-robin`` (stage k on submesh k % P, the
+same number of stages on every submesh) or ``v-shape`` (2P stages, stage i and stage
+2P - 1 - i on submesh i)."""
+
+_PLACEMENT_TEXT = {
+    "contiguous": "one pipeline stage per submesh (contiguous placement: consecutive "
+                  "layers on one submesh, stage k on the k-th submesh)",
+    "round-robin": "round-robin placement (stage k on submesh k % P for P pipeline "
+                   "submeshes, every submesh running the same number of stages)",
+    "v-shape": "V-shape placement (2P stages on P submeshes: stage i and stage 2P - 1 - i "
+               "on submesh i, so the forward goes down the submeshes and back up)",
+}
+
+
+def check_placement(units: Sequence[Unit], name: str) -> None:
+    """Raise :class:`ScheduleError` when the stages of ``units`` are not placed as the
+    schedule ``name`` needs (:data:`PLACEMENTS`); other schedules take any placement."""
+    key = canonical_schedule_name(name)
+    if key in PLACEMENTS:
+        _check_placement(_Program(units), key)
+
+
+def _check_placement(prog: _Program, key: str) -> None:
+    rule = PLACEMENTS[key]
+    piped = sorted(prog.rank, key=prog.rank.__getitem__)
+    counts = {m: len(prog.stages_of[m]) for m in piped}
+    wrong = None
+    if rule == "v-shape":
+        wrong = _v_shape_mismatch(prog, piped)
+    elif rule == "contiguous":
+        m = next((m for m in piped if counts[m] != 1), None)
+        if m is not None:
+            wrong = f"submesh {m} runs {counts[m]} stages (stages {prog.stages_of[m]})"
+    elif len(set(counts.values())) > 1:
+        m = max(piped, key=counts.__getitem__)
+        wrong = (f"submesh {m} runs {counts[m]} stages (stages {prog.stages_of[m]}) and "
+                 f"submesh {min(piped, key=counts.__getitem__)} runs fewer")
+    else:
+        for k, stage in enumerate(sorted(prog.home)):
+            if piped and prog.home[stage] != piped[k % len(piped)]:
+                wrong = (f"stage {stage} runs on submesh {prog.home[stage]}, where "
+                         f"round-robin puts it on submesh {piped[k % len(piped)]}")
+                break
+    if wrong is not None:
+        raise ScheduleError(
+            f"schedule '{key}' needs {_PLACEMENT_TEXT[rule]}, but {wrong}; place the "
+            f"tasks that way, or choose a schedule without a placement rule (gpipe, 1f1b)")
+
+
+def _v_shape_mismatch(prog: _Program, piped: list[int]) -> str | None:
+    """Why the stages do not go down the submeshes and back up, if they do not. The
+    turning submesh's two stages follow each other, so they may be one stage."""
+    seq = [prog.home[st] for st in sorted(prog.home)]
+    visits = [m for k, m in enumerate(seq) if k == 0 or seq[k - 1] != m]
+    want = piped + piped[-2::-1]
+    if visits == want:
+        return None
+    return f"its stages run on submeshes {visits} in order, where V-shape needs {want}"
+
+
+def _placed_schedule(prog: _Program, key: str, num_stages: int | None,
+                     devices) -> Schedule:
+    _check_placement(prog, key)
+    if key == "dualpipe-v" and 2 <= prog.P and prog.M < 2 * prog.P:
+        raise ScheduleError(
+            f"schedule 'dualpipe-v' needs at least 2P = {2 * prog.P} microbatches for "
+            f"{prog.P} pipeline submeshes, but there are {prog.M}; use more microbatches "
+            f"(a smaller microbatch size) or another schedule")
+    plans, pos = _unit_plans(prog, _placed_plans(prog, key, num_stages))
+    sim = _run_plans(prog, plans, pos, strict=False, cost=default_cost, name=key)
+    return _finish(prog, key, sim, devices)
+
+
+def _placed_plans(prog: _Program, key: str, num_stages: int | None
+                  ) -> list[list[tuple[str, int, int]]]:
+    """Per submesh, the slot order of ``key`` (:data:`PLACEMENTS`'s schedules)."""
+    P = max(1, prog.P)
+    plans: list[list[tuple[str, int, int]]] = []
+    for m in range(prog.num_meshes):
+        chunks = prog.stages_of[m]
+        r = prog.rank.get(m, 0)
+        total = prog.M * len(chunks)
+        if not chunks:
+            plans.append([])
+        elif key == "eager-1f1b":  # 2(P - r) - 1 forwards before the first backward
+            warm = 2 * ((num_stages or P) - r) - 2
+            plans.append(_1f1b_plan(chunks, prog.M, P, max(0, min(total, warm)), True))
+        elif key == "gpipe-1f1b-last":  # the last submesh: F0 B0 F1 B1 ...
+            plans.append(_1f1b_plan(chunks, prog.M, P, 0, True) if r == P - 1
+                         else _gpipe_plan(chunks, prog.M, prog.M, True))
+        elif key == "interleaved-gpipe":  # every forward in Megatron's groups, then backwards
+            plans.append(_1f1b_plan(chunks, prog.M, P, total, True))
+        elif key == "dualpipe-v":
+            plans.append(_dualpipe_v_plan(r, P, prog.M, chunks[0], chunks[-1]))
+        else:  # circular-reversed-backward: the backwards mirror the forwards
+            fwd = [sl for sl in _1f1b_plan(chunks, prog.M, P, total, False) if sl[0] == "fwd"]
+            seq = list(fwd)
+            for _, st, b in reversed(fwd):
+                _bwd(seq, st, b, True)
+            plans.append(seq)
+    return plans
+
+
+def _dualpipe_v_ops(r: int, P: int, M: int) -> list[tuple]:
+    """DualPipeV's eight steps on the ``r``-th of ``P`` submeshes (deepseek-ai/DualPipe,
+    ``dualpipev.py``): ``("F", chunk)``, ``("B", chunk, defer_w)``, ``("W",)``. Chunk 0
+    is the submesh's stage on the way down, chunk 1 its stage on the way back up; a
+    backward with ``defer_w`` leaves its weight part to a later ``W`` (oldest first)."""
+    ops: list[tuple] = [("F", 0)] * (2 * (P - r - 1))            # 1: nF0
+    ops += [("F", 0), ("F", 1)] * (r + 1)                        # 2: nF0F1
+    ops += [("B", 1, True), ("W",), ("F", 1)] * (P - r - 1)      # 3: nB1W1F1
+    ops += [("F", 0), ("B", 1, False), ("F", 1), ("B", 0, False)] * (M - 2 * P + r + 1)  # 4
+    ops += [("B", 1, False), ("F", 1), ("B", 0, False)] * (P - r - 1)  # 5: nB1F1B0
+    defer = False
+    for i in range(r + 1):                                       # 6: nB1B0
+        defer = defer or (i == (r + 1) // 2 and r % 2 == 1)
+        ops.append(("B", 1, defer))
+        defer = defer or (i == (r + 1) // 2 and r % 2 == 0)
+        ops.append(("B", 0, defer))
+    ops += [("W",), ("B", 0, True)] * (P - r - 1)                # 7: nWB0
+    return ops + [("W",)] * (r + 1)                              # 8: nW
+
+
+def _dualpipe_v_plan(r: int, P: int, M: int, down: int, up: int
+                     ) -> list[tuple[str, int, int]]:
+    """The slots of :func:`_dualpipe_v_ops`; on the turning submesh the two stages may
+    be one (they run back to back), which then sits where its first chunk does."""
+    stage, nf, nb = (down, up), [0, 0], [0, 0]
+    waiting: list[tuple[int, int]] = []
+    seq: list[tuple[str, int, int]] = []
+    for op in _dualpipe_v_ops(r, P, M):
+        if op[0] == "F":
+            seq.append(("fwd", stage[op[1]], nf[op[1]]))
+            nf[op[1]] += 1
+        elif op[0] == "B":
+            sl = (stage[op[1]], nb[op[1]])
+            nb[op[1]] += 1
+            seq.append(("bwd", *sl))
+            if op[2]:
+                waiting.append(sl)
+            else:
+                seq.append(("bwd_w", *sl))
+        else:
+            seq.append(("bwd_w", *waiting.pop(0)))
+    return list(dict.fromkeys(seq))
+
+
+def v_shape_units(P: int, M: int, *, split_backward: bool = True) -> list[Unit]:
+    """:func:`pipeline_units` with ``2P`` stages placed in a V: stage ``k`` on submesh
+    ``k`` for ``k < P`` and on ``2P - 1 - k`` after (DualPipeV's placement)."""
+    units = pipeline_units(P, M, interleave=2, split_backward=split_backward)
+    return [replace(u, mesh=k if (k := u.stage or 0) < P else 2 * P - 1 - k) for u in units]
+
+
+def _placed_bubble(key: str, P: int, M: int, V: int) -> float | None:
+    """Unit-cost bubble of the placed schedules (docs/schedules.md derives each).
+
+    Eager 1F1B and GPipe with 1F1B on the last submesh: (P-1)/(M+P-1), as GPipe and
+    1F1B (the extra warm-up forwards and the last submesh's order move no unit of
+    the critical path). Interleaved GPipe and circular with reversed backward, V
+    stages per submesh and P dividing M: (P-1)/(VM+P-1), as interleaved 1F1B.
+    DualPipeV (2P half-size stages, split backwards, M >= 2P): the lower bound
+    (P-1)/(6M+P-1).
+    """
+    if key in ("eager-1f1b", "gpipe-1f1b-last") and V == 1:
+        return (P - 1) / (M + P - 1)
+    if key in ("interleaved-gpipe", "circular-reversed-backward") and M % P == 0:
+        return (P - 1) / (V * M + P - 1)
+    if key == "dualpipe-v" and M >= 2 * P:  # 6M half-stage units each, the last starts at P-1
+        return (P - 1) / (6 * M + P - 1)
+    return None
+
+
+def theoretical_peak_live(name: str, P: int, M: int, interleave: int = 1) -> int | None:
+    """The most (stage, microbatch) activations one submesh holds, by the textbook.
+
+    GPipe: M; 1F1B and ZB-H1: min(P, M) (submesh 0); ZB-H2: min(2P, M); interleaved
+    1F1B (P dividing M): Megatron's warm-up plus one, min((V+1)P - 1, VM); eager 1F1B: min(2P - 1,
+    M); GPipe with 1F1B on the last submesh: M (1 on the last submesh); interleaved
+    GPipe and circular with reversed backward: every forward before any backward, VM;
+    DualPipeV (M >= 2P): 2P + 1 half-size activations, its warm-up's 2P and the forward
+    that each steady-state pair runs before its backward.
+    """
+    key = canonical_schedule_name(name)
+    V = interleave
+    one = V == 1
+    megatron = min((V + 1) * P - 1, V * M) if M % P == 0 else None
+    table = {"gpipe": M if one else None, "1f1b": min(P, M) if one else megatron,
+             "interleaved-1f1b": megatron,
+             "zero-bubble-h1": min(P, M) if one else None,
+             "zero-bubble-h2": min(2 * P, M) if one else None,
+             "eager-1f1b": min(2 * P - 1, M) if one else None,
+             "gpipe-1f1b-last": (M if P > 1 else 1) if one else None,
+             "interleaved-gpipe": V * M, "circular-reversed-backward": V * M,
+             "dualpipe-v": 2 * P + 1 if M >= 2 * P else None}
+    return table.get(key)

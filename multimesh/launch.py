@@ -4,12 +4,26 @@
 
 Every process runs ``script.py`` with the same arguments; the script calls
 ``jax.distributed.initialize()`` with no arguments, exactly as it would under SLURM
-or Kubernetes, and this launcher supplies the coordinator (a free loopback port), the
-process count and each process's id. Output lines are forwarded with a ``[k]``
-prefix. When one process fails, the others are killed (jax's processes ignore
-SIGTERM, so SIGKILL) unless ``--no-fail-fast`` is given; the launcher's exit code is
-that of the first process that failed (128 + signal number if a signal killed it),
-0 when all succeed.
+or Kubernetes, and this launcher supplies the coordinator (a loopback port), the
+process count and each process's id. Output lines are forwarded with a ``[k]`` prefix.
+
+It behaves like ``torchrun`` (docs/multiprocess.md, "The launcher's guarantees"):
+
+- each process runs in its own process group, and a process's group is what the
+  launcher signals, so a signal reaches the process's own children too;
+- SIGTERM, SIGINT and SIGHUP sent to the launcher are forwarded to every process; those
+  still running ``--grace-period`` seconds later are SIGKILLed; the launcher exits with
+  128 + the signal number. If the launcher itself is SIGKILLed, the kernel kills its
+  processes (Linux ``PR_SET_PDEATHSIG``);
+- the first process to fail (an uncaught exception, reported by the process as it is
+  raised, or a non-zero exit) is named as the cause, and the others are stopped the
+  same way (SIGTERM, then SIGKILL after the grace period) unless ``--no-fail-fast``;
+  the launcher's exit code is the cause's (128 + signal number if a signal killed it);
+- a process that exits before it joins ``jax.distributed.initialize()`` while others
+  wait there strands them: it is named and the others are stopped (exit code 1); any
+  other process that exits with code 0 while its peers run on is named after
+  ``EARLY_EXIT_NOTICE`` seconds;
+- ``--timeout S`` stops everything after S seconds (exit code 124).
 
 ``--devices-per-process K`` gives each process K simulated CPU devices
 (``--xla_force_host_platform_device_count``) and ``JAX_PLATFORMS=cpu``.
@@ -18,20 +32,35 @@ that of the first process that failed (128 + signal number if a signal killed it
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 __all__ = ["main", "free_port", "LocalCluster"]
 
 ENV_PROCESS_ID = "MULTIMESH_LAUNCH_PROCESS_ID"
 ENV_NUM_PROCESSES = "MULTIMESH_LAUNCH_NUM_PROCESSES"
 ENV_COORDINATOR = "MULTIMESH_LAUNCH_COORDINATOR"
+ENV_STATUS_FD = "MULTIMESH_LAUNCH_STATUS_FD"  # the pipe a process reports to the launcher on
+ENV_LAUNCHER_PID = "MULTIMESH_LAUNCH_PID"
+
+MAX_PROCESSES = 256
+"""Every process runs on this machine; more is a cluster's job (and its launcher's)."""
+DEFAULT_GRACE = 3.0
+"""Seconds between SIGTERM and SIGKILL when the launcher stops its processes."""
+EARLY_EXIT_NOTICE = 5.0
+"""Seconds after which a process that exited with code 0 while its peers run is named."""
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EXIT_TIMEOUT = 124
+EXIT_STRANDED = 1
 
 
 def free_port() -> int:
@@ -39,6 +68,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- in a process
+
+_joined = False  # this process has entered jax.distributed.initialize()
+
+
+def _report(message: str) -> None:
+    """Tell the launcher ``message`` (one line) on the pipe it gave this process."""
+    fd = os.environ.get(ENV_STATUS_FD)
+    if fd is None:
+        return
+    try:
+        os.write(int(fd), (message.replace("\n", " ")[:500] + "\n").encode(errors="replace"))
+    except OSError:
+        pass  # the launcher is gone; its death signal is on the way
 
 
 def _cluster_env():
@@ -61,6 +106,10 @@ def _cluster_env():
 
         @classmethod
         def get_coordinator_address(cls, timeout_secs, override_coordinator_port=None) -> str:
+            global _joined
+            if not _joined:  # jax asks at the start of initialize(): this process joins
+                _joined = True
+                _report("join")
             return os.environ[ENV_COORDINATOR]
 
         @classmethod
@@ -79,19 +128,157 @@ def _cluster_env():
 LocalCluster = None  # defined in the child processes only (it imports jax)
 
 
+def _die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this process when the launcher dies (Linux only), so
+    not even a SIGKILLed launcher leaves orphans."""
+    fd = os.environ.get(ENV_STATUS_FD)
+    if fd is not None:
+        os.set_inheritable(int(fd), False)  # not for this process's own children
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.environ.get(ENV_LAUNCHER_PID) not in (None, str(os.getppid())):
+        os._exit(1)  # the launcher died before the request took effect
+
+
+def _exit_status(e: SystemExit) -> int:
+    return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+
+
 def _child(argv: list[str]) -> None:
-    """Run ``script args`` (or ``-m module args``) as ``__main__`` in a launched process."""
+    """Run ``script args`` (or ``-m module args``) as ``__main__`` in a launched process.
+
+    An uncaught exception is reported to the launcher as it is raised, before jax's
+    exit handlers run: those wait in ``jax.distributed``'s shutdown barrier for peers
+    that wait for this process, so its exit would name it only after a minute or so.
+    """
     import runpy
 
     global LocalCluster
+    _die_with_launcher()
     LocalCluster = _cluster_env()
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if _exit_status(e) != 0:
+            _report(f"failed {_exit_status(e)} sys.exit({e.code!r})")
+        raise
+    except BaseException as e:
+        _report(f"failed 1 {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+        if not _joined:
+            raise
+        sys.excepthook(type(e), e, e.__traceback__)  # multimesh's hook may exit here
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # not into jax's shutdown barrier (see above)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _count(most: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < 1 or (most is not None and value > most):
+            bound = f"between 1 and {most}" if most is not None else "at least 1"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(allow_zero: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            kind = "a number of seconds, 0 or more" if allow_zero else "a positive number of seconds"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a TCP port number from 1 to 65535 (or 0 for a free one), got "
+            f"{text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m multimesh.launch",
+        description="Run N local processes of a jax.distributed program (one coordinator on "
+                    "a loopback port).")
+    p.add_argument("-n", "--num-processes", type=_count(MAX_PROCESSES), required=True,
+                   help=f"number of processes (1 to {MAX_PROCESSES})")
+    p.add_argument("--devices-per-process", type=_count(), default=None,
+                   metavar="K",
+                   help="simulated CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu)")
+    p.add_argument("--port", type=_port, default=0,
+                   help="coordinator port on 127.0.0.1 (default 0: a free one)")
+    p.add_argument("--timeout", type=_seconds(False), default=None,
+                   metavar="SECONDS", help="stop every process after this long; exit code 124")
+    p.add_argument("--grace-period", type=_seconds(True), default=DEFAULT_GRACE,
+                   metavar="SECONDS",
+                   help=f"how long stopped processes get between SIGTERM and SIGKILL "
+                        f"(default {DEFAULT_GRACE:g})")
+    p.add_argument("--no-fail-fast", action="store_true",
+                   help="let the other processes run on when one fails")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="run the program as a module (like python -m)")
+    p.add_argument("program", help="the script (or, with -m, the module)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
+    return p
+
+
+def _check_port(parser: argparse.ArgumentParser, port: int) -> int:
+    """``port``, or a free one for 0; a port this machine will not give jax's coordinator
+    is an error now (jax's coordination service crashes on it, SIGSEGV)."""
+    if port == 0:
+        return free_port()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            parser.error(f"the coordinator port {port} on 127.0.0.1 cannot be used "
+                         f"({e.strerror or e}); another program (or an earlier run) holds it. "
+                         f"Pick another with --port N, or leave --port out (or --port 0) for a "
+                         f"free one.")
+    return port
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = _parser()
+    opts = parser.parse_args(argv)
+    if not opts.module and not os.path.exists(opts.program):
+        parser.error(f"no such script: {opts.program}")
+    opts.port = _check_port(parser, opts.port)
+    return opts
+
+
+# --------------------------------------------------------------------------- the launcher
 
 
 def _device_flags(flags: str, count: int) -> str:
@@ -102,8 +289,11 @@ def _device_flags(flags: str, count: int) -> str:
 def _forward(stream, out, prefix: str, lock: threading.Lock) -> None:
     for line in iter(stream.readline, b""):
         with lock:
-            out.write(prefix + line.decode(errors="replace"))
-            out.flush()
+            try:
+                out.write(prefix + line.decode(errors="replace"))
+                out.flush()
+            except (OSError, ValueError):  # the launcher's own output is gone: keep draining
+                pass
     stream.close()
 
 
@@ -111,24 +301,263 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m multimesh.launch",
-        description="Run N local processes of a jax.distributed program (one coordinator on "
-                    "a free loopback port).")
-    p.add_argument("-n", "--num-processes", type=int, required=True, help="number of processes")
-    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                   help="simulated CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu)")
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="kill every process after this long; exit code 124")
-    p.add_argument("--no-fail-fast", action="store_true",
-                   help="let the other processes run on when one fails")
-    p.add_argument("-m", dest="module", action="store_true",
-                   help="run the program as a module (like python -m)")
-    p.add_argument("program", help="the script (or, with -m, the module)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
-    return p
+@dataclass
+class _Worker:
+    k: int
+    proc: subprocess.Popen
+    status: int  # read end of the process's report pipe (-1 once closed)
+    joined: bool = False
+    failed: tuple[int, str] | None = None  # (exit code, why), as the process reported it
+    exited_at: float | None = None
+    noticed: bool = False  # its early exit has been named
+
+
+@dataclass
+class _Stop:
+    """Why the launcher is stopping its processes, and the exit code that follows."""
+    code: int
+    cause: int | None  # the process blamed, if any
+    signum: int  # what the others get first
+    kill_at: float  # when the survivors get SIGKILL
+    killed: bool = False
+
+
+class _Launch:
+    """Start the processes, watch them, stop them; one instance per launch."""
+
+    def __init__(self, opts: argparse.Namespace):
+        self.opts = opts
+        self.lock = threading.Lock()
+        self.workers: list[_Worker] = []
+        self.threads: list[threading.Thread] = []
+        self.selector = selectors.DefaultSelector()
+        self.signals: list[int] = []  # received by the launcher, in order
+        self.handled = 0  # how many of them have been acted on
+        self.signalled = False
+        self.stop: _Stop | None = None
+        self.first_failure: tuple[int, int] | None = None  # (process, exit code)
+        self.start = time.monotonic()
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            sys.stderr.write(f"multimesh.launch: {message}\n")
+            sys.stderr.flush()
+
+    # ---------------------------------------------------------------- starting
+
+    def spawn(self, k: int) -> None:
+        opts, n = self.opts, self.opts.num_processes
+        env = dict(os.environ)
+        read, write = os.pipe()
+        env.update({ENV_PROCESS_ID: str(k), ENV_NUM_PROCESSES: str(n),
+                    ENV_COORDINATOR: f"127.0.0.1:{opts.port}",
+                    "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{opts.port}",
+                    ENV_STATUS_FD: str(write), ENV_LAUNCHER_PID: str(os.getpid()),
+                    "PYTHONUNBUFFERED": "1"})
+        if opts.devices_per_process is not None:
+            env["XLA_FLAGS"] = _device_flags(env.get("XLA_FLAGS", ""), opts.devices_per_process)
+            env["JAX_PLATFORMS"] = "cpu"
+        program = ["-m", opts.program] if opts.module else [opts.program]
+        try:
+            p = subprocess.Popen([sys.executable, "-m", "multimesh.launch", "--child", *program,
+                                  *opts.args], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, pass_fds=(write,),
+                                 start_new_session=True)  # its own group: signals reach its children
+        finally:
+            os.close(write)
+        os.set_blocking(read, False)
+        w = _Worker(k, p, read)
+        self.workers.append(w)
+        self.selector.register(read, selectors.EVENT_READ, w)
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            t = threading.Thread(target=_forward, args=(stream, out, f"[{k}] ", self.lock),
+                                 daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def on_signal(self, signum, frame) -> None:
+        self.signals.append(signum)
+
+    # ---------------------------------------------------------------- watching
+
+    def running(self) -> list[_Worker]:
+        return [w for w in self.workers if w.exited_at is None]
+
+    def read_reports(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for reports; exits are looked at first (a peer's death
+        makes the survivors' collectives raise: the death is the cause)."""
+        ready = [key.data for key, _ in self.selector.select(timeout)]
+        self.reap()
+        for w in ready:
+            self.drain(w)
+
+    def drain(self, w: _Worker) -> None:
+        """Read what process ``w`` reported since the last look."""
+        while w.status >= 0:
+            try:
+                data = os.read(w.status, 65536)
+            except BlockingIOError:
+                return
+            if not data:
+                self.selector.unregister(w.status)
+                os.close(w.status)
+                w.status = -1
+                return
+            for line in data.decode(errors="replace").splitlines():
+                self.on_report(w, line)
+
+    def on_report(self, w: _Worker, line: str) -> None:
+        if line == "join":
+            w.joined = True
+        elif line.startswith("failed ") and w.failed is None:
+            code, _, why = line[len("failed "):].partition(" ")
+            w.failed = (int(code) if code.lstrip("-").isdigit() else 1, why)
+            self.failure(w, f"failed ({why})", w.failed[0])
+
+    def reap(self) -> None:
+        for w in self.running():
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            w.exited_at = time.monotonic()
+            self.drain(w)  # its last words come before its exit code
+            if rc != 0 and w.failed is None:
+                self.failure(w, f"exited with code {_exit_code(rc)}", _exit_code(rc))
+
+    def failure(self, w: _Worker, what: str, code: int) -> None:
+        """Process ``w`` failed: the first failure is the cause; the others stop."""
+        if self.first_failure is not None or self.stop is not None:
+            return
+        self.first_failure = (w.k, code)
+        others = [o.k for o in self.running() if o is not w]
+        if self.opts.no_fail_fast:
+            self.say(f"process {w.k} {what}; the others run on (--no-fail-fast).")
+            return
+        how = f"; stopping processes {others}" if others else ""
+        self.say(f"process {w.k} {what}{how}.")
+        self.begin_stop(code, w.k, signal.SIGTERM)
+
+    def check_early_exits(self) -> None:
+        """A process gone while its peers run: named; stopped if they wait for it."""
+        running = self.running()
+        if self.stop is not None or not running:
+            return
+        now = time.monotonic()
+        waiting = [o.k for o in running if o.joined]
+        for w in self.workers:
+            if w.exited_at is None or w.proc.returncode != 0:
+                continue
+            if not w.joined and waiting:
+                self.say(f"process {w.k} exited with code 0 without joining "
+                         f"jax.distributed.initialize(), which processes {waiting} wait in "
+                         f"for it; stopping them.")
+                w.failed = (EXIT_STRANDED, "it left before joining jax.distributed.initialize()")
+                self.first_failure = (w.k, EXIT_STRANDED)
+                self.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
+                return
+            if not w.noticed and now - w.exited_at >= EARLY_EXIT_NOTICE:
+                w.noticed = True
+                self.say(f"process {w.k} exited with code 0 {now - w.exited_at:.0f} s ago; "
+                         f"processes {[o.k for o in running]} still run. If they wait for it "
+                         f"(jax.distributed, a collective), they wait until jax's own timeouts; "
+                         f"--timeout bounds the run.")
+
+    def check_signals(self) -> None:
+        """Forward the first signal the launcher got; a second one kills at once."""
+        new, self.handled = self.signals[self.handled:], len(self.signals)
+        if not new:
+            return
+        if self.signalled and self.stop is not None:
+            self.stop.kill_at = time.monotonic()
+            return
+        self.signalled = True
+        name = signal.Signals(new[0]).name
+        self.say(f"got {name}; forwarding it to processes {[w.k for w in self.running()]}.")
+        self.begin_stop(128 + new[0], None, new[0])
+        if len(new) > 1:
+            self.stop.kill_at = time.monotonic()  # type: ignore[union-attr]  # just set
+
+    def check_timeout(self) -> None:
+        timeout = self.opts.timeout
+        if timeout is not None and self.stop is None and time.monotonic() - self.start > timeout:
+            self.say(f"timed out after {timeout:g} s; stopping every process.")
+            self.begin_stop(EXIT_TIMEOUT, None, signal.SIGTERM)
+
+    # ---------------------------------------------------------------- stopping
+
+    def begin_stop(self, code: int, cause: int | None, signum: int) -> None:
+        """Send ``signum`` to every process group but ``cause``'s (it is exiting by
+        itself); whatever still runs after the grace period gets SIGKILL. The groups of
+        processes that have exited already may still hold their children: signalled too
+        (a group's id is not reused while it has members)."""
+        self.stop = _Stop(code, cause, signum, time.monotonic() + self.opts.grace_period)
+        for w in self.workers:
+            if w.k != cause:
+                _signal(w, signum)
+
+    def enforce_grace(self) -> None:
+        if self.stop is None or time.monotonic() < self.stop.kill_at:
+            return
+        late = [w for w in self.running() if w.proc.poll() is None]
+        if late and not self.stop.killed:
+            self.say(f"processes {[w.k for w in late]} still run "
+                     f"{self.opts.grace_period:g} s after "
+                     f"{signal.Signals(self.stop.signum).name}; killing them (SIGKILL).")
+        self.stop.killed = True
+        for w in late:
+            _signal(w, signal.SIGKILL)
+
+    # ---------------------------------------------------------------- the loop
+
+    def tick(self, timeout: float) -> None:
+        self.read_reports(timeout)
+        self.check_signals()
+        self.check_timeout()
+        self.check_early_exits()
+        self.enforce_grace()
+
+    def run(self) -> int:
+        for k in range(self.opts.num_processes):
+            self.tick(0)
+            if self.stop is not None:
+                break
+            self.spawn(k)
+        while self.running():
+            self.tick(0.05)
+        self.reap()
+        if self.stop is not None:  # a stopped run leaves nothing behind, children included
+            for w in self.workers:
+                _signal(w, signal.SIGKILL)
+        deadline = time.monotonic() + 2
+        for t in self.threads:  # the last output lines
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return self.summary()
+
+    def summary(self) -> int:
+        """Each non-zero exit, the cause last; then the launcher's exit code."""
+        cause = None if self.stop is None else self.stop.cause
+        for w in self.workers:
+            rc = w.proc.returncode
+            if rc != 0 and w.k != cause:
+                how = " (stopped by the launcher)" if self.stop is not None else ""
+                self.say(f"process {w.k} exited with code {_exit_code(rc)}{how}")
+        if self.stop is not None and cause is None:
+            return self.stop.code  # a signal or the timeout
+        if self.first_failure is None:
+            return 0
+        k, code = self.first_failure
+        w = self.workers[k]
+        why = f" ({w.failed[1]})" if w.failed else ""
+        self.say(f"the cause: process {k}{why}, which exited with code "
+                 f"{_exit_code(w.proc.returncode)}; exit code {code}.")
+        return code
+
+
+def _signal(w: _Worker, signum: int) -> None:
+    try:
+        os.killpg(w.proc.pid, signum)  # the process's own group: it and its children
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,124 +565,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         _child(argv[1:])
         return 0
-    opts = _parser().parse_args(argv)
-    n = opts.num_processes
-    if n < 1:
-        raise SystemExit(f"multimesh.launch: -n must be at least 1, got {n}.")
-    if opts.devices_per_process is not None and opts.devices_per_process < 1:
-        raise SystemExit(f"multimesh.launch: --devices-per-process must be at least 1, got "
-                         f"{opts.devices_per_process}.")
-    if not opts.module and not os.path.exists(opts.program):
-        raise SystemExit(f"multimesh.launch: no such script: {opts.program}")
-    port = opts.port or free_port()
-    program = ["-m", opts.program] if opts.module else [opts.program]
-    lock = threading.Lock()
-    procs, threads = [], []
-    for k in range(n):
-        env = dict(os.environ)
-        env.update({ENV_PROCESS_ID: str(k), ENV_NUM_PROCESSES: str(n),
-                    ENV_COORDINATOR: f"127.0.0.1:{port}",
-                    "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
-                    "PYTHONUNBUFFERED": "1"})
-        if opts.devices_per_process is not None:
-            env["XLA_FLAGS"] = _device_flags(env.get("XLA_FLAGS", ""), opts.devices_per_process)
-            env["JAX_PLATFORMS"] = "cpu"
-        p = subprocess.Popen([sys.executable, "-m", "multimesh.launch", "--child", *program,
-                              *opts.args], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True)
-        procs.append(p)
-        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=_forward, args=(stream, out, f"[{k}] ", lock),
-                                 daemon=True)
-            t.start()
-            threads.append(t)
-    return _supervise(procs, threads, opts, lock)
-
-
-def _kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the child's own session: it and its children
-        except ProcessLookupError:
-            pass
-
-
-class _TimedOut(Exception):
-    """The launcher's ``--timeout`` passed with processes still running."""
-
-
-def _supervise(procs, threads, opts, lock) -> int:
-    """Wait for every process and return the launcher's exit code: the first failure's
-    (reported with every other non-zero exit), 124 on timeout, 130 on Ctrl-C."""
-    killed: set[int] = set()
+    launch = _Launch(_parse(argv))
+    if threading.current_thread() is not threading.main_thread():
+        return launch.run()
+    previous = {s: signal.signal(s, launch.on_signal) for s in FORWARDED}
     try:
-        first_failure = _watch(procs, opts, lock, killed)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
-    except _TimedOut:
-        _stop(procs, threads)
-        return 124
-    for t in threads:
-        t.join(timeout=5)
-    if first_failure is None:
-        first_failure = next((k for k, p in enumerate(procs)
-                              if p.returncode != 0 and k not in killed), None)
-    if first_failure is None:
-        return 0
-    with lock:
-        for k, p in enumerate(procs):
-            if p.returncode != 0:
-                how = " (stopped by the launcher)" if k in killed else ""
-                sys.stderr.write(f"multimesh.launch: process {k} exited with code "
-                                 f"{_exit_code(p.returncode)}{how}\n")
-    return _exit_code(procs[first_failure].returncode)
-
-
-def _watch(procs, opts, lock, killed: set[int]) -> int | None:
-    """Poll until every process has exited; the first that failed, or None.
-
-    At the first failure the others are stopped (added to ``killed``) unless
-    ``--no-fail-fast``; past ``--timeout`` raises :class:`_TimedOut`.
-    """
-    start = time.monotonic()
-    first_failure: int | None = None
-    while any(p.poll() is None for p in procs):
-        if first_failure is None:
-            first_failure = next((k for k, p in enumerate(procs)
-                                  if p.poll() not in (None, 0)), None)
-            if first_failure is not None and not opts.no_fail_fast:
-                _stop_others(procs, first_failure, killed, lock)
-        if opts.timeout is not None and time.monotonic() - start > opts.timeout:
-            with lock:
-                sys.stderr.write(f"multimesh.launch: timed out after {opts.timeout:g} s; "
-                                 f"killing every process.\n")
-            raise _TimedOut
-        time.sleep(0.05)
-    return first_failure
-
-
-def _stop_others(procs, failed: int, killed: set[int], lock) -> None:
-    """Fail fast: kill every process still running after process ``failed`` exited."""
-    others = [j for j, q in enumerate(procs) if q.poll() is None]
-    if others:
-        with lock:
-            sys.stderr.write(
-                f"multimesh.launch: process {failed} exited with code "
-                f"{_exit_code(procs[failed].returncode)}; stopping processes {others}.\n")
-    for j in others:
-        killed.add(j)
-        _kill(procs[j])
-
-
-def _stop(procs, threads=()) -> None:
-    """Kill every process, wait for each, then let the output threads finish."""
-    for p in procs:
-        _kill(p)
-    for p in procs:
-        p.wait()
-    for t in threads:
-        t.join(timeout=5)
+        return launch.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

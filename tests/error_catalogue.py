@@ -34,6 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,9 +42,11 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh.jax.errors import (
     DiagnosticError,
+    DiagnosticWarning,
     DonationError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
+    MultimeshAttributeError,
     MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
@@ -84,6 +87,7 @@ class Entry:
     check: Callable[[BaseException], None] | None = None  # extra assertions
     # CLI errors
     argv: tuple[str, ...] | None = None  # mm-opt arguments; run in a directory holding in.mlir
+    tool: str = "mm-opt"  # or "python -m multimesh.launch"
     input_text: str | None = None  # written to in.mlir when given
     input_bytes: bytes | None = None  # written to in.mlir as is (not UTF-8 text)
     exit_code: int | None = None
@@ -97,7 +101,7 @@ class Entry:
 
     @property
     def builtin(self) -> type[BaseException] | None:
-        """The builtin exception class ``exc`` also inherits (ValueError, TypeError)."""
+        """The builtin exception class ``exc`` also inherits (ValueError, TypeError, ...)."""
         if self.exc is None:
             return None
         for cls in self.exc.__mro__:
@@ -113,7 +117,7 @@ class Entry:
     def source(self) -> str:
         """The trigger's body (Python) or the command line (CLI), for the docs."""
         if self.is_cli:
-            return "mm-opt " + shlex.join(self.argv)
+            return f"{self.tool} " + shlex.join(self.argv)
         return function_body(self.trigger)
 
 
@@ -152,6 +156,15 @@ def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: s
     ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
                          fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
                          input_bytes=input_bytes, exit_code=exit_code, issue=issue))
+
+
+LAUNCH = "python -m multimesh.launch"
+
+
+def launch(id: str, title: str, argv: list[str], match: str, fix: str) -> None:
+    """A ``python -m multimesh.launch`` command line it refuses (argparse: exit code 2)."""
+    ENTRIES.append(Entry(id=id, category=MULTI, title=title, match=match,
+                         fix=" ".join(fix.split()), argv=tuple(argv), exit_code=2, tool=LAUNCH))
 
 
 def function_body(fn: Callable) -> str:
@@ -214,7 +227,28 @@ def partitioned_identity() -> str:
             f"  return %x : {t}\n}}\n")
 
 
-HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity)
+def calling_back(op: str) -> str:
+    """A Shardy:MPMD-partitioned program whose one fragment (on mesh ``m1``, ``x=4``)
+    runs ``op`` on its argument ``%a`` (a ``tensor<8xf32>``) and returns it."""
+    t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
+    return (f"func.func public @main(%x: {t}) -> {t} attributes "
+            f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
+            f'  %0 = mpmd.fragment_call<mesh="m1", origin=["f"]> @f(%x) : ({t}) -> {t}\n'
+            f"  return %0 : {t}\n}}\n"
+            "func.func @f(%a: tensor<8xf32>) -> tensor<8xf32> attributes "
+            f'{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  {op}\n'
+            "  return %a : tensor<8xf32>\n}\n")
+
+
+def transfer_program(topology: str) -> str:
+    """A partitioned program that moves its argument from mesh m1 to m2."""
+    t1, t2 = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>', '!mpmd.mesh_tensor<"m2", tensor<8xf32>>'
+    return (f"func.func public @main(%x: {t1}) -> {t2} attributes {{topology = {topology}}} "
+            f"{{\n  %0 = mpmd.transfer %x : ({t1}) -> {t2}\n  return %0 : {t2}\n}}\n")
+
+
+HELPERS = (mesh4, two_stage, layered_model, layered_args, global_mesh, partitioned_identity,
+           calling_back, transfer_program)
 
 
 def _repro_check(pass_argument: str):
@@ -327,24 +361,134 @@ def _():
     mm.mjit(lambda x, n: x * len(n), static_argnums=1)(jnp.ones(8), [1])
 
 
-@error("mjit-donate-argnum-out-of-range", API, "`donate_argnums` beyond the arguments",
+@error("mjit-donate-argnum-out-of-range", API, "`donate_argnums` beyond the parameters",
        MultimeshValueError,
-       r"`mjit` donate_argnums names argument 3, but the function was called with 2 "
-       r"positional arguments \(valid indices are 0\.\.1\)",
-       """`donate_argnums` are positions of positional arguments (negative ones count from
-       the end); keyword arguments cannot be donated.""")
+       r"`mjit` donate_argnums=\(3,\) names argument 3, but `<lambda>` takes 2 positional "
+       r"arguments \(valid indices are -2\.\.1\)",
+       """As for `jax.jit`, `donate_argnums` are checked against the function's signature
+       when `mjit` is called; negative ones count from the end.""")
 def _():
-    mm.mjit(lambda x, y: x + y, donate_argnums=3)(jnp.ones(4), jnp.ones(4))
+    mm.mjit(lambda x, y: x + y, donate_argnums=3)
 
 
-@error("mjit-static-argnum-out-of-range", API, "`static_argnums` beyond the arguments",
+@error("mjit-static-argnum-out-of-range", API, "`static_argnums` beyond the parameters",
+       MultimeshValueError,
+       r"`mjit` static_argnums=\(2,\) names argument 2, but `<lambda>` takes 2 positional "
+       r"arguments \(valid indices are -2\.\.1\)",
+       """As for `jax.jit`, `static_argnums` are checked against the function's signature
+       when `mjit` is called; negative ones count from the end.""")
+def _():
+    mm.mjit(lambda x, n=1: x * n, static_argnums=2)
+
+
+@error("mjit-argnum-beyond-call", API, "`static_argnums`/`donate_argnums` beyond a call's arguments",
        MultimeshValueError,
        r"`mjit` static_argnums names argument 2, but the function was called with 1 "
        r"positional argument \(valid indices are 0\.\.0\)",
-       """`static_argnums` are positions of positional arguments (negative ones count from
-       the end); pass the static argument positionally.""")
+       """For a function taking `*args` the positions are checked at each call: pass the
+       static or donated argument positionally.""")
 def _():
-    mm.mjit(lambda x, n=1: x * n, static_argnums=2)(jnp.ones(4))
+    mm.mjit(lambda *xs: xs[0], static_argnums=2)(jnp.ones(4))
+
+
+@error("mjit-duplicate-argnums", API, "An argument listed twice in `static_argnums` and the like",
+       MultimeshValueError,
+       r"`mjit` static_argnums=\(1, -1\) names the same argument twice \(-1\); list each "
+       r"argument once",
+       """Each argument appears once in `static_argnums`, `static_argnames`,
+       `donate_argnums` and `donate_argnames` (negative positions count from the end;
+       `jax.jit` ignores duplicates, multimesh names them).""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums=(1, -1))
+
+
+@error("mjit-unknown-argname", API, "`static_argnames`/`donate_argnames` names no parameter",
+       MultimeshValueError,
+       r"`mjit` static_argnames names 'sclae', which is not one of its parameters of "
+       r"`f`; names that can be given are \['x', 'scale'\]",
+       """Argument names must be parameters that can be passed by keyword (any name, for a
+       function taking `**kwargs`; never a positional-only one).""")
+def _():
+    def f(x, scale):
+        return x * scale
+
+    mm.mjit(f, static_argnames="sclae")
+
+
+@error("mjit-static-and-donated", API, "An argument both static and donated",
+       MultimeshValueError, r"`mjit` argument 1 is both static and donated",
+       """A static argument is a Python value in the cache key, not an array with a buffer;
+       it cannot also be donated.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums=1, donate_argnums=1)
+
+
+@error("mjit-argnums-type", API, "`static_argnums`/`donate_argnums` not integers",
+       MultimeshTypeError, r"`mjit` static_argnums must be an int or a sequence of ints, got 'n'",
+       """Positions are ints (names go in `static_argnames`/`donate_argnames`); a bool is
+       not taken for a position.""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnums="n")
+
+
+@error("mjit-argnames-type", API, "`static_argnames`/`donate_argnames` not strings",
+       MultimeshTypeError, r"`mjit` static_argnames must be a str or a sequence of str, got 1",
+       """Names are strings (positions go in `static_argnums`/`donate_argnums`).""")
+def _():
+    mm.mjit(lambda x, n: x * n, static_argnames=1)
+
+
+@error("mjit-donate-argnames-without-signature", API,
+       "`donate_argnames` for a function without a signature", MultimeshValueError,
+       r"cannot read the signature of `max`, so donate_argnames=\('x',\) cannot be "
+       r"resolved; pass donate_argnums instead",
+       """As for `jax.jit`: names need the signature (builtins have none); use positions.""")
+def _():
+    mm.mjit(max, donate_argnames="x")
+
+
+@error("mjit-device-or-backend", API, "`mjit` given `device=` or `backend=`",
+       MultimeshValueError, r"`mjit` does not take device=.*Pass `devices=` or `mesh=` instead",
+       """`jax.jit` deprecates both; an MPMD program runs on a list of devices
+       (`devices=` or `mesh=`), its tasks on submeshes of it.""")
+def _():
+    mm.mjit(lambda x: x, device=jax.devices()[0])
+
+
+@error("mjit-inline", API, "`mjit` given `inline=True`", MultimeshValueError,
+       r"`mjit` does not take inline=True",
+       """An MPMD program runs in multimesh's runtime (one XLA executable per fragment) and
+       cannot be inlined into an enclosing jax trace.""")
+def _():
+    mm.mjit(lambda x: x, inline=True)
+
+
+@error("mjit-compiler-options", API, "`mjit` given `compiler_options=`", MultimeshValueError,
+       r"`mjit` does not take compiler_options=.*XLA_FLAGS",
+       """Fragments are compiled separately with XLA's defaults; XLA flags can be set
+       through the `XLA_FLAGS` environment variable.""")
+def _():
+    mm.mjit(lambda x: x, compiler_options={"xla_cpu_enable_fast_math": True})
+
+
+@error("mjit-stage-attribute-not-offered", API,
+       "A `jax.stages` attribute that multimesh's stage does not offer",
+       MultimeshAttributeError,
+       r"`MpmdLowered.cost_analysis` is not offered, although `jax.stages.Lowered` has it: "
+       r".*use `compile\(\)\.cost_analysis\(\)`",
+       """The error says what to use instead (docs/mpmd-runtime.md lists every `jax.jit`
+       feature and multimesh's answer). It is an `AttributeError`, so `hasattr` is
+       False.""")
+def _():
+    mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).cost_analysis()
+
+
+@error("mjit-lowered-dialect", API, "`compiler_ir` asked for a dialect other than StableHLO",
+       MultimeshValueError, r"dialect='hlo' is not offered \(valid: 'stablehlo'\)",
+       """The lowered program is jax's StableHLO module, which the pass pipeline reads; HLO
+       exists only per fragment, after `compile()`.""")
+def _():
+    mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compiler_ir("hlo")
 
 
 @error("parallelize-without-batch", API, "`parallelize` without an example batch",
@@ -474,7 +618,7 @@ def _():
 @error("microbatch-unknown-reduction", API, "`microbatch` given an unknown reduction",
        MultimeshValueError,
        r"`microbatch` reduction must be one of 'sum', 'mean', got 'avg'",
-       """`reduction="sum"` (the default, MultiMesh's semantics) adds the microbatches'
+       """`reduction="sum"` (the default, the original library's semantics) adds the microbatches'
        outputs, which is gradient accumulation; `reduction="mean"` averages them, which
        gives the full batch's loss and gradients for a loss that averages over its batch.""")
 def _():
@@ -507,6 +651,38 @@ def _():
 def _():
     grad_fn, ws, x = two_stage()
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=0))(ws, x)
+@warning("task-traced-outside-mjit", API, "A task traced outside `mjit`", MultimeshWarning,
+         r"Task 't' is traced outside `multimesh\.jax\.mjit` \(called eagerly, or under "
+         r"jax\.jit, jax\.eval_shape or another jax transformation\), so its placement is "
+         r"ignored: it runs as an ordinary jax call where jax puts it, not on its submesh "
+         r"\(device positions \[0, 1, 2, 3\]\)\. The values are the same\. To place it, "
+         r"compile the program with `multimesh\.jax\.mjit`",
+         """Only `mjit` (and `parallelize`, `parallelize_step`) put tasks on their submeshes;
+         eagerly, under `jax.jit` or `jax.eval_shape` a task is an ordinary call (on jax's
+         default device for uncommitted inputs). Warned once per task function. Compile
+         the program with `mjit`, or call it under `ignore_transforms()` to run plain jax
+         on purpose (a reference value, a debugging run).""")
+def _():
+    t = mm.task(lambda x: x * 2, name="t", mesh=mesh4())
+    jax.jit(t)(jnp.ones(8))
+
+
+@error("jax-with-sharding-constraint-in-task", API,
+       "`jax.lax.with_sharding_constraint` with logical names in a task",
+       MultimeshValueError,
+       r"`jax\.lax\.with_sharding_constraint` with a `PartitionSpec` inside task 't' needs a "
+       r"jax mesh in context, and multimesh sets none: in an MPMD program, axis names are "
+       r"logical names that each task maps to its own mesh axes \('batch' -> 'x'\)\. Use "
+       r"`multimesh\.jax\.with_sharding_constraint\(x, spec\)` instead\.",
+       """jax's constraint resolves a `PartitionSpec` against the mesh in context, and a
+       task sets none: jax's own error is "requires a non-empty mesh" (kept as the
+       cause). The logical constraint, `multimesh.jax.with_sharding_constraint`, is the one
+       that each task resolves through its `logical_axes`. The same holds outside tasks in
+       an `mjit` program.""")
+def _():
+    t = mm.task(lambda x: lax.with_sharding_constraint(x, P("batch")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
 
 
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
@@ -820,6 +996,49 @@ def _():
     mm.mjit(t)((jnp.ones(8),))
 
 
+@warning("logical-name-mapped-by-no-task", LOGICAL, "A logical name that no task maps (a typo)",
+         DiagnosticWarning,
+         r"logical axis name 'btach' is mapped by no task of the program, so it leaves its "
+         r"dimension unsharded in task 't'; did you mean 'batch'\? \(the logical names the "
+         r"tasks map: 'batch'\) \(at ",
+         """A name that no task's `logical_axes` maps shards nothing anywhere. When it is a near
+         miss of a name the tasks map, multimesh warns (once per program, at the
+         constraint's source line) with the closest names; fix the spelling. An unmapped
+         name that resembles no mapped name (`"seq"` without sequence sharding) is taken as
+         deliberate and stays quiet: replicated, as in the original library.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("btach")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@warning("mesh-axis-used-as-logical-name", LOGICAL, "A mesh axis name used as a logical name",
+         DiagnosticWarning,
+         r"logical axis name 'x' is mapped by no task of the program, so it leaves its "
+         r"dimension unsharded in task 't'; 'x' is a mesh axis of task 't', not a logical "
+         r"name: use a logical name that task 't' maps onto it \('batch'\)",
+         """Inside an MPMD program, constraint names are logical: a task with `logical_axes`
+         reads only the logical names listed there, not its mesh axes. Use the logical name
+         mapped onto that axis, or map the axis name itself (`("x", "x")`).""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("x")), name="t",
+                mesh=mesh4(), logical_axes=(("batch", "x"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
+@warning("logical-axes-pair-swapped", LOGICAL, "A `logical_axes` pair written backwards",
+         DiagnosticWarning,
+         r"logical axis name 'batch' is mapped by no task of the program, .*; task 't' has the "
+         r"pair \('x', 'batch'\), which maps its mesh axis 'x' as a logical name onto "
+         r"'batch', not an axis of its mesh: the pair looks swapped, write \('batch', 'x'\) in "
+         r"its logical_axes",
+         """Pairs are `(logical_name, device_axis)`: logical name first.""")
+def _():
+    t = mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")), name="t",
+                mesh=mesh4(), logical_axes=(("x", "batch"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
 # =========================================================================== non-dividing shapes
 
 
@@ -890,9 +1109,13 @@ def _():
 @error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",
        MultimeshValueError,
        r"Unknown microbatch schedule 'round-robin'; valid schedules are gpipe, 1f1b, "
-       r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, custom \(aliases: breadth-first = "
-       r"gpipe, fill-drain = gpipe, pipedream-flush = 1f1b, prefetch-wavefront = 1f1b, "
-       r"wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
+       r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, "
+       r"gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, custom \(aliases: "
+       r"breadth-first = gpipe, CircularWithReversedBackward = circular-reversed-backward, "
+       r"DualPipeV = dualpipe-v, Eager1F1B = "
+       r"eager-1f1b, fill-drain = gpipe, GPipeBut1F1BForLastMesh = gpipe-1f1b-last, "
+       r"InterleavedGPipe = interleaved-gpipe, pipedream-flush = 1f1b, prefetch-wavefront = "
+       r"1f1b, wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
        """Pick one of the listed schedules (aliases such as `fill-drain` and `wavefront`
        are accepted too); see docs/schedules.md.""")
 def _():
@@ -927,10 +1150,11 @@ def _():
 
 
 @error("custom-schedule-wrong-count", SCHEDULES,
-       "A custom schedule row lists a task the wrong number of times", MultimeshValueError,
+       "A custom schedule row lists a task the wrong number of times", PassFailure,
        r"task 's0' has 1 microbatch(es)? in custom_schedule row 0, but there are 2 microbatches",
        """Each name must appear once per microbatch in its row: with 2 microbatches,
-       `"s0"` appears twice.""")
+       `"s0"` appears twice.""",
+       check=_repro_check("mm-schedule-fragments"))
 def _():
     grad_fn, ws, x = two_stage()
     f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[["s0"], ["s1"]])
@@ -945,13 +1169,13 @@ def _():
        `(microbatch, name)` pair.""")
 def _():
     grad_fn, ws, x = two_stage()
-    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]]))(ws, x)
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[[3.5]])
 
 
 @error("custom-schedule-row-count", SCHEDULES, "A custom schedule without a row per submesh",
        PassFailure,
-       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows, but the "
-       r"program has 2 submeshes \(one row per submesh, in order of first use\)",
+       r"multimesh pass 'mm-schedule-fragments' failed: custom_schedule has 1 rows for 2 "
+       r"submeshes; give one row per submesh, in the order the program first uses them",
        """Give one row per submesh, in the order the program first uses them.""",
        check=_repro_check("mm-schedule-fragments"))
 def _():
@@ -962,7 +1186,7 @@ def _():
 
 @error("custom-schedule-task-of-other-submesh", SCHEDULES,
        "A custom schedule row names a task of another submesh", PassFailure,
-       r"custom_schedule row 1 names 'head', which is not a task of submesh 1 "
+       r"custom_schedule row 1 entry 4 names 'head', which is not a task of submesh 1 "
        r"\(its tasks: s1, s1_bwd\)",
        """Row *k* lists only the tasks (`name`, `name_bwd`, `name_bwd_w`) that run on
        submesh *k*; the message lists them.""",
@@ -971,6 +1195,42 @@ def _():
     grad_fn, ws, x = two_stage()
     rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd", "head", "head"]]
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-misspelt-task", SCHEDULES, "A misspelt task in a custom schedule",
+       PassFailure,
+       r"custom_schedule row 0 entry 3 names 's0_bdw', which is not a task of submesh 0 "
+       r"\(its tasks: s0, s0_bwd\); did you mean 's0_bwd'\?",
+       """Names match task names exactly (`name`, `name_bwd`, `name_bwd_w`); the message
+       gives the row and entry of the first name that is not a task of that row's
+       submesh, the valid names, and the closest one.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bdw"], ["s1", "s1_bwd", "s1", "s1_bwd"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-extra-row", SCHEDULES, "A custom schedule with more rows than submeshes",
+       PassFailure,
+       r"custom_schedule has 3 rows for 2 submeshes; give one row per submesh, in the order "
+       r"the program first uses them",
+       """The row count is checked before the rows themselves: drop the extra row.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    rows = [["s0", "s0", "s0_bwd", "s0_bwd"], ["s1", "s1_bwd", "s1", "s1_bwd"], ["s2"]]
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
+
+
+@error("custom-schedule-empty", SCHEDULES, "An empty `custom_schedule`", MultimeshValueError,
+       r"`microbatch` custom_schedule is empty; give one row per submesh, in the order the "
+       r"program first uses them",
+       """Raised by `microbatch` itself. Give one row per submesh, or drop
+       `custom_schedule` for a named schedule.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=[])
 
 
 @error("custom-schedule-deadlock", SCHEDULES, "A custom schedule that cannot run",
@@ -999,6 +1259,89 @@ def _():
     f = mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="interleaved-1f1b",
                       interleave=3)
     mm.mjit(f)(ws, x)
+
+
+def three_layers_on_two_submeshes():
+    """Layers 0 and 2 on positions 0-3, layer 1 on 4-7: stages 0 and 2 share submesh 0."""
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k % 2)))
+              for k in range(3)]
+
+    def loss(ws, x):
+        for f, w in zip(layers, ws):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16)] * 3, jnp.ones((16, 16))
+
+
+@error("schedule-needs-contiguous-stages", SCHEDULES,
+       "A contiguous-stage schedule on several stages per submesh", PassFailure,
+       r"schedule 'eager-1f1b' needs one pipeline stage per submesh \(contiguous placement: "
+       r"consecutive layers on one submesh, stage k on the k-th submesh\), but submesh 0 runs "
+       r"2 stages \(stages \[0, 2\]\)",
+       """`eager-1f1b` and `gpipe-1f1b-last` order one stage per submesh. Place consecutive
+       layers together (one task, or consecutive tasks, per submesh), or pick a schedule
+       without a placement rule (`gpipe`, `1f1b`, `interleaved-1f1b`).""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = three_layers_on_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="eager-1f1b"))(ws, x)
+
+
+@error("schedule-needs-round-robin-stages", SCHEDULES,
+       "A round-robin schedule on stages placed otherwise", PassFailure,
+       r"schedule 'interleaved-gpipe' needs round-robin placement \(stage k on submesh k % P "
+       r"for P pipeline submeshes, every submesh running the same number of stages\), but "
+       r"submesh 0 runs 2 stages \(stages \[0, 2\]\) and submesh 1 runs fewer",
+       """`interleaved-gpipe` and `circular-reversed-backward` expect layer k on submesh
+       k % P, the same number of layers on every submesh. Place the layers round-robin, or
+       pick a schedule without a placement rule (`gpipe`, `1f1b`).""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = three_layers_on_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="interleaved-gpipe"))(ws, x)
+
+
+@error("schedule-needs-v-shape-stages", SCHEDULES,
+       "A V-shape schedule on stages placed otherwise", PassFailure,
+       r"schedule 'dualpipe-v' needs V-shape placement \(2P stages on P submeshes: stage i "
+       r"and stage 2P - 1 - i on submesh i, so the forward goes down the submeshes and back "
+       r"up\), but its stages run on submeshes \[0, 1\] in order, where V-shape needs "
+       r"\[0, 1, 0\]",
+       """DualPipeV runs two stages on every submesh, one on the way down and one on the way
+       back up: with P submeshes, layer k (of 2P) goes on submesh k for k < P and on
+       submesh 2P - 1 - k after, so the first submesh also holds the last layer (and the
+       loss). Place the layers that way, or pick a schedule without a placement rule.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="dualpipe-v"))(ws, x)
+
+
+def v_shape_two_submeshes():
+    """Layers 0 and 3 on positions 0-3, layers 1 and 2 on 4-7 (DualPipeV's placement)."""
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
+              for k in range(4)]
+
+    def loss(ws, x):
+        for f, w in zip(layers, ws):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16)] * 4, jnp.ones((16, 16))
+
+
+@error("dualpipe-v-too-few-microbatches", SCHEDULES,
+       "DualPipeV with fewer than 2P microbatches", PassFailure,
+       r"schedule 'dualpipe-v' needs at least 2P = 4 microbatches for 2 pipeline submeshes, "
+       r"but there are 2",
+       """DualPipeV's warm-up sends 2P microbatches through the two legs of the V before its
+       steady state (the published schedule asserts the same). Cut the batch into more
+       microbatches (a smaller `size`), or pick another schedule.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = v_shape_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="dualpipe-v"))(ws, x)
 
 
 @error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
@@ -1056,6 +1399,41 @@ def _():
     grad_fn, ws, x = two_stage()
     f = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="interleaved-1f1b")
     mm.mjit(f)(ws, x)
+
+
+@warning("interleaved-gpipe-nothing-to-interleave", SCHEDULES,
+         "`interleaved-gpipe` on contiguous stages", MultimeshWarning,
+         r"schedule 'interleaved-gpipe' has nothing to interleave: each of the 2 submeshes "
+         r"runs one pipeline stage \(contiguous stages\), so it runs plain GPipe",
+         """Interleaved GPipe needs several stages per submesh, placed round-robin (stage k
+         on submesh k % P). With one stage per submesh it is GPipe: place more stages per
+         submesh, or ask for `schedule="gpipe"`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    f = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="interleaved-gpipe")
+    mm.mjit(f)(ws, x)
+
+
+@warning("dualpipe-v-nothing-to-split", SCHEDULES,
+         "DualPipeV with no weight-gradient half", MultimeshWarning,
+         r"schedule 'dualpipe-v' has no weight-gradient half to defer: no backward fragment "
+         r"of the loop splits.*so it runs DualPipeV's order with every weight gradient in its "
+         r"backward",
+         """DualPipeV defers some weight-gradient halves into the gaps at the end of the
+         step. Here no backward splits (only the first stage's weights take a gradient), so
+         each backward keeps its weight gradient. Give each stage its own weight arrays.""")
+def _():
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
+              for k in range(4)]
+
+    def loss(w0, rest, x):  # only the first stage's weights are trained
+        x = layers[0](w0, x)
+        for f, w in zip(layers[1:], rest):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2, schedule="dualpipe-v")
+    mm.mjit(f)(jnp.eye(16), [jnp.eye(16)] * 3, jnp.ones((16, 16)))
 
 
 @warning("zero-bubble-nothing-to-split", SCHEDULES,
@@ -1246,7 +1624,7 @@ def _():
 @error("matcher-empty-capture-group", IMPLICIT, "A matcher whose capture group matches nothing",
        DiagnosticError,
        r"matcher 'layer\(\\d\*\)' produced an empty match on the op name stack "
-       r"'jit\(wrapped\)/layer/sin'; its first capture group is the task name",
+       r"'jit\(f\)/layer/sin'; its first capture group is the task name",
        """The first capture group of a matcher is the task name and must match at least one
        character: use `\\d+` instead of `\\d*`.""")
 def _():
@@ -1480,6 +1858,38 @@ def _():
     compiled(model, jnp.ones((3, 4)))
 
 
+@error("nnx-compiled-other-static-arguments", FLAX,
+       "A compiled NNX program called with other static arguments", MultimeshValueError,
+       r"Compiled function called with static arguments \{'act': 'tanh'\}, but it was "
+       r"compiled for \{'act': 'relu'\}",
+       """Static arguments are part of what was compiled; lower it again, or call `mjit(f)`,
+       which compiles once per set of static values.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    f = mm.mjit(lambda m, x, act: getattr(jax.nn, act)(m(x)), static_argnames="act")
+    f.lower(model, jnp.ones((2, 4)), act="relu").compile()(model, jnp.ones((2, 4)), act="tanh")
+
+
+@error("nnx-physical-sharding", FLAX, "A physical `NamedSharding` for `mjit` over NNX objects",
+       MultimeshValueError,
+       r"mjit\(<lambda>\): in_shardings entry .* names mesh axes \['d'\] that no task of "
+       r"the program maps",
+       """With NNX objects among the arguments, `in_shardings`/`out_shardings` are logical
+       names, read by the task that uses each value; a `NamedSharding` whose axes no task
+       maps would do nothing. Use a `PartitionSpec` of logical names, or `jax.device_put`
+       the arrays.""",
+       requires=_FLAX)
+def _():
+    from flax import nnx
+
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P("d", None))
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    mm.mjit(lambda m, x: m(x), in_shardings=(None, rows))(model, jnp.ones((4, 4)))
+
+
 @error("nnx-bad-sharding-entry", FLAX, "An `in_shardings` entry for an NNX object of a wrong kind",
        MultimeshValueError,
        r"mjit\(<lambda>\): the sharding for an NNX object must be a PartitionSpec, "
@@ -1501,8 +1911,8 @@ def _():
 
 @error("compile-mpmd-not-a-program", SHARDY, "`compile_mpmd` given something that is not a module",
        MultimeshTypeError,
-       r"`compile_mpmd` expects a module partitioned by Shardy:MPMD \(MLIR text or an "
-       r"ir\.Module\) or a program lowered by Shardy's front end, got function",
+       r"`compile_mpmd` expects a module partitioned by Shardy:MPMD \(MLIR text or "
+       r"bytecode, or an ir\.Module\) or a program lowered by Shardy's front end, got function",
        """Pass the partitioner's output (`apply_mpmd_partitioning(...).mpmd_module` or its
        text), or what Shardy's `mpmd.jit(f, config).lower(...)` returns; to compile a jax
        function with tasks use `mjit`.""")
@@ -1569,6 +1979,79 @@ def _():
 def _():
     mm.compile_mpmd(partitioned_identity(), {"m1": range(4)},
                     in_tree=jax.tree.structure((0, 0)))
+
+
+@error("callback-not-held", SHARDY, "A saved or imported program calls a Python callback",
+       MultimeshValueError,
+       r"Fragment `f` calls a Python host callback \(jax\.debug\.print, pure_callback or "
+       r"io_callback\) that this process does not hold\. A program with host callbacks "
+       r"compiles only through `mjit`",
+       """A host callback is a Python object that jax hands to XLA when it compiles the
+       program; the IR holds only its index. `mjit` carries the callbacks of a program it
+       traced into every fragment that calls one; a module from `compile_mpmd` (or saved
+       to a file) has none to carry. Compile the jax function with `mjit`, or remove the
+       callback before partitioning.""")
+def _():
+    mm.compile_mpmd(calling_back(
+        "stablehlo.custom_call @xla_ffi_python_cpu_callback(%a) {has_side_effect = true, "
+        "mhlo.backend_config = {index = 0 : ui64}} : (tensor<8xf32>) -> ()"), {"m1": range(4)})
+
+
+@error("callback-host-transfer", SHARDY, "A Python callback lowered to host send/recv (TPU)",
+       MultimeshValueError,
+       r"Fragment `f` calls a Python host callback through a host transfer "
+       r"\(`stablehlo\.send`, as jax lowers jax\.debug\.print, pure_callback and "
+       r"io_callback on TPU\)",
+       """On TPU, jax lowers host callbacks to `stablehlo.send`/`recv` on channels of the
+       whole program, which cannot be split into fragments compiled on their own.
+       multimesh runs host callbacks where jax lowers them to FFI calls (CPU and GPU).
+       Remove the callback, or run that program with `jax.jit`.""")
+def _():
+    mm.compile_mpmd(calling_back(
+        "%t = stablehlo.after_all : !stablehlo.token\n  %s = \"stablehlo.send\"(%a, %t) "
+        "{channel_handle = #stablehlo.channel_handle<handle = 1, type = 2>, "
+        "is_host_transfer = true} : (tensor<8xf32>, !stablehlo.token) -> !stablehlo.token"),
+        {"m1": range(4)})
+
+
+@error("compile-mpmd-bad-topology", SHARDY, "`compile_mpmd` given a `topology` of the wrong type",
+       MultimeshValueError,
+       r"`compile_mpmd` cannot read the program: 'topology' must be an #mpmd\.topology, got "
+       r"\"m1\"; jaxlib's mpmd dialect reads it from the function that holds mpmd ops without "
+       r"a check \(line 1, column 122\)\.",
+       """`@main`'s `topology` lists the program's meshes as `#mpmd.topology<<"m1" :
+       <["x"=4]>>, ...>`. Any other attribute there used to kill the process while jaxlib
+       parsed the program (its verifier casts it blindly); multimesh checks it first.""")
+def _():
+    mm.compile_mpmd(transfer_program('"m1"'), {"m1": range(4), "m2": range(4, 8)})
+
+
+@error("compile-mpmd-not-utf8", SHARDY, "`compile_mpmd` given bytes that are neither text nor bytecode",
+       MultimeshValueError,
+       r"`compile_mpmd` cannot read the program: input is not valid UTF-8: byte 0xe9 "
+       r"\(invalid continuation byte\); MLIR files are UTF-8 text or MLIR bytecode "
+       r"\(line 1, column 7\)\.",
+       """Programs given as `bytes` are MLIR bytecode (told apart by its first bytes,
+       `ML\\xefR`) or UTF-8 text. A `str` must not hold lone surrogates (e.g. from
+       `errors="surrogateescape"`), which UTF-8 cannot encode.""")
+def _():
+    mm.compile_mpmd(b"// caf\xe9 au lait\n" + partitioned_identity().encode(),
+                    {"m1": range(4)})
+
+
+@error("compile-mpmd-stray-module", SHARDY, "`compile_mpmd` given a program with a stray nested module",
+       PassFailure,
+       r"multimesh pass 'mm-import-mpmd' failed: 'builtin\.module' at the top level of the "
+       r"module: the output of Shardy's MPMD partitioner holds only functions and sdy\.mesh "
+       r"symbols",
+       """Shardy's partitioner emits functions and meshes only; a nested module at the top
+       level (here an unnamed one) is not part of the program. Remove it.""",
+       check=_repro_check("mm-import-mpmd"))
+def _():
+    mm.compile_mpmd("module {\n" + partitioned_identity() + "module {\n}\n}\n",
+                    {"m1": range(4)})
+
+
 # =========================================================================== multi-process
 
 
@@ -1599,6 +2082,37 @@ def _():
         peer_timeout()
     finally:
         del os.environ["MULTIMESH_PEER_TIMEOUT"]
+
+
+launch("launch-bad-process-count", "`multimesh.launch -n` out of range",
+       ["-n", "0", "train.py"],
+       r"argument -n/--num-processes: must be between 1 and 256, got 0",
+       """Every process runs on this machine: give 1 to 256 (a cluster's own launcher
+       starts more, see docs/multiprocess.md).""")
+
+launch("launch-bad-port", "`multimesh.launch --port` that is not a TCP port",
+       ["-n", "2", "--port", "99999", "train.py"],
+       r"argument --port: must be a TCP port number from 1 to 65535 \(or 0 for a free one\), "
+       r"got '99999'",
+       """Give a port from 1 to 65535 that nothing else uses, or leave `--port` out (0, the
+       default, takes a free one). A port that is in use is refused too, by number.""")
+
+launch("launch-bad-timeout", "`multimesh.launch --timeout` that is not positive",
+       ["-n", "2", "--timeout", "-1", "train.py"],
+       r"argument --timeout: must be a positive number of seconds, got '-1'",
+       """`--timeout S` stops every process after S seconds (exit code 124); leave it out
+       for no limit.""")
+
+launch("launch-bad-grace-period", "`multimesh.launch --grace-period` below 0",
+       ["-n", "2", "--grace-period", "-3", "train.py"],
+       r"argument --grace-period: must be a number of seconds, 0 or more, got '-3'",
+       """The seconds stopped processes get between SIGTERM and SIGKILL (default 3; 0 kills
+       at once).""")
+
+launch("launch-missing-script", "`multimesh.launch` of a script that is not there",
+       ["-n", "2", "train.py"], r"no such script: train\.py",
+       """The script path is read from the launcher's directory; for a module, use `-m
+       package.module`.""")
 
 
 # =========================================================================== CLI misuse
@@ -1687,8 +2201,9 @@ cli("cli-bad-option-value", "A pass option value of the wrong type",
 cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
     r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
-    r"'round-robin'; valid schedules: 1f1b, custom, gpipe, interleaved-1f1b, zero-bubble-h1, "
-    r"zero-bubble-h2",
+    r"'round-robin'; valid schedules: 1f1b, circular-reversed-backward, custom, dualpipe-v, "
+    r"eager-1f1b, gpipe, gpipe-1f1b-last, interleaved-1f1b, interleaved-gpipe, "
+    r"zero-bubble-h1, zero-bubble-h2",
     """Pick one of the listed schedules or aliases. Options given on the command line are
     checked before the input is read.""",
     input_text=OK_MLIR)
@@ -1754,8 +2269,8 @@ cli("cli-unreadable-rules-file", "An `mm-match-tasks` rules file that cannot be 
 
 cli("cli-option-out-of-range", "A pass option value outside its range",
     ["in.mlir", "-p", "builtin.module(mm-assign-tasks{num-devices=-3})"], 1,
-    r"^mm-opt: error: Pass 'mm-assign-tasks' option 'num-devices' must be a positive device "
-    r"count, or 0 to read it from the module, got -3\.",
+    r"^mm-opt: error: Pass 'mm-assign-tasks' option 'num-devices' must be a device count "
+    r"in 1\.\.1048576, or 0 to read it from the module, got -3\.",
     """Option values are checked when the pipeline is parsed, before the input is read
     (`mm-opt --list-passes` lists each option and its default).""",
     input_text=OK_MLIR)
@@ -1784,8 +2299,9 @@ cli("cli-pass-before-its-stage", "A pass given a module from an earlier stage",
 cli("cli-invalid-utf8", "An input file that is not UTF-8",
     ["in.mlir"], 1,
     r"^in\.mlir:2:6: error: input is not valid UTF-8: byte 0xff \(invalid start byte\)",
-    """MLIR files are UTF-8 text; the message points at the first invalid byte (here a
-    Latin-1 byte in a comment). Re-encode the file.""",
+    """MLIR files are UTF-8 text or MLIR bytecode (which starts with the bytes
+    `ML\\xefR`); the message points at the first invalid byte (here a Latin-1 byte in a
+    comment). Re-encode the file.""",
     input_bytes=OK_MLIR.replace("%0 = ", "// \xff\n  %0 = ", 1).encode("latin-1"))
 
 cli("cli-diagnostic-without-location", "A module-level diagnostic",
@@ -1811,6 +2327,92 @@ cli("cli-import-mpmd-no-meshes", "`mm-import-mpmd` without a mesh map",
     """The mpmd dialect has no device ids; the pass needs to know which devices each mesh
     is. `compile_mpmd` records the map it is given as `mm.meshes` on the module.""",
     input_text=partitioned_identity())
+
+LOOP_MLIR = """\
+module{attrs} {{
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {{
+    %0 = stablehlo.custom_call @mm.microbatch_loop(%arg0, %arg0) {{mm.body = @body, mm.num_microbatches = {m} : i64}} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }}
+  func.func private @body(%i: tensor<i32>, %acc: tensor<8xf32>, %x: tensor<8xf32>) -> tensor<8xf32> {{
+    %0 = call @a_fwd(%x) {{mm.fragment}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }}
+  func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {{mm.devices = [0, 1], mm.task = {{name = "a", transpose_count = 0 : i64, loop = 0 : i64}}}} {{
+    return %arg0 : tensor<8xf32>
+  }}
+}}
+"""
+
+cli("cli-topology-wrong-type", "A `topology` of the wrong type in an mpmd module",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-7})"], 1,
+    r"^in\.mlir:1:122: error: 'topology' must be an #mpmd\.topology, got 3 : i64; jaxlib's "
+    r"mpmd dialect reads it from the function that holds mpmd ops without a check",
+    """jaxlib's mpmd verifiers read `topology` without checking its type, so any other
+    attribute there (a string, an integer) killed the process while the module parsed;
+    mm-opt checks it before parsing. Write the meshes as `#mpmd.topology<<"m1" :
+    <["x"=4]>>, ...>`.""",
+    input_text=transfer_program("3 : i64"))
+
+cli("cli-attribute-wrong-type", "An `mm.*` attribute entry of the wrong type",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments)"], 1,
+    r"^in\.mlir:1:1: error: 'mm\.schedule_config' num_stages must be an integer in "
+    r"1\.\.65536, got \"4\"",
+    """Every attribute multimesh reads is checked for type and range before use (one typed
+    reader, `multimesh.passes._attrs`); the message names the attribute, the value and what
+    it must be. Here write `num_stages = 4`.""",
+    input_text=LOOP_MLIR.format(
+        attrs=' attributes {mm.schedule_config = {schedule = "1f1b", num_stages = "4"}}', m=2))
+
+cli("cli-too-many-microbatches", "A microbatch count beyond the limit",
+    ["in.mlir", "-p", "builtin.module(mm-schedule-fragments)"], 1,
+    r"^in\.mlir:3:10: error: 'mm\.num_microbatches' on 'mm\.microbatch_loop' must be a "
+    r"microbatch count in 1\.\.65536, got 1000000000",
+    """Sizes that drive allocation are bounded (docs/ir.md, "Limits"): at most 65,536
+    microbatches, device positions below 1,048,576. A larger count used to make mm-opt
+    grow its memory without end.""",
+    input_text=LOOP_MLIR.format(attrs="", m=1000000000))
+
+cli("cli-import-mpmd-position-too-large", "An `mm-import-mpmd` device position beyond the limit",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-99999999999})"], 1,
+    r"^mm-opt: error: Pass 'mm-import-mpmd' option 'meshes': mesh 'm1' has device position "
+    r"99999999999, but positions are below 1048576 \(MAX_DEVICES\)",
+    """Device positions are below 1,048,576 (docs/ir.md, "Limits"); a range is checked
+    before it is spelled out.""",
+    input_text=OK_MLIR)
+
+cli("cli-import-mpmd-long-list", "A mesh map that gives a mesh far too many positions",
+    ["in.mlir", "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-100})"], 1,
+    r"^in\.mlir:1:1: error: mesh \"m1\" \[\"x\"=4\] has 4 devices but option 'meshes' "
+    r"gives it 101: \[0, 1, 2, 3, 4, 5, 6, 7, \.\.\. \(101 entries\)\]",
+    """Messages that would list a long set print its first few entries and the count (a
+    typo like `m2=4-1000000` printed 7.9 MB). Give each mesh as many positions as its
+    axes multiply to.""",
+    input_text=partitioned_identity())
+
+cli("cli-bytecode-split-input", "`--split-input-file` on MLIR bytecode",
+    ["in.mlir", "--split-input-file"], 1,
+    r"^in\.mlir:1:1: error: --split-input-file needs text input, got MLIR bytecode",
+    """Bytecode holds one module; split text files only.""",
+    input_bytes=b"ML\xefR")
+
+cli("cli-emit-bytecode-split", "`--emit-bytecode` with `--split-input-file`",
+    ["in.mlir", "--split-input-file", "--emit-bytecode"], 1,
+    r"^mm-opt: error: --emit-bytecode writes one module; it does not combine with "
+    r"--split-input-file",
+    """Bytecode holds one module: write the chunks as text, or run mm-opt once per
+    module.""",
+    input_text=OK_MLIR)
+
+cli("cli-empty-symbol", "A module with an empty symbol name",
+    ["in.mlir"], 1,
+    r"^in\.mlir:1:1: error: the result cannot be parsed again: an empty symbol name prints "
+    r"as @<<INVALID EMPTY SYMBOL>>",
+    """MLIR's generic form accepts `sym_name = ""` (or a custom call target `""`), but
+    prints it as `@<<INVALID EMPTY SYMBOL>>`, which no parser reads back; mm-opt refuses to
+    write such output (found by fuzzing attribute values).""",
+    input_text='"func.func"() <{function_type = () -> (), sym_name = ""}> ({\n'
+               '  "func.return"() : () -> ()\n}) : () -> ()\n')
 
 # --------------------------------------------------------------------------- running
 
@@ -1869,7 +2471,10 @@ def run(entry: Entry, workdir: Path) -> Outcome:
 
 
 def _run_cli(entry: Entry, workdir: Path) -> Outcome:
-    from multimesh.tools.mm_opt import main
+    if entry.tool == LAUNCH:
+        from multimesh.launch import main
+    else:
+        from multimesh.tools.mm_opt import main
 
     if entry.input_text is not None:
         (workdir / "in.mlir").write_text(entry.input_text, encoding="utf-8")
@@ -1882,7 +2487,10 @@ def _run_cli(entry: Entry, workdir: Path) -> Outcome:
         # COLUMNS: argparse wraps its usage text to the terminal width.
         with _cwd(workdir), _env("COLUMNS", "80"), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err):
-            code = main(list(entry.argv))
+            try:
+                code = main(list(entry.argv))
+            except SystemExit as e:  # argparse
+                code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.stdin = old_stdin
     return Outcome(exit_code=code, stdout=out.getvalue(), message=err.getvalue())
@@ -1947,10 +2555,10 @@ def validate_catalogue() -> list[str]:
             elif e.is_warning:
                 if not issubclass(e.exc, MultimeshWarning):
                     problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshWarning")
-            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (ValueError,
-                                                                            TypeError):
+            elif not issubclass(e.exc, MultimeshError) or e.builtin not in (
+                    ValueError, TypeError, AttributeError):
                 problems.append(f"{e.id}: {e.exc.__name__} must be a MultimeshError and a "
-                                f"ValueError or TypeError")
+                                f"ValueError, TypeError or AttributeError")
     for cat in CATEGORIES:
         if not any(e.category == cat for e in ENTRIES):
             problems.append(f"category {cat!r} has no entry")

@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -206,3 +207,43 @@ def test_a_second_process_loads_every_fragment_from_jax_persistent_cache(tmp_pat
     assert entries >= len(names) and len(os.listdir(cache)) == entries  # nothing new
     assert first["devices"] == second["devices"] == [[2 * k, 2 * k + 1] for k in range(4)]
     assert first["grads"] == second["grads"]
+
+
+def test_fragments_with_host_callbacks_each_compile(monkeypatch):
+    """A callback's address is compiled into its executable, so one that calls back is
+    never loaded onto other devices (jax also gives every call site its own callback,
+    so such fragments differ in text anyway); on the thread pool, every callback runs."""
+    monkeypatch.setenv(parallel.THREADS_ENV, "2")
+    executor._COMPILE_CACHE.clear()
+    seen = []
+
+    def record(s):
+        seen.append(float(s))
+
+    def mk(k):
+        def body(w, x):
+            jax.debug.callback(record, x.sum())
+            return jnp.tanh(x @ w)
+        mesh = mm.TaskMesh(devices=(2 * k, 2 * k + 1), axis_names=("x",), axis_sizes=(2,))
+        return mm.task(body, name=f"s{k}", mesh=mesh)
+    tasks = [mk(k) for k in range(4)]
+
+    def f(ws, x):
+        for t, w in zip(tasks, ws):
+            x = t(w, x)
+        return x
+
+    ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(4)]
+    x = jnp.linspace(0, 1, 8 * 16).reshape(8, 16)
+    compiled = mm.mjit(f).lower(ws, x).compile()
+    assert set(compiled.xla_sources.values()) == {"xla"}
+    exe = compiled._exec.exes["s1_fwd"]
+    assert jax_compat.load_on_devices(exe, "s1_fwd", exe.input_shardings[0],
+                                      exe.output_shardings, jax.devices()[4:6]) is None
+    got = compiled(ws, x)
+    jax.effects_barrier()
+    with mm.ignore_transforms():
+        want = f(ws, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    assert sorted(got.devices(), key=lambda d: d.id) == [jax.devices()[6], jax.devices()[7]]
+    assert len(seen) == 8  # 4 stages, called at the check above (4) and by the plain f (4)

@@ -152,3 +152,86 @@ def test_concurrent_failures_write_their_own_repros(dumping, tmp_path, monkeypat
         if not dumping:
             for p in paths.values():
                 os.unlink(p)
+
+
+# --------------------------------------------------------------------------- bounded repros
+
+
+@pytest.fixture
+def no_dumps(monkeypatch):
+    for name in ("MULTIMESH_DUMP_IR_TO", "MULTIMESH_REPRO_DIR", "MULTIMESH_REPRO_KEEP"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _fail(tag: str = "t") -> PassFailure:
+    with pytest.raises(PassFailure, match=f"mesh of task '{tag}'") as e:
+        mm.mjit(_broken(tag))(jnp.ones(8))
+    return e.value
+
+
+def test_repros_go_to_one_directory_per_user_under_the_temp_dir(no_dumps, tmp_path):
+    import getpass
+    import tempfile
+
+    no_dumps.setattr(tempfile, "tempdir", str(tmp_path))
+    e = _fail()
+    path = _repro_file(e)
+    assert path.parent == tmp_path / f"multimesh-repros-{getpass.getuser()}"
+    assert path.name.startswith("multimesh-failed-input-") and path.suffix == ".mlir"
+    assert path.parent.stat().st_mode & 0o777 == 0o700  # it holds the user's programs
+    assert (f"(repros go to {path.parent}, which keeps the newest 20; MULTIMESH_REPRO_DIR "
+            f"and MULTIMESH_REPRO_KEEP change that, MULTIMESH_REPRO_KEEP=0 turns them off)"
+            in str(e))
+    code, err = _replay(e)
+    assert code == 1 and "mesh of task 't'" in err
+
+
+def test_the_repro_directory_keeps_the_newest(no_dumps, tmp_path):
+    no_dumps.setenv("MULTIMESH_REPRO_DIR", str(tmp_path / "repros"))
+    no_dumps.setenv("MULTIMESH_REPRO_KEEP", "3")
+    stray = tmp_path / "repros" / "notes.txt"  # not a repro: left alone
+    stray.parent.mkdir()
+    stray.write_text("mine")
+    paths = []
+    for i in range(5):
+        e = _fail(f"t{i}")
+        paths.append(_repro_file(e))
+        assert "which keeps the newest 3" in str(e)
+    left = sorted((tmp_path / "repros").iterdir())
+    assert left == sorted([stray, *paths[2:]]), left  # the newest three
+    for i, p in enumerate(paths[2:], 2):
+        assert f'name = "t{i}"' in p.read_text()
+
+
+def test_repros_can_be_turned_off(no_dumps, tmp_path):
+    no_dumps.setenv("MULTIMESH_REPRO_DIR", str(tmp_path / "repros"))
+    no_dumps.setenv("MULTIMESH_REPRO_KEEP", "0")
+    e = _fail()
+    assert e.repro is None
+    assert str(e).endswith("No repro file was written: MULTIMESH_REPRO_KEEP=0 turns them off.")
+    assert not (tmp_path / "repros").exists()
+
+
+@pytest.mark.parametrize("keep, why", [
+    ("-1", "MULTIMESH_REPRO_KEEP='-1' is not a whole number of files to keep, 0 or more "
+           "(the default is 20)"),
+    ("many", "MULTIMESH_REPRO_KEEP='many' is not a whole number"),
+])
+def test_a_bad_repro_setting_is_named_with_the_failure(no_dumps, tmp_path, keep, why):
+    """The pass's failure is what is raised; the note says why there is no repro."""
+    no_dumps.setenv("MULTIMESH_REPRO_DIR", str(tmp_path / "repros"))
+    no_dumps.setenv("MULTIMESH_REPRO_KEEP", keep)
+    e = _fail()
+    assert e.repro is None and f"No repro file was written: {why}" in str(e), str(e)
+
+
+def test_a_repro_directory_that_cannot_be_made_is_named(no_dumps, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    no_dumps.setenv("MULTIMESH_REPRO_DIR", str(blocker / "repros"))
+    e = _fail()
+    assert e.repro is None
+    assert (f"No repro file was written: cannot make the repro directory "
+            f"'{blocker / 'repros'}' (Not a directory); set MULTIMESH_REPRO_DIR to a "
+            f"directory you can write." in str(e)), str(e)

@@ -332,6 +332,61 @@ def make_cases(n: int, seed: int, *, isolated: bool | None = None) -> list[Case]
     return cases
 
 
+COMPILE_MPMD = "compile_mpmd"
+"""A case "pipeline" that runs ``multimesh.jax.compile_mpmd(text, meshes)`` instead of
+``mm-opt`` (exit 1: a ``MultimeshError``; anything else is an internal error)."""
+_MPMD_MESHES = {"m1": range(4), "m2": range(4, 8), "m3": range(8)}
+
+
+def _mpmd_seeds(seeds: list[Seed]) -> list[Seed]:
+    """The Shardy:MPMD-partitioned seeds (``compile_mpmd``'s input)."""
+    return [s for s in seeds if "mpmd.fragment_call" in s.text or "mpmd.transfer" in s.text]
+
+
+def make_attr_cases(n: int, seed: int, *, compile_share: float = 0.03) -> list[Case]:
+    """``n`` inputs whose attributes have other types and values
+    (:func:`tests.fuzz.ir_attrs.mutate_attributes`, one or two per input), on the seeds'
+    pipelines; ``compile_share`` of them go to ``compile_mpmd`` (partitioned seeds).
+    Every one runs in the crash-isolated worker: parsing such input is what crashed."""
+    from tests.fuzz.ir_attrs import mutate_attributes
+
+    rng = random.Random(seed)
+    seeds = load_seeds()
+    pool = [(s, p) for s in seeds for p in s.pipelines]
+    mpmd = _mpmd_seeds(seeds)
+    cases: list[Case] = []
+    while len(cases) < n:
+        if mpmd and rng.random() < compile_share:
+            s, pipe = rng.choice(mpmd), COMPILE_MPMD
+        else:
+            s, pipe = rng.choice(pool)
+        count = rng.choice((1, 1, 1, 2))
+        text, muts = mutate_attributes(s.text, rng, count), ("attr_type",) * count
+        if text == s.text:
+            continue
+        cases.append(Case(len(cases), s.source, muts, pipe, text))
+    return cases
+
+
+def run_compile_mpmd(case: Case) -> Result:
+    """``compile_mpmd`` on the case's text, as a :class:`Result` ``problems`` reads."""
+    import traceback
+
+    import multimesh.jax as mm
+    from multimesh._src.errors import MultimeshError
+
+    t0 = time.perf_counter()
+    try:
+        mm.compile_mpmd(case.text, _MPMD_MESHES if "m3" in case.text else
+                        {k: v for k, v in _MPMD_MESHES.items() if k != "m3"})
+        rc, err = 0, ""
+    except MultimeshError as e:
+        rc, err = 1, f"error: {e}"
+    except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
+        rc, err = 1, "internal error: " + "".join(traceback.format_exception(e))
+    return Result(rc, "", err, rc == 0, True if rc == 0 else None, time.perf_counter() - t0)
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -348,6 +403,9 @@ class Result:
 
 def run_in_process(case: Case, workdir: str) -> Result:
     from multimesh.tools.mm_opt import main
+
+    if case.pipeline == COMPILE_MPMD:
+        return run_compile_mpmd(case)
 
     inp = os.path.join(workdir, f"case{case.id}.mlir")
     out = os.path.join(workdir, f"case{case.id}.out.mlir")
@@ -539,6 +597,8 @@ def sdy_probes() -> dict[str, str]:
 
 def _worker_main() -> int:  # pragma: no cover - runs in the subprocess
     sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     workdir = tempfile.mkdtemp(prefix="mm-fuzz-ir-")
     chan = sys.__stdout__
     for line in sys.stdin:
@@ -749,6 +809,40 @@ def test_mutated_inputs_isolated():
           f"worker restarts {runner.restarts}")
     assert not bad, f"{len(bad)} of {len(cases)} mutated inputs misbehaved:\n\n" + \
         "\n\n".join(bad[:5])
+
+
+N_ATTRS = int(os.environ.get("MULTIMESH_FUZZ_IR_ATTRS", "200"))
+
+
+def test_attribute_types_and_values_isolated():
+    """N_ATTRS inputs whose attributes have other types and values (fixed seed), in the
+    crash-isolated worker, a few through ``compile_mpmd``; ``tools/fuzz.py --ir-attrs``
+    runs the long profile (docs/testing.md)."""
+    cases = make_attr_cases(N_ATTRS, 5, compile_share=0.05)
+    assert any(c.pipeline == COMPILE_MPMD for c in cases)
+    runner = IsolatedRunner()
+    try:
+        bad, outcome = _tally(cases, runner.run)
+    finally:
+        runner.close()
+    print(f"attribute fuzzing: {len(cases)} inputs, {outcome}, "
+          f"worker restarts {runner.restarts}")
+    assert not bad, f"{len(bad)} of {len(cases)} mutated inputs misbehaved:\n\n" + \
+        "\n\n".join(bad[:5])
+    assert outcome["diagnosed"] > len(cases) // 4, outcome
+
+
+def test_attribute_mutations_change_types():
+    """The mutator reaches values of other types inside the attributes multimesh reads."""
+    from tests.fuzz.ir_attrs import mutate_attributes
+
+    seed = next(s for s in load_seeds() if s.source == "schedule_fragments.mlir#0")
+    rng = random.Random(0)
+    texts = {mutate_attributes(seed.text, rng) for _ in range(60)}
+    assert len(texts) > 40
+    assert any("mm.schedule_config" in t and "schedule = \"gpipe\"" not in t for t in texts)
+    devices = {m for t in texts for m in re.findall(r"mm\.devices = (\[[^\]]*\]|[^ ,}]+)", t)}
+    assert devices - {"[0, 1]", "[2, 3]"}, devices  # other values, other types
 
 
 def test_handful_through_the_cli(tmp_path):

@@ -612,7 +612,7 @@ def test_error_empty_capture_group_at_compile_time():
     mm.register_task(r"layer(\d*)", task=mm.Task(mesh=mm.TaskMesh(devices=(0,))))
     with pytest.raises(MultimeshValueError,
                        match=r"matcher 'layer\(\\d\*\)' produced an empty match on the op "
-                             r"name stack 'jit\(wrapped\)/layer/sin'"):
+                             r"name stack 'jit\(fun\)/layer/sin'"):
         mm.mjit(fun).lower(jnp.ones(4))
 
 

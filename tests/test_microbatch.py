@@ -381,3 +381,17 @@ def test_schedule_aliases(alias, name):
     x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
     f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=alias)
     assert mm.mjit(f).lower(ws, x).compile().schedule.name == name
+
+
+def test_custom_schedule_is_checked_when_microbatch_is_called():
+    """Its form (rows, entries) at ``microbatch(...)``; numpy microbatch numbers are
+    ints; the names are the pass's to check (against the program's tasks)."""
+    from multimesh.jax._microbatch import canonicalize_custom
+
+    with pytest.raises(TypeError, match=r"custom_schedule row 1 has entry \('s1', 0\)"):
+        mm.microbatch(lambda x: x, dim=0, size=2, custom_schedule=[["s0"], [("s1", 0)]])
+    with pytest.raises(ValueError, match="`microbatch` custom_schedule is empty"):
+        mm.microbatch(lambda x: x, dim=0, size=2, custom_schedule=[])
+    rows = canonicalize_custom([[(np.int64(1), "a"), "a"], ["b", "b"]], 2)
+    assert rows == [[(1, "a"), (0, "a")], [(0, "b"), (1, "b")]]
+    assert all(type(mb) is int for row in rows for mb, _ in row)

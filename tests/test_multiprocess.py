@@ -9,8 +9,11 @@ ends by printing ``OK process k``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +112,8 @@ def test_killed_peer_stops_the_survivor(victim):
 
 
 # --------------------------------------------------------------------------- the launcher
+# The guarantees docs/multiprocess.md states ("The launcher's guarantees"). Worker scripts
+# without jax where jax is not what is tested; fails_early.py runs jax.distributed.
 
 
 def _run_launcher(tmp_path, code: str, *flags: str, timeout: float = 60):
@@ -117,8 +122,123 @@ def _run_launcher(tmp_path, code: str, *flags: str, timeout: float = 60):
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "multimesh.launch", *flags, str(script)],
                           capture_output=True, text=True, cwd=ROOT, timeout=timeout)
-    proc.elapsed = time.time() - start
+    proc.elapsed, proc.end = time.time() - start, time.time()
     return proc
+
+
+def _pids(text: str) -> list[int]:
+    pids = [int(p) for line in re.findall(r"^\[\d+\] pids? ([\d ]+)$", text, re.M)
+            for p in line.split()]
+    assert pids, text
+    return pids
+
+
+def _assert_gone(pids: list[int], within: float = 2.0) -> None:
+    """No pid survives: ``os.kill(pid, 0)`` raises ProcessLookupError. A zombie (dead,
+    waiting for a reaper: the workers' children belong to init once their parent is
+    killed, and a container's init may never reap them) counts as gone."""
+    deadline = time.monotonic() + within
+    alive = list(pids)
+    while alive:
+        still = []
+        for pid in alive:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                still.append(pid)
+        alive = still
+        if alive and time.monotonic() > deadline:
+            raise AssertionError(f"processes {alive} survived the launcher")
+        time.sleep(0.05)
+
+
+# a worker that starts a child of its own, prints both pids, and sleeps
+SLEEPER = ("import os, subprocess, sys, time\n"
+           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+           "print('pids', os.getpid(), child.pid, flush=True)\n"
+           "time.sleep(120)\n")
+
+
+def _start_launcher(tmp_path, code: str, *flags: str, n: int = 3):
+    """A launcher subprocess running ``code`` in ``n`` processes, once all have printed
+    their pids; the pids."""
+    script = tmp_path / "prog.py"
+    script.write_text(code)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "multimesh.launch", "-n", str(n), *flags,
+                                 str(script)], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(re.findall(r"^\[\d+\] pids ", out.read_text(), re.M)) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+        time.sleep(0.05)
+    return proc, out, _pids(out.read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=lambda s: s.name)
+def test_launcher_forwards_signals_and_reaps_every_process(tmp_path, sig):
+    proc, out, pids = _start_launcher(tmp_path, SLEEPER)
+    assert len(pids) == 6
+    start = time.monotonic()
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=30)
+    elapsed = time.monotonic() - start
+    text = out.read_text()
+    assert rc == 128 + sig, text
+    assert f"got {sig.name}; forwarding it to processes [0, 1, 2]" in text
+    assert "SIGKILL" not in text, text  # these workers die of the signal itself
+    for k in range(3):  # SIGINT too: Python ends a KeyboardInterrupt by SIGINT
+        assert f"process {k} exited with code {128 + sig} (stopped by the launcher)" in text, \
+            text
+    assert elapsed < 4, (elapsed, text)  # the grace period is 3 s
+    _assert_gone(pids)
+
+
+def test_launcher_kills_what_ignores_the_signal_after_the_grace_period(tmp_path):
+    code = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
+    proc, out, pids = _start_launcher(tmp_path, code, "--grace-period", "1", n=2)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    elapsed = time.monotonic() - start
+    text = out.read_text()
+    assert rc == 143, text
+    assert "processes [0, 1] still run 1 s after SIGTERM; killing them (SIGKILL)" in text
+    assert "process 0 exited with code 137 (stopped by the launcher)" in text
+    assert 1 <= elapsed < 3, (elapsed, text)
+    _assert_gone(pids)
+
+
+def test_a_second_signal_kills_at_once(tmp_path):
+    code = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
+    proc, out, pids = _start_launcher(tmp_path, code, "--grace-period", "60", n=2)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=30)
+    assert rc == 143, out.read_text()  # the first signal's code
+    assert time.monotonic() - start < 5, out.read_text()
+    _assert_gone(pids)
+
+
+def test_a_killed_launcher_takes_its_processes_along(tmp_path):
+    proc, out, pids = _start_launcher(tmp_path, SLEEPER, n=2)
+    proc.kill()  # no chance to forward anything: the kernel's parent-death signal does it
+    proc.wait(timeout=30)
+    try:
+        _assert_gone(pids[0::2])  # the workers; their own children outlive them (documented)
+    finally:
+        for pid in pids[1::2]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_launcher_environment_and_prefixes(tmp_path):
@@ -135,28 +255,126 @@ def test_launcher_environment_and_prefixes(tmp_path):
 
 
 def test_launcher_fails_fast_with_the_first_failure_code(tmp_path):
-    code = ("import os, sys, time\n"
+    # every process has a child of its own; the one that fails leaves its child behind
+    code = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print('pids', os.getpid(), child.pid, flush=True)\n"
             "if os.environ['MULTIMESH_LAUNCH_PROCESS_ID'] == '1':\n"
+            "    time.sleep(0.5)\n"
             "    sys.exit(3)\n"
             "time.sleep(120)\n")
     proc = _run_launcher(tmp_path, code, "-n", "2")
-    assert proc.returncode == 3
-    assert proc.elapsed < 30
-    assert "process 1 exited with code 3; stopping processes [0]" in proc.stderr
-    assert "process 0 exited with code 137 (stopped by the launcher)" in proc.stderr
+    assert proc.returncode == 3, proc.stderr
+    assert proc.elapsed < 10
+    assert "process 1 failed (sys.exit(3)); stopping processes [0]." in proc.stderr
+    assert "process 0 exited with code 143 (stopped by the launcher)" in proc.stderr
+    assert proc.stderr.rstrip().endswith(
+        "the cause: process 1 (sys.exit(3)), which exited with code 3; exit code 3."), proc.stderr
+    _assert_gone(_pids(proc.stdout))
+
+
+def _failure_time(proc) -> float:
+    """When process 1 failed: its ``fails at`` line, or jax's fatal log line
+    (``F1125 17:03:32.240709 ...``, UTC) when jax aborts it."""
+    m = re.search(r"^\[1\] fails at ([\d.]+)", proc.stdout, re.M)
+    if m:
+        return float(m.group(1))
+    m = re.search(r"^\[1\] F\d{4} (\d\d):(\d\d):([\d.]+) ", proc.stderr, re.M)
+    assert m, _log(proc)
+    day = time.time() // 86400 * 86400
+    return day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+
+
+@pytest.mark.parametrize("when", ["before-init", "during-init", "after-init",
+                                  "exit0-before-init"])
+def test_first_failure_is_named_and_the_rest_stop_within_5_s(when):
+    """jax.distributed: process 1 fails (or exits 0 unjoined) while process 0 waits for it
+    in ``initialize`` or a barrier, where it ignores SIGTERM and used to wait 40-120 s."""
+    proc = launch(HERE / "fails_early.py", 2, 1, env={"CULPRIT": "1", "WHEN": when},
+                  timeout=120)
+    out = _log(proc)
+    failed_at = _failure_time(proc)
+    assert proc.end - failed_at < 5, (proc.end - failed_at, out)
+    assert "the peer never got here" not in proc.stdout
+    if when == "exit0-before-init":
+        assert proc.returncode == 1, out
+        assert ("process 1 exited with code 0 without joining jax.distributed.initialize(), "
+                "which processes [0] wait in for it; stopping them.") in proc.stderr, out
+        assert proc.stderr.rstrip().endswith(
+            "the cause: process 1 (it left before joining jax.distributed.initialize()), which "
+            "exited with code 0; exit code 1."), out
+    else:
+        assert proc.returncode != 0, out
+        assert re.search(r"^multimesh\.launch: process 1 (failed|exited)", proc.stderr, re.M), out
+        assert re.search(r"^multimesh\.launch: the cause: process 1\b", proc.stderr, re.M), out
+        assert not re.search(r"^multimesh\.launch: process 0 (failed|exited with code \d+;)",
+                             proc.stderr, re.M), out
+    if when == "after-init":
+        assert "process 1 failed (ValueError: process 1 fails after-init)" in proc.stderr, out
+        assert proc.returncode == 1
+    _assert_gone(_pids(proc.stdout))
+
+
+def test_an_early_exit_with_code_0_is_named_within_10_s(tmp_path):
+    code = ("import os, time\n"
+            "if os.environ['MULTIMESH_LAUNCH_PROCESS_ID'] == '0':\n"
+            "    time.sleep(8)\n")
+    proc = _run_launcher(tmp_path, code, "-n", "2")
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"process 1 exited with code 0 (\d+) s ago; processes \[0\] still run",
+                  proc.stderr)
+    assert m and int(m.group(1)) <= 10, proc.stderr
 
 
 def test_launcher_timeout(tmp_path):
-    proc = _run_launcher(tmp_path, "import time\ntime.sleep(120)\n", "-n", "2", "--timeout", "1")
-    assert proc.returncode == 124 and "timed out after 1 s" in proc.stderr
+    proc = _run_launcher(tmp_path, SLEEPER, "-n", "2", "--timeout", "4")
+    assert proc.returncode == 124 and "timed out after 4 s" in proc.stderr
+    assert proc.elapsed < 8
+    _assert_gone(_pids(proc.stdout))
 
 
-def test_launcher_rejects_bad_arguments(tmp_path):
-    proc = _run_launcher(tmp_path, "pass\n", "-n", "0")
-    assert proc.returncode != 0 and "-n must be at least 1, got 0" in proc.stderr
+def test_launcher_port_in_use_is_named(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = _run_launcher(tmp_path, "pass\n", "-n", "2", "--port", str(port))
+    assert proc.returncode == 2, proc.stderr
+    assert (f"the coordinator port {port} on 127.0.0.1 cannot be used (Address already in use)"
+            in proc.stderr)
+    assert "Pick another with --port N, or leave --port out (or --port 0) for a free one." \
+        in proc.stderr
+    assert _run_launcher(tmp_path, "pass\n", "-n", "2", "--port", "0").returncode == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "0"], "argument -n/--num-processes: must be between 1 and 256, got 0"),
+    (["-n", "100000"], "argument -n/--num-processes: must be between 1 and 256, got 100000"),
+    (["-n", "two"], "argument -n/--num-processes: must be a whole number, got 'two'"),
+    (["-n", "2", "--devices-per-process", "0"],
+     "argument --devices-per-process: must be at least 1, got 0"),
+    (["-n", "2", "--port", "99999"],
+     "argument --port: must be a TCP port number from 1 to 65535 (or 0 for a free one), got "
+     "'99999'"),
+    (["-n", "2", "--port", "-1"], "argument --port: must be a TCP port number"),
+    (["-n", "2", "--timeout", "-1"],
+     "argument --timeout: must be a positive number of seconds, got '-1'"),
+    (["-n", "2", "--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
+    (["-n", "2", "--timeout", "nan"], "argument --timeout: must be a positive number of seconds"),
+    (["-n", "2", "--grace-period", "-1"],
+     "argument --grace-period: must be a number of seconds, 0 or more, got '-1'"),
+    (["-n", "2", "--grace-period", "inf"], "argument --grace-period: must be a number of seconds"),
+])
+def test_launcher_rejects_bad_arguments(tmp_path, flags, message):
+    proc = _run_launcher(tmp_path, "pass\n", *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "usage: python -m multimesh.launch" in proc.stderr
+
+
+def test_launcher_rejects_a_missing_script(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "multimesh.launch", "-n", "2", "missing.py"],
                           capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode != 0 and "no such script: missing.py" in proc.stderr
+    assert proc.returncode == 2 and "no such script: missing.py" in proc.stderr
 
 
 # --------------------------------------------------------------------------- the docs page

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multimesh.passes.schedule_fragments import ScheduleFragmentsPass, read_schedule
 from multimesh.passes.schedules import (
+    PLACEMENTS,
     SCHEDULES,
     Call,
     Schedule,
@@ -18,6 +19,7 @@ from multimesh.passes.schedules import (
     Unit,
     build_schedule,
     canonicalize_custom_schedule,
+    check_placement,
     format_gantt,
     live_activation_profile,
     live_activations,
@@ -37,6 +39,25 @@ BUILTIN = [s for s in SCHEDULES if s != "custom"]
 
 def rows(sched: Schedule) -> list[str]:
     return [" ".join(r) for r in sched.labels()]
+
+
+def fits(units, name) -> bool:
+    """Whether the program's stages are placed as the schedule needs (PLACEMENTS); a
+    schedule that does not fit must say which placement it needs."""
+    try:
+        check_placement(units, name)
+    except ScheduleError as e:
+        assert name in PLACEMENTS and f"schedule '{name}' needs" in str(e)
+        with pytest.raises(ScheduleError, match=f"schedule '{name}' needs"):
+            build_schedule(units, name)
+        return False
+    if name == "dualpipe-v":  # and at least 2P microbatches
+        try:
+            build_schedule(units, name)
+        except ScheduleError as e:
+            assert "needs at least 2P" in str(e)
+            return False
+    return True
 
 
 # ------------------------------------------------------------------ textbook orders
@@ -183,13 +204,18 @@ def check_valid(s: Schedule) -> None:
 @given(P=st.integers(1, 6), M=st.integers(1, 10), V=st.integers(1, 3), split=st.booleans(),
        name=st.sampled_from(BUILTIN))
 def test_every_schedule_respects_dependencies(P, M, V, split, name):
-    s = build_schedule(pipeline_units(P, M, interleave=V, split_backward=split), name)
+    units = pipeline_units(P, M, interleave=V, split_backward=split)
+    if not fits(units, name):
+        return
+    s = build_schedule(units, name)
     check_valid(s)
     for row in s.rows():  # each (stage, kind) runs every microbatch once, in order
         seen: dict = {}
         for u in row:
             seen.setdefault((u.stage, u.kind), []).append(u.microbatch)
-        assert all(v == list(range(M)) for v in seen.values())
+        for (_, kind), v in seen.items():  # circular-reversed-backward: backwards descend
+            descending = name == "circular-reversed-backward" and kind != "fwd"
+            assert v == (list(range(M))[::-1] if descending else list(range(M)))
     if V == 1 and not split and name in ("gpipe", "1f1b"):
         assert s.bubble_fraction() == pytest.approx((P - 1) / (M + P - 1))
 
@@ -237,7 +263,8 @@ def programs(draw):
 @given(calls=programs(), name=st.sampled_from(BUILTIN))
 def test_random_programs_get_valid_schedules(calls, name):
     units, devices = units_from_calls(calls)
-    check_valid(build_schedule(units, name, devices=devices))
+    if fits(units, name):
+        check_valid(build_schedule(units, name, devices=devices))
 
 
 # ------------------------------------------------------------------ stages
@@ -300,10 +327,22 @@ def test_custom_bare_names_count_microbatches():
      "task 'stage1_bwd' has 0 microbatches in custom_schedule row 1, but there are 2"),
     ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"],
       ["stage1", "stage1", "stage1_bwd", "stage1_bwd", "nope", "nope"]],
-     "custom_schedule row 1 names 'nope', which is not a task of submesh 1 "
+     "custom_schedule row 1 entry 4 names 'nope', which is not a task of submesh 1 "
      "(its tasks: stage1, stage1_bwd)"),
+    # a misspelling is named as such (it used to read as a count), with the closest name
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bdw"], ["stage1", "stage1_bwd"] * 2],
+     "custom_schedule row 0 entry 3 names 'stage0_bdw', which is not a task of submesh 0 "
+     "(its tasks: stage0, stage0_bwd); did you mean 'stage0_bwd'?"),
+    # a task of another submesh
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1_bwd"] * 2 + ["stage0"]],
+     "custom_schedule row 1 entry 4 names 'stage0', which is not a task of submesh 1 "
+     "(its tasks: stage1, stage1_bwd); it runs on submesh 0"),
     ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"]],
-     "custom_schedule has 1 rows, but the program has 2 submeshes"),
+     "custom_schedule has 1 rows for 2 submeshes; give one row per submesh"),
+    # an extra row is counted before its contents are read
+    ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1_bwd"] * 2, ["x"]],
+     "custom_schedule has 3 rows for 2 submeshes"),
+    ([], "custom_schedule has 0 rows for 2 submeshes"),
     ([[(0, "stage0"), (0, "stage0"), "stage0_bwd", "stage0_bwd"], []],
      "task 'stage0' appears twice for microbatch 0 in custom_schedule row 0"),
     ([[(5, "stage0")], []], "microbatch 5 of task 'stage0' is out of range"),
@@ -329,7 +368,9 @@ def test_custom_with_other_schedule_is_an_error():
 
 def test_unknown_schedule_lists_choices():
     with pytest.raises(ScheduleError, match="unknown schedule 'zero-bubble-h3'; valid schedules: "
-                                            "1f1b, custom, gpipe, interleaved-1f1b, "
+                                            "1f1b, circular-reversed-backward, custom, "
+                                            "dualpipe-v, eager-1f1b, gpipe, gpipe-1f1b-last, "
+                                            "interleaved-1f1b, interleaved-gpipe, "
                                             "zero-bubble-h1, zero-bubble-h2"):
         build_schedule(pipeline_units(2, 2), "zero-bubble-h3")
 
@@ -392,7 +433,11 @@ def run_pass(text: str, **options):
 @pytest.mark.parametrize("P,M,V,split", [(4, 8, 1, False), (2, 4, 2, False), (3, 5, 1, True)])
 def test_pass_matches_schedule(name, P, M, V, split):
     units = pipeline_units(P, M, interleave=V, split_backward=split)
-    if name == "interleaved-1f1b" and V == 1:  # one stage per submesh: nothing to interleave
+    if not fits(units, name):
+        with pytest.raises(DiagnosticError, match=f"schedule '{name}' needs"):
+            run_pass(mpmd_module(units), schedule=name)
+        return
+    if name in ("interleaved-1f1b", "interleaved-gpipe") and V == 1:  # nothing to interleave
         with pytest.warns(DiagnosticWarning, match="has nothing to interleave: each of the "
                                                    f"{P} submeshes runs one pipeline stage"):
             module = run_pass(mpmd_module(units), schedule=name)

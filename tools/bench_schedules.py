@@ -5,11 +5,16 @@
 Simulated with unit costs (forward 1, backward 2, each half of a split backward 1)
 on textbook pipelines (``multimesh.passes.schedules.pipeline_units``), next to the theory:
 (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with V
-stages per submesh, (P-1)/(3M+P-1) for zero bubble H1 and H2. The stage bubble is
+stages per submesh, (P-1)/(3M+P-1) for zero bubble H1 and H2; eager 1F1B and GPipe
+with 1F1B on the last submesh as 1F1B, interleaved GPipe and circular with reversed
+backward as interleaved 1F1B; DualPipeV (V-shape, 2P half-size stages) its lower
+bound (P-1)/(6M+P-1). The stage bubble is
 the idle share inside each submesh's own span (first unit to last), what a submesh
 loses when consecutive steps overlap: ZB-H2's theory is 0. Peak live activations are
 per submesh, in (stage, microbatch) activations: 1F1B holds at most P, GPipe M,
-ZB-H2 2P. ``tools/bench.py`` calls :func:`P6`.
+ZB-H2 2P, eager 1F1B 2P-1, interleaved GPipe and circular with reversed backward
+V*M, DualPipeV 2P+1 (``theoretical_peak_live``; docs/schedules.md derives each). ``tools/bench.py``
+calls :func:`P6`.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from multimesh.passes.schedules import (  # noqa: E402
+    PLACEMENTS,
     build_schedule,
     live_activations,
     pipeline_units,
     theoretical_bubble,
+    theoretical_peak_live,
+    v_shape_units,
 )
 
 # (schedule, interleave, split backward): the setups P6 measures.
@@ -35,6 +43,11 @@ SETUPS = (
     ("interleaved-1f1b", 2, False),
     ("zero-bubble-h1", 1, True),
     ("zero-bubble-h2", 1, True),
+    ("eager-1f1b", 1, False),
+    ("gpipe-1f1b-last", 1, False),
+    ("interleaved-gpipe", 2, False),
+    ("circular-reversed-backward", 2, False),
+    ("dualpipe-v", 2, True),
 )
 SHAPES = ((2, 4), (4, 8), (4, 16), (8, 32))
 
@@ -44,12 +57,15 @@ def P6_rows(shapes=SHAPES, setups=SETUPS) -> list[dict]:
     rows = []
     for P, M in shapes:
         for name, V, split in setups:
-            sched = build_schedule(pipeline_units(P, M, interleave=V, split_backward=split), name)
+            units = (v_shape_units(P, M) if PLACEMENTS.get(name) == "v-shape"
+                     else pipeline_units(P, M, interleave=V, split_backward=split))
+            sched = build_schedule(units, name)
             theory = theoretical_bubble(name, P, M, V)
             rows.append({"P": P, "M": M, "schedule": name, "interleave": V,
                          "bubble": sched.bubble_fraction(), "theory": theory,
                          "stage_bubble": sched.timeline().stage_bubble_fraction(),
-                         "peak_live": max(live_activations(sched))})
+                         "peak_live": max(live_activations(sched)),
+                         "peak_theory": theoretical_peak_live(name, P, M, V)})
     return rows
 
 
@@ -63,16 +79,19 @@ def P6(shapes=SHAPES, setups=SETUPS) -> dict[str, float]:
             out[f"{key}/theory"] = r["theory"]
         out[f"{key}/stage_bubble"] = r["stage_bubble"]
         out[f"{key}/peak_live"] = float(r["peak_live"])
+        if r["peak_theory"] is not None:
+            out[f"{key}/peak_theory"] = float(r["peak_theory"])
     return out
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'P':>3} {'M':>3}  {'schedule':<18}{'bubble':>8}{'theory':>8}"
-             f"{'stage bubble':>14}{'peak live':>11}"]
+    lines = [f"{'P':>3} {'M':>3}  {'schedule':<28}{'bubble':>8}{'theory':>8}"
+             f"{'stage bubble':>14}{'peak live':>11}{'theory':>8}"]
     for r in rows:
         theory = f"{r['theory']:.3f}" if r["theory"] is not None else "-"
-        lines.append(f"{r['P']:>3} {r['M']:>3}  {r['schedule']:<18}{r['bubble']:>8.3f}"
-                     f"{theory:>8}{r['stage_bubble']:>14.3f}{r['peak_live']:>11}")
+        peak = str(r["peak_theory"]) if r["peak_theory"] is not None else "-"
+        lines.append(f"{r['P']:>3} {r['M']:>3}  {r['schedule']:<28}{r['bubble']:>8.3f}"
+                     f"{theory:>8}{r['stage_bubble']:>14.3f}{r['peak_live']:>11}{peak:>8}")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
     python tools/fuzz.py --programs 500 --seed 0        # differential MPMD fuzzing
     python tools/fuzz.py --programs 200 --microbatch 1  # ... microbatched programs only
     python tools/fuzz.py --ir 5000 --seed 0             # mm-opt IR fuzzing
+    python tools/fuzz.py --ir-attrs 20000 --seed 0      # attribute types and values
     python tools/fuzz.py --programs 200 --ir 2000 --out /tmp/fuzz-out
 
 Unlike the hypothesis tests in CI, the long profile keeps going after a failure:
@@ -114,18 +115,28 @@ def run_programs(n: int, seed: int, out: str, batch: int, microbatch: float = 0.
 
 
 def run_ir(n: int, seed: int, out: str) -> dict:
-    from tests.test_fuzz_ir import (
-        IsolatedRunner,
-        describe,
-        known_bug,
-        make_cases,
-        problems,
-    )
+    from tests.test_fuzz_ir import make_cases
 
-    t0 = time.perf_counter()
     n_iso = max(1, n // 5)
     cases = make_cases(n - n_iso, seed, isolated=False) + \
         make_cases(n_iso, seed + 1, isolated=True)
+    return _run_ir_cases(cases, out, "ir") | {"isolated": n_iso}
+
+
+def run_ir_attrs(n: int, seed: int, out: str) -> dict:
+    """``n`` inputs whose attributes have other types and values (3% to compile_mpmd)."""
+    from tests.test_fuzz_ir import COMPILE_MPMD, make_attr_cases
+
+    cases = make_attr_cases(n, seed)
+    summary = _run_ir_cases(cases, out, "ir-attrs")
+    summary["compile_mpmd"] = sum(c.pipeline == COMPILE_MPMD for c in cases)
+    return summary
+
+
+def _run_ir_cases(cases: list, out: str, kind: str) -> dict:
+    from tests.test_fuzz_ir import IsolatedRunner, describe, known_bug, problems
+
+    t0 = time.perf_counter()
     stats = collections.Counter()
     by_mut = collections.Counter()
     fails = []
@@ -141,7 +152,7 @@ def run_ir(n: int, seed: int, out: str) -> dict:
             stats["FAIL"] += 1
             fails.append({"case": i, "seed": case.seed, "mutations": list(case.mutations),
                           "pipeline": case.pipeline, "problems": found})
-            d = Path(out, "ir")
+            d = Path(out, kind)
             d.mkdir(parents=True, exist_ok=True)
             (d / f"case{i}.mlir").write_text(
                 f"// mm-opt THIS -p '{case.pipeline}'\n// " +
@@ -153,18 +164,21 @@ def run_ir(n: int, seed: int, out: str) -> dict:
         for m in case.mutations:
             by_mut[m] += 1
         if (i + 1) % 500 == 0:
-            print(f"  ... {i + 1}/{len(cases)} IR cases, {time.perf_counter() - t0:.0f} s",
+            print(f"  ... {i + 1}/{len(cases)} {kind} cases, {time.perf_counter() - t0:.0f} s",
                   flush=True)
     runner.close()
-    return {"ir_cases": len(cases), "isolated": n_iso, "seconds":
-            round(time.perf_counter() - t0, 1), "outcomes": dict(stats),
-            "worker_restarts": runner.restarts, "mutations": dict(by_mut), "failures": fails}
+    return {"ir_cases": len(cases), "seconds": round(time.perf_counter() - t0, 1),
+            "outcomes": dict(stats), "worker_restarts": runner.restarts,
+            "mutations": dict(by_mut), "failures": fails}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--programs", type=int, default=0, help="random MPMD programs to check")
     ap.add_argument("--ir", type=int, default=0, help="mutated mm-opt inputs to run")
+    ap.add_argument("--ir-attrs", type=int, default=0, metavar="N",
+                    help="inputs whose attributes have other types and values (mm-opt, "
+                         "mm-import-mpmd, compile_mpmd)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=50, help="programs per worker process")
     ap.add_argument("--microbatch", type=float, default=0.0, metavar="FRACTION",
@@ -177,7 +191,7 @@ def main(argv=None) -> int:
     if a._worker:
         return _program_worker(int(a._worker[0]), int(a._worker[1]), a._worker[2],
                                float(a._worker[3]))
-    if not a.programs and not a.ir:
+    if not a.programs and not a.ir and not a.ir_attrs:
         a.programs = 500
     summary = {}
     if a.programs:
@@ -189,6 +203,9 @@ def main(argv=None) -> int:
     if a.ir:
         print(f"IR fuzzing: {a.ir} mutated inputs from seed {a.seed}", flush=True)
         summary["ir"] = run_ir(a.ir, a.seed, a.out)
+    if a.ir_attrs:
+        print(f"IR attribute fuzzing: {a.ir_attrs} inputs from seed {a.seed}", flush=True)
+        summary["ir_attrs"] = run_ir_attrs(a.ir_attrs, a.seed, a.out)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "summary.json").write_text(json.dumps(summary, indent=1))
     for k, s in summary.items():

@@ -46,8 +46,9 @@ Python errors all inherit `multimesh.jax.errors.MultimeshError` *and* the matchi
 `except ValueError` (or `TypeError`) keeps working for code that does not know about
 multimesh. A compile-time failure inside a pass is a `PassFailure` that names the pass
 and ends with an `mm-opt` command replaying it on the saved input (written to the
-program's own directory in `$MULTIMESH_DUMP_IR_TO`, else to a new file in the temporary
-directory). `mm-opt` exits with status 1
+program's own directory in `$MULTIMESH_DUMP_IR_TO`, else to the repro directory that
+keeps the newest 20, `multimesh-repros-<user>` in the temporary directory; see
+docs/mpmd-runtime.md). `mm-opt` exits with status 1
 on errors (diagnostics as `file:line:col: error: ...`) and 2 on a bad command line.
 
 Entries marked **Known issue** describe an error that is missing, unclear or raised
@@ -123,7 +124,7 @@ def render_entry(cat, entry, workdir: Path) -> str:
     out = cat.run(entry, workdir)
     parts = [f"### `{entry.id}`", "", f"**{entry.title}.** "]
     if entry.is_cli:
-        parts[-1] += f"`mm-opt` exits with status {entry.exit_code}."
+        parts[-1] += f"`{entry.tool}` exits with status {entry.exit_code}."
         parts.append("")
         if entry.input_text is not None:
             parts += ["With `in.mlir`:", "", fence(entry.input_text, "mlir")]

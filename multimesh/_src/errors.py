@@ -20,6 +20,10 @@ class MultimeshTypeError(MultimeshError, TypeError):
     """An argument given to a multimesh API has the wrong type."""
 
 
+class MultimeshAttributeError(MultimeshError, AttributeError):
+    """A ``jax.jit`` stage attribute that a multimesh stage does not offer, and why."""
+
+
 class MeshError(MultimeshValueError):
     """A task mesh is malformed or does not fit the program's devices."""
 
@@ -65,12 +69,28 @@ class MultimeshWarning(UserWarning):
 
 class DiagnosticWarning(MultimeshWarning):
     """A pass's warning about the IR; carries the MLIR location it concerns (see
-    :class:`DiagnosticError`), so ``mm-opt`` prints ``file:line:col: warning: ...``."""
+    :class:`DiagnosticError`), so ``mm-opt`` prints ``file:line:col: warning: ...``.
+
+    Shown as a Python warning (a program compiled by ``mjit``), its text ends with
+    ``(at file:line:col)``, the user's source line, which Python's own warning
+    location (inside the pass) cannot give."""
 
     def __init__(self, message: str, location=None):
-        super().__init__(message)
+        super().__init__(message + _at(location))
         self.message = message
         self.location = location
+
+
+def _at(location) -> str:
+    """`` (at file:line:col)`` for an MLIR location that has one, else ``""``."""
+    if location is None:
+        return ""
+    from multimesh._src.mlir import file_line_col
+
+    flc = file_line_col(location)
+    return f" (at {flc[0]}:{flc[1]}:{flc[2]})" if flc else ""
+
+
 class DonationError(MultimeshValueError):
     """A compiled program got an argument whose buffer is gone (donated or deleted), or
     the same array both donated and passed as another argument."""

@@ -19,13 +19,15 @@ import functools
 import importlib
 import re
 import threading
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from contextlib import ExitStack
 from types import ModuleType, SimpleNamespace
 
 import jax
+from jax._src import callback as _callback
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import debugging as _debugging
 from jax._src import dispatch as _dispatch
 from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
@@ -42,7 +44,8 @@ from jax.extend.core.primitives import closed_call_p
 __all__ = [
     "JAX_VERSION", "register_call_primitive", "lower_call", "fresh_ir_context", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
-    "compile_module", "dispatcher", "shard_args", "batched_copy", "device_list",
+    "compile_module", "lowered_callbacks", "ORDERED_EFFECTS", "dispatcher", "shard_args",
+    "batched_copy", "device_list",
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
@@ -309,7 +312,8 @@ def separate_consts(closed) -> tuple:
 # Compiling and dispatching fragments, moving arrays (multimesh/runtime/executor.py)
 
 def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_shardings,
-                   devices):
+                   devices, host_callbacks: Sequence[Callable] = (),
+                   ordered_effects: Sequence = ()):
     """Compile an MLIR module for ``devices`` (a list, in mesh order) into a
     ``jax.stages.Compiled`` that takes and returns ``jax.Array``s on jit's C++
     dispatch path.
@@ -318,13 +322,23 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     path, ``UnloadedMeshExecutable.from_hlo`` (15 internal keywords, unchanged from
     0.10.2 to 0.12) and the ``Compiled`` constructor. All arguments are kept and
     none is donated unless the module marks it (``jax.buffer_donor``).
+
+    ``host_callbacks``: the Python callbacks the module calls, by their index in it
+    (then jax dispatches calls on its Python path, with runtime tokens, so
+    ``jax.effects_barrier()`` waits for them). ``ordered_effects``: the module's
+    ``main`` takes and returns one token per effect, first, like a jitted program
+    with ordered effects; jax threads its runtime token of each through the call.
     """
     from jax._src import stages
 
+    # jax only asks whether there are unordered effects (then it keeps runtime tokens)
+    unordered: list[_core.Effect] = [_debugging.debug_effect] if host_callbacks else []
     exe = _pxla.UnloadedMeshExecutable.from_hlo(
         name, module, list(in_avals), list(out_avals), list(in_shardings),
-        list(out_shardings), tuple_args=False, unordered_effects=[], ordered_effects=[],
-        host_callbacks=[], keepalive=None, kept_var_idx=set(range(len(in_shardings))),
+        list(out_shardings), tuple_args=False, unordered_effects=unordered,
+        ordered_effects=list(ordered_effects),
+        host_callbacks=list(host_callbacks), keepalive=list(host_callbacks) or None,
+        kept_var_idx=set(range(len(in_shardings))),
         backend=devices[0].client, device_list=_xc.DeviceList(tuple(devices)),
         committed=True, in_layouts=(None,) * len(in_shardings),
         out_layouts=(None,) * len(out_shardings), compiler_options_kvs=(),
@@ -389,6 +403,19 @@ def _skip_sub_byte_layout_check(exe) -> None:
     if layouts and any(getattr(lay, "sub_byte_element_size_in_bits", 0) for lay in layouts):
         exe._xla_in_layouts = [None if getattr(lay, "sub_byte_element_size_in_bits", 0)
                                else lay for lay in layouts]
+ORDERED_EFFECTS: tuple = (_debugging.ordered_debug_effect, _callback._OrderedIOEffect)
+"""jax's ordered effects of Python callbacks (``jax.debug.print(ordered=True)``,
+``io_callback(ordered=True)``); a fragment with any ordered callback takes and returns
+jax's runtime token of each (internal objects in every version)."""
+
+
+def lowered_callbacks(lowered) -> tuple[list[Callable], bool]:
+    """The Python callbacks a ``jax.stages.Lowered``'s module calls (``index`` i of a
+    callback custom call is entry i), and whether it threads tokens for ordered effects.
+    jax hands both to XLA's compile itself and has no public reader for them
+    (``Lowered._lowering.compile_args``, internal, the same keys from 0.10.2 to 0.12)."""
+    args = lowered._lowering.compile_args
+    return list(args.get("host_callbacks") or ()), bool(args.get("ordered_effects"))
 
 
 def dispatcher(compiled):
@@ -561,3 +588,12 @@ def sdy_mpmd_partitioner():
     sys.modules.setdefault("jax.jaxlib", jaxlib)
     sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
     return importlib.import_module("jaxlib._sdy_mpmd")  # an extension module, untyped
+
+
+def unused_inputs(closed) -> set[int]:
+    """Positions of a closed jaxpr's inputs that no equation and no output reads
+    (what ``jax.jit(keep_unused=False)`` drops)."""
+    jaxpr = closed.jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+    used |= {id(v) for v in jaxpr.outvars}
+    return {i for i, v in enumerate(jaxpr.invars) if id(v) not in used}

@@ -23,7 +23,8 @@ from multimesh._src.jax_compat import fresh_ir_context
 
 __all__ = [
     "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
-    "make_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module", "clone_module", "unchanged_on_error",
+    "make_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module",
+    "module_bytecode", "clone_module", "unchanged_on_error",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
     "symbol_table", "attr_to_py", "py_to_attr", "element_dtype",
@@ -82,6 +83,16 @@ def print_module(module: ir.Module | ir.Operation, *, debug_info: bool = False,
     op = module.operation if isinstance(module, ir.Module) else module
     # str(): the bindings type get_asm as object (it returns bytes with binary=True)
     return str(op.get_asm(enable_debug_info=debug_info, print_generic_op_form=generic))
+
+
+def module_bytecode(module: ir.Module | ir.Operation) -> bytes:
+    """The module as MLIR bytecode (what ``mlir-opt --emit-bytecode`` writes)."""
+    import io
+
+    op = module.operation if isinstance(module, ir.Module) else module
+    buf = io.BytesIO()
+    op.write_bytecode(buf)
+    return buf.getvalue()
 
 
 def clone_module(module: ir.Module) -> ir.Module:

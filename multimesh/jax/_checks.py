@@ -100,6 +100,12 @@ def custom_schedule(rows) -> None:
             f"list of task names or (microbatch, task name) pairs, got "
             f"{type(rows).__name__} {rows!r}. For example: [['s0', 's0_bwd'], ['s1', "
             f"'s1_bwd']].")
+    if len(rows) == 0:
+        raise MultimeshValueError(
+            "`microbatch` custom_schedule is empty; give one row per submesh, in the order "
+            "the program first uses them, each listing that submesh's tasks once per "
+            "microbatch. For example: [['s0', 's0', 's0_bwd', 's0_bwd'], ['s1', 's1_bwd', "
+            "'s1', 's1_bwd']] for 2 microbatches.")
     for r, row in enumerate(rows):
         if isinstance(row, str) or not isinstance(row, Sequence):
             raise MultimeshTypeError(
@@ -107,6 +113,18 @@ def custom_schedule(rows) -> None:
                 f"(microbatch, task name) pairs, got {type(row).__name__} {row!r}"
                 + (f"; a string is not split into names: write {row.split()!r}."
                    if isinstance(row, str) else "."))
+        for entry in row:
+            if not _schedule_entry(entry):
+                raise MultimeshTypeError(
+                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
+                    f"(microbatch, task name) pairs.")
+
+
+def _schedule_entry(entry) -> bool:
+    """A task name, or a ``(microbatch, task name)`` pair."""
+    return isinstance(entry, str) or (
+        isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], str)
+        and isinstance(entry[0], (int, np.integer)) and not isinstance(entry[0], bool))
 
 
 def _explicit_axes(aval) -> tuple[str, ...]:

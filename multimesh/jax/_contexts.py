@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from multimesh._src import jax_compat
 
 __all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
-           "context", "state", "program_devices", "push", "pop", "compile_state"]
+           "context", "state", "program_devices", "push", "pop", "compile_state",
+           "internal_trace", "traced_by_multimesh"]
 
 
 class _State(threading.local):
@@ -26,6 +27,7 @@ class _State(threading.local):
         self.program_devices = None  # tuple of jax.Device while mjit traces
         self.microbatch_loop = None  # number of microbatches while a loop body is traced
         self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
+        self.internal_trace = False  # multimesh traces tasks outside mjit on purpose
         self.overrides: list[list] = []  # [token, name, value to restore], oldest first
 
 
@@ -138,6 +140,18 @@ def context(autoshard: bool | None = None, enable_recomputation: bool | None = N
 def program_devices(devices):
     """Set while tracing a program: the device list task positions refer to."""
     return _set("program_devices", None if devices is None else tuple(devices))
+
+
+def internal_trace():
+    """Set while multimesh itself traces tasks outside ``mjit`` (the shapes of an init
+    function, a Flax init): their placement does not matter there, so no warning."""
+    return _set("internal_trace", True)
+
+
+def traced_by_multimesh() -> bool:
+    """Whether a task bound now is traced by multimesh (``mjit``'s trace, or one of
+    multimesh's own shape traces), so its placement is honoured or irrelevant."""
+    return state.program_devices is not None or state.internal_trace
 
 
 def notes(d: dict):

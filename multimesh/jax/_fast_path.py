@@ -110,6 +110,7 @@ class FastCompiled:
     """A program compiled by ``jax.jit`` on the fast path; used like ``MpmdCompiled``."""
 
     fast_path = True
+    out_placements: dict = {}  # noqa: RUF012 - replaced by MpmdLowered.compile, never mutated
 
     def __init__(self, fast: FastPath, compiled, in_shardings):
         self._fast = fast
@@ -126,7 +127,11 @@ class FastCompiled:
 
         leaves = check_call(self._fast.in_tree, self._fast.in_avals, args, kwargs)
         leaves = [_place(x, sh) for x, sh in zip(leaves, self._in_sh)]
-        return jax.tree.unflatten(self._fast.out_tree, self._compiled(*leaves))
+        outs = self._compiled(*leaves)
+        if self.out_placements:  # physical out_shardings (see MpmdLowered)
+            outs = [jax.device_put(o, self.out_placements[i]) if i in self.out_placements
+                    else o for i, o in enumerate(outs)]
+        return jax.tree.unflatten(self._fast.out_tree, outs)
 
     def as_text(self) -> str:
         """The program as ``jax.jit`` compiled it (StableHLO before XLA)."""
@@ -136,9 +141,36 @@ class FastCompiled:
         ids = [d.id for d in self._fast.devices]
         return f"multimesh fast path: one jax.jit executable on devices {ids}"
 
-    def cost_analysis(self) -> dict:
+    def cost_analysis(self, *, by_fragment: bool = False) -> dict:
+        """XLA's cost estimates of the one executable (``by_fragment=True``: under the
+        name ``"main"``, as ``MpmdCompiled`` gives one entry per fragment)."""
         ca = self._compiled.cost_analysis()
-        return dict(ca[0] if isinstance(ca, (list, tuple)) else ca or {})
+        out = dict(ca[0] if isinstance(ca, (list, tuple)) else ca or {})
+        return {"main": out} if by_fragment else out
+
+    def memory_analysis(self, *, by_fragment: bool = False):
+        """XLA's memory estimates of the one executable (see ``cost_analysis``)."""
+        from multimesh.jax._mjit import MemoryAnalysis
+
+        stats = self._compiled.memory_analysis()
+        return {"main": stats} if by_fragment else MemoryAnalysis.total([stats])
+
+    @property
+    def in_tree(self):
+        return self._fast.in_tree
+
+    @property
+    def out_tree(self):
+        return self._fast.out_tree
+
+    @property
+    def in_avals(self):
+        return self._fast.in_avals
+
+    def __getattr__(self, name):
+        from multimesh.jax._mjit import MpmdCompiled, _missing_attribute
+
+        raise _missing_attribute(self, name, MpmdCompiled)
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run once synchronously, as one span (see ``MpmdCompiled.profile``)."""

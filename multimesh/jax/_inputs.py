@@ -33,13 +33,22 @@ from multimesh._src.ir_util import custom_call_target, update_attr_dicts
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._task import logical_axes_of  # per-dim names; here mesh axis names
 
-__all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits"]
+__all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits",
+           "is_physical"]
 
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
 
 
 def _is_spec(s) -> bool:
     return s is None or isinstance(s, (NamedSharding, PartitionSpec))
+
+
+def is_physical(sharding, mapped: Set[str]) -> bool:
+    """Whether ``sharding`` is kept as given: a ``NamedSharding`` on a concrete mesh
+    none of whose axis names a task of the program maps (``mapped``)."""
+    return (isinstance(sharding, NamedSharding)
+            and not isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+            and not _names(sharding.spec) & mapped)
 
 
 def leaf_in_shardings(in_shardings, args, static: tuple[int, ...], n_kwargs_leaves: int) -> list:
@@ -115,7 +124,7 @@ def plan_pins(leaves, specs: list, mapped: set[str], devices: tuple,
         spec = specs[i] if i < len(specs) else None
         ndim = len(getattr(x, "shape", ()))
         if isinstance(spec, NamedSharding):
-            if _names(spec.spec) & mapped or isinstance(spec.mesh, jax.sharding.AbstractMesh):
+            if not is_physical(spec, mapped):
                 continue  # logical: a task reads these names
             lay = layout_of(spec, ndim, devices)
             if lay is None:
@@ -193,11 +202,11 @@ def committed_key(leaves) -> tuple:
 def fits(compiled, leaves) -> bool:
     """Whether every committed leaf already has the layout ``compiled`` takes it in
     (then pinning it would compile the same program again)."""
-    want = jax.tree.leaves(compiled.input_shardings)
+    want = jax.tree.leaves(compiled.input_shardings, is_leaf=lambda s: s is None)
     if len(want) != len(leaves):
         return False
     for x, sh in zip(leaves, want):
-        if getattr(x, "_committed", False):
+        if getattr(x, "_committed", False) and sh is not None:  # None: never read
             have = x.sharding
             if have != sh and not have.is_equivalent_to(sh, len(x.shape)):
                 return False

@@ -40,9 +40,9 @@ from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
 from multimesh.jax._task import with_sharding_constraint
 from multimesh.passes.schedules import (
-    ALIASES,
     SCHEDULES,
     ScheduleError,
+    alias_list,
     canonical_schedule_name,
     canonicalize_custom_schedule,
 )
@@ -81,7 +81,7 @@ def _schedule_name(schedule, custom_schedule) -> str | None:
         name = canonical_schedule_name(schedule, custom_schedule)
     except ScheduleError as e:
         if schedule is not None and custom_schedule is None:
-            aliases = ", ".join(f"{a} = {t}" for a, t in sorted(ALIASES.items()))
+            aliases = alias_list()
             raise MultimeshValueError(
                 f"Unknown microbatch schedule {schedule!r}; valid schedules are "
                 f"{', '.join(SCHEDULES)} (aliases: {aliases}).") from None
@@ -108,8 +108,10 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     ``fun`` is traced once; the pipeline schedule decides in which order each
     task's fragment runs for each microbatch: ``"gpipe"`` (default),
     ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble-h1"``,
-    ``"zero-bubble-h2"`` or ``"custom"`` (with ``custom_schedule``, one row of
-    task names per submesh). ``unrolling=k`` (GPipe only) runs the microbatches
+    ``"zero-bubble-h2"``, ``"eager-1f1b"``, ``"interleaved-gpipe"``,
+    ``"gpipe-1f1b-last"``, ``"circular-reversed-backward"``, ``"dualpipe-v"``
+    (these five check the tasks' stage placement, docs/schedules.md) or ``"custom"`` (with
+    ``custom_schedule``, one row of task names per submesh). ``unrolling=k`` (GPipe only) runs the microbatches
     in groups of ``k``, fill-drain within each group, so at most ``k``
     microbatches' activations are alive at once.
     """
@@ -214,17 +216,14 @@ def _constrain_argument(x, arg_shardings):
 
 
 def canonicalize_custom(custom_schedule, n: int):
-    for r, row in enumerate(custom_schedule):
-        for entry in row:
-            if not isinstance(entry, str) and not (
-                    isinstance(entry, (tuple, list)) and len(entry) == 2
-                    and isinstance(entry[1], str) and isinstance(entry[0], (int, np.integer))
-                    and not isinstance(entry[0], bool)):
-                raise MultimeshTypeError(
-                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
-                    f"(microbatch, task name) pairs.")
+    """The rows as ``(microbatch, name)`` pairs for ``n`` microbatches. Their form was
+    checked by ``microbatch`` itself (``_checks.custom_schedule``); here what needs
+    ``n`` (microbatch range, repeats), and the pass checks the names against the
+    program."""
+    rows = [[e if isinstance(e, str) else (int(e[0]), e[1]) for e in row]
+            for row in custom_schedule]
     try:
-        return canonicalize_custom_schedule(custom_schedule, n)
+        return canonicalize_custom_schedule(rows, n)
     except ScheduleError as e:
         raise MultimeshValueError(f"{e}.") from None
 

@@ -11,6 +11,9 @@ itself: it records logical axis names for the passes to resolve per task.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import types
 from functools import partial
 
 import jax
@@ -22,7 +25,8 @@ from multimesh._src import jax_compat
 from multimesh._src.mlir import ir
 from multimesh._src.mlir import stablehlo as hlo
 
-__all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical"]
+__all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical",
+           "warn_unplaced"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,9 @@ class TaskInfo:
     split_backprop: tuple[str, str] | None = None
     loop_devices: tuple[tuple[int, ...], ...] | None = None
     """``Task.loop_dependent_mesh_slice``: the task's device positions in each microbatch."""
+    unplaced_ok: bool = False
+    """Bound by multimesh's own trace outside ``mjit`` (a Flax init): jax may lower it
+    later, unplaced, on purpose (see :func:`warn_unplaced`). Not part of the IR."""
 
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
@@ -81,10 +88,58 @@ def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
 
 
 def _lowering(ctx, *args, call_jaxpr, info):
+    from multimesh.jax import _contexts
+
+    st = _contexts.state
+    if not (info.unplaced_ok or st.ignore_transforms or _contexts.traced_by_multimesh()):
+        warn_unplaced(info, once_per_process=True)  # lowered by plain jax
     call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
                                             ctx.avals_in)
     call.attributes["mm.task"] = info.attribute()
     return out_nodes
+
+
+_UNPLACED: set[tuple] = set()  # tasks already warned about (see warn_unplaced)
+
+
+def warn_unplaced(info: TaskInfo, *, once_per_process: bool = False) -> None:
+    """Warn that a task outside ``mjit`` (bound eagerly, under ``jax.jit``,
+    ``jax.eval_shape``, ...) is an ordinary call that nothing puts on its submesh.
+
+    ``task`` warns at bind time, once per task function. The lowering rule catches what
+    binding cannot see (a ``jax.jit`` jaxpr traced inside ``mjit``, lowered outside it
+    from jax's cache) and warns once per process per task, and not for one already
+    warned about.
+    """
+    import warnings
+
+    from multimesh._src.errors import MultimeshWarning
+
+    key = (info.name, info.devices, info.axis_names, info.axis_sizes)
+    if once_per_process and key in _UNPLACED:
+        return
+    _UNPLACED.add(key)
+    warnings.warn(
+        f"Task {info.name!r} is traced outside `multimesh.jax.mjit` (called eagerly, or "
+        f"under jax.jit, jax.eval_shape or another jax transformation), so its placement "
+        f"is ignored: it runs as an ordinary jax call where jax puts it, not on its "
+        f"submesh (device positions {list(info.devices)}). The values are the same. To "
+        f"place it, compile the program with `multimesh.jax.mjit` (or `parallelize`); to "
+        f"run plain jax on purpose, call it under `multimesh.jax.ignore_transforms()`.",
+        MultimeshWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, called from here's caller, that points at the
+    first frame outside multimesh, jax and flax (the user's call of the task)."""
+    library = tuple(os.path.dirname(m.__file__) + os.sep
+                    for m in (jax, sys.modules.get("flax")) if m is not None and m.__file__)
+    library += (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # multimesh/
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _symbol(name: str) -> str:

@@ -14,9 +14,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh._src.mlir import ir, make_context, parse_module, print_module, py_to_attr, sdy
+from multimesh._src.brackets import deepest_nesting
+from multimesh._src.errors import DiagnosticError, MultimeshTypeError, MultimeshValueError
+from multimesh._src.mlir import (
+    file_line_col,
+    ir,
+    make_context,
+    parse_module,
+    print_module,
+    py_to_attr,
+    sdy,
+)
+from multimesh._src.stack import on_big_stack
 from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devices
+from multimesh.passes._attrs import SourceError, decode_source
 from multimesh.passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
 from multimesh.passes.pipeline import parse_pipeline
 from multimesh.runtime.executor import _dtype
@@ -50,6 +61,32 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
       ``fragments``, ``transfers``, ``as_text()``). Calls run in the partitioner's order.
       Arguments the partitioner marked as donated are donated.
     """
+    if isinstance(program, (str, bytes, bytearray)):
+        program = _read_program(program)
+        # MLIR recurses once per nesting level: a deep program (or bytecode, whose depth
+        # is not known before parsing) compiles on a big stack, as in mm-opt.
+        if isinstance(program, bytes) or deepest_nesting(program, _SHALLOW)[0] > _SHALLOW:
+            return on_big_stack(lambda: _compile(program, meshes, devices, in_tree, out_tree),
+                                name="compile_mpmd")
+    return _compile(program, meshes, devices, in_tree, out_tree)
+
+
+_SHALLOW = 1000
+"""Nesting depth up to which ``compile_mpmd`` parses on the caller's stack."""
+
+
+def _read_program(program: str | bytes | bytearray) -> str | bytes:
+    """Text or bytecode, checked by the same source guard as ``mm-opt``'s."""
+    try:
+        return decode_source(program)
+    except SourceError as e:
+        where = f" (line {e.line}, column {e.col})" if e.line is not None else ""
+        raise MultimeshValueError(
+            f"`compile_mpmd` cannot read the program: {e.message}{where}.") from None
+
+
+def _compile(program, meshes, devices, in_tree, out_tree) -> MpmdCompiled:
+    text: str | bytes
     devices = tuple(jax.devices()) if devices is None else tuple(
         np.asarray(devices, dtype=object).flat)
     _check_distinct_devices(devices)
@@ -71,11 +108,11 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
     elif isinstance(program, ir.Module):
         text = print_module(program, debug_info=True)
     elif isinstance(program, (str, bytes)):
-        text = program.decode() if isinstance(program, bytes) else program
+        text = program  # checked by _read_program; bytecode stays bytes
     else:
         raise MultimeshTypeError(
-            f"`compile_mpmd` expects a module partitioned by Shardy:MPMD (MLIR text or an "
-            f"ir.Module) or a program lowered by Shardy's front end, got "
+            f"`compile_mpmd` expects a module partitioned by Shardy:MPMD (MLIR text or "
+            f"bytecode, or an ir.Module) or a program lowered by Shardy's front end, got "
             f"{type(program).__name__}.")
     info = _ProgramInfo(text)
     positions = _positions(meshes, info, devices)
@@ -101,12 +138,21 @@ def compile_mpmd(program, meshes: Mapping[str, Sequence[int] | Mesh] | None = No
 class _ProgramInfo:
     """What the Python side checks before the pass runs: meshes, types, donation."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str | bytes):
         try:
             self.module = module = parse_module(text, make_context())
         except ir.MLIRError as e:
             raise MultimeshValueError(
                 f"`compile_mpmd` could not parse the program: {e}") from None
+        try:
+            self._read(module)
+        except DiagnosticError as e:
+            flc = file_line_col(e.location)
+            where = f" (line {flc[1]}, column {flc[2]})" if flc is not None and flc[1] else ""
+            raise MultimeshValueError(
+                f"`compile_mpmd` cannot run the program: {e.message}{where}.") from None
+
+    def _read(self, module: ir.Module) -> None:
         with module.context:
             main: ir.Operation | None = None
             for view in module.body.operations:

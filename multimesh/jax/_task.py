@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import jax
@@ -24,15 +25,16 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from multimesh._src import jax_compat
 from multimesh._src.errors import (
     MeshError,
+    MultimeshError,
     MultimeshTypeError,
     MultimeshValueError,
     MultimeshWarning,
 )
 from multimesh.jax import _checks, _contexts
-from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task
+from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, warn_unplaced
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
-           "warn_renamed_tasks"]
+           "warn_renamed_tasks", "jax_constraint_hint"]
 
 # Ops traced through multimesh's wrappers (tasks, logical constraints, microbatch
 # loops) get the location of the *user's* call: jax skips excluded files when it
@@ -371,11 +373,14 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     spec = _task_spec(default_name, task, kwargs)
     task_name = name or spec.name or default_name
     explicit = bool(name) or (task is not None and bool(task.name))  # not fun.__name__
+    warned: list[bool] = []  # placement-ignored warning, once per task function
 
     def wrapped(*args, **kw):
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
+        if _contexts.state.program_devices is None:
+            info = _outside_mjit(info, warned)
         if explicit:
             _note_explicit_name(info)
         if spec.loop_dependent_mesh_slice is not None:
@@ -383,7 +388,8 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         args_flat, in_tree = jax.tree.flatten((args, kw))
         in_avals = tuple(shaped_abstractify(x) for x in args_flat)
         dbg = debug_info("multimesh.task", fun, args, kw)
-        with _contexts.autoshard(True):
+        with _contexts.autoshard(True), jax_constraint_hint(f"inside task {task_name!r}",
+                                                            info.logical_axes):
             jaxpr, out_tree = _trace(fun, in_avals, in_tree, dbg)
         if any(isinstance(c, Tracer) for c in jaxpr.consts):
             jaxpr, consts = jax_compat.separate_consts(jaxpr)
@@ -397,6 +403,17 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     out = cast(TaskFunction, wrapped)
     out.mm_task = spec
     return out
+
+
+def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
+    """A task bound outside ``mjit``: quiet (and marked so for the lowering rule) in
+    multimesh's own traces, else warned once per task function (``warned``)."""
+    if _contexts.state.internal_trace:
+        return dataclasses.replace(info, unplaced_ok=True)
+    if not warned:
+        warned.append(True)
+        warn_unplaced(info)
+    return info
 
 
 class TaskFunction(Protocol):
@@ -457,6 +474,28 @@ def warn_renamed_tasks(notes: dict) -> None:
             f"mappings, so multimesh runs them as {len(keys)} tasks: {where} (suffixes in "
             f"program order). Give each task its own name to choose the names yourself.",
             MultimeshWarning, stacklevel=3)
+
+
+_JAX_NEEDS_MESH = "with_sharding_constraint requires a non-empty mesh"
+
+
+@contextlib.contextmanager
+def jax_constraint_hint(where: str, mapping=()) -> Iterator[None]:
+    """Turn jax's "requires a non-empty mesh" from ``jax.lax.with_sharding_constraint``
+    with a ``PartitionSpec`` (``where``: inside a task, an ``mjit`` program) into an
+    error that points to the logical ``multimesh.jax.with_sharding_constraint``."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        if isinstance(e, MultimeshError) or _JAX_NEEDS_MESH not in str(e):
+            raise
+        maps = (" (" + ", ".join(f"{a!r} -> {b!r}" for a, b in mapping) + ")"
+                if mapping else "")
+        raise MultimeshValueError(
+            f"`jax.lax.with_sharding_constraint` with a `PartitionSpec` {where} needs a jax "
+            f"mesh in context, and multimesh sets none: in an MPMD program, axis names are "
+            f"logical names that each task maps to its own mesh axes{maps}. Use "
+            f"`multimesh.jax.with_sharding_constraint(x, spec)` instead.") from e
 
 
 def _trace(fun, in_avals, in_tree, dbg):

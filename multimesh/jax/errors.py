@@ -11,6 +11,7 @@ from multimesh._src.errors import DiagnosticWarning as DiagnosticWarning
 from multimesh._src.errors import DonationError as DonationError
 from multimesh._src.errors import LogicalShardingError as LogicalShardingError
 from multimesh._src.errors import MeshError as MeshError
+from multimesh._src.errors import MultimeshAttributeError as MultimeshAttributeError
 from multimesh._src.errors import MultimeshError as MultimeshError
 from multimesh._src.errors import MultimeshTypeError as MultimeshTypeError
 from multimesh._src.errors import MultimeshValueError as MultimeshValueError

@@ -19,7 +19,7 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from multimesh._src import jax_compat
+from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
@@ -140,18 +140,25 @@ _SAY = {XLA: "XLA compiled", PERSISTENT_CACHE: "loaded from jax's persistent cac
 def _xla_compile(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple
                  ) -> tuple[jax.stages.Compiled, str]:
     module = parse_module(frag.text, make_context())
+    calls_back = callbacks.may_call_back(frag.text)
+    host_callbacks = callbacks.take(module, frag.name) if calls_back else []
     if donors:
         _mark_donors(module, donors)
+    effects = jax_compat.ORDERED_EFFECTS if calls_back and callbacks.ordered(module) else ()
+    if effects:  # jax's runtime tokens order it against other ordered calls
+        callbacks.thread_tokens(module, len(effects))
     global xla_compiles
     with _LOCK:
         xla_compiles += 1
     hits = jax_compat.persistent_cache_hits()
     # A jax.stages.Compiled: calls take jax's C++ dispatch path (a few µs, like a
     # jitted function) instead of MeshExecutable.call's Python checks (~15 µs); the
-    # plan guarantees argument layouts.
+    # plan guarantees argument layouts. (With host callbacks, jax's Python path, which
+    # keeps runtime tokens so that jax.effects_barrier() waits for them.)
     exe = jax_compat.compile_module(
         frag.name, module, [_aval(t) for t in frag.in_types],
-        [_aval(t) for t in frag.out_types], in_sh, out_sh, sub)
+        [_aval(t) for t in frag.out_types], in_sh, out_sh, sub, host_callbacks,
+        effects)
     return exe, PERSISTENT_CACHE if jax_compat.persistent_cache_hits() > hits else XLA
 
 
@@ -259,6 +266,10 @@ class Executor:
         self.xla_compiles = xla_compiles - before
         """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
+        # Inputs no step reads and the program does not return: left where they are
+        # (jax.jit's keep_unused=False), not moved onto their sharding at every call.
+        self._unread = frozenset(k for k, v in enumerate(plan.input_ids)
+                                 if v not in plan.last_use and v not in plan.outputs)
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
         self._steps: list[tuple] = []  # (kind, executable or sharding, srcs, dsts, drop)
         self._kept: list = []  # the plan steps this process runs, parallel to _steps
@@ -351,9 +362,9 @@ class Executor:
         if self.process_plan is not None:  # Hook: inputs may live on other processes
             return self.process_plan.place_inputs(args, self.input_shardings)
         out = []
-        for a, sh in zip(args, self.input_shardings):
+        for k, (a, sh) in enumerate(zip(args, self.input_shardings)):
             s = getattr(a, "sharding", None)
-            if s is not sh:
+            if s is not sh and k not in self._unread:
                 a = _move(a, sh) if isinstance(a, jax.Array) else jax.device_put(a, sh)
             out.append(a)
         return out

@@ -5,7 +5,9 @@ and argument/result layouts) and the steps of one run, in dispatch order: fragme
 calls, transfers, and the values they read and write. A microbatch loop is
 instantiated here: its body's calls and transfers are repeated once per
 microbatch, in the order its ``mm.schedule`` records, with the running sums
-chained from one microbatch to the next. Transfers are decided here, once, by
+chained from one microbatch to the next in the order the schedule runs them (a sum
+is commutative, so a schedule that runs microbatches' backwards out of index order
+just adds them in that order). Transfers are decided here, once, by
 comparing where a value lives with where its consumer wants it, so the hot loop in
 :mod:`executor` does no sharding comparisons.
 """
@@ -149,6 +151,10 @@ class _Builder:
         for view in module.body.operations:
             op = view.operation
             if op.name == "builtin.module":
+                if "sym_name" not in op.attributes:
+                    raise MultimeshValueError(
+                        "The program has a nested module without a name; in MPMD form every "
+                        "nested module is a fragment, named by the calls that run it.")
                 self.subs[ir.StringAttr(op.attributes["sym_name"]).value] = op
             elif op.name == "func.func":
                 self.funcs[ir.StringAttr(op.attributes["sym_name"]).value] = op
@@ -313,13 +319,15 @@ class _Builder:
         order = self._order(loop, len(units), M)
         self.schedule_name = (attr_to_py(loop.attributes["mm.schedule"]).get("name")
                               if "mm.schedule" in loop.attributes else None)
-        envs = _Env.per_microbatch(M, args, [ids[v] for v in loop.operands], ret.operands)
+        chains = _sum_chains(units, args, ret.operands, order, M)
+        envs = _Env.per_microbatch(M, args, [ids[v] for v in loop.operands], ret.operands,
+                                   chains)
         for k, m in order:
             self._microbatch = m
             for op in units[k]:
                 self._op(op, envs[m], microbatch=m, index=args[0])
-        for r, v in zip(loop.results, ret.operands):
-            ids[r] = envs[M - 1][v]
+        for r, v, chain in zip(loop.results, ret.operands, chains, strict=True):
+            ids[r] = envs[chain[-1]][v]
 
     def _order(self, loop: ir.Operation, S: int, M: int) -> list[tuple[int, int]]:
         """(body call, microbatch) pairs in dispatch order: the recorded schedule, or
@@ -366,24 +374,53 @@ class _Builder:
         return frag
 
 
+def _sum_chains(units: list[list[ir.Operation]], args: list, carry: list,
+                order: list[tuple[int, int]], M: int) -> list[list[int]]:
+    """Per running sum, the microbatches in the order it accumulates them.
+
+    A sum that only the call producing it reads (``mm-form-microbatch-loop``'s in-place
+    accumulation) follows the order the schedule runs that call, so a schedule may run
+    microbatches' backwards in any order (``mm-schedule-fragments`` leaves it free);
+    any other carried value keeps microbatch order."""
+    unit_of = {r: k for k, ops in enumerate(units) for op in ops for r in op.results}
+    readers: dict = {}
+    for u, ops in enumerate(units):
+        for op in ops:
+            for o in op.operands:
+                readers.setdefault(o, set()).add(u)
+    chains = []
+    for j, v in enumerate(carry):
+        p = unit_of.get(v)
+        if p is not None and readers.get(args[1 + j], set()) <= {p}:
+            chains.append([m for k, m in order if k == p])
+        else:
+            chains.append(list(range(M)))
+    return chains
+
+
 class _Env(dict):
-    """Value ids of one microbatch; a running sum is looked up in the previous one."""
+    """Value ids of one microbatch; a running sum is looked up in the microbatch that
+    accumulated it before (in the schedule's order)."""
 
     carried: dict = {}
 
     @staticmethod
-    def per_microbatch(M: int, args: list, outer: list[int], carry: list) -> list[_Env]:
+    def per_microbatch(M: int, args: list, outer: list[int], carry: list,
+                       chains: list[list[int]]) -> list[_Env]:
         """One environment per microbatch. ``args`` are the body's block arguments (the
-        index, then one per loop operand), ``outer`` the loop operands' value ids and
-        ``carry`` the body's returned values: a running sum starts from its loop
-        operand in microbatch 0 and from the previous microbatch's result after."""
-        envs: list[_Env] = []
-        for m in range(M):
-            first = 0 if m == 0 else len(carry)
-            env = _Env({args[1 + j]: outer[j] for j in range(first, len(outer))})
-            if m > 0:  # running sums come from the previous microbatch, when it made them
-                env.carried = {args[1 + j]: (envs[m - 1], v) for j, v in enumerate(carry)}
-            envs.append(env)
+        index, then one per loop operand), ``outer`` the loop operands' value ids,
+        ``carry`` the body's returned values and ``chains`` per running sum the
+        microbatches in accumulation order: a sum starts from its loop operand in the
+        chain's first microbatch and from the previous one's result after."""
+        envs = [_Env({args[1 + j]: outer[j] for j in range(len(carry), len(outer))})
+                for _ in range(M)]
+        carried: list[dict] = [{} for _ in range(M)]
+        for j, (v, chain) in enumerate(zip(carry, chains, strict=True)):
+            envs[chain[0]][args[1 + j]] = outer[j]
+            for prev, m in zip(chain, chain[1:]):
+                carried[m][args[1 + j]] = (envs[prev], v)
+        for env, c in zip(envs, carried, strict=True):
+            env.carried = c
         return envs
 
     def __missing__(self, key):

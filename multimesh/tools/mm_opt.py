@@ -16,14 +16,11 @@ import os
 import re
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
 from collections.abc import Sequence
-from typing import NoReturn
 
-from multimesh._src.brackets import deepest_nesting, line_col
 from multimesh._src.errors import (
     DiagnosticError,
     DiagnosticWarning,
@@ -34,10 +31,11 @@ from multimesh._src.mlir import (
     file_line_col,
     ir,
     make_context,
+    module_bytecode,
     print_module,
-    sub_axis_at,
-    zero_sub_axis,
 )
+from multimesh._src.stack import STACK_BYTES, on_big_stack
+from multimesh.passes._attrs import MAX_NESTING, SourceError, decode_source
 
 __all__ = ["main"]
 
@@ -100,7 +98,7 @@ class Expected:
 
 @dataclasses.dataclass
 class Chunk:
-    text: str  # padded with newlines so that line numbers match the original file
+    text: str | bytes  # bytecode is one chunk; text is padded with newlines so that line numbers match the original file
     first_line: int  # 1-based line of the chunk's first line in the original file
 
 
@@ -124,6 +122,8 @@ _SWITCHES = (
     ("--mlir-print-ir-after-all", "print the IR after every pipeline step (stderr)"),
     ("--mlir-print-ir-after-failure", "print the IR after the step that failed (stderr)"),
     ("--mlir-print-debuginfo", "print locations in the output and IR dumps"),
+    ("--emit-bytecode", "write the output as MLIR bytecode (the input may be text or "
+                        "bytecode, told apart by bytecode's magic bytes)"),
     ("--mlir-print-op-generic", "print operations in generic form"),
     ("--mlir-timing", "print a per-pass wall-time report (stderr)"),
     ("--verify-each", "verify the IR after every pass (default: once, after the last "
@@ -210,11 +210,10 @@ def _version() -> str:
 # ------------------------------------------------------------------------ driver
 
 
-# MLIR's parser, verifier and printer recurse once per nesting level; on the main
-# thread's 8 MiB stack a module nested ~5,000 deep crashes the process. mm-opt runs on
-# a thread with a large stack (reserved, not committed) and refuses deeper inputs.
-STACK_BYTES = 512 << 20
-MAX_NESTING = 10_000
+# MLIR's parser, verifier and printer recurse once per nesting level: mm-opt runs on
+# a thread with a STACK_BYTES stack (multimesh/_src/stack.py) and refuses inputs
+# nested deeper than MAX_NESTING (multimesh.passes._attrs.check_source).
+__all__ += ["MAX_NESTING", "STACK_BYTES"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,7 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help exits 0, usage errors exit 2
         return int(e.code or 0)
-    return _on_big_stack(lambda: _main(args))
+    try:
+        return on_big_stack(lambda: _main(args), name=PROG)
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -237,30 +239,6 @@ def _main(args: argparse.Namespace) -> int:
     except Exception as e:  # a bug in mm-opt or a pass: no traceback for users
         _internal_error(e)
         return 1
-
-
-def _on_big_stack(fn) -> int:
-    """``fn()`` on a thread with a :data:`STACK_BYTES` stack (its result, or 1 on error)."""
-    result: list = [1]
-
-    def target():
-        result[0] = fn()
-
-    old = threading.stack_size()
-    try:
-        threading.stack_size(STACK_BYTES)
-        t = threading.Thread(target=target, name="mm-opt", daemon=True)
-        t.start()  # the stack size applies to threads started while it is set
-    except (ValueError, RuntimeError):  # platform without settable stacks: run here
-        return fn()
-    finally:
-        threading.stack_size(old)
-    try:
-        while t.is_alive():
-            t.join(0.1)
-    except KeyboardInterrupt:  # pragma: no cover
-        return 130
-    return result[0]
 
 
 def _internal_error(e: BaseException, where: str = "") -> None:
@@ -293,9 +271,7 @@ class _Driver:
         pipeline = self._parse_pipeline()
         if pipeline is not None and a.dump_pass_pipeline:
             sys.stderr.write(f"Pass Manager with {len(pipeline.steps)} steps:\n{pipeline}\n")
-        text = self._read_input()
-        self.source_lines = text.splitlines()
-        chunks = _split(text) if a.split_input_file else [Chunk(text, 1)]
+        chunks = self._chunks(self._read_input())
 
         ctx = make_context()
         if a.allow_unregistered_dialect:
@@ -307,7 +283,7 @@ class _Driver:
             return True
 
         handle = ctx.attach_diagnostic_handler(handler)
-        outputs: list[str] = []
+        outputs: list = []
         ok = True
         try:
             for chunk in chunks:
@@ -321,12 +297,26 @@ class _Driver:
             handle.detach()  # type: ignore[attr-defined]  # the stubs type the handle as object
         if a.mlir_timing:
             self._print_timing()
-        result = ("\n" + SPLIT_MARKER + "\n").join(o.rstrip("\n") for o in outputs)
-        result = result + "\n" if result.strip() else result
         if not ok and a.output not in ("-", None):
             return 1
-        self._write_output(result)
+        self._write_output(_join(outputs, a.emit_bytecode))
         return 0 if ok else 1
+
+    def _chunks(self, text: str | bytes) -> list[Chunk]:
+        """The input's chunks (one unless --split-input-file splits text)."""
+        a = self.args
+        if isinstance(text, bytes) and a.split_input_file:
+            sys.stderr.write(f"{self.display}:1:1: error: --split-input-file needs text "
+                             f"input, got MLIR bytecode\n")
+            raise _Failure
+        if a.emit_bytecode and a.split_input_file:
+            sys.stderr.write(f"{PROG}: error: --emit-bytecode writes one module; it does "
+                             f"not combine with --split-input-file\n")
+            raise _Failure
+        if isinstance(text, bytes):
+            return [Chunk(text, 1)]
+        self.source_lines = text.splitlines()
+        return _split(text) if a.split_input_file else [Chunk(text, 1)]
 
     def _report(self, chunk: Chunk, diags: list[Diag]) -> bool:
         """Check (``--verify-diagnostics``) or print one chunk's diagnostics; whether
@@ -350,7 +340,8 @@ class _Driver:
             sys.stderr.write(f"{PROG}: error: {e}\n")
             raise _Failure from None
 
-    def _read_input(self) -> str:
+    def _read_input(self) -> str | bytes:
+        """The input: text (checked UTF-8) or bytecode, after multimesh's source guard."""
         if self.args.input in ("-", None):
             stream = getattr(sys.stdin, "buffer", None)
             data = stream.read() if stream is not None else sys.stdin.read()
@@ -362,47 +353,24 @@ class _Driver:
                 sys.stderr.write(f"{PROG}: error: could not open input file "
                                  f"'{self.args.input}': {e.strerror or e}\n")
                 raise _Failure from None
-        text = self._decode(data) if isinstance(data, bytes) else data
-        self._check_nesting(text)
-        self._check_sub_axes(text)
-        return text
-
-    def _decode(self, data: bytes) -> str:
-        """UTF-8 text, or an error at the first invalid byte (as mlir-opt's parser does)."""
         try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data.count(b"\n", 0, e.start) + 1
-            col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-            sys.stderr.write(
-                f"{self.display}:{line}:{col}: error: input is not valid UTF-8: byte "
-                f"0x{data[e.start]:02x} ({e.reason}); MLIR files are UTF-8 text\n")
+            return decode_source(data)
+        except SourceError as e:
+            sys.stderr.write(f"{self.display}:{e.line or 1}:{e.col or 1}: error: {e.message}\n")
             raise _Failure from None
 
-    def _check_nesting(self, text: str) -> None:
-        """Refuse inputs nested deeper than :data:`MAX_NESTING` before MLIR recurses into them."""
-        depth, offset = deepest_nesting(text, MAX_NESTING)
-        if depth > MAX_NESTING:
-            self._refuse(text, offset, f"the input nests brackets more than {MAX_NESTING} "
-                         f"levels deep (regions, attributes or types); {PROG} does not "
-                         f"accept deeper modules")
-
-    def _check_sub_axes(self, text: str) -> None:
-        """Refuse a size-0 sub-axis in an mpmd type: jaxlib's parser divides by it."""
-        offset = zero_sub_axis(text)
-        if offset is not None:
-            self._refuse(text, offset, f"sub-axis sizes must be greater than 1, got "
-                         f"{sub_axis_at(text, offset)}; jaxlib's mpmd parser would divide by zero")
-
-    def _refuse(self, text: str, offset: int, message: str) -> NoReturn:
-        """Report an input we do not hand to MLIR's parser, at ``offset``, and stop."""
-        line, col = line_col(text, offset)
-        sys.stderr.write(f"{self.display}:{line}:{col}: error: {message}\n")
-        raise _Failure from None
-
-    def _write_output(self, text: str) -> None:
+    def _write_output(self, text: str | bytes) -> None:
         path = self.args.output
         if path in ("-", None):
+            if isinstance(text, bytes):
+                stream = getattr(sys.stdout, "buffer", None)
+                if stream is None:  # a text-only stream (tests): bytecode as latin-1
+                    sys.stdout.write(text.decode("latin-1"))
+                else:
+                    sys.stdout.flush()
+                    stream.write(text)
+                    stream.flush()
+                return
             sys.stdout.write(text)
             sys.stdout.flush()
             return
@@ -413,8 +381,8 @@ class _Driver:
             sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
             raise _Failure from None
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            with os.fdopen(fd, "wb") as f:
+                f.write(text if isinstance(text, bytes) else text.encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -430,7 +398,8 @@ class _Driver:
 
     # -- one chunk
 
-    def _process(self, chunk: Chunk, ctx: ir.Context, pipeline) -> tuple[str | None, list[Diag]]:
+    def _process(self, chunk: Chunk, ctx: ir.Context,
+                 pipeline) -> tuple[str | bytes | None, list[Diag]]:
         """Parse and transform one chunk; returns (printed IR or None, diagnostics)."""
         t0 = time.perf_counter()
         try:
@@ -490,11 +459,21 @@ class _Driver:
         return warned
 
     def _output(self, module: ir.Module, ctx: ir.Context,
-                warned: list[Diag]) -> tuple[str | None, list[Diag]]:
-        """The printed module, unless it cannot be parsed again."""
+                warned: list[Diag]) -> tuple[str | bytes | None, list[Diag]]:
+        """The printed module (bytecode with --emit-bytecode), unless it cannot be
+        parsed again."""
         t0 = time.perf_counter()
+        if self.args.emit_bytecode:
+            data = module_bytecode(module)
+            self._time("Output", time.perf_counter() - t0)
+            return data, warned
         out = self._print(module)
         self._time("Output", time.perf_counter() - t0)
+        if _EMPTY_SYMBOL in out:
+            return None, [Diag(
+                "error", f"the result cannot be parsed again: an empty symbol name prints as "
+                f"@{_EMPTY_SYMBOL} (a symbol, callee or custom call target is \"\"); name it",
+                None, None, None)]
         if "mpmd." in out and not _reparses(out, ctx):
             return None, [Diag(
                 "error", "the result cannot be parsed again: jaxlib's mpmd dialect prints "
@@ -641,7 +620,17 @@ def _reparses(text: str, ctx: ir.Context) -> bool:
     except ir.MLIRError:
         return False
     return True
+_EMPTY_SYMBOL = "<<INVALID EMPTY SYMBOL>>"
+"""How MLIR prints a symbol reference with an empty name (its parser rejects it)."""
 _BUFFER_LOC = re.compile(r'"-":(\d+):(\d+)')
+def _join(outputs: list, bytecode: bool) -> str | bytes:
+    """The output file: the chunks' text joined by split markers, or the bytecode."""
+    if bytecode:
+        return outputs[0] if outputs and isinstance(outputs[0], bytes) else b""
+    result = ("\n" + SPLIT_MARKER + "\n").join(o.rstrip("\n") for o in outputs)
+    return result + "\n" if result.strip() else result
+
+
 def _split(text: str) -> list[Chunk]:
     """Split on ``// -----`` lines, padding each chunk so its line numbers stay put."""
     lines = text.splitlines(keepends=True)
@@ -655,6 +644,8 @@ def _split(text: str) -> list[Chunk]:
 
 
 def _parse_expectations(chunk: Chunk) -> list[Expected]:
+    if isinstance(chunk.text, bytes):  # bytecode has no expected-* lines
+        return []
     lines = chunk.text.splitlines()
     out: list[Expected] = []
     pending_below: list[Expected] = []

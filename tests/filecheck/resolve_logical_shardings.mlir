@@ -177,3 +177,41 @@ module attributes {mm.tasks = {t = {axis_names = ["x"], axis_sizes = [2], device
     return %1 : tensor<8x8xf32>
   }
 }
+
+// -----
+
+// Logical names that no task maps and that look like mistakes warn, once per name,
+// and still resolve to unsharded: a typo (with the closest mapped names), a mesh axis
+// name used as a logical name, and the device side of a swapped pair. A name that a
+// task maps is fine in a task that does not ("model" in "layer.1" above), and so is
+// one that resembles no mapped name ("seq" and "hidden" in @two_axes).
+// CHECK-LABEL: func.func @unmapped_names
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_t, [{}, {}]>
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_t, [{}, {}]>
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_t, [{}, {"x"}]>
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_u, [{}, {}]>
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = [["batch", "x"], ["model", "x"]]}, u = {devices = [2, 3], axis_names = ["y"], axis_sizes = [2], logical_axes = [["y", "data"]]}}} {
+  func.func @unmapped_names(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    // expected-warning@+1 {{logical axis name 'btach' is mapped by no task of the program, so it leaves its dimension unsharded in task 't'; did you mean 'batch'? (the logical names the tasks map: 'batch', 'model', 'y')}}
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["btach"], []], mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    // expected-warning@+1 {{logical axis name 'x' is mapped by no task of the program, so it leaves its dimension unsharded in task 't'; 'x' is a mesh axis of task 't', not a logical name: use a logical name that task 't' maps onto it ('batch' or 'model')}}
+    %1 = stablehlo.custom_call @mm.logical_sharding(%0) {mm.axes = [["x"], ["btach"]], mm.task = {name = "t", transpose_count = 1 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    %2 = stablehlo.custom_call @mm.logical_sharding(%1) {mm.axes = [["x"], ["model"]], mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    // expected-warning@+1 {{logical axis name 'data' is mapped by no task of the program, so it leaves its dimension unsharded in task 'u'; task 'u' has the pair ('y', 'data'), which maps its mesh axis 'y' as a logical name onto 'data', not an axis of its mesh: the pair looks swapped, write ('data', 'y') in its logical_axes}}
+    %3 = stablehlo.custom_call @mm.logical_sharding(%2) {mm.axes = [["data"], []], mm.task = {name = "u", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    return %3 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+// No task maps any logical name (a program without tasks: only the default task, with
+// no mapping): every name means replicated, as in MultiMesh, and nothing warns.
+// CHECK-LABEL: func.func @no_mapping_anywhere
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_mm_default, [{}]>
+module attributes {mm.tasks = {mm.default = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @no_mapping_anywhere(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.custom_call @mm.logical_sharding(%arg0) {mm.axes = [["x"]], mm.task = {name = "mm.default", transpose_count = 0 : i64}} : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}

@@ -11,8 +11,9 @@
 * :func:`parallelize_step`: a whole train step (linen ``TrainState`` or NNX
   model + ``nnx.Optimizer``) compiled as one MPMD program, with every variable
   placed on the submesh of the task that uses it.
-* :func:`mjit`: :func:`multimesh.jax.mjit` that also accepts NNX modules and
-  optimizers as arguments and writes their state updates back, like ``nnx.jit``.
+* :func:`mjit` (and ``nnx_mjit``): the one :func:`multimesh.jax.mjit`, re-exported;
+  it takes NNX modules and optimizers as arguments and writes their state updates
+  back, like ``nnx.jit``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "multimesh.jax.flax needs flax; install the extra with `pip install multimesh[flax]`."
     ) from e
 
+from multimesh.jax import mjit as mjit
+from multimesh.jax import mjit as nnx_mjit
 from multimesh.jax import with_sharding_constraint as with_sharding_constraint
 from multimesh.jax._results import ParallelizeStepResult as ParallelizeStepResult
 from multimesh.jax.flax._linen import parallelize_step as parallelize_step
@@ -32,8 +35,6 @@ from multimesh.jax.flax._linen import task as task
 from multimesh.jax.flax._nnx import NnxTrainState as NnxTrainState
 from multimesh.jax.flax._nnx import StateSharding as StateSharding
 from multimesh.jax.flax._nnx import TaskModule as TaskModule
-from multimesh.jax.flax._nnx import mjit as mjit
-from multimesh.jax.flax._nnx import mjit as nnx_mjit
 from multimesh.jax.flax._nnx import nnx_shard_axes as nnx_shard_axes
 
 __all__ = ["task", "shard_axes", "nnx_shard_axes", "with_sharding_constraint",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -226,7 +227,10 @@ def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
             a, k = rebuild(dyn_leaves)
             return apply(_constrain_flat(params, specs), others_in, rngs_in, *a, **k)
 
-        out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
+        # Flax's init runs the model once for its variables: nothing to place there.
+        quiet = _contexts.internal_trace() if self.is_initializing() else nullcontext()
+        with quiet:
+            out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
     if mutable:
         out, updates = out
         _write_back(self, others, updates)
@@ -523,7 +527,9 @@ def _linen_step_fn(model, mb: MicrobatchOptions, batch_avals, replicate_inputs: 
 def _state_avals(init_fn, key, batch_avals, init_state):
     """The state's shapes: traced from ``init_fn`` or read off ``init_state``."""
     if init_state is None:
-        with mm.autoshard(True):  # constraints in the model are logical, also outside tasks
+        # Constraints in the model are logical, also outside tasks; shapes only, so the
+        # model's tasks are traced outside mjit on purpose.
+        with mm.autoshard(True), _contexts.internal_trace():
             return jax.eval_shape(init_fn, key, batch_avals)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,

@@ -28,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh
+from multimesh.jax._inputs import is_physical
 from multimesh.jax._module_names import module_names
 from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._task import TaskFunction
@@ -122,20 +122,15 @@ def _describe_aval(sig: tuple) -> str:
     return f"shape {shape} and dtype {dtype}{' (weakly typed)' if weak else ''}"
 
 
-def _arg_name(path, static_argnums) -> str:
-    """``args[1]``/``kwargs['x']`` (plus the rest of the path) for a path into (dyn_args, kwargs)."""
+def _arg_name(path, positions) -> str:
+    """``args[1]``/``kwargs['x']`` (plus the rest of the path) for a path into
+    (dyn_args, kwargs); ``positions``: each dynamic argument's original position."""
     if path[0].idx == 1:
         return "kwargs" + jax.tree_util.keystr(tuple(path[1:]))
-    static = {int(i) for i in static_argnums}
-    k, pos = path[1].idx, -1
-    while k >= 0:
-        pos += 1
-        if pos not in static:
-            k -= 1
-    return f"args[{pos}]" + jax.tree_util.keystr(tuple(path[2:]))
+    return f"args[{positions[path[1].idx]}]" + jax.tree_util.keystr(tuple(path[2:]))
 
 
-def _describe_mismatch(old: _Split, new: _Split, static_argnums) -> str:
+def _describe_mismatch(old: _Split, new: _Split, positions) -> str:
     """Why ``new`` (the call's arguments) does not fit ``old`` (what was compiled)."""
     head = "Compiled function called with"
     tail = " Lower it again for these arguments, or call the `mjit` function directly."
@@ -146,13 +141,13 @@ def _describe_mismatch(old: _Split, new: _Split, static_argnums) -> str:
     by_kind: dict[str, list] = {"node": [], "dyn": [], "static": []}
     for p, k in zip(paths, new.kinds):
         by_kind[k].append(p)
-    why = _leaf_mismatch(old, new, by_kind, static_argnums)
+    why = _leaf_mismatch(old, new, by_kind, positions)
     if why is None and (old.graphdef != new.graphdef or old.node_paths() != new.node_paths()
                         or old.var_dynamic != new.var_dynamic):
         why = ("NNX objects whose structure (attributes, Variables or static "
                "fields) differs from the ones it was compiled for.")
     if why is None:
-        why = _variable_mismatch(old, new, by_kind["node"], static_argnums)
+        why = _variable_mismatch(old, new, by_kind["node"], positions)
     if why is None:
         why = ("arguments whose structure, shapes or dtypes differ from those it was "
                "compiled for.")
@@ -160,26 +155,26 @@ def _describe_mismatch(old: _Split, new: _Split, static_argnums) -> str:
 
 
 def _leaf_mismatch(old: _Split, new: _Split, by_kind: dict[str, list],
-                   static_argnums) -> str | None:
+                   positions) -> str | None:
     """The first array leaf of another shape or dtype, or static leaf of another value."""
     for p, a, b in zip(by_kind["dyn"], old.dyn, new.dyn):
         if _aval_sig(a) != _aval_sig(b):
-            return (f"{_arg_name(p, static_argnums)} of {_describe_aval(_aval_sig(b))}, "
+            return (f"{_arg_name(p, positions)} of {_describe_aval(_aval_sig(b))}, "
                     f"but it was compiled for {_describe_aval(_aval_sig(a))}.")
     for p, a, b in zip(by_kind["static"], old.static, new.static):
         if _hashable(a) != _hashable(b):
-            return (f"{_arg_name(p, static_argnums)} = {b!r}, but it was compiled for "
+            return (f"{_arg_name(p, positions)} = {b!r}, but it was compiled for "
                     f"{a!r} (a static, non-array value).")
     return None
 
 
 def _variable_mismatch(old: _Split, new: _Split, node_paths: list,
-                       static_argnums) -> str | None:
+                       positions) -> str | None:
     """The first Variable of the NNX objects whose value no longer fits."""
     for (path, _), dynamic, a, b in zip(new.flat, new.var_dynamic, old.values, new.values):
         node = path[0]
         assert isinstance(node, int)  # the nodes were split as a tuple: paths start at an index
-        where = f"{_arg_name(node_paths[node], static_argnums)}" + "".join(
+        where = f"{_arg_name(node_paths[node], positions)}" + "".join(
             f".{k}" for k in path[1:])
         if dynamic and _aval_sig(a) != _aval_sig(b):
             return (f"the Variable {where} of {_describe_aval(_aval_sig(b))}, but it "
@@ -525,84 +520,170 @@ def _encode(vals):
     return data, impls
 
 
-class _NnxMJit(ProgramCaches):
-    def __init__(self, fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
-                 static_argnums):
-        self.fun = fun
-        self.devices = devices
-        self.mesh = mesh
-        self.in_shardings = in_shardings
-        self.out_shardings = out_shardings
-        self.donate_argnums = donate_argnums
-        self.static_argnums = tuple(np.atleast_1d(static_argnums)) if static_argnums not in (
-            None, ()) else ()
-        self._cache = LRUCache("multimesh nnx mjit programs")
+def _arg_owners(split: _Split, bound) -> tuple[list, list]:
+    """For each graph node and each dynamic leaf of ``split``, the argument it came
+    from: an original position (int) or a keyword (str)."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(split._tree, is_leaf=_is_node)[0]]
+    positions = bound.dyn_positions
+    nodes, dyn = [], []
+    for p, kind in zip(paths, split.kinds):
+        arg = positions[p[1].idx] if p[0].idx == 0 else p[1].key
+        if kind == "node":
+            nodes.append(arg)
+        elif kind == "dyn":
+            dyn.append(arg)
+    return nodes, dyn
 
-    def _split_args(self, args, kwargs, allow_abstract=False):
-        static = tuple(args[i] for i in self.static_argnums)
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return static, _Split((dyn_args, kwargs), allow_abstract=allow_abstract)
 
-    def lower(self, *args, **kwargs) -> NnxLowered:
-        static, split = self._split_args(args, kwargs, allow_abstract=True)
-        return self._lower(static, split)
+def _donation(split: _Split, bound) -> tuple[list[bool], list[bool]]:
+    """Per dynamic Variable and per dynamic leaf: whether its argument is donated."""
+    def donated(arg) -> bool:
+        return arg in bound.donate_kw if isinstance(arg, str) else arg in bound.donate_pos
 
-    def _lower(self, static, split: _Split) -> NnxLowered:
-        fun, static_argnums, nargs = self.fun, self.static_argnums, len(static)
-        where = f"mjit({getattr(fun, '__name__', 'fun')})"
-        var_specs, dyn_specs = _arg_specs(split, self.in_shardings, where)
-        dyn_idx = [i for i, d in enumerate(split.var_dynamic) if d]
-        var_specs_dyn = [var_specs[i] for i in dyn_idx]
-        var_vals0, var_impls = _encode(split.dynamic_values())
-        dyn0, dyn_impls = _encode(split.dyn)
-        cell: dict[str, Any] = {}
-        out_shardings = self.out_shardings
+    node_args, dyn_args = _arg_owners(split, bound)
+    var_flags = [donated(node_args[path[0]]) for (path, _), d in
+                 zip(split.flat, split.var_dynamic) if d]
+    return var_flags, [donated(a) for a in dyn_args]
 
-        def pure(var_vals, dyn):
-            var_vals = _decode(var_vals, var_impls)
-            dyn = _decode(dyn, dyn_impls)
-            var_vals = [v if s is None else mm.with_sharding_constraint(v, s)
-                        for v, s in zip(var_vals, var_specs_dyn)]
-            dyn = [v if s is None else mm.with_sharding_constraint(v, s)
-                   for v, s in zip(dyn, dyn_specs)]
-            (a, k), nodes = split.rebuild(var_vals, dyn)
-            full, it, sit = [], iter(a), iter(static)
-            for i in range(len(a) + nargs):
-                full.append(next(sit) if i in static_argnums else next(it))
-            with module_names(*nodes):  # modules named from the arguments they sit in
-                out = fun(*full, **k)
-            collected = split.collect(nodes, where)
-            after = [collected[i] for i in dyn_idx]
-            changed = [j for j, (new, old) in enumerate(zip(after, var_vals)) if new is not old]
-            upd = [after[j] if var_specs_dyn[j] is None
-                   else mm.with_sharding_constraint(after[j], var_specs_dyn[j]) for j in changed]
-            out_split = _OutSplit(out, nodes, where)
-            out_vars, out_dyn = out_split.values()
-            if out_shardings is not None:
-                ov_specs, od_specs = out_split.specs(out_shardings, where)
-                out_vars = [v if s is None else mm.with_sharding_constraint(v, s)
-                            for v, s in zip(out_vars, ov_specs)]
-                out_dyn = [v if s is None else mm.with_sharding_constraint(v, s)
-                           for v, s in zip(out_dyn, od_specs)]
-            out_vars, ov_impls = _encode(out_vars)
-            out_dyn, od_impls = _encode(out_dyn)
-            upd, upd_impls = _encode(upd)
-            cell.update(changed=[dyn_idx[j] for j in changed], out=out_split,
-                        impls=(ov_impls, od_impls, upd_impls))
-            return (out_vars, out_dyn), upd
 
-        lowered = mm.mjit(pure, devices=self.devices, mesh=self.mesh).lower(var_vals0, dyn0)
-        return NnxLowered(self, lowered, static, split, cell)
+def trace(owner, bound) -> NnxTraced:
+    """``mjit(f).trace(...)`` when the arguments hold NNX objects (``multimesh.jax``
+    calls this): trace the pure function of their Variables, as ``nnx.jit`` does."""
+    return _trace(owner, bound, _Split((bound.dyn_args, bound.dyn_kwargs),
+                                       allow_abstract=True))
 
-    def __call__(self, *args, **kwargs):
-        static, split = self._split_args(args, kwargs)
-        key = (tuple(_hashable(s) for s in static), split.signature(),
-               _multimesh.compile_token())
-        compiled = self._cache.get(key)
-        if compiled is None:
-            compiled = self._lower(static, split).compile()
-            self._cache[key] = compiled
-        return compiled._run(split)
+
+def call(owner, bound):
+    """Call ``mjit(f)`` on arguments holding NNX objects: compile once per structure
+    and types, run, and write the changed Variables back into the caller's objects."""
+    split = _Split((bound.dyn_args, bound.dyn_kwargs))
+    key = ("nnx", bound.static_key(), split.signature(), _multimesh.compile_token(),
+           _contexts.state.fast_path)
+    compiled = owner._cache.get(key)
+    if compiled is None:
+        compiled = _trace(owner, bound, split).lower().compile()
+        owner._cache[key] = compiled
+    return compiled._run(split)
+
+
+def _trace(owner, bound, split: _Split) -> NnxTraced:
+    fun = owner.fun
+    where = f"mjit({getattr(fun, '__name__', 'fun')})"
+    var_specs, dyn_specs = _arg_specs(split, owner.in_shardings, where)
+    dyn_idx = [i for i, d in enumerate(split.var_dynamic) if d]
+    var_specs_dyn = [var_specs[i] for i in dyn_idx]
+    var_donated, dyn_donated = _donation(split, bound)
+    var_vals0, var_impls = _encode(split.dynamic_values())
+    dyn0, dyn_impls = _encode(split.dyn)
+    cell: dict[str, Any] = {}
+    out_shardings = owner.out_shardings
+
+    def pure(var_vals, dyn):
+        var_vals = _constrain(_decode(var_vals, var_impls), var_specs_dyn)
+        dyn = _constrain(_decode(dyn, dyn_impls), dyn_specs)
+        (a, k), nodes = split.rebuild(var_vals, dyn)
+        full, kw = bound.merge(a, k)
+        with module_names(*nodes):  # modules named from the arguments they sit in
+            out = fun(*full, **kw)
+        _check_logical(owner, where)
+        collected = split.collect(nodes, where)
+        after = [collected[i] for i in dyn_idx]
+        # Changed Variables come back; so do all of a donated argument's (its buffers go).
+        changed = [j for j, (new, old) in enumerate(zip(after, var_vals))
+                   if new is not old or var_donated[j]]
+        upd = _constrain([after[j] for j in changed], [var_specs_dyn[j] for j in changed])
+        out_split = _OutSplit(out, nodes, where)
+        out_vars, out_dyn = out_split.values()
+        if out_shardings is not None:
+            ov_specs, od_specs = out_split.specs(out_shardings, where)
+            out_vars, out_dyn = _constrain(out_vars, ov_specs), _constrain(out_dyn, od_specs)
+        out_vars, ov_impls = _encode(out_vars)
+        out_dyn, od_impls = _encode(out_dyn)
+        upd, upd_impls = _encode(upd)
+        cell.update(changed=[dyn_idx[j] for j in changed], out=out_split,
+                    impls=(ov_impls, od_impls, upd_impls))
+        return (out_vars, out_dyn), upd
+
+    pure.__name__ = getattr(fun, "__name__", "fun")
+    traced = owner.trace_flat(pure, (var_vals0, dyn0), {}, [*var_donated, *dyn_donated])
+    return NnxTraced(owner, traced, bound, split, cell)
+
+
+def _check_logical(owner, where: str) -> None:
+    """For NNX objects, shardings are logical names; a ``NamedSharding`` none of whose
+    names a task of the program maps (tasks are traced by now) would silently do
+    nothing, so it is an error."""
+    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())
+    for kind in ("in_shardings", "out_shardings"):
+        for s in _named_shardings(getattr(owner, kind)):
+            if is_physical(s, mapped):
+                raise MultimeshValueError(
+                    f"{where}: {kind} entry {s} names mesh axes {sorted(_axis_names(s))} "
+                    f"that no task of the program maps. With NNX objects among the "
+                    f"arguments, shardings are logical (read by the task that uses each "
+                    f"value): use a PartitionSpec of logical names, or `jax.device_put` "
+                    f"the arrays themselves.")
+
+
+def _named_shardings(tree) -> list:
+    def leaf(x):
+        return isinstance(x, (NamedSharding, P, nnx.StateSharding))
+
+    out: list = []
+    for x in jax.tree.leaves(tree, is_leaf=leaf):
+        out.extend(x.shardings if isinstance(x, nnx.StateSharding) else [x])
+    return [x for x in out if isinstance(x, NamedSharding)]
+
+
+def _axis_names(s: NamedSharding) -> set[str]:
+    names: set[str] = set()
+    for e in s.spec:
+        names.update([e] if isinstance(e, str) else [n for n in (e or ()) if isinstance(n, str)])
+    return names
+
+
+def _constrain(vals: list, specs: list) -> list:
+    """Each value under its logical spec (None: unconstrained)."""
+    return [v if s is None else mm.with_sharding_constraint(v, s) for v, s in zip(vals, specs)]
+
+
+class NnxTraced:
+    """``mjit(f).trace(...)`` of a function taking NNX objects: ``jaxpr`` (of the pure
+    function over the Variables' values), ``out_info``, ``lower()``."""
+
+    def __init__(self, owner, traced, bound, split: _Split, cell: dict):
+        self._owner = owner
+        self.traced = traced
+        self._bound = bound
+        self._split = split
+        self._cell = cell
+
+    @property
+    def jaxpr(self):
+        return self.traced.jaxpr
+
+    @property
+    def out_info(self):
+        """The outputs as ``jax.ShapeDtypeStruct``s (NNX objects returned: abstract)."""
+        (ov, od), _ = self.traced.out_info
+        ov_impls, od_impls, _ = self._cell["impls"]
+        return self._cell["out"].assemble(_abstract_keys(ov, ov_impls),
+                                          _abstract_keys(od, od_impls), self._split.nodes)
+
+    def lower(self) -> NnxLowered:
+        return NnxLowered(self._owner, self.traced.lower(), self._bound, self._split,
+                          self._cell)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.traced, name)  # in_avals, out_avals, fun_name, ...
+
+
+def _abstract_keys(structs, impls) -> list:
+    return [s if i is None else
+            jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=i), s)
+            for s, i in zip(structs, impls)]
 
 
 class _OutSplit:
@@ -683,18 +764,23 @@ class _OutSplit:
 class NnxLowered:
     """``mjit(...).lower(...)`` of a function taking NNX objects."""
 
-    def __init__(self, owner: _NnxMJit, lowered, static, split: _Split, cell: dict):
+    def __init__(self, owner, lowered, bound, split: _Split, cell: dict):
         self._owner = owner
         self.lowered = lowered
-        self._static = static
+        self._bound = bound
         self._split = split
         self._cell = cell
 
     def as_text(self) -> str:
         return self.lowered.as_text()
 
-    def compile(self) -> NnxCompiled:
-        return NnxCompiled(self, self.lowered.compile())
+    def compile(self, compiler_options=None) -> NnxCompiled:
+        return NnxCompiled(self, self.lowered.compile(compiler_options))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.lowered, name)  # compiler_ir(), in_avals, ...
 
 
 class NnxCompiled:
@@ -732,23 +818,31 @@ class NnxCompiled:
         return jax.tree.unflatten(split.treedef, leaves)
 
     def __getattr__(self, name):
-        if name in ("fragments", "transfers", "plan", "as_text", "cost_analysis", "plan_data",
-                    "schedule", "calls", "calls_per_submesh"):
-            return getattr(self.compiled, name)
-        raise AttributeError(name)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.compiled, name)  # fragments, plan(), memory_analysis(), ...
+
+    def _bind(self, args, kwargs) -> tuple[Any, _Split]:
+        """The call's arguments: the dynamic ones only (as ``jax.jit``'s compiled
+        functions take them; the static ones are those it was lowered for), or all."""
+        old = self._lowered._bound
+        if len(args) == len(old.dyn_args) and set(kwargs) == set(old.dyn_kwargs):
+            full, kw = old.merge(args, kwargs)
+            args, kwargs = tuple(full), kw
+        bound = self._lowered._owner.options.bind(args, kwargs)
+        return bound, _Split((bound.dyn_args, bound.dyn_kwargs))
 
     def __call__(self, *args, **kwargs):
-        owner = self._lowered._owner
-        static, split = owner._split_args(args, kwargs)
-        for i, new, old in zip(owner.static_argnums, static, self._lowered._static):
-            if _hashable(new) != _hashable(old):
-                raise MultimeshValueError(
-                    f"Compiled function called with static argument {int(i)} = {new!r}, but it "
-                    f"was compiled for {old!r}. Lower it again, or call the `mjit` function "
-                    f"directly.")
+        bound, split = self._bind(args, kwargs)
+        old = self._lowered._bound
+        if bound.static_key() != old.static_key():
+            raise MultimeshValueError(
+                f"Compiled function called with static arguments "
+                f"{_static_values(bound)}, but it was compiled for {_static_values(old)}. "
+                f"Lower it again, or call the `mjit` function directly.")
         if split.signature() != self._lowered._split.signature():
             raise MultimeshValueError(
-                _describe_mismatch(self._lowered._split, split, owner.static_argnums))
+                _describe_mismatch(self._lowered._split, split, bound.dyn_positions))
         return self._run(split)
 
     def _run(self, split: _Split):
@@ -763,9 +857,9 @@ class NnxCompiled:
 
     def place(self, *args, **kwargs) -> None:
         """Move the Variables of the NNX objects in ``args`` onto their input shardings."""
-        owner = self._lowered._owner
-        _, split = owner._split_args(args, kwargs)
-        idx = [i for i, d in enumerate(split.var_dynamic) if d]
+        _, split = self._bind(args, kwargs)
+        idx = [i for i, d in enumerate(split.var_dynamic)
+               if d and self.variable_shardings[i] is not None]  # None: never read
         vals = [jax.device_put(split.values[i], self.variable_shardings[i]) for i in idx]
         split.write_back(idx, vals)
 
@@ -778,28 +872,13 @@ def _out_stand_in(out: _OutSplit, ov_sh, od_sh):
             for k in out.kinds]
 
 
-def mjit(fun: Callable, *, devices: Sequence | None = None, mesh: Mesh | None = None,
-         in_shardings=None, out_shardings=None, donate_argnums=(), static_argnums=()):
-    """:func:`multimesh.jax.mjit` that also takes NNX modules and optimizers as arguments.
+def _static_values(bound) -> dict:
+    return {**{i: bound.args[i] for i in bound.static_pos},
+            **{k: bound.kwargs[k] for k in bound.static_kw}}
 
-    Like ``nnx.jit``, the NNX objects passed in are split into their Variables
-    around the compiled program, and the Variables the function changes
-    (parameters after an optimizer step, batch statistics, RNG counters) are
-    written back into the caller's objects. NNX objects may also be returned
-    (new objects; an input object returned as is stays the same object).
 
-    ``in_shardings``/``out_shardings`` are prefixes of the positional
-    arguments/outputs, as for ``jax.jit``. For an NNX object the entry is a
-    ``PartitionSpec``/``NamedSharding`` for all its Variables, an
-    ``nnx.StateSharding({filter: spec, ...})`` (first matching filter wins;
-    Variables matching none are unconstrained), or an ``nnx.State`` of specs
-    (e.g. from ``nnx.get_partition_spec``). As with :func:`multimesh.jax.mjit`
-    the axis names are *logical*: the task that consumes a value resolves them.
-    """
-    if not callable(fun):
-        raise MultimeshTypeError(f"`mjit` expects a callable, got {type(fun).__name__}.")
-    return _NnxMJit(fun, devices, mesh, in_shardings, out_shardings, donate_argnums,
-                    static_argnums)
+mjit = mm.mjit
+"""The one :func:`multimesh.jax.mjit`, which handles NNX objects itself."""
 
 
 # --------------------------------------------------------------------------- parallelize_step
