@@ -694,6 +694,23 @@ def _():
     global_mesh().__exit__(None, None, None)
 
 
+
+@error("compile-threads-not-a-count", API, "`MULTIMESH_COMPILE_THREADS` is not a thread count",
+       MultimeshValueError,
+       r"MULTIMESH_COMPILE_THREADS must be a positive whole number of threads, got 'all'; "
+       r"for example MULTIMESH_COMPILE_THREADS=4, or MULTIMESH_COMPILE_THREADS=1 to compile "
+       r"fragments serially",
+       """Fragments compile on a pool of this many threads (default: the CPUs the process
+       may use), read when a program compiles. Give a count, e.g.
+       `MULTIMESH_COMPILE_THREADS=4`; `1` compiles one fragment after another.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    os.environ["MULTIMESH_COMPILE_THREADS"] = "all"
+    try:
+        mm.mjit(grad_fn).lower(ws, x).compile()
+    finally:
+        del os.environ["MULTIMESH_COMPILE_THREADS"]
+
 # =========================================================================== bad meshes
 
 

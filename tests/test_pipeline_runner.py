@@ -193,7 +193,8 @@ def test_compile_phases_are_logged(caplog):
     assert names[0] == "mm-import-gspmd" and names[-1] == "(verifier)", names
     assert sum(t for _, t in compiled.pass_times) <= compiled.compile_times["passes"]
     assert set(compiled.xla_times) == {f["name"] for f in compiled.fragments}
-    assert sum(compiled.xla_times.values()) <= compiled.compile_times["xla"]
+    # fragments compile concurrently (MULTIMESH_COMPILE_THREADS): their times overlap
+    assert max(compiled.xla_times.values()) <= compiled.compile_times["xla"]
     caplog.clear()
     executor._COMPILE_CACHE.clear()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="multimesh"):

@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import threading
 from collections.abc import Callable, Sequence, Set
+from contextlib import ExitStack
 from types import ModuleType, SimpleNamespace
 
 import jax
@@ -46,6 +48,8 @@ __all__ = [
     "batched_copy", "device_list",
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
+    "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
+    "persistent_cache_on",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -345,6 +349,47 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     return stages.Compiled(exe, [], args_info, out_tree)
 
 
+def load_on_devices(compiled, name: str, in_shardings, out_shardings, devices):
+    """``compiled`` (from :func:`compile_module`) for other devices, without compiling.
+
+    An SPMD executable does not depend on which devices it runs on, only on how many:
+    PjRt loads a serialized one with any device assignment of the same size (what
+    jax's persistent cache does on GPU, where its key leaves out the device ids). jax
+    has no public "load this executable onto those devices", so this serializes the
+    executable, deserializes it for ``devices`` (``Client.deserialize_executable``
+    with a device assignment in its compile options) and rebuilds jit's wrapper around
+    it (``UnloadedMeshExecutable`` with the new shardings; internal, checked on
+    0.10.2). None where that cannot apply: an executable with host callbacks (their
+    pointers are compiled in) or devices of another process.
+    """
+    import dataclasses
+
+    import numpy as np
+    from jax._src import compiler as _compiler
+    from jax._src import stages
+
+    src = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+    if (src is None or src.host_callbacks or src.keepalive
+            or any(d.process_index != jax.process_index() for d in devices)):
+        return None
+    device_list = _xc.DeviceList(tuple(devices))
+    assignment = np.empty((1, len(devices)), dtype=object)
+    assignment[0, :] = devices
+    options = _compiler.get_compile_options(
+        num_replicas=1, num_partitions=len(devices), device_assignment=assignment,
+        backend=src.backend)
+    try:
+        xla = src.backend.deserialize_executable(src.xla_executable.serialize(),
+                                                 device_list, options)
+        exe = dataclasses.replace(
+            src, xla_executable=xla, device_list=device_list, name=name,
+            input_shardings=tuple(in_shardings), output_shardings=tuple(out_shardings)).load()
+    except (TypeError, AttributeError, jax.errors.JaxRuntimeError):
+        return None  # another jax's fields, or a backend that cannot: compile instead
+    _skip_sub_byte_layout_check(exe)
+    return stages.Compiled(exe, [], compiled.args_info, compiled.out_tree)
+
+
 def _skip_sub_byte_layout_check(exe) -> None:
     """Let sub-byte arguments (``int4``, ``uint2``, ``float4_e2m1fn``, ...) through.
 
@@ -405,6 +450,64 @@ def device_list(sharding):
     """The device list a sharding holds, in the form :data:`batched_copy` takes
     (``Sharding._internal_device_list``, internal)."""
     return sharding._internal_device_list
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+_hits_lock = threading.Lock()
+_hits_listening = False
+
+
+def _count_cache_hit(event: str, **_: object) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+def persistent_cache_hits() -> int:
+    """How many executables this thread has loaded from jax's persistent compilation
+    cache (``jax_compilation_cache_dir``) so far.
+
+    ``compile_or_get_cached``, which :func:`compile_module` goes through (inside
+    ``UnloadedMeshExecutable.from_hlo``), says whether it read the executable from the
+    cache only through the monitoring event ``/jax/compilation_cache/cache_hits``
+    (the event's name is internal, the same from 0.10.2 to 0.12). Events are counted
+    per thread, so concurrent compiles each see their own.
+    """
+    global _hits_listening
+    if not _hits_listening:
+        with _hits_lock:
+            if not _hits_listening:
+                jax.monitoring.register_event_listener(_count_cache_hit)
+                _hits_listening = True
+    return getattr(_hits, "n", 0)
+
+
+def persistent_cache_on() -> bool:
+    """Whether jax's persistent compilation cache is in use (``jax_compilation_cache_dir``
+    set and ``jax_enable_compilation_cache`` on; the flags are public, reading them
+    through ``config`` is the same from 0.10.2 to 0.12)."""
+    return bool(_config.enable_compilation_cache.value
+                and _config.compilation_cache_dir.value)
+
+
+def in_config_of_caller() -> Callable[[], ExitStack]:
+    """A context factory that re-enters, in another thread, the jax configuration this
+    thread set with context managers (``with jax.log_compiles(True):``, ...).
+
+    jax's config context managers are thread-local, so a worker thread compiling on the
+    caller's behalf would otherwise see only global values (``State.get_local`` and
+    ``config_states``: internal, the same from 0.10.2 to 0.12).
+    """
+    unset = _config.config_ext.unset
+    local = [(st, v) for st in getattr(_config, "config_states", {}).values()
+             if (v := st.get_local()) is not unset]
+
+    def enter() -> ExitStack:
+        stack = ExitStack()
+        for st, v in local:
+            stack.enter_context(st(v))
+        return stack
+    return enter
 
 
 # ----------------------------------------------------------------------------

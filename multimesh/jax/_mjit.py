@@ -154,7 +154,13 @@ class MpmdCompiled:
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
         self.xla_times = dict(self._exec.xla_seconds)
-        """Fragment name -> seconds XLA took to compile it (about 0 when cached)."""
+        """Fragment name -> seconds XLA took to compile it (about 0 when cached); they
+        overlap, since fragments compile concurrently (``MULTIMESH_COMPILE_THREADS``)."""
+        self.xla_sources = dict(self._exec.xla_sources)
+        """Fragment name -> where its executable came from: ``"xla"`` (compiled now),
+        ``"persistent cache"`` (jax's ``jax_compilation_cache_dir``), ``"identical
+        fragment"`` (loaded from a fragment that differs only in its devices) or
+        ``"memory"`` (compiled earlier in this process)."""
         _log_phase(lowered, "compiled the fragments with XLA", self.compile_times["xla"],
                    f"{self._exec.xla_compiles} XLA compilations")
         _log_phase(lowered, "finished compiling", sum(self.compile_times.values()),

@@ -9,6 +9,7 @@ use so their buffers are freed as soon as the device is done with them.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Set
@@ -23,6 +24,7 @@ from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
 from multimesh.runtime.guards import check_args
+from multimesh.runtime.parallel import map_ordered
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
@@ -61,18 +63,82 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     ``positions``: run it on these device positions instead of its own (a task
     that moves with the microbatch).
     """
+    return _compile_one(frag, devices, donors, positions)[0]
+
+
+XLA, PERSISTENT_CACHE, IDENTICAL, MEMORY = (
+    "xla", "persistent cache", "identical fragment", "memory")
+"""Where a fragment's executable came from: compiled by XLA now, loaded from jax's
+persistent compilation cache, loaded from the executable of an identical fragment on
+other devices, or compiled earlier in this process."""
+_ORIGINS = (XLA, PERSISTENT_CACHE, IDENTICAL, MEMORY)
+_MESH_DECL = re.compile(r'sdy\.mesh @("(?:[^"\\]|\\.)*"|[\w$.-]+)')
+Job = tuple[Fragment, tuple[int, ...], tuple[int, ...] | None]
+"""What to compile: ``(fragment, donors, device positions or None for its own)``."""
+
+
+def _fragment_key(frag: Fragment, devices: tuple, donors: tuple[int, ...],
+                  positions: tuple[int, ...] | None) -> tuple:
+    sub = tuple(devices[p] for p in (positions or frag.devices))
+    return (frag.text, tuple(d.id for d in sub), donors)
+
+
+def _shape_key(frag: Fragment, donors: tuple[int, ...]) -> tuple:
+    """:func:`_fragment_key` without the devices: the text up to its mesh names, the
+    donors, and the layouts relative to the fragment's devices. Fragments that agree
+    on it are one SPMD program (the same block on several submeshes)."""
+    text = frag.text
+    for i, name in enumerate(_MESH_DECL.findall(text)):
+        text = re.sub(re.escape("@" + name) + r'(?![\w$.-])', f"@mm.mesh{i}", text)
+    home = frag.devices
+
+    def rel(lay: Layout) -> tuple:
+        return (tuple(home.index(p) if p in home else -1 - p for p in lay[0]), *lay[1:])
+    return (text, donors, len(home), tuple(map(rel, frag.in_layouts)),
+            tuple(map(rel, frag.out_layouts)))
+
+
+def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
+                 positions: tuple[int, ...] | None = None, like=None
+                 ) -> tuple[jax.stages.Compiled, str]:
+    """:func:`compile_fragment`, and where the executable came from (:data:`XLA`, ...).
+
+    ``like``: the executable of a fragment with the same :func:`_shape_key` on other
+    devices; loaded onto these devices instead of compiling, where jax can.
+    """
     home = frag.devices
     positions = positions or home
     sub = tuple(devices[p] for p in positions)
-    key = (frag.text, tuple(d.id for d in sub), donors)
+    key = _fragment_key(frag, devices, donors, positions)
     with _LOCK:
         exe = _COMPILE_CACHE.get(key)
     if exe is not None:
-        return exe
+        return exe, MEMORY
     t0 = time.perf_counter()
     in_sh = [layout_sharding(moved(lay, home, positions), devices) for lay in frag.in_layouts]
     out_sh = [layout_sharding(moved(lay, home, positions), devices)
               for lay in frag.out_layouts]
+    exe = like and jax_compat.load_on_devices(like, frag.name, in_sh, out_sh, sub)
+    origin = IDENTICAL
+    if exe is None:
+        exe, origin = _xla_compile(frag, donors, in_sh, out_sh, sub)
+    level = compile_log_level()
+    if logger.isEnabledFor(level):
+        logger.log(level, "multimesh: %s fragment %s on devices %s%s in %.3f s",
+                   _SAY[origin], frag.name, [d.id for d in sub],
+                   f" (donating arguments {list(donors)})" if donors else "",
+                   time.perf_counter() - t0)
+    with _LOCK:
+        _COMPILE_CACHE[key] = exe
+    return exe, origin
+
+
+_SAY = {XLA: "XLA compiled", PERSISTENT_CACHE: "loaded from jax's persistent cache",
+        IDENTICAL: "loaded an identical fragment's executable for"}
+
+
+def _xla_compile(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple
+                 ) -> tuple[jax.stages.Compiled, str]:
     module = parse_module(frag.text, make_context())
     calls_back = callbacks.may_call_back(frag.text)
     host_callbacks = callbacks.take(module, frag.name) if calls_back else []
@@ -82,7 +148,9 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
     if effects:  # jax's runtime tokens order it against other ordered calls
         callbacks.thread_tokens(module, len(effects))
     global xla_compiles
-    xla_compiles += 1
+    with _LOCK:
+        xla_compiles += 1
+    hits = jax_compat.persistent_cache_hits()
     # A jax.stages.Compiled: calls take jax's C++ dispatch path (a few µs, like a
     # jitted function) instead of MeshExecutable.call's Python checks (~15 µs); the
     # plan guarantees argument layouts. (With host callbacks, jax's Python path, which
@@ -91,15 +159,44 @@ def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (
         frag.name, module, [_aval(t) for t in frag.in_types],
         [_aval(t) for t in frag.out_types], in_sh, out_sh, sub, host_callbacks,
         effects)
-    level = compile_log_level()
-    if logger.isEnabledFor(level):
-        logger.log(level, "multimesh: XLA compiled fragment %s on devices %s%s in %.3f s",
-                   frag.name, [d.id for d in sub],
-                   f" (donating arguments {list(donors)})" if donors else "",
-                   time.perf_counter() - t0)
-    with _LOCK:
-        _COMPILE_CACHE[key] = exe
-    return exe
+    return exe, PERSISTENT_CACHE if jax_compat.persistent_cache_hits() > hits else XLA
+
+
+def _compile_all(jobs: list[Job], devices: tuple
+                 ) -> list[tuple[jax.stages.Compiled, str, float]]:
+    """``(executable, origin, seconds)`` of every job, in order.
+
+    Each distinct executable is made once: fragments that differ only in their devices
+    compile once and the others load that executable (:func:`_shape_key`); the ones
+    that compile, compile concurrently (:mod:`.parallel`), then the rest load.
+    """
+    first: dict[tuple, int] = {}
+    for j, (frag, donors, positions) in enumerate(jobs):
+        first.setdefault(_fragment_key(frag, devices, donors, positions), j)
+    leaders: dict[tuple, int] = {}
+    for j in first.values():
+        leaders.setdefault(_shape_key(jobs[j][0], jobs[j][1]), j)
+    lead = list(leaders.values())
+    done: dict[int, tuple[jax.stages.Compiled, str, float]] = {}
+    # Only an executable XLA compiled in this process can be loaded elsewhere (jax
+    # 0.10.2's CPU client re-serializes a loaded one without its code); with jax's
+    # persistent cache on, each fragment compiles for its own cache entry, so that a
+    # restarted process loads them all.
+    share = not jax_compat.persistent_cache_on()
+
+    def timed(j: int) -> tuple[jax.stages.Compiled, str, float]:
+        frag, donors, positions = jobs[j]
+        like = done.get(leaders[_shape_key(frag, donors)])
+        t0 = time.perf_counter()
+        exe, origin = _compile_one(frag, devices, donors, positions,
+                                   like[0] if share and like and like[1] == XLA else None)
+        return exe, origin, time.perf_counter() - t0
+
+    done.update(zip(lead, map_ordered(timed, lead)))
+    rest = [j for j in first.values() if j not in done]
+    done.update(zip(rest, map_ordered(timed, rest)))
+    return [done[j] if j in done else (done[first[k]][0], MEMORY, 0.0)
+            for j, k in enumerate(_fragment_key(f, devices, d, p) for f, d, p in jobs)]
 
 
 _shard_args = jax_compat.shard_args
@@ -236,12 +333,20 @@ class Executor:
         """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
         self._skipped_donations: dict[int, list[int]] = {}
         self._consumed: dict[int, set[int]] = {}  # call -> values it donates (or deletes)
+        jobs = []
         for (name, positions), calls in wants.items():
             common = set(calls[0][1]).intersection(*(d for _, d in calls[1:]))
-            t0 = time.perf_counter()
-            exe = compile_fragment(plan.fragments[name], self.devices, tuple(sorted(common)),
-                                   positions)
-            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + time.perf_counter() - t0
+            jobs.append((plan.fragments[name], tuple(sorted(common)), positions))
+        self.xla_sources: dict[str, str] = {}
+        """Fragment name -> where its executables came from (the first of
+        :data:`_ORIGINS` that any of them came from: :data:`XLA`, ...)."""
+        results = _compile_all(jobs, self.devices)
+        for ((name, _), calls), (frag, common_t, _), (exe, origin, secs) in zip(
+                wants.items(), jobs, results):
+            common = set(common_t)
+            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + secs
+            self.xla_sources[name] = min(self.xla_sources.get(name, MEMORY), origin,
+                                         key=_ORIGINS.index)
             self.exes.setdefault(name, exe)
             for i, donors in calls:
                 exes[i] = exe
@@ -250,7 +355,7 @@ class Executor:
                     self._skipped_donations[i] = skipped
                 args = plan.steps[i].args
                 self._consumed[i] = {args[k] for k in donors} | {
-                    args[k] for k in plan.fragments[name].donors}
+                    args[k] for k in frag.donors}
         return exes
 
     def place_inputs(self, args):
