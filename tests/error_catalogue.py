@@ -2385,7 +2385,7 @@ cli("cli-attribute-wrong-type", "An `mm.*` attribute entry of the wrong type",
     r"^in\.mlir:1:1: error: 'mm\.schedule_config' num_stages must be an integer in "
     r"1\.\.65536, got \"4\"",
     """Every attribute multimesh reads is checked for type and range before use (one typed
-    reader, `multimesh.passes._attrs`); the message names the attribute, the value and what
+    reader, shared by `mm-opt`, `compile_mpmd` and the passes); the message names the attribute, the value and what
     it must be. Here write `num_stages = 4`.""",
     input_text=LOOP_MLIR.format(
         attrs=' attributes {mm.schedule_config = {schedule = "1f1b", num_stages = "4"}}', m=2))

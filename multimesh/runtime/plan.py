@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.layouts import layout_key
-from multimesh._src.mlir import attr_to_py, ir, print_module, sdy
+from multimesh._src.mlir import attr_to_py, ir, make_context, parse_module, print_module, sdy
 
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
 """(device positions, mesh axis names, mesh axis sizes, per-dim axes)."""
@@ -137,8 +137,11 @@ def moved(layout: Layout, home: tuple[int, ...], devices: tuple[int, ...]) -> La
     return (tuple(where.get(p, p) for p in layout[0]),) + layout[1:]
 
 
-def build_plan(module: ir.Module) -> Plan:
-    """Build a :class:`Plan` from a module after ``mm-extract-fragments``."""
+def build_plan(module: ir.Module | str | bytes) -> Plan:
+    """Build a :class:`Plan` from a module after ``mm-extract-fragments`` (an
+    ``ir.Module``, or its text or bytecode, e.g. what ``mm-opt`` printed)."""
+    if isinstance(module, (str, bytes)):
+        module = parse_module(module, make_context())
     with module.context:
         return _Builder(module).build()
 

@@ -1,4 +1,4 @@
-module @jit_wrapped attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32, mm.num_devices = 8 : i64, mm.tasks = {model = {axis_names = ["x"], axis_sizes = [8], devices = [0, 1, 2, 3, 4, 5, 6, 7], logical_axes = [["batch", "x"], ["model", "x"]]}}} {
+module @jit_model attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32, mm.num_devices = 8 : i64, mm.tasks = {model = {axis_names = ["x"], axis_sizes = [8], devices = [0, 1, 2, 3, 4, 5, 6, 7], logical_axes = [["batch", "x"], ["model", "x"]]}}} {
   sdy.mesh @mesh_model = <["x"=8]>
   func.func public @main(%arg0: tensor<8x8xi32> {mm.devices = [0, 1, 2, 3, 4, 5, 6, 7], mm.sharding = #sdy.sharding<@mesh_model, [{"x"}, {}]>}, %arg1: tensor<8x8xi32> {mm.devices = [0, 1, 2, 3, 4, 5, 6, 7], mm.sharding = #sdy.sharding<@mesh_model, [{}, {"x"}]>}, %arg2: tensor<8x8xi32> {mm.devices = [0, 1, 2, 3, 4, 5, 6, 7], mm.sharding = #sdy.sharding<@mesh_model, [{"x"}, {}]>}) -> (tensor<8x8xi32> {jax.result_info = "result"}) {
     %0 = stablehlo.custom_call @mm.fragment_call(%arg2, %arg0, %arg1) {mm.fragment = @model_fwd} : (tensor<8x8xi32>, tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi32>
