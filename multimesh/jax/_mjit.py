@@ -38,8 +38,8 @@ from multimesh.jax._task import (
     with_sharding_constraint,
 )
 from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
-from multimesh.passes.schedules import SPLIT_SCHEDULES
 from multimesh.runtime import Executor, build_plan, distributed
+from multimesh.schedules import SPLIT_SCHEDULES
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdTraced", "MpmdLowered", "MpmdCompiled",
            "MemoryAnalysis"]
