@@ -31,7 +31,6 @@ from multimesh.schedules import (
     registry,
     theoretical_bubble,
     theoretical_peak_live,
-    v_shape_units,
 )
 from multimesh.schedules.plans import Slot, add_backward
 
@@ -94,20 +93,14 @@ def test_unknown_schedule_names_the_valid_ones():
 SHAPES = [(2, 4), (2, 8), (3, 6), (3, 12), (4, 8)]  # M >= 2P, P dividing M
 
 
-def _textbook_units(algo: ScheduleAlgorithm, P: int, M: int):
-    if algo.placement == "v-shape":
-        return v_shape_units(P, M), 1
-    V = 2 if algo.placement == "round-robin" or algo.name == "interleaved-1f1b" else 1
-    return pipeline_units(P, M, interleave=V, split_backward=algo.splits_backward), V
-
-
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "custom"])
+@pytest.mark.parametrize("name", [s.name for s in all_schedules() if s.has_textbook])
 @pytest.mark.parametrize("P,M", SHAPES)
 def test_stated_theory_matches_the_simulator(name, P, M):
     """Each class's ``bubble`` and ``peak_live`` on its textbook pipeline are what the
     simulator measures (the same numbers the by-name functions give)."""
     algo = get_schedule(name)
-    units, V = _textbook_units(algo, P, M)
+    units, V = algo.textbook_units(P, M), algo.interleave
+    assert len({u.stage for u in units}) == V * P
     sched = build_schedule(units, name)
     bubble, peak = algo.bubble(P, M, V), algo.peak_live(P, M, V)
     assert bubble is not None and peak is not None

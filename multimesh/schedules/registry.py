@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import ClassVar, TypeVar
 
 from .custom import CustomSchedule
-from .model import ScheduleError, default_cost
+from .model import ScheduleError, Unit, default_cost, pipeline_units, v_shape_units
 from .placement import RULES, check_rule
 from .plans import Slot
 from .simulator import Program, Sim, run_plans, unit_plans
@@ -37,12 +37,25 @@ class ScheduleAlgorithm:
     """Runs weight gradients apart (``mm-split-backward{all=true}`` runs first)."""
     placement: ClassVar[str | None] = None
     """The stage placement it needs (:data:`placement.RULES`), None for any."""
+    interleave: ClassVar[int] = 1
+    """Stages per submesh of its textbook pipeline (:meth:`textbook_units`)."""
+    has_textbook: ClassVar[bool] = True
+    """Has a textbook pipeline to measure (P6, the registry tests); not ``custom``."""
     takes_unrolling: ClassVar[bool] = False
     """Accepts ``unrolling`` (fill and drain in groups of microbatches)."""
     without_interleaving: ClassVar[tuple[str, str] | None] = None
     """``(title, name)`` of the schedule it becomes with one stage per submesh, if any."""
     without_split: ClassVar[str | None] = None
     """The order it becomes when no backward splits off a weight-gradient half, if any."""
+
+    def textbook_units(self, P: int, M: int) -> list[Unit]:
+        """The units of the pipeline it is designed for: ``P`` submeshes, ``M``
+        microbatches, its placement and :attr:`interleave`, split backwards if it
+        splits them."""
+        if self.placement == "v-shape":
+            return v_shape_units(P, M, split_backward=self.splits_backward)
+        return pipeline_units(P, M, interleave=self.interleave,
+                              split_backward=self.splits_backward)
 
     def check(self, prog: Program) -> None:
         """Raise :class:`ScheduleError` when ``prog`` does not suit this schedule."""

@@ -14,6 +14,7 @@ class CircularReversedBackward(PlacedSchedule):
     name = "circular-reversed-backward"
     aliases = ("CircularWithReversedBackward",)
     placement = "round-robin"
+    interleave = 2
 
     def mesh_plan(self, prog: Program, chunks: list[int], r: int, P: int,
                   num_stages: int | None) -> list[Slot]:

@@ -11,6 +11,7 @@ from ..simulator import run_plans
 @register_schedule
 class Custom(ScheduleAlgorithm):
     name = "custom"
+    has_textbook = False
 
     def simulate(self, prog, *, num_stages=None, unrolling=None, custom=None):
         if custom is None:

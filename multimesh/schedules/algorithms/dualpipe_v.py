@@ -17,6 +17,7 @@ class DualPipeV(PlacedSchedule):
     aliases = ("DualPipeV",)
     splits_backward = True
     placement = "v-shape"
+    interleave = 2
 
     def check(self, prog: Program) -> None:
         super().check(prog)

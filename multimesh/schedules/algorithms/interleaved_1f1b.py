@@ -9,4 +9,5 @@ from .one_f_one_b import OneFOneBFamily
 @register_schedule
 class Interleaved1F1B(OneFOneBFamily):
     name = "interleaved-1f1b"
+    interleave = 2
     without_interleaving = ("1F1B", "1f1b")

@@ -15,6 +15,7 @@ class InterleavedGPipe(PlacedSchedule):
     without_interleaving = ("GPipe", "gpipe")
     aliases = ("InterleavedGPipe",)
     placement = "round-robin"
+    interleave = 2
 
     def mesh_plan(self, prog: Program, chunks: list[int], r: int, P: int,
                   num_stages: int | None) -> list[Slot]:
