@@ -9,8 +9,8 @@ from __future__ import annotations
 from .model import ScheduleError, default_cost
 from .simulator import Program, run_plans, unit_plans
 
-__all__ = ["Slot", "warmup", "groups", "family_plans", "add_backward", "gpipe_plan",
-           "one_f_one_b_plan", "feasible_plans", "megatron_peak"]
+__all__ = ["Slot", "warmup", "groups", "gpipe_plans", "one_f_one_b_plans", "add_backward",
+           "gpipe_plan", "one_f_one_b_plan", "feasible_plans", "megatron_peak"]
 
 Slot = tuple[str, int, int]
 """``(kind, stage, microbatch rank)``: one entry of a submesh's plan."""
@@ -32,40 +32,41 @@ def groups(M: int, size: int) -> list[range]:
     return [range(a, starts[k + 1] if k + 1 < len(starts) else M) for k, a in enumerate(starts)]
 
 
-def family_plans(prog: Program, name: str, num_stages: int | None,
-          with_w: bool = True, extra: int = 0, h2: bool = False,
-          unrolling: int | None = None) -> list[list[tuple[str, int, int]]]:
-    """Per submesh, the textbook slot order ``(kind, stage, mb rank)``.
+def gpipe_plans(prog: Program, unrolling: int | None = None,
+                with_w: bool = True) -> list[list[Slot]]:
+    """Per submesh, GPipe's slot order; ``unrolling``: in groups of that many
+    microbatches, each group filling and draining before the next."""
+    return [gpipe_plan(chunks, prog.M, unrolling or prog.M, with_w) if chunks else []
+            for chunks in prog.stages_of]
 
-    ``h2``: ZB-H2's warm-up, about twice 1F1B's (``2(P - r) - 1`` forwards on the
-    ``r``-th pipeline submesh). ``unrolling``: GPipe in groups of that many
-    microbatches, each group filling and draining before the next.
-    """
+
+def one_f_one_b_plans(prog: Program, num_stages: int | None, with_w: bool = True,
+                      extra: int = 0, h2: bool = False) -> list[list[Slot]]:
+    """Per submesh, 1F1B's slot order (also the F/B skeleton of the zero-bubble
+    schedules) with ``extra`` more warm-up forwards. ``h2``: ZB-H2's warm-up, about
+    twice 1F1B's (``2(P - r) - 1`` forwards on the ``r``-th pipeline submesh)."""
     P = num_stages or prog.P
-    plans: list[list[tuple[str, int, int]]] = []
-    for m in range(prog.num_meshes):
-        chunks = prog.stages_of[m]
+    plans: list[list[Slot]] = []
+    for m, chunks in enumerate(prog.stages_of):
         if not chunks:
             plans.append([])
-        elif name == "gpipe":
-            plans.append(gpipe_plan(chunks, prog.M, unrolling or prog.M, with_w))
-        else:  # 1f1b family (also the F/B skeleton of zero-bubble-h1)
-            w = warmup(P, prog.rank[m], len(chunks), prog.M * len(chunks))
-            if h2:
-                w = 2 * (P - prog.rank[m]) - 1 if len(chunks) == 1 else 2 * w + 1
-            plans.append(one_f_one_b_plan(chunks, prog.M, max(1, prog.P), w + extra, with_w))
+            continue
+        w = warmup(P, prog.rank[m], len(chunks), prog.M * len(chunks))
+        if h2:
+            w = 2 * (P - prog.rank[m]) - 1 if len(chunks) == 1 else 2 * w + 1
+        plans.append(one_f_one_b_plan(chunks, prog.M, max(1, prog.P), w + extra, with_w))
     return plans
 
 
-def add_backward(seq: list[tuple[str, int, int]], s: int, b: int, with_w: bool) -> None:
+def add_backward(seq: list[Slot], s: int, b: int, with_w: bool) -> None:
     seq.append(("bwd", s, b))
     if with_w:
         seq.append(("bwd_w", s, b))
 
 
-def gpipe_plan(chunks: list[int], M: int, k: int, with_w: bool) -> list[tuple[str, int, int]]:
+def gpipe_plan(chunks: list[int], M: int, k: int, with_w: bool) -> list[Slot]:
     """All forwards of a group of ``k`` microbatches, then their backwards, per group."""
-    seq: list[tuple[str, int, int]] = []
+    seq: list[Slot] = []
     for lo in range(0, M, k):
         group = range(lo, min(M, lo + k))
         for s in chunks:
@@ -77,7 +78,7 @@ def gpipe_plan(chunks: list[int], M: int, k: int, with_w: bool) -> list[tuple[st
 
 
 def one_f_one_b_plan(chunks: list[int], M: int, group_size: int, warmup: int,
-               with_w: bool) -> list[tuple[str, int, int]]:
+               with_w: bool) -> list[Slot]:
     """``warmup`` forwards, then one forward and one backward in turn, then the rest
     of the backwards (chunks interleaved in Megatron's microbatch groups)."""
     fseq: list[tuple[int, int]] = []
@@ -89,7 +90,7 @@ def one_f_one_b_plan(chunks: list[int], M: int, group_size: int, warmup: int,
             bseq += [(c, b) for b in group]
     total = len(fseq)
     w = min(total, warmup)
-    seq: list[tuple[str, int, int]] = [("fwd", s, b) for s, b in fseq[:w]]
+    seq: list[Slot] = [("fwd", s, b) for s, b in fseq[:w]]
     for i in range(total - w):
         s, b = fseq[w + i]
         seq.append(("fwd", s, b))
@@ -99,23 +100,23 @@ def one_f_one_b_plan(chunks: list[int], M: int, group_size: int, warmup: int,
     return seq
 
 
-def feasible_plans(prog: Program, algo: str, num_stages: int | None, with_w: bool = True,
-                    h2: bool = False, unrolling: int | None = None):
-    """The textbook plans; for 1F1B, with the warm-up lengthened just enough that the
-    plans can run as written (interleaving with a microbatch count that the number of
-    submeshes does not divide needs this; a warm-up of everything is GPipe, which
-    always runs). Programs no warm-up fixes fall back to the simulator's repair."""
+def feasible_plans(prog: Program, num_stages: int | None, with_w: bool = True,
+                   h2: bool = False) -> tuple[list[list[int]], dict[int, int]]:
+    """1F1B's unit plans with the warm-up lengthened just enough that they run as
+    written (interleaving with a microbatch count that the number of submeshes does
+    not divide needs this; a warm-up of everything is GPipe, which always runs).
+    Programs no warm-up fixes fall back to the simulator's repair."""
     longest = max((len(s) for s in prog.stages_of), default=0) * max(prog.M, 1)
     first = None
-    for extra in range(0, longest + 1 if algo == "1f1b" else 1):
-        plans, pos = unit_plans(prog, family_plans(prog, algo, num_stages, with_w, extra, h2,
-                                             unrolling))
+    for extra in range(0, longest + 1):
+        plans, pos = unit_plans(prog, one_f_one_b_plans(prog, num_stages, with_w, extra, h2))
         first = first or (plans, pos)
         try:
             run_plans(prog, plans, pos, strict=True, cost=default_cost)
         except ScheduleError:
             continue
         return plans, pos
+    assert first is not None
     return first
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plans import Slot, family_plans, feasible_plans
+from ..plans import Slot, gpipe_plans
 from ..registry import ScheduleAlgorithm, register_schedule
 from ..simulator import Program
 
@@ -15,11 +15,7 @@ class GPipe(ScheduleAlgorithm):
 
     def slot_plans(self, prog: Program, num_stages: int | None,
                    unrolling: int | None) -> list[list[Slot]]:
-        return family_plans(prog, "gpipe", num_stages, unrolling=unrolling)
-
-    def simulate(self, prog, *, num_stages=None, unrolling=None, custom=None):
-        plans, pos = feasible_plans(prog, "gpipe", num_stages, unrolling=unrolling)
-        return self.run(prog, plans, pos)
+        return gpipe_plans(prog, unrolling)
 
     def bubble(self, P: int, M: int, V: int) -> float | None:
         return (P - 1) / (M + P - 1) if V == 1 else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plans import Slot, family_plans, feasible_plans, megatron_peak
+from ..plans import Slot, feasible_plans, megatron_peak, one_f_one_b_plans
 from ..registry import ScheduleAlgorithm, register_schedule
 from ..simulator import Program
 
@@ -13,10 +13,10 @@ class OneFOneBFamily(ScheduleAlgorithm):
 
     def slot_plans(self, prog: Program, num_stages: int | None,
                    unrolling: int | None) -> list[list[Slot]]:
-        return family_plans(prog, "1f1b", num_stages)
+        return one_f_one_b_plans(prog, num_stages)
 
     def simulate(self, prog, *, num_stages=None, unrolling=None, custom=None):
-        return self.run(prog, *feasible_plans(prog, "1f1b", num_stages))
+        return self.run(prog, *feasible_plans(prog, num_stages))
 
     def bubble(self, P: int, M: int, V: int) -> float | None:
         return (P - 1) / (V * M + P - 1)

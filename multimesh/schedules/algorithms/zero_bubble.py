@@ -20,10 +20,10 @@ class ZeroBubble(ScheduleAlgorithm):
     h2 = False
 
     def simulate(self, prog, *, num_stages=None, unrolling=None, custom=None):
-        ref = run_plans(prog, *feasible_plans(prog, "1f1b", num_stages),
+        ref = run_plans(prog, *feasible_plans(prog, num_stages),
                         strict=False, cost=default_cost)
         limit = [max(ref.peak, default=0) * (2 if self.h2 else 1)] * prog.num_meshes
-        plans, pos = feasible_plans(prog, "1f1b", num_stages, with_w=False, h2=self.h2)
+        plans, pos = feasible_plans(prog, num_stages, with_w=False, h2=self.h2)
         w_pool = {u.index for u in prog.units if not u.free and u.kind == "bwd_w"}
         for i in w_pool:
             pos[i] = -1  # scheduled by the chooser, not free
