@@ -8,18 +8,19 @@ from dataclasses import dataclass
 
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir
-
-from . import _attrs as ta
-from . import _contract as c
-from .base import ModulePass
-from .schedules import (
+from multimesh.schedules import (
     Call,
     Schedule,
     ScheduleError,
     build_schedule,
     canonical_schedule_name,
+    get_schedule,
     units_from_calls,
 )
+
+from . import _attrs as ta
+from . import _contract as c
+from .base import ModulePass
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
            "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]
@@ -47,7 +48,7 @@ class ScheduleFragmentsPass(ModulePass):
     Input is the loop form of ``mm-form-microbatch-loop``: ``@main`` calls
     ``@microbatch_loop`` once per microbatch through ``mm.microbatch_loop``. Each
     call of the body, for each of the ``mm.num_microbatches`` microbatches, is a unit
-    of ``mlir_passes/schedules.py``: its callee's ``mm.task`` gives the task and the
+    of ``multimesh.schedules``: its callee's ``mm.task`` gives the task and the
     direction (``transpose_count``), ``mm.devices`` the submesh (submeshes are
     numbered by first use), ``mm.split = "activation" | "weight"`` marks the halves
     of a split backward, and SSA uses give the data dependencies (within a
@@ -207,19 +208,16 @@ def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
     stages: dict[int, set] = {}
     for u in units:
         stages.setdefault(u.mesh, set()).add(u.stage)
-    plain = {"interleaved-1f1b": ("1F1B", "1f1b"), "interleaved-gpipe": ("GPipe", "gpipe")}
-    if name in plain and all(len(s) == 1 for s in stages.values()):
-        title, other = plain[name]
+    algo = get_schedule(name)
+    if algo.without_interleaving and all(len(s) == 1 for s in stages.values()):
+        title, other = algo.without_interleaving
         c.warn_at(loc, f"schedule '{name}' has nothing to interleave: each of the "
                        f"{len(stages)} submeshes runs one pipeline stage (contiguous stages), "
                        f"so it runs plain {title}; interleaving needs several stages per "
                        f"submesh, placed round-robin (stage k on submesh k % {len(stages)}), "
                        f"or use schedule='{other}'")
-    orders = {"zero-bubble-h1": "1F1B's order",
-              "zero-bubble-h2": "1F1B's order with a longer warm-up",
-              "dualpipe-v": "DualPipeV's order with every weight gradient in its backward"}
-    if name in orders and not any(u.kind == "bwd_w" for u in units):
-        order = orders[name]
+    order = algo.without_split
+    if order and not any(u.kind == "bwd_w" for u in units):
         c.warn_at(loc, f"schedule '{name}' has no weight-gradient half to defer: no backward "
                        f"fragment of the loop splits into an activation-gradient and a "
                        f"weight-gradient part (its weights take no gradient, or every weight "

@@ -2,7 +2,9 @@
 
 front end (multimesh.jax, multimesh.tools) -> passes (multimesh.passes, folder
 mlir_passes/) -> runtime
-(multimesh.runtime) -> binding surface (multimesh._src). Imports only point down,
+(multimesh.runtime) -> binding surface (multimesh._src). The schedule library
+(multimesh.schedules) sits beside the runtime, below the front end and the passes:
+it imports only multimesh._src and never the MLIR bindings. Imports only point down,
 only ``multimesh/_src/mlir.py`` imports jaxlib's MLIR bindings, and only
 ``multimesh/_src/jax_compat.py`` touches jax's internals (``jax._src``, ``jaxlib._*``).
 """
@@ -17,8 +19,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = {  # package prefix -> prefixes it must never import
-    "multimesh._src": ("multimesh.jax", "multimesh.runtime", "multimesh.tools", "multimesh.passes"),
-    "multimesh.runtime": ("multimesh.jax", "multimesh.tools", "multimesh.passes"),
+    "multimesh._src": ("multimesh.jax", "multimesh.runtime", "multimesh.tools", "multimesh.passes",
+                       "multimesh.schedules"),
+    "multimesh.schedules": ("multimesh.jax", "multimesh.runtime", "multimesh.tools",
+                            "multimesh.passes", "multimesh._src.mlir", "multimesh._src.jax_compat",
+                            "jax", "jaxlib"),
+    "multimesh.runtime": ("multimesh.jax", "multimesh.tools", "multimesh.passes",
+                          "multimesh.schedules"),
     "multimesh.passes": ("multimesh.jax", "multimesh.runtime", "multimesh.tools"),
 }
 BINDINGS = ("jaxlib.mlir", "jax._src.lib.mlir", "jax.extend.mlir")

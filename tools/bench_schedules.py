@@ -3,7 +3,7 @@
     python tools/bench_schedules.py [--json PATH]
 
 Simulated with unit costs (forward 1, backward 2, each half of a split backward 1)
-on textbook pipelines (``multimesh.passes.schedules.pipeline_units``), next to the theory:
+on textbook pipelines (``multimesh.schedules``, each schedule's ``textbook_units``), next to the theory:
 (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with V
 stages per submesh, (P-1)/(3M+P-1) for zero bubble H1 and H2; eager 1F1B and GPipe
 with 1F1B on the last submesh as 1F1B, interleaved GPipe and circular with reversed
@@ -26,29 +26,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from multimesh.passes.schedules import (  # noqa: E402
-    PLACEMENTS,
+from multimesh.schedules import (  # noqa: E402
+    all_schedules,
     build_schedule,
+    get_schedule,
     live_activations,
     pipeline_units,
     theoretical_bubble,
     theoretical_peak_live,
-    v_shape_units,
 )
 
-# (schedule, interleave, split backward): the setups P6 measures.
-SETUPS = (
-    ("gpipe", 1, False),
-    ("1f1b", 1, False),
-    ("interleaved-1f1b", 2, False),
-    ("zero-bubble-h1", 1, True),
-    ("zero-bubble-h2", 1, True),
-    ("eager-1f1b", 1, False),
-    ("gpipe-1f1b-last", 1, False),
-    ("interleaved-gpipe", 2, False),
-    ("circular-reversed-backward", 2, False),
-    ("dualpipe-v", 2, True),
-)
+# (schedule, interleave, split backward): the setups P6 measures, every registered
+# schedule with a textbook pipeline (ScheduleAlgorithm.textbook_units).
+SETUPS = tuple((s.name, s.interleave, s.splits_backward) for s in all_schedules()
+               if s.has_textbook)
 SHAPES = ((2, 4), (4, 8), (4, 16), (8, 32))
 
 
@@ -57,7 +48,9 @@ def P6_rows(shapes=SHAPES, setups=SETUPS) -> list[dict]:
     rows = []
     for P, M in shapes:
         for name, V, split in setups:
-            units = (v_shape_units(P, M) if PLACEMENTS.get(name) == "v-shape"
+            algo = get_schedule(name)
+            units = (algo.textbook_units(P, M) if (V, split) == (algo.interleave,
+                                                               algo.splits_backward)
                      else pipeline_units(P, M, interleave=V, split_backward=split))
             sched = build_schedule(units, name)
             theory = theoretical_bubble(name, P, M, V)

@@ -39,12 +39,13 @@ from multimesh._src.errors import (
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
 from multimesh.jax._task import check_remat, with_sharding_constraint
-from multimesh.passes.schedules import (
+from multimesh.schedules import (
     SCHEDULES,
     ScheduleError,
     alias_list,
     canonical_schedule_name,
     canonicalize_custom_schedule,
+    get_schedule,
 )
 
 __all__ = ["microbatch", "SCHEDULES", "REDUCTIONS"]
@@ -176,7 +177,7 @@ def _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling, sc
     if custom_schedule is not None:
         _checks.custom_schedule(custom_schedule)
     name = _schedule_name(schedule, custom_schedule)
-    if unrolling is not None and name not in (None, "gpipe"):
+    if unrolling is not None and name is not None and not get_schedule(name).takes_unrolling:
         raise MultimeshValueError(
             f"`microbatch` unrolling={unrolling} applies to the GPipe schedule only (it bounds "
             f"how many microbatches fill the pipeline before they drain), but the schedule is "

@@ -38,8 +38,8 @@ from multimesh.jax._task import (
     with_sharding_constraint,
 )
 from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
-from multimesh.passes.schedules import SPLIT_SCHEDULES
 from multimesh.runtime import Executor, build_plan, distributed
+from multimesh.schedules import get_schedule
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdTraced", "MpmdLowered", "MpmdCompiled",
            "MemoryAnalysis"]
@@ -685,7 +685,7 @@ def _schedule_config(notes: dict) -> dict | None:
 def _wants_split(notes: dict) -> str | None:
     """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
     cfg = notes.get("microbatch")
-    if cfg and cfg["schedule"] in SPLIT_SCHEDULES:
+    if cfg and get_schedule(cfg["schedule"]).splits_backward:
         return "all=true"
     return "" if notes.get("split_backprop") else None
 

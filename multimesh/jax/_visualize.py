@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.passes.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
+from multimesh.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
 
 __all__ = ["visualize_schedule", "as_schedule"]
 

@@ -1,0 +1,75 @@
+"""Zero-bubble H1 and H2 (Qi et al.): 1F1B with weight gradients filling the idle slots.
+
+ZB-H1: 1F1B's order of forwards and (activation-)backwards; each weight-gradient part
+runs in the first slot where its submesh would otherwise idle, or earlier when
+deferring it would make the submesh hold more activations than 1F1B's peak on any
+submesh (ZB-H1's memory bound: the first stage's P). ZB-H2: the same with about twice
+1F1B's warm-up, so the forwards fill the start-up bubble, under twice that memory bound.
+"""
+
+from __future__ import annotations
+
+from ..model import default_cost
+from ..plans import feasible_plans
+from ..registry import ScheduleAlgorithm, register_schedule
+from ..simulator import Program, Sim, run_plans
+
+
+class ZeroBubble(ScheduleAlgorithm):
+    splits_backward = True
+    h2 = False
+
+    def simulate(self, prog, *, num_stages=None, unrolling=None, custom=None):
+        ref = run_plans(prog, *feasible_plans(prog, num_stages),
+                        strict=False, cost=default_cost)
+        limit = [max(ref.peak, default=0) * (2 if self.h2 else 1)] * prog.num_meshes
+        plans, pos = feasible_plans(prog, num_stages, with_w=False, h2=self.h2)
+        w_pool = {u.index for u in prog.units if not u.free and u.kind == "bwd_w"}
+        for i in w_pool:
+            pos[i] = -1  # scheduled by the chooser, not free
+        return run_plans(prog, plans, pos, strict=False, cost=default_cost, name=self.name,
+                         chooser=_chooser(prog, w_pool, limit))
+
+    def bubble(self, P: int, M: int, V: int) -> float | None:
+        return (P - 1) / (3 * M + P - 1) if V == 1 else None
+
+
+def _chooser(prog: Program, w_pool: set[int], limit: list[int]):
+    """Run the plan's head unless it opens an activation over ``limit``: then (or when
+    the head is not ready) the oldest ready weight-gradient part."""
+
+    def chooser(sim: Sim, m: int, ready: set[int], h: int | None):
+        ws = sorted((i for i in ready if i in w_pool),
+                    key=lambda i: (prog.mb_rank[prog.units[i].key[2]],
+                                   -prog.units[i].key[1], i))
+        if h is not None and h in ready:
+            u = prog.units[h]
+            opens = (u.kind == "fwd" and (u.mesh, u.stage, u.microbatch) in prog.has_bwd
+                     and (u.mesh, u.stage, u.microbatch) not in sim.opened)
+            if opens and ws and sim.live[m] + 1 > limit[m]:
+                return ws[0]
+            return h
+        return ws[0] if ws else None
+
+    return chooser
+
+
+@register_schedule
+class ZeroBubbleH1(ZeroBubble):
+    name = "zero-bubble-h1"
+    aliases = ("zb-h1",)
+    without_split = "1F1B's order"
+
+    def peak_live(self, P: int, M: int, V: int) -> int | None:
+        return min(P, M) if V == 1 else None
+
+
+@register_schedule
+class ZeroBubbleH2(ZeroBubble):
+    name = "zero-bubble-h2"
+    aliases = ("zb-h2",)
+    h2 = True
+    without_split = "1F1B's order with a longer warm-up"
+
+    def peak_live(self, P: int, M: int, V: int) -> int | None:
+        return min(2 * P, M) if V == 1 else None

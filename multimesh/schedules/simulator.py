@@ -1,0 +1,465 @@
+"""The event simulator, the schedule value and what is measured on it (no MLIR).
+
+Every algorithm writes a *plan* per submesh and runs it through :class:`Sim` with unit
+costs; the simulator only ever starts a unit whose inputs are done, so a plan that a
+strange program makes impossible degrades into the nearest order that works instead
+of deadlocking (a custom schedule raises instead). The global order is the units
+sorted by their simulated start time, a topological merge of the per-submesh orders.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .model import KINDS, ScheduleError, Unit, default_cost, short_label, unit_label
+
+__all__ = ["Schedule", "Timeline", "Program", "Sim", "unit_plans", "run_plans", "finish",
+           "simulate", "live_activation_profile", "live_activations", "chunk_of"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-submesh dispatch orders of a program's units, and their global merge."""
+
+    name: str
+    units: tuple[Unit, ...]
+    orders: tuple[tuple[int, ...], ...]  # per submesh, unit indices in dispatch order
+    order: tuple[int, ...]  # every unit index once: the global dispatch order
+    devices: tuple[tuple[int, ...], ...] = ()  # per submesh, its device list
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.orders)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len({u.microbatch for u in self.units if u.microbatch is not None})
+
+    def rows(self) -> list[list[Unit]]:
+        """Per submesh, its units in dispatch order."""
+        return [[self.units[i] for i in row] for row in self.orders]
+
+    def labels(self) -> list[list[str]]:
+        """Per submesh, ``F3``/``B3``/``W3`` (kind + microbatch) in dispatch order."""
+        return [[short_label(u) for u in row] for row in self.rows()]
+
+    def timeline(self, cost: Callable[[Unit], float] | None = None,
+                 comm: float = 0.0) -> Timeline:
+        return simulate(self, cost=cost, comm=comm)
+
+    def bubble_fraction(self, cost: Callable[[Unit], float] | None = None) -> float:
+        return self.timeline(cost).bubble_fraction()
+
+    def live_activations(self) -> list[int]:
+        return live_activations(self)
+
+    def to_dict(self) -> dict:
+        """Plain data, units in global order (the i-th fragment call of the scheduled
+        ``@main``); ``deps`` and ``rows`` refer to those positions."""
+        pos = {i: k for k, i in enumerate(self.order)}
+        units = []
+        for i in self.order:
+            u = self.units[i]
+            d = {"fragment": u.fragment, "task": u.task, "kind": u.kind, "mesh": u.mesh,
+                 "deps": sorted(pos[j] for j in u.deps)}
+            if u.microbatch is not None:
+                d["microbatch"] = u.microbatch
+            if u.stage is not None:
+                d["stage"] = u.stage
+            if u.split:
+                d["split"] = True
+            units.append(d)
+        return {"name": self.name, "submeshes": [list(d) for d in self.devices],
+                "units": units, "rows": [[pos[i] for i in row] for row in self.orders]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Schedule:
+        units = tuple(
+            Unit(k, int(u["mesh"]), str(u["kind"]),
+                 int(u["microbatch"]) if "microbatch" in u else None,
+                 int(u["stage"]) if "stage" in u else None,
+                 tuple(int(x) for x in u.get("deps", ())), str(u.get("task", "")),
+                 str(u.get("fragment", "")), bool(u.get("split", False)))
+            for k, u in enumerate(d["units"]))
+        rows = tuple(tuple(int(x) for x in r) for r in d["rows"])
+        return cls(str(d["name"]), units, rows, tuple(range(len(units))),
+                   tuple(tuple(int(x) for x in s) for s in d.get("submeshes", ())))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end time of every unit of a schedule under some cost model."""
+
+    schedule: Schedule
+    start: tuple[float, ...]
+    end: tuple[float, ...]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end, default=0.0)
+
+    def busy(self, mesh: int) -> float:
+        return sum(self.end[i] - self.start[i] for i in self.schedule.orders[mesh])
+
+    def bubble_fraction(self) -> float:
+        """Idle share of ``num_meshes x makespan`` (GPipe/1F1B: (P-1)/(M+P-1))."""
+        g, t = self.schedule.num_meshes, self.makespan
+        if g == 0 or t == 0:
+            return 0.0
+        return 1.0 - sum(self.busy(m) for m in range(g)) / (g * t)
+
+    def stage_bubble_fraction(self) -> float:
+        """Idle share of each submesh's own span, from its first unit to its last, summed
+        over submeshes: the bubble a submesh sees when steps overlap (ZB-H2's zero)."""
+        span = idle = 0.0
+        for m, row in enumerate(self.schedule.orders):
+            if not row:
+                continue
+            a = min(self.start[i] for i in row)
+            b = max(self.end[i] for i in row)
+            span += b - a
+            idle += (b - a) - self.busy(m)
+        return idle / span if span else 0.0
+
+    def events(self, scale: float = 1.0) -> list[tuple[str, str, float, float]]:
+        """``(track, name, start, end)`` per unit, one track per submesh (for trace.py)."""
+        out = []
+        for m, row in enumerate(self.schedule.orders):
+            track = _track_name(self.schedule, m)
+            for i in row:
+                u = self.schedule.units[i]
+                name = f"{u.fragment or u.task} {short_label(u)}"
+                out.append((track, name, self.start[i] * scale, self.end[i] * scale))
+        return out
+
+
+def _track_name(s: Schedule, m: int) -> str:
+    if m < len(s.devices):
+        return f"submesh {m} (devices {','.join(str(d) for d in s.devices[m])})"
+    return f"submesh {m}"
+
+
+class Program:
+    """Index structures over the units shared by the algorithms."""
+
+    def __init__(self, units: Sequence[Unit]):
+        _check_units(units)
+        self.units = list(units)
+        self.num_meshes = max((u.mesh for u in units), default=-1) + 1
+        mbs = sorted({u.key[2] for u in units if not u.free})
+        self.mb_rank = {m: r for r, m in enumerate(mbs)}
+        self.M = len(mbs)
+        self.home = home = _homes(units)
+        self.stages_of: list[list[int]] = [[] for _ in range(self.num_meshes)]
+        for s in sorted(home):
+            self.stages_of[home[s]].append(s)
+        # Pipeline submeshes (those with stages) ordered by their first stage.
+        piped = sorted((m for m in range(self.num_meshes) if self.stages_of[m]),
+                       key=lambda m: self.stages_of[m][0])
+        self.rank = {m: r for r, m in enumerate(piped)}
+        self.P = len(piped)
+        # Slot (kind, stage, mb rank) -> units in program order.
+        self.slot: dict[tuple[str, int, int], list[int]] = {}
+        for u in units:
+            if not u.free:
+                _, stage, mb = u.key
+                self.slot.setdefault((u.kind, stage, self.mb_rank[mb]), []).append(u.index)
+        # Activation bookkeeping: (mesh, stage, mb) keys that have a backward.
+        self.has_bwd = {(u.mesh, u.stage, u.microbatch) for u in units
+                        if not u.free and u.kind in ("bwd", "bwd_w")}
+
+
+def _check_units(units: Sequence[Unit]) -> None:
+    for k, u in enumerate(units):
+        if u.index != k:
+            raise ScheduleError(f"unit {k} has index {u.index}; units must be in "
+                                "program order with index = position")
+        if u.kind not in KINDS:
+            raise ScheduleError(f"unit {k} has unknown kind '{u.kind}' (one of {KINDS})")
+        for d in u.deps:
+            if not 0 <= d < len(units) or d == k:
+                raise ScheduleError(f"unit {k} depends on invalid unit {d}")
+
+
+def _homes(units: Sequence[Unit]) -> dict[int, int]:
+    """Stage -> home submesh: that of its first forward unit (else its first unit)."""
+    home: dict[int, int] = {}
+    for u in units:
+        if not u.free and u.kind == "fwd":
+            home.setdefault(u.key[1], u.mesh)
+    for u in units:
+        if not u.free:
+            home.setdefault(u.key[1], u.mesh)
+    return home
+
+
+def unit_plans(prog: Program, slot_plans) -> tuple[list[list[int]], dict[int, int]]:
+    """Expand slot plans into unit plans; ``pos[u]`` = rank of ``u`` in its plan.
+
+    Units sit in the plan of the submesh they run on, ordered by the position of
+    their slot in the plan of their stage's home submesh (the same thing, unless a
+    task changes submesh between microbatches).
+    """
+    key: dict[int, tuple[int, int]] = {}
+    for seq in slot_plans:
+        for p, sl in enumerate(seq):
+            for i in prog.slot.get(sl, ()):
+                key[i] = (p, i)
+    plans: list[list[int]] = [[] for _ in range(prog.num_meshes)]
+    for i in sorted(key, key=key.__getitem__):
+        plans[prog.units[i].mesh].append(i)
+    pos = {i: k for row in plans for k, i in enumerate(row)}
+    return plans, pos
+
+
+class Sim:
+    """Event simulator: each idle submesh asks ``choose`` for a unit among its ready ones."""
+
+    def __init__(self, prog: Program, cost: Callable[[Unit], float], comm: float = 0.0):
+        self.prog = prog
+        self.cost = cost
+        self.comm = comm
+        n = len(prog.units)
+        self.left = [len(set(u.deps)) for u in prog.units]
+        self.users: list[list[int]] = [[] for _ in range(n)]
+        for u in prog.units:
+            for d in set(u.deps):
+                self.users[d].append(u.index)
+        self.start: list[float | None] = [None] * n
+        self.end: list[float | None] = [None] * n
+        self.done = [False] * n
+        self.ready: list[set[int]] = [set() for _ in range(prog.num_meshes)]
+        self.pending: list[tuple[float, int]] = []  # (available time, unit)
+        self.orders: list[list[int]] = [[] for _ in range(prog.num_meshes)]
+        # live activation keys per submesh, counted at dispatch
+        self.bwd_left: dict[tuple[int, int, int], int] = {}
+        for u in prog.units:
+            if not u.free and u.kind in ("bwd", "bwd_w"):
+                self.bwd_left[u.key] = self.bwd_left.get(u.key, 0) + 1
+        self.live = [0] * prog.num_meshes
+        self.peak = [0] * prog.num_meshes
+        self.opened: set[tuple[int, int, int]] = set()
+        for u in prog.units:
+            if self.left[u.index] == 0:
+                self.ready[u.mesh].add(u.index)
+
+    def dispatch(self, i: int, t: float) -> None:
+        u = self.prog.units[i]
+        self.ready[u.mesh].discard(i)
+        c = float(self.cost(u))
+        if not c > 0:
+            raise ScheduleError(f"cost of unit {i} must be positive, got {c}")
+        self.start[i], self.end[i] = t, t + c
+        self.orders[u.mesh].append(i)
+        if not u.free:
+            k = (u.mesh, u.stage, u.microbatch)
+            if u.kind == "fwd" and k in self.bwd_left and k not in self.opened:
+                self.opened.add(k)
+                self.live[u.mesh] += 1
+                self.peak[u.mesh] = max(self.peak[u.mesh], self.live[u.mesh])
+            elif u.kind in ("bwd", "bwd_w") and k in self.bwd_left:
+                self.bwd_left[k] -= 1
+                if self.bwd_left[k] == 0 and k in self.opened:
+                    self.live[u.mesh] -= 1
+
+    def run(self, choose, stall) -> None:
+        n = len(self.prog.units)
+        self.free_at = [0.0] * self.prog.num_meshes
+        self.running: list[tuple[float, int]] = []
+        t = 0.0
+        finished = 0
+        while finished < n:
+            self._fill(t, choose)
+            times = [x for x in (self.running[0][0] if self.running else None,
+                                 self.pending[0][0] if self.pending else None)
+                     if x is not None]
+            if not times:
+                if any(self.ready):
+                    self._start(stall(), t)
+                    continue
+                raise ScheduleError("the units' dependencies form a cycle")
+            t = max(t, min(times))
+            finished += self._complete(t)
+            while self.pending and self.pending[0][0] <= t:
+                _, j = heapq.heappop(self.pending)
+                self.ready[self.prog.units[j].mesh].add(j)
+
+    def _start(self, i: int, t: float) -> None:
+        self.dispatch(i, t)
+        end = self.end[i]
+        assert end is not None
+        self.free_at[self.prog.units[i].mesh] = end
+        heapq.heappush(self.running, (end, i))
+
+    def _fill(self, t: float, choose) -> None:
+        """Give every idle submesh work at time ``t`` until none takes any more."""
+        progress = True
+        while progress:
+            progress = False
+            for m in range(self.prog.num_meshes):
+                if self.free_at[m] <= t and self.ready[m]:
+                    i = choose(m, self.ready[m])
+                    if i is not None:
+                        self._start(i, t)
+                        progress = True
+
+    def _complete(self, t: float) -> int:
+        """Finish the units done by ``t``; their users become pending once all their
+        inputs are done (and, across submeshes, sent). Returns how many finished."""
+        units = self.prog.units
+        finished = 0
+        while self.running and self.running[0][0] <= t:
+            _, i = heapq.heappop(self.running)
+            self.done[i] = True
+            finished += 1
+            for j in self.users[i]:
+                self.left[j] -= 1
+                if self.left[j] == 0:
+                    avail = max(self._end(d) + (self.comm if units[d].mesh != units[j].mesh
+                                                else 0.0)
+                                for d in set(units[j].deps))
+                    heapq.heappush(self.pending, (avail, j))
+        return finished
+
+    def times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Start and end of every unit, once all have run."""
+        start = tuple(x for x in self.start if x is not None)
+        end = tuple(x for x in self.end if x is not None)
+        assert len(start) == len(end) == len(self.start), "not every unit ran"
+        return start, end
+
+    def _end(self, i: int) -> float:
+        end = self.end[i]
+        assert end is not None
+        return end
+
+
+def run_plans(prog: Program, plans: list[list[int]], pos: dict[int, int], *,
+               strict: bool, cost, comm: float = 0.0, name: str = "",
+               chooser=None) -> Sim:
+    sim = Sim(prog, cost, comm)
+    heads = [0] * prog.num_meshes
+    placed = set()
+
+    def head(m):
+        row = plans[m]
+        while heads[m] < len(row) and row[heads[m]] in placed:
+            heads[m] += 1
+        return row[heads[m]] if heads[m] < len(row) else None
+
+    def take(i):
+        placed.add(i)
+        return i
+
+    def choose(m, ready):
+        free = [i for i in ready if i not in pos]
+        if free:
+            return take(min(free))
+        if chooser is not None:
+            i = chooser(sim, m, ready, head(m))
+            return None if i is None else take(i)
+        h = head(m)
+        return take(h) if h is not None and h in ready else None
+
+    def stall():
+        if strict:
+            raise _deadlock(prog, plans, heads, placed, name)
+        cands = [i for r in sim.ready for i in r]
+        return take(min(cands, key=lambda i: (pos.get(i, -1), i)))
+
+    sim.run(choose, stall)
+    return sim
+
+
+def _deadlock(prog: Program, plans, heads, placed, name) -> ScheduleError:
+    for m, row in enumerate(plans):
+        k = heads[m]
+        while k < len(row) and row[k] in placed:
+            k += 1
+        if k >= len(row):
+            continue
+        u = prog.units[row[k]]
+        for d in u.deps:
+            if d not in placed:
+                v = prog.units[d]
+                return ScheduleError(
+                    f"{name or 'the'} schedule deadlocks: row {m} runs '{unit_label(u)}' "
+                    f"microbatch {u.microbatch} before its input '{unit_label(v)}' "
+                    f"microbatch {v.microbatch} (row {v.mesh}) can be computed")
+    return ScheduleError(f"{name or 'the'} schedule deadlocks")
+
+
+def finish(prog: Program, name: str, sim: Sim,
+            devices: Sequence[Sequence[int]] | None) -> Schedule:
+    order = sorted(range(len(prog.units)),
+                   key=lambda i: (sim.start[i], prog.units[i].mesh, i))
+    devs = tuple(tuple(d) for d in devices) if devices is not None else ()
+    return Schedule(name, tuple(prog.units), tuple(tuple(r) for r in sim.orders),
+                    tuple(order), devs)
+
+
+def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
+             comm: float = 0.0) -> Timeline:
+    """Run the schedule's per-submesh orders: a unit starts when its submesh is free and
+    its inputs are done (``comm`` later when they come from another submesh)."""
+    prog = Program(schedule.units)
+    plans = [list(r) for r in schedule.orders]
+    pos = {i: k for row in plans for k, i in enumerate(row)}
+    missing = set(range(len(schedule.units))) - set(pos)
+    if missing:
+        raise ScheduleError(f"schedule does not place units {sorted(missing)}")
+    sim = run_plans(prog, plans, pos, strict=True, cost=cost or default_cost, comm=comm,
+                     name=schedule.name)
+    return Timeline(schedule, *sim.times())
+
+
+def live_activation_profile(schedule: Schedule) -> list[list[int]]:
+    """Per submesh, the number of live activations after each of its dispatches.
+
+    An activation ``(stage, microbatch)`` is live from its first forward unit until its
+    last backward unit (weight-gradient part included) on that submesh; stages
+    without a backward hold nothing, and neither does a microbatch whose backward
+    all ran before its forward (a backward that reads no residual, e.g. of a loss
+    with a constant cotangent). Counted in dispatch order.
+    """
+    out = []
+    bwd_total: dict[tuple[int, int, int], int] = {}
+    for u in schedule.units:
+        if not u.free and u.kind in ("bwd", "bwd_w"):
+            bwd_total[u.key] = bwd_total.get(u.key, 0) + 1
+    for row in schedule.rows():
+        live, prof = 0, []
+        opened: set[tuple[int, int, int]] = set()
+        seen: dict[tuple[int, int, int], int] = {}
+        for u in row:
+            if not u.free:
+                k = u.key
+                if u.kind == "fwd" and k in bwd_total and k not in opened:
+                    opened.add(k)
+                    if seen.get(k, 0) < bwd_total[k]:  # some backward still to come
+                        live += 1
+                elif u.kind in ("bwd", "bwd_w") and k in bwd_total:
+                    seen[k] = seen.get(k, 0) + 1
+                    if seen[k] == bwd_total[k] and k in opened:
+                        live -= 1
+            prof.append(live)
+        out.append(prof)
+    return out
+
+
+def live_activations(schedule: Schedule) -> list[int]:
+    """Peak live activations per submesh (1F1B: at most P; GPipe: M)."""
+    return [max(p, default=0) for p in live_activation_profile(schedule)]
+
+
+def chunk_of(schedule: Schedule) -> dict[int, int]:
+    """Per pipeline unit, which of its submesh's stages it belongs to (0 = the first);
+    non-zero only under interleaving."""
+    stages: dict[int, set[int]] = {}
+    for u in schedule.units:
+        if not u.free:
+            stages.setdefault(u.mesh, set()).add(u.key[1])
+    rank = {m: {st: k for k, st in enumerate(sorted(ss))} for m, ss in stages.items()}
+    return {u.index: rank[u.mesh][u.key[1]] for u in schedule.units if not u.free}
