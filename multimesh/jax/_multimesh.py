@@ -621,9 +621,22 @@ def _note_remat(spec, name: str, reg: _Registration, hit) -> None:
             f"Task {name!r} (match {hit.name!r} of task matcher {reg.matcher!r}) is a "
             f"registered task, whose forward multimesh finds in the traced program, so it "
             f"can only be recomputed whole: `remat` must be True or False for it, got the "
-            f"checkpoint policy {remat!r}. Wrap the stage in `task(..., remat=policy)` to "
+            f"checkpoint policy {_policy_name(remat)}. Wrap the stage in `task(..., remat=policy)` to "
             f"recompute it under a jax checkpoint policy.")
     notes.setdefault("remat_tasks", set()).add(name)
+
+
+def _policy_name(policy) -> str:
+    """A checkpoint policy by its public name (``jax.checkpoint_policies.dots_saveable``):
+    its repr differs by jax version (a function on 0.10, a class instance on 0.12)."""
+    for attr in dir(jax.checkpoint_policies):
+        try:
+            same = getattr(jax.checkpoint_policies, attr) is policy
+        except Exception:  # noqa: BLE001 - an attribute that cannot be read is not it
+            same = False
+        if same:
+            return f"`jax.checkpoint_policies.{attr}`"
+    return f"`{getattr(policy, '__name__', type(policy).__name__)}`"
 
 
 def _num_microbatches() -> int | None:
