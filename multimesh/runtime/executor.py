@@ -1,10 +1,11 @@
 """Compile every fragment once on its submesh and dispatch a plan asynchronously.
 
 Each fragment compiles through jax's own ``pxla.UnloadedMeshExecutable`` path,
-so it takes and returns ordinary ``jax.Array``s. Dispatch never blocks: jax's
-async dispatch queues work per device, ``jax.device_put`` moves arrays between
-submeshes, and references to intermediates are dropped right after their last
-use so their buffers are freed as soon as the device is done with them.
+so it takes and returns ordinary ``jax.Array``s. The plan becomes a list of typed
+steps (:mod:`.steps`) that one loop dispatches without blocking: jax's async
+dispatch queues work per device, and references to intermediates are dropped
+right after their last use so their buffers are freed as soon as the device is
+done with them.
 """
 
 from __future__ import annotations

@@ -95,6 +95,7 @@ class Step:
 
     __slots__ = ("srcs", "dsts", "drop", "origin")
     cat = "transfer"
+    """The trace category of its span."""
 
     def __init__(self, srcs, dsts, drop=(), origin=None):
         self.srcs, self.dsts, self.drop, self.origin = tuple(srcs), tuple(dsts), tuple(drop), origin
@@ -120,7 +121,7 @@ class FragmentCall(Step):
         self.fn = fn
 
     def run(self, env: list) -> None:
-        for d, o in zip(self.dsts, self.fn(*map(env.__getitem__, self.srcs))):
+        for d, o in zip(self.dsts, self.fn(*[env[a] for a in self.srcs])):
             env[d] = o
         for d in self.drop:
             env[d] = None
@@ -199,6 +200,7 @@ class Free(Step):
     (the donation only some calls of a fragment could make), after that call."""
 
     __slots__ = ()
+    cat = "free"
 
     def __init__(self, values, origin=None):
         super().__init__(values, (), values, origin)
@@ -231,8 +233,8 @@ def run_traced(steps: list, env: list, recorder, devices: tuple, plan) -> list:
     """:func:`run_program`, blocking after every step and recording its span."""
     for step in steps:
         track, name = step.label(devices, plan)
-        with recorder.span(track, name, **({"cat": "transfer"} if step.cat == "transfer"
-                                           else {})):
+        with recorder.span(track, name, **({} if step.cat == "fragment"
+                                           else {"cat": step.cat})):
             step.run(env)
             jax.block_until_ready([env[d] for d in step.dsts])
     return env
