@@ -338,10 +338,7 @@ class Executor:
 
 
     def __call__(self, *args):
-        env = self._start(args)
-        for run in self._runs:  # st.run_program, inlined: one call less per run
-            run(env)
-        return self._outputs(env)
+        return self._outputs(st.run_program(self._runs, self._start(args)))
 
     def _outputs(self, env):
         outs = [env[o] for o in self.plan.outputs]
@@ -352,9 +349,8 @@ class Executor:
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but step by step, blocking after every step and recording
         its span on ``recorder`` (:class:`~multimesh.runtime.trace.TraceRecorder`)."""
-        env = self._start(args)
-        st.run_traced(self._steps, env, recorder, self.devices, self.plan)
-        return self._outputs(env)
+        runs = st.traced(self._steps, recorder, self.devices, self.plan)
+        return self._outputs(st.run_program(runs, self._start(args)))
 
 
 def _per_step(plan: Plan, devices: tuple, exes: dict, skipped: dict, shared: Set[int],

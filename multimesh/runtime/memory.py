@@ -129,15 +129,21 @@ def measure_step(executor, args) -> list[SubmeshMemory]:
     # the caller holds its arguments through the step (unless donated): count them
     held = [(v, env[v]) for v in plan.input_ids]
     meter = _Meter(executor, cls, mb)
-    for step in executor._steps:
+
+    def metered(step: steps.Step):
         if isinstance(step, steps.CrossProcess):
             raise NotImplementedError("memory profiles measure one process")
-        # what the step reads last is alive while it runs: count it after the step
-        reading = [(v, env[v]) for v in step.drop]
-        step.run(env)
-        jax.block_until_ready([env[d] for d in step.dsts])
-        if not isinstance(step, steps.Free):
-            meter.record([*held, *reading, *enumerate(env)], step.origin)
+
+        def run(env: list) -> None:
+            # what the step reads last is alive while it runs: count it after the step
+            reading = [(v, env[v]) for v in step.drop]
+            step.run(env)
+            jax.block_until_ready([env[d] for d in step.dsts])
+            if not isinstance(step, steps.Free):
+                meter.record([*held, *reading, *enumerate(env)], step.origin)
+        return run
+
+    steps.run_program([metered(s) for s in executor._steps], env)
     executor._outputs(env)
     return meter.result(_stages(plan))
 

@@ -4,8 +4,8 @@ A run's values live in a flat list indexed by value id (``env``). A step reads
 its sources from it, writes its destinations, and clears the slots of values it
 was the last to read (``drop``), so their buffers are freed as soon as the
 devices are done with them. :func:`run_program` is the one dispatch loop;
-:func:`run_traced` and ``memory.measure_step`` wrap each step instead of copying
-the loop. :func:`route` is the one place that decides how a value moves.
+:func:`traced` and ``memory.measure_step`` wrap each step's ``run`` and hand the
+wrappers to the same loop. :func:`route` is the one place that decides how a value moves.
 
 Steps use ``__slots__`` and do their work in one method: the loop costs one
 attribute lookup and one call per step on top of jax's own dispatch.
@@ -21,7 +21,7 @@ from multimesh._src import jax_compat
 from multimesh.runtime.plan import Call, Layout, Transfer
 
 __all__ = ["Step", "FragmentCall", "BatchedCopy", "Move", "FreshCopy", "CrossProcess",
-           "Free", "route", "run_program", "run_traced", "layout_sharding", "move", "copy",
+           "Free", "route", "run_program", "traced", "layout_sharding", "move", "copy",
            "PLAIN_COPY", "MOVE", "FRESH_COPY", "CROSS_PROCESS"]
 
 
@@ -223,18 +223,24 @@ def reads(plan_step: Call | Transfer) -> tuple[int, ...]:
 
 
 def run_program(runs: list, env: list) -> list:
-    """The dispatch loop: ``runs`` are the steps' bound ``run`` methods."""
+    """The dispatch loop: ``runs`` are the steps' bound ``run`` methods, or wrappers
+    of them (:func:`traced`, ``memory.measure_step``)."""
     for run in runs:
         run(env)
     return env
 
 
-def run_traced(steps: list, env: list, recorder, devices: tuple, plan) -> list:
-    """:func:`run_program`, blocking after every step and recording its span."""
-    for step in steps:
+def traced(steps: list, recorder, devices: tuple, plan) -> list:
+    """Each step's ``run``, blocking after the step and recording its span on
+    ``recorder`` (:class:`~multimesh.runtime.trace.TraceRecorder`): for
+    :func:`run_program`."""
+    def wrap(step: Step):
         track, name = step.label(devices, plan)
-        with recorder.span(track, name, **({} if step.cat == "fragment"
-                                           else {"cat": step.cat})):
-            step.run(env)
-            jax.block_until_ready([env[d] for d in step.dsts])
-    return env
+        cat = {} if step.cat == "fragment" else {"cat": step.cat}
+
+        def run(env: list) -> None:
+            with recorder.span(track, name, **cat):
+                step.run(env)
+                jax.block_until_ready([env[d] for d in step.dsts])
+        return run
+    return [wrap(s) for s in steps]
