@@ -540,7 +540,7 @@ def _p10_same(reps: int) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from multimesh.runtime.executor import _move
+    from multimesh.runtime.steps import move as _move
 
     devs = jax.devices()
     sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
