@@ -133,3 +133,41 @@ def test_the_pass_package_is_the_mlir_passes_folder():
     import multimesh.passes
 
     assert pathlib.Path(multimesh.passes.__file__).resolve() == ROOT / "mlir_passes" / "__init__.py"
+
+
+def _runtime_graph() -> dict[str, set[str]]:
+    """Module -> the ``multimesh.runtime`` modules it imports, at any depth of its code
+    (function-local imports too); ``from pkg import sub`` counts as importing ``pkg.sub``."""
+    names = {m for m, _ in MODULES if m.startswith("multimesh.runtime.")}
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES:
+        if name not in names:
+            continue
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & names
+                edges.update(subs or ({node.module} & names))
+    return graph
+
+
+def test_no_import_cycle_in_the_runtime():
+    """The runtime's modules import each other in one direction only (no mutual imports
+    hidden in function bodies): steps <- distributed <- executor, for instance."""
+    graph = _runtime_graph()
+    assert {"multimesh.runtime.executor", "multimesh.runtime.steps"} <= set(graph)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            assert state.get(n) != 1, f"import cycle: {' -> '.join([*path, m, n])}"
+            if n not in state:
+                visit(n, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])

@@ -398,3 +398,9 @@ def test_docs_page_runs_under_the_launcher(tmp_path):
     got = set(proc.stdout.splitlines())
     missing = [line for line in expected if line not in got]
     assert not missing, (missing, _log(proc))
+
+
+def test_skipped_donations_are_freed_in_every_process():
+    """A donated weight that only its last call could donate is deleted after its last
+    use in the process that holds it, as in one process."""
+    _expect_ok(launch(HERE / "donated_weights.py", 2, 4), 2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import multimesh.jax as mm
-from multimesh.runtime import executor
+from multimesh.runtime import executor, steps
 from multimesh.runtime.plan import Call
 
 
@@ -82,13 +82,12 @@ def test_batched_program_reads_every_value_after_it_is_made():
     plan = exe.plan
     alive = set(plan.input_ids) | set(plan.constants)
     moved = []
-    for kind, _, srcs, dsts, _, drop in exe._program:
-        reads, writes = (srcs, dsts) if kind in (0, 1) else ((srcs,), (dsts,))
-        if kind != 0:
-            moved.extend(writes)
-        assert set(reads) <= alive, (kind, srcs, sorted(alive))
-        alive |= set(writes)
-        alive -= set(drop)
+    for step in exe._program:
+        if not isinstance(step, (steps.FragmentCall, steps.Free)):
+            moved.extend(step.dsts)
+        assert set(step.srcs) <= alive, (type(step).__name__, step.srcs, sorted(alive))
+        alive |= set(step.dsts)
+        alive -= set(step.drop)
     assert sorted(moved) == sorted(s.dst for s in plan.steps if not isinstance(s, Call))
     assert set(plan.outputs) <= alive
 
@@ -162,8 +161,40 @@ def test_resharding_transfers_stay_correct(schedule):
     ws, x = _weights(2), jnp.linspace(-1, 1, 32 * 8).reshape(32, 8)
     step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=schedule)
     compiled = mm.mjit(step).lower(ws, x).compile()
-    kinds = {op[0] for op in compiled._exec._program}  # (kind, what, srcs, dsts, ...)
-    assert 2 in kinds  # at least one reshard
+    kinds = {type(step) for step in compiled._exec._program}
+    assert steps.Move in kinds  # at least one reshard
     got = compiled(ws, x)
     _check(got, _summed(loss, ws, x, 8))
     assert sorted(d.id for d in got[1][1].devices()) == [2, 3]
+
+
+def test_one_function_routes_every_transfer():
+    """``steps.route`` alone decides how a value moves: across processes, into fresh
+    buffers (a donated input onto its own devices), a plain shard-to-device copy (same
+    mesh shape and axes), or a reshard."""
+    row = ((0, 1), ("x",), (2,), (("x",), ()))
+    assert steps.route(row, ((2, 3), *row[1:])) == steps.PLAIN_COPY
+    assert steps.route(row, ((2, 3), ("x",), (2,), ((), ("x",)))) == steps.MOVE
+    assert steps.route(row, ((2,), ("x",), (1,), ((), ()))) == steps.MOVE
+    assert steps.route(None, row) == steps.MOVE
+    assert steps.route(row, ((1, 2), *row[1:]), fresh=True) == steps.FRESH_COPY
+    assert steps.route(row, ((2, 3), *row[1:]), local=False) == steps.CROSS_PROCESS
+
+
+def test_traced_run_wraps_the_same_steps():
+    """``profile()`` runs the executor's own steps, blocking after each: one span per
+    fragment call and per transfer, and the same numbers as a plain call."""
+    n, m = 2, 2
+    loss = _loss(_one_device_stages(n))
+    ws, x = _weights(n), jnp.linspace(-1, 1, 8 * m * 8).reshape(8 * m, 8)
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="gpipe")
+    compiled = mm.mjit(step).lower(ws, x).compile()
+    got = compiled.profile(ws, x)
+    _check(got, _summed(loss, ws, x, 8))
+    events = compiled.last_trace.events
+    plan = compiled._exec.plan
+    calls = [e for e in events if len(e) == 4 or e[4].get("cat") != "transfer"]
+    moves = [e for e in events if len(e) == 5 and e[4].get("cat") == "transfer"]
+    assert [e[1] for e in calls] == [s.fragment for s in plan.calls()]
+    assert len(moves) == compiled._exec.transfer_count
+    assert {e[0] for e in calls} == {f"submesh devices {k}" for k in range(n)}

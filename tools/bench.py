@@ -383,39 +383,23 @@ def _p11(reps: int) -> dict[str, float]:
 def _timed_dispatch(ex, flat) -> tuple[float, float]:
     """One step through the executor's dispatch program, timing fragment calls and
     copy calls apart (seconds of host time each)."""
-    from multimesh._src import jax_compat
-    from multimesh.runtime import executor
+    import jax
+
+    from multimesh.runtime.steps import FragmentCall, Free
 
     env = ex._env_template.copy()
     for i, v in zip(ex.plan.input_ids, ex.place_inputs(flat)):
         env[i] = v
-    get = env.__getitem__
-    copy = jax_compat.batched_copy
     tc = tt = 0.0
     clock = time.perf_counter
-    for kind, what, srcs, dsts, delete, drop in ex._program:
-        if kind == 0:
-            t0 = clock()
-            outs = what(*map(get, srcs))
-            tc += clock() - t0
-            for d, o in zip(dsts, outs):
-                env[d] = o
-            for d in delete:
-                env[d].delete()
-        elif kind == 1:
-            t0 = clock()
-            outs = copy(list(map(get, srcs)), *what)
-            tt += clock() - t0
-            for d, o in zip(dsts, outs):
-                env[d] = o
-        else:
-            t0 = clock()
-            env[dsts] = (executor._move if kind == 2 else executor._copy)(env[srcs], what)
-            tt += clock() - t0
-        for d in drop:
-            env[d] = None
-    import jax
-
+    for step in ex._program:
+        t0 = clock()
+        step.run(env)
+        dt = clock() - t0
+        if isinstance(step, FragmentCall):
+            tc += dt
+        elif not isinstance(step, Free):
+            tt += dt
     jax.block_until_ready([env[o] for o in ex.plan.outputs])
     return tc, tt
 
@@ -556,7 +540,7 @@ def _p10_same(reps: int) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from multimesh.runtime.executor import _move
+    from multimesh.runtime.steps import move as _move
 
     devs = jax.devices()
     sh_a = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))

@@ -22,7 +22,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh.jax import _contexts
-from multimesh.runtime.executor import layout_sharding
+from multimesh.runtime.steps import layout_sharding
 
 __all__ = ["eligible", "FastPath", "FastCompiled"]
 

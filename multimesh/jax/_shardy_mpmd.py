@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from multimesh._src.brackets import deepest_nesting
 from multimesh._src.errors import DiagnosticError, MultimeshTypeError, MultimeshValueError
 from multimesh._src.mlir import (
+    element_dtype,
     file_line_col,
     ir,
     make_context,
@@ -30,7 +31,6 @@ from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devic
 from multimesh.passes._attrs import SourceError, decode_source
 from multimesh.passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
 from multimesh.passes.pipeline import parse_pipeline
-from multimesh.runtime.executor import _dtype
 
 __all__ = ["compile_mpmd"]
 
@@ -191,7 +191,7 @@ class _ProgramInfo:
                 f"`compile_mpmd`: @main {what} has type {t}, not an !mpmd.mesh_tensor; pass "
                 f"the output of Shardy's MPMD partitioner.")
         rt = ir.RankedTensorType(mt.tensor)
-        return jax.core.ShapedArray(tuple(rt.shape), _dtype(str(rt.element_type)))
+        return jax.core.ShapedArray(tuple(rt.shape), element_dtype(str(rt.element_type)))
 
 
 def _mesh_shape(attr) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -48,8 +48,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.runtime.executor import SKIP, _dtype, _move, layout_sharding
-from multimesh.runtime.plan import Call, Plan, Transfer, moved
+from multimesh._src.mlir import element_dtype
+from multimesh.runtime.plan import Call, Plan, Transfer
+from multimesh.runtime.steps import layout_sharding
+from multimesh.runtime.steps import move as _move
 
 __all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "fetch", "checkpointable",
            "one_per_process", "from_process_local", "is_multiprocess", "owner_init",
@@ -398,28 +400,15 @@ def _value_types(plan: Plan) -> dict[int, tuple]:
                     types.setdefault(s.dst, types[s.src])
                 elif s.dst in types:
                     types[s.src] = types[s.dst]
-    return {v: (tuple(shape), _dtype(dt)) for v, (shape, dt) in types.items()}
-
-
-def _value_layouts(plan: Plan) -> dict[int, tuple]:
-    layouts = dict(zip(plan.input_ids, plan.inputs))
-    layouts.update({vid: lay for vid, (_, lay) in plan.constants.items()})
-    for s in plan.steps:
-        if isinstance(s, Call):
-            f = plan.fragments[s.fragment]
-            outs = f.out_layouts if s.devices is None else [
-                moved(lay, f.devices, s.devices) for lay in f.out_layouts]
-            layouts.update(zip(s.results, outs))
-        else:
-            layouts[s.dst] = s.layout
-    return layouts
+    return {v: (tuple(shape), element_dtype(dt)) for v, (shape, dt) in types.items()}
 
 
 class ProcessPlan:
     """This process's share of a plan: the hooks :class:`~multimesh.runtime.Executor` calls.
 
     * :meth:`owns` — does a submesh hold a device of this process (compile its fragments)?
-    * :meth:`step` — skip a step, run it as in one process, or a cross-process move;
+    * :meth:`kind` — skip a step, run it as in one process, or move across processes;
+    * :meth:`mover` — the collective of a move across processes;
     * :meth:`place_inputs` — arguments onto their input shardings, across processes;
     * :meth:`finish` — outputs this process never held, as arrays without shards here.
     """
@@ -429,7 +418,7 @@ class ProcessPlan:
         self.devices = devices
         self.me = jax.process_index()
         self.types = _value_types(plan)
-        self.layouts = _value_layouts(plan)
+        self.layouts = plan.value_layouts()
         self._mine = [d.process_index == self.me for d in devices]
         start_watchdog()
 
@@ -439,22 +428,17 @@ class ProcessPlan:
     def runs(self, step: Call) -> bool:
         return self.owns(self.plan.call_devices(step))
 
-    def step(self, step):
-        """How this process runs ``step``: ``SKIP`` (not ours), None (as in one
-        process: a fragment call or a move within this process), or for a move that
-        crosses processes a callable ``fn(x) -> (y,)``, a step of its own."""
-        kind = self.kind(step)
-        if kind == "skip":
-            return SKIP
-        if kind in ("run", "local"):
-            return None
+    def mover(self, step: Transfer, kind: str) -> Callable:
+        """``fn(x) -> y`` for a transfer that crosses processes (``kind``: a
+        ``reshard`` over one device set spanning processes, or a ``paired`` or
+        ``replicated`` union collective, see :meth:`kind`); a collective that every
+        process owning one of its devices runs."""
         dst = layout_sharding(step.layout, self.devices)
         if kind == "reshard":
-            return lambda x: (_reshard(x, dst),)
+            return lambda x: _reshard(x, dst)
         src = layout_sharding(self.layouts[step.src], self.devices)
         shape, dtype = self.types[step.src]
-        t = CrossTransfer(src, dst, shape, dtype)
-        return lambda x: (t(x),)
+        return CrossTransfer(src, dst, shape, dtype)
 
     def kind(self, step) -> str:
         """What this process does for ``step``: run/skip a call; skip, or move a value

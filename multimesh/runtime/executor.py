@@ -1,10 +1,11 @@
 """Compile every fragment once on its submesh and dispatch a plan asynchronously.
 
 Each fragment compiles through jax's own ``pxla.UnloadedMeshExecutable`` path,
-so it takes and returns ordinary ``jax.Array``s. Dispatch never blocks: jax's
-async dispatch queues work per device, ``jax.device_put`` moves arrays between
-submeshes, and references to intermediates are dropped right after their last
-use so their buffers are freed as soon as the device is done with them.
+so it takes and returns ordinary ``jax.Array``s. The plan becomes a list of typed
+steps (:mod:`.steps`) that one loop dispatches without blocking: jax's async
+dispatch queues work per device, and references to intermediates are dropped
+right after their last use so their buffers are freed as soon as the device is
+done with them.
 """
 
 from __future__ import annotations
@@ -17,40 +18,29 @@ from collections.abc import Set
 import jax
 import numpy as np
 from jax.core import ShapedArray
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
+from multimesh.runtime import steps as st
+from multimesh.runtime.distributed import ProcessPlan
 from multimesh.runtime.guards import check_args
 from multimesh.runtime.parallel import map_ordered
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
+from multimesh.runtime.steps import layout_sharding
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
 # by jax.clear_caches() / multimesh.clear_caches().
 _COMPILE_CACHE = LRUCache("multimesh compiled fragments", max_size=512)
-SKIP = object()
-"""A step this process does not run (see ``distributed.ProcessPlan.step``)."""
 _LOCK = threading.Lock()
 xla_compiles = 0
 """How many fragment executables XLA has compiled in this process (for tests/benchmarks)."""
 
 
-def layout_sharding(layout: Layout, devices: tuple) -> NamedSharding:
-    pos, names, sizes, dims = layout
-    mesh = Mesh(np.array([devices[p] for p in pos], dtype=object).reshape(sizes), names)
-    spec = PartitionSpec(*[None if not d else (d[0] if len(d) == 1 else d) for d in dims])
-    return NamedSharding(mesh, spec)
-
-
 def _aval(t):
     shape, dtype = t
-    return ShapedArray(shape, _dtype(dtype))
-
-
-def _dtype(s: str) -> np.dtype:
-    return element_dtype(s)
+    return ShapedArray(shape, element_dtype(dtype))
 
 
 def compile_fragment(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
@@ -199,31 +189,6 @@ def _compile_all(jobs: list[Job], devices: tuple
             for j, k in enumerate(_fragment_key(f, devices, d, p) for f, d, p in jobs)]
 
 
-_shard_args = jax_compat.shard_args
-_REUSE = [jax_compat.REUSE_INPUT]
-_COPY = [jax_compat.ALWAYS_COPY]
-_NO_LAYOUT = [None]
-
-
-def _move(x, sharding):
-    """``jax.device_put(x, sharding)`` for a jax.Array, minus its Python overhead.
-
-    ``shard_args`` is what jit uses to place arguments: it copies a same-layout
-    array to other devices in one batched call and reshards otherwise (~7 µs of
-    Python here versus ~35 µs for ``device_put``).
-    """
-    return _shard_args([sharding], _NO_LAYOUT, _REUSE, [x])[0]
-
-
-def _copy(x, sharding):
-    """:func:`_move` into fresh buffers, for a source that is donated later in the step.
-
-    A move onto devices the source also lives on reuses the source's buffers there
-    (whatever the copy semantics), so the moved array is copied once more.
-    """
-    return _shard_args([sharding], _NO_LAYOUT, _COPY, [_move(x, sharding)])[0]
-
-
 def _mark_donors(module, donors) -> None:
     from multimesh._src.ir_util import update_attr_dicts
     from multimesh._src.mlir import ir
@@ -243,11 +208,12 @@ class Executor:
 
     Each (fragment, devices) pair compiles once, with the argument donations its
     calls share (a donation only some calls could make is skipped and the donated
-    input is deleted after its last use instead). Everything that does not depend
-    on the values is decided here: which executable each call runs, which arrays
-    each step frees, and which transfers move together. A transfer is dispatched
-    as late as its first consumer allows, so the transfers that a point of the
-    schedule needs go out in one batched call.
+    input is deleted after its last use instead: a :class:`~.steps.Free` step).
+    Everything that does not depend on the values is decided here, as a list of
+    typed steps (:mod:`.steps`): which executable each call runs, which arrays each
+    step frees, and which transfers move together. In one process a transfer is
+    dispatched as late as its first consumer allows, so the transfers that a point
+    of the schedule needs go out in one batched call (:func:`_program`).
     """
 
     def __init__(self, plan: Plan, devices: tuple, donated: frozenset[int] = frozenset(),
@@ -258,11 +224,10 @@ class Executor:
         self._leaf_name = leaf_name  # names argument i in errors
         # A donated value returned by the program is not donated: its buffer is the output.
         donated = frozenset(a for a in donated if a not in plan.outputs)
-        # Hook (multi-process): this process's share of the plan, or None in one process.
-        self.process_plan = _process_plan(plan, self.devices)
-        pp = self.process_plan
+        # This process's share of the plan under jax.distributed, or None in one process.
+        self.process_plan = ProcessPlan(plan, self.devices) if jax.process_count() > 1 else None
         before = xla_compiles
-        exes = self._compile_calls(donated)
+        exes = {i: jax_compat.dispatcher(e) for i, e in self._compile_calls(donated).items()}
         self.xla_compiles = xla_compiles - before
         """XLA compilations this executor caused (0 when every variant was cached)."""
         self.input_shardings = [layout_sharding(lay, self.devices) for lay in plan.inputs]
@@ -271,48 +236,38 @@ class Executor:
         self._unread = frozenset(k for k, v in enumerate(plan.input_ids)
                                  if v not in plan.last_use and v not in plan.outputs)
         self.output_shardings = [layout_sharding(lay, self.devices) for lay in plan.out_layouts]
-        self._steps: list[tuple] = []  # (kind, executable or sharding, srcs, dsts, drop)
-        self._kept: list = []  # the plan steps this process runs, parallel to _steps
-        shared: set[int] = set()  # transfers of a donated input onto its own devices
-        for i, s in enumerate(plan.steps):
-            # Hook (multi-process): skip steps without our devices; cross-process moves
-            # become steps of their own (a callable, dispatched like a fragment).
-            mover = pp.step(s) if pp is not None else None
-            if mover is SKIP:
-                continue
-            self._kept.append(s)
-            if isinstance(s, Call):
-                drop = [a for a in set(s.args) if plan.last_use.get(a) == i
-                        and a not in plan.outputs]
-                self._steps.append((0, exes[i], s.args, s.results, drop))
-            else:
-                drop = [s.src] if plan.last_use.get(s.src) == i and s.src not in plan.outputs \
-                    else []
-                if mover is not None:
-                    self._steps.append((0, mover, [s.src], [s.dst], drop))
-                    continue
-                if s.src in donated and set(s.layout[0]) & set(plan.inputs[s.src][0]):
-                    shared.add(i)
-                self._steps.append((2 if i in shared else 1,
-                                    layout_sharding(s.layout, self.devices), [s.src],
-                                    [s.dst], drop))
+        layouts = plan.value_layouts()
+        # Transfers of a donated input onto its own devices: they need fresh buffers.
+        shared = frozenset(i for i, s in enumerate(plan.steps) if isinstance(s, Transfer)
+                           and s.src in donated and set(s.layout[0]) & set(layouts[s.src][0]))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
-        n_values = 1 + max([*plan.input_ids, *plan.constants,
-                            *(v for st in plan.steps for v in
-                              (st.results if isinstance(st, Call) else [st.dst]))], default=0)
-        self._env_template = [None] * n_values
-        for vid, (value, lay) in plan.constants.items():  # the microbatch indices
-            if pp is None or pp.owns(lay[0]):
-                self._env_template[vid] = jax.device_put(np.int32(value),
-                                                         layout_sharding(lay, self.devices))
+        self._steps = _per_step(plan, self.devices, exes, self._skipped_donations, shared,
+                                layouts, self.process_plan)
+        """The plan's steps that this process runs, one by one, in plan order (traces,
+        memory profiles, and every run under jax.distributed)."""
+        self._env_template = self._constants()
         # One process: the precomputed dispatch program (batched transfers). Several
-        # processes dispatch step by step (cross-process movers, skipped steps).
-        self._program = (_program(plan, exes, self._steps, self._skipped_donations,
-                                  self._consumed, shared) if pp is None else None)
-        self.batched_transfers = (sum(1 for op in self._program if op[0] == 1)
-                                  if self._program is not None else self.transfer_count)
+        # processes dispatch step by step, in the same global order everywhere.
+        self._program = (_program(plan, self.devices, exes, self._skipped_donations,
+                                  self._consumed, shared, layouts)
+                         if self.process_plan is None else None)
+        self._runs = [s.run for s in (self._program or self._steps)]
+        self.batched_transfers = (
+            sum(1 for s in self._program if not isinstance(s, (st.FragmentCall, st.Free)))
+            if self._program is not None else self.transfer_count)
         """Batched copy calls per run (each moves one or more arrays)."""
 
+    def _constants(self) -> list:
+        """The value list every run starts from: the microbatch indices in place."""
+        plan, pp = self.plan, self.process_plan
+        n_values = 1 + max([*plan.input_ids, *plan.constants,
+                            *(v for s in plan.steps for v in
+                              (s.results if isinstance(s, Call) else [s.dst]))], default=0)
+        env = [None] * n_values
+        for vid, (value, lay) in plan.constants.items():
+            if pp is None or pp.owns(lay[0]):
+                env[vid] = jax.device_put(np.int32(value), layout_sharding(lay, self.devices))
+        return env
     def _compile_calls(self, donated: frozenset[int]) -> dict[int, jax.stages.Compiled]:
         """The executable of every call this process runs (by step index), compiling only
         what is used: one executable per (fragment, devices), with the donations every
@@ -365,7 +320,7 @@ class Executor:
         for k, (a, sh) in enumerate(zip(args, self.input_shardings)):
             s = getattr(a, "sharding", None)
             if s is not sh and k not in self._unread:
-                a = _move(a, sh) if isinstance(a, jax.Array) else jax.device_put(a, sh)
+                a = st.move(a, sh) if isinstance(a, jax.Array) else jax.device_put(a, sh)
             out.append(a)
         return out
 
@@ -381,123 +336,111 @@ class Executor:
             env[i] = a
         return env
 
-    def __call__(self, *args):
-        env = self._start(args)
-        if self._program is None:
-            return self._run_steps(env)
-        get = env.__getitem__
-        copy = jax_compat.batched_copy
-        for kind, what, srcs, dsts, delete, drop in self._program:
-            if kind == 0:  # a call: `what` is its dispatch function
-                outs = what(*map(get, srcs))
-                for d, o in zip(dsts, outs):
-                    env[d] = o
-                if delete:  # donated, but this call's executable cannot reuse them
-                    for d in delete:
-                        env[d].delete()
-            elif kind == 1:  # plain copies: `what` is (device lists, shardings, semantics)
-                for d, o in zip(dsts, copy(list(map(get, srcs)), *what)):
-                    env[d] = o
-            else:  # a reshard (2) or a fresh copy (3) of one array onto sharding `what`
-                env[dsts] = (_move if kind == 2 else _copy)(env[srcs], what)
-            for d in drop:
-                env[d] = None
-        return self._outputs(env)
 
-    def _run_steps(self, env):
-        """Dispatch step by step (several processes: hooks decide each step)."""
-        for kind, what, srcs, dsts, drop in self._steps:
-            if kind == 0:
-                outs = what(*[env[a] for a in srcs])
-                for d, o in zip(dsts, outs):
-                    env[d] = o
-            else:
-                env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
-            for d in drop:
-                env[d] = None
-        return self._outputs(env)
+    def __call__(self, *args):
+        return self._outputs(st.run_program(self._runs, self._start(args)))
 
     def _outputs(self, env):
         outs = [env[o] for o in self.plan.outputs]
-        if self.process_plan is not None:  # Hook: outputs that live on other processes
+        if self.process_plan is not None:  # outputs that live on other processes
             outs = self.process_plan.finish(outs, self.output_shardings)
         return outs
 
     def run_traced(self, recorder, *args):
-        """Like ``__call__`` but blocks after every step and records its span."""
-        env = self._start(args)
-        for (kind, what, srcs, dsts, drop), step in zip(self._steps, self._kept):
-            if kind == 0 and isinstance(step, Transfer):  # a cross-process transfer
-                ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
-                with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
-                                   cat="transfer"):
-                    env[dsts[0]] = jax.block_until_ready(what(env[srcs[0]])[0])
-            elif kind == 0:
-                where = self.plan.call_devices(step)
-                track = f"submesh devices {','.join(str(self.devices[p].id) for p in where)}"
-                with recorder.span(track, step.fragment):
-                    outs = jax.block_until_ready(what(*[env[a] for a in srcs]))
-                for d, o in zip(dsts, outs):
-                    env[d] = o
-            else:
-                ids = ",".join(str(self.devices[p].id) for p in step.layout[0])
-                with recorder.span(f"submesh devices {ids}", f"transfer %{step.src}",
-                                   cat="transfer"):
-                    env[dsts[0]] = jax.block_until_ready(
-                        (_move if kind == 1 else _copy)(env[srcs[0]], what))
-            for d in drop:
-                env[d] = None
-        return self._outputs(env)
+        """Like ``__call__`` but step by step, blocking after every step and recording
+        its span on ``recorder`` (:class:`~multimesh.runtime.trace.TraceRecorder`)."""
+        runs = st.traced(self._steps, recorder, self.devices, self.plan)
+        return self._outputs(st.run_program(runs, self._start(args)))
 
 
-def _process_plan(plan: Plan, devices: tuple):
-    """This process's share of ``plan`` under jax.distributed; None in a single process."""
-    if jax.process_count() == 1:
-        return None
-    from multimesh.runtime.distributed import ProcessPlan
+def _per_step(plan: Plan, devices: tuple, exes: dict, skipped: dict, shared: Set[int],
+              layouts: dict[int, Layout], pp: ProcessPlan | None) -> list[st.Step]:
+    """The plan's steps this process runs, in plan order, one step each (a call with
+    a skipped donation is followed by its :class:`~.steps.Free`)."""
+    outputs = set(plan.outputs)
+    out: list[st.Step] = []
+    for i, s in enumerate(plan.steps):
+        where = pp.kind(s) if pp is not None else "run"
+        if where == "skip":
+            continue
+        free = skipped.get(i, ())
+        drop = [v for v in dict.fromkeys(st.reads(s)) if plan.last_use.get(v) == i
+                and v not in outputs and v not in free]
+        if isinstance(s, Call):
+            out.append(st.FragmentCall(exes[i], s.args, s.results, drop, s))
+            if free:
+                out.append(st.Free(free, s))
+            continue
+        how = st.route(layouts[s.src], s.layout, fresh=i in shared,
+                       local=where in ("run", "local"))
+        out.append(_transfer_step(how, s, devices, drop, pp, where))
+    return out
 
-    return ProcessPlan(plan, devices)
+
+def _transfer_step(how: str, s: Transfer, devices: tuple, drop, pp: ProcessPlan | None,
+                   where: str) -> st.Step:
+    """One transfer as a step of its own (a plain copy is a move of one array)."""
+    if how == st.CROSS_PROCESS:
+        assert pp is not None
+        return st.CrossProcess(pp.mover(s, where), s.src, s.dst, drop, s)
+    cls = st.FreshCopy if how == st.FRESH_COPY else st.Move
+    return cls(layout_sharding(s.layout, devices), s.src, s.dst, drop, s)
 
 
-def _program(plan: Plan, exes: dict, steps: list, skipped: dict,
-             consumed: dict, shared: Set[int] = frozenset()) -> list[tuple]:
-    """The steps of one run as flat tuples for :meth:`Executor.__call__`.
+def _program(plan: Plan, devices: tuple, exes: dict, skipped: dict, consumed: dict,
+             shared: Set[int], layouts: dict[int, Layout]) -> list[st.Step]:
+    """The steps of one run in one process, batched, for :meth:`Executor.__call__`.
 
     Calls keep the plan's order. A transfer may go anywhere between its place in
     the plan and its first reader (a call, another transfer, or the end of the run),
     but never past a call that donates its source (``consumed``: call -> values).
     The fewest points that cover every transfer's range are chosen (interval
-    stabbing), and the transfers at one point that only copy shards to other devices
-    (same layout, other devices) go out in one
-    ``batched_copy_array_to_devices_with_sharding`` call: the arrays that one point of
-    the schedule needs cross in one host call. A transfer of a donated input onto its
-    own devices (``shared``) gets fresh buffers (:func:`_copy`), never a batched copy.
+    stabbing), and the transfers at one point that :func:`~.steps.route` calls plain
+    copies go out in one :class:`~.steps.BatchedCopy`: the arrays that one point of
+    the schedule needs cross in one host call.
     """
     order = _dispatch_order(plan, _transfer_slots(plan, consumed))
     last_read = _last_reads(plan, order)
     outputs = set(plan.outputs)
-    layout = _value_layouts(plan)
 
-    def drops(k: int, reads) -> tuple[int, ...]:
-        return tuple(sorted({v for v in reads if last_read.get(v) == k and v not in outputs}))
+    def drops(k: int, reads, keep=()) -> tuple[int, ...]:
+        return tuple(sorted({v for v in reads if last_read.get(v) == k
+                             and v not in outputs and v not in keep}))
 
-    program: list[tuple] = []
+    program: list[st.Step] = []
     for k, item in enumerate(order):
         if isinstance(item, list):
-            ops = _transfer_ops(plan, item, steps, layout, shared)
-            ops[-1] = ops[-1][:-1] + (drops(k, [plan.steps[i].src for i in item]),)
-            program.extend(ops)
+            batch = _batch(plan, item, devices, layouts, shared)
+            batch[-1].drop = drops(k, [plan.steps[i].src for i in item])
+            program.extend(batch)
             continue
         s = plan.steps[item]
         assert isinstance(s, Call)
-        program.append((0, jax_compat.dispatcher(exes[item]), tuple(s.args), tuple(s.results),
-                        tuple(skipped.get(item, ())), drops(k, s.args)))
+        free = skipped.get(item, ())
+        program.append(st.FragmentCall(exes[item], s.args, s.results,
+                                       drops(k, s.args, free), s))
+        if free:  # donated, but this call's executable cannot reuse them
+            program.append(st.Free(free, s))
     return program
 
 
-def _reads(s: Call | Transfer) -> list[int]:
-    """The values one plan step reads."""
-    return s.args if isinstance(s, Call) else [s.src]
+def _batch(plan: Plan, item: list[int], devices: tuple, layouts: dict[int, Layout],
+           shared: Set[int]) -> list[st.Step]:
+    """One batch of transfers as steps: the plain copies share one batched copy, the
+    rest go one by one."""
+    out: list[st.Step] = []
+    copies: list[Transfer] = []
+    for i in item:
+        t = plan.steps[i]
+        how = st.route(layouts[t.src], t.layout, fresh=i in shared)
+        if how == st.PLAIN_COPY:
+            copies.append(t)
+        else:
+            out.append(_transfer_step(how, t, devices, (), None, "run"))
+    if copies:
+        out.append(st.BatchedCopy([layout_sharding(t.layout, devices) for t in copies],
+                                  [t.src for t in copies], [t.dst for t in copies]))
+    return out
 
 
 def _transfer_slots(plan: Plan, consumed: dict) -> dict[int, list[int]]:
@@ -509,7 +452,7 @@ def _transfer_slots(plan: Plan, consumed: dict) -> dict[int, list[int]]:
     n = len(plan.steps)
     first_read: dict[int, int] = {}
     for i, s in enumerate(plan.steps):
-        for v in _reads(s):
+        for v in st.reads(s):
             first_read.setdefault(v, i)
     gone: dict[int, list[int]] = {}  # value -> calls that donate it
     for i, values in consumed.items():
@@ -551,50 +494,6 @@ def _last_reads(plan: Plan, order: list[int | list[int]]) -> dict[int, int]:
     last_read: dict[int, int] = {}
     for k, item in enumerate(order):
         for i in (item if isinstance(item, list) else [item]):
-            for v in _reads(plan.steps[i]):
+            for v in st.reads(plan.steps[i]):
                 last_read[v] = k
     return last_read
-
-
-def _transfer_ops(plan: Plan, item: list[int], steps: list, layout: dict[int, Layout],
-                  shared: Set[int]) -> list[tuple]:
-    """One batch of transfers as ops (kind, what, srcs, dsts, delete, drop), as for a call.
-
-    Plain copies (same layout, other devices) share one batched copy; the rest,
-    and donated inputs onto their own devices (``shared``), go one by one.
-    """
-    transfers = [plan.steps[i] for i in item]
-    shardings = [steps[i][1] for i in item]
-    copies = [j for j, t in enumerate(transfers) if item[j] not in shared
-              and _plain_copy(layout[t.src], t.layout)]
-    ops: list[tuple] = [(3 if item[j] in shared else 2, sh, t.src, t.dst, (), ())
-                        for j, (t, sh) in enumerate(zip(transfers, shardings))
-                        if j not in copies]
-    if copies:
-        ops.append((1, ([jax_compat.device_list(shardings[j]) for j in copies],
-                        [shardings[j] for j in copies],
-                        [jax_compat.REUSE_INPUT] * len(copies)),
-                    tuple(transfers[j].src for j in copies),
-                    tuple(transfers[j].dst for j in copies), (), ()))
-    return ops
-
-
-def _value_layouts(plan: Plan) -> dict[int, Layout]:
-    """Where every value of one run lives."""
-    out: dict[int, Layout] = dict(zip(plan.input_ids, plan.inputs))
-    out.update({vid: lay for vid, (_, lay) in plan.constants.items()})
-    for s in plan.steps:
-        if isinstance(s, Call):
-            frag = plan.fragments[s.fragment]
-            for r, lay in zip(s.results, frag.out_layouts):
-                out[r] = moved(lay, frag.devices, s.devices) if s.devices else lay
-        else:
-            out[s.dst] = s.layout
-    return out
-
-
-def _plain_copy(src: Layout | None, dst: Layout) -> bool:
-    """Whether moving from ``src`` to ``dst`` only copies each shard to another device:
-    the same mesh shape and per-dimension axes (then shard ``i`` goes to device ``i``)."""
-    return src is not None and src[1:] == dst[1:] and len(src[0]) == len(dst[0])
-

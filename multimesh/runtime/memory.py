@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from multimesh._src.mlir import element_dtype
+from multimesh.runtime import steps
 from multimesh.runtime.plan import Call, Plan
 
 
@@ -24,9 +26,7 @@ def _shard_bytes(shape, dtype: str, layout) -> int:
     n = 1
     for d, axes in zip(shape, dims):
         n *= math.ceil(d / math.prod(size_of[a] for a in axes)) if axes else d
-    from multimesh.runtime.executor import _dtype
-
-    return n * np.dtype(_dtype(dtype)).itemsize
+    return n * np.dtype(element_dtype(dtype)).itemsize
 
 
 def simulated_peaks(plan: Plan, executor) -> tuple[dict[int, int], dict[int, int]]:
@@ -129,20 +129,21 @@ def measure_step(executor, args) -> list[SubmeshMemory]:
     # the caller holds its arguments through the step (unless donated): count them
     held = [(v, env[v]) for v in plan.input_ids]
     meter = _Meter(executor, cls, mb)
-    for (kind, what, srcs, dsts, drop), step in zip(executor._steps, executor._kept):
-        if kind == 0 and isinstance(step, Call):
-            for d, o in zip(dsts, what(*[env[a] for a in srcs])):
-                env[d] = o
-        elif kind == 0:
-            raise NotImplementedError("memory profiles measure one process")
-        else:
-            from multimesh.runtime.executor import _copy, _move
 
-            env[dsts[0]] = (_move if kind == 1 else _copy)(env[srcs[0]], what)
-        jax.block_until_ready([env[d] for d in dsts])
-        meter.record([*held, *enumerate(env)], step)
-        for d in drop:
-            env[d] = None
+    def metered(step: steps.Step):
+        if isinstance(step, steps.CrossProcess):
+            raise NotImplementedError("memory profiles measure one process")
+
+        def run(env: list) -> None:
+            # what the step reads last is alive while it runs: count it after the step
+            reading = [(v, env[v]) for v in step.drop]
+            step.run(env)
+            jax.block_until_ready([env[d] for d in step.dsts])
+            if not isinstance(step, steps.Free):
+                meter.record([*held, *reading, *enumerate(env)], step.origin)
+        return run
+
+    steps.run_program([metered(s) for s in executor._steps], env)
     executor._outputs(env)
     return meter.result(_stages(plan))
 

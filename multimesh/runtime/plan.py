@@ -101,6 +101,19 @@ class Plan:
         """Every fragment call of one run, in dispatch order."""
         return [s for s in self.steps if isinstance(s, Call)]
 
+    def value_layouts(self) -> dict[int, Layout]:
+        """Where every value of one run lives (value id -> layout)."""
+        out: dict[int, Layout] = dict(zip(self.input_ids, self.inputs))
+        out.update({vid: lay for vid, (_, lay) in self.constants.items()})
+        for s in self.steps:
+            if isinstance(s, Call):
+                frag = self.fragments[s.fragment]
+                for r, lay in zip(s.results, frag.out_layouts):
+                    out[r] = moved(lay, frag.devices, s.devices) if s.devices else lay
+            else:
+                out[s.dst] = s.layout
+        return out
+
 
 def _spec_str(dims) -> str:
     return "P(" + ", ".join(repr(d[0]) if len(d) == 1 else (repr(d) if d else "None")
