@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
+from multimesh.schedules.gantt import memory_lanes
 
 __all__ = ["visualize_schedule", "as_schedule"]
 
@@ -61,7 +62,8 @@ def _schedule_module(obj):
 
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,
-                       cost: Callable[[Unit], float] | None = None) -> str | None:
+                       cost: Callable[[Unit], float] | None = None,
+                       memory=None) -> str | None:
     """Print the schedule as a text Gantt chart; with ``path``, also save it as a PNG.
 
     ``compiled_or_schedule``: what ``mjit(f).lower(...).compile()`` returns, the
@@ -72,9 +74,15 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     colours with the microbatch number inside (hatched: a submesh's second stage
     under interleaving); it needs matplotlib (without it a
     warning is issued and no file is written). Returns the PNG's path, or None.
+
+    ``memory``: True adds a memory lane per submesh (its live activations, in
+    microbatches, over the simulated time); a ``MemoryProfile``
+    (``compiled.memory_profile(...)``) also puts what a real step measured beside
+    each lane: the peak activation bytes and microbatches, and the theory's bytes.
     """
     sched = as_schedule(compiled_or_schedule)
-    print(format_gantt(sched, cost=cost))
+    notes = _memory_notes(memory, sched)
+    print(format_gantt(sched, cost=cost, memory=False if memory is None else notes or True))
     if path is None:
         return None
     try:
@@ -88,9 +96,11 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     tl = simulate(sched, cost=cost)
     chunk = chunk_of(sched)
     G = sched.num_meshes
-    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * tl.makespan + 2)), 0.6 * G + 1.4))
+    lanes = memory is not None
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * tl.makespan + 2)),
+                          0.6 * G + 1.4 + (2.2 if lanes else 0)))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = fig.add_subplot(2, 1, 1) if lanes else fig.add_subplot(1, 1, 1)
     for m, row in enumerate(sched.orders):
         y = G - 1 - m
         for i in row:
@@ -112,6 +122,8 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     names = {"fwd": "forward", "bwd": "backward", "bwd_w": "weight gradient", "other": "other"}
     ax.legend(handles=[Patch(facecolor=COLORS[k], label=names[k]) for k in kinds],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if lanes:
+        _draw_lanes(fig.add_subplot(2, 1, 2, sharex=ax), sched, tl, notes)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=100)
     return os.fspath(path)
@@ -121,3 +133,31 @@ def _row_label(s: Schedule, m: int) -> str:
     if m < len(s.devices):
         return f"submesh {m}\n({','.join(str(d) for d in s.devices[m])})"
     return f"submesh {m}"
+
+
+def _memory_notes(memory, sched: Schedule) -> list[str] | None:
+    """Per submesh, what a real step measured (``memory``: a MemoryProfile), or None."""
+    if memory is None or memory is True or memory is False:
+        return None
+    rows = getattr(memory, "submeshes", None)
+    if rows is None:
+        raise MultimeshTypeError(
+            f"visualize_schedule's `memory` must be True or a MemoryProfile (what "
+            f"compiled.memory_profile(...) returns), got {type(memory).__name__}.")
+    mib = 1 << 20
+    return [f"measured {s.peak_activations / mib:.2f} MiB ({s.peak_microbatches} mb), "
+            f"theory {t / mib:.2f} MiB" for s, t in zip(rows, memory.predicted_activations)]
+
+
+def _draw_lanes(ax, sched: Schedule, tl, notes: list[str] | None) -> None:
+    """The memory lanes: live microbatches per submesh over time, a step line each."""
+    for m, lane in enumerate(memory_lanes(sched, tl)):
+        xs = [0.0] + [t for t, _ in lane.steps] + [tl.makespan]
+        ys = [0] + [c for _, c in lane.steps]
+        ys.append(ys[-1])
+        label = f"submesh {m}: peak {lane.peak}"
+        if notes and m < len(notes):
+            label += f"; {notes[m]}"
+        ax.step(xs, ys, where="post", label=label)
+    ax.set_ylabel("live microbatches")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)

@@ -17,7 +17,7 @@ import numpy as np
 
 from multimesh._src.mlir import element_dtype
 from multimesh.runtime import steps
-from multimesh.runtime.plan import Call, Plan
+from multimesh.runtime.plan import Call, Plan, Transfer
 
 
 def _shard_bytes(shape, dtype: str, layout) -> int:
@@ -87,7 +87,7 @@ class _LiveBytes:
 
 # ----------------------------------------------------------------------------- measured
 
-INPUTS, ACTIVATIONS, OTHER = "inputs", "activations", "other"
+INPUTS, ACTIVATIONS, TRANSIENT, OTHER = "inputs", "activations", "transient", "other"
 
 
 @dataclass
@@ -97,8 +97,10 @@ class SubmeshMemory:
     ``peak`` is the most the runtime held at once (live arrays + the running fragment's
     XLA temporaries), split at that moment into ``inputs`` (parameters, optimizer
     state, the batch), ``activations`` (forward results of microbatches still in
-    flight, and stage inputs received for them), ``other`` (gradients, accumulators,
-    cotangents) and ``temporaries``. ``peak_activations`` is the most activation bytes
+    flight, and stage inputs received for them), ``transient`` (a stage output
+    awaiting its transfer, and what the running step reads for the last time, such
+    as a forward's input that its backward does not keep), ``other`` (gradients,
+    accumulators, cotangents, running sums) and ``temporaries``. ``peak_activations`` is the most activation bytes
     held at any moment, by ``peak_microbatches`` microbatches; ``residual_bytes`` is
     the most one microbatch held here between its forward and its backward (outside
     its own forward calls and transfers), per stage on this submesh, and
@@ -109,6 +111,7 @@ class SubmeshMemory:
     peak: int = 0
     inputs: int = 0
     activations: int = 0
+    transient: int = 0
     other: int = 0
     temporaries: int = 0
     peak_activations: int = 0
@@ -117,6 +120,8 @@ class SubmeshMemory:
     weight_bytes: int = 0
     """What one microbatch keeps between the two halves of a split backward (per stage)."""
     stages: int = 1  # pipeline stages (forward tasks in the loop) on this submesh
+    peak_transient: int = 0
+    """The most ``transient`` bytes held at any moment."""
 
 
 def measure_step(executor, args) -> list[SubmeshMemory]:
@@ -140,7 +145,8 @@ def measure_step(executor, args) -> list[SubmeshMemory]:
             step.run(env)
             jax.block_until_ready([env[d] for d in step.dsts])
             if not isinstance(step, steps.Free):
-                meter.record([*held, *reading, *enumerate(env)], step.origin)
+                meter.record([*held, *reading, *enumerate(env)], step.origin,
+                             {v for v, _ in reading})
         return run
 
     steps.run_program([metered(s) for s in executor._steps], env)
@@ -180,7 +186,29 @@ def _classes(plan: Plan) -> tuple[dict[int, str], dict[int, int]]:
             cls[s.dst] = cls.get(s.src, OTHER)
             if s.src in mb:
                 mb[s.dst] = mb[s.src]
+    _not_kept(plan, cls, mb)
     return cls, mb
+
+
+def _not_kept(plan: Plan, cls: dict[int, str], mb: dict[int, int]) -> None:
+    """Forward results that no backward keeps: one that only transfers read is a
+    stage output awaiting its send (transient; its copy on the next submesh is that
+    stage's activation), and one that a later microbatch's call reads is a running
+    value (other: the loss summed over microbatches)."""
+    readers: dict[int, list] = {}
+    for s in plan.steps:
+        for v in (s.args if isinstance(s, Call) else [s.src]):
+            readers.setdefault(v, []).append(s)
+    outputs = set(plan.outputs)
+    for v, c in list(cls.items()):
+        rs = readers.get(v, [])
+        if c != ACTIVATIONS or v not in mb or not rs or v in outputs:
+            continue
+        if all(isinstance(r, Transfer) for r in rs):
+            cls[v] = TRANSIENT
+        elif any(isinstance(r, Call) and r.microbatch is not None
+                 and r.microbatch != mb[v] for r in rs):
+            cls[v] = OTHER
 
 
 def _kept_for(plan: Plan, src: Call, dst: Call) -> bool:
@@ -211,6 +239,7 @@ class _Meter:
         self.pos = {d.id: p for p, d in enumerate(executor.devices)}
         self.peak: dict[int, tuple[int, dict[str, int], int]] = {}  # pos -> (total, split, temp)
         self.act: dict[int, tuple[int, int]] = {}  # pos -> (activation bytes, microbatches)
+        self.transient: dict[int, int] = {}  # pos -> most transient bytes
         self.per_mb: dict[str, dict[int, int]] = {"fb": {}, "bw": {}}  # state -> pos -> bytes
         plan = executor.plan
         self.sub_of = {p: plan.call_devices(c) for c in plan.calls() for p in plan.call_devices(c)}
@@ -221,9 +250,14 @@ class _Meter:
                 self.bwd_total[k] = self.bwd_total.get(k, 0) + 1
         self.seen: dict[tuple, list[int]] = {}  # (submesh, microbatch) -> [fwd, bwd] calls run
 
-    def record(self, values, step) -> None:
+    def record(self, values, step, reading=frozenset()) -> None:
+        """One step's live bytes; ``reading``: values the step read for the last time
+        (alive while it ran; a loop forward's are transient, held for nothing after it)."""
         fresh = set(step.results) if isinstance(step, Call) else {step.dst}
-        live, mbs = self._live(values, fresh)
+        if not (isinstance(step, Call) and step.microbatch is not None
+                and self.ex.plan.fragments[step.fragment].transpose_count == 0):
+            reading = frozenset()  # a backward's last reads are what it kept
+        live, mbs = self._live(values, fresh, reading)
         busy, temp, where = self._step(step)
         for p, split in live.items():
             t = temp if p in where else 0
@@ -233,6 +267,7 @@ class _Meter:
             a = split.get(ACTIVATIONS, 0)
             if a > self.act.get(p, (-1, 0))[0]:
                 self.act[p] = (a, len(mbs.get(p, {})))
+            self.transient[p] = max(self.transient.get(p, 0), split.get(TRANSIENT, 0))
             for m, (old, new) in mbs.get(p, {}).items():
                 if m != busy:
                     self._keep(p, m, old, new, step)
@@ -261,7 +296,7 @@ class _Meter:
             if st is not None:
                 self.per_mb[st][p] = max(self.per_mb[st].get(p, 0), n)
 
-    def _live(self, values, fresh) -> tuple[dict, dict]:
+    def _live(self, values, fresh, reading) -> tuple[dict, dict]:
         """Bytes per device and class, and activation bytes per device and microbatch,
         (older, made by this step: ``fresh``)."""
         live: dict[int, dict[str, int]] = {}
@@ -276,6 +311,8 @@ class _Meter:
                     continue
                 seen.add(key)
                 p, n, c = self.pos[sh.device.id], sh.data.nbytes, self.cls.get(vid, OTHER)
+                if c == ACTIVATIONS and vid in reading:
+                    c = TRANSIENT
                 live.setdefault(p, {}).setdefault(c, 0)
                 live[p][c] += n
                 if c == ACTIVATIONS and vid in self.mb:
@@ -302,5 +339,6 @@ class _Meter:
             res, w = (max(self.per_mb[st].get(q, 0) for q in where) // v for st in ("fb", "bw"))
             out.append(SubmeshMemory(
                 tuple(self.ex.devices[q].id for q in where), total, split.get(INPUTS, 0),
-                split.get(ACTIVATIONS, 0), split.get(OTHER, 0), temp, a, n, res, w, v))
+                split.get(ACTIVATIONS, 0), split.get(TRANSIENT, 0), split.get(OTHER, 0),
+                temp, a, n, res, w, v, max(self.transient.get(q, 0) for q in where)))
         return out

@@ -225,6 +225,7 @@ class _Builder:
                 self._op(op, ids)
         assert ret is not None  # a func.func body ends with its func.return
         outputs = [ids[v] for v in ret.operands]
+        self.steps = defer_transfers(self.steps, self.fragments)
         plan = Plan(self.num_devices, self.fragments, self.steps, inputs, input_ids, outputs,
                     [self.layout_of[o] for o in outputs], constants=self.constants,
                     num_microbatches=self.num_microbatches, schedule_name=self.schedule_name)
@@ -388,6 +389,43 @@ class _Builder:
                 raise MultimeshValueError(f"Fragment call to unknown fragment '{name}'.")
             frag = self.fragments[name] = _fragment(name, sub)
         return frag
+
+
+def defer_transfers(steps: list, fragments: dict[str, Fragment]) -> list:
+    """``steps`` with each microbatch loop transfer moved to just after the last call
+    on its destination devices before the call that first reads it.
+
+    The loop body lists a call's transfers right after it, so a stage's output would
+    cross to the next stage's submesh as soon as it is made and wait there, beside
+    the microbatches the schedule holds, for that stage's forward (1F1B's next
+    microbatch arrives during the warm-up). Moved here it arrives while its receiver
+    is idle, right before it is needed; until then it waits on the sender, whose
+    forward made it. A transfer is not moved past a call that reads its source (which
+    may donate it), and one whose value another transfer reads first stays put.
+    """
+    where: list[frozenset[int]] = []
+    first_read: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for i, s in enumerate(steps):
+        if isinstance(s, Call):
+            where.append(frozenset(s.devices or fragments[s.fragment].devices))
+            for a in s.args:
+                first_read.setdefault(a, i)
+                readers.setdefault(a, []).append(i)
+        else:
+            where.append(frozenset())
+            first_read.setdefault(s.src, i)
+    keys = []
+    for i, s in enumerate(steps):
+        slot = i
+        r = first_read.get(s.dst) if isinstance(s, Transfer) else None
+        if r is not None and isinstance(steps[r], Call) and steps[r].microbatch is not None:
+            dst = frozenset(s.layout[0])
+            slot = next((j for j in range(r - 1, i, -1) if where[j] & dst), i)
+            if any(i < j <= slot for j in readers.get(s.src, ())):
+                slot = i
+        keys.append((slot, slot != i, i))
+    return [steps[k[2]] for k in sorted(keys)]
 
 
 def _sum_chains(units: list[list[ir.Operation]], args: list, carry: list,
