@@ -127,9 +127,10 @@ def test_visualize_schedule_draws_the_memory_lane(tmp_path, capsys):
     out = capsys.readouterr().out
     lanes = [line for line in out.splitlines() if line.lstrip().startswith("live")]
     assert len(lanes) == S
+    assert prof.submeshes[1].peak_activations == 3 * B * D * 4  # 3 stage inputs
     for line, s, t in zip(lanes, prof.submeshes, prof.predicted_activations):
-        assert f"measured {s.peak_activations / (1 << 20):.2f} MiB" in line
-        assert f"theory {t / (1 << 20):.2f} MiB" in line
+        assert f"measured {s.peak_activations / 1024:.1f} KiB ({s.peak_microbatches} mb)" in line
+        assert f"theory {t / 1024:.1f} KiB" in line
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     plain = tmp_path / "plain.png"

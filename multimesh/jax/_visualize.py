@@ -144,9 +144,12 @@ def _memory_notes(memory, sched: Schedule) -> list[str] | None:
         raise MultimeshTypeError(
             f"visualize_schedule's `memory` must be True or a MemoryProfile (what "
             f"compiled.memory_profile(...) returns), got {type(memory).__name__}.")
-    mib = 1 << 20
-    return [f"measured {s.peak_activations / mib:.2f} MiB ({s.peak_microbatches} mb), "
-            f"theory {t / mib:.2f} MiB" for s, t in zip(rows, memory.predicted_activations)]
+    return [f"measured {_size(s.peak_activations)} ({s.peak_microbatches} mb), "
+            f"theory {_size(t)}" for s, t in zip(rows, memory.predicted_activations)]
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 def _draw_lanes(ax, sched: Schedule, tl, notes: list[str] | None) -> None:

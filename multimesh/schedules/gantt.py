@@ -64,8 +64,10 @@ class Lane:
     """One submesh's live activations over time: ``(time, count)`` steps."""
 
     def __init__(self, steps: list[tuple[float, int]]):
-        self.steps = sorted(steps, key=lambda s: s[0])
-        self.peak = max((c for _, c in self.steps), default=0)
+        # at one instant only the last count holds (a backward ends as a forward starts)
+        last = dict(sorted(steps, key=lambda s: s[0]))
+        self.steps = sorted(last.items())
+        self.peak = max((c for _, c in steps), default=0)
 
     def at(self, t: float) -> int:
         """The count at time ``t`` (the last step at or before it)."""
