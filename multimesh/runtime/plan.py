@@ -14,6 +14,7 @@ comparing where a value lives with where its consumer wants it, so the hot loop 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from multimesh._src.errors import MultimeshValueError
@@ -403,27 +404,30 @@ def defer_transfers(steps: list, fragments: dict[str, Fragment]) -> list:
     forward made it. A transfer is not moved past a call that reads its source (which
     may donate it), and one whose value another transfer reads first stays put.
     """
-    where: list[frozenset[int]] = []
+    calls_on: dict[int, list[int]] = {}  # device position -> its calls' step indices
     first_read: dict[int, int] = {}
-    readers: dict[int, list[int]] = {}
+    readers: dict[int, list[int]] = {}  # value -> the calls reading it, in order
     for i, s in enumerate(steps):
         if isinstance(s, Call):
-            where.append(frozenset(s.devices or fragments[s.fragment].devices))
+            for p in s.devices or fragments[s.fragment].devices:
+                calls_on.setdefault(p, []).append(i)
             for a in s.args:
                 first_read.setdefault(a, i)
                 readers.setdefault(a, []).append(i)
         else:
-            where.append(frozenset())
             first_read.setdefault(s.src, i)
     keys = []
     for i, s in enumerate(steps):
         slot = i
         r = first_read.get(s.dst) if isinstance(s, Transfer) else None
         if r is not None and isinstance(steps[r], Call) and steps[r].microbatch is not None:
-            dst = frozenset(s.layout[0])
-            slot = next((j for j in range(r - 1, i, -1) if where[j] & dst), i)
-            if any(i < j <= slot for j in readers.get(s.src, ())):
-                slot = i
+            # the last call on a destination device before the reader
+            before = [on[k - 1] for on in map(calls_on.get, s.layout[0]) if on
+                      for k in [bisect.bisect_left(on, r)] if k]
+            slot = max([i, *before])
+            reads = readers.get(s.src, [])
+            if bisect.bisect_right(reads, slot) > bisect.bisect_right(reads, i):
+                slot = i  # a call between would read (and may donate) the source
         keys.append((slot, slot != i, i))
     return [steps[k[2]] for k in sorted(keys)]
 
