@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.caches import WeakKeyCache
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
-
-from . import _attrs as ta
 
 TASK_ATTR = "mm.task"
 TASKS_ATTR = "mm.tasks"

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.ir_util import attr_dicts, mesh_ops, set_attr_dicts, update_attr_dicts
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 

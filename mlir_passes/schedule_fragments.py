@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir
 from multimesh.schedules import (
@@ -18,7 +19,6 @@ from multimesh.schedules import (
     units_from_calls,
 )
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 
