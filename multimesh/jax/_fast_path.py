@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
 from multimesh.jax import _contexts
 from multimesh.runtime.steps import layout_sharding
 
@@ -55,8 +56,8 @@ def _has_task_or_marker(module) -> bool:
 
     def cb(op):
         attrs = op.attributes
-        if len(attrs) and ("mm.task" in attrs
-                           or custom_call_target(op) == "mm.logical_sharding"):
+        if len(attrs) and (TASK_ATTR in attrs
+                           or custom_call_target(op) == LOGICAL_TARGET):
             found.append(op)
             return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh._src.ir_contract import SCHEDULE_ATTR
 from multimesh.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
 
 __all__ = ["visualize_schedule", "as_schedule"]
@@ -53,7 +54,7 @@ def _schedule_module(obj):
         text = obj.as_text()
     if text is None:
         return obj if hasattr(obj, "operation") else None
-    if "mm.schedule" not in text:  # cheaper than parsing a large module to find nothing
+    if SCHEDULE_ATTR not in text:  # cheaper than parsing a large module to find nothing
         raise MultimeshValueError(_NO_SCHEDULE)
     from multimesh._src.mlir import parse_module
 
