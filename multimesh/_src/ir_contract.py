@@ -333,8 +333,9 @@ TRANSPOSE_COUNT = ta.int_in(0, MAX_ID, ("a transpose count", "transpose counts")
 def _need(op: ir.Operation, name: str, what: str) -> ir.Attribute:
     if name not in op.attributes:
         raise IRContractError(
-            f"The {what} has no '{name}' attribute; a module in MPMD form carries it "
-            f"(docs/ir.md, section 4). Run the module through the passes again or add it.",
+            f"The {what} has no '{name}' attribute; in MPMD form every one carries it "
+            f"(docs/ir.md, section 4). Give the runtime a module the whole pass pipeline "
+            f"produced (mm-extract-fragments last), or add the attribute.",
             op.location)
     return op.attributes[name]
 
