@@ -53,6 +53,16 @@ class TaskInfo(TaskMesh):
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
 
+    def mesh(self) -> TaskMesh:
+        """The task's mesh alone, as plain tuples (an ``mm.tasks`` entry)."""
+        split = self.split_backprop
+        return TaskMesh(tuple(int(d) for d in self.devices), tuple(self.axis_names),
+                        tuple(int(s) for s in self.axis_sizes),
+                        tuple((a, b) for a, b in self.logical_axes),
+                        (split[0], split[1]) if split else None,
+                        tuple(tuple(int(d) for d in r) for r in self.loop_devices)
+                        if self.loop_devices else None)
+
     def attribute(self) -> ir.Attribute:
         """The call's ``mm.task``: the tag and the mesh."""
         return py_to_attr({"name": self.name, "transpose_count": self.transpose_count,
@@ -258,8 +268,8 @@ def _warn_unrolled(what: str) -> None:
     from multimesh.jax import _contexts
 
     notes = _contexts.state.trace_notes
-    if notes is not None and notes.get("microbatch") is not None:
-        notes["microbatch"] = None  # no loop left for a schedule to order
+    if notes is not None and notes.microbatch is not None:
+        notes.microbatch = None  # no loop left for a schedule to order
 
     warnings.warn(
         f"A `microbatch` function is transformed from the outside ({what}), so its loop is "

@@ -32,7 +32,7 @@ def as_schedule(obj) -> Schedule:
         raise MultimeshTypeError(
             f"visualize_schedule expects a compiled program, a module or a Schedule, got "
             f"{type(obj).__name__}.")
-    from multimesh.passes.schedule_fragments import read_schedule
+    from multimesh.passes.api import read_schedule
 
     s = read_schedule(module)
     if s is None:
