@@ -53,7 +53,7 @@ from multimesh.jax.errors import (
     MultimeshValueError,
     MultimeshWarning,
     PassFailure,
-    PipelineError,  # noqa: F401
+    PipelineError,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -711,6 +711,18 @@ def _():
         mm.mjit(grad_fn).lower(ws, x).compile()
     finally:
         del os.environ["MULTIMESH_COMPILE_THREADS"]
+
+@error("pipeline-options-invalid", API, "`multimesh.passes.PipelineOptions` given a bad value",
+       PipelineError,
+       r"PipelineOptions.split_backward must be a SplitBackward \(NONE, FLAGGED, ALL\), "
+       r"got 'all'",
+       "The pass door's options are typed: a device count, `SplitBackward` members, "
+       "tuples of task names and `Rule` values. Use the enum, not its text.")
+def _():
+    from multimesh.passes import PipelineOptions
+
+    PipelineOptions(8, split_backward="all")
+
 
 # =========================================================================== bad meshes
 
