@@ -161,3 +161,28 @@ def test_the_contract_module_sits_at_the_bottom():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert all(m == "multimesh._src" or m.startswith(("multimesh._src.", "__future__", "dataclasses", "math"))
                for m in imported), imported
+
+
+def test_the_runtime_checks_the_microbatch_loop():
+    """The loop's body, count and recorded order are read checked as well."""
+    def stage(k):
+        mesh = mm.TaskMesh(devices=range(4 * k, 4 * k + 4), axis_names=("x",), axis_sizes=(4,))
+        return mm.task(lambda w, x: jnp.tanh(x @ w), name=f"s{k}", mesh=mesh)
+
+    s0, s1 = stage(0), stage(1)
+    step = mm.microbatch(lambda ws, x: (s1(ws[1], s0(ws[0], x)) ** 2).sum(), dim=0, size=4,
+                         argnum=1, schedule="1f1b")
+    text = mm.mjit(step).lower([jnp.eye(16)] * 2, jnp.ones((8, 16))).compile().as_text()
+    assert build_plan(text).num_microbatches == 2
+    cases = [
+        (r"mm\.body = @[\w.]+, ", "", "'mm.microbatch_loop' has no 'mm.body' attribute"),
+        (r"mm\.num_microbatches = 2 : i64", "mm.num_microbatches = 0 : i64",
+         "'mm.num_microbatches' on 'mm.microbatch_loop' must be"),
+        (r"order = array<i64:[^>]*>", "order = 1 : i64",
+         "'mm.schedule' on 'mm.microbatch_loop' must be a dictionary with 'order'"),
+    ]
+    for pattern, replacement, message in cases:
+        bad, n = re.subn(pattern, replacement, text, count=1)
+        assert n == 1, f"the test's pattern {pattern!r} no longer matches the program"
+        with pytest.raises(DiagnosticError, match=message):
+            build_plan(bad)

@@ -84,10 +84,11 @@ CALLBACK_KEY = "mm.callback"
 """multimesh's host-callback number, beside jax's index in ``mhlo.backend_config``."""
 
 
-
 @dataclass(frozen=True)
 class TaskMesh:
-    """A task's submesh and logical mapping, as stored in ``mm.tasks``."""
+    """A task's submesh and logical mapping: an ``mm.tasks`` entry, and the mesh half of
+    a task call's ``mm.task``. One record for the front end (its task call record
+    extends it), the passes and the runtime."""
 
     devices: tuple[int, ...]
     axis_names: tuple[str, ...]
@@ -171,7 +172,6 @@ class TaskMesh:
                   what: str = f"'{TASK_ATTR}'") -> TaskMesh:
         """Read and check an ``mm.tasks`` entry or a task call's ``mm.task``."""
         return cls.from_dict(attr_to_py(attr), loc, what)
-
 
 
 Tag = tuple[str, int, int]
