@@ -28,8 +28,8 @@ from multimesh.runtime.steps import layout_sharding
 
 __all__ = ["eligible", "FastPath", "FastCompiled"]
 
-_TASK_CALL = re.compile(r"\bmm\.task = \{")
-_MARKER = re.compile(r"@mm\.logical_sharding\b")
+_TASK_CALL = re.compile(rf"\b{re.escape(TASK_ATTR)} = \{{")
+_MARKER = re.compile(rf"@{re.escape(LOGICAL_TARGET)}\b")
 
 
 def eligible(program, implicit, notes: TraceNotes, pins: dict, num_devices: int) -> bool:
