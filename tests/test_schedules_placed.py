@@ -307,6 +307,15 @@ def _check_dispatch(compiled, name, P, M, V):
         # submesh's two layers are one stage: the textbook rows on this program's units
         assert sched.labels() == build_schedule(sched.units, name).labels()
         assert any(u.kind == "bwd_w" for u in sched.units)
+        if name == "zero-bubble-v":  # the published pattern, less the slots it lacks
+            from multimesh.schedules.algorithms.zero_bubble_v import zero_bubble_v_plan
+
+            for r, row in enumerate(sched.rows()):  # a slot's units (two tasks) adjacent
+                slots = [(u.kind, u.stage, u.microbatch) for u in row]
+                have = [sl for k, sl in enumerate(slots) if k == 0 or slots[k - 1] != sl]
+                stages = sorted({st for _, st, _ in have})
+                plan = zero_bubble_v_plan(r, P, M, stages[0], stages[-1])
+                assert have == [sl for sl in plan if sl in set(have)], r
         for row in sched.rows():  # every weight half after its activation half
             done = set()
             for u in row:
@@ -315,6 +324,9 @@ def _check_dispatch(compiled, name, P, M, V):
     else:
         want = build_schedule(pipeline_units(P, M, interleave=V), name)
         assert sched.labels() == want.labels()
+        # and each unit's stage too (layer k is stage k in both)
+        assert [[u.stage for u in row] for row in sched.rows()] == \
+            [[u.stage for u in row] for row in want.rows()]
     dispatched = {k: [c for c in v if "@" in c] for k, v in compiled.calls_per_submesh().items()}
     for devs, row in zip(sched.devices, sched.rows(), strict=True):
         assert dispatched[tuple(devs)] == [f"{u.fragment}@{u.microbatch}" for u in row]
