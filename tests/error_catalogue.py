@@ -1110,12 +1110,14 @@ def _():
        MultimeshValueError,
        r"Unknown microbatch schedule 'round-robin'; valid schedules are gpipe, 1f1b, "
        r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, "
-       r"gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, custom \(aliases: "
+       r"gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2, "
+       r"custom \(aliases: "
        r"breadth-first = gpipe, CircularWithReversedBackward = circular-reversed-backward, "
        r"DualPipeV = dualpipe-v, Eager1F1B = "
        r"eager-1f1b, fill-drain = gpipe, GPipeBut1F1BForLastMesh = gpipe-1f1b-last, "
-       r"InterleavedGPipe = interleaved-gpipe, pipedream-flush = 1f1b, prefetch-wavefront = "
-       r"1f1b, wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
+       r"InterleavedGPipe = interleaved-gpipe, KimiK2 = kimi-k2, pipedream-flush = 1f1b, "
+       r"prefetch-wavefront = 1f1b, wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = "
+       r"zero-bubble-h2, ZB-V = zero-bubble-v, ZBV = zero-bubble-v\)\.",
        """Pick one of the listed schedules (aliases such as `fill-drain` and `wavefront`
        are accepted too); see docs/schedules.md.""")
 def _():
@@ -1344,6 +1346,51 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="dualpipe-v"))(ws, x)
 
 
+@error("zero-bubble-v-needs-v-shape-stages", SCHEDULES,
+       "ZB-V on stages placed otherwise than in a V", PassFailure,
+       r"schedule 'zero-bubble-v' needs V-shape placement \(2P stages on P submeshes: stage i "
+       r"and stage 2P - 1 - i on submesh i, so the forward goes down the submeshes and back "
+       r"up\), but its stages run on submeshes \[0, 1\] in order, where V-shape needs "
+       r"\[0, 1, 0\]",
+       """ZB-V, like DualPipeV, runs two stages on every submesh: with P submeshes, layer k
+       (of 2P) on submesh k for k < P and on submesh 2P - 1 - k after, so the first
+       submesh also holds the last layer. Place the layers that way, or pick
+       `zero-bubble-h1`/`zero-bubble-h2`, which take any placement.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="ZB-V"))(ws, x)
+
+
+@error("kimi-k2-needs-round-robin-stages", SCHEDULES,
+       "Kimi-K2 on stages that are not round-robin", PassFailure,
+       r"schedule 'kimi-k2' needs round-robin placement \(stage k on submesh k % P for P "
+       r"pipeline submeshes, every submesh running the same number of stages\), but "
+       r"submesh 0 runs 2 stages \(stages \[0, 2\]\) and submesh 1 runs fewer",
+       """Kimi-K2 is interleaved 1F1B: layer k on submesh k % P, the same number of layers
+       on every submesh. Place the layers round-robin, or pick `1f1b`, which takes any
+       placement.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = three_layers_on_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="kimi-k2"))(ws, x)
+
+
+@error("kimi-k2-uneven-rounds", SCHEDULES,
+       "Kimi-K2 with microbatches that do not fill its rounds", PassFailure,
+       r"schedule 'kimi-k2' runs the microbatches in 2 rounds for 2 pipeline submeshes, "
+       r"which 5 microbatches do not fill equally; use a multiple of 2 microbatches \(or "
+       r"fewer than 4\)",
+       """Kimi-K2 (as JaxPP defines it) runs the microbatches in M // P rounds of equal
+       size, every stage of a submesh over one round before the next. Use a multiple of P
+       microbatches (or fewer than 2P, one round).""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, _ = two_stage()
+    x = jnp.ones((20, 16))
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="KimiK2"))(ws, x)
+
+
 @error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
        r"interleave.*(positive|>= 1).*0",
        """`interleave` and `num_stages` are positive integers.""")
@@ -1445,6 +1492,28 @@ def _():
         return (x ** 2).sum()
 
     f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2, schedule="dualpipe-v")
+    mm.mjit(f)(jnp.eye(16), [jnp.eye(16)] * 3, jnp.ones((16, 16)))
+
+
+@warning("zero-bubble-v-nothing-to-split", SCHEDULES,
+         "ZB-V with no weight-gradient half", MultimeshWarning,
+         r"schedule 'zero-bubble-v' has no weight-gradient half to defer: no backward "
+         r"fragment of the loop splits.*so it runs ZB-V's order with every weight gradient "
+         r"in its backward",
+         """ZB-V fills its bubbles with weight-gradient halves. Here no backward splits
+         (only the first stage's weights take a gradient), so each backward keeps its
+         weight gradient. Give each stage its own weight arrays.""")
+def _():
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
+              for k in range(4)]
+
+    def loss(w0, rest, x):  # only the first stage's weights are trained
+        x = layers[0](w0, x)
+        for f, w in zip(layers[1:], rest):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2, schedule="zbv")
     mm.mjit(f)(jnp.eye(16), [jnp.eye(16)] * 3, jnp.ones((16, 16)))
 
 
@@ -2228,8 +2297,8 @@ cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
     r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
     r"'round-robin'; valid schedules: 1f1b, circular-reversed-backward, custom, dualpipe-v, "
-    r"eager-1f1b, gpipe, gpipe-1f1b-last, interleaved-1f1b, interleaved-gpipe, "
-    r"zero-bubble-h1, zero-bubble-h2",
+    r"eager-1f1b, gpipe, gpipe-1f1b-last, interleaved-1f1b, interleaved-gpipe, kimi-k2, "
+    r"zero-bubble-h1, zero-bubble-h2, zero-bubble-v",
     """Pick one of the listed schedules or aliases. Options given on the command line are
     checked before the input is read.""",
     input_text=OK_MLIR)
