@@ -206,3 +206,18 @@ def test_write_trace_flows(tmp_path):
     assert s["id"] == f["id"] and f["bp"] == "e"
     with pytest.raises(ValueError, match="names an event that is not in the trace"):
         write_trace(ev, tmp_path / "u.json", flows=[(0, 2)])
+
+
+def test_a_plain_jit_program_traces_as_submesh_0(tmp_path):
+    """A program with no task runs as one jitted call (the fast path): one slice on
+    one track, named as the MPMD traces name theirs."""
+    f = mm.mjit(lambda x: jnp.sin(x) * 2)
+    x = jnp.linspace(0, 1, 8)
+    compiled = f.lower(x).compile()
+    assert compiled.fast_path
+    out = compiled.profile(x, trace_path=tmp_path / "fast.json")
+    np.testing.assert_allclose(out, jnp.sin(x) * 2, rtol=1e-6)
+    events = json.loads((tmp_path / "fast.json").read_text())["traceEvents"]
+    ids = ",".join(str(d.id) for d in sorted(out.devices(), key=lambda d: d.id))
+    assert _tracks(events) == [f"submesh 0 (devices {ids})"]
+    assert [e["name"] for e in _slices(events)] == ["fast_path"]
