@@ -2112,11 +2112,12 @@ def _():
 @warning("compile-mpmd-unnumbered-call", SHARDY,
          "An imported call whose microbatch the program does not record", MultimeshWarning,
          r"1 fragment call of the imported program carries no microbatch number \(g\): "
-         r"neither a call_counter attribute nor a '_call<N>' or '_calls<a>to<b>' fragment "
-         r"name\. The recovered schedule leaves them unnumbered",
+         r"neither a call_counter attribute nor a '_call<N>', '_calls<a>to<b>' or "
+         r"'_calls<b>from<a>' fragment name\. The recovered schedule leaves them unnumbered",
          """`compile_mpmd` recovers the schedule of a pipelined program from its calls: the
          partitioner names a fragment used by microbatch N `..._call<N>` and one shared by
-         microbatches a to b `..._calls<a>to<b>`. A call of a pipelined task whose fragment
+         microbatches a to b `..._calls<a>to<b>` (`..._calls<b>from<a>` when it runs them
+         in descending order). A call of a pipelined task whose fragment
          lost that name (renamed after partitioning) gets no number rather than a guessed
          one: `compiled.schedule` and its chart show it as `F*`. Warned once per program;
          keep the partitioner's fragment names.""")

@@ -2,15 +2,17 @@
 
 Shardy's partitioner runs the calls in the order its schedule chose, but its output
 records no schedule: ``@main`` is a flat list of fragment calls. What it does keep is
-enough to rebuild one. A fragment used by one microbatch is named ``..._call{N}`` and
-one shared by microbatches ``a`` to ``b`` ``..._calls{a}to{b}`` (a ``call_counter``
-attribute on the call, where one survives, says it directly); the origins' transpose
-counts give each call's direction; the meshes give the submeshes. A call of a shared
-fragment gets the microbatch of the calls whose results it reads, when exactly one
-microbatch of its range is among them (a backward reads its own forward's
-activations), else the lowest number of its range not yet taken (the first stage's
-forwards, which read only the batch). A call whose task is pipelined but that carries
-no number stays unnumbered in the schedule, with a warning: nothing is guessed.
+enough to rebuild one. A fragment used by one microbatch is named ``..._call{N}``, one
+shared by microbatches ``a`` to ``b`` ``..._calls{a}to{b}``, or ``..._calls{b}from{a}``
+when the schedule runs them in descending order (circular with reversed backward); a
+``call_counter`` attribute on the call, where one survives, says it directly. The
+origins' transpose counts give each call's direction; the meshes give the submeshes.
+A call of a shared fragment gets the microbatch of the calls whose results it reads,
+when exactly one microbatch of its range is among them (a backward reads its own
+forward's activations), else the next number of its range not yet taken, in the
+name's order (the first stage's forwards, which read only the batch). A call whose
+task is pipelined but that carries no number stays unnumbered in the schedule, with a
+warning: nothing is guessed.
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ __all__ = ["recover_schedule", "SCHEDULE_NAME"]
 SCHEDULE_NAME = "shardy-mpmd"
 """The name of a recovered schedule (the partitioner's own name is not in its output)."""
 
-_NUMBER = re.compile(r"_calls?(\d+)(?:to(\d+))?(?=[._]|$)")
+_NUMBER = re.compile(r"_calls?(\d+)(?:(to|from)(\d+))?(?=[._]|$)")
 
 
-def call_range(fragment: str) -> tuple[int, int] | None:
-    """``(a, b)``: the microbatches the partitioner's fragment name says it serves."""
+def call_range(fragment: str) -> list[int] | None:
+    """The microbatches the partitioner's fragment name says it serves, in the order
+    it runs them: ``_call2`` [2], ``_calls1to3`` [1, 2, 3], ``_calls3from1`` [3, 2, 1]."""
     m = _NUMBER.search(fragment)
     if m is None:
         return None
     a = int(m.group(1))
-    return a, int(m.group(2)) if m.group(2) is not None else a
+    if m.group(2) is None:
+        return [a]
+    b = int(m.group(3))
+    return list(range(a, b + 1)) if m.group(2) == "to" else list(range(a, b - 1, -1))
 
 
 def _producers(plan: Plan, calls: list[Call]) -> list[tuple[int, ...]]:
@@ -65,10 +71,9 @@ def _microbatches(calls: list[Call], deps: list[tuple[int, ...]],
         mb = counters[k] if k < len(counters) else None
         span = call_range(c.fragment)
         if mb is None and span is not None:
-            a, b = span
             used = taken.setdefault(c.fragment, set())
-            near = {m for d in deps[k] if (m := out[d]) is not None and a <= m <= b}
-            free = [m for m in range(a, b + 1) if m not in used]
+            free = [m for m in span if m not in used]
+            near = {m for d in deps[k] if (m := out[d]) in free}
             mb = near.pop() if len(near) == 1 else (free[0] if free else None)
         if mb is not None:
             taken.setdefault(c.fragment, set()).add(mb)
@@ -94,8 +99,8 @@ def recover_schedule(plan: Plan, counters: Sequence[int | None] = ()) -> Schedul
         warnings.warn(
             f"{n} fragment call{'s' if n > 1 else ''} of the imported program "
             f"{'carry' if n > 1 else 'carries'} no microbatch number ({names}): neither a "
-            f"call_counter attribute nor a '_call<N>' or "
-            f"'_calls<a>to<b>' fragment name. The recovered schedule leaves them "
+            f"call_counter attribute nor a '_call<N>', '_calls<a>to<b>' or "
+            f"'_calls<b>from<a>' fragment name. The recovered schedule leaves them "
             f"unnumbered; keep the partitioner's fragment names to number them.",
             MultimeshWarning, stacklevel=4)
     units_in = []
