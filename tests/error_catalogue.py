@@ -2109,6 +2109,30 @@ def _():
         {"m1": range(4)})
 
 
+@warning("compile-mpmd-unnumbered-call", SHARDY,
+         "An imported call whose microbatch the program does not record", MultimeshWarning,
+         r"1 fragment call of the imported program carries no microbatch number \(g\): "
+         r"neither a call_counter attribute nor a '_call<N>', '_calls<a>to<b>' or "
+         r"'_calls<b>from<a>' fragment name\. The recovered schedule leaves them unnumbered",
+         """`compile_mpmd` recovers the schedule of a pipelined program from its calls: the
+         partitioner names a fragment used by microbatch N `..._call<N>` and one shared by
+         microbatches a to b `..._calls<a>to<b>` (`..._calls<b>from<a>` when it runs them
+         in descending order). A call of a pipelined task whose fragment
+         lost that name (renamed after partitioning) gets no number rather than a guessed
+         one: `compiled.schedule` and its chart show it as `F*`. Warned once per program;
+         keep the partitioner's fragment names.""")
+def _():
+    t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
+    fn = ('func.func @{}(%a: tensor<8xf32>) -> tensor<8xf32> attributes '
+          '{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  return %a : tensor<8xf32>\n}}\n')
+    mm.compile_mpmd(
+        f"func.func public @main(%x: {t}) -> {t} attributes "
+        f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
+        f'  %0 = mpmd.fragment_call<mesh="m1", origin=["a"]> @f_call0(%x) : ({t}) -> {t}\n'
+        f'  %1 = mpmd.fragment_call<mesh="m1", origin=["a"]> @g(%0) : ({t}) -> {t}\n'
+        f"  return %1 : {t}\n}}\n" + fn.format("f_call0") + fn.format("g"), {"m1": range(4)})
+
+
 @error("compile-mpmd-bad-topology", SHARDY, "`compile_mpmd` given a `topology` of the wrong type",
        MultimeshValueError,
        r"`compile_mpmd` cannot read the program: 'topology' must be an #mpmd\.topology, got "

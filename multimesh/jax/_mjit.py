@@ -39,7 +39,7 @@ from multimesh.jax._task import (
 )
 from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 from multimesh.runtime import Executor, build_plan, distributed
-from multimesh.schedules import get_schedule
+from multimesh.schedules import Schedule, get_schedule
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdTraced", "MpmdLowered", "MpmdCompiled",
            "MemoryAnalysis"]
@@ -177,6 +177,7 @@ class MpmdCompiled:
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
     fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+    _recovered_schedule: Schedule | None = None  # set by compile_mpmd
     out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
 
     def _arg_name(self, i: int) -> str:
@@ -212,14 +213,17 @@ class MpmdCompiled:
         """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
         from multimesh.passes.schedule_fragments import read_schedule
 
+        if self._recovered_schedule is not None:  # imported: see _imported_schedule
+            return self._recovered_schedule
         return read_schedule(self._module)
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run one step synchronously, timing every fragment and transfer.
 
         Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
-        (one track per submesh). Blocking after each step makes the timeline readable
-        at the cost of overlap, so use it to inspect, not to benchmark.
+        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``).
+        Blocking after each step makes the timeline readable at the cost of overlap,
+        so use it to inspect, not to benchmark.
         """
         from multimesh.runtime.trace import TraceRecorder
 
@@ -230,7 +234,10 @@ class MpmdCompiled:
         outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
         outs = _place_outputs(outs, self.out_placements)
         if trace_path is not None:
-            rec.write(trace_path)
+            from multimesh.jax._trace_view import write_step_trace
+
+            write_step_trace(rec.events, self.plan_data, self.schedule,
+                             [d.id for d in self._lowered.devices], trace_path)
         self.last_trace = rec
         return jax.tree.unflatten(self._lowered.out_tree, outs)
 
