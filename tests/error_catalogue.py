@@ -200,6 +200,12 @@ def two_stage():
     return jax.value_and_grad(loss), [jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16))
 
 
+def pipelined():
+    """The two-stage pipeline of :func:`two_stage`, compiled with 2 microbatches."""
+    grad_fn, ws, x = two_stage()
+    return mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1)).lower(ws, x).compile()
+
+
 def layered_model(ws, x):
     """A plain model whose layers are named scopes ``layer0`` and ``layer1``."""
     with jax.named_scope("layer0"):
@@ -1104,6 +1110,80 @@ def _():
 
 
 # =========================================================================== schedule misuse
+
+
+@error("compare-schedules-not-pipelined", SCHEDULES,
+       "`compare_schedules` on a program without a pipeline",
+       MultimeshValueError, r"compare_schedules needs a pipelined program",
+       """Only a microbatched program has units to schedule; wrap the step in
+       `microbatch(...)`.""")
+def _():
+    mm.compare_schedules(mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compile())
+
+
+@error("compare-schedules-unknown-costs", SCHEDULES, "An unknown cost source",
+       MultimeshValueError, r"costs='fast' is not a cost source; valid: 'xla', 'unit'",
+       """Give `'xla'`, `'unit'`, a `StepProfile` (`compiled.step_profile(...)`), a
+       `{fragment: seconds}` mapping or a `FragmentCosts`.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="fast")
+
+
+@error("compare-schedules-bad-memory", SCHEDULES, "An unknown memory source",
+       MultimeshTypeError, r"memory must be 'xla', None or the memory_profile\(\) of this",
+       """`memory=` takes `'xla'` (XLA's output sizes of the forward fragments), None, or
+       this program's `compiled.memory_profile(...)`.""")
+def _():
+    mm.compare_schedules(pipelined(), memory=3)
+
+
+@error("compare-schedules-wrong-type", SCHEDULES, "`compare_schedules` given something else",
+       MultimeshTypeError, r"Expected a compiled or lowered multimesh program",
+       """Pass `mjit(f).lower(...)` or its `.compile()`.""")
+def _():
+    mm.compare_schedules("1f1b")
+
+
+@error("schedule-costs-missing-fragment", SCHEDULES, "Costs that miss a fragment",
+       MultimeshValueError, r"no cost for fragment 's0_fwd' \(given costs know: s1_fwd\)",
+       """A `{fragment: seconds}` mapping must name every fragment the schedule calls
+       (`compiled.fragments`); or use `mm.xla_costs(compiled)` or a `StepProfile`.""")
+def _():
+    pipelined().schedule.simulate({"s1_fwd": 1e-3})
+
+
+@error("simulate-stages-lengths", SCHEDULES, "Per-stage numbers of different lengths",
+       MultimeshValueError, r"simulate_stages got 2 forward costs but 3 backward values",
+       """Give one forward cost, one backward cost (and activation size) per stage.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("1f1b", [1.0, 1.0], [2.0, 2.0, 2.0], num_microbatches=4)
+
+
+@error("step-profile-steps", SCHEDULES, "`step_profile` with fewer than one step",
+       MultimeshValueError, r"steps must be at least 1, got 0",
+       """`steps` is how many steps to run and time.""")
+def _():
+    pipelined().step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=0)
+
+
+@error("visualize-xla-costs-of-schedule", SCHEDULES, "`costs='xla'` for a bare Schedule",
+       MultimeshValueError, r"costs='xla' needs the compiled program",
+       """XLA's costs live in the compiled fragments: pass the compiled program, or
+       `costs=mm.xla_costs(compiled)` with the schedule.""")
+def _():
+    mm.visualize_schedule(pipelined().schedule, costs="xla")
+
+
+@error("visualize-measured-with-costs", SCHEDULES, "Costs for a measured profile",
+       MultimeshValueError, r"A measured StepProfile is drawn as it ran",
+       """A `StepProfile` is drawn as measured; to simulate with its costs, pass the
+       program and `costs=profile`.""")
+def _():
+    c = pipelined()
+    prof = c.step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=1)
+    mm.visualize_schedule(prof, costs="xla")
 
 
 @error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",

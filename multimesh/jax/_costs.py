@@ -61,7 +61,7 @@ _DATASHEET = (("h200", 989e12, 4.8e12), ("h100", 989e12, 3.35e12), ("a100", 312e
 
 def _compiled(obj):
     """The compiled program behind ``obj`` (a lowered one is compiled)."""
-    if hasattr(obj, "cost_analysis") and hasattr(obj, "plan_data"):
+    if hasattr(obj, "cost_analysis") and hasattr(obj, "schedule"):
         return obj
     if hasattr(obj, "compile") and hasattr(obj, "as_text"):
         return _compiled(obj.compile())

@@ -1,0 +1,158 @@
+"""Schedules simulated with real costs (issue 23 items 2 and 5, issue 26 item 4):
+per-fragment costs from XLA or from measured steps, predicted step time, bubble and
+peak memory per submesh, ``compare_schedules`` and pictures labelled by their source."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import multimesh.jax as mm
+from multimesh.schedules import all_schedules, build_schedule, pipeline_units
+from multimesh.schedules.costs import FragmentCosts, reshape_units, simulate_stages
+
+P_, M_ = 4, 4
+
+
+def _stage(k):
+    mesh = mm.TaskMesh(devices=range(2 * k, 2 * k + 2), axis_names=("x",), axis_sizes=(2,))
+    return mm.task(lambda w, x: jnp.tanh(x @ w), name=f"stage{k}", mesh=mesh)
+
+
+def _loss(stages):
+    def loss(ws, x):
+        for s, w in zip(stages, ws):
+            x = s(w, x)
+        return (x ** 2).mean()
+    return loss
+
+
+def _args(d=128, rows=256):
+    ws = [jnp.eye(d) * (0.5 + 0.1 * k) for k in range(P_)]
+    x = jnp.linspace(-1, 1, rows * d).reshape(rows, d)
+    return ws, x
+
+
+@pytest.fixture(scope="module")
+def program():
+    ws, x = _args()
+    step = mm.microbatch(jax.value_and_grad(_loss([_stage(k) for k in range(P_)])), dim=0,
+                         size=x.shape[0] // M_, argnum=1, schedule="1f1b", reduction="mean")
+    lowered = mm.mjit(step).lower(ws, x)
+    return lowered.compile(), ws, x, lowered
+
+
+def _check_against_jax(out, ws, x):
+    plain_loss = _loss([lambda w, x: jnp.tanh(x @ w)] * P_)
+    value, grads = jax.value_and_grad(plain_loss)(ws, x)
+    np.testing.assert_allclose(out[0], value, rtol=1e-5)
+    for g, want, k in zip(out[1], grads, range(P_)):
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]
+
+
+def test_profile_costs_reproduce_each_submesh_busy_time(program):
+    """The acceptance test: simulated with costs from a profile of real steps, every
+    submesh's busy time is the measured one (sum of its fragment durations) within 10%."""
+    compiled, ws, x, lowered = program
+    out = compiled.profile(ws, x)
+    _check_against_jax(out, ws, x)
+    one = compiled.last_profile
+    assert one.steps == 1 and len(one.durations) == len(compiled.schedule.units)
+    prof = compiled.step_profile(ws, x, steps=2)
+    assert prof.steps == 2 and all(d > 0 for ds in prof.durations for d in ds)
+    pred = compiled.schedule.simulate(prof)
+    assert pred.source == "profile"
+    for m in range(P_):
+        assert math.isclose(pred.busy[m], prof.busy(m), rel_tol=0.1), (m, pred.busy, prof)
+    # what the simulation overlaps, the measured (blocking) step ran one call at a time
+    assert pred.step_time < sum(prof.busy(m) for m in range(P_)) + 1e-12
+    assert pred.peak_microbatches == (4, 3, 2, 1)
+    # the measured timeline keeps each submesh's dispatch order
+    tl = prof.timeline()
+    for row in compiled.schedule.orders:
+        assert [tl.start[i] for i in row] == sorted(tl.start[i] for i in row)
+
+
+def test_xla_costs_and_residual_bytes(program):
+    compiled, ws, x, lowered = program
+    costs = mm.xla_costs(compiled, mm.DeviceModel(1e12, 1e11, overhead=0.0))
+    frags = {f["name"] for f in compiled.fragments}
+    assert set(costs.seconds) == frags and all(v > 0 for v in costs.seconds.values())
+    res = mm.xla_residual_bytes(compiled)
+    assert res["stage0_fwd"] > 0 and "stage0_bwd" not in res
+    pred = compiled.schedule.simulate(costs, residual_bytes=res)
+    # 1F1B holds 4, 3, 2, 1 microbatches: bytes = microbatches x one forward's outputs
+    assert pred.peak_activation_bytes == tuple(
+        n * res[f"stage{m}_fwd"] for m, n in enumerate((4, 3, 2, 1)))
+    busy = [sum(costs.seconds[compiled.schedule.units[i].fragment] for i in row)
+            for row in compiled.schedule.orders]
+    assert np.allclose(pred.busy, busy)
+    assert max(busy) <= pred.step_time
+
+
+def test_compare_schedules_lists_every_schedule(program, capsys):
+    compiled, ws, x, lowered = program
+    table = mm.compare_schedules(lowered, costs="unit")  # a lowered one compiles
+    names = {p.schedule.name for p in table.rows} | set(table.not_applicable)
+    assert names == {s.name for s in all_schedules()}
+    assert "V-shape" in table.not_applicable["dualpipe-v"]
+    assert table["gpipe"].peak_microbatches == (4, 4, 4, 4)
+    assert table["1f1b"].peak_microbatches == (4, 3, 2, 1)
+    assert math.isclose(table["1f1b"].bubble, 3 / 7)
+    assert table["zb-h1"].bubble < table["1f1b"].bubble  # split from the unsplit program
+    print(table)
+    text = capsys.readouterr().out
+    assert "zero-bubble-h1" in text and "not applicable" in text
+    xla = mm.compare_schedules(compiled)
+    assert xla.source == "xla" and xla["1f1b"].peak_activation_bytes is not None
+
+
+def test_visualize_measured_and_simulated(program, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    compiled, ws, x, lowered = program
+    prof = compiled.step_profile(ws, x, steps=1)
+    assert mm.visualize_schedule(prof, tmp_path / "measured.png")
+    assert "1f1b, measured" in capsys.readouterr().out
+    assert mm.visualize_schedule(compiled, tmp_path / "sim.png", costs=prof)
+    assert "1f1b, simulated (costs: profile)" in capsys.readouterr().out
+    mm.visualize_schedule(compiled, costs="xla")
+    assert "simulated (costs: xla)" in capsys.readouterr().out
+    assert (tmp_path / "measured.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b"])
+def test_simulate_stages_with_unit_costs_is_the_theory(name):
+    V = 2 if name == "interleaved-1f1b" else 1
+    pred = simulate_stages(name, [1.0] * (4 * V), [2.0] * (4 * V), num_microbatches=8,
+                           num_meshes=4, activation_bytes=[100] * (4 * V))
+    want = build_schedule(pipeline_units(4, 8, interleave=V, split_backward=name.startswith("z")),
+                          name)
+    assert math.isclose(pred.bubble, want.bubble_fraction())
+    assert list(pred.peak_microbatches) == want.live_activations()
+    assert pred.peak_activation_bytes == tuple(100 * n for n in pred.peak_microbatches)
+
+
+def test_simulate_stages_with_a_slow_stage():
+    """A stage twice as slow as the others sets the pace of the steady state."""
+    pred = simulate_stages("1f1b", [1, 2, 1, 1], [2, 4, 2, 2], num_microbatches=16)
+    assert pred.busy == (48.0, 96.0, 48.0, 48.0)
+    assert 96 < pred.step_time < 96 + 3 * 6
+    assert pred.bubble > simulate_stages("1f1b", [1] * 4, [2] * 4, num_microbatches=16).bubble
+
+
+def test_reshaped_units_keep_the_work():
+    units = pipeline_units(4, 4)
+    split = reshape_units(units, True)
+    assert sum(u.kind == "bwd_w" for u in split) == 16
+    merged = reshape_units(split, False)
+    assert [(u.kind, u.mesh, u.microbatch, u.deps) for u in merged] == \
+        [(u.kind, u.mesh, u.microbatch, u.deps) for u in units]
+    costs = FragmentCosts({u.fragment: 1.0 + (u.kind == "bwd") for u in units})
+    for us in (split, merged):
+        s = build_schedule(us, "1f1b")
+        assert math.isclose(sum(s.simulate(costs).busy), 48.0)
