@@ -1130,11 +1130,73 @@ def _():
 
 
 @error("compare-schedules-bad-memory", SCHEDULES, "An unknown memory source",
-       MultimeshTypeError, r"memory must be 'xla', None or the memory_profile\(\) of this",
-       """`memory=` takes `'xla'` (XLA's output sizes of the forward fragments), None, or
-       this program's `compiled.memory_profile(...)`.""")
+       MultimeshTypeError, r"memory must be 'plan', None or the memory_profile\(\) of this",
+       """`memory=` takes `'plan'` (`mm.residual_bytes`: the residual sizes read from the
+       compiled plan), None, or this program's `compiled.memory_profile(...)`.""")
 def _():
     mm.compare_schedules(pipelined(), memory=3)
+
+
+@error("compare-schedules-unknown-memory", SCHEDULES, "An unknown memory source",
+       MultimeshValueError, r"memory='xla' is not a memory source; valid: 'plan', None",
+       """Residual sizes come from the compiled plan (`'plan'`) or a measured
+       `compiled.memory_profile(...)`; None leaves bytes out of the table.""")
+def _():
+    mm.compare_schedules(pipelined(), memory="xla")
+
+
+@error("schedule-costs-wrong-type", SCHEDULES, "Costs of the wrong type",
+       MultimeshValueError, r"costs must be None, a FragmentCosts, a measured profile",
+       """`schedule.simulate(costs)` takes None (unit costs), `mm.xla_costs(compiled)`, a
+       `StepProfile`, a `{fragment: seconds}` mapping or a function of a unit.""")
+def _():
+    pipelined().schedule.simulate(3)
+
+
+@error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
+       MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
+       """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a
+       function of `(mesh, stage, microbatch)`.""")
+def _():
+    pipelined().schedule.simulate(residual_bytes=[1, 2])
+
+
+@error("simulate-stages-not-divisible", SCHEDULES, "Stages that do not divide among submeshes",
+       MultimeshValueError, r"number of stages divisible by num_meshes, got 3 stages on 2",
+       """Every submesh holds the same number of stages: give a multiple of
+       `num_meshes` stages.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("1f1b", [1.0] * 3, [2.0] * 3, num_microbatches=4, num_meshes=2)
+
+
+@error("simulate-stages-v-shape", SCHEDULES, "A V-shape schedule without two stages a submesh",
+       MultimeshValueError, r"places 2 stages per submesh in a V: 4 stages need num_meshes=2",
+       """DualPipeV puts stage i and stage 2P - 1 - i on submesh i: give twice as many
+       stages as submeshes.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("dualpipe-v", [1.0] * 4, [2.0] * 4, num_microbatches=8)
+
+
+@error("visualize-cost-and-costs", SCHEDULES, "Both `cost=` and `costs=`",
+       MultimeshValueError, r"Give cost= or costs=, not both",
+       """`cost` is a function of a unit; `costs` a cost source. Pass one.""")
+def _():
+    mm.visualize_schedule(pipelined(), cost=lambda u: 1.0, costs="xla")
+
+
+@error("step-profile-donated", SCHEDULES, "Several profiled steps of a donating program",
+       MultimeshValueError, r"steps=2 reruns the program on the same arguments, but it donates",
+       """A donated argument is gone after one step: profile with `steps=1` and fresh
+       arguments each time.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    c = mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1),
+                donate_argnums=(0,)).lower(ws, x).compile()
+    c.step_profile(ws, x, steps=2)
 
 
 @error("compare-schedules-wrong-type", SCHEDULES, "`compare_schedules` given something else",

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import jax
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.runtime.memory import _shard_bytes as shard_bytes
 from multimesh.runtime.plan import Call
 from multimesh.runtime.timing import StepTime, run_timed
 from multimesh.schedules import Schedule
 from multimesh.schedules.costs import Comparison, FragmentCosts, compare
 from multimesh.schedules.simulator import Timeline
 
-__all__ = ["DeviceModel", "xla_costs", "xla_residual_bytes", "StepProfile", "compare_schedules",
+__all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare_schedules",
            "step_profile", "profile_from_times"]
 
 
@@ -82,13 +83,40 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
     return FragmentCosts(secs, "xla")
 
 
-def xla_residual_bytes(compiled) -> dict[str, int]:
-    """Per forward fragment, the bytes one call leaves per device (XLA's
-    ``output_size_in_bytes``): an upper bound of what its backward keeps alive."""
-    c = _compiled(compiled)
-    stats = c.memory_analysis(by_fragment=True)
-    return {name: int(stats[name].output_size_in_bytes)
-            for name, f in c.plan_data.fragments.items() if f.transpose_count == 0}
+def residual_bytes(compiled) -> dict[str, int]:
+    """Per forward fragment of the microbatch loop, the bytes per device that one call
+    leaves for its microbatch's backward on the same submesh: the values it reads
+    (not the program's inputs: parameters stay anyway) or makes that such a backward
+    reads, sized by their layouts. The schedule's live activations times these are
+    its activation memory (``schedule.simulate(residual_bytes=...)``)."""
+    plan = _compiled(compiled).plan_data
+    kept = _read_by_backward(plan)
+    inputs = set(plan.input_ids)
+    out: dict[str, int] = {}
+    for s in plan.calls():
+        f = plan.fragments[s.fragment]
+        if s.microbatch is None or f.transpose_count != 0:
+            continue
+        typed = [*zip(s.args, f.in_types, f.in_layouts), *zip(s.results, f.out_types,
+                                                                f.out_layouts)]
+        seen: set[int] = set()
+        total = 0
+        for v, (shape, dtype), lay in typed:
+            if v in kept.get((s.microbatch, plan.call_devices(s)), ()) and v not in inputs \
+                    and v not in seen:
+                seen.add(v)
+                total += shard_bytes(shape, dtype, lay)
+        out[s.fragment] = max(out.get(s.fragment, 0), total)
+    return out
+
+
+def _read_by_backward(plan) -> dict[tuple[int, tuple[int, ...]], set[int]]:
+    """(microbatch, devices) -> the values a backward call of that microbatch reads there."""
+    out: dict[tuple[int, tuple[int, ...]], set[int]] = {}
+    for s in plan.calls():
+        if s.microbatch is not None and plan.fragments[s.fragment].transpose_count != 0:
+            out.setdefault((s.microbatch, plan.call_devices(s)), set()).update(s.args)
+    return out
 
 
 @dataclass
@@ -96,7 +124,8 @@ class StepProfile:
     """Measured steps of a pipelined program, per schedule unit.
 
     ``durations[i]``: seconds of unit ``i`` (``schedule.units[i]``) in each measured
-    step; ``starts``/``ends``: its span in the first step, from that step's start;
+    step; ``starts``/``ends``: its span in the first step, from the start of the
+    step's first unit (calls before the microbatch loop are left out);
     ``other``: seconds per step of everything else (calls outside the microbatch
     loop, transfers). Each call was timed alone (the runtime blocks after every
     dispatch step while profiling), so a unit's duration is its own, without overlap.
@@ -107,6 +136,8 @@ class StepProfile:
     starts: list[float]
     ends: list[float]
     other: float = 0.0
+    comm: float = 0.0
+    """Mean seconds of one transfer step (pass as ``simulate(..., comm=)``)."""
 
     measured = True
 
@@ -138,7 +169,8 @@ class StepProfile:
     def __str__(self) -> str:
         busy = " ".join(f"{self.busy(m) * 1e3:.3g}" for m in range(self.schedule.num_meshes))
         return (f"StepProfile({self.schedule.name}: {self.steps} step(s), busy ms per "
-                f"submesh {busy}, other {self.other * 1e3:.3g} ms)")
+                f"submesh {busy}, other {self.other * 1e3:.3g} ms, a transfer "
+                f"{self.comm * 1e3:.3g} ms)")
 
 
 def profile_from_times(schedule: Schedule, steps: Sequence[Sequence[StepTime]]) -> StepProfile:
@@ -148,15 +180,15 @@ def profile_from_times(schedule: Schedule, steps: Sequence[Sequence[StepTime]]) 
     durations: list[list[float]] = [[] for _ in range(n)]
     starts, ends = [0.0] * n, [0.0] * n
     other = 0.0
+    moves = [t.end - t.start for ts in steps for t in ts if t.cat == "transfer"]
     for k, times in enumerate(steps):
         queue: dict[tuple[str, int | None], list[int]] = {}
         for i in schedule.order:
             u = schedule.units[i]
             queue.setdefault((u.fragment, u.microbatch), []).append(i)
-        t0 = min((t.start for t in times), default=0.0)
+        t0 = min((t.start for t in times if _unit_key(t) in queue), default=0.0)
         for t in times:
-            o = t.origin
-            key = (o.fragment, o.microbatch) if isinstance(o, Call) else None
+            key = _unit_key(t)
             if key is None or not queue.get(key):
                 other += t.end - t.start
                 continue
@@ -169,7 +201,13 @@ def profile_from_times(schedule: Schedule, steps: Sequence[Sequence[StepTime]]) 
             raise MultimeshValueError(
                 f"The measured step ran no call of {sorted(set(left))} that the schedule "
                 f"'{schedule.name}' lists; the profile does not belong to this schedule.")
-    return StepProfile(schedule, durations, starts, ends, other / max(len(steps), 1))
+    return StepProfile(schedule, durations, starts, ends, other / max(len(steps), 1),
+                       statistics.fmean(moves) if moves else 0.0)
+
+
+def _unit_key(t: StepTime) -> tuple[str, int | None] | None:
+    o = t.origin
+    return (o.fragment, o.microbatch) if isinstance(o, Call) else None
 
 
 def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepProfile:
@@ -196,13 +234,13 @@ def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepPro
     return profile_from_times(sched, runs)
 
 
-def compare_schedules(compiled_or_lowered, costs="xla", *, memory="xla", comm: float = 0.0,
+def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: float = 0.0,
                       device_model: DeviceModel | None = None) -> Comparison:
     """Simulate every registered schedule on this program's fragments; a table.
 
     ``costs``: ``"xla"`` (:func:`xla_costs`), ``"unit"``, a :class:`StepProfile`, a
     ``{fragment: seconds}`` mapping or a :class:`FragmentCosts`. ``memory``:
-    ``"xla"`` (:func:`xla_residual_bytes`), None, or a ``memory_profile()`` result
+    ``"plan"`` (:func:`residual_bytes`), None, or a ``memory_profile()`` result
     (its measured residual bytes per stage). Schedules that do not fit the program's
     stage placement are listed with the reason. ``comm``: seconds per transfer.
     """
@@ -233,16 +271,14 @@ def _memory_of(c, sched: Schedule, memory):
     if memory is None:
         return None
     if isinstance(memory, str):
-        if memory == "xla":
-            return xla_residual_bytes(c)
+        if memory == "plan":
+            return residual_bytes(c)
         raise MultimeshValueError(
-            f"memory={memory!r} is not a memory source; valid: 'xla', None or a "
+            f"memory={memory!r} is not a memory source; valid: 'plan', None or a "
             "compiled.memory_profile(...) result.")
-    subs = getattr(memory, "submeshes", None)
-    if not isinstance(subs, Sequence) or len(subs) != sched.num_meshes:
+    if getattr(memory, "submeshes", None) is None:
         raise MultimeshTypeError(
-            f"memory must be 'xla', None or the memory_profile() of this program (one "
-            f"row per submesh, {sched.num_meshes} here), got {type(memory).__name__}.")
-    per = {m: int(s.residual_bytes) for m, s in enumerate(subs)}
-    return lambda key: per[key[0]]
+            f"memory must be 'plan', None or the memory_profile() of this program, got "
+            f"{type(memory).__name__}.")
+    return memory
 

@@ -122,7 +122,8 @@ def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
             comm: float = 0.0) -> Prediction:
     """Simulate ``schedule``'s order with ``costs`` (see :func:`as_cost`), ``comm``
     seconds per transfer between submeshes. ``residual_bytes``: ``{forward fragment:
-    bytes one call keeps for its backward}`` or a function of ``(mesh, stage,
+    bytes one call keeps for its backward}``, a measured memory profile (its
+    submeshes' ``residual_bytes``, per stage) or a function of ``(mesh, stage,
     microbatch)``; gives the peak activation bytes per submesh."""
     cost, source = as_cost(costs)
     tl = simulate(schedule, cost=cost, comm=comm)
@@ -137,6 +138,17 @@ def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
 def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, int]], int]:
     if callable(residual_bytes):
         return residual_bytes
+    subs = getattr(residual_bytes, "submeshes", None)
+    if subs is not None:  # a measured memory profile: one microbatch's bytes per submesh
+        if len(subs) != schedule.num_meshes:
+            raise ScheduleError(f"the memory profile has {len(subs)} submeshes, the "
+                                f"schedule {schedule.num_meshes}; profile this program")
+        per_mesh = [int(s.residual_bytes) for s in subs]
+        return lambda k: per_mesh[k[0]]
+    if not isinstance(residual_bytes, Mapping):
+        raise ScheduleError(f"residual_bytes must be {{forward fragment: bytes}}, a memory "
+                            f"profile or a function of (mesh, stage, microbatch), got "
+                            f"{type(residual_bytes).__name__}")
     per_key: dict[tuple[int, int, int], int] = {}
     for u in schedule.units:
         if not u.free and u.kind == "fwd":
@@ -336,7 +348,9 @@ def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: flo
 def _time_text(t: float, source: str) -> str:
     if source == "unit":
         return f"{t:g} units"
-    return f"{t * 1e3:.3g} ms"
+    if t >= 1:
+        return f"{t:.3g} s"
+    return f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} µs"
 
 
 def _bytes_text(b: float) -> str:

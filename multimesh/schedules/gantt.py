@@ -54,7 +54,8 @@ def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None
 def format_timeline(tl: Timeline, label: str, columns: int = 72) -> str:
     """A text Gantt of a timeline in seconds (simulated with real costs, or measured),
     ``columns`` cells wide: each unit is its letter and microbatch (``F3``) where it
-    starts, ``-`` while it runs; ``.`` is idle."""
+    starts, ``-`` while it runs (just its letter where that is too long); ``.`` is
+    idle."""
     s = tl.schedule
     T = tl.makespan or 1.0
     names = [f"submesh {m}" for m in range(s.num_meshes)]
@@ -66,9 +67,8 @@ def format_timeline(tl: Timeline, label: str, columns: int = 72) -> str:
         for i in row:
             a = min(columns - 1, int(tl.start[i] / T * columns))
             b = max(a + 1, min(columns, round(tl.end[i] / T * columns)))
-            cells[a:b] = ["-"] * (b - a)
-            for k, ch in enumerate(short_label(s.units[i])[:b - a]):
-                cells[a + k] = ch
+            lab = short_label(s.units[i])
+            cells[a:b] = list(lab.ljust(b - a, "-") if len(lab) <= b - a else lab[0] * (b - a))
         lines.append(f"{names[m].ljust(pad)} |{''.join(cells)}")
     return "\n".join(lines)
 
