@@ -177,3 +177,82 @@ def test_reshaped_units_keep_the_work():
     for us in (split, merged):
         s = build_schedule(us, "1f1b")
         assert math.isclose(sum(s.simulate(costs).busy), 48.0)
+
+
+def _placed_stage(k, first):
+    mesh = mm.TaskMesh(devices=range(first, first + 4), axis_names=("x",), axis_sizes=(4,))
+    return mm.task(lambda w, x: jnp.tanh(x @ w), name=f"layer{k}", mesh=mesh)
+
+
+def test_costs_survive_splitting_and_merging_backwards():
+    """A zero-bubble program's profile simulates every schedule with the same work per
+    submesh: split halves merge for 1F1B, whole backwards stay split for ZB-H2."""
+    ws, x = _args(d=64, rows=128)
+    step = mm.microbatch(jax.value_and_grad(_loss([_stage(k) for k in range(P_)])), dim=0,
+                         size=32, argnum=1, schedule="zero-bubble-h1")
+    compiled = mm.mjit(step).lower(ws, x).compile()
+    assert any(u.kind == "bwd_w" for u in compiled.schedule.units)
+    prof = compiled.step_profile(ws, x, steps=1)
+    table = mm.compare_schedules(compiled, prof, memory=None)
+    for name in ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2"):
+        assert np.allclose(table[name].busy, [prof.busy(m) for m in range(P_)], rtol=1e-9)
+    assert not any(u.kind == "bwd_w" for u in table["1f1b"].schedule.units)
+
+
+def test_compare_schedules_on_interleaved_stages():
+    """Four layers round-robin on two submeshes: the interleaved schedules apply, the
+    contiguous ones are listed with the placement they need."""
+    layers = [_placed_stage(k, 4 * (k % 2)) for k in range(4)]
+    ws, x = _args(d=32, rows=64)
+    step = mm.microbatch(jax.value_and_grad(_loss(layers)), dim=0, size=16, argnum=1,
+                         schedule="interleaved-1f1b", reduction="mean")
+    compiled = mm.mjit(step).lower(ws, x).compile()
+    out = compiled(ws, x)
+    plain = jax.value_and_grad(_loss([lambda w, x: jnp.tanh(x @ w)] * 4))(ws, x)
+    np.testing.assert_allclose(out[0], plain[0], rtol=1e-5)
+    for g, want in zip(out[1], plain[1]):
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
+    table = mm.compare_schedules(compiled, costs="unit")
+    assert {"interleaved-1f1b", "interleaved-gpipe", "1f1b"} <= {p.schedule.name
+                                                                for p in table.rows}
+    assert "one pipeline stage per submesh" in table.not_applicable["eager-1f1b"]
+    assert math.isclose(table["interleaved-1f1b"].bubble, 1 / 9)  # (P-1)/(VM+P-1)
+    assert table["interleaved-1f1b"].peak_microbatches == (5, 3)   # gpipe: 8, 8
+    assert table["gpipe"].peak_microbatches == (8, 8)
+
+
+def test_registered_blocks(capsys):
+    """Tasks placed by ``register_task`` on Flax blocks: profiled, simulated, compared."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = jnp.tanh(nn.Dense(64, name=f"block_{i}")(x))
+            return (x ** 2).mean()
+
+    def place(name, backprop):
+        i = int(name.split("_")[1])
+        return mm.Task(name=f"{name}_{'bwd' if backprop else 'fwd'}",
+                       mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4)))
+
+    model = Net()
+    x = jnp.linspace(-1, 1, 128 * 64).reshape(128, 64)
+    params = model.init(jax.random.key(0), x[:32])
+    step = mm.microbatch(jax.value_and_grad(model.apply), dim=0, size=32, argnum=1,
+                         schedule="1f1b", reduction="mean")
+    with mm.Context() as ctx:
+        ctx.register_task(r"(block_\d+)", callback=place)
+        compiled = mm.mjit(step).lower(params, x).compile()
+    loss, grads = compiled.profile(params, x)
+    want_loss, want_grads = jax.value_and_grad(model.apply)(params, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    prof = compiled.last_profile
+    pred = compiled.schedule.simulate(prof, residual_bytes=mm.residual_bytes(compiled))
+    assert np.allclose(pred.busy, [prof.busy(m) for m in range(2)], rtol=0.1)
+    assert pred.peak_microbatches == (2, 1) and all(pred.peak_activation_bytes)
+    print(mm.compare_schedules(compiled, costs=prof))
+    assert "gpipe-1f1b-last" in capsys.readouterr().out
