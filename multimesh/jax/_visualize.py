@@ -73,14 +73,15 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     "measured"). Times come from a simulation with unit costs (forward 1, backward
     2, each half of a split backward 1) unless ``costs`` gives real ones (``"xla"``
     for a compiled program, a ``StepProfile``, ``{fragment: seconds}``; labelled
-    "simulated (costs: ...)") or ``cost`` maps a unit to its duration. The PNG
+    "simulated (costs: ...)"; ``"unit"``, the default) or ``cost`` maps a unit to its
+    duration (in units of time). The PNG
     has one row per submesh, forward/backward/weight-gradient boxes in three
     colours with the microbatch number inside (hatched: a submesh's second stage
     under interleaving); it needs matplotlib (without it a
     warning is issued and no file is written). Returns the PNG's path, or None.
     """
     tl, label = _timeline(compiled_or_schedule, cost, costs)
-    if label == "simulated (unit costs)":
+    if "unit" in label or cost is not None:  # a grid of whole units of time
         print(format_gantt(tl.schedule, cost=cost))
     else:
         print(format_timeline(tl, label))
@@ -93,10 +94,12 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
         warnings.warn("matplotlib is not installed: no PNG written "
                       "(pip install matplotlib)", stacklevel=2)
         return None
-    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * _span(tl, label) + 2)),
+    seconds = cost is None and "unit" not in label
+    span = 40.0 if seconds else tl.makespan  # real seconds: a fixed width
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * span + 2)),
                           0.6 * tl.schedule.num_meshes + 1.4))
     FigureCanvasAgg(fig)
-    _draw(fig.add_subplot(1, 1, 1), tl, label, seconds=cost is None and "unit" not in label)
+    _draw(fig.add_subplot(1, 1, 1), tl, label, seconds=seconds)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=100)
     return os.fspath(path)
@@ -110,7 +113,7 @@ def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
                                       "costs= apply to a schedule, not to a measurement.")
         return obj.timeline(), "measured"
     sched = as_schedule(obj)
-    if costs is None:
+    if costs is None or (isinstance(costs, str) and costs == "unit"):
         return simulate(sched, cost=cost), ("simulated (unit costs)" if cost is None
                                             else "simulated (costs: given)")
     if cost is not None:
@@ -118,17 +121,12 @@ def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
     if isinstance(costs, str) and costs == "xla":
         from multimesh.jax._costs import xla_costs
 
-        if isinstance(obj, Schedule) or isinstance(obj, Mapping):
+        if isinstance(obj, (Schedule, Mapping)):
             raise MultimeshValueError("costs='xla' needs the compiled program, not its "
                                       "Schedule: pass the compiled program.")
         costs = xla_costs(obj)
     fn, source = as_cost(costs)
     return simulate(sched, cost=fn), f"simulated (costs: {source})"
-
-
-def _span(tl: Timeline, label: str) -> float:
-    """Width of the picture in units of time (40 for real seconds)."""
-    return tl.makespan if "unit" in label else 40.0
 
 
 def _draw(ax, tl: Timeline, label: str, seconds: bool) -> None:
