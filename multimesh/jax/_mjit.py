@@ -232,8 +232,8 @@ class MpmdCompiled:
             _check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
         outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
-        self.last_profile = None if self.schedule is None else \
-            profile_from_times(self.schedule, [times])
+        sched = self.schedule
+        self.last_profile = None if sched is None else profile_from_times(sched, [times])
         outs = _place_outputs(outs, self.out_placements)
         if trace_path is not None:
             rec.write(trace_path)
