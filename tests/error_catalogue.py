@@ -1199,6 +1199,23 @@ def _():
     c.step_profile(ws, x, steps=2)
 
 
+@error("compare-schedules-nothing-fits", SCHEDULES, "No schedule within a memory limit",
+       MultimeshValueError, r"no schedule keeps its activations within 1 KiB; the least",
+       """Every applicable schedule holds more activation bytes on some submesh than the
+       limit: recompute stages (`remat=`), use more, smaller microbatches, or raise it.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="unit").best(memory_limit=1024)
+
+
+@error("compare-schedules-limit-without-memory", SCHEDULES,
+       "A memory limit without residual sizes",
+       MultimeshValueError, r"memory_limit needs residual sizes",
+       """`best(memory_limit=...)` compares activation bytes: build the table with
+       `memory='plan'` (the default) or a memory profile.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="unit", memory=None).best(memory_limit=1024)
+
+
 @error("compare-schedules-wrong-type", SCHEDULES, "`compare_schedules` given something else",
        MultimeshTypeError, r"Expected a compiled or lowered multimesh program",
        """Pass `mjit(f).lower(...)` or its `.compile()`.""")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import multimesh.jax as mm
-from multimesh.schedules import all_schedules, build_schedule, pipeline_units
-from multimesh.schedules.costs import FragmentCosts, reshape_units, simulate_stages
+from multimesh.schedules import ScheduleError, all_schedules, build_schedule, pipeline_units
+from multimesh.schedules.costs import FragmentCosts, compare, reshape_units, simulate_stages
 
 P_, M_ = 4, 4
 
@@ -131,6 +131,11 @@ def test_compare_schedules_lists_every_schedule(program, capsys):
     assert "zero-bubble-h1" in text and "not applicable" in text
     xla = mm.compare_schedules(compiled)
     assert xla.source == "xla" and xla["1f1b"].peak_activation_bytes is not None
+    # with M = P every schedule holds all 4 microbatches on the first submesh
+    res = mm.residual_bytes(compiled)["stage0_fwd"]
+    assert max(xla.best(memory_limit=4 * res).peak_activation_bytes) <= 4 * res
+    with pytest.raises(mm.errors.ScheduleError, match="no schedule keeps its activations"):
+        xla.best(memory_limit=4 * res - 1)
 
 
 def test_visualize_measured_and_simulated(program, tmp_path, capsys):
@@ -144,6 +149,20 @@ def test_visualize_measured_and_simulated(program, tmp_path, capsys):
     mm.visualize_schedule(compiled, costs="xla")
     assert "simulated (costs: xla)" in capsys.readouterr().out
     assert (tmp_path / "measured.png").stat().st_size > 0
+
+
+def test_best_schedule_within_a_memory_limit():
+    """Issue 26 item 4: a memory limit picks the fastest schedule that fits."""
+    units = pipeline_units(4, 8)
+    table = compare(units, residual_bytes=lambda k: 100)
+    assert table.best().schedule.name == "zero-bubble-h1"   # 27 units, H2 ties later
+    fits = [p for p in table.rows if max(p.peak_activation_bytes) <= 400]
+    assert {p.schedule.name for p in fits} == {"1f1b", "zero-bubble-h1"}
+    assert table.best(memory_limit=400).step_time == min(p.step_time for p in fits)
+    with pytest.raises(ScheduleError, match=r"within 399 B; the least, '1f1b', holds 400 B"):
+        table.best(memory_limit=399)
+    with pytest.raises(ScheduleError, match="memory_limit needs residual sizes"):
+        compare(units).best(memory_limit=400)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b"])

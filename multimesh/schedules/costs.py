@@ -295,9 +295,24 @@ class Comparison:
                 return p
         raise KeyError(f"schedule '{key}' does not apply: {self.not_applicable.get(key)}")
 
-    def best(self) -> Prediction:
-        """The applicable schedule with the shortest predicted step."""
-        return min(self.rows, key=lambda p: p.step_time)
+    def best(self, memory_limit: int | None = None) -> Prediction:
+        """The applicable schedule with the shortest predicted step; with
+        ``memory_limit`` (bytes per device), among those whose peak activation bytes
+        stay within it on every submesh."""
+        rows = self.rows
+        if memory_limit is not None:
+            if any(p.peak_activation_bytes is None for p in rows):
+                raise ScheduleError("memory_limit needs residual sizes: compare with "
+                                    "memory='plan' or a memory profile")
+            rows = [p for p in rows if max(p.peak_activation_bytes or (0,)) <= memory_limit]
+            if not rows:
+                least = min(self.rows, key=lambda p: max(p.peak_activation_bytes or (0,)))
+                raise ScheduleError(
+                    f"no schedule keeps its activations within {_bytes_text(memory_limit)}; "
+                    f"the least, '{least.schedule.name}', holds "
+                    f"{_bytes_text(max(least.peak_activation_bytes or (0,)))} on a submesh "
+                    f"(recompute stages with remat=, or use more microbatches)")
+        return min(rows, key=lambda p: p.step_time)
 
     def format(self, *, times: bool = True) -> str:
         """The table: step time (``times``), bubble, peak live microbatches and
