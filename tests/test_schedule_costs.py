@@ -270,6 +270,12 @@ def test_registered_blocks(capsys):
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
     prof = compiled.last_profile
+    calls = prof.per_call()
+    per_submesh = compiled.calls_per_submesh()
+    for m, devices in enumerate(compiled.schedule.devices):  # device ids = positions here
+        looped = [c for c in per_submesh[tuple(devices)] if "@" in c]
+        assert looped and all(calls[c] > 0 for c in looped)
+        assert math.isclose(sum(calls[c] for c in looped), prof.busy(m))
     pred = compiled.schedule.simulate(prof, residual_bytes=mm.residual_bytes(compiled))
     assert np.allclose(pred.busy, [prof.busy(m) for m in range(2)], rtol=0.1)
     assert pred.peak_microbatches == (2, 1) and all(pred.peak_activation_bytes)

@@ -153,6 +153,12 @@ class StepProfile:
         """Mean seconds per step that submesh ``mesh`` spent in its units."""
         return sum(self.duration(i) for i in self.schedule.orders[mesh])
 
+    def per_call(self) -> dict[str, float]:
+        """Mean seconds of each call, as ``calls_per_submesh()`` names them
+        (``fragment@microbatch``)."""
+        return {f"{u.fragment}@{u.microbatch}" if u.microbatch is not None else u.fragment:
+                self.duration(u.index) for u in self.schedule.units}
+
     def fragment_costs(self) -> FragmentCosts:
         """Seconds per fragment call: the mean over its calls in every step (so a
         simulation with them keeps each submesh's measured busy time)."""
