@@ -200,6 +200,12 @@ def two_stage():
     return jax.value_and_grad(loss), [jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16))
 
 
+def pipelined():
+    """The two-stage pipeline of :func:`two_stage`, compiled with 2 microbatches."""
+    grad_fn, ws, x = two_stage()
+    return mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1)).lower(ws, x).compile()
+
+
 def layered_model(ws, x):
     """A plain model whose layers are named scopes ``layer0`` and ``layer1``."""
     with jax.named_scope("layer0"):
@@ -1104,6 +1110,159 @@ def _():
 
 
 # =========================================================================== schedule misuse
+
+
+@error("compare-schedules-not-pipelined", SCHEDULES,
+       "`compare_schedules` on a program without a pipeline",
+       MultimeshValueError, r"compare_schedules needs a pipelined program",
+       """Only a microbatched program has units to schedule; wrap the step in
+       `microbatch(...)`.""")
+def _():
+    mm.compare_schedules(mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compile())
+
+
+@error("compare-schedules-unknown-costs", SCHEDULES, "An unknown cost source",
+       MultimeshValueError, r"costs='fast' is not a cost source; valid: 'xla', 'unit'",
+       """Give `'xla'`, `'unit'`, a `StepProfile` (`compiled.step_profile(...)`), a
+       `{fragment: seconds}` mapping or a `FragmentCosts`.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="fast")
+
+
+@error("compare-schedules-bad-memory", SCHEDULES, "An unknown memory source",
+       MultimeshTypeError, r"memory must be 'plan', None or the memory_profile\(\) of this",
+       """`memory=` takes `'plan'` (`mm.residual_bytes`: the residual sizes read from the
+       compiled plan), None, or this program's `compiled.memory_profile(...)`.""")
+def _():
+    mm.compare_schedules(pipelined(), memory=3)
+
+
+@error("compare-schedules-unknown-memory", SCHEDULES, "An unknown memory source",
+       MultimeshValueError, r"memory='xla' is not a memory source; valid: 'plan', None",
+       """Residual sizes come from the compiled plan (`'plan'`) or a measured
+       `compiled.memory_profile(...)`; None leaves bytes out of the table.""")
+def _():
+    mm.compare_schedules(pipelined(), memory="xla")
+
+
+@error("schedule-costs-wrong-type", SCHEDULES, "Costs of the wrong type",
+       MultimeshValueError, r"costs must be None, a FragmentCosts, a measured profile",
+       """`schedule.simulate(costs)` takes None (unit costs), `mm.xla_costs(compiled)`, a
+       `StepProfile`, a `{fragment: seconds}` mapping or a function of a unit.""")
+def _():
+    pipelined().schedule.simulate(3)
+
+
+@error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
+       MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
+       """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a
+       function of `(mesh, stage, microbatch)`.""")
+def _():
+    pipelined().schedule.simulate(residual_bytes=[1, 2])
+
+
+@error("simulate-stages-not-divisible", SCHEDULES, "Stages that do not divide among submeshes",
+       MultimeshValueError, r"number of stages divisible by num_meshes, got 3 stages on 2",
+       """Every submesh holds the same number of stages: give a multiple of
+       `num_meshes` stages.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("1f1b", [1.0] * 3, [2.0] * 3, num_microbatches=4, num_meshes=2)
+
+
+@error("simulate-stages-v-shape", SCHEDULES, "A V-shape schedule without two stages a submesh",
+       MultimeshValueError, r"places 2 stages per submesh in a V: 4 stages need num_meshes=2",
+       """DualPipeV puts stage i and stage 2P - 1 - i on submesh i: give twice as many
+       stages as submeshes.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("dualpipe-v", [1.0] * 4, [2.0] * 4, num_microbatches=8)
+
+
+@error("visualize-cost-and-costs", SCHEDULES, "Both `cost=` and `costs=`",
+       MultimeshValueError, r"Give cost= or costs=, not both",
+       """`cost` is a function of a unit; `costs` a cost source. Pass one.""")
+def _():
+    mm.visualize_schedule(pipelined(), cost=lambda u: 1.0, costs="xla")
+
+
+@error("step-profile-donated", SCHEDULES, "Several profiled steps of a donating program",
+       MultimeshValueError, r"steps=2 reruns the program on the same arguments, but it donates",
+       """A donated argument is gone after one step: profile with `steps=1` and fresh
+       arguments each time.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    c = mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1),
+                donate_argnums=(0,)).lower(ws, x).compile()
+    c.step_profile(ws, x, steps=2)
+
+
+@error("compare-schedules-nothing-fits", SCHEDULES, "No schedule within a memory limit",
+       MultimeshValueError, r"no schedule keeps its activations within 1 KiB; the least",
+       """Every applicable schedule holds more activation bytes on some submesh than the
+       limit: recompute stages (`remat=`), use more, smaller microbatches, or raise it.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="unit").best(memory_limit=1024)
+
+
+@error("compare-schedules-limit-without-memory", SCHEDULES,
+       "A memory limit without residual sizes",
+       MultimeshValueError, r"memory_limit needs residual sizes",
+       """`best(memory_limit=...)` compares activation bytes: build the table with
+       `memory='plan'` (the default) or a memory profile.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="unit", memory=None).best(memory_limit=1024)
+
+
+@error("compare-schedules-wrong-type", SCHEDULES, "`compare_schedules` given something else",
+       MultimeshTypeError, r"Expected a compiled or lowered multimesh program",
+       """Pass `mjit(f).lower(...)` or its `.compile()`.""")
+def _():
+    mm.compare_schedules("1f1b")
+
+
+@error("schedule-costs-missing-fragment", SCHEDULES, "Costs that miss a fragment",
+       MultimeshValueError, r"no cost for fragment 's0_fwd' \(given costs know: s1_fwd\)",
+       """A `{fragment: seconds}` mapping must name every fragment the schedule calls
+       (`compiled.fragments`); or use `mm.xla_costs(compiled)` or a `StepProfile`.""")
+def _():
+    pipelined().schedule.simulate({"s1_fwd": 1e-3})
+
+
+@error("simulate-stages-lengths", SCHEDULES, "Per-stage numbers of different lengths",
+       MultimeshValueError, r"simulate_stages got 2 forward costs but 3 backward values",
+       """Give one forward cost, one backward cost (and activation size) per stage.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("1f1b", [1.0, 1.0], [2.0, 2.0, 2.0], num_microbatches=4)
+
+
+@error("step-profile-steps", SCHEDULES, "`step_profile` with fewer than one step",
+       MultimeshValueError, r"steps must be at least 1, got 0",
+       """`steps` is how many steps to run and time.""")
+def _():
+    pipelined().step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=0)
+
+
+@error("visualize-xla-costs-of-schedule", SCHEDULES, "`costs='xla'` for a bare Schedule",
+       MultimeshValueError, r"costs='xla' needs the compiled program",
+       """XLA's costs live in the compiled fragments: pass the compiled program, or
+       `costs=mm.xla_costs(compiled)` with the schedule.""")
+def _():
+    mm.visualize_schedule(pipelined().schedule, costs="xla")
+
+
+@error("visualize-measured-with-costs", SCHEDULES, "Costs for a measured profile",
+       MultimeshValueError, r"A measured StepProfile is drawn as it ran",
+       """A `StepProfile` is drawn as measured; to simulate with its costs, pass the
+       program and `costs=profile`.""")
+def _():
+    c = pipelined()
+    prof = c.step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=1)
+    mm.visualize_schedule(prof, costs="xla")
 
 
 @error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",

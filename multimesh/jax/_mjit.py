@@ -221,17 +221,22 @@ class MpmdCompiled:
         """Run one step synchronously, timing every fragment and transfer.
 
         Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
-        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``).
-        Blocking after each step makes the timeline readable at the cost of overlap,
-        so use it to inspect, not to benchmark.
+        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``);
+        a pipelined program's durations per schedule unit are then ``last_profile``
+        (a :class:`multimesh.jax.StepProfile`). Blocking after each step makes the
+        timeline readable at the cost of overlap, so use it to inspect, not to benchmark.
         """
+        from multimesh.jax._costs import profile_from_times
+        from multimesh.runtime.timing import run_timed
         from multimesh.runtime.trace import TraceRecorder
 
         flat, tree = jax.tree.flatten((args, kwargs))
         if self._lowered.in_avals is not None and tree == self._lowered.in_tree:
             _check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
-        outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
+        outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
+        sched = self.schedule
+        self.last_profile = None if sched is None else profile_from_times(sched, [times])
         outs = _place_outputs(outs, self.out_placements)
         if trace_path is not None:
             from multimesh.jax._trace_view import write_step_trace
@@ -240,6 +245,13 @@ class MpmdCompiled:
                              [d.id for d in self._lowered.devices], trace_path)
         self.last_trace = rec
         return jax.tree.unflatten(self._lowered.out_tree, outs)
+
+    def step_profile(self, *args, steps: int = 3, **kwargs):
+        """Run ``steps`` steps, timing every fragment call alone: a
+        :class:`multimesh.jax.StepProfile` (costs for ``schedule.simulate``)."""
+        from multimesh.jax._costs import step_profile
+
+        return step_profile(self, args, kwargs, steps)
 
     def memory_profile(self, *args, **kwargs):
         """Run one step and measure, per submesh, the peak bytes the runtime holds
