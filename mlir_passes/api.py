@@ -22,11 +22,11 @@ from .base import ModulePass
 from .import_mpmd import parse_mesh_tensor, read_topology
 from .match_tasks import Rule, RuleTask, compile_matcher, find_matches
 from .pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
-from .schedule_fragments import read_schedule
+from .schedule_fragments import read_schedule, schedule_from_order
 
 __all__ = ["PipelineOptions", "SplitBackward", "build_pipeline", "Pipeline", "PipelineHooks",
            "VERIFIER", "parse_pipeline", "Rule", "RuleTask", "compile_matcher", "find_matches",
-           "read_schedule", "parse_mesh_tensor", "read_topology"]
+           "read_schedule", "schedule_from_order", "parse_mesh_tensor", "read_topology"]
 
 
 class SplitBackward(enum.Enum):

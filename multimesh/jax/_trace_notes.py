@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from multimesh.jax import _contexts
-
-__all__ = ["MicrobatchNote", "TraceNotes", "current"]
+__all__ = ["MicrobatchNote", "TraceNotes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +47,3 @@ class TraceNotes:
     microbatch: MicrobatchNote | None = None
     explicit_task_names: dict[str, list[tuple]] = field(default_factory=dict)
     """Each user-chosen task name: the (devices, axes, sizes, mapping, split) it came with."""
-
-
-def current() -> TraceNotes | None:
-    """The notes of the program being traced (None outside ``mjit``'s trace)."""
-    return _contexts.state.trace_notes
