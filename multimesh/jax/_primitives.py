@@ -212,7 +212,6 @@ microbatch_p.multiple_results = True
 jax_compat.def_jit_impl(microbatch_p)
 
 
-
 def bind_microbatch(jaxpr: ClosedJaxpr, num_consts: int, operands,
                     num_microbatches: int):
     return microbatch_p.bind(*operands, jaxpr=jaxpr, num_consts=num_consts,
