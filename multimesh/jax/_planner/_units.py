@@ -152,7 +152,10 @@ def _cost(eqns, cache: dict) -> tuple[float, float]:
             if isinstance(v, jcore.Var) and v not in defined and v not in ins:
                 ins.append(v)
     outs = [v for e in eqns for v in e.outvars if not isinstance(v, jcore.DropVar)]
-    jaxpr = jcore.Jaxpr([], ins, outs, list(eqns))
+    dbg = jcore.DebugInfo("plan_pipeline", "a unit's equations",
+                          tuple(f"in{k}" for k in range(len(ins))),
+                          tuple(f"out{k}" for k in range(len(outs))))
+    jaxpr = jcore.Jaxpr([], ins, outs, list(eqns), debug_info=dbg)
     closed = jcore.ClosedJaxpr(jaxpr, [])
     key = str(closed)
     if key not in cache:
