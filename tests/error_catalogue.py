@@ -1944,6 +1944,16 @@ def _():
     mm.plan_pipeline(layered_model, *layered_args(), num_stages=3)
 
 
+@error("plan-more-stages-than-units", IMPLICIT, "`plan_pipeline` with more stages than units",
+       MultimeshValueError,
+       r"num_stages=4 ask for at least 4 stages, but the step has only 2 units "
+       r"\(layer0, layer1\)",
+       """Each stage holds at least one unit: ask for fewer stages, or name the model's
+       parts more finely (more submodules or `jax.named_scope` blocks).""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=4)
+
+
 @error("plan-schedule-not-modelled", IMPLICIT, "`plan_pipeline` with a schedule it cannot model",
        MultimeshValueError,
        r"schedule='zero-bubble-h1' is not one the planner can model; valid choices are "

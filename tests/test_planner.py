@@ -183,7 +183,7 @@ def _check_run(plan, loss, params, x, out):
         assert sorted(d.id for d in g.devices()) == list(stage.devices), path
 
 
-def test_linen_pipelined_step_matches_gradient_accumulation(lm2048):
+def test_linen_pipelined_step_matches_gradient_accumulation(lm2048, tmp_path):
     model, params, tok, plan = lm2048
     assert plan.num_microbatches == 2 and plan.schedule in ("1f1b", "gpipe")
     assert [st.devices for st in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -195,12 +195,36 @@ def test_linen_pipelined_step_matches_gradient_accumulation(lm2048):
     assert compiled.schedule.name == plan.schedule
     tasks = {c["task"]: tuple(c["devices"]) for c in compiled.calls if c["microbatch"] is not None}
     assert tasks == {st.task_name: st.devices for st in plan.stages}
-    # predicted against measured, per stage, from the profiled step
-    compiled.profile(params, tok)
+    # predicted against measured, per stage, from the profiled step or its trace file
+    path = tmp_path / "step.json"
+    compiled.profile(params, tok, trace_path=path)
     cmp = plan.compare(compiled)
     assert [r[0] for r in cmp.rows] == [0, 1, 2, 3]
     assert all(m > 0 and p > 0 for _, p, m in cmp.rows)
     assert "measured/predicted" in str(cmp)
+    from_file = plan.compare(str(path))
+    for a, b in zip(cmp.rows, from_file.rows):
+        assert a[1] == b[1] and a[2] == pytest.approx(b[2], rel=1e-3)
+
+
+def test_linen_parallelize_step_auto():
+    model, tok, lr = LM(512, n=2), _tokens(512), 0.5
+    result = mmf.parallelize_step(model, optax.sgd(lr), global_batch=tok, num_stages="auto",
+                                  num_microbatches=2)
+    plan = result.plan
+    assert isinstance(plan, mm.PipelinePlan) and plan.num_microbatches == 2
+    assert [u for st in plan.stages for u in st.units] == ["embed", "layers_0", "layers_1",
+                                                           "head"]
+    params = jax.device_get(result.state.params)
+    loss, state = result.step_fn(result.state, tok)
+    ref_loss, ref_grads = _accumulated(model.apply, params, tok, 2)
+    np.testing.assert_allclose(loss, ref_loss / 2, rtol=1e-5)  # the mean over microbatches
+    want = jax.tree.map(lambda w, g: w - lr * g / 2, params, ref_grads)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                            jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        stage = plan.stages[_stage_of(plan, jax.tree_util.keystr(path))]
+        assert sorted(d.id for d in a.devices()) == list(stage.devices), path
 
 
 # --------------------------------------------------------------------------- the plan object

@@ -49,6 +49,10 @@ def _batch_rows(args, argnum: int, dim: int) -> int:
 
 def _stage_counts(num_stages, n_devices: int) -> list[int]:
     if num_stages is None:
+        if n_devices < 2:
+            raise MultimeshValueError(
+                f"`plan_pipeline` got {n_devices} device; a pipeline needs at least two "
+                f"(pass `devices=`, or run with more).")
         return [s for s in range(2, n_devices + 1) if n_devices % s == 0]
     _positive(num_stages, "num_stages", numbers.Integral)
     if n_devices % num_stages:
@@ -57,6 +61,18 @@ def _stage_counts(num_stages, n_devices: int) -> list[int]:
             f"devices; every stage gets the same number of devices, so choose one of "
             f"{[s for s in range(1, n_devices + 1) if n_devices % s == 0]}.")
     return [int(num_stages)]
+
+
+def _fitting(stages: list[int], names: Sequence[str], asked) -> list[int]:
+    """The stage counts that leave every stage at least one unit."""
+    fit = [s for s in stages if s <= len(names)]
+    if not fit:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: {'num_stages=' + str(asked) if asked else 'the devices'} "
+            f"ask for at least {min(stages) if stages else 2} stages, but the step has only "
+            f"{len(names)} units ({', '.join(names)}) and a stage holds at least one. "
+            f"Ask for fewer stages, or name the model's parts more finely.")
+    return fit
 
 
 def _microbatch_counts(num_microbatches, rows: int) -> list[int]:
@@ -178,7 +194,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     costs = Costs(tuple(x.name for x in u), tuple(x.fwd_flops for x in u),
                   tuple(x.bwd_flops for x in u), tuple(x.param_bytes for x in u),
                   tuple(x.residual_bytes for x in u), profile.cut_bytes)
-    choice = search(costs, machine, stages, mbs, _schedules(schedule))
+    choice = search(costs, machine, _fitting(stages, costs.names, num_stages), mbs,
+                    _schedules(schedule))
     return PipelinePlan(
         stages=_stages(profile, choice, devices, machine),
         num_microbatches=choice.num_microbatches, schedule=choice.schedule,
