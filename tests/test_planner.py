@@ -71,10 +71,12 @@ def _tokens(vocab, rows=ROWS):
 
 
 def _fb_flops(f, *args) -> float:
-    """XLA's flops of ``f``'s forward and backward at ``args`` (cotangent of ones)."""
+    """XLA's flops of ``f``'s forward and backward at ``args`` (cotangent of ones); the
+    output is returned too, so the forward's last op is not dropped as dead code (in a
+    model the next unit reads it)."""
     def run(*a):
         out, pull = jax.vjp(f, *a)
-        return pull(jnp.ones_like(out))
+        return out, pull(jnp.ones_like(out))
 
     return float(jax.jit(run).lower(*args).cost_analysis()["flops"])
 
@@ -150,11 +152,9 @@ def test_linen_plan_is_near_the_optimal_cut(vocab, lm2048):
         assert even >= 1.3 * planned, (even, planned)
     else:  # the head alone is the bottleneck
         assert groups[-1] == ("head",) and best == flops["head"]
-    # the plan's own unit costs are close to the independent ones (a unit inside the
-    # whole step keeps a few more backward ops than the module differentiated alone)
+    # the plan's own unit costs agree with the independent ones
     for u in plan.units:
-        if u["name"] != "embed":
-            assert u["fwd_flops"] + u["bwd_flops"] == pytest.approx(flops[u["name"]], rel=0.2)
+        assert u["fwd_flops"] + u["bwd_flops"] == pytest.approx(flops[u["name"]], rel=0.05)
 
 
 def _accumulated(loss, params, x, M):
@@ -362,6 +362,8 @@ def test_nnx_plan_is_near_the_optimal_cut():
     planned, best = _bottleneck(groups, flops), _optimum(names, flops, 4)
     assert planned <= 1.05 * best
     assert _bottleneck(_even_split(names, 4), flops) >= 1.3 * planned
+    for u in plan.units:
+        assert u["fwd_flops"] + u["bwd_flops"] == pytest.approx(flops[u["name"]], rel=0.05)
 
 
 def test_nnx_parallelize_step_auto_matches_gradient_accumulation():
