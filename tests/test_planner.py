@@ -13,6 +13,7 @@ with the unit that does not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -256,6 +257,14 @@ def test_plan_table_code_and_json(lm2048):
                                                                 for st in plan.stages]
     finally:
         mm.clear_tasks()
+    # logical axes: every stage maps them onto its submesh's axis
+    sharded = dataclasses.replace(plan, logical_axes=(("batch", "x"),))
+    assert "logical_axes=(('batch', 'x'),)" in sharded.as_code()
+    assert mm.PipelinePlan.from_json(sharded.to_json()) == sharded
+    assert {t.logical_axes for _, t in sharded._rules()} == {(("batch", "x"),)}
+    with pytest.raises(mm.errors.MultimeshValueError, match="logical_axes"):
+        mm.plan_pipeline(_scoped, _scoped_params(), jnp.ones((8, 16)),
+                         logical_axes=("batch", "x"))
     # apply() registers the same rules at the top level
     try:
         plan.apply()

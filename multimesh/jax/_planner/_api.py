@@ -127,7 +127,9 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
         "cost source": "",
         "device flops": f"{m.device_flops:.3g} flop/s per {platform} device"
                         f"{'' if device_flops else ' (nominal; pass device_flops=)'}",
-        "work in a stage": "divided evenly over its devices",
+        "work in a stage": "divided evenly over its devices (true where the model's "
+                           "logical axes, mapped by `logical_axes=`, shard it; a stage "
+                           "that replicates runs all of it on every device)",
         "link bandwidth": f"{m.link_bandwidth:.3g} B/s between submeshes"
                           f"{'' if link_bandwidth else ' (nominal; pass link_bandwidth=)'}"
                           "; transfers do not overlap compute",
@@ -163,7 +165,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   num_microbatches: int | None = None, schedule: str | None = None,
                   argnum: int = 1, dim: int = 0, optimizer_state_factor: float = 0.0,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
-                  fragment_overhead: float | None = None) -> PipelinePlan:
+                  fragment_overhead: float | None = None,
+                  logical_axes: Sequence[tuple[str, str]] = ()) -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -174,13 +177,19 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     contiguous stages on ``devices`` (default ``jax.devices()``, split evenly). With
     ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them.
     ``memory_limit`` is in bytes per device; ``optimizer_state_factor`` is the
-    optimizer's state per parameter byte (2 for Adam).
+    optimizer's state per parameter byte (2 for Adam). ``logical_axes``, pairs
+    ``(logical name, "x")``, map the model's logical axes onto each stage's submesh
+    (one axis ``x``), e.g. ``(("batch", "x"),)`` to shard the batch inside a stage.
     """
     if not callable(fun):
         raise MultimeshTypeError(
             f"`plan_pipeline` expects the loss function first, got {type(fun).__name__}.")
     devices = list(jax.devices() if devices is None else devices)
     _positive(memory_limit, "memory_limit")
+    if logical_axes:
+        from multimesh.jax._task import Task
+
+        Task(name="plan_pipeline", logical_axes=logical_axes)  # checks the pairs
     rows = _batch_rows(example_args, argnum, dim)
     stages = _stage_counts(num_stages, len(devices))
     mbs = _microbatch_counts(num_microbatches, rows)
@@ -203,7 +212,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
         units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
                      "bytes_accessed": x.bytes_accessed, "param_bytes": x.param_bytes,
                      "residual_bytes": x.residual_bytes} for x in u),
-        cut_bytes=profile.cut_bytes, assumptions=notes)
+        cut_bytes=profile.cut_bytes, assumptions=notes,
+        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
 
 
 def plan_step(mb, loss, params, batch_avals, mesh):

@@ -75,6 +75,9 @@ class PipelinePlan:
     units: tuple[dict, ...]  # per unit: name, fwd_flops, bwd_flops, bytes, params, residuals
     cut_bytes: tuple[int, ...]
     assumptions: Mapping[str, Any]
+    logical_axes: tuple[tuple[str, str], ...] = ()
+    """Each stage's ``(logical name, "x")`` pairs: how logical axes map onto the one
+    axis ``x`` of its submesh (empty: identity, so unnamed work is replicated)."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -90,8 +93,10 @@ class PipelinePlan:
     def _rules(self):
         from multimesh.jax._task import Task, TaskMesh
 
+        logical = self.logical_axes or None
         for st in self.stages:
-            yield st.matcher, Task(name=st.task_name, mesh=TaskMesh(devices=st.positions))
+            yield st.matcher, Task(name=st.task_name, mesh=TaskMesh(devices=st.positions),
+                                   logical_axes=logical)
 
     def register(self, context=None) -> None:
         """Register the plan's rules in ``context`` (default: the module-level one)."""
@@ -136,8 +141,10 @@ class PipelinePlan:
         """The rules and the microbatch call a user would write by hand."""
         lines = ["import multimesh.jax as mm", ""]
         for st in self.stages:
+            logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
             lines.append(f"mm.register_task({_raw(st.matcher)}, task=mm.Task("
-                         f"name={st.task_name!r}, mesh=mm.TaskMesh(devices={st.positions!r})))")
+                         f"name={st.task_name!r}, mesh=mm.TaskMesh(devices={st.positions!r})"
+                         f"{logical}))")
         argnum, dim, _ = self.batch
         lines += ["", f"step = mm.microbatch(jax.value_and_grad(loss), dim={dim}, "
                       f"size={self.microbatch_size}, argnum={argnum}, "
@@ -185,7 +192,8 @@ class PipelinePlan:
                    predicted_step_time=float(d["predicted_step_time"]),
                    batch=(int(d["batch"][0]), int(d["batch"][1]), int(d["batch"][2])),
                    units=tuple(d["units"]),
-                   cut_bytes=tuple(d["cut_bytes"]), assumptions=dict(d["assumptions"]))
+                   cut_bytes=tuple(d["cut_bytes"]), assumptions=dict(d["assumptions"]),
+                   logical_axes=tuple((str(a), str(b)) for a, b in d.get("logical_axes", ())))
 
     def compare(self, profile) -> Comparison:
         """Predicted against measured busy time per stage.
