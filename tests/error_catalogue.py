@@ -2030,6 +2030,31 @@ def _():
                          num_stages="many", num_microbatches=2)
 
 
+@error("parallelize-step-auto-with-interleave", FLAX,
+       "`parallelize_step(num_stages=\"auto\")` with options the planner cannot honour",
+       MultimeshValueError,
+       r"parallelize_step got num_stages='auto' and `interleave`; the planner places one "
+       r"contiguous stage per submesh",
+       """The planner chooses contiguous stages and GPipe or 1F1B; `interleave`,
+       `custom_schedule` and `unrolling` do not fit its plan. Drop them, or call
+       `plan_pipeline` and write the rest yourself.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(4, name="a")(x)
+            return nn.Dense(4, name="b")(x).sum()
+
+    mmf.parallelize_step(Model(), optax.sgd(0.1), global_batch=jnp.ones((8, 4)),
+                         num_stages="auto", num_microbatches=2, interleave=2)
+
+
 @error("parallelize-step-both-batches", FLAX, "`parallelize_step` with both batch kinds",
        MultimeshValueError,
        r"parallelize_step takes either `global_batch=` or `local_batch=`, not both",

@@ -221,6 +221,14 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     mesh's devices; returns the microbatch options to use and the plan."""
     import dataclasses
 
+    fixed = [n for n in ("interleave", "custom_schedule", "unrolling")
+             if getattr(mb, n) is not None]
+    if fixed:
+        raise MultimeshValueError(
+            f"parallelize_step got num_stages='auto' and {', '.join(f'`{n}`' for n in fixed)}"
+            f"; the planner places one contiguous stage per submesh and chooses GPipe or "
+            f"1F1B, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
+            f"write the schedule yourself.")
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches
     if given is None and mb.microbatch_size is not None:
