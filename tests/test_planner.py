@@ -203,9 +203,10 @@ def test_linen_pipelined_step_matches_gradient_accumulation(lm2048, tmp_path):
     assert [r[0] for r in cmp.rows] == [0, 1, 2, 3]
     assert all(m > 0 and p > 0 for _, p, m in cmp.rows)
     assert "measured/predicted" in str(cmp)
-    from_file = plan.compare(str(path))
+    from_file = plan.compare(str(path))  # the trace's slices: the loop and what is outside
     for a, b in zip(cmp.rows, from_file.rows):
-        assert a[1] == b[1] and a[2] == pytest.approx(b[2], rel=1e-3)
+        assert a[1] == b[1] and b[2] >= a[2] * 0.999
+    assert plan.compare(compiled.last_profile).rows == cmp.rows
 
 
 def test_linen_parallelize_step_auto():

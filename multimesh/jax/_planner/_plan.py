@@ -198,13 +198,19 @@ class PipelinePlan:
     def compare(self, profile) -> Comparison:
         """Predicted against measured busy time per stage.
 
-        ``profile``: a compiled program after ``compiled.profile(...)`` (its
-        ``last_trace``), a ``TraceRecorder``, or the Perfetto trace JSON that
+        ``profile``: a compiled program after ``compiled.profile(...)``, a
+        :class:`~multimesh.jax.StepProfile` (``compiled.step_profile(...)``: the mean
+        of several steps), a ``TraceRecorder``, or the Perfetto trace JSON that
         ``compiled.profile(..., trace_path=)`` wrote (a path or the loaded dict).
-        Measured time is the sum of the fragment slices on the stage's submesh track;
-        ``profile`` blocks after every call, so it includes dispatch and waiting.
+        Measured time is the stage's submesh's busy time in the microbatch loop (from a
+        trace: the sum of its fragment slices); each call is timed alone, so it
+        includes dispatch.
         """
-        busy = _busy_per_submesh(_events(profile))
+        steps = getattr(profile, "last_profile", None) or profile
+        if hasattr(steps, "busy") and hasattr(steps, "schedule"):
+            busy = _busy_per_mesh(steps, self.stages)
+        else:
+            busy = _busy_per_submesh(_events(profile))
         rows = []
         for st in self.stages:
             got = busy.get(tuple(sorted(st.devices)))
@@ -255,6 +261,17 @@ def _events(profile) -> list[tuple[str, str, float, float, str]]:
     raise MultimeshTypeError(
         f"`PipelinePlan.compare` takes a compiled program after `compiled.profile(...)`, "
         f"a TraceRecorder or a Perfetto trace (path or dict), got {type(profile).__name__}.")
+
+
+def _busy_per_mesh(steps, stages) -> dict[tuple[int, ...], float]:
+    """A ``StepProfile``'s busy seconds per submesh, keyed by the stages' device ids
+    (its schedule names submeshes by device positions)."""
+    ids = {tuple(sorted(st.positions)): tuple(sorted(st.devices)) for st in stages}
+    out = {}
+    for m, where in enumerate(steps.schedule.devices):
+        key = tuple(sorted(int(p) for p in where))
+        out[ids.get(key, key)] = float(steps.busy(m))
+    return out
 
 
 def _busy_per_submesh(events) -> dict[tuple[int, ...], float]:

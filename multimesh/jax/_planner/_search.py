@@ -16,7 +16,8 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from multimesh._src.errors import MultimeshValueError
-from multimesh.schedules import build_schedule, live_activations, pipeline_units, simulate
+from multimesh.schedules import build_schedule, live_activations, pipeline_units
+from multimesh.schedules.costs import simulate_stages
 
 __all__ = ["Costs", "Machine", "Choice", "search", "best_cut"]
 
@@ -123,9 +124,8 @@ def best_cut(n: int, S: int, cost: Callable[[int, int], float],
 
 
 def _simulate(S: int, M: int, name: str, fwd: Sequence[float], bwd: Sequence[float]) -> float:
-    sched = build_schedule(pipeline_units(S, M), name)
-    cost = {"fwd": fwd, "bwd": bwd}
-    return simulate(sched, cost=lambda u: cost[u.kind][u.stage or 0]).makespan
+    """The simulated step of ``S`` stages with these per-microbatch times."""
+    return simulate_stages(name, fwd, bwd, num_microbatches=M).step_time
 
 
 def _live(S: int, M: int, name: str) -> tuple[int, ...]:
