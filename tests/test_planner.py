@@ -468,3 +468,33 @@ def test_bad_options_are_refused(lm2048):
         mm.plan_pipeline(model.apply, params, tok, memory_limit=-1)
     with pytest.raises(mm.errors.MultimeshValueError, match=r"found 0 unit\(s\)"):
         mm.plan_pipeline(lambda w, x: jnp.sum(x @ w), jnp.ones((4, 4)), jnp.ones((8, 4)))
+
+
+def _nested(params, x):
+    for part in ("enc", "dec"):
+        with jax.named_scope(part):
+            for i, w in enumerate(params[part]):
+                with jax.named_scope(f"layer{i}"):
+                    x = jnp.tanh(x @ w)
+    return jnp.mean(x ** 2)
+
+
+def test_units_are_split_finer_when_more_stages_are_asked():
+    ws = [jnp.eye(16) + 0.1 * k for k in range(4)]
+    params = {"enc": ws[:2], "dec": ws[2:]}
+    x = jnp.cos(jnp.arange(16 * 16.0)).reshape(16, 16)
+    assert [u["name"] for u in mm.plan_pipeline(_nested, params, x, num_stages=2).units] == [
+        "enc", "dec"]
+    plan = mm.plan_pipeline(_nested, params, x, num_stages=4, num_microbatches=2)
+    assert [st.units for st in plan.stages] == [("enc/layer0",), ("enc/layer1",),
+                                                ("dec/layer0",), ("dec/layer1",)]
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_nested))).lower(
+            params, x).compile()
+    value, grads = compiled(params, x)
+    ref_value, ref_grads = _accumulated(_nested, params, x, 2)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k, part in enumerate(("enc", "enc", "dec", "dec")):
+        g, r = grads[part][k % 2], ref_grads[part][k % 2]
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == list(plan.stages[k].devices)

@@ -196,7 +196,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     machine, notes = _machine(devices, memory_limit, optimizer_state_factor, device_flops,
                               link_bandwidth, fragment_overhead)
     fun, args = _nnx_fun(fun, example_args)
-    profile = measure_units(fun, args, 0)
+    profile = measure_units(fun, args, 0, min_units=num_stages or 2)
     notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
                             f"{len(profile.units)} units")
     u = profile.units

@@ -92,19 +92,48 @@ def _unit_names(paths: Sequence[tuple[str, ...]], root: tuple[str, ...]) -> list
 
 
 def _unit_of(path: tuple[str, ...], root: tuple[str, ...], index: dict[str, int]) -> int | None:
+    """The unit whose name is the longest prefix of ``path`` below ``root``."""
     if len(path) <= len(root) or path[:len(root)] != root:
         return None
-    head = path[len(root)]
-    if len(path) > len(root) + 1 and f"{head}/{path[len(root) + 1]}" in index:
-        return index[f"{head}/{path[len(root) + 1]}"]
-    return index.get(head)
+    below = path[len(root):]
+    for k in range(len(below), 0, -1):
+        hit = index.get("/".join(below[:k]))
+        if hit is not None:
+            return hit
+    return None
+
+
+def _refine(names: list[str], paths: Sequence[tuple[str, ...]], root: tuple[str, ...],
+            want: int) -> list[str]:
+    """Split the unit with the most forward equations into its children (in program
+    order) until there are ``want`` units or none can be split."""
+    names = list(names)
+    while len(names) < want:
+        kids: dict[str, list[str]] = {}
+        weight: dict[str, int] = {}
+        for p in paths:
+            below = "/".join(p[len(root):])
+            for n in names:
+                if below == n or below.startswith(n + "/"):
+                    weight[n] = weight.get(n, 0) + 1
+                    rest = below[len(n) + 1:].split("/")[0] if below != n else ""
+                    if rest and f"{n}/{rest}" not in kids.setdefault(n, []):
+                        kids[n].append(f"{n}/{rest}")
+        split = [n for n in names if len(kids.get(n, ())) > 1]
+        if not split:
+            return names
+        big = max(split, key=lambda n: weight[n])
+        at = names.index(big)
+        names[at:at + 1] = kids[big]
+    return names
 
 
 def unit_matcher(root: Sequence[str], units: Sequence[str]) -> str:
     """The ``register_task`` regular expression that claims exactly ``units``: their
     names right below ``root`` in a name stack, forward and backward."""
     lead = "".join(re.escape(r) + r"\)*/" for r in root)
-    alts = "|".join(re.escape(u) for u in units)
+    # jax wraps the stack's first name in its transforms: jvp(enc)/layer0
+    alts = "|".join(r"\)*/".join(re.escape(c) for c in u.split("/")) for u in units)
     return rf"(?:^|[/(]){lead}({alts})(?=[/)]|$)"
 
 
@@ -204,14 +233,15 @@ def _flows(eqns, where, n: int) -> tuple[list[int], tuple[int, ...]]:
     return residual, tuple(int(c) for c in cuts)
 
 
-def measure_units(fun, args: Sequence, params_argnum: int = 0) -> Profile:
-    """Trace ``value_and_grad(fun)(*args)`` and cost its name-stack units."""
+def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 2) -> Profile:
+    """Trace ``value_and_grad(fun)(*args)`` and cost its name-stack units (split
+    finer, heaviest first, while there are fewer than ``min_units``)."""
     closed = _trace(fun, tuple(args), params_argnum)
     eqns = closed.jaxpr.eqns
     fwd_paths = [p for p, bwd in (_parts(str(e.source_info.name_stack)) for e in eqns)
                  if p and not bwd]
     root = _root(fwd_paths)
-    names = _unit_names(fwd_paths, root)
+    names = _refine(_unit_names(fwd_paths, root), fwd_paths, root, min_units)
     if len(names) < 2:
         raise MultimeshValueError(
             f"`plan_pipeline` found {len(names)} unit(s) ({names}) in the step's name "
