@@ -174,7 +174,9 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     batch is argument ``argnum``, cut along ``dim``. The step ``value_and_grad(fun)``
     is traced once; its name-stack units (Flax submodules, NNX graph paths,
     ``jax.named_scope`` blocks) are costed by XLA's cost analysis, then cut into
-    contiguous stages on ``devices`` (default ``jax.devices()``, split evenly). With
+    contiguous stages on ``devices`` (default ``jax.devices()``, split evenly; the
+    rules' ``TaskMesh`` positions index this list, so compile with
+    ``mjit(..., devices=devices)`` when it is not the default). With
     ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them.
     ``memory_limit`` is in bytes per device; ``optimizer_state_factor`` is the
     optimizer's state per parameter byte (2 for Adam). ``logical_axes``, pairs
