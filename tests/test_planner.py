@@ -498,3 +498,21 @@ def test_units_are_split_finer_when_more_stages_are_asked():
         g, r = grads[part][k % 2], ref_grads[part][k % 2]
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
         assert sorted(d.id for d in g.devices()) == list(plan.stages[k].devices)
+
+
+def test_plan_on_some_devices():
+    devices = jax.devices()[4:]
+    params = _scoped_params(n=3)
+    x = jnp.ones((8, 16))
+    plan = mm.plan_pipeline(_scoped, params, x, devices=devices, num_stages=2,
+                            num_microbatches=2)
+    assert [st.devices for st in plan.stages] == [(4, 5), (6, 7)]
+    assert [st.positions for st in plan.stages] == [(0, 1), (2, 3)]
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped)),
+                           devices=devices).lower(params, x).compile()
+    value, grads = compiled(params, x)
+    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
+    assert sorted(d.id for d in grads["head"].devices()) == [6, 7]
