@@ -516,3 +516,37 @@ def test_plan_on_some_devices():
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
     assert sorted(d.id for d in grads["head"].devices()) == [6, 7]
+
+
+# --------------------------------------------------------------------------- the search alone
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_cut_is_the_brute_force_optimum(seed):
+    from multimesh.jax._planner._search import best_cut
+
+    rng = np.random.default_rng(seed)
+    n, S = 9, 3
+    cost_of = rng.uniform(1, 10, n)
+    size = rng.uniform(1, 4, n)
+    limit = float(np.sort(size)[-3:].sum())  # some splits break it
+
+    def cost(i, j):
+        return float(cost_of[i:j].sum())
+
+    def fits(k, i, j):
+        return float(size[i:j].sum()) * (1 + 0.1 * k) <= limit
+
+    got = best_cut(n, S, cost, fits)
+    best, arg = float("inf"), None
+    for cuts in itertools.combinations(range(1, n), S - 1):
+        b = list(zip((0, *cuts), (*cuts, n)))
+        if all(fits(k, i, j) for k, (i, j) in enumerate(b)):
+            v = max(cost(i, j) for i, j in b)
+            if v < best:
+                best, arg = v, tuple(b)
+    if arg is None:
+        assert got is None
+    else:
+        assert got is not None and max(cost(i, j) for i, j in got) == pytest.approx(best)
+        assert all(fits(k, i, j) for k, (i, j) in enumerate(got))
