@@ -132,7 +132,7 @@ def _live(S: int, M: int, name: str) -> tuple[int, ...]:
     return tuple(max(v, 1) for v in live_activations(build_schedule(pipeline_units(S, M), name)))
 
 
-def _candidate(costs, p, m, S, M, name, cache) -> Choice | None:
+def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
     """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``."""
     d = m.num_devices // S
     live = _live(S, M, name)
@@ -169,7 +169,7 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
             continue
         for M in microbatches:
             for name in schedules:
-                c = _candidate(costs, p, m, S, M, name, cache)
+                c = _candidate(p, m, S, M, name, cache)
                 if c is not None and (best is None or c.step_time < best.step_time):
                     best = c
     if best is None:
