@@ -25,6 +25,8 @@ from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._multimesh import clear_tasks as clear_tasks
 from multimesh.jax._multimesh import register_task as register_task
 from multimesh.jax._multimesh import tasks as tasks
+from multimesh.jax._planner import PipelinePlan as PipelinePlan
+from multimesh.jax._planner import plan_pipeline as plan_pipeline
 from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
 from multimesh.jax._task import Task as Task
