@@ -57,3 +57,16 @@ def pass_module_name(argument: str) -> str:
 def register(argument: str, spec: str) -> None:
     """Register an extra pass (for plugins and tests)."""
     _PASSES[argument] = spec
+
+
+_DOOR = ("PipelineOptions", "SplitBackward", "build_pipeline")
+
+
+def __getattr__(name: str):
+    """The front end's door (``multimesh.passes.api``), loaded on first use so that
+    importing the registry stays cheap."""
+    if name in _DOOR:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

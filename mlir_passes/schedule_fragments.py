@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir
 from multimesh.schedules import (
@@ -18,15 +19,14 @@ from multimesh.schedules import (
     units_from_calls,
 )
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
            "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]
 
-SCHEDULE_ATTR = "mm.schedule"
-CONFIG_ATTR = "mm.schedule_config"
+SCHEDULE_ATTR = c.SCHEDULE_ATTR
+CONFIG_ATTR = c.SCHEDULE_CONFIG_ATTR
 _COUNT = ta.int_in(1, ta.MAX_MICROBATCHES)
 _ENTRY = ta.Spec('a task name or a [microbatch, "name"] pair',
                 lambda v: (isinstance(v, str) and bool(v)) or (
@@ -37,7 +37,7 @@ _ROWS = ta.list_of(ta.list_of(_ENTRY))
 CONFIG_SPEC = ta.dict_of(schedule=ta.NAME, num_stages=_COUNT, interleave=_COUNT,
                         custom_schedule=_ROWS, unrolling=_COUNT)
 """``mm.schedule_config``: every key optional (docs/ir.md)."""
-SPLIT_ATTR = "mm.split"
+SPLIT_ATTR = c.SPLIT_ATTR
 _SPLITS = ("activation", "weight")
 
 
@@ -66,12 +66,16 @@ class ScheduleFragmentsPass(ModulePass):
     stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
     order with every weight-gradient half moved into idle slots, under 1F1B's peak
     memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory), five with a stage-placement rule (docs/schedules.md):
+    under twice that memory), seven with a stage-placement rule (docs/schedules.md):
     ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
     last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
     (round-robin stages; every forward, then the backwards in group order or in the
     mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
-    two microbatch streams, split backwards, at least 2P microbatches), and ``custom`` (rows from ``custom-schedule-file``, a
+    two microbatch streams, split backwards, at least 2P microbatches),
+    ``zero-bubble-v`` (V-shape stages, the ZB-V schedule of Qi et al.: split backwards,
+    no bubble inside a submesh's span from 2P - 1 microbatches on), ``kimi-k2``
+    (round-robin stages, JaxPP's KimiK2: interleaved 1F1B with one more warm-up
+    forward), and ``custom`` (rows from ``custom-schedule-file``, a
     JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
     row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
     ``[microbatch, name]``, each name once per microbatch).
@@ -96,7 +100,7 @@ class ScheduleFragmentsPass(ModulePass):
     consumes = ("mpmd",)
 
     schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
@@ -202,7 +206,7 @@ def _warn_if_idle(sched: Schedule, name: str, loc, info) -> bool:
 
 def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
     """Interleaving with one stage per submesh is 1F1B (GPipe), and a zero-bubble
-    schedule (or DualPipeV) with no weight half to defer runs without deferring any:
+    schedule (DualPipeV, ZB-V) with no weight half to defer runs without deferring any:
     say so rather than run it under another name."""
     units = [u for u in sched.units if not u.free]
     stages: dict[int, set] = {}
@@ -267,7 +271,7 @@ def _callee(op: ir.Operation) -> str | None:
     if op.name == "func.call":
         return c.callee_of(op)
     if c.is_custom_call(op, c.FRAGMENT_CALL_TARGET):
-        return ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
+        return ir.FlatSymbolRefAttr(op.attributes[c.FRAGMENT_ATTR]).value
     return None
 
 
@@ -368,7 +372,7 @@ def _fragment_tag(module: ir.Module, op: ir.Operation, name: str
     if holder is None:
         raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
     tag = c.tag_of(holder)
-    if tag is None or "mm.devices" not in holder.attributes:
+    if tag is None or c.DEVICES_ATTR not in holder.attributes:
         raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
                               f"and 'mm.devices'", op.location)
     split = None

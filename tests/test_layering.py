@@ -171,3 +171,18 @@ def test_no_import_cycle_in_the_runtime():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+DOOR = "multimesh.passes.api"
+
+
+@pytest.mark.parametrize("name,path", [m for m in MODULES if m[0].startswith("multimesh.jax")],
+                         ids=[m for m, _ in MODULES if m.startswith("multimesh.jax")])
+def test_the_front_end_enters_the_passes_by_their_door(name, path):
+    """``multimesh.jax`` imports the pass layer only through ``multimesh.passes.api``
+    (typed :class:`PipelineOptions` in, passes out), at any depth of its code."""
+    for imported, line in _imports(path, name):
+        if imported == "multimesh.passes" or imported.startswith("multimesh.passes."):
+            assert imported == DOOR, (
+                f"{path.relative_to(ROOT)}:{line} imports {imported}; the front end uses "
+                f"{DOOR} (add what it needs there)")

@@ -310,3 +310,35 @@ def test_nnx_mjit_cache_info_and_clear_cache():
         np.testing.assert_allclose(float(y), float(ref(x)), rtol=1e-5)
     assert f.cache_info().misses == 1 and f.cache_info().currsize == 1
     assert _ids(third) == [4, 5, 6, 7]  # the loss is computed by the last stage
+
+
+def test_schedule_cost_names_are_public():
+    """Issue 23: the cost and schedule-advice API, from ``multimesh.jax``."""
+    from multimesh.jax import _costs
+
+    for name in ("DeviceModel", "StepProfile", "compare_schedules", "xla_costs",
+                 "residual_bytes"):
+        assert getattr(mm, name) is getattr(_costs, name)
+    assert "schedule-costs.md" in (ROOT / "README.md").read_text()
+    from multimesh.jax._mjit import MpmdCompiled
+
+    assert callable(MpmdCompiled.step_profile)
+
+
+def test_planner_is_public():
+    assert mm.plan_pipeline.__module__ == "multimesh.jax._planner._api"
+    assert mm.PipelinePlan.__name__ == "PipelinePlan"
+    assert callable(mm.PipelinePlan.from_json)
+    params = {"w0": jnp.eye(4), "w1": jnp.eye(4)}
+
+    def loss(p, x):
+        with jax.named_scope("a"):
+            x = x @ p["w0"]
+        with jax.named_scope("b"):
+            return (x @ p["w1"]).sum()
+
+    plan = mm.plan_pipeline(loss, params, jnp.ones((8, 4)), num_stages=2,
+                            num_microbatches=2)
+    assert isinstance(plan, mm.PipelinePlan)
+    assert [s.units for s in plan.stages] == [("a",), ("b",)]
+    assert [s.devices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]

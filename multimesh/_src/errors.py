@@ -50,6 +50,11 @@ class DiagnosticError(MultimeshValueError):
         self.notes = tuple(notes)
 
 
+class IRContractError(DiagnosticError):
+    """A module given to the runtime does not follow the IR contract (docs/ir.md): an
+    ``mm.*`` attribute it needs is missing or of the wrong type."""
+
+
 class PassFailure(MultimeshValueError):
     """A pass failed while compiling a program; names the pass and a repro."""
 

@@ -12,6 +12,11 @@ from multimesh.jax._contexts import context as context
 from multimesh.jax._contexts import enable_fast_path as enable_fast_path
 from multimesh.jax._contexts import enable_recomputation as enable_recomputation
 from multimesh.jax._contexts import ignore_transforms as ignore_transforms
+from multimesh.jax._costs import DeviceModel as DeviceModel
+from multimesh.jax._costs import StepProfile as StepProfile
+from multimesh.jax._costs import compare_schedules as compare_schedules
+from multimesh.jax._costs import residual_bytes as residual_bytes
+from multimesh.jax._costs import xla_costs as xla_costs
 from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._mjit import mjit as mjit
 from multimesh.jax._mjit import parallelize as parallelize
@@ -20,6 +25,8 @@ from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._multimesh import clear_tasks as clear_tasks
 from multimesh.jax._multimesh import register_task as register_task
 from multimesh.jax._multimesh import tasks as tasks
+from multimesh.jax._planner import PipelinePlan as PipelinePlan
+from multimesh.jax._planner import plan_pipeline as plan_pipeline
 from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
 from multimesh.jax._task import Task as Task

@@ -25,21 +25,29 @@ from multimesh._src.errors import (
     PassFailure,
     PipelineError,
 )
+from multimesh._src.ir_contract import (
+    DEFAULT_TASK,
+    NUM_DEVICES_ATTR,
+    SCHEDULE_CONFIG_ATTR,
+    TASKS_ATTR,
+    TaskMesh,
+)
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, make_context, parse_module, print_module
 from multimesh.jax import _checks, _contexts, _dump, _fast_path, _inputs, _multimesh
 from multimesh.jax._jit_options import ArgOptions, Bound, resolve_options
 from multimesh.jax._module_names import module_names
-from multimesh.jax._pipeline import build_pipeline
+from multimesh.jax._pipeline import plain_pipeline, program_pipeline
 from multimesh.jax._results import ParallelizeResult
 from multimesh.jax._task import (
     jax_constraint_hint,
     warn_renamed_tasks,
     with_sharding_constraint,
 )
-from multimesh.passes.pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
+from multimesh.jax._trace_notes import MicrobatchNote, TraceNotes
+from multimesh.passes.api import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 from multimesh.runtime import Executor, build_plan, distributed
-from multimesh.schedules import get_schedule
+from multimesh.schedules import Schedule
 
 __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdTraced", "MpmdLowered", "MpmdCompiled",
            "MemoryAnalysis"]
@@ -47,7 +55,7 @@ __all__ = ["mjit", "parallelize", "default_pipeline", "MpmdTraced", "MpmdLowered
 
 def default_pipeline(num_devices: int) -> str:
     """The pass pipeline for a plain program (also printed in repro commands)."""
-    return str(build_pipeline(num_devices))
+    return str(plain_pipeline(num_devices))
 
 
 def _donated_leaves(args: tuple, static, donate) -> list[int]:
@@ -177,6 +185,7 @@ class MpmdCompiled:
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
     fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+    _recovered_schedule: Schedule | None = None  # set by compile_mpmd
     out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
 
     def _arg_name(self, i: int) -> str:
@@ -210,29 +219,47 @@ class MpmdCompiled:
     @property
     def schedule(self):
         """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
-        from multimesh.passes.schedule_fragments import read_schedule
+        from multimesh.passes.api import read_schedule
 
+        if self._recovered_schedule is not None:  # imported: see _imported_schedule
+            return self._recovered_schedule
         return read_schedule(self._module)
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run one step synchronously, timing every fragment and transfer.
 
         Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
-        (one track per submesh). Blocking after each step makes the timeline readable
-        at the cost of overlap, so use it to inspect, not to benchmark.
+        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``);
+        a pipelined program's durations per schedule unit are then ``last_profile``
+        (a :class:`multimesh.jax.StepProfile`). Blocking after each step makes the
+        timeline readable at the cost of overlap, so use it to inspect, not to benchmark.
         """
+        from multimesh.jax._costs import profile_from_times
+        from multimesh.runtime.timing import run_timed
         from multimesh.runtime.trace import TraceRecorder
 
         flat, tree = jax.tree.flatten((args, kwargs))
         if self._lowered.in_avals is not None and tree == self._lowered.in_tree:
             _check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
-        outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
+        outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
+        sched = self.schedule
+        self.last_profile = None if sched is None else profile_from_times(sched, [times])
         outs = _place_outputs(outs, self.out_placements)
         if trace_path is not None:
-            rec.write(trace_path)
+            from multimesh.jax._trace_view import write_step_trace
+
+            write_step_trace(rec.events, self.plan_data, self.schedule,
+                             [d.id for d in self._lowered.devices], trace_path)
         self.last_trace = rec
         return jax.tree.unflatten(self._lowered.out_tree, outs)
+
+    def step_profile(self, *args, steps: int = 3, **kwargs):
+        """Run ``steps`` steps, timing every fragment call alone: a
+        :class:`multimesh.jax.StepProfile` (costs for ``schedule.simulate``)."""
+        from multimesh.jax._costs import step_profile
+
+        return step_profile(self, args, kwargs, steps)
 
     def memory_profile(self, *args, **kwargs):
         """Run one step and measure, per submesh, the peak bytes the runtime holds
@@ -509,15 +536,14 @@ def _annotate(module: ir.Module, schedule_config, num_devices: int,
         if schedule_config:
             from multimesh._src.mlir import py_to_attr
 
-            module.operation.attributes["mm.schedule_config"] = py_to_attr(schedule_config)
-        module.operation.attributes["mm.num_devices"] = _i64(module, num_devices)
+            module.operation.attributes[SCHEDULE_CONFIG_ATTR] = py_to_attr(schedule_config)
+        module.operation.attributes[NUM_DEVICES_ATTR] = _i64(module, num_devices)
         if default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
             from multimesh._src.mlir import py_to_attr
 
             names, sizes = default_mesh
-            module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
-                "devices": list(range(num_devices)), "axis_names": list(names),
-                "axis_sizes": list(sizes), "logical_axes": []}})
+            mesh = TaskMesh(tuple(range(num_devices)), tuple(names), tuple(sizes), ())
+            module.operation.attributes[TASKS_ATTR] = py_to_attr({DEFAULT_TASK: mesh.to_dict()})
 
 
 def _i64(module, n):
@@ -662,43 +688,24 @@ def _failed_input(pipe, index: int | None, source: Callable[[], ir.Module]) -> s
     return print_module(source(), debug_info=True)
 
 
-def _schedule_config(notes: dict) -> dict | None:
+def _schedule_config(notes: TraceNotes) -> dict | None:
     """The microbatch loop's schedule, stored on the module (so repros replay it).
 
     Only what the program asked for: the pass warns about a schedule that cannot
     apply, and a default GPipe was not asked for.
     """
-    cfg = notes.get("microbatch")
+    cfg: MicrobatchNote | None = notes.microbatch
     if cfg is None:
         return None
-    out = {}
-    if cfg.get("requested"):
-        out["schedule"] = cfg["schedule"]
+    out: dict = {}
+    if cfg.requested:
+        out["schedule"] = cfg.schedule
     for key in ("num_stages", "interleave", "unrolling"):
-        if cfg.get(key):
-            out[key] = int(cfg[key])
-    if cfg.get("custom"):
-        out["custom_schedule"] = [[[int(mb), name] for mb, name in row] for row in cfg["custom"]]
+        if getattr(cfg, key):
+            out[key] = int(getattr(cfg, key))
+    if cfg.custom:
+        out["custom_schedule"] = [[[int(mb), name] for mb, name in row] for row in cfg.custom]
     return out
-
-
-def _wants_split(notes: dict) -> str | None:
-    """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
-    cfg = notes.get("microbatch")
-    if cfg and get_schedule(cfg["schedule"]).splits_backward:
-        return "all=true"
-    return "" if notes.get("split_backprop") else None
-
-
-def _remat_options(notes: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(registered tasks to recompute, explicit tasks traced under jax.checkpoint)."""
-    return (tuple(sorted(notes.get("remat_tasks", ()))),
-            tuple(sorted(notes.get("remat_inputs_of", ()))))
-
-
-def _schedule_options(notes: dict) -> str | None:
-    # The options live in the module's mm.schedule_config; the pass reads them there.
-    return "" if notes.get("microbatch") is not None else None
 
 
 def _check_distinct_devices(devices) -> None:
@@ -828,7 +835,7 @@ class _MJit(ProgramCaches):
         devices = self._devices()
         t0 = time.perf_counter()
         abstract = jax.tree.map(_abstract, (tuple(dyn_args), kwargs))
-        notes: dict = {}
+        notes = TraceNotes()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
                 _contexts.notes(notes), module_names():
             traced = jax.jit(fun, keep_unused=True).trace(*abstract[0], **abstract[1])
@@ -897,7 +904,7 @@ class MpmdTraced:
     for the pass pipeline (``MpmdLowered``).
     """
 
-    def __init__(self, owner: _MJit, traced, devices, notes: dict, dyn: tuple, abstract,
+    def __init__(self, owner: _MJit, traced, devices, notes: TraceNotes, dyn: tuple, abstract,
                  donated: list[int], in_shardings, seconds: float):
         self._owner = owner
         self._traced = traced
@@ -956,7 +963,7 @@ class MpmdTraced:
             held = _callbacks.adopt(module, host_callbacks)
             if held:  # the callbacks' numbers are in the program now
                 program = _bytecode(module)
-            implicit = _multimesh.implicit_tasks_pass(module)  # registered tasks, in memory
+            implicit = _multimesh.implicit_task_rules(module)  # registered tasks, in memory
             _checks.no_explicit_sharding(traced.jaxpr, implicit is not None)
         trace_seconds = self.trace_seconds + time.perf_counter() - t0
         warn_renamed_tasks(notes)
@@ -970,11 +977,8 @@ class MpmdTraced:
                           list(range(len(dyn_flat))), donated_leaves=self._donated,
                           in_avals=traced.jaxpr.in_avals,
                           schedule_config=_schedule_config(notes),
-                          pipeline=build_pipeline(len(devices), schedule=_schedule_options(notes),
-                                                  implicit_tasks=implicit,
-                                                  split_backward=_wants_split(notes),
-                                                  remat=_remat_options(notes),
-                                                  recompute=_contexts.state.recomputation),
+                          pipeline=program_pipeline(len(devices), notes, implicit,
+                                                    _contexts.state.recomputation),
                           module=module, name=getattr(owner.fun, "__name__", None))
         _mark_keys(low, dyn_flat, traced.out_info)
         low.out_placements = dict(self.out_placements)
@@ -1018,7 +1022,7 @@ def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices
     paths = [_leaf_name(p) for p, _ in
              jax.tree_util.tree_flatten_with_path((tuple(dyn_args), kwargs))[0]]
     pins, drop, committed = _inputs.plan_pins(
-        dyn_flat, specs, notes.get("logical_names", set()), tuple(devices), paths)
+        dyn_flat, specs, notes.logical_names, tuple(devices), paths)
     changed = bool(pins or drop)
     _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
     return changed, pins
@@ -1028,7 +1032,8 @@ def _constrain_outputs(out, shardings, placements: dict):
     """``out`` under ``out_shardings``: logical ones become constraints; a physical
     ``NamedSharding`` (no task maps its names) is where that output is put after the
     program runs, as ``jax.jit`` returns it (recorded in ``placements``, by leaf)."""
-    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())  # tasks traced
+    notes = _contexts.state.trace_notes  # the tasks traced map these names
+    mapped = notes.logical_names if notes is not None else set()
     leaves, tree = jax.tree.flatten(out)
     entries = _leaf_entries(shardings, out)
     for i, s in enumerate(entries):

@@ -36,7 +36,7 @@ from multimesh._src.errors import (
 from multimesh.jax import _checks, _contexts
 
 __all__ = ["Context", "MultiMesh", "register_task", "clear_tasks", "tasks",
-           "slice_global_mesh", "current_global_mesh", "active_multimesh", "implicit_tasks_pass", "compile_token"]
+           "slice_global_mesh", "current_global_mesh", "active_multimesh", "implicit_task_rules", "compile_token"]
 
 
 # --------------------------------------------------------------------------- registrations
@@ -74,7 +74,7 @@ class _Registration:
 
 def _make_registration(matcher, callback, task) -> _Registration:
     from multimesh.jax._task import Task
-    from multimesh.passes.match_tasks import compile_matcher
+    from multimesh.passes.api import compile_matcher
 
     if not isinstance(matcher, str):
         raise MultimeshTypeError(
@@ -543,8 +543,8 @@ def _direction(backprop: bool) -> str:
     return "backward" if backprop else "forward"
 
 
-def implicit_tasks_pass(program):
-    """The ``mm-match-tasks`` pass for the lowered program, with its rules in memory, or None.
+def implicit_task_rules(program):
+    """The rules of ``mm-match-tasks`` for the lowered program (in memory), or None.
 
     ``program`` is the parsed module (``mjit.lower`` parses once and shares it) or
     its text. Must run while the program's device list is set (``mjit.lower``): task
@@ -555,8 +555,7 @@ def implicit_tasks_pass(program):
         return None
     from multimesh._src.mlir import make_context, parse_module
     from multimesh.jax._task import loop_placement, resolve_task_info
-    from multimesh.passes import _contract
-    from multimesh.passes.match_tasks import MatchTasksPass, Rule, RuleTask, find_matches
+    from multimesh.passes.api import Rule, RuleTask, find_matches
 
     module = parse_module(program, make_context()) if isinstance(program, str) else program
     stacks: set[str] = set()
@@ -595,16 +594,11 @@ def implicit_tasks_pass(program):
                     f"task name.")
         else:
             seen[name] = (info, what)
-        mesh = _contract.TaskMeshInfo(
-            tuple(info.devices), tuple(info.axis_names), tuple(info.axis_sizes),
-            tuple(tuple(p) for p in info.logical_axes),
-            tuple(info.split_backprop) if info.split_backprop else None,
-            tuple(tuple(d) for d in info.loop_devices) if info.loop_devices else None)
+        mesh = info.mesh()
         entries.setdefault(hit.matcher_index, []).append(
             ((hit.name, hit.backprop), RuleTask(name, mesh)))
-    return MatchTasksPass(rule_table=tuple(
-        Rule(regs[i].regex.pattern, regs[i].regex, None, tuple(entries[i]))
-        for i in sorted(entries)))
+    return tuple(Rule(regs[i].regex.pattern, regs[i].regex, None, tuple(entries[i]))
+                 for i in sorted(entries))
 
 
 def _note_remat(spec, name: str, reg: _Registration, hit) -> None:
@@ -613,7 +607,7 @@ def _note_remat(spec, name: str, reg: _Registration, hit) -> None:
     notes = _contexts.state.trace_notes
     if notes is None:
         return
-    remat = spec.remat if spec.remat is not None else notes.get("remat")
+    remat = spec.remat if spec.remat is not None else notes.remat
     if remat is None or remat is False:
         return
     if remat is not True:
@@ -623,7 +617,7 @@ def _note_remat(spec, name: str, reg: _Registration, hit) -> None:
             f"can only be recomputed whole: `remat` must be True or False for it, got the "
             f"checkpoint policy {_policy_name(remat)}. Wrap the stage in `task(..., remat=policy)` to "
             f"recompute it under a jax checkpoint policy.")
-    notes.setdefault("remat_tasks", set()).add(name)
+    notes.remat_tasks.add(name)
 
 
 def _policy_name(policy) -> str:
@@ -641,9 +635,9 @@ def _policy_name(policy) -> str:
 
 def _num_microbatches() -> int | None:
     """The program's microbatch count, once its microbatch loop has been traced."""
-    notes = _contexts.state.trace_notes or {}
-    cfg = notes.get("microbatch")
-    return cfg["num_microbatches"] if cfg else None
+    notes = _contexts.state.trace_notes
+    cfg = notes.microbatch if notes is not None else None
+    return cfg.num_microbatches if cfg else None
 
 
 def _axes(info) -> str:

@@ -16,6 +16,8 @@ from jax.sharding import Mesh
 
 from multimesh._src.brackets import deepest_nesting
 from multimesh._src.errors import DiagnosticError, MultimeshTypeError, MultimeshValueError
+from multimesh._src.ir_attrs import SourceError, decode_source
+from multimesh._src.ir_contract import MESHES_ATTR
 from multimesh._src.mlir import (
     element_dtype,
     file_line_col,
@@ -27,10 +29,9 @@ from multimesh._src.mlir import (
     sdy,
 )
 from multimesh._src.stack import on_big_stack
+from multimesh.jax._imported_schedule import recover_schedule
 from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devices
-from multimesh.passes._attrs import SourceError, decode_source
-from multimesh.passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
-from multimesh.passes.pipeline import parse_pipeline
+from multimesh.passes.api import parse_mesh_tensor, parse_pipeline, read_topology
 
 __all__ = ["compile_mpmd"]
 
@@ -132,6 +133,7 @@ def _compile(program, meshes, devices, in_tree, out_tree) -> MpmdCompiled:
         in_avals=info.arg_types if in_avals is None else in_avals)
     compiled = lowered.compile()
     assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
+    compiled._recovered_schedule = recover_schedule(compiled.plan_data, info.counters)
     return compiled
 
 
@@ -169,6 +171,8 @@ class _ProgramInfo:
             topology = read_topology(main)
             self.meshes = ({k: _mesh_shape(v) for k, v in topology.items()}
                            if topology is not None else None)
+            self.counters = [_call_counter(op) for op in main.regions[0].blocks[0].operations
+                             if op.operation.name == "mpmd.fragment_call"]
             self.donated = []
             if "arg_attrs" in main.attributes:
                 for i, a in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
@@ -192,6 +196,12 @@ class _ProgramInfo:
                 f"the output of Shardy's MPMD partitioner.")
         rt = ir.RankedTensorType(mt.tensor)
         return jax.core.ShapedArray(tuple(rt.shape), element_dtype(str(rt.element_type)))
+
+
+def _call_counter(op) -> int | None:
+    """The microbatch a fragment call's ``call_counter`` attribute names, if it has one."""
+    attrs = op.operation.attributes
+    return ir.IntegerAttr(attrs["call_counter"]).value if "call_counter" in attrs else None
 
 
 def _mesh_shape(attr) -> tuple[tuple[str, ...], tuple[int, ...]]:

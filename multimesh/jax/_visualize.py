@@ -7,8 +7,10 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
-from multimesh.schedules.gantt import memory_lanes
+from multimesh._src.ir_contract import SCHEDULE_ATTR
+from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
+from multimesh.schedules.costs import as_cost
+from multimesh.schedules.gantt import format_timeline, memory_lanes
 
 __all__ = ["visualize_schedule", "as_schedule"]
 
@@ -32,7 +34,7 @@ def as_schedule(obj) -> Schedule:
         raise MultimeshTypeError(
             f"visualize_schedule expects a compiled program, a module or a Schedule, got "
             f"{type(obj).__name__}.")
-    from multimesh.passes.schedule_fragments import read_schedule
+    from multimesh.passes.api import read_schedule
 
     s = read_schedule(module)
     if s is None:
@@ -54,7 +56,7 @@ def _schedule_module(obj):
         text = obj.as_text()
     if text is None:
         return obj if hasattr(obj, "operation") else None
-    if "mm.schedule" not in text:  # cheaper than parsing a large module to find nothing
+    if SCHEDULE_ATTR not in text:  # cheaper than parsing a large module to find nothing
         raise MultimeshValueError(_NO_SCHEDULE)
     from multimesh._src.mlir import parse_module
 
@@ -63,70 +65,113 @@ def _schedule_module(obj):
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,
                        cost: Callable[[Unit], float] | None = None,
-                       memory=None) -> str | None:
+                       costs=None, memory=None) -> str | None:
     """Print the schedule as a text Gantt chart; with ``path``, also save it as a PNG.
 
     ``compiled_or_schedule``: what ``mjit(f).lower(...).compile()`` returns, the
-    module after ``mm-schedule-fragments`` (or its text), or a :class:`Schedule`.
-    Times come from a simulation with unit costs (forward 1, backward 2, each half
-    of a split backward 1) unless ``cost`` maps a unit to its duration. The PNG
+    module after ``mm-schedule-fragments`` (or its text), a :class:`Schedule`, or a
+    measured :class:`~multimesh.jax.StepProfile` (drawn as it ran, labelled
+    "measured"). Times come from a simulation with unit costs (forward 1, backward
+    2, each half of a split backward 1) unless ``costs`` gives real ones (``"xla"``
+    for a compiled program, a ``StepProfile``, ``{fragment: seconds}``; labelled
+    "simulated (costs: ...)"; ``"unit"``, the default) or ``cost`` maps a unit to its
+    duration (in units of time). The PNG
     has one row per submesh, forward/backward/weight-gradient boxes in three
     colours with the microbatch number inside (hatched: a submesh's second stage
     under interleaving); it needs matplotlib (without it a
     warning is issued and no file is written). Returns the PNG's path, or None.
 
     ``memory``: True adds a memory lane per submesh (its live activations, in
-    microbatches, over the simulated time); a ``MemoryProfile``
+    microbatches, over the timeline); a ``MemoryProfile``
     (``compiled.memory_profile(...)``) also puts what a real step measured beside
     each lane: the peak activation bytes and microbatches, and the theory's bytes.
     """
-    sched = as_schedule(compiled_or_schedule)
-    notes = _memory_notes(memory, sched)
-    print(format_gantt(sched, cost=cost, memory=False if memory is None else notes or True))
+    tl, label = _timeline(compiled_or_schedule, cost, costs)
+    notes = _memory_notes(memory)
+    lanes = False if memory is None else notes or True
+    if "unit" in label or cost is not None:  # a grid of whole units of time
+        print(format_gantt(tl.schedule, cost=cost, memory=lanes))
+    else:
+        print(format_timeline(tl, label))
+        if lanes:
+            for m, lane in enumerate(memory_lanes(tl.schedule, tl)):
+                note = f"  {notes[m]}" if notes and m < len(notes) else ""
+                print(f"submesh {m} live activations: peak {lane.peak}{note}")
     if path is None:
         return None
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
     except ImportError:
         warnings.warn("matplotlib is not installed: no PNG written "
                       "(pip install matplotlib)", stacklevel=2)
         return None
-    tl = simulate(sched, cost=cost)
+    seconds = cost is None and "unit" not in label
+    span = 40.0 if seconds else tl.makespan  # real seconds: a fixed width
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * span + 2)),
+                          0.6 * tl.schedule.num_meshes + 1.4 + (2.2 if lanes else 0)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(2 if lanes else 1, 1, 1)
+    _draw(ax, tl, label, seconds=seconds)
+    if lanes:
+        _draw_lanes(fig.add_subplot(2, 1, 2, sharex=ax), tl, notes, 1e3 if seconds else 1.0)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+    return os.fspath(path)
+
+
+def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
+    """The timeline to draw and how it was made."""
+    if getattr(obj, "measured", False):
+        if cost is not None or costs is not None:
+            raise MultimeshValueError("A measured StepProfile is drawn as it ran; cost= and "
+                                      "costs= apply to a schedule, not to a measurement.")
+        return obj.timeline(), "measured"
+    sched = as_schedule(obj)
+    if costs is None or (isinstance(costs, str) and costs == "unit"):
+        return simulate(sched, cost=cost), ("simulated (unit costs)" if cost is None
+                                            else "simulated (costs: given)")
+    if cost is not None:
+        raise MultimeshValueError("Give cost= or costs=, not both.")
+    if isinstance(costs, str) and costs == "xla":
+        from multimesh.jax._costs import xla_costs
+
+        if isinstance(obj, (Schedule, Mapping)):
+            raise MultimeshValueError("costs='xla' needs the compiled program, not its "
+                                      "Schedule: pass the compiled program.")
+        costs = xla_costs(obj)
+    fn, source = as_cost(costs)
+    return simulate(sched, cost=fn), f"simulated (costs: {source})"
+
+
+def _draw(ax, tl: Timeline, label: str, seconds: bool) -> None:
+    from matplotlib.patches import Patch
+
+    sched = tl.schedule
     chunk = chunk_of(sched)
     G = sched.num_meshes
-    lanes = memory is not None
-    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * tl.makespan + 2)),
-                          0.6 * G + 1.4 + (2.2 if lanes else 0)))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(2, 1, 1) if lanes else fig.add_subplot(1, 1, 1)
+    scale = 1e3 if seconds else 1.0
     for m, row in enumerate(sched.orders):
         y = G - 1 - m
         for i in row:
             u = sched.units[i]
-            s, e = tl.start[i], tl.end[i]
+            s, e = tl.start[i] * scale, tl.end[i] * scale
             ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), facecolors=COLORS.get(u.kind, "#9D9D9D"),
                            edgecolors="black", linewidth=0.5,
                            hatch="//" if chunk.get(i, 0) % 2 else None)
-            label = "" if u.microbatch is None else str(u.microbatch)
-            ax.text((s + e) / 2, y, label, ha="center", va="center", fontsize=8, color="white")
+            text = "" if u.microbatch is None else str(u.microbatch)
+            ax.text((s + e) / 2, y, text, ha="center", va="center", fontsize=8, color="white")
     ax.set_yticks([G - 1 - m for m in range(G)])
     ax.set_yticklabels([_row_label(sched, m) for m in range(G)])
-    ax.set_xlim(0, max(tl.makespan, 1.0))
+    ax.set_xlim(0, max(tl.makespan * scale, 1e-9 if seconds else 1.0))
     ax.set_ylim(-0.6, G - 0.4)
-    ax.set_xlabel("time (unit costs)" if cost is None else "time")
-    ax.set_title(f"{sched.name}: {G} submeshes x {sched.num_microbatches} microbatches, "
-                 f"bubble {100 * tl.bubble_fraction():.1f}%")
+    ax.set_xlabel("time (ms)" if seconds else "time (unit costs)")
+    ax.set_title(f"{sched.name}, {label}: {G} submeshes x {sched.num_microbatches} "
+                 f"microbatches, bubble {100 * tl.bubble_fraction():.1f}%")
     kinds = [k for k in ("fwd", "bwd", "bwd_w", "other") if any(u.kind == k for u in sched.units)]
     names = {"fwd": "forward", "bwd": "backward", "bwd_w": "weight gradient", "other": "other"}
     ax.legend(handles=[Patch(facecolor=COLORS[k], label=names[k]) for k in kinds],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    if lanes:
-        _draw_lanes(fig.add_subplot(2, 1, 2, sharex=ax), sched, tl, notes)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    return os.fspath(path)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title=label)
 
 
 def _row_label(s: Schedule, m: int) -> str:
@@ -135,7 +180,7 @@ def _row_label(s: Schedule, m: int) -> str:
     return f"submesh {m}"
 
 
-def _memory_notes(memory, sched: Schedule) -> list[str] | None:
+def _memory_notes(memory) -> list[str] | None:
     """Per submesh, what a real step measured (``memory``: a MemoryProfile), or None."""
     if memory is None or memory is True or memory is False:
         return None
@@ -152,10 +197,10 @@ def _size(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
-def _draw_lanes(ax, sched: Schedule, tl, notes: list[str] | None) -> None:
+def _draw_lanes(ax, tl: Timeline, notes: list[str] | None, scale: float) -> None:
     """The memory lanes: live microbatches per submesh over time, a step line each."""
-    for m, lane in enumerate(memory_lanes(sched, tl)):
-        xs = [0.0] + [t for t, _ in lane.steps] + [tl.makespan]
+    for m, lane in enumerate(memory_lanes(tl.schedule, tl)):
+        xs = [0.0] + [t * scale for t, _ in lane.steps] + [tl.makespan * scale]
         ys = [0] + [c for _, c in lane.steps]
         ys.append(ys[-1])
         label = f"submesh {m}: peak {lane.peak}"

@@ -17,6 +17,7 @@ rejected with an error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -613,7 +614,8 @@ def _check_logical(owner, where: str) -> None:
     """For NNX objects, shardings are logical names; a ``NamedSharding`` none of whose
     names a task of the program maps (tasks are traced by now) would silently do
     nothing, so it is an error."""
-    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())
+    notes = _contexts.state.trace_notes
+    mapped = notes.logical_names if notes is not None else set()
     for kind in ("in_shardings", "out_shardings"):
         for s in _named_shardings(getattr(owner, kind)):
             if is_physical(s, mapped):
@@ -959,6 +961,12 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     state = NnxTrainState(model, opt)
 
     batch_avals = _batch_avals(global_batch, local_batch)
+    plan = None
+    if microbatching is not None and microbatching.num_stages == "auto":
+        from multimesh.jax._planner._api import plan_step
+
+        microbatching, plan = plan_step(microbatching, lambda m, b: m(b), model, batch_avals,
+                                        mesh)
     piped = microbatching is not None and microbatching.active
     if piped:
         _warn_unstepped(model)
@@ -984,12 +992,15 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
 
     jitted = mjit(train_step, mesh=mesh,
                   in_shardings=(_state_specs(state), None))
-    compiled = jitted.lower(state, batch_avals).compile()
+    with plan if plan is not None else contextlib.nullcontext():
+        compiled = jitted.lower(state, batch_avals).compile()
     compiled.place(state, batch_avals)
     batch_sh = compiled.input_shardings[0][1]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
 
     step_fn = _NnxStep(compiled)
-    return ParallelizeStepResult((step_fn, state, mesh, prepare_batch),
-                                 length=3 if global_batch is not None else 4)
+    result = ParallelizeStepResult((step_fn, state, mesh, prepare_batch),
+                                   length=3 if global_batch is not None else 4)
+    result.plan = plan
+    return result
 
