@@ -133,6 +133,10 @@ def test_visualize_schedule_draws_the_memory_lane(tmp_path, capsys):
         assert f"theory {t / 1024:.1f} KiB" in line
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # with real costs (a timeline in seconds) each submesh's lane is a line of its own
+    mm.visualize_schedule(compiled, costs="xla", memory=prof)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "live activations" in x]
+    assert [int(x.split("peak ")[1].split()[0]) for x in lines] == [4, 3, 2, 1]
     plain = tmp_path / "plain.png"
     mm.visualize_schedule(compiled, plain)
     # the lanes are a second plot: the picture is taller
