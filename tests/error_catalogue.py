@@ -532,6 +532,16 @@ def _():
     mm.visualize_schedule(3)
 
 
+@error("visualize-memory-wrong-type", API, "`visualize_schedule(memory=...)` given something else",
+       MultimeshTypeError, r"`memory` must be True or a MemoryProfile.*got str",
+       """`memory=True` draws each submesh's simulated live activations; a profile from
+       `compiled.memory_profile(...)` adds what a real step measured beside them.""")
+def _():
+    from multimesh.schedules import build_schedule, pipeline_units
+
+    mm.visualize_schedule(build_schedule(pipeline_units(2, 2), "1f1b"), memory="peak")
+
+
 @error("microbatch-not-callable", API, "`microbatch` given something that is not a function",
        MultimeshTypeError, r"`microbatch` expects a callable, got int",
        """`microbatch(fun, dim=..., size=...)` wraps a function.""")

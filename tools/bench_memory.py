@@ -133,7 +133,8 @@ def run(schedule: str, seq: int, reps: int) -> list[dict]:
                          "ratio": s.peak_activations / theory if theory else None,
                          "mbs": s.peak_microbatches, "predicted_mbs": n,
                          "per_microbatch": s.residual_bytes, "weight_half": s.weight_bytes,
-                         "peak": s.peak, "temporaries": s.temporaries})
+                         "peak": s.peak, "temporaries": s.temporaries,
+                         "transient": s.peak_transient, "stage_bytes": s.stage_bytes})
         out.append({"schedule": schedule, "remat": remat, "step_s": statistics.median(ts),
                     "recomputed_exp": _recomputed(compiled), "submeshes": rows})
     return out
@@ -150,7 +151,8 @@ def _print(r: dict) -> None:
               f"({s['mbs']} mb)  theory {s['theory'] / mib:7.2f} MiB "
               f"(<= {s['predicted_mbs']} mb; {s['per_microbatch'] / mib:.2f} + "
               f"{s['weight_half'] / mib:.2f} each)  ratio {ratio}  "
-              f"peak {s['peak'] / mib:.2f} MiB", flush=True)
+              f"peak {s['peak'] / mib:.2f} MiB (transient {s['transient'] / mib:.2f})",
+              flush=True)
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,8 @@ class MemoryProfile:
     schedule's ``live_activations``), and ``predicted_activations``, the most bytes
     over the submesh's dispatch order of (pairs between forward and backward) x
     ``residual_bytes`` + (pairs between the halves of a split backward) x
-    ``weight_bytes`` (a pair whose first half runs counts in both)."""
+    ``weight_bytes`` (a pair whose first half runs counts in both), with each
+    stage's own bytes (``stage_bytes``) where the submesh runs several."""
 
     schedule: str | None
     submeshes: list[SubmeshMemory]
@@ -26,11 +27,22 @@ class MemoryProfile:
     states: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
     """Per submesh, after each of its dispatches: (pairs awaiting their backward,
     pairs awaiting their weight half)."""
+    stage_states: list[list[dict[str, tuple[int, int]]]] = dataclasses.field(
+        default_factory=list)
+    """``states`` per stage (its forward task)."""
 
     @property
     def predicted_activations(self) -> list[int]:
-        return [max((a * s.residual_bytes + b * s.weight_bytes for a, b in counts), default=0)
-                for counts, s in zip(self.states, self.submeshes)]
+        out = []
+        for k, s in enumerate(self.submeshes):
+            rows = self.stage_states[k] if k < len(self.stage_states) else [
+                {"": c} for c in self.states[k]]
+            # a stage with nothing measured kept nothing (a first stage's batch slice)
+            fallback = (0, 0) if s.stage_bytes else (s.residual_bytes, s.weight_bytes)
+            out.append(max((sum(a * s.stage_bytes.get(t, fallback)[0]
+                                + b * s.stage_bytes.get(t, fallback)[1]
+                                for t, (a, b) in row.items()) for row in rows), default=0))
+        return out
 
     def format(self) -> str:
         """A table, one row per submesh, sizes in KiB per device."""
@@ -62,12 +74,16 @@ def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     ids = [tuple(low.devices[p].id for p in where) for where in sched.devices]
     live = sched.live_activations()
     rows = [measured.get(i, SubmeshMemory(i)) for i in ids]
-    return MemoryProfile(sched.name, rows, list(live), _states(sched))
+    per_stage = _states(sched)
+    states = [[tuple(map(sum, zip((0, 0), *row.values()))) for row in sub] for sub in per_stage]
+    return MemoryProfile(sched.name, rows, list(live), states, per_stage)  # type: ignore
 
 
-def _states(schedule) -> list[list[tuple[int, int]]]:
-    """Per submesh, after each dispatch: (stage, microbatch) pairs whose forward ran and
-    backward has not, and pairs whose backward has partly run (a weight half to come)."""
+def _states(schedule) -> list[list[dict[str, tuple[int, int]]]]:
+    """Per submesh, after each dispatch, per stage (its forward task): (stage,
+    microbatch) pairs whose forward ran and backward has not, and pairs whose
+    backward has partly run (a weight half to come)."""
+    task = {u.stage: u.task for u in schedule.units if not u.free and u.kind == "fwd"}
     total: dict[tuple, int] = {}
     for u in schedule.units:
         if not u.free and u.kind in ("bwd", "bwd_w"):
@@ -85,9 +101,13 @@ def _states(schedule) -> list[list[tuple[int, int]]]:
             waiting = [k for k in fwd if k in total and bwd.get(k, 0) < total[k]]
             # while a split backward's first half runs, its microbatch's residuals are
             # still held beside what it makes for the second half
-            running = int(not u.free and u.kind == "bwd" and u.key in fwd
-                          and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1)
-            counts.append((sum(1 for k in waiting if not bwd.get(k)) + running,
-                           sum(1 for k in waiting if bwd.get(k))))
+            running = (not u.free and u.kind == "bwd" and u.key in fwd
+                       and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1)
+            row_counts: dict[str, list[int]] = {}
+            for k in waiting:
+                row_counts.setdefault(task.get(k[1], ""), [0, 0])[bool(bwd.get(k))] += 1
+            if running:
+                row_counts.setdefault(task.get(u.key[1], ""), [0, 0])[0] += 1
+            counts.append({t: (a, b) for t, (a, b) in row_counts.items()})
         out.append(counts)
     return out

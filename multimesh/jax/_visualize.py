@@ -10,7 +10,7 @@ from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh._src.ir_contract import SCHEDULE_ATTR
 from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
 from multimesh.schedules.costs import as_cost
-from multimesh.schedules.gantt import format_timeline
+from multimesh.schedules.gantt import format_timeline, memory_lanes
 
 __all__ = ["visualize_schedule", "as_schedule"]
 
@@ -65,7 +65,7 @@ def _schedule_module(obj):
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,
                        cost: Callable[[Unit], float] | None = None,
-                       costs=None) -> str | None:
+                       costs=None, memory=None) -> str | None:
     """Print the schedule as a text Gantt chart; with ``path``, also save it as a PNG.
 
     ``compiled_or_schedule``: what ``mjit(f).lower(...).compile()`` returns, the
@@ -80,12 +80,23 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     colours with the microbatch number inside (hatched: a submesh's second stage
     under interleaving); it needs matplotlib (without it a
     warning is issued and no file is written). Returns the PNG's path, or None.
+
+    ``memory``: True adds a memory lane per submesh (its live activations, in
+    microbatches, over the timeline); a ``MemoryProfile``
+    (``compiled.memory_profile(...)``) also puts what a real step measured beside
+    each lane: the peak activation bytes and microbatches, and the theory's bytes.
     """
     tl, label = _timeline(compiled_or_schedule, cost, costs)
+    notes = _memory_notes(memory)
+    lanes = False if memory is None else notes or True
     if "unit" in label or cost is not None:  # a grid of whole units of time
-        print(format_gantt(tl.schedule, cost=cost))
+        print(format_gantt(tl.schedule, cost=cost, memory=lanes))
     else:
         print(format_timeline(tl, label))
+        if lanes:
+            for m, lane in enumerate(memory_lanes(tl.schedule, tl)):
+                note = f"  {notes[m]}" if notes and m < len(notes) else ""
+                print(f"submesh {m} live activations: peak {lane.peak}{note}")
     if path is None:
         return None
     try:
@@ -98,9 +109,12 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     seconds = cost is None and "unit" not in label
     span = 40.0 if seconds else tl.makespan  # real seconds: a fixed width
     fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * span + 2)),
-                          0.6 * tl.schedule.num_meshes + 1.4))
+                          0.6 * tl.schedule.num_meshes + 1.4 + (2.2 if lanes else 0)))
     FigureCanvasAgg(fig)
-    _draw(fig.add_subplot(1, 1, 1), tl, label, seconds=seconds)
+    ax = fig.add_subplot(2 if lanes else 1, 1, 1)
+    _draw(ax, tl, label, seconds=seconds)
+    if lanes:
+        _draw_lanes(fig.add_subplot(2, 1, 2, sharex=ax), tl, notes, 1e3 if seconds else 1.0)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=100)
     return os.fspath(path)
@@ -164,3 +178,34 @@ def _row_label(s: Schedule, m: int) -> str:
     if m < len(s.devices):
         return f"submesh {m}\n({','.join(str(d) for d in s.devices[m])})"
     return f"submesh {m}"
+
+
+def _memory_notes(memory) -> list[str] | None:
+    """Per submesh, what a real step measured (``memory``: a MemoryProfile), or None."""
+    if memory is None or memory is True or memory is False:
+        return None
+    rows = getattr(memory, "submeshes", None)
+    if rows is None:
+        raise MultimeshTypeError(
+            f"visualize_schedule's `memory` must be True or a MemoryProfile (what "
+            f"compiled.memory_profile(...) returns), got {type(memory).__name__}.")
+    return [f"measured {_size(s.peak_activations)} ({s.peak_microbatches} mb), "
+            f"theory {_size(t)}" for s, t in zip(rows, memory.predicted_activations)]
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def _draw_lanes(ax, tl: Timeline, notes: list[str] | None, scale: float) -> None:
+    """The memory lanes: live microbatches per submesh over time, a step line each."""
+    for m, lane in enumerate(memory_lanes(tl.schedule, tl)):
+        xs = [0.0] + [t * scale for t, _ in lane.steps] + [tl.makespan * scale]
+        ys = [0] + [c for _, c in lane.steps]
+        ys.append(ys[-1])
+        label = f"submesh {m}: peak {lane.peak}"
+        if notes and m < len(notes):
+            label += f"; {notes[m]}"
+        ax.step(xs, ys, where="post", label=label)
+    ax.set_ylabel("live microbatches")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)

@@ -14,6 +14,7 @@ comparing where a value lives with where its consumer wants it, so the hot loop 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from multimesh._src.errors import MultimeshValueError
@@ -236,6 +237,7 @@ class _Builder:
                 self._op(op, ids)
         assert ret is not None  # a func.func body ends with its func.return
         outputs = [ids[v] for v in ret.operands]
+        self.steps = defer_transfers(self.steps, self.fragments)
         plan = Plan(self.num_devices, self.fragments, self.steps, inputs, input_ids, outputs,
                     [self.layout_of[o] for o in outputs], constants=self.constants,
                     num_microbatches=self.num_microbatches, schedule_name=self.schedule_name)
@@ -385,6 +387,46 @@ class _Builder:
                 raise MultimeshValueError(f"Fragment call to unknown fragment '{name}'.")
             frag = self.fragments[name] = _fragment(name, sub)
         return frag
+
+
+def defer_transfers(steps: list, fragments: dict[str, Fragment]) -> list:
+    """``steps`` with each microbatch loop transfer moved to just after the last call
+    on its destination devices before the call that first reads it.
+
+    The loop body lists a call's transfers right after it, so a stage's output would
+    cross to the next stage's submesh as soon as it is made and wait there, beside
+    the microbatches the schedule holds, for that stage's forward (1F1B's next
+    microbatch arrives during the warm-up). Moved here it arrives while its receiver
+    is idle, right before it is needed; until then it waits on the sender, whose
+    forward made it. A transfer is not moved past a call that reads its source (which
+    may donate it), and one whose value another transfer reads first stays put.
+    """
+    calls_on: dict[int, list[int]] = {}  # device position -> its calls' step indices
+    first_read: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}  # value -> the calls reading it, in order
+    for i, s in enumerate(steps):
+        if isinstance(s, Call):
+            for p in s.devices or fragments[s.fragment].devices:
+                calls_on.setdefault(p, []).append(i)
+            for a in s.args:
+                first_read.setdefault(a, i)
+                readers.setdefault(a, []).append(i)
+        else:
+            first_read.setdefault(s.src, i)
+    keys = []
+    for i, s in enumerate(steps):
+        slot = i
+        r = first_read.get(s.dst) if isinstance(s, Transfer) else None
+        if r is not None and isinstance(steps[r], Call) and steps[r].microbatch is not None:
+            # the last call on a destination device before the reader
+            before = [on[k - 1] for on in map(calls_on.get, s.layout[0]) if on
+                      for k in [bisect.bisect_left(on, r)] if k]
+            slot = max([i, *before])
+            reads = readers.get(s.src, [])
+            if bisect.bisect_right(reads, slot) > bisect.bisect_right(reads, i):
+                slot = i  # a call between would read (and may donate) the source
+        keys.append((slot, slot != i, i))
+    return [steps[k[2]] for k in sorted(keys)]
 
 
 def _order(recorded: tuple[tuple[int, int], ...] | None, S: int,

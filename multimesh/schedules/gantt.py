@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from .model import Unit, short_label
-from .simulator import Schedule, Timeline, chunk_of, simulate
+from .simulator import Schedule, Timeline, chunk_of, live_activation_profile, simulate
 
-__all__ = ["format_gantt", "format_timeline"]
+__all__ = ["format_gantt", "format_timeline", "memory_lanes", "Lane"]
 
 
-def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None) -> str:
+def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None,
+                 memory: bool | Sequence[str] = False) -> str:
     """A text Gantt chart: one row per submesh, one cell per unit of time.
 
     Each unit is drawn as its label (``F``/``B``/``W`` + microbatch; ``X`` for other
     units, ``*`` without a microbatch; under interleaving a letter for the stage
     among its submesh's stages, ``a`` first) followed by ``-`` over the rest of its
-    duration; ``.`` is idle time.
+    duration; ``.`` is idle time. ``memory``: under each submesh a lane of its live
+    activations over time (:func:`memory_lanes`), ending with their peak; strings, one
+    per submesh, are appended to the lanes (what a real step measured).
     """
     tl = simulate(schedule, cost=cost)
     s = schedule
@@ -48,7 +51,47 @@ def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None
             for k in range(a + 1, b):
                 cells[k] = "-" * width
         lines.append(f"{names[m].ljust(pad)} |{''.join(cells).rstrip()}")
+        if memory is not False:
+            lane = memory_lanes(s, tl)[m]
+            cells = [str(lane.at(k * quantum)).ljust(width)[:width] for k in range(T)]
+            note = f"  {memory[m]}" if not isinstance(memory, bool) and m < len(memory) else ""
+            lines.append(f"{'  live'.ljust(pad)} |{''.join(cells).rstrip()}   peak "
+                         f"{lane.peak}{note}")
     return "\n".join(lines)
+
+
+class Lane:
+    """One submesh's live activations over time: ``(time, count)`` steps."""
+
+    def __init__(self, steps: list[tuple[float, int]]):
+        # at one instant only the last count holds (a backward ends as a forward starts)
+        last = dict(sorted(steps, key=lambda s: s[0]))
+        self.steps = sorted(last.items())
+        self.peak = max((c for _, c in steps), default=0)
+
+    def at(self, t: float) -> int:
+        """The count at time ``t`` (the last step at or before it)."""
+        out = 0
+        for when, c in self.steps:
+            if when > t + 1e-9:
+                break
+            out = c
+        return out
+
+
+def memory_lanes(schedule: Schedule, timeline: Timeline | None = None) -> list[Lane]:
+    """Per submesh, its live (stage, microbatch) activations over the simulated time
+    (``live_activation_profile`` in dispatch order): one comes alive when its forward
+    starts and is freed when its last backward ends."""
+    tl = timeline or simulate(schedule)
+    lanes = []
+    for row, prof in zip(schedule.orders, live_activation_profile(schedule), strict=True):
+        steps, before = [], 0
+        for i, live in zip(row, prof, strict=True):
+            steps.append((tl.start[i] if live >= before else tl.end[i], live))
+            before = live
+        lanes.append(Lane(steps))
+    return lanes
 
 
 def format_timeline(tl: Timeline, label: str, columns: int = 72) -> str:
