@@ -13,6 +13,9 @@ from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["PipelinePlan", "Stage", "Comparison"]
 
+# The name the generated code imports multimesh.jax as (the docs' convention).
+_ALIAS = "mm"
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -139,14 +142,14 @@ class PipelinePlan:
 
     def as_code(self) -> str:
         """The rules and the microbatch call a user would write by hand."""
-        lines = ["import multimesh.jax as mm", ""]
+        lines = [f"import multimesh.jax as {_ALIAS}", ""]
         for st in self.stages:
             logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
-            lines.append(f"mm.register_task({_raw(st.matcher)}, task=mm.Task("
-                         f"name={st.task_name!r}, mesh=mm.TaskMesh(devices={st.positions!r})"
+            lines.append(f"{_ALIAS}.register_task({_raw(st.matcher)}, task={_ALIAS}.Task("
+                         f"name={st.task_name!r}, mesh={_ALIAS}.TaskMesh(devices={st.positions!r})"
                          f"{logical}))")
         argnum, dim, _ = self.batch
-        lines += ["", f"step = mm.microbatch(jax.value_and_grad(loss), dim={dim}, "
+        lines += ["", f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
                       f"size={self.microbatch_size}, argnum={argnum}, "
                       f"schedule={self.schedule!r})"]
         return "\n".join(lines) + "\n"
