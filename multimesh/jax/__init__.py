@@ -14,12 +14,12 @@ from multimesh.jax._contexts import enable_recomputation as enable_recomputation
 from multimesh.jax._contexts import ignore_transforms as ignore_transforms
 from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._mjit import mjit as mjit
-from multimesh.jax._mjit import parallelize as parallelize
-from multimesh.jax._multimesh import Context as Context
 from multimesh.jax._multimesh import MultiMesh as MultiMesh
-from multimesh.jax._multimesh import clear_tasks as clear_tasks
-from multimesh.jax._multimesh import register_task as register_task
-from multimesh.jax._multimesh import tasks as tasks
+from multimesh.jax._parallelize import parallelize as parallelize
+from multimesh.jax._registrations import Context as Context
+from multimesh.jax._registrations import clear_tasks as clear_tasks
+from multimesh.jax._registrations import register_task as register_task
+from multimesh.jax._registrations import tasks as tasks
 from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
 from multimesh.jax._task import Task as Task

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from multimesh.passes.base import ModulePass
 from multimesh.passes.pipeline import Pipeline, parse_pipeline
+from multimesh.schedules import get_schedule
 
-__all__ = ["build_pipeline"]
+__all__ = ["build_pipeline", "default_pipeline", "schedule_config_of", "wants_split",
+           "remat_options", "schedule_options"]
 
 
 def build_pipeline(num_devices: int, *, implicit_tasks: ModulePass | None = None,
@@ -53,3 +55,46 @@ def build_pipeline(num_devices: int, *, implicit_tasks: ModulePass | None = None
     steps += ["mm-insert-transfers", "mm-extract-fragments"]
     return parse_pipeline(steps)
 
+
+def default_pipeline(num_devices: int) -> str:
+    """The pass pipeline for a plain program (also printed in repro commands)."""
+    return str(build_pipeline(num_devices))
+
+
+def schedule_config_of(notes: dict) -> dict | None:
+    """The microbatch loop's schedule, stored on the module (so repros replay it).
+
+    Only what the program asked for: the pass warns about a schedule that cannot
+    apply, and a default GPipe was not asked for.
+    """
+    cfg = notes.get("microbatch")
+    if cfg is None:
+        return None
+    out = {}
+    if cfg.get("requested"):
+        out["schedule"] = cfg["schedule"]
+    for key in ("num_stages", "interleave", "unrolling"):
+        if cfg.get(key):
+            out[key] = int(cfg[key])
+    if cfg.get("custom"):
+        out["custom_schedule"] = [[[int(mb), name] for mb, name in row] for row in cfg["custom"]]
+    return out
+
+
+def wants_split(notes: dict) -> str | None:
+    """Options for mm-split-backward: all backwards (zero-bubble) or flagged tasks."""
+    cfg = notes.get("microbatch")
+    if cfg and get_schedule(cfg["schedule"]).splits_backward:
+        return "all=true"
+    return "" if notes.get("split_backprop") else None
+
+
+def remat_options(notes: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(registered tasks to recompute, explicit tasks traced under jax.checkpoint)."""
+    return (tuple(sorted(notes.get("remat_tasks", ()))),
+            tuple(sorted(notes.get("remat_inputs_of", ()))))
+
+
+def schedule_options(notes: dict) -> str | None:
+    # The options live in the module's mm.schedule_config; the pass reads them there.
+    return "" if notes.get("microbatch") is not None else None
