@@ -1,7 +1,8 @@
 """The pass pipeline ``mjit`` runs, assembled from the features a program uses.
 
 Each feature contributes its passes through one small function here, so the
-order of the whole pipeline is visible in one place.
+order of the whole pipeline is visible in one place; below it, the translation of a
+trace's notes (microbatch loop, split and recomputed tasks) into its options.
 """
 
 from __future__ import annotations
