@@ -66,12 +66,16 @@ class ScheduleFragmentsPass(ModulePass):
     stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
     order with every weight-gradient half moved into idle slots, under 1F1B's peak
     memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory), five with a stage-placement rule (docs/schedules.md):
+    under twice that memory), seven with a stage-placement rule (docs/schedules.md):
     ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
     last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
     (round-robin stages; every forward, then the backwards in group order or in the
     mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
-    two microbatch streams, split backwards, at least 2P microbatches), and ``custom`` (rows from ``custom-schedule-file``, a
+    two microbatch streams, split backwards, at least 2P microbatches),
+    ``zero-bubble-v`` (V-shape stages, the ZB-V schedule of Qi et al.: split backwards,
+    no bubble inside a submesh's span from 2P - 1 microbatches on), ``kimi-k2``
+    (round-robin stages, JaxPP's KimiK2: interleaved 1F1B with one more warm-up
+    forward), and ``custom`` (rows from ``custom-schedule-file``, a
     JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
     row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
     ``[microbatch, name]``, each name once per microbatch).
@@ -96,7 +100,7 @@ class ScheduleFragmentsPass(ModulePass):
     consumes = ("mpmd",)
 
     schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
@@ -202,7 +206,7 @@ def _warn_if_idle(sched: Schedule, name: str, loc, info) -> bool:
 
 def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
     """Interleaving with one stage per submesh is 1F1B (GPipe), and a zero-bubble
-    schedule (or DualPipeV) with no weight half to defer runs without deferring any:
+    schedule (DualPipeV, ZB-V) with no weight half to defer runs without deferring any:
     say so rather than run it under another name."""
     units = [u for u in sched.units if not u.free]
     stages: dict[int, set] = {}

@@ -200,6 +200,12 @@ def two_stage():
     return jax.value_and_grad(loss), [jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16))
 
 
+def pipelined():
+    """The two-stage pipeline of :func:`two_stage`, compiled with 2 microbatches."""
+    grad_fn, ws, x = two_stage()
+    return mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1)).lower(ws, x).compile()
+
+
 def layered_model(ws, x):
     """A plain model whose layers are named scopes ``layer0`` and ``layer1``."""
     with jax.named_scope("layer0"):
@@ -1106,16 +1112,171 @@ def _():
 # =========================================================================== schedule misuse
 
 
+@error("compare-schedules-not-pipelined", SCHEDULES,
+       "`compare_schedules` on a program without a pipeline",
+       MultimeshValueError, r"compare_schedules needs a pipelined program",
+       """Only a microbatched program has units to schedule; wrap the step in
+       `microbatch(...)`.""")
+def _():
+    mm.compare_schedules(mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compile())
+
+
+@error("compare-schedules-unknown-costs", SCHEDULES, "An unknown cost source",
+       MultimeshValueError, r"costs='fast' is not a cost source; valid: 'xla', 'unit'",
+       """Give `'xla'`, `'unit'`, a `StepProfile` (`compiled.step_profile(...)`), a
+       `{fragment: seconds}` mapping or a `FragmentCosts`.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="fast")
+
+
+@error("compare-schedules-bad-memory", SCHEDULES, "An unknown memory source",
+       MultimeshTypeError, r"memory must be 'plan', None or the memory_profile\(\) of this",
+       """`memory=` takes `'plan'` (`mm.residual_bytes`: the residual sizes read from the
+       compiled plan), None, or this program's `compiled.memory_profile(...)`.""")
+def _():
+    mm.compare_schedules(pipelined(), memory=3)
+
+
+@error("compare-schedules-unknown-memory", SCHEDULES, "An unknown memory source",
+       MultimeshValueError, r"memory='xla' is not a memory source; valid: 'plan', None",
+       """Residual sizes come from the compiled plan (`'plan'`) or a measured
+       `compiled.memory_profile(...)`; None leaves bytes out of the table.""")
+def _():
+    mm.compare_schedules(pipelined(), memory="xla")
+
+
+@error("schedule-costs-wrong-type", SCHEDULES, "Costs of the wrong type",
+       MultimeshValueError, r"costs must be None, a FragmentCosts, a measured profile",
+       """`schedule.simulate(costs)` takes None (unit costs), `mm.xla_costs(compiled)`, a
+       `StepProfile`, a `{fragment: seconds}` mapping or a function of a unit.""")
+def _():
+    pipelined().schedule.simulate(3)
+
+
+@error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
+       MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
+       """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a
+       function of `(mesh, stage, microbatch)`.""")
+def _():
+    pipelined().schedule.simulate(residual_bytes=[1, 2])
+
+
+@error("simulate-stages-not-divisible", SCHEDULES, "Stages that do not divide among submeshes",
+       MultimeshValueError, r"number of stages divisible by num_meshes, got 3 stages on 2",
+       """Every submesh holds the same number of stages: give a multiple of
+       `num_meshes` stages.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("1f1b", [1.0] * 3, [2.0] * 3, num_microbatches=4, num_meshes=2)
+
+
+@error("simulate-stages-v-shape", SCHEDULES, "A V-shape schedule without two stages a submesh",
+       MultimeshValueError, r"places 2 stages per submesh in a V: 4 stages need num_meshes=2",
+       """DualPipeV puts stage i and stage 2P - 1 - i on submesh i: give twice as many
+       stages as submeshes.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("dualpipe-v", [1.0] * 4, [2.0] * 4, num_microbatches=8)
+
+
+@error("visualize-cost-and-costs", SCHEDULES, "Both `cost=` and `costs=`",
+       MultimeshValueError, r"Give cost= or costs=, not both",
+       """`cost` is a function of a unit; `costs` a cost source. Pass one.""")
+def _():
+    mm.visualize_schedule(pipelined(), cost=lambda u: 1.0, costs="xla")
+
+
+@error("step-profile-donated", SCHEDULES, "Several profiled steps of a donating program",
+       MultimeshValueError, r"steps=2 reruns the program on the same arguments, but it donates",
+       """A donated argument is gone after one step: profile with `steps=1` and fresh
+       arguments each time.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    c = mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1),
+                donate_argnums=(0,)).lower(ws, x).compile()
+    c.step_profile(ws, x, steps=2)
+
+
+@error("compare-schedules-nothing-fits", SCHEDULES, "No schedule within a memory limit",
+       MultimeshValueError, r"no schedule keeps its activations within 1 KiB; the least",
+       """Every applicable schedule holds more activation bytes on some submesh than the
+       limit: recompute stages (`remat=`), use more, smaller microbatches, or raise it.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="unit").best(memory_limit=1024)
+
+
+@error("compare-schedules-limit-without-memory", SCHEDULES,
+       "A memory limit without residual sizes",
+       MultimeshValueError, r"memory_limit needs residual sizes",
+       """`best(memory_limit=...)` compares activation bytes: build the table with
+       `memory='plan'` (the default) or a memory profile.""")
+def _():
+    mm.compare_schedules(pipelined(), costs="unit", memory=None).best(memory_limit=1024)
+
+
+@error("compare-schedules-wrong-type", SCHEDULES, "`compare_schedules` given something else",
+       MultimeshTypeError, r"Expected a compiled or lowered multimesh program",
+       """Pass `mjit(f).lower(...)` or its `.compile()`.""")
+def _():
+    mm.compare_schedules("1f1b")
+
+
+@error("schedule-costs-missing-fragment", SCHEDULES, "Costs that miss a fragment",
+       MultimeshValueError, r"no cost for fragment 's0_fwd' \(given costs know: s1_fwd\)",
+       """A `{fragment: seconds}` mapping must name every fragment the schedule calls
+       (`compiled.fragments`); or use `mm.xla_costs(compiled)` or a `StepProfile`.""")
+def _():
+    pipelined().schedule.simulate({"s1_fwd": 1e-3})
+
+
+@error("simulate-stages-lengths", SCHEDULES, "Per-stage numbers of different lengths",
+       MultimeshValueError, r"simulate_stages got 2 forward costs but 3 backward values",
+       """Give one forward cost, one backward cost (and activation size) per stage.""")
+def _():
+    from multimesh.schedules.costs import simulate_stages
+
+    simulate_stages("1f1b", [1.0, 1.0], [2.0, 2.0, 2.0], num_microbatches=4)
+
+
+@error("step-profile-steps", SCHEDULES, "`step_profile` with fewer than one step",
+       MultimeshValueError, r"steps must be at least 1, got 0",
+       """`steps` is how many steps to run and time.""")
+def _():
+    pipelined().step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=0)
+
+
+@error("visualize-xla-costs-of-schedule", SCHEDULES, "`costs='xla'` for a bare Schedule",
+       MultimeshValueError, r"costs='xla' needs the compiled program",
+       """XLA's costs live in the compiled fragments: pass the compiled program, or
+       `costs=mm.xla_costs(compiled)` with the schedule.""")
+def _():
+    mm.visualize_schedule(pipelined().schedule, costs="xla")
+
+
+@error("visualize-measured-with-costs", SCHEDULES, "Costs for a measured profile",
+       MultimeshValueError, r"A measured StepProfile is drawn as it ran",
+       """A `StepProfile` is drawn as measured; to simulate with its costs, pass the
+       program and `costs=profile`.""")
+def _():
+    c = pipelined()
+    prof = c.step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=1)
+    mm.visualize_schedule(prof, costs="xla")
+
+
 @error("microbatch-unknown-schedule", SCHEDULES, "An unknown pipeline schedule name",
        MultimeshValueError,
        r"Unknown microbatch schedule 'round-robin'; valid schedules are gpipe, 1f1b, "
        r"interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, "
-       r"gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, custom \(aliases: "
+       r"gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2, "
+       r"custom \(aliases: "
        r"breadth-first = gpipe, CircularWithReversedBackward = circular-reversed-backward, "
        r"DualPipeV = dualpipe-v, Eager1F1B = "
        r"eager-1f1b, fill-drain = gpipe, GPipeBut1F1BForLastMesh = gpipe-1f1b-last, "
-       r"InterleavedGPipe = interleaved-gpipe, pipedream-flush = 1f1b, prefetch-wavefront = "
-       r"1f1b, wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = zero-bubble-h2\)\.",
+       r"InterleavedGPipe = interleaved-gpipe, KimiK2 = kimi-k2, pipedream-flush = 1f1b, "
+       r"prefetch-wavefront = 1f1b, wavefront = 1f1b, zb-h1 = zero-bubble-h1, zb-h2 = "
+       r"zero-bubble-h2, ZB-V = zero-bubble-v, ZBV = zero-bubble-v\)\.",
        """Pick one of the listed schedules (aliases such as `fill-drain` and `wavefront`
        are accepted too); see docs/schedules.md.""")
 def _():
@@ -1344,6 +1505,51 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="dualpipe-v"))(ws, x)
 
 
+@error("zero-bubble-v-needs-v-shape-stages", SCHEDULES,
+       "ZB-V on stages placed otherwise than in a V", PassFailure,
+       r"schedule 'zero-bubble-v' needs V-shape placement \(2P stages on P submeshes: stage i "
+       r"and stage 2P - 1 - i on submesh i, so the forward goes down the submeshes and back "
+       r"up\), but its stages run on submeshes \[0, 1\] in order, where V-shape needs "
+       r"\[0, 1, 0\]",
+       """ZB-V, like DualPipeV, runs two stages on every submesh: with P submeshes, layer k
+       (of 2P) on submesh k for k < P and on submesh 2P - 1 - k after, so the first
+       submesh also holds the last layer. Place the layers that way, or pick
+       `zero-bubble-h1`/`zero-bubble-h2`, which take any placement.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = two_stage()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="ZB-V"))(ws, x)
+
+
+@error("kimi-k2-needs-round-robin-stages", SCHEDULES,
+       "Kimi-K2 on stages that are not round-robin", PassFailure,
+       r"schedule 'kimi-k2' needs round-robin placement \(stage k on submesh k % P for P "
+       r"pipeline submeshes, every submesh running the same number of stages\), but "
+       r"submesh 0 runs 2 stages \(stages \[0, 2\]\) and submesh 1 runs fewer",
+       """Kimi-K2 is interleaved 1F1B: layer k on submesh k % P, the same number of layers
+       on every submesh. Place the layers round-robin, or pick `1f1b`, which takes any
+       placement.""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, x = three_layers_on_two_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="kimi-k2"))(ws, x)
+
+
+@error("kimi-k2-uneven-rounds", SCHEDULES,
+       "Kimi-K2 with microbatches that do not fill its rounds", PassFailure,
+       r"schedule 'kimi-k2' runs the microbatches in 2 rounds for 2 pipeline submeshes, "
+       r"which 5 microbatches do not fill equally; use a multiple of 2 microbatches \(or "
+       r"fewer than 4\)",
+       """Kimi-K2 (as JaxPP defines it) runs the microbatches in M // P rounds of equal
+       size, every stage of a submesh over one round before the next. Use a multiple of P
+       microbatches (or fewer than 2P, one round).""",
+       check=_repro_check("mm-schedule-fragments"))
+def _():
+    grad_fn, ws, _ = two_stage()
+    x = jnp.ones((20, 16))
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="KimiK2"))(ws, x)
+
+
 @error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
        r"interleave.*(positive|>= 1).*0",
        """`interleave` and `num_stages` are positive integers.""")
@@ -1445,6 +1651,28 @@ def _():
         return (x ** 2).sum()
 
     f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2, schedule="dualpipe-v")
+    mm.mjit(f)(jnp.eye(16), [jnp.eye(16)] * 3, jnp.ones((16, 16)))
+
+
+@warning("zero-bubble-v-nothing-to-split", SCHEDULES,
+         "ZB-V with no weight-gradient half", MultimeshWarning,
+         r"schedule 'zero-bubble-v' has no weight-gradient half to defer: no backward "
+         r"fragment of the loop splits.*so it runs ZB-V's order with every weight gradient "
+         r"in its backward",
+         """ZB-V fills its bubbles with weight-gradient halves. Here no backward splits
+         (only the first stage's weights take a gradient), so each backward keeps its
+         weight gradient. Give each stage its own weight arrays.""")
+def _():
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
+              for k in range(4)]
+
+    def loss(w0, rest, x):  # only the first stage's weights are trained
+        x = layers[0](w0, x)
+        for f, w in zip(layers[1:], rest):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=2, schedule="zbv")
     mm.mjit(f)(jnp.eye(16), [jnp.eye(16)] * 3, jnp.ones((16, 16)))
 
 
@@ -2040,6 +2268,30 @@ def _():
         {"m1": range(4)})
 
 
+@warning("compile-mpmd-unnumbered-call", SHARDY,
+         "An imported call whose microbatch the program does not record", MultimeshWarning,
+         r"1 fragment call of the imported program carries no microbatch number \(g\): "
+         r"neither a call_counter attribute nor a '_call<N>', '_calls<a>to<b>' or "
+         r"'_calls<b>from<a>' fragment name\. The recovered schedule leaves them unnumbered",
+         """`compile_mpmd` recovers the schedule of a pipelined program from its calls: the
+         partitioner names a fragment used by microbatch N `..._call<N>` and one shared by
+         microbatches a to b `..._calls<a>to<b>` (`..._calls<b>from<a>` when it runs them
+         in descending order). A call of a pipelined task whose fragment
+         lost that name (renamed after partitioning) gets no number rather than a guessed
+         one: `compiled.schedule` and its chart show it as `F*`. Warned once per program;
+         keep the partitioner's fragment names.""")
+def _():
+    t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
+    fn = ('func.func @{}(%a: tensor<8xf32>) -> tensor<8xf32> attributes '
+          '{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  return %a : tensor<8xf32>\n}}\n')
+    mm.compile_mpmd(
+        f"func.func public @main(%x: {t}) -> {t} attributes "
+        f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
+        f'  %0 = mpmd.fragment_call<mesh="m1", origin=["a"]> @f_call0(%x) : ({t}) -> {t}\n'
+        f'  %1 = mpmd.fragment_call<mesh="m1", origin=["a"]> @g(%0) : ({t}) -> {t}\n'
+        f"  return %1 : {t}\n}}\n" + fn.format("f_call0") + fn.format("g"), {"m1": range(4)})
+
+
 @error("compile-mpmd-bad-topology", SHARDY, "`compile_mpmd` given a `topology` of the wrong type",
        MultimeshValueError,
        r"`compile_mpmd` cannot read the program: 'topology' must be an #mpmd\.topology, got "
@@ -2228,8 +2480,8 @@ cli("cli-unknown-schedule", "An unknown schedule name in a pass option",
     ["in.mlir", "-p", "builtin.module(mm-schedule-fragments{schedule=round-robin})"], 1,
     r"^mm-opt: error: Pass 'mm-schedule-fragments' option 'schedule': unknown schedule "
     r"'round-robin'; valid schedules: 1f1b, circular-reversed-backward, custom, dualpipe-v, "
-    r"eager-1f1b, gpipe, gpipe-1f1b-last, interleaved-1f1b, interleaved-gpipe, "
-    r"zero-bubble-h1, zero-bubble-h2",
+    r"eager-1f1b, gpipe, gpipe-1f1b-last, interleaved-1f1b, interleaved-gpipe, kimi-k2, "
+    r"zero-bubble-h1, zero-bubble-h2, zero-bubble-v",
     """Pick one of the listed schedules or aliases. Options given on the command line are
     checked before the input is read.""",
     input_text=OK_MLIR)

@@ -344,3 +344,16 @@ def test_nnx_mjit_cache_info_and_clear_cache():
         np.testing.assert_allclose(float(y), float(ref(x)), rtol=1e-5)
     assert f.cache_info().misses == 1 and f.cache_info().currsize == 1
     assert _ids(third) == [4, 5, 6, 7]  # the loss is computed by the last stage
+
+
+def test_schedule_cost_names_are_public():
+    """Issue 23: the cost and schedule-advice API, from ``multimesh.jax``."""
+    from multimesh.jax import _costs
+
+    for name in ("DeviceModel", "StepProfile", "compare_schedules", "xla_costs",
+                 "residual_bytes"):
+        assert getattr(mm, name) is getattr(_costs, name)
+    assert "schedule-costs.md" in (ROOT / "README.md").read_text()
+    from multimesh.jax._compiled import MpmdCompiled
+
+    assert callable(MpmdCompiled.step_profile)

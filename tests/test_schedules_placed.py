@@ -1,5 +1,5 @@
 """The schedules with a stage-placement rule (issue 23): eager-1f1b, gpipe-1f1b-last,
-interleaved-gpipe, circular-reversed-backward, dualpipe-v.
+interleaved-gpipe, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2.
 
 Textbook orders, bubble and peak live activations equal to the theory of
 docs/schedules.md, the placement checks, the peers' spellings, and real programs
@@ -116,6 +116,8 @@ def test_eager_peak_live_per_submesh():
     ("CircularWithReversedBackward", "circular-reversed-backward"),
     ("circularwithreversedbackward", "circular-reversed-backward"),
     ("DualPipeV", "dualpipe-v"), ("dualpipev", "dualpipe-v"),
+    ("ZB-V", "zero-bubble-v"), ("zbv", "zero-bubble-v"), ("Zb-v", "zero-bubble-v"),
+    ("KimiK2", "kimi-k2"), ("KIMIK2", "kimi-k2"),
 ])
 def test_peer_spellings(alias, name):
     units = _units(name, 2, 4)
@@ -146,6 +148,106 @@ def test_dualpipe_v_needs_2p_microbatches():
         build_schedule(v_shape_units(4, 6), "dualpipe-v")
 
 
+def test_zero_bubble_v_follows_the_reference_pattern():
+    # sail-sg/zero-bubble-pipeline-parallelism, handcrafted_zb_v, P = 2 and M = 4,
+    # written out by hand: 2(P - r) - 1 down forwards, r pairs F-up F-down, P - r
+    # triples F B W up, the steady F B W down F B W up, then r pairs B-down B-up, P - r
+    # pairs B-down W-down, the weight halves left (up, then down)
+    s = build_schedule(v_shape_units(2, 4), "zero-bubble-v")
+    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
+           for r, row in zip(s.labels(), s.rows(), strict=True)]
+    assert got == [
+        "F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b "
+        "B2a W2a B3a W3a",
+        "F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b "
+        "B3a W2a W3b W3a",
+    ]
+    assert live_activations(s) == [4, 4]  # 2P: 1F1B's P whole stages
+
+
+@pytest.mark.parametrize("P", range(2, 9))
+def test_zero_bubble_v_has_no_bubble_inside_any_span(P):
+    from multimesh.schedules.algorithms.zero_bubble_v import zero_bubble_v_plan
+
+    for M in range(2 * P - 1, 4 * P + 1):
+        s = build_schedule(v_shape_units(P, M), "zero-bubble-v")
+        # each submesh runs the pattern as written (no repair by the simulator)
+        assert [[(u.kind, u.stage, u.microbatch) for u in row] for row in s.rows()] == \
+            [zero_bubble_v_plan(r, P, M, r, 2 * P - 1 - r) for r in range(P)]
+        tl = s.timeline()
+        assert tl.stage_bubble_fraction() == 0.0, (P, M)
+        assert [min(tl.start[i] for i in row) for row in s.orders] == list(range(P))
+        assert tl.makespan == 6 * M + P - 1
+        assert s.bubble_fraction() == pytest.approx(theoretical_bubble("ZB-V", P, M, 2))
+        assert live_activations(s) == [2 * P] * P
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_zero_bubble_v_respects_dependencies(split):
+    for P in range(1, 6):
+        for M in range(1, 2 * P + 3):
+            s = build_schedule(v_shape_units(P, M, split_backward=split), "zero-bubble-v")
+            done: set[int] = set()
+            for i in s.order:  # the global order runs every unit after its inputs
+                assert set(s.units[i].deps) <= done
+                done.add(i)
+            for row in s.rows():  # each (stage, kind) runs its microbatches in order
+                seen: dict = {}
+                for u in row:
+                    seen.setdefault((u.stage, u.kind), []).append(u.microbatch)
+                assert all(v == list(range(M)) for v in seen.values())
+            assert sorted(i for row in s.orders for i in row) == list(range(len(s.units)))
+
+
+def test_zero_bubble_v_peak_live_for_every_shape():
+    for P in range(1, 7):
+        for M in range(1, 3 * P + 2):
+            s = build_schedule(v_shape_units(P, M), "zero-bubble-v")
+            assert max(live_activations(s)) == theoretical_peak_live("zero-bubble-v", P, M, 2)
+    assert theoretical_bubble("zero-bubble-v", 4, 6, 2) is None  # fewer than 2P - 1
+
+
+def test_kimi_k2_follows_jaxpp():
+    # JaxPP's KimiK2: interleaved 1F1B (rounds of P microbatches) whose warm-up on
+    # submesh r is (V - 1)P + 2(P - 1 - r) + 1 forwards, then F B in turn
+    s = build_schedule(pipeline_units(2, 4, interleave=2), "KimiK2")
+    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
+           for r, row in zip(s.labels(), s.rows(), strict=True)]
+    assert got == ["F0a F1a F0b F1b F2a F3a B0b F2b B1b F3b B0a B1a B2b B3b B2a B3a",
+                   "F0a F1a F0b F1b B0b F2a B1b F3a B0a F2b B1a F3b B2b B3b B2a B3a"]
+    assert live_activations(s) == [6, 4]
+
+
+@pytest.mark.parametrize("V", [1, 2, 3])
+def test_kimi_k2_is_interleaved_1f1b_with_one_more_warmup_forward(V):
+    # with one stage per submesh JaxPP's interleaved warm-up is 2(P - 1 - r), eager 1F1B's
+    other = "interleaved-1f1b" if V > 1 else "eager-1f1b"
+    for P in range(2, 6):
+        for M in (P, 2 * P, 3 * P):
+            kimi = build_schedule(pipeline_units(P, M, interleave=V), "kimi-k2")
+            ref = build_schedule(pipeline_units(P, M, interleave=V), other)
+            for k_row, r_row in zip(kimi.labels(), ref.labels(), strict=True):
+                warm = k_row.index(next(x for x in k_row if x[0] == "B"))
+                if warm < V * M:
+                    assert warm == r_row.index(next(x for x in r_row if x[0] == "B")) + 1
+                assert sorted(k_row) == sorted(r_row)
+            assert kimi.bubble_fraction() == pytest.approx(
+                theoretical_bubble("kimi-k2", P, M, V))
+            assert max(live_activations(kimi)) == theoretical_peak_live("kimi-k2", P, M, V)
+
+
+def test_kimi_k2_needs_equal_rounds():
+    # JaxPP: rounds of M // max(1, M // P) microbatches; 9 microbatches on 4 submeshes
+    # are 2 rounds of 4.5
+    with pytest.raises(ScheduleError, match=r"schedule 'kimi-k2' runs the microbatches in 2 "
+                                            r"rounds for 4 pipeline submeshes, which 9 "
+                                            r"microbatches do not fill equally; use a multiple "
+                                            r"of 4 microbatches \(or fewer than 8\)"):
+        build_schedule(pipeline_units(4, 9, interleave=2), "kimi-k2")
+    six = build_schedule(pipeline_units(4, 6, interleave=2), "kimi-k2")  # one round of 6
+    assert six.rows()[0][:6] == [u for u in six.rows()[0] if u.kind == "fwd"][:6]
+
+
 # ------------------------------------------------------------------ placement
 
 @pytest.mark.parametrize("name", ["eager-1f1b", "gpipe-1f1b-last"])
@@ -162,15 +264,16 @@ def _v_shape(P: int, M: int):
             for u in units]
 
 
-def test_v_shape_schedule_rejects_other_placements():
-    with pytest.raises(ScheduleError, match=r"schedule 'dualpipe-v' needs V-shape placement "
+@pytest.mark.parametrize("name", ["dualpipe-v", "zero-bubble-v"])
+def test_v_shape_schedule_rejects_other_placements(name):
+    with pytest.raises(ScheduleError, match=rf"schedule '{name}' needs V-shape placement "
                                             r".*but its stages run on submeshes \[0, 1, 0, 1\] "
                                             r"in order, where V-shape needs \[0, 1, 0\]"):
-        build_schedule(pipeline_units(2, 4, interleave=2, split_backward=True), "dualpipe-v")
-    check_placement(_v_shape(2, 4), "DualPipeV")
+        build_schedule(pipeline_units(2, 4, interleave=2, split_backward=True), name)
+    check_placement(_v_shape(2, 4), name.upper())
 
 
-@pytest.mark.parametrize("name", ["interleaved-gpipe", "circular-reversed-backward"])
+@pytest.mark.parametrize("name", ["interleaved-gpipe", "circular-reversed-backward", "kimi-k2"])
 def test_round_robin_schedules_reject_other_placements(name):
     with pytest.raises(ScheduleError, match=rf"schedule '{name}' needs round-robin placement "
                                             r".*but stage 2 runs on submesh 1, where "
@@ -204,6 +307,15 @@ def _check_dispatch(compiled, name, P, M, V):
         # submesh's two layers are one stage: the textbook rows on this program's units
         assert sched.labels() == build_schedule(sched.units, name).labels()
         assert any(u.kind == "bwd_w" for u in sched.units)
+        if name == "zero-bubble-v":  # the published pattern, less the slots it lacks
+            from multimesh.schedules.algorithms.zero_bubble_v import zero_bubble_v_plan
+
+            for r, row in enumerate(sched.rows()):  # a slot's units (two tasks) adjacent
+                slots = [(u.kind, u.stage, u.microbatch) for u in row]
+                have = [sl for k, sl in enumerate(slots) if k == 0 or slots[k - 1] != sl]
+                stages = sorted({st for _, st, _ in have})
+                plan = zero_bubble_v_plan(r, P, M, stages[0], stages[-1])
+                assert have == [sl for sl in plan if sl in set(have)], r
         for row in sched.rows():  # every weight half after its activation half
             done = set()
             for u in row:
@@ -212,6 +324,9 @@ def _check_dispatch(compiled, name, P, M, V):
     else:
         want = build_schedule(pipeline_units(P, M, interleave=V), name)
         assert sched.labels() == want.labels()
+        # and each unit's stage too (layer k is stage k in both)
+        assert [[u.stage for u in row] for row in sched.rows()] == \
+            [[u.stage for u in row] for row in want.rows()]
     dispatched = {k: [c for c in v if "@" in c] for k, v in compiled.calls_per_submesh().items()}
     for devs, row in zip(sched.devices, sched.rows(), strict=True):
         assert dispatched[tuple(devs)] == [f"{u.fragment}@{u.microbatch}" for u in row]

@@ -282,3 +282,133 @@ def test_pass_diagnostics_come_with_a_repro(tmp_path, monkeypatch):
                            *shlex.split(e.value.repro)[1:]], capture_output=True, text=True)
     assert proc.returncode == 1 and "operand #0 of the call of '@f'" in proc.stderr, \
         proc.stderr
+
+
+# --------------------------------------------------------------------------- the schedule
+
+# The partitioner's own 1F1B order, per mesh, from the call counters it logs as it
+# lowers to fragment calls ("p2_stage0_fwd_calls1to3.loss ... call counter 2"):
+# microbatch 0's backward runs last on both meshes, merged with the gradient sum.
+SHARDY_1F1B = [["F0", "F1", "F2", "B1", "F3", "B2", "B3", "B0"],
+               ["F0", "F1", "B1", "F2", "B2", "F3", "B3", "B0"]]
+
+
+# The partitioner's schedules, in the order its log gives (the call counters it logs
+# per mesh as it lowers to fragment calls, checked by hand: its log is off under
+# pytest). Circular with reversed backward runs the backwards of microbatches 3, 2, 1
+# under one fragment it names `..._calls3from1`.
+SHARDY_ORDERS = {
+    "1F1B": SHARDY_1F1B,
+    "GPipe": [["F0", "F1", "F2", "F3", "B1", "B2", "B3", "B0"]] * 2,
+    "CircularWithReversedBackward": [["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0"]] * 2,
+    "GPipeBut1F1BForLastMesh": [["F0", "F1", "F2", "F3", "B1", "B2", "B3", "B0"],
+                                ["F0", "F1", "B1", "F2", "B2", "F3", "B3", "B0"]],
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SHARDY_ORDERS))
+def test_recovered_order_is_the_partitioners(schedule):
+    program = S.TwoStage(4, width=16, batch=8, m1=X4, m2=X2Y2)
+    compiled = mm.compile_mpmd(program.partitioned(schedule), program.positions)
+    params, xs = program.args()
+    got = compiled(*jax.tree.leaves((params, xs)))
+    for a, c in zip(got, jax.tree.leaves(jax.jit(program.plain())(params, xs))):
+        _close(a, c)
+    assert {d.id for d in got[1].devices()} == set(program.positions["m1"])
+    sched = compiled.schedule
+    assert sched.labels() == SHARDY_ORDERS[schedule]
+
+
+def _golden_1f1b(text: str | None = None):
+    """The saved 1F1B input, compiled, with its program and arguments."""
+    gen = load_tool("gen_import_mpmd_inputs")
+    mb, _ = gen.CASES["import_mpmd_1f1b.mlir"]
+    program = S.TwoStage(mb, width=8, batch=16, m1=gen.M1, m2=gen.M2)
+    if text is None:
+        text = (ROOT / "tests" / "filecheck" / "Inputs" / "import_mpmd_1f1b.mlir").read_text()
+    compiled = mm.compile_mpmd(text, {"m1": range(4), "m2": range(4, 8)})
+    params, xs = program.args()
+    got = compiled(*jax.tree.leaves((params, xs)))
+    for a, c in zip(got, jax.tree.leaves(jax.jit(program.plain())(params, xs))):
+        _close(a, c)
+    assert {d.id for d in got[1].devices()} == {0, 1, 2, 3}  # dw1 on m1
+    assert {d.id for d in got[2].devices()} == {4, 5, 6, 7}  # dw2 on m2
+    return compiled
+
+
+def test_imported_program_has_the_partitioners_schedule(tmp_path):
+    """``compiled.schedule``, ``calls_per_submesh()`` and ``visualize_schedule`` work
+    for a program from Shardy:MPMD: the order recovered from its calls is the
+    partitioner's (its logged call counters), directions from the origins' transpose
+    counts, submeshes from its meshes."""
+    pytest.importorskip("matplotlib")
+    _, program, shardy, _, args = _three_ways("2x4-1f1b-x4-x2y2")
+    for a, c in zip(jax.tree.leaves(shardy(*args)),
+                    jax.tree.leaves(jax.jit(program.plain())(*args))):
+        _close(a, c)
+    sched = shardy.schedule
+    assert sched.name == "shardy-mpmd" and sched.num_microbatches == 4
+    assert sched.labels() == SHARDY_1F1B
+    assert [tuple(d) for d in sched.devices] == [program.positions["m1"],
+                                                program.positions["m2"]]
+    per = shardy.calls_per_submesh()
+    assert list(per) == [program.positions["m1"], program.positions["m2"]]
+    for row, (_, labels) in zip(sched.rows(), per.items()):
+        assert labels == [f"{u.fragment}@{u.microbatch}" for u in row]
+    assert per[program.positions["m1"]][:3] == [
+        "p0_stage0_fwd_call0.loss@0", "p2_stage0_fwd_calls1to3.loss@1",
+        "p2_stage0_fwd_calls1to3.loss@2"]
+    png = tmp_path / "shardy.png"
+    assert mm.visualize_schedule(shardy, png) == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_saved_input_recovers_the_same_schedule():
+    """The saved partitioner output (tests/filecheck/Inputs) gives the same order."""
+    compiled = _golden_1f1b()
+    assert compiled.schedule.labels() == SHARDY_1F1B
+    stages = {(u.kind, u.stage) for u in compiled.schedule.units if u.microbatch != 0}
+    assert stages == {("fwd", 0), ("fwd", 1), ("bwd", 0), ("bwd", 1)}
+
+
+def test_unpipelined_import_has_no_schedule():
+    program = S.TwoStage(1, width=8, batch=8, m1=X4, m2=X2Y2)
+    compiled = mm.compile_mpmd(program.partitioned(), {"m1": [0, 1, 2, 3], "m2": range(4, 8)})
+    params, xs = program.args()
+    got = compiled(*jax.tree.leaves((params, xs)))
+    _close(got[0], jax.jit(program.plain())(params, xs)[0])
+    assert compiled.schedule is None
+    with pytest.raises(mm.errors.MultimeshValueError, match="no pipeline schedule"):
+        mm.visualize_schedule(compiled)
+
+
+def test_unnumbered_calls_stay_unnumbered_with_one_warning():
+    """A call whose name lost its microbatch numbers is left unnumbered, not guessed."""
+    text = (ROOT / "tests" / "filecheck" / "Inputs" / "import_mpmd_1f1b.mlir").read_text()
+    text = text.replace("p2_stage0_fwd_calls1to3.loss", "p2_stage0_fwd.loss")
+    with pytest.warns(mm.errors.MultimeshWarning) as record:
+        compiled = _golden_1f1b(text)
+    mine = [w for w in record if "microbatch number" in str(w.message)]
+    assert len(mine) == 1
+    assert "3 fragment calls of the imported program carry no microbatch number " \
+        "(p2_stage0_fwd.loss)" in str(mine[0].message)
+    assert compiled.schedule.labels()[0] == ["F0", "F*", "F*", "B1", "F*", "B2", "B3", "B0"]
+    # the other stage's calls still get theirs, from the calls they read
+    assert compiled.schedule.labels()[1] == SHARDY_1F1B[1]
+
+
+def test_imported_trace_names_microbatches(tmp_path):
+    import json
+
+    _, program, shardy, _, args = _three_ways("2x4-1f1b-x4-x2y2")
+    path = tmp_path / "shardy.json"
+    out = shardy.profile(*args, trace_path=path)
+    for a, c in zip(jax.tree.leaves(out), jax.tree.leaves(jax.jit(program.plain())(*args))):
+        _close(a, c)
+    events = json.loads(path.read_text())["traceEvents"]
+    rows: dict[int, list[str]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e["cat"] == "fragment":
+            rows.setdefault(e["args"]["submesh"], []).append(e["name"].split()[1])
+    assert [rows[0], rows[1]] == SHARDY_1F1B
+    assert any(e["name"] == "p2_stage0_fwd_calls1to3.loss F1 (stage 0)" for e in events)

@@ -7,13 +7,13 @@ on textbook pipelines (``multimesh.schedules``, each schedule's ``textbook_units
 (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with V
 stages per submesh, (P-1)/(3M+P-1) for zero bubble H1 and H2; eager 1F1B and GPipe
 with 1F1B on the last submesh as 1F1B, interleaved GPipe and circular with reversed
-backward as interleaved 1F1B; DualPipeV (V-shape, 2P half-size stages) its lower
-bound (P-1)/(6M+P-1). The stage bubble is
+backward as interleaved 1F1B; DualPipeV and ZB-V (V-shape, 2P half-size stages) the
+lower bound (P-1)/(6M+P-1); Kimi-K2 as interleaved 1F1B. The stage bubble is
 the idle share inside each submesh's own span (first unit to last), what a submesh
 loses when consecutive steps overlap: ZB-H2's theory is 0. Peak live activations are
 per submesh, in (stage, microbatch) activations: 1F1B holds at most P, GPipe M,
 ZB-H2 2P, eager 1F1B 2P-1, interleaved GPipe and circular with reversed backward
-V*M, DualPipeV 2P+1 (``theoretical_peak_live``; docs/schedules.md derives each). ``tools/bench.py``
+V*M, DualPipeV 2P+1, ZB-V 2P, Kimi-K2 (V+1)P (``theoretical_peak_live``; docs/schedules.md derives each). ``tools/bench.py``
 calls :func:`P6`.
 """
 

@@ -12,6 +12,11 @@ from multimesh.jax._contexts import context as context
 from multimesh.jax._contexts import enable_fast_path as enable_fast_path
 from multimesh.jax._contexts import enable_recomputation as enable_recomputation
 from multimesh.jax._contexts import ignore_transforms as ignore_transforms
+from multimesh.jax._costs import DeviceModel as DeviceModel
+from multimesh.jax._costs import StepProfile as StepProfile
+from multimesh.jax._costs import compare_schedules as compare_schedules
+from multimesh.jax._costs import residual_bytes as residual_bytes
+from multimesh.jax._costs import xla_costs as xla_costs
 from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._mjit import mjit as mjit
 from multimesh.jax._multimesh import MultiMesh as MultiMesh

@@ -15,6 +15,7 @@ from multimesh._src.log import log_phase
 from multimesh._src.mlir import ir, print_module
 from multimesh.jax._call_checks import check_call, check_leaf_types, leaf_name
 from multimesh.runtime import Executor, build_plan
+from multimesh.schedules import Schedule
 
 __all__ = ["MpmdCompiled", "MemoryAnalysis", "missing_attribute", "place_outputs",
            "drop_unused"]
@@ -67,6 +68,7 @@ class MpmdCompiled:
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
     fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+    _recovered_schedule: Schedule | None = None  # set by compile_mpmd
     out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
 
     def _arg_name(self, i: int) -> str:
@@ -102,27 +104,45 @@ class MpmdCompiled:
         """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
         from multimesh.passes.schedule_fragments import read_schedule
 
+        if self._recovered_schedule is not None:  # imported: see _imported_schedule
+            return self._recovered_schedule
         return read_schedule(self._module)
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run one step synchronously, timing every fragment and transfer.
 
         Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
-        (one track per submesh). Blocking after each step makes the timeline readable
-        at the cost of overlap, so use it to inspect, not to benchmark.
+        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``);
+        a pipelined program's durations per schedule unit are then ``last_profile``
+        (a :class:`multimesh.jax.StepProfile`). Blocking after each step makes the
+        timeline readable at the cost of overlap, so use it to inspect, not to benchmark.
         """
+        from multimesh.jax._costs import profile_from_times
+        from multimesh.runtime.timing import run_timed
         from multimesh.runtime.trace import TraceRecorder
 
         flat, tree = jax.tree.flatten((args, kwargs))
         if self._lowered.in_avals is not None and tree == self._lowered.in_tree:
             check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
-        outs = self._exec.run_traced(rec, *[flat[i] for i in self._lowered.dyn_idx])
+        outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
+        sched = self.schedule
+        self.last_profile = None if sched is None else profile_from_times(sched, [times])
         outs = place_outputs(outs, self.out_placements)
         if trace_path is not None:
-            rec.write(trace_path)
+            from multimesh.jax._trace_view import write_step_trace
+
+            write_step_trace(rec.events, self.plan_data, self.schedule,
+                             [d.id for d in self._lowered.devices], trace_path)
         self.last_trace = rec
         return jax.tree.unflatten(self._lowered.out_tree, outs)
+
+    def step_profile(self, *args, steps: int = 3, **kwargs):
+        """Run ``steps`` steps, timing every fragment call alone: a
+        :class:`multimesh.jax.StepProfile` (costs for ``schedule.simulate``)."""
+        from multimesh.jax._costs import step_profile
+
+        return step_profile(self, args, kwargs, steps)
 
     def memory_profile(self, *args, **kwargs):
         """Run one step and measure, per submesh, the peak bytes the runtime holds

@@ -174,7 +174,7 @@ class FastCompiled:
 
         rec = TraceRecorder()
         ids = ",".join(str(d.id) for d in self._fast.devices)
-        with rec.span(f"submesh devices {ids}", "fast_path"):
+        with rec.span(f"submesh 0 (devices {ids})", "fast_path"):  # as MPMD traces name it
             out = jax.block_until_ready(self(*args, **kwargs))
         if trace_path is not None:
             rec.write(trace_path)

@@ -110,8 +110,9 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     task's fragment runs for each microbatch: ``"gpipe"`` (default),
     ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble-h1"``,
     ``"zero-bubble-h2"``, ``"eager-1f1b"``, ``"interleaved-gpipe"``,
-    ``"gpipe-1f1b-last"``, ``"circular-reversed-backward"``, ``"dualpipe-v"``
-    (these five check the tasks' stage placement, docs/schedules.md) or ``"custom"`` (with
+    ``"gpipe-1f1b-last"``, ``"circular-reversed-backward"``, ``"dualpipe-v"``,
+    ``"zero-bubble-v"``, ``"kimi-k2"`` (these seven check the tasks' stage placement,
+    docs/schedules.md) or ``"custom"`` (with
     ``custom_schedule``, one row of task names per submesh). ``unrolling=k`` (GPipe only) runs the microbatches
     in groups of ``k``, fill-drain within each group, so at most ``k``
     microbatches' activations are alive at once. ``remat=True`` (or a jax

@@ -29,6 +29,7 @@ from multimesh._src.mlir import (
 from multimesh._src.stack import on_big_stack
 from multimesh.jax._call_checks import check_distinct_devices
 from multimesh.jax._compiled import MpmdCompiled
+from multimesh.jax._imported_schedule import recover_schedule
 from multimesh.jax._lowered import MpmdLowered
 from multimesh.passes._attrs import SourceError, decode_source
 from multimesh.passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
@@ -134,6 +135,7 @@ def _compile(program, meshes, devices, in_tree, out_tree) -> MpmdCompiled:
         in_avals=info.arg_types if in_avals is None else in_avals)
     compiled = lowered.compile()
     assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
+    compiled._recovered_schedule = recover_schedule(compiled.plan_data, info.counters)
     return compiled
 
 
@@ -171,6 +173,8 @@ class _ProgramInfo:
             topology = read_topology(main)
             self.meshes = ({k: _mesh_shape(v) for k, v in topology.items()}
                            if topology is not None else None)
+            self.counters = [_call_counter(op) for op in main.regions[0].blocks[0].operations
+                             if op.operation.name == "mpmd.fragment_call"]
             self.donated = []
             if "arg_attrs" in main.attributes:
                 for i, a in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
@@ -194,6 +198,12 @@ class _ProgramInfo:
                 f"the output of Shardy's MPMD partitioner.")
         rt = ir.RankedTensorType(mt.tensor)
         return jax.core.ShapedArray(tuple(rt.shape), element_dtype(str(rt.element_type)))
+
+
+def _call_counter(op) -> int | None:
+    """The microbatch a fragment call's ``call_counter`` attribute names, if it has one."""
+    attrs = op.operation.attributes
+    return ir.IntegerAttr(attrs["call_counter"]).value if "call_counter" in attrs else None
 
 
 def _mesh_shape(attr) -> tuple[tuple[str, ...], tuple[int, ...]]:

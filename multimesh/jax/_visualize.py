@@ -7,7 +7,9 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.schedules import Schedule, Unit, chunk_of, format_gantt, simulate
+from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
+from multimesh.schedules.costs import as_cost
+from multimesh.schedules.gantt import format_timeline
 
 __all__ = ["visualize_schedule", "as_schedule"]
 
@@ -61,60 +63,100 @@ def _schedule_module(obj):
 
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,
-                       cost: Callable[[Unit], float] | None = None) -> str | None:
+                       cost: Callable[[Unit], float] | None = None,
+                       costs=None) -> str | None:
     """Print the schedule as a text Gantt chart; with ``path``, also save it as a PNG.
 
     ``compiled_or_schedule``: what ``mjit(f).lower(...).compile()`` returns, the
-    module after ``mm-schedule-fragments`` (or its text), or a :class:`Schedule`.
-    Times come from a simulation with unit costs (forward 1, backward 2, each half
-    of a split backward 1) unless ``cost`` maps a unit to its duration. The PNG
+    module after ``mm-schedule-fragments`` (or its text), a :class:`Schedule`, or a
+    measured :class:`~multimesh.jax.StepProfile` (drawn as it ran, labelled
+    "measured"). Times come from a simulation with unit costs (forward 1, backward
+    2, each half of a split backward 1) unless ``costs`` gives real ones (``"xla"``
+    for a compiled program, a ``StepProfile``, ``{fragment: seconds}``; labelled
+    "simulated (costs: ...)"; ``"unit"``, the default) or ``cost`` maps a unit to its
+    duration (in units of time). The PNG
     has one row per submesh, forward/backward/weight-gradient boxes in three
     colours with the microbatch number inside (hatched: a submesh's second stage
     under interleaving); it needs matplotlib (without it a
     warning is issued and no file is written). Returns the PNG's path, or None.
     """
-    sched = as_schedule(compiled_or_schedule)
-    print(format_gantt(sched, cost=cost))
+    tl, label = _timeline(compiled_or_schedule, cost, costs)
+    if "unit" in label or cost is not None:  # a grid of whole units of time
+        print(format_gantt(tl.schedule, cost=cost))
+    else:
+        print(format_timeline(tl, label))
     if path is None:
         return None
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
     except ImportError:
         warnings.warn("matplotlib is not installed: no PNG written "
                       "(pip install matplotlib)", stacklevel=2)
         return None
-    tl = simulate(sched, cost=cost)
+    seconds = cost is None and "unit" not in label
+    span = 40.0 if seconds else tl.makespan  # real seconds: a fixed width
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * span + 2)),
+                          0.6 * tl.schedule.num_meshes + 1.4))
+    FigureCanvasAgg(fig)
+    _draw(fig.add_subplot(1, 1, 1), tl, label, seconds=seconds)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+    return os.fspath(path)
+
+
+def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
+    """The timeline to draw and how it was made."""
+    if getattr(obj, "measured", False):
+        if cost is not None or costs is not None:
+            raise MultimeshValueError("A measured StepProfile is drawn as it ran; cost= and "
+                                      "costs= apply to a schedule, not to a measurement.")
+        return obj.timeline(), "measured"
+    sched = as_schedule(obj)
+    if costs is None or (isinstance(costs, str) and costs == "unit"):
+        return simulate(sched, cost=cost), ("simulated (unit costs)" if cost is None
+                                            else "simulated (costs: given)")
+    if cost is not None:
+        raise MultimeshValueError("Give cost= or costs=, not both.")
+    if isinstance(costs, str) and costs == "xla":
+        from multimesh.jax._costs import xla_costs
+
+        if isinstance(obj, (Schedule, Mapping)):
+            raise MultimeshValueError("costs='xla' needs the compiled program, not its "
+                                      "Schedule: pass the compiled program.")
+        costs = xla_costs(obj)
+    fn, source = as_cost(costs)
+    return simulate(sched, cost=fn), f"simulated (costs: {source})"
+
+
+def _draw(ax, tl: Timeline, label: str, seconds: bool) -> None:
+    from matplotlib.patches import Patch
+
+    sched = tl.schedule
     chunk = chunk_of(sched)
     G = sched.num_meshes
-    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * tl.makespan + 2)), 0.6 * G + 1.4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    scale = 1e3 if seconds else 1.0
     for m, row in enumerate(sched.orders):
         y = G - 1 - m
         for i in row:
             u = sched.units[i]
-            s, e = tl.start[i], tl.end[i]
+            s, e = tl.start[i] * scale, tl.end[i] * scale
             ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), facecolors=COLORS.get(u.kind, "#9D9D9D"),
                            edgecolors="black", linewidth=0.5,
                            hatch="//" if chunk.get(i, 0) % 2 else None)
-            label = "" if u.microbatch is None else str(u.microbatch)
-            ax.text((s + e) / 2, y, label, ha="center", va="center", fontsize=8, color="white")
+            text = "" if u.microbatch is None else str(u.microbatch)
+            ax.text((s + e) / 2, y, text, ha="center", va="center", fontsize=8, color="white")
     ax.set_yticks([G - 1 - m for m in range(G)])
     ax.set_yticklabels([_row_label(sched, m) for m in range(G)])
-    ax.set_xlim(0, max(tl.makespan, 1.0))
+    ax.set_xlim(0, max(tl.makespan * scale, 1e-9 if seconds else 1.0))
     ax.set_ylim(-0.6, G - 0.4)
-    ax.set_xlabel("time (unit costs)" if cost is None else "time")
-    ax.set_title(f"{sched.name}: {G} submeshes x {sched.num_microbatches} microbatches, "
-                 f"bubble {100 * tl.bubble_fraction():.1f}%")
+    ax.set_xlabel("time (ms)" if seconds else "time (unit costs)")
+    ax.set_title(f"{sched.name}, {label}: {G} submeshes x {sched.num_microbatches} "
+                 f"microbatches, bubble {100 * tl.bubble_fraction():.1f}%")
     kinds = [k for k in ("fwd", "bwd", "bwd_w", "other") if any(u.kind == k for u in sched.units)]
     names = {"fwd": "forward", "bwd": "backward", "bwd_w": "weight gradient", "other": "other"}
     ax.legend(handles=[Patch(facecolor=COLORS[k], label=names[k]) for k in kinds],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    return os.fspath(path)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title=label)
 
 
 def _row_label(s: Schedule, m: int) -> str:

@@ -233,14 +233,34 @@ def run_program(runs: list, env: list) -> list:
 def traced(steps: list, recorder, devices: tuple, plan) -> list:
     """Each step's ``run``, blocking after the step and recording its span on
     ``recorder`` (:class:`~multimesh.runtime.trace.TraceRecorder`): for
-    :func:`run_program`."""
+    :func:`run_program`. A span's arguments name the plan step it ran
+    (``plan_step``, its index in ``plan.steps``), a call's fragment and microbatch,
+    a transfer's values."""
+    index = {id(s): i for i, s in enumerate(plan.steps)}
+
     def wrap(step: Step):
         track, name = step.label(devices, plan)
-        cat = {} if step.cat == "fragment" else {"cat": step.cat}
+        args = _trace_args(step, index)
 
         def run(env: list) -> None:
-            with recorder.span(track, name, **cat):
+            with recorder.span(track, name, **args):
                 step.run(env)
                 jax.block_until_ready([env[d] for d in step.dsts])
         return run
     return [wrap(s) for s in steps]
+
+
+def _trace_args(step: Step, index: dict[int, int]) -> dict:
+    """What a traced span records besides its name: see :func:`traced`."""
+    out: dict = {} if step.cat == "fragment" else {"cat": step.cat}
+    o = step.origin
+    if o is None or id(o) not in index:
+        return out
+    out["plan_step"] = index[id(o)]
+    if isinstance(o, Call):
+        out["fragment"] = o.fragment
+        if o.microbatch is not None:
+            out["microbatch"] = o.microbatch
+    else:
+        out["src"], out["dst"] = o.src, o.dst
+    return out

@@ -4,7 +4,9 @@ Events are ``(track, name, start_s, end_s)`` tuples, optionally with a fifth
 element, a dict of arguments shown in the viewer (its ``"cat"`` key, if any,
 becomes the event category, e.g. ``"fragment"`` or ``"transfer"``). Times are in
 seconds on any clock; the file starts at the earliest event. Open the JSON in
-``chrome://tracing`` or https://ui.perfetto.dev.
+``chrome://tracing`` or https://ui.perfetto.dev. A *flow* ``(i, j)`` draws an
+arrow from event ``i`` to event ``j`` (indices into the events), e.g. from the call
+that made a value to its transfer onto another submesh.
 
     rec = TraceRecorder()
     with rec.span("submesh 0", "layer1_fwd mb0"):
@@ -26,11 +28,13 @@ Event = tuple  # (track, name, start_s, end_s[, args])
 
 
 def trace_events(events: Iterable[Event], *, process_name: str = "multimesh",
-                 tracks: Sequence[str] | None = None) -> dict:
+                 tracks: Sequence[str] | None = None,
+                 flows: Sequence[tuple[int, int]] = ()) -> dict:
     """The trace as a Chrome trace-event dictionary (``{"traceEvents": [...]}``).
 
     Tracks become threads of one process, in the order of ``tracks`` (if given) and
-    then of first appearance; every event is a complete (``"ph": "X"``) slice.
+    then of first appearance; every event is a complete (``"ph": "X"``) slice, and
+    every flow a pair of flow events (``"ph": "s"`` / ``"f"``, one ``id``).
     """
     events = [tuple(e) for e in events]
     for e in events:
@@ -56,13 +60,33 @@ def trace_events(events: Iterable[Event], *, process_name: str = "multimesh",
         if args:
             ev["args"] = {k: _jsonable(v) for k, v in args.items()}
         out.append(ev)
+    out.extend(_flow_events(out[1 + 2 * len(tid):], flows))
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
+def _flow_events(slices: list[dict], flows: Sequence[tuple[int, int]]) -> list[dict]:
+    """Flow events for ``flows`` between ``slices``: each end sits inside its slice
+    (at its middle), which is how a viewer binds a flow to a slice."""
+    out = []
+    for n, (i, j) in enumerate(flows, 1):
+        if not (0 <= i < len(slices) and 0 <= j < len(slices)):
+            raise ValueError(f"trace flow {(i, j)} names an event that is not in the trace "
+                             f"({len(slices)} events)")
+        a, b = slices[i], slices[j]
+        for ph, e in (("s", a), ("f", b)):
+            ev = {"name": b["name"], "cat": b["cat"], "ph": ph, "id": n, "pid": 1,
+                  "tid": e["tid"], "ts": e["ts"] + e["dur"] / 2}
+            if ph == "f":
+                ev["bp"] = "e"
+            out.append(ev)
+    return out
+
+
 def write_trace(events: Iterable[Event], path: str | os.PathLike, *,
-                process_name: str = "multimesh", tracks: Sequence[str] | None = None) -> dict:
+                process_name: str = "multimesh", tracks: Sequence[str] | None = None,
+                flows: Sequence[tuple[int, int]] = ()) -> dict:
     """Write ``events`` as a Chrome/Perfetto trace JSON file; returns the dictionary."""
-    trace = trace_events(events, process_name=process_name, tracks=tracks)
+    trace = trace_events(events, process_name=process_name, tracks=tracks, flows=flows)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(trace, f)
     return trace

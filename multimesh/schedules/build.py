@@ -77,8 +77,9 @@ def theoretical_bubble(name: str, P: int, M: int, interleave: int = 1) -> float 
     (P-1)/(3M+P-1); ZB-H2 the same over one step (its gain is inside each submesh's
     span, :meth:`Timeline.stage_bubble_fraction`, which is 0); eager 1F1B and GPipe
     with 1F1B on the last submesh as GPipe; interleaved GPipe and circular with
-    reversed backward (P dividing M) as interleaved 1F1B; DualPipeV (M >= 2P) the
-    lower bound (P-1)/(6M+P-1). None where there is no closed form (custom).
+    reversed backward (P dividing M) as interleaved 1F1B; DualPipeV (M >= 2P) and ZB-V
+    (M >= 2P - 1) the lower bound (P-1)/(6M+P-1); Kimi-K2 (P dividing M) as
+    interleaved 1F1B. None where there is no closed form (custom).
     """
     return get_schedule(canonical_schedule_name(name)).bubble(P, M, interleave)
 
@@ -91,6 +92,8 @@ def theoretical_peak_live(name: str, P: int, M: int, interleave: int = 1) -> int
     M); GPipe with 1F1B on the last submesh: M (1 on the last submesh); interleaved
     GPipe and circular with reversed backward: every forward before any backward, VM;
     DualPipeV (M >= 2P): 2P + 1 half-size activations, its warm-up's 2P and the forward
-    that each steady-state pair runs before its backward.
+    that each steady-state pair runs before its backward; ZB-V: 2 min(P, M) half-size
+    activations, 1F1B's memory; Kimi-K2 (P dividing M): one more than interleaved
+    1F1B, min((V+1)P, VM).
     """
     return get_schedule(canonical_schedule_name(name)).peak_live(P, M, interleave)

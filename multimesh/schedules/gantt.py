@@ -6,9 +6,9 @@ import math
 from collections.abc import Callable, Iterable
 
 from .model import Unit, short_label
-from .simulator import Schedule, chunk_of, simulate
+from .simulator import Schedule, Timeline, chunk_of, simulate
 
-__all__ = ["format_gantt"]
+__all__ = ["format_gantt", "format_timeline"]
 
 
 def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None) -> str:
@@ -48,6 +48,28 @@ def format_gantt(schedule: Schedule, cost: Callable[[Unit], float] | None = None
             for k in range(a + 1, b):
                 cells[k] = "-" * width
         lines.append(f"{names[m].ljust(pad)} |{''.join(cells).rstrip()}")
+    return "\n".join(lines)
+
+
+def format_timeline(tl: Timeline, label: str, columns: int = 72) -> str:
+    """A text Gantt of a timeline in seconds (simulated with real costs, or measured),
+    ``columns`` cells wide: each unit is its letter and microbatch (``F3``) where it
+    starts, ``-`` while it runs (just its letter where that is too long); ``.`` is
+    idle."""
+    s = tl.schedule
+    T = tl.makespan or 1.0
+    names = [f"submesh {m}" for m in range(s.num_meshes)]
+    pad = max((len(n) for n in names), default=0)
+    lines = [f"{s.name}, {label}: step {T * 1e3:.3g} ms, bubble "
+             f"{100 * tl.bubble_fraction():.1f}%"]
+    for m, row in enumerate(s.orders):
+        cells = ["."] * columns
+        for i in row:
+            a = min(columns - 1, int(tl.start[i] / T * columns))
+            b = max(a + 1, min(columns, round(tl.end[i] / T * columns)))
+            lab = short_label(s.units[i])
+            cells[a:b] = list(lab.ljust(b - a, "-") if len(lab) <= b - a else lab[0] * (b - a))
+        lines.append(f"{names[m].ljust(pad)} |{''.join(cells)}")
     return "\n".join(lines)
 
 

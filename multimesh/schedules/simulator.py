@@ -55,6 +55,13 @@ class Schedule:
     def live_activations(self) -> list[int]:
         return live_activations(self)
 
+    def simulate(self, costs=None, *, residual_bytes=None, comm: float = 0.0):
+        """Predicted step time, bubble and peak memory per submesh under ``costs``:
+        a :class:`~multimesh.schedules.costs.Prediction` (see :func:`.costs.predict`)."""
+        from .costs import predict
+
+        return predict(self, costs, residual_bytes=residual_bytes, comm=comm)
+
     def to_dict(self) -> dict:
         """Plain data, units in global order (the i-th fragment call of the scheduled
         ``@main``); ``deps`` and ``rows`` refer to those positions."""
@@ -415,8 +422,11 @@ def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
     return Timeline(schedule, *sim.times())
 
 
-def live_activation_profile(schedule: Schedule) -> list[list[int]]:
-    """Per submesh, the number of live activations after each of its dispatches.
+def live_activation_profile(schedule: Schedule,
+                            size: Callable[[tuple[int, int, int]], int] | None = None
+                            ) -> list[list[int]]:
+    """Per submesh, the number of live activations after each of its dispatches
+    (with ``size``, their total size: each counts ``size((mesh, stage, microbatch))``).
 
     An activation ``(stage, microbatch)`` is live from its first forward unit until its
     last backward unit (weight-gradient part included) on that submesh; stages
@@ -431,19 +441,19 @@ def live_activation_profile(schedule: Schedule) -> list[list[int]]:
             bwd_total[u.key] = bwd_total.get(u.key, 0) + 1
     for row in schedule.rows():
         live, prof = 0, []
-        opened: set[tuple[int, int, int]] = set()
+        opened: dict[tuple[int, int, int], int] = {}
         seen: dict[tuple[int, int, int], int] = {}
         for u in row:
             if not u.free:
                 k = u.key
                 if u.kind == "fwd" and k in bwd_total and k not in opened:
-                    opened.add(k)
+                    opened[k] = 1 if size is None else size(k)
                     if seen.get(k, 0) < bwd_total[k]:  # some backward still to come
-                        live += 1
+                        live += opened[k]
                 elif u.kind in ("bwd", "bwd_w") and k in bwd_total:
                     seen[k] = seen.get(k, 0) + 1
                     if seen[k] == bwd_total[k] and k in opened:
-                        live -= 1
+                        live -= opened[k]
             prof.append(live)
         out.append(prof)
     return out

@@ -10,7 +10,7 @@ import importlib
 
 MODULES = ("gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble", "eager_1f1b",
            "interleaved_gpipe", "gpipe_1f1b_last", "circular_reversed_backward",
-           "dualpipe_v", "custom")
+           "dualpipe_v", "zero_bubble_v", "kimi_k2", "custom")
 
 for _module in MODULES:
     importlib.import_module(f"{__name__}.{_module}")

@@ -1,0 +1,290 @@
+"""Costs of a compiled program's fragments, measured steps, and schedule advice.
+
+Two sources of per-fragment seconds feed the schedule simulator
+(:mod:`multimesh.schedules.costs`): XLA's cost analysis of each compiled fragment
+through a roofline :class:`DeviceModel` (:func:`xla_costs`), and real steps
+(:class:`StepProfile`, from ``compiled.profile`` or ``compiled.step_profile``).
+:func:`compare_schedules` simulates every registered schedule with them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.runtime.memory import _shard_bytes as shard_bytes
+from multimesh.runtime.plan import Call
+from multimesh.runtime.timing import StepTime, run_timed
+from multimesh.schedules import Schedule
+from multimesh.schedules.costs import Comparison, FragmentCosts, compare
+from multimesh.schedules.simulator import Timeline
+
+__all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare_schedules",
+           "step_profile", "profile_from_times"]
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """A roofline: one fragment call takes ``overhead + max(flops / peak_flops,
+    bytes / memory_bandwidth)`` seconds (per device; XLA's counts are per device).
+
+    The defaults (:meth:`for_device`) are datasheet peaks, which real kernels reach
+    only in part, so XLA-cost predictions rank schedules rather than time steps;
+    a measured profile times them.
+    """
+
+    peak_flops: float
+    memory_bandwidth: float
+    overhead: float = 1e-5
+    name: str = "custom"
+
+    def seconds(self, flops: float, bytes_accessed: float) -> float:
+        return self.overhead + max(flops / self.peak_flops, bytes_accessed / self.memory_bandwidth)
+
+    @classmethod
+    def for_device(cls, device) -> DeviceModel:
+        """Datasheet numbers by ``device.device_kind`` (dense bf16 peak; HBM bandwidth),
+        else a CPU guess of 100 GFLOP/s and 20 GB/s per device."""
+        kind = str(getattr(device, "device_kind", "")).lower()
+        for key, flops, bw in _DATASHEET:
+            if key in kind:
+                return cls(flops, bw, name=key)
+        return cls(1e11, 2e10, name="cpu guess")
+
+
+_DATASHEET = (("h200", 989e12, 4.8e12), ("h100", 989e12, 3.35e12), ("a100", 312e12, 2.0e12),
+              ("v5e", 197e12, 8.19e11), ("v5p", 459e12, 2.76e12), ("v4", 275e12, 1.2e12))
+
+
+def _compiled(obj):
+    """The compiled program behind ``obj`` (a lowered one is compiled)."""
+    if hasattr(obj, "cost_analysis") and hasattr(obj, "schedule"):
+        return obj
+    if hasattr(obj, "compile") and hasattr(obj, "as_text"):
+        return _compiled(obj.compile())
+    raise MultimeshTypeError(
+        f"Expected a compiled or lowered multimesh program (mjit(f).lower(...) or its "
+        f".compile()), got {type(obj).__name__}.")
+
+
+def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCosts:
+    """Seconds per fragment call from XLA's cost analysis (``flops``, ``bytes
+    accessed``) through ``device_model`` (default: :meth:`DeviceModel.for_device` of
+    the program's first device)."""
+    c = _compiled(compiled)
+    model = device_model or DeviceModel.for_device(c._lowered.devices[0])
+    per = c.cost_analysis(by_fragment=True)
+    secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
+            for name, d in per.items()}
+    return FragmentCosts(secs, "xla")
+
+
+def residual_bytes(compiled) -> dict[str, int]:
+    """Per forward fragment of the microbatch loop, the bytes per device that one call
+    leaves for its microbatch's backward on the same submesh: the values it reads
+    (not the program's inputs: parameters stay anyway) or makes that such a backward
+    reads, sized by their layouts. The schedule's live activations times these are
+    its activation memory (``schedule.simulate(residual_bytes=...)``)."""
+    plan = _compiled(compiled).plan_data
+    kept = _read_by_backward(plan)
+    inputs = set(plan.input_ids)
+    out: dict[str, int] = {}
+    for s in plan.calls():
+        f = plan.fragments[s.fragment]
+        if s.microbatch is None or f.transpose_count != 0:
+            continue
+        typed = [*zip(s.args, f.in_types, f.in_layouts), *zip(s.results, f.out_types,
+                                                                f.out_layouts)]
+        seen: set[int] = set()
+        total = 0
+        for v, (shape, dtype), lay in typed:
+            if v in kept.get((s.microbatch, plan.call_devices(s)), ()) and v not in inputs \
+                    and v not in seen:
+                seen.add(v)
+                total += shard_bytes(shape, dtype, lay)
+        out[s.fragment] = max(out.get(s.fragment, 0), total)
+    return out
+
+
+def _read_by_backward(plan) -> dict[tuple[int, tuple[int, ...]], set[int]]:
+    """(microbatch, devices) -> the values a backward call of that microbatch reads there."""
+    out: dict[tuple[int, tuple[int, ...]], set[int]] = {}
+    for s in plan.calls():
+        if s.microbatch is not None and plan.fragments[s.fragment].transpose_count != 0:
+            out.setdefault((s.microbatch, plan.call_devices(s)), set()).update(s.args)
+    return out
+
+
+@dataclass
+class StepProfile:
+    """Measured steps of a pipelined program, per schedule unit.
+
+    ``durations[i]``: seconds of unit ``i`` (``schedule.units[i]``) in each measured
+    step; ``starts``/``ends``: its span in the first step, from the start of the
+    step's first unit (calls before the microbatch loop are left out);
+    ``other``: seconds per step of everything else (calls outside the microbatch
+    loop, transfers). Each call was timed alone (the runtime blocks after every
+    dispatch step while profiling), so a unit's duration is its own, without overlap.
+    """
+
+    schedule: Schedule
+    durations: list[list[float]]
+    starts: list[float]
+    ends: list[float]
+    other: float = 0.0
+    comm: float = 0.0
+    """Mean seconds of one transfer step (pass as ``simulate(..., comm=)``)."""
+
+    measured = True
+
+    @property
+    def steps(self) -> int:
+        return min((len(d) for d in self.durations), default=0)
+
+    def duration(self, i: int) -> float:
+        """Mean seconds of unit ``i`` over the measured steps."""
+        return statistics.fmean(self.durations[i])
+
+    def busy(self, mesh: int) -> float:
+        """Mean seconds per step that submesh ``mesh`` spent in its units."""
+        return sum(self.duration(i) for i in self.schedule.orders[mesh])
+
+    def per_call(self) -> dict[str, float]:
+        """Mean seconds of each call, as ``calls_per_submesh()`` names them
+        (``fragment@microbatch``)."""
+        return {f"{u.fragment}@{u.microbatch}" if u.microbatch is not None else u.fragment:
+                self.duration(u.index) for u in self.schedule.units}
+
+    def fragment_costs(self) -> FragmentCosts:
+        """Seconds per fragment call: the mean over its calls in every step (so a
+        simulation with them keeps each submesh's measured busy time)."""
+        per: dict[str, list[float]] = {}
+        for u, d in zip(self.schedule.units, self.durations):
+            per.setdefault(u.fragment, []).extend(d)
+        return FragmentCosts({f: statistics.fmean(v) for f, v in per.items()}, "profile")
+
+    def timeline(self) -> Timeline:
+        """The first measured step as a :class:`Timeline` (what ``visualize_schedule``
+        draws as "measured")."""
+        return Timeline(self.schedule, tuple(self.starts), tuple(self.ends))
+
+    def __str__(self) -> str:
+        busy = " ".join(f"{self.busy(m) * 1e3:.3g}" for m in range(self.schedule.num_meshes))
+        return (f"StepProfile({self.schedule.name}: {self.steps} step(s), busy ms per "
+                f"submesh {busy}, other {self.other * 1e3:.3g} ms, a transfer "
+                f"{self.comm * 1e3:.3g} ms)")
+
+
+def profile_from_times(schedule: Schedule, steps: Sequence[Sequence[StepTime]]) -> StepProfile:
+    """Attribute each measured step's fragment calls to ``schedule``'s units: a call
+    is unit ``i`` when its fragment and microbatch are unit ``i``'s, in dispatch order."""
+    n = len(schedule.units)
+    durations: list[list[float]] = [[] for _ in range(n)]
+    starts, ends = [0.0] * n, [0.0] * n
+    other = 0.0
+    moves = [t.end - t.start for ts in steps for t in ts if t.cat == "transfer"]
+    for k, times in enumerate(steps):
+        queue: dict[tuple[str, int | None], list[int]] = {}
+        for i in schedule.order:
+            u = schedule.units[i]
+            queue.setdefault((u.fragment, u.microbatch), []).append(i)
+        t0 = min((t.start for t in times if _unit_key(t) in queue), default=0.0)
+        for t in times:
+            key = _unit_key(t)
+            if key is None or not queue.get(key):
+                other += t.end - t.start
+                continue
+            i = queue[key].pop(0)
+            durations[i].append(t.end - t.start)
+            if k == 0:
+                starts[i], ends[i] = t.start - t0, t.end - t0
+        left = [schedule.units[i].fragment for q in queue.values() for i in q]
+        if left:
+            raise MultimeshValueError(
+                f"The measured step ran no call of {sorted(set(left))} that the schedule "
+                f"'{schedule.name}' lists; the profile does not belong to this schedule.")
+    return StepProfile(schedule, durations, starts, ends, other / max(len(steps), 1),
+                       statistics.fmean(moves) if moves else 0.0)
+
+
+def _unit_key(t: StepTime) -> tuple[str, int | None] | None:
+    o = t.origin
+    return (o.fragment, o.microbatch) if isinstance(o, Call) else None
+
+
+def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepProfile:
+    """Run ``steps`` steps of ``compiled`` (timed, blocking after every dispatch step)."""
+    from multimesh.runtime.trace import TraceRecorder
+
+    sched = compiled.schedule
+    if sched is None:
+        raise MultimeshValueError(
+            "This program has no pipeline schedule (it is not microbatched: use "
+            "multimesh.jax.microbatch), so it has no units to profile.")
+    if steps < 1:
+        raise MultimeshValueError(f"steps must be at least 1, got {steps}.")
+    if steps > 1 and compiled._lowered.donated_leaves:
+        raise MultimeshValueError(
+            f"steps={steps} reruns the program on the same arguments, but it donates "
+            "some of them; profile one step at a time (steps=1) with fresh arguments.")
+    low = compiled._lowered
+    flat = jax.tree.flatten((args, kwargs))[0]
+    flat = [flat[i] for i in low.dyn_idx]
+    if low.key_inputs:
+        flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
+    runs = [run_timed(compiled._exec, TraceRecorder(), flat)[1] for _ in range(steps)]
+    return profile_from_times(sched, runs)
+
+
+def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: float = 0.0,
+                      device_model: DeviceModel | None = None) -> Comparison:
+    """Simulate every registered schedule on this program's fragments; a table.
+
+    ``costs``: ``"xla"`` (:func:`xla_costs`), ``"unit"``, a :class:`StepProfile`, a
+    ``{fragment: seconds}`` mapping or a :class:`FragmentCosts`. ``memory``:
+    ``"plan"`` (:func:`residual_bytes`), None, or a ``memory_profile()`` result
+    (its measured residual bytes per stage). Schedules that do not fit the program's
+    stage placement are listed with the reason. ``comm``: seconds per transfer.
+    """
+    c = _compiled(compiled_or_lowered)
+    sched = c.schedule
+    if sched is None:
+        raise MultimeshValueError(
+            "compare_schedules needs a pipelined program, but this one has no schedule "
+            "(it is not microbatched: use multimesh.jax.microbatch).")
+    return compare(sched.units, _costs_of(c, costs, device_model),
+                   residual_bytes=_memory_of(c, sched, memory), comm=comm,
+                   devices=sched.devices)
+
+
+def _costs_of(c, costs, device_model):
+    if isinstance(costs, str):
+        if costs == "xla":
+            return xla_costs(c, device_model)
+        if costs == "unit":
+            return None
+        raise MultimeshValueError(
+            f"costs={costs!r} is not a cost source; valid: 'xla', 'unit', a StepProfile "
+            "(compiled.step_profile(...)), a {fragment: seconds} mapping or a FragmentCosts.")
+    return costs
+
+
+def _memory_of(c, sched: Schedule, memory):
+    if memory is None:
+        return None
+    if isinstance(memory, str):
+        if memory == "plan":
+            return residual_bytes(c)
+        raise MultimeshValueError(
+            f"memory={memory!r} is not a memory source; valid: 'plan', None or a "
+            "compiled.memory_profile(...) result.")
+    if getattr(memory, "submeshes", None) is None:
+        raise MultimeshTypeError(
+            f"memory must be 'plan', None or the memory_profile() of this program, got "
+            f"{type(memory).__name__}.")
+    return memory
+

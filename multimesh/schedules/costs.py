@@ -1,0 +1,375 @@
+"""Schedules under real costs: predicted step time, bubble and memory per submesh (no jax).
+
+The algorithms order units with unit costs; that order is what the runtime runs.
+Here the same order is simulated with each unit's real duration (per fragment, from
+XLA's cost analysis or a measured step; ``multimesh.jax`` makes both) and, given
+each forward fragment's residual bytes, the schedule's peak activation bytes per
+submesh. :func:`simulate_stages` does the same from per-stage numbers alone (the
+planner's view), and :func:`compare` runs every registered schedule on one program.
+
+Costs of units that a comparison derives from the program's own (a backward split
+for a zero-bubble schedule, or halves merged back) are named after their fragments:
+``f|dx`` and ``f|dw`` are the activation- and weight-gradient halves of backward
+``f`` (``split_share`` of its cost goes to the weight half, by default one half, the
+zero-bubble paper's B = W), and ``f+g`` is ``f`` followed by ``g``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from .build import build_schedule
+from .model import ScheduleError, Unit, default_cost, pipeline_units, v_shape_units
+from .registry import all_schedules, get_schedule
+from .simulator import Program, Schedule, Timeline, live_activation_profile, simulate
+
+__all__ = ["FragmentCosts", "Prediction", "predict", "reshape_units", "simulate_stages",
+           "Comparison", "compare"]
+
+
+@dataclass(frozen=True)
+class FragmentCosts:
+    """Seconds per call of each fragment (by name), and where they come from.
+
+    ``source`` names the origin in pictures and tables (``"xla"``, ``"profile"``,
+    ``"given"``); ``split_share`` is the weight-gradient share of a backward that a
+    comparison splits in two (see the module docstring).
+    """
+
+    seconds: Mapping[str, float]
+    source: str = "given"
+    split_share: float = 0.5
+
+    def of(self, fragment: str) -> float:
+        """Seconds of one call of ``fragment`` (or a derived name, ``f|dx``, ``f+g``)."""
+        if "+" in fragment:
+            return sum(self.of(f) for f in fragment.split("+"))
+        base, _, half = fragment.partition("|")
+        if base not in self.seconds:
+            known = ", ".join(sorted(self.seconds)) or "none"
+            raise ScheduleError(f"no cost for fragment '{base}' ({self.source} costs know: "
+                                f"{known})")
+        s = float(self.seconds[base])
+        return {"dx": s * (1 - self.split_share), "dw": s * self.split_share}.get(half, s)
+
+    def __call__(self, unit: Unit) -> float:
+        return self.of(unit.fragment)
+
+
+def as_cost(costs) -> tuple[Callable[[Unit], float], str]:
+    """``(unit -> seconds, source)`` for ``costs``: None (unit costs), a
+    :class:`FragmentCosts`, anything with a ``fragment_costs()`` method (a measured
+    profile), a ``{fragment: seconds}`` mapping, or a callable on units."""
+    if costs is None:
+        return default_cost, "unit"
+    if hasattr(costs, "fragment_costs"):
+        costs = costs.fragment_costs()
+    if isinstance(costs, FragmentCosts):
+        return costs, costs.source
+    if isinstance(costs, Mapping):
+        return FragmentCosts(dict(costs)), "given"
+    if callable(costs):
+        return costs, "given"
+    raise ScheduleError(f"costs must be None, a FragmentCosts, a measured profile, a "
+                        f"{{fragment: seconds}} mapping or a function of a unit, got "
+                        f"{type(costs).__name__}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One schedule simulated with costs: its timeline, and memory per submesh.
+
+    ``peak_microbatches``: the most (stage, microbatch) activations a submesh holds;
+    ``peak_activation_bytes``: the most bytes they hold (residual bytes of each
+    forward fragment, summed over a stage), None without residual sizes.
+    """
+
+    timeline: Timeline
+    source: str
+    peak_microbatches: tuple[int, ...]
+    peak_activation_bytes: tuple[int, ...] | None = None
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.timeline.schedule
+
+    @property
+    def step_time(self) -> float:
+        """Predicted seconds (units with unit costs) of one step, transfers free
+        unless ``comm`` was given."""
+        return self.timeline.makespan
+
+    @property
+    def bubble(self) -> float:
+        return self.timeline.bubble_fraction()
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        """Per submesh, the sum of its units' durations."""
+        return tuple(self.timeline.busy(m) for m in range(self.schedule.num_meshes))
+
+    def __str__(self) -> str:
+        t = _time_text(self.step_time, self.source)
+        mem = "" if self.peak_activation_bytes is None else (
+            ", peak activations " + " ".join(_bytes_text(b) for b in self.peak_activation_bytes))
+        return (f"{self.schedule.name} (costs: {self.source}): step {t}, bubble "
+                f"{100 * self.bubble:.1f}%, peak live microbatches "
+                f"{list(self.peak_microbatches)}{mem}")
+
+
+def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
+            comm: float = 0.0) -> Prediction:
+    """Simulate ``schedule``'s order with ``costs`` (see :func:`as_cost`), ``comm``
+    seconds per transfer between submeshes. ``residual_bytes``: ``{forward fragment:
+    bytes one call keeps for its backward}``, a measured memory profile (its
+    submeshes' ``residual_bytes``, per stage) or a function of ``(mesh, stage,
+    microbatch)``; gives the peak activation bytes per submesh."""
+    cost, source = as_cost(costs)
+    tl = simulate(schedule, cost=cost, comm=comm)
+    peak_mb = tuple(max(p, default=0) for p in live_activation_profile(schedule))
+    peak_b = None
+    if residual_bytes is not None:
+        size = _key_size(schedule, residual_bytes)
+        peak_b = tuple(max(p, default=0) for p in live_activation_profile(schedule, size))
+    return Prediction(tl, source, peak_mb, peak_b)
+
+
+def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, int]], int]:
+    if callable(residual_bytes):
+        return residual_bytes
+    subs = getattr(residual_bytes, "submeshes", None)
+    if subs is not None:  # a measured memory profile: one microbatch's bytes per submesh
+        if len(subs) != schedule.num_meshes:
+            raise ScheduleError(f"the memory profile has {len(subs)} submeshes, the "
+                                f"schedule {schedule.num_meshes}; profile this program")
+        per_mesh = [int(s.residual_bytes) for s in subs]
+        return lambda k: per_mesh[k[0]]
+    if not isinstance(residual_bytes, Mapping):
+        raise ScheduleError(f"residual_bytes must be {{forward fragment: bytes}}, a memory "
+                            f"profile or a function of (mesh, stage, microbatch), got "
+                            f"{type(residual_bytes).__name__}")
+    per_key: dict[tuple[int, int, int], int] = {}
+    for u in schedule.units:
+        if not u.free and u.kind == "fwd":
+            b = sum(int(residual_bytes.get(f, 0)) for f in u.fragment.split("+"))
+            per_key[u.key] = per_key.get(u.key, 0) + b
+    return lambda k: per_key.get(k, 0)
+
+
+# ----------------------------------------------------------------------------- reshaping
+
+
+def reshape_units(units: Sequence[Unit], split: bool) -> list[Unit]:
+    """``units`` with every pipeline backward split into activation- and
+    weight-gradient halves (``split``), or with split halves merged back; names per
+    the module docstring. Units already in that form come back unchanged."""
+    if split and not any(u.kind == "bwd_w" for u in units):
+        return _split(units)
+    if not split and any(u.kind == "bwd_w" for u in units):
+        return _merge(units)
+    return list(units)
+
+
+def _split(units: Sequence[Unit]) -> list[Unit]:
+    new: dict[int, list[int]] = {}  # old index -> its new indices
+    out: list[Unit] = []
+    for u in units:
+        deps = tuple(sorted({n for d in u.deps for n in new[d][:1 if u.kind == "bwd" else None]}))
+        if u.free or u.kind != "bwd":
+            new[u.index] = [len(out)]
+            out.append(replace(u, index=len(out), deps=deps))
+            continue
+        b = len(out)
+        out.append(replace(u, index=b, deps=deps, split=True, fragment=f"{u.fragment}|dx"))
+        out.append(replace(u, index=b + 1, kind="bwd_w", deps=(b, *deps),
+                           fragment=f"{u.fragment}|dw"))
+        new[u.index] = [b, b + 1]
+    return out
+
+
+def _merge(units: Sequence[Unit]) -> list[Unit]:
+    # each weight half joins the backward half of its (mesh, stage, microbatch)
+    into: dict[int, int] = {}
+    first: dict[tuple[int, int, int], int] = {}
+    for u in units:
+        if not u.free and u.kind == "bwd":
+            first.setdefault(u.key, u.index)
+        elif not u.free and u.kind == "bwd_w" and u.key in first:
+            into[u.index] = first[u.key]
+    extra: dict[int, list[Unit]] = {}
+    for w, b in into.items():
+        extra.setdefault(b, []).append(units[w])
+    pos: dict[int, int] = {}
+    kept = [u for u in units if u.index not in into]
+    for k, u in enumerate(kept):
+        pos[u.index] = k
+    for w, b in into.items():
+        pos[w] = pos[b]
+    out = []
+    for k, u in enumerate(kept):
+        parts = [u, *extra.get(u.index, ())]
+        deps = {pos[d] for p in parts for d in p.deps} - {k}
+        out.append(replace(u, index=k, deps=tuple(sorted(deps)), split=False,
+                           fragment="+".join(p.fragment for p in parts)))
+    return out
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+def simulate_stages(schedule: str, forward: Sequence[float], backward: Sequence[float], *,
+                    num_microbatches: int, num_meshes: int | None = None,
+                    weight_gradient: Sequence[float] | None = None,
+                    activation_bytes: Sequence[int] | None = None,
+                    comm: float = 0.0) -> Prediction:
+    """Predict a textbook pipeline from per-stage numbers (the planner's question).
+
+    ``forward[s]``/``backward[s]``: seconds of stage ``s``'s forward and whole
+    backward per microbatch; ``weight_gradient[s]``: the part of ``backward[s]`` that
+    a splitting schedule runs apart (default half); ``activation_bytes[s]``: what one
+    microbatch keeps from its forward to its backward on stage ``s``. ``num_meshes``
+    (default: one per stage) submeshes hold the stages by the schedule's placement
+    (round-robin, or a V for ``v-shape``); ``comm``: seconds per transfer.
+    """
+    S = len(forward)
+    P = S if num_meshes is None else num_meshes
+    _check_stages(schedule, forward, backward, weight_gradient, activation_bytes, S, P)
+    algo = get_schedule(schedule)
+    if algo.placement == "v-shape":
+        if S != 2 * P:
+            raise ScheduleError(f"schedule '{algo.name}' places 2 stages per submesh in a V: "
+                                f"{S} stages need num_meshes={S // 2}, got {P}")
+        units = v_shape_units(P, num_microbatches, split_backward=algo.splits_backward)
+    else:
+        units = pipeline_units(P, num_microbatches, interleave=S // P,
+                               split_backward=algo.splits_backward)
+    w = list(weight_gradient) if weight_gradient is not None else [b / 2 for b in backward]
+    secs: dict[str, float] = {}
+    for s in range(S):
+        secs[f"stage{s}_fwd"] = forward[s]
+        secs[f"stage{s}_bwd"] = backward[s] - w[s] if algo.splits_backward else backward[s]
+        secs[f"stage{s}_bwd_w"] = w[s]
+    sched = build_schedule(units, algo.name)
+    res = None if activation_bytes is None else (lambda k: int(activation_bytes[k[1]]))
+
+    def cost(u: Unit) -> float:
+        return secs[f"stage{u.stage}_{u.kind}"]
+
+    return predict(sched, cost, residual_bytes=res, comm=comm)
+
+
+def _check_stages(schedule, forward, backward, weight_gradient, activation_bytes,
+                  S: int, P: int) -> None:
+    lengths = {"backward": backward, "weight_gradient": weight_gradient,
+               "activation_bytes": activation_bytes}
+    for name, seq in lengths.items():
+        if seq is not None and len(seq) != S:
+            raise ScheduleError(f"simulate_stages got {S} forward costs but {len(seq)} "
+                                f"{name} values; give one per stage")
+    if S == 0 or P < 1 or S % P:
+        raise ScheduleError(f"simulate_stages needs at least one stage and a number of "
+                            f"stages divisible by num_meshes, got {S} stages on {P} "
+                            f"submeshes")
+    if any(not c > 0 for c in (*forward, *backward)):
+        raise ScheduleError(f"stage costs must be positive, got forward={list(forward)} "
+                            f"backward={list(backward)} for schedule '{schedule}'")
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+@dataclass
+class Comparison:
+    """Every registered schedule on one program: a :class:`Prediction` for each that
+    applies (``rows``), and why the others do not (``not_applicable``)."""
+
+    rows: list[Prediction] = field(default_factory=list)
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    source: str = "unit"
+
+    def __getitem__(self, name: str) -> Prediction:
+        key = get_schedule(name).name
+        for p in self.rows:
+            if p.schedule.name == key:
+                return p
+        raise KeyError(f"schedule '{key}' does not apply: {self.not_applicable.get(key)}")
+
+    def best(self, memory_limit: int | None = None) -> Prediction:
+        """The applicable schedule with the shortest predicted step; with
+        ``memory_limit`` (bytes per device), among those whose peak activation bytes
+        stay within it on every submesh."""
+        rows = self.rows
+        if memory_limit is not None:
+            if any(p.peak_activation_bytes is None for p in rows):
+                raise ScheduleError("memory_limit needs residual sizes: compare with "
+                                    "memory='plan' or a memory profile")
+            rows = [p for p in rows if max(p.peak_activation_bytes or (0,)) <= memory_limit]
+            if not rows:
+                least = min(self.rows, key=lambda p: max(p.peak_activation_bytes or (0,)))
+                raise ScheduleError(
+                    f"no schedule keeps its activations within {_bytes_text(memory_limit)}; "
+                    f"the least, '{least.schedule.name}', holds "
+                    f"{_bytes_text(max(least.peak_activation_bytes or (0,)))} on a submesh "
+                    f"(recompute stages with remat=, or use more microbatches)")
+        return min(rows, key=lambda p: p.step_time)
+
+    def format(self, *, times: bool = True) -> str:
+        """The table: step time (``times``), bubble, peak live microbatches and
+        activation bytes per submesh, then the schedules that do not apply and why."""
+        head = f"{'schedule':<28}" + (f"{'step':>10}" if times else "") + \
+            f"{'bubble':>8}  peak live per submesh"
+        lines = [f"schedules simulated with {self.source} costs", head]
+        for p in self.rows:
+            mem = " ".join(str(n) for n in p.peak_microbatches)
+            if p.peak_activation_bytes is not None:
+                mem += "  (" + " ".join(_bytes_text(b) for b in p.peak_activation_bytes) + ")"
+            step = f"{_time_text(p.step_time, self.source):>10}" if times else ""
+            lines.append(f"{p.schedule.name:<28}{step}{100 * p.bubble:>7.1f}%  {mem}")
+        for name, why in self.not_applicable.items():
+            lines.append(f"{name:<28}not applicable: {why}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: float = 0.0,
+            devices: Sequence[Sequence[int]] | None = None) -> Comparison:
+    """Schedule ``units`` (one program's, in program order) with every registered
+    schedule and predict each with ``costs`` (see :func:`predict`)."""
+    _, source = as_cost(costs)
+    out = Comparison(source=source)
+    prog = Program(units)
+    one_stage = all(len(s) <= 1 for s in prog.stages_of)
+    for algo in all_schedules():
+        if not algo.has_textbook:
+            out.not_applicable[algo.name] = "it runs the order you give (custom_schedule=)"
+            continue
+        if algo.without_interleaving and one_stage:
+            title, other = algo.without_interleaving
+            out.not_applicable[algo.name] = (f"every submesh runs one stage, so it runs as "
+                                             f"{title} ('{other}')")
+            continue
+        try:
+            sched = build_schedule(reshape_units(units, algo.splits_backward), algo.name,
+                                   devices=devices)
+            out.rows.append(predict(sched, costs, residual_bytes=residual_bytes, comm=comm))
+        except ScheduleError as e:
+            out.not_applicable[algo.name] = str(e)
+    return out
+
+
+def _time_text(t: float, source: str) -> str:
+    if source == "unit":
+        return f"{t:g} units"
+    if t >= 1:
+        return f"{t:.3g} s"
+    return f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} µs"
+
+
+def _bytes_text(b: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= size:
+            return f"{b / size:.3g} {unit}"
+    return f"{int(b)} B"
