@@ -41,10 +41,19 @@ def test_no_library_function_is_over_80_lines(path):
     assert not too_long, f"split these by phase (at most {MAX_LINES} lines each): {too_long}"
 
 
+def _is_property(f: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(isinstance(d, ast.Name) and d.id == "property"
+               or isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter")
+               for d in f.decorator_list)
+
+
 def _classes(tree: ast.AST):
+    """(class, lines, methods): properties are not counted as methods (they read a
+    field, as ``MpmdCompiled.fragments`` mirrors ``jax.stages.Compiled``)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
-            methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+            methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                       and not _is_property(f)]
             yield node, node.end_lineno - node.lineno + 1, len(methods)
 
 
@@ -61,8 +70,9 @@ def test_no_library_class_is_over_240_lines_or_20_methods(path):
 
 def test_the_class_limit_finds_a_large_class():
     methods = "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(MAX_METHODS + 1))
-    [(_, lines, count)] = list(_classes(ast.parse(f"class Big:\n{methods}")))
-    assert count == MAX_METHODS + 1 and lines == 2 * count + 1
+    prop = "    @property\n    def p(self):\n        return 0\n"
+    [(_, lines, count)] = list(_classes(ast.parse(f"class Big:\n{methods}{prop}")))
+    assert count == MAX_METHODS + 1 and lines == 2 * count + 4
 
 
 def test_the_allow_list_names_classes_that_exist():
