@@ -1,7 +1,8 @@
-"""Shared readers/writers for the ``mm.*`` IR contract (docs/ir.md).
+"""The passes' readers and writers of the IR contract (docs/ir.md).
 
-Passes use these instead of poking attributes directly, so the contract is
-spelled in one place.
+The names and the :class:`TaskMesh` record are ``multimesh._src.ir_contract``'s, shared
+with the front end and the runtime; here are the helpers only passes need, each
+checking what it reads and raising a :class:`DiagnosticError` at the op.
 """
 
 from __future__ import annotations
@@ -9,122 +10,59 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.caches import WeakKeyCache
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_contract import (  # noqa: F401  (re-exported for the passes)
+    AXES_ATTR,
+    BODY_ATTR,
+    DEFAULT_TASK,
+    DEVICE_COUNT,
+    DEVICES_ATTR,
+    FRAGMENT_ATTR,
+    FRAGMENT_CALL_TARGET,
+    INDEX_TARGET,
+    LOGICAL_TARGET,
+    LOOP_ATTR,
+    LOOP_DEVICES_ATTR,
+    LOOP_TARGET,
+    MAX_ID,
+    MESH_ATTR,
+    MESH_KEYS,
+    MESHES_ATTR,
+    MICROBATCH_ATTR,
+    NUM_DEVICES_ATTR,
+    NUM_MICROBATCHES_ATTR,
+    PREFIX,
+    SCHEDULE_ATTR,
+    SCHEDULE_CONFIG_ATTR,
+    SHARDING_ATTR,
+    SPLIT_ATTR,
+    SUM_TARGET,
+    TAG_KEYS,
+    TASK_ATTR,
+    TASK_CALL_KEYS,
+    TASK_ENTRY_KEYS,
+    TASKS_ATTR,
+    TRANSFER_TARGET,
+    TRANSPOSE_COUNT,
+    Tag,
+    TaskMesh,
+    check_keys,
+    check_mesh,
+    read_num_devices,
+)
+from multimesh._src.ir_contract import check_dict as _check_dict
+from multimesh._src.ir_contract import duplicate as _duplicate
+from multimesh._src.ir_contract import fmt as _fmt
+from multimesh._src.ir_contract import int_list as _int_list
+from multimesh._src.ir_contract import str_list as _str_list
+from multimesh._src.ir_contract import tag_from_dict as _tag_from_dict
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
 
-from . import _attrs as ta
-
-TASK_ATTR = "mm.task"
-TASKS_ATTR = "mm.tasks"
-LOGICAL_TARGET = "mm.logical_sharding"
-TRANSFER_TARGET = "mm.transfer"
-FRAGMENT_CALL_TARGET = "mm.fragment_call"
-DEFAULT_TASK = "mm.default"
-
-# Microbatch loops (docs/ir.md "Microbatch loops").
-MICROBATCH_ATTR = "mm.microbatch"
-"""``{loop = 0, num_microbatches = M}`` on the front end's loop-body call and sum markers."""
-LOOP_ATTR = "mm.loop"
-"""Loop id on an in-loop op that has no task yet (flat form); tagged ops carry it in the tag."""
-INDEX_TARGET = "mm.microbatch_index"
-"""The microbatch index (``tensor<i32>``) inside the loop body."""
-SUM_TARGET = "mm.microbatch_sum"
-"""The sum over all microbatches of an in-loop value (an op after the loop)."""
-LOOP_TARGET = "mm.microbatch_loop"
-"""MPMD form: the loop itself, a custom call whose body is the function ``mm.body``."""
-BODY_ATTR = "mm.body"
-NUM_MICROBATCHES_ATTR = "mm.num_microbatches"
-LOOP_DEVICES_ATTR = "mm.loop_devices"
-"""On a fragment whose task moves with the microbatch: its device positions per microbatch."""
-
-# The keys of the task dictionaries (docs/ir.md), in the order messages list them.
-TAG_KEYS = ("name", "transpose_count", "loop")
-"""``mm.task`` on an op of a task (flat form): ``{name, transpose_count[, loop]}``."""
-MESH_KEYS = ("devices", "axis_names", "axis_sizes", "logical_axes")
-TASK_ENTRY_KEYS = (*MESH_KEYS, "split_backprop", "loop_devices", "forward")
-"""An ``mm.tasks`` entry."""
-TASK_CALL_KEYS = (*TAG_KEYS, "split_backprop", "loop_devices", *MESH_KEYS)
-"""``mm.task`` on a task call (front-end form): the tag and the task's mesh."""
-
-
-@dataclass(frozen=True)
-class TaskMeshInfo:
-    """A task's submesh and logical mapping, as stored in ``mm.tasks``."""
-
-    devices: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    axis_sizes: tuple[int, ...]
-    logical_axes: tuple[tuple[str, str], ...]
-    split_backprop: tuple[str, str] | None = None
-    """``Task.split_backprop``: name suffixes of the activation and weight halves."""
-    loop_devices: tuple[tuple[int, ...], ...] | None = None
-    """``Task.loop_dependent_mesh_slice``: the device positions in each microbatch."""
-    forward: str | None = None
-    """For a backward task named apart from its forward (a registered task's callback
-    returning ``layer0_bwd`` for the backward of ``layer0_fwd``): the forward's name."""
-
-    @classmethod
-    def from_dict(cls, d, loc: ir.Location | None = None,
-                  what: str = f"'{TASK_ATTR}'",
-                  keys: tuple[str, ...] | None = None) -> TaskMeshInfo:
-        """Read a task mesh (``attr_to_py`` of an ``mm.task`` / ``mm.tasks`` entry).
-
-        Checks it as ``mm-verify`` does (keys present and typed, positive axis sizes
-        that multiply to the device count, logical axes as string pairs) and raises
-        :class:`DiagnosticError` at ``loc`` on the first violation; ``what`` names the
-        attribute in the message. With ``keys`` (``mm-verify``'s strict reading) a key
-        outside ``keys`` is an error, and so is a logical axis mapped to a device axis
-        the task lacks (passes leave that to ``mm-resolve-logical-shardings``, which
-        reports it at the marker that uses it).
-        """
-        d = _check_dict(d, what, loc)
-        if keys is not None:
-            check_keys(d, keys, what, loc)
-        for key in ("devices", "axis_names", "axis_sizes"):
-            if key not in d:
-                raise DiagnosticError(f"{what} is missing '{key}'", loc)
-        devices = _int_list(d["devices"], f"{what} devices", loc)
-        names = _str_list(d["axis_names"], f"{what} axis_names", loc)
-        sizes = _int_list(d["axis_sizes"], f"{what} axis_sizes", loc)
-        check_mesh(devices, names, sizes, what, loc)
-        info = cls(tuple(devices), tuple(names), tuple(sizes),
-                   _logical_axes(d.get("logical_axes", []), what, loc),
-                   _split_backprop(d.get("split_backprop"), what, loc),
-                   _loop_devices(d.get("loop_devices"), len(devices), what, loc),
-                   _forward(d.get("forward"), what, loc))
-        if keys is not None:
-            info.check_device_axes(what, loc)
-        return info
-
-    def check_device_axes(self, what: str, loc) -> None:
-        """Every logical axis maps to one of the task's device axes."""
-        for logical, axis in self.logical_axes:
-            if axis not in self.axis_names:
-                raise DiagnosticError(
-                    f"{what} logical axis \"{logical}\" maps to device axis \"{axis}\" "
-                    f"which is not in axis_names {_fmt(list(self.axis_names))}", loc)
-
-    def mesh_text(self) -> str:
-        """``devices=[...], axis_names=[...], ...``: the mesh as messages show it."""
-        d = self.to_dict()
-        return ", ".join(f"{k}={_fmt(d[k])}" for k in MESH_KEYS)
-
-    def to_dict(self) -> dict:
-        d = {"devices": list(self.devices), "axis_names": list(self.axis_names),
-             "axis_sizes": list(self.axis_sizes),
-             "logical_axes": [list(p) for p in self.logical_axes]}
-        if self.split_backprop:
-            d["split_backprop"] = list(self.split_backprop)
-        if self.loop_devices:
-            d["loop_devices"] = [list(r) for r in self.loop_devices]
-        if self.forward:
-            d["forward"] = self.forward
-        return d
-
-    def mesh_key(self) -> tuple:
-        return (self.devices, self.axis_names, self.axis_sizes)
+TaskMeshInfo = TaskMesh
+"""The passes' name for :class:`TaskMesh`."""
 
 
 def main_func(module: ir.Module) -> ir.Operation:
@@ -181,8 +119,6 @@ def write_tasks(module: ir.Module, tasks: dict[str, TaskMeshInfo]) -> None:
             {k: tasks[k].to_dict() for k in sorted(tasks)})
 
 
-Tag = tuple[str, int, int]
-"""``(task name, transpose_count, loop)``; loop is the microbatch loop's id, -1 outside."""
 
 
 _TAG_CACHES = WeakKeyCache("multimesh task tags of plain MLIR contexts")
@@ -378,22 +314,22 @@ def logical_marker_axes(op: ir.Operation) -> list[list[str]]:
     two dimensions (a :class:`DiagnosticError` at the marker otherwise)."""
     loc, what = op.location, f"'{LOGICAL_TARGET}'"
     _check_marker_shape(op, what, loc)
-    if "mm.axes" not in op.attributes:
-        raise DiagnosticError(f"{what} is missing 'mm.axes'", loc)
-    a = op.attributes["mm.axes"]
+    if AXES_ATTR not in op.attributes:
+        raise DiagnosticError(f"{what} is missing '{AXES_ATTR}'", loc)
+    a = op.attributes[AXES_ATTR]
     if not isinstance(a, ir.ArrayAttr):
-        raise DiagnosticError(f"{what} 'mm.axes' must be a list of lists of strings, got {a}",
+        raise DiagnosticError(f"{what} '{AXES_ATTR}' must be a list of lists of strings, got {a}",
                               loc)
     dims = attr_to_py(a)
     t = op.operands[0].type
     if isinstance(t, ir.ShapedType) and ir.ShapedType(t).has_rank \
             and len(dims) != ir.ShapedType(t).rank:
         raise DiagnosticError(
-            f"{what} 'mm.axes' has {len(dims)} entries but the operand {t} has rank "
+            f"{what} '{AXES_ATTR}' has {len(dims)} entries but the operand {t} has rank "
             f"{ir.ShapedType(t).rank}", loc)
     used: dict[str, int] = {}
     for i, dim in enumerate(dims):
-        for n in _str_list(dim, f"{what} 'mm.axes' entry {i}", loc):
+        for n in _str_list(dim, f"{what} '{AXES_ATTR}' entry {i}", loc):
             if n in used:
                 raise DiagnosticError(
                     f"{what} logical axis \"{n}\" is used by dimensions {used[n]} and {i}", loc)
@@ -450,11 +386,7 @@ def value_bytes(v: ir.Value) -> int:
 
 def num_devices(module: ir.Module) -> int | None:
     """The module's ``mm.num_devices``, checked (None if absent)."""
-    return ta.read_attr(module.operation, "mm.num_devices", DEVICE_COUNT, "'mm.num_devices'",
-                       default=None)
-
-
-DEVICE_COUNT = ta.int_in(1, ta.MAX_DEVICES, ("a device count", "device counts"))
+    return read_num_devices(module)
 
 
 def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
@@ -588,31 +520,31 @@ def fragment_info(fn: ir.Operation, meshes=None, *, need_task: bool = False) -> 
     loc = fn.location
     what = f"fragment '@{func_name(fn)}'"
     attrs = fn.attributes
-    keys = ("mm.devices",) + (("mm.mesh",) if meshes is not None else ()) + (
+    keys = (DEVICES_ATTR,) + ((MESH_ATTR,) if meshes is not None else ()) + (
         (TASK_ATTR,) if need_task else ())
     for key in keys:
         if key not in attrs:
             raise DiagnosticError(f"{what} is missing '{key}'", loc)
-    devices = _int_list(attr_to_py(attrs["mm.devices"]), f"{what} 'mm.devices'", loc)
+    devices = _int_list(attr_to_py(attrs[DEVICES_ATTR]), f"{what} '{DEVICES_ATTR}'", loc)
     if not devices:
-        raise DiagnosticError(f"{what} 'mm.devices' must not be empty", loc)
+        raise DiagnosticError(f"{what} '{DEVICES_ATTR}' must not be empty", loc)
     if (dup := _duplicate(devices)) is not None:
         raise DiagnosticError(
-            f"{what} 'mm.devices' {_fmt(devices)} list device {dup} twice", loc)
-    ta.read(devices, ta.list_of(ta.POSITION), f"{what} 'mm.devices'", loc)
+            f"{what} '{DEVICES_ATTR}' {_fmt(devices)} list device {dup} twice", loc)
+    ta.read(devices, ta.list_of(ta.POSITION), f"{what} '{DEVICES_ATTR}'", loc)
     if meshes is None:
-        return FragmentInfo(tuple(devices), attrs["mm.devices"], None, tag_of(fn))
-    ref = attrs["mm.mesh"]
+        return FragmentInfo(tuple(devices), attrs[DEVICES_ATTR], None, tag_of(fn))
+    ref = attrs[MESH_ATTR]
     if not isinstance(ref, ir.FlatSymbolRefAttr):
         raise DiagnosticError(
-            f"{what} 'mm.mesh' must be a symbol reference to an sdy.mesh, got {ref}", loc)
+            f"{what} '{MESH_ATTR}' must be a symbol reference to an sdy.mesh, got {ref}", loc)
     mesh = ir.FlatSymbolRefAttr(ref).value
-    axes = _mesh_axes(meshes, mesh, f"{what} 'mm.mesh'", loc)
+    axes = _mesh_axes(meshes, mesh, f"{what} '{MESH_ATTR}'", loc)
     if prod(axes.values()) != len(devices):
         raise DiagnosticError(
-            f"{what} 'mm.mesh' @{mesh} has {prod(axes.values())} devices but 'mm.devices' "
+            f"{what} '{MESH_ATTR}' @{mesh} has {prod(axes.values())} devices but '{DEVICES_ATTR}' "
             f"{_fmt(devices)} lists {len(devices)}", loc)
-    return FragmentInfo(tuple(devices), attrs["mm.devices"], mesh, tag_of(fn))
+    return FragmentInfo(tuple(devices), attrs[DEVICES_ATTR], mesh, tag_of(fn))
 
 
 def check_placement(devices: ir.Attribute, sharding: ir.Attribute, meshes, what: str,
@@ -624,15 +556,15 @@ def check_placement(devices: ir.Attribute, sharding: ir.Attribute, meshes, what:
     lists; Shardy's verifier does not look at ``mm.*`` attributes. ``meshes`` is as for
     :func:`fragment_info`. Violations are a :class:`DiagnosticError` at ``loc``.
     """
-    devs = _int_list(attr_to_py(devices), f"{what} 'mm.devices'", loc)
+    devs = _int_list(attr_to_py(devices), f"{what} '{DEVICES_ATTR}'", loc)
     if not sdy.TensorShardingAttr.isinstance(sharding):
-        raise DiagnosticError(f"{what} 'mm.sharding' must be a #sdy.sharding, got {sharding}",
+        raise DiagnosticError(f"{what} '{SHARDING_ATTR}' must be a #sdy.sharding, got {sharding}",
                               loc)
     ts = sdy.TensorShardingAttr(sharding)
     mesh = ts.mesh_or_ref
     if isinstance(mesh, ir.FlatSymbolRefAttr):
         name = f"@{mesh.value}"
-        axes = _mesh_axes(meshes, mesh.value, f"{what} 'mm.sharding'", loc)
+        axes = _mesh_axes(meshes, mesh.value, f"{what} '{SHARDING_ATTR}'", loc)
     else:
         name = "its mesh"
         m = sdy.MeshAttr(mesh)
@@ -642,12 +574,12 @@ def check_placement(devices: ir.Attribute, sharding: ir.Attribute, meshes, what:
             axis = sdy.AxisRefAttr(a).name
             if axis not in axes:
                 raise DiagnosticError(
-                    f"{what} 'mm.sharding' uses axis \"{axis}\", which is not an axis of "
+                    f"{what} '{SHARDING_ATTR}' uses axis \"{axis}\", which is not an axis of "
                     f"{name}", loc)
     if prod(axes.values()) != len(devs):
         raise DiagnosticError(
-            f"{what} 'mm.sharding' is on {name} of {prod(axes.values())} devices but "
-            f"'mm.devices' {_fmt(devs)} lists {len(devs)}", loc)
+            f"{what} '{SHARDING_ATTR}' is on {name} of {prod(axes.values())} devices but "
+            f"'{DEVICES_ATTR}' {_fmt(devs)} lists {len(devs)}", loc)
 
 
 def _mesh_axes(meshes, name: str, what: str, loc) -> dict[str, int]:
@@ -662,149 +594,3 @@ def _mesh_axes(meshes, name: str, what: str, loc) -> dict[str, int]:
     return {sdy.MeshAxisAttr(a).name: sdy.MeshAxisAttr(a).size for a in m.axes}
 
 
-# ----------------------------------------------------------------------------- checking
-# On ``attr_to_py`` values; the messages follow mm-verify's (mlir_passes/verify.py).
-
-
-def _fmt(v) -> str:
-    return ta.show(v)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_dict(d, what: str, loc) -> dict:
-    if not isinstance(d, dict):
-        raise DiagnosticError(f"{what} must be a dictionary attribute, got {_fmt(d)}", loc)
-    return d
-
-
-def _list(v, what: str, of: str, loc) -> list:
-    if not isinstance(v, list):
-        raise DiagnosticError(f"{what} must be a list of {of}, got {_fmt(v)}", loc)
-    return v
-
-
-def _int_list(v, what: str, loc) -> list[int]:
-    if not all(_is_int(x) for x in _list(v, what, "integers", loc)):
-        raise DiagnosticError(f"{what} must be a list of integers, got {_fmt(v)}", loc)
-    return v
-
-
-def _str_list(v, what: str, loc) -> list[str]:
-    if not all(isinstance(x, str) for x in _list(v, what, "strings", loc)):
-        raise DiagnosticError(f"{what} must be a list of strings, got {_fmt(v)}", loc)
-    return v
-
-
-def check_keys(d: dict, allowed: tuple[str, ...], what: str, loc) -> None:
-    """Every key of ``d`` is one of ``allowed`` (``mm-verify``'s strict reading)."""
-    for key in d:
-        if key not in allowed:
-            raise DiagnosticError(
-                f"{what} has unknown key '{key}' (expected {', '.join(allowed)})", loc)
-
-
-def _logical_axes(v, what: str, loc) -> tuple[tuple[str, str], ...]:
-    pairs = []
-    for item in _list(v, f"{what} logical_axes", "pairs", loc):
-        if (not isinstance(item, list) or len(item) != 2
-                or not all(isinstance(x, str) for x in item)):
-            raise DiagnosticError(
-                f"{what} logical_axes entries must be [logical, device] string pairs, "
-                f"got {_fmt(item)}", loc)
-        pairs.append((item[0], item[1]))
-    return tuple(pairs)
-
-
-def _split_backprop(v, what: str, loc) -> tuple[str, str] | None:
-    if v is None or v == []:
-        return None
-    if not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, str) and x for x in v):
-        raise DiagnosticError(
-            f"{what} split_backprop must be two non-empty name suffixes, got {_fmt(v)}", loc)
-    return v[0], v[1]
-
-
-def _loop_devices(v, count: int, what: str, loc) -> tuple[tuple[int, ...], ...] | None:
-    if v is None:
-        return None
-    rows = []
-    for row in _list(v, f"{what} loop_devices", "device lists", loc):
-        row = ta.read(row, ta.list_of(ta.POSITION), f"{what} loop_devices entry", loc)
-        if len(row) != count or len(set(row)) != len(row) or min(row) < 0:
-            raise DiagnosticError(
-                f"{what} loop_devices entries must list {count} distinct "
-                f"non-negative device positions (as many as devices), got {_fmt(row)}", loc)
-        rows.append(tuple(row))
-    return tuple(rows) or None
-
-
-def _forward(v, what: str, loc) -> str | None:
-    if v is not None and (not isinstance(v, str) or not v):
-        raise DiagnosticError(f"{what} forward must be a task name, got {_fmt(v)}", loc)
-    return v
-
-
-def check_mesh(devices: list[int], names: list[str], sizes: list[int], what: str,
-               loc) -> None:
-    """The rules of a task mesh (shared by every pass and ``mm-verify``)."""
-    if not devices:
-        raise DiagnosticError(f"{what} devices must not be empty", loc)
-    if (dup := _duplicate(devices)) is not None:
-        raise DiagnosticError(f"{what} devices {_fmt(devices)} list device {dup} twice", loc)
-    ta.read(devices, ta.list_of(ta.POSITION), f"{what} devices", loc)
-    if (dup := _duplicate(names)) is not None:
-        raise DiagnosticError(f"{what} axis_names {_fmt(names)} name axis \"{dup}\" twice", loc)
-    if len(sizes) != len(names):
-        raise DiagnosticError(
-            f"{what} has {len(names)} axis_names {_fmt(names)} but {len(sizes)} "
-            f"axis_sizes {_fmt(sizes)}", loc)
-    if (bad := [s for s in sizes if s <= 0]):
-        raise DiagnosticError(
-            f"{what} axis_sizes {_fmt(sizes)} must be positive, got {bad[0]}", loc)
-    if (bad := [s for s in sizes if s > ta.MAX_DEVICES]):
-        raise DiagnosticError(
-            f"{what} axis_sizes {_fmt(sizes)} must be at most {ta.MAX_DEVICES} (MAX_DEVICES), "
-            f"got {bad[0]}", loc)
-    if prod(sizes) != len(devices):
-        raise DiagnosticError(
-            f"{what} axis_sizes {_fmt(sizes)} multiply to {prod(sizes)} but devices has "
-            f"{len(devices)} entries", loc)
-
-
-def _duplicate(values: list):
-    seen = set()
-    for v in values:
-        if v in seen:
-            return v
-        seen.add(v)
-    return None
-
-
-def _tag_from_dict(d: dict, what: str, loc) -> Tag:
-    for key in ("name", "transpose_count"):
-        if key not in d:
-            raise DiagnosticError(f"{what} is missing '{key}'", loc)
-    name, count, mb = d["name"], d["transpose_count"], d.get("loop", -1)
-    if not isinstance(name, str):
-        raise DiagnosticError(f"{what} name must be a string, got {_fmt(name)}", loc)
-    if not name:
-        raise DiagnosticError(f"{what} name must not be empty", loc)
-    if not _is_int(count):
-        raise DiagnosticError(
-            f"{what} transpose_count must be an integer, got {_fmt(count)}", loc)
-    if count < 0:
-        raise DiagnosticError(f"{what} transpose_count must be >= 0, got {count}", loc)
-    ta.read(count, TRANSPOSE_COUNT, f"{what} transpose_count", loc)
-    if not _is_int(mb) or not -1 <= mb <= MAX_ID:
-        raise DiagnosticError(
-            f"{what} loop must be a microbatch loop id (an integer in 0..{MAX_ID}), got "
-            f"{_fmt(mb)}", loc)
-    return name, count, mb
-
-
-MAX_ID = (1 << 31) - 1
-"""The largest transpose count or loop id (they are written back as 64-bit integers)."""
-TRANSPOSE_COUNT = ta.int_in(0, MAX_ID, ("a transpose count", "transpose counts"))

@@ -49,9 +49,9 @@ class _TopLevel:
     def add(self, op: ir.Operation) -> None:
         if ir.StringAttr(op.attributes["sym_name"]).value == "main":
             self.main = op
-        elif "mm.devices" in op.attributes:
+        elif c.DEVICES_ATTR in op.attributes:
             self.fragment_fn = self.fragment_fn or op
-        elif "mm.task" in op.attributes:  # a leaf task call's body (flat form), or a
+        elif c.TASK_ATTR in op.attributes:  # a leaf task call's body (flat form), or a
             self.leaf_fn = True             # fragment without mm.devices (MPMD form)
         else:
             self.other_fn = True
@@ -66,8 +66,8 @@ def stage_of(module: ir.Module) -> tuple[str | None, ir.Operation | None]:
     top = _TopLevel()
     for view in module.body.operations:
         op = view.operation
-        if op.name == "builtin.module" and ("mm.devices" in op.attributes
-                                            or "mm.task" in op.attributes):
+        if op.name == "builtin.module" and (c.DEVICES_ATTR in op.attributes
+                                            or c.TASK_ATTR in op.attributes):
             return EXTRACTED, op  # a fragment module
         if op.name == "func.func":
             top.add(op)
@@ -90,7 +90,7 @@ def _stage_by_first_call(top: _TopLevel) -> tuple[str, ir.Operation] | None:
     call = _first_call(top.main, fragment=None)
     if call is None:
         return None
-    if "mm.fragment" in call.attributes:  # a call to a malformed fragment: MPMD
+    if c.FRAGMENT_ATTR in call.attributes:  # a call to a malformed fragment: MPMD
         return MPMD, call
     if top.other_fn and not _leaf_call(call):
         return FRONT_END, call
@@ -99,9 +99,9 @@ def _stage_by_first_call(top: _TopLevel) -> tuple[str, ir.Operation] | None:
 
 def _leaf_call(call: ir.Operation) -> bool:
     """A leaf task call of the flat form: tagged ``{name, transpose_count}`` (no mesh)."""
-    if "mm.task" not in call.attributes:
+    if c.TASK_ATTR not in call.attributes:
         return False
-    tag = call.attributes["mm.task"]
+    tag = call.attributes[c.TASK_ATTR]
     return isinstance(tag, ir.DictAttr) and "devices" not in tag
 
 
@@ -117,7 +117,7 @@ def _first_call(main: ir.Operation, *, fragment: bool | None) -> ir.Operation | 
     def cb(op):
         op = op.operation
         if op.name == "func.call" and (
-                fragment is None or ("mm.fragment" in op.attributes) == fragment):
+                fragment is None or (c.FRAGMENT_ATTR in op.attributes) == fragment):
             found.append(op)
             return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE

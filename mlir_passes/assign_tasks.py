@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 from .match_tasks import BACKPROP_MARKER, name_stack

@@ -66,7 +66,7 @@ def _fragment_calls(main: ir.Operation, funcs: dict[str, ir.Operation]) -> list[
     calls = [o.operation for b in blocks for o in b.operations
              if o.operation.name == "func.call"]
     for call in calls:
-        if "mm.fragment" not in call.attributes:
+        if c.FRAGMENT_ATTR not in call.attributes:
             raise DiagnosticError(
                 "call in @main is not a fragment call; run mm-outline-fragments first",
                 call.location)
@@ -85,7 +85,7 @@ def _nest(fn: ir.Operation, info: c.FragmentInfo, meshes: dict[str, ir.Operation
         sub = ir.Operation.create("builtin.module", regions=1)
     sub.regions[0].blocks.append()
     sub.attributes["sym_name"] = ir.StringAttr.get(name)
-    for key in ("mm.devices", "mm.task", "mm.split", c.LOOP_DEVICES_ATTR):
+    for key in (c.DEVICES_ATTR, c.TASK_ATTR, c.SPLIT_ATTR, c.LOOP_DEVICES_ATTR):
         if key in fn.attributes:
             sub.attributes[key] = fn.attributes[key]
     sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, len(info.devices))
@@ -111,7 +111,7 @@ def _to_fragment_call(call: ir.Operation, name: str) -> None:
             call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
             has_side_effect=ir.BoolAttr.get(False),
             api_version=ir.IntegerAttr.get(i32, 1))
-    op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(name)
+    op.operation.attributes[c.FRAGMENT_ATTR] = ir.FlatSymbolRefAttr.get(name)
     for old, new in zip(call.results, op.results):
         old.replace_all_uses_with(new)
     call.erase()
@@ -124,7 +124,7 @@ def _strip(fn: ir.Operation) -> None:
         if len(attrs):
             names = [a if isinstance(a, str) else a.name for a in attrs]
             for n in names:
-                if n.startswith("mm."):
+                if n.startswith(c.PREFIX):
                     del attrs[n]
         return ir.WalkResult.ADVANCE
 

@@ -258,7 +258,7 @@ class _Builder:
             with ir.InsertionPoint(body), call.location:
                 new = func.CallOp(list(ftype.results), ir.FlatSymbolRefAttr.get(
                     c.callee_of(call)), operands).operation
-            new.attributes["mm.fragment"] = ir.UnitAttr.get()
+            new.attributes[c.FRAGMENT_ATTR] = ir.UnitAttr.get()
             new_calls[call] = new
             for r, nr in zip(call.results, new.results):
                 value[r] = nr
@@ -337,12 +337,12 @@ class _Builder:
             init.attributes["res_attrs"] = ir.ArrayAttr.get(attrs)
             tag = _task_of(first)
             init.attributes[c.TASK_ATTR] = c.tag_attr(tag[0], tag[1])
-            for key in ("mm.devices", "mm.mesh"):
+            for key in (c.DEVICES_ATTR, c.MESH_ATTR):
                 init.attributes[key] = first.attributes[key]
             self.funcs[name] = init
             with ir.InsertionPoint(ret), self.main.location:
                 cl = func.CallOp(types, ir.FlatSymbolRefAttr.get(name), [])
-            cl.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+            cl.operation.attributes[c.FRAGMENT_ATTR] = ir.UnitAttr.get()
             for k, r in zip(ks, cl.results):
                 out[k] = r
         return out

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.ir_util import attr_dicts, mesh_ops, set_attr_dicts, update_attr_dicts
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, mpmd, py_to_attr, sdy, stablehlo
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 
@@ -103,7 +103,7 @@ class ImportMpmdPass(ModulePass):
             _Rewriter(_Importer(module, positions, source).check()).rewrite()
 
 
-MESHES_ATTR = "mm.meshes"
+MESHES_ATTR = c.MESHES_ATTR
 """Module attribute ``{m1 = [0, 1, 2, 3], ...}``: the mesh map when the option is not given
 (``compile_mpmd`` sets it, so a failing module saved for a repro replays as is)."""
 
@@ -661,8 +661,8 @@ class _Rewriter:
             sub = ir.Operation.create("builtin.module", regions=1)
         sub.regions[0].blocks.append()
         sub.attributes["sym_name"] = ir.StringAttr.get(sub_name)
-        sub.attributes["mm.devices"] = devices
-        sub.attributes["mm.task"] = c.tag_attr(*tag)
+        sub.attributes[c.DEVICES_ATTR] = devices
+        sub.attributes[c.TASK_ATTR] = c.tag_attr(*tag)
         sub.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
             i32, len(self.positions[mesh]))
         sub.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
@@ -684,8 +684,8 @@ class _Rewriter:
         changes = {}
         for a, mt in zip(block.arguments, self.arg_types):
             changes[a.arg_number] = {
-                "mm.devices": devices[mt.mesh],
-                "mm.sharding": _on_mesh(mt.sharding, mesh_sym[mt.mesh], _rank(mt.tensor))}
+                c.DEVICES_ATTR: devices[mt.mesh],
+                c.SHARDING_ATTR: _on_mesh(mt.sharding, mesh_sym[mt.mesh], _rank(mt.tensor))}
             a.set_type(mt.tensor)
         for call in self.calls:
             self._rewrite_call(call, modules)
@@ -707,7 +707,7 @@ class _Rewriter:
                 call_target_name=ir.StringAttr.get(c.FRAGMENT_CALL_TARGET),
                 has_side_effect=ir.BoolAttr.get(False),
                 api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-        op.operation.attributes["mm.fragment"] = ir.FlatSymbolRefAttr.get(modules[(name, mesh)])
+        op.operation.attributes[c.FRAGMENT_ATTR] = ir.FlatSymbolRefAttr.get(modules[(name, mesh)])
         for old, new in zip(call.results, op.results):
             old.replace_all_uses_with(new)
         call.erase()
@@ -721,8 +721,8 @@ class _Rewriter:
                 call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
                 has_side_effect=ir.BoolAttr.get(False),
                 api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-        op.operation.attributes["mm.devices"] = devices[dst.mesh]
-        op.operation.attributes["mm.sharding"] = _on_mesh(
+        op.operation.attributes[c.DEVICES_ATTR] = devices[dst.mesh]
+        op.operation.attributes[c.SHARDING_ATTR] = _on_mesh(
             dst.sharding, mesh_sym[dst.mesh], _rank(dst.tensor))
         t.results[0].replace_all_uses_with(op.results[0])
         t.erase()
@@ -744,9 +744,9 @@ class _Rewriter:
         if MESHES_ATTR in attrs:  # now spelled out as mm.devices everywhere
             del attrs[MESHES_ATTR]
         attrs[c.TASKS_ATTR] = py_to_attr({k: tasks[k] for k in sorted(tasks)})
-        if "mm.num_devices" not in attrs:
+        if c.NUM_DEVICES_ATTR not in attrs:
             top = max(p for ps in self.positions.values() for p in ps)
-            attrs["mm.num_devices"] = py_to_attr(top + 1)
+            attrs[c.NUM_DEVICES_ATTR] = py_to_attr(top + 1)
 
 
 def _example(shapes: dict[str, ir.Attribute]) -> str:

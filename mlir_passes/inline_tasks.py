@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import custom_call_target, select_attr_entries
 from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 

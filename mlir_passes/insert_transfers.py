@@ -44,10 +44,10 @@ class InsertTransfersPass(ModulePass):
             block = c.entry_block(main)
             where: dict[ir.Value, tuple] = {}
             for a, d in zip(block.arguments, attr_entries(main, "arg_attrs")):
-                if "mm.sharding" in d and "mm.devices" in d:
-                    c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
+                if c.SHARDING_ATTR in d and c.DEVICES_ATTR in d:
+                    c.check_placement(d[c.DEVICES_ATTR], d[c.SHARDING_ATTR], meshes,
                                       f"@main argument #{a.arg_number}", main.location)
-                    where[a] = _layout(d["mm.devices"], d["mm.sharding"], meshes)
+                    where[a] = _layout(d[c.DEVICES_ATTR], d[c.SHARDING_ATTR], meshes)
             edges = _Edges(funcs, meshes)
             for op in [o.operation for o in block.operations]:
                 if op.name == "func.call":
@@ -121,8 +121,8 @@ def _transfer(v: ir.Value, block: ir.Block | None, loc, sh, devs, ip=None) -> ir
             [v.type], [v], call_target_name=ir.StringAttr.get(c.TRANSFER_TARGET),
             has_side_effect=ir.BoolAttr.get(False),
             api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
-    op.operation.attributes["mm.devices"] = devs
-    op.operation.attributes["mm.sharding"] = sh
+    op.operation.attributes[c.DEVICES_ATTR] = devs
+    op.operation.attributes[c.SHARDING_ATTR] = sh
     return op.results[0]
 
 
@@ -201,7 +201,7 @@ def _add_loop_operands(loop: ir.Operation, extra, body_fn) -> ir.Operation:
             call_target_name=ir.StringAttr.get(c.LOOP_TARGET),
             has_side_effect=ir.BoolAttr.get(False),
             api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)).operation
-    for name in (c.BODY_ATTR, c.NUM_MICROBATCHES_ATTR, "mm.schedule"):
+    for name in (c.BODY_ATTR, c.NUM_MICROBATCHES_ATTR, c.SCHEDULE_ATTR):
         if name in loop.attributes:
             new.attributes[name] = loop.attributes[name]
     for old, r in zip(loop.results, new.results):

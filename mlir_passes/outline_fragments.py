@@ -374,7 +374,7 @@ def _emit_calls(ret: ir.Operation, locations: list, names: list[str],
         with ir.InsertionPoint(ret), locations[f]:
             call = func.CallOp([v.type for v in outs[f]], ir.FlatSymbolRefAttr.get(name),
                                inputs)
-        call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+        call.operation.attributes[c.FRAGMENT_ATTR] = ir.UnitAttr.get()
         for v, r in zip(outs[f], call.results):
             avail[v] = r
     return avail
@@ -420,10 +420,10 @@ def _fragment_func(module, main, name: str, key: c.Tag, task: c.TaskMeshInfo, me
         body = fn.add_entry_block()  # type: ignore[attr-defined]  # (the same subclass)
     attrs = fn.operation.attributes
     attrs[c.TASK_ATTR] = c.tag_attr(*key)
-    attrs["mm.devices"] = py_to_attr(list(task.devices))
+    attrs[c.DEVICES_ATTR] = py_to_attr(list(task.devices))
     if task.loop_devices and key[2] >= 0:
         attrs[c.LOOP_DEVICES_ATTR] = py_to_attr([list(d) for d in task.loop_devices])
-    attrs["mm.mesh"] = ir.FlatSymbolRefAttr.get(mesh)
+    attrs[c.MESH_ATTR] = ir.FlatSymbolRefAttr.get(mesh)
     return body
 
 

@@ -114,8 +114,8 @@ class _Propagation:
 
     def _place_main_args(self) -> None:
         """Each unpinned ``@main`` argument goes where its first consumer wants it."""
-        changes = {a.arg_number: {"mm.sharding": self.layout[a][1],
-                                  "mm.devices": self.layout[a][2]}
+        changes = {a.arg_number: {c.SHARDING_ATTR: self.layout[a][1],
+                                  c.DEVICES_ATTR: self.layout[a][2]}
                    for a in c.entry_block(self.main).arguments
                    if a in self.layout and a not in self.pinned}
         update_attr_dicts(self.main, "arg_attrs", changes)
@@ -129,18 +129,18 @@ def _pinned_args(main, meshes) -> dict[ir.Value, _Pin]:
     """``@main`` arguments with a caller-given layout."""
     out: dict[ir.Value, _Pin] = {}
     for a, d in zip(c.entry_block(main).arguments, attr_entries(main, "arg_attrs")):
-        if "mm.sharding" not in d or "mm.devices" not in d:
+        if c.SHARDING_ATTR not in d or c.DEVICES_ATTR not in d:
             continue
-        c.check_placement(d["mm.devices"], d["mm.sharding"], meshes,
+        c.check_placement(d[c.DEVICES_ATTR], d[c.SHARDING_ATTR], meshes,
                           f"@main argument #{a.arg_number}", main.location)
-        ts = sdy.TensorShardingAttr(d["mm.sharding"])
+        ts = sdy.TensorShardingAttr(d[c.SHARDING_ATTR])
         mesh = ts.mesh_or_ref
         mesh = sdy.MeshAttr(meshes[mesh.value] if isinstance(mesh, ir.FlatSymbolRefAttr)
                             else mesh)
         dims = tuple(tuple(sdy.AxisRefAttr(x).name
                            for x in sdy.DimensionShardingAttr(dim).axes)
                      for dim in ts.dimension_shardings)
-        out[a] = (tuple(attr_to_py(d["mm.devices"])),
+        out[a] = (tuple(attr_to_py(d[c.DEVICES_ATTR])),
                   tuple(sdy.MeshAxisAttr(x).name for x in mesh.axes),
                   tuple(sdy.MeshAxisAttr(x).size for x in mesh.axes), dims)
     return out

@@ -21,7 +21,7 @@ from .logical_axes import resolve_logical_spec
 
 __all__ = ["ResolveLogicalShardingsPass", "mesh_symbol_names", "MARKER_TARGET"]
 
-MARKER_TARGET = "mm.logical_sharding"
+MARKER_TARGET = c.LOGICAL_TARGET
 
 _INVALID = re.compile(r"[^A-Za-z0-9_]")
 
@@ -73,8 +73,8 @@ def _task_name_of(op: ir.Operation) -> str | None:
     """The marker's own ``mm.task`` name, else the nearest enclosing op's."""
     cur: ir.Operation | None = op
     while cur is not None:
-        if "mm.task" in cur.attributes:
-            tag = attr_to_py(cur.attributes["mm.task"])
+        if c.TASK_ATTR in cur.attributes:
+            tag = attr_to_py(cur.attributes[c.TASK_ATTR])
             if isinstance(tag, dict) and isinstance(tag.get("name"), str):
                 return tag["name"]
             raise DiagnosticError(
@@ -114,13 +114,13 @@ def _is_marker(op: ir.Operation) -> bool:
 
 
 def _marker_axes(op: ir.Operation) -> list[list[str]]:
-    if "mm.axes" not in op.attributes:
+    if c.AXES_ATTR not in op.attributes:
         raise DiagnosticError("logical sharding marker has no mm.axes attribute", op.location)
-    axes = attr_to_py(op.attributes["mm.axes"])
+    axes = attr_to_py(op.attributes[c.AXES_ATTR])
     if not (isinstance(axes, list)
             and all(isinstance(a, list) and all(isinstance(n, str) for n in a) for a in axes)):
         raise DiagnosticError(
-            "mm.axes must be a list with one list of logical axis names per dimension",
+            f"{c.AXES_ATTR} must be a list with one list of logical axis names per dimension",
             op.location)
     return axes
 
@@ -376,7 +376,7 @@ def _to_constraint(op: ir.Operation, mesh_sym: str, spec: _Spec) -> None:
     sharding = sdy.TensorShardingAttr.get(mesh_sym, dims)
     new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
                                    loc=op.location, ip=ir.InsertionPoint(op))
-    if "mm.task" in op.attributes:
-        new.operation.attributes["mm.task"] = op.attributes["mm.task"]
+    if c.TASK_ATTR in op.attributes:
+        new.operation.attributes[c.TASK_ATTR] = op.attributes[c.TASK_ATTR]
     op.results[0].replace_all_uses_with(new.result)
     op.erase()

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir
 from multimesh.schedules import (
@@ -18,15 +19,14 @@ from multimesh.schedules import (
     units_from_calls,
 )
 
-from . import _attrs as ta
 from . import _contract as c
 from .base import ModulePass
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
            "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]
 
-SCHEDULE_ATTR = "mm.schedule"
-CONFIG_ATTR = "mm.schedule_config"
+SCHEDULE_ATTR = c.SCHEDULE_ATTR
+CONFIG_ATTR = c.SCHEDULE_CONFIG_ATTR
 _COUNT = ta.int_in(1, ta.MAX_MICROBATCHES)
 _ENTRY = ta.Spec('a task name or a [microbatch, "name"] pair',
                 lambda v: (isinstance(v, str) and bool(v)) or (
@@ -37,7 +37,7 @@ _ROWS = ta.list_of(ta.list_of(_ENTRY))
 CONFIG_SPEC = ta.dict_of(schedule=ta.NAME, num_stages=_COUNT, interleave=_COUNT,
                         custom_schedule=_ROWS, unrolling=_COUNT)
 """``mm.schedule_config``: every key optional (docs/ir.md)."""
-SPLIT_ATTR = "mm.split"
+SPLIT_ATTR = c.SPLIT_ATTR
 _SPLITS = ("activation", "weight")
 
 
@@ -271,7 +271,7 @@ def _callee(op: ir.Operation) -> str | None:
     if op.name == "func.call":
         return c.callee_of(op)
     if c.is_custom_call(op, c.FRAGMENT_CALL_TARGET):
-        return ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
+        return ir.FlatSymbolRefAttr(op.attributes[c.FRAGMENT_ATTR]).value
     return None
 
 
@@ -372,7 +372,7 @@ def _fragment_tag(module: ir.Module, op: ir.Operation, name: str
     if holder is None:
         raise DiagnosticError(f"fragment call to unknown fragment @{name}", op.location)
     tag = c.tag_of(holder)
-    if tag is None or "mm.devices" not in holder.attributes:
+    if tag is None or c.DEVICES_ATTR not in holder.attributes:
         raise DiagnosticError(f"fragment @{name} needs 'mm.task' (name, transpose_count) "
                               f"and 'mm.devices'", op.location)
     split = None

@@ -133,12 +133,12 @@ def _split(call: ir.Operation, fn: ir.Operation, act_outputs: list[int],
     a_args = [call.operands[i] for i in a_fn[1]]
     with ir.InsertionPoint(call), call.location:
         a_call = func.CallOp(a_fn[2], ir.FlatSymbolRefAttr.get(a_name), a_args)
-    a_call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+    a_call.operation.attributes[c.FRAGMENT_ATTR] = ir.UnitAttr.get()
     cross_vals = list(a_call.results)[len(act_outputs):]
     w_args = [call.operands[i] for i in w_fn[1]] + cross_vals
     with ir.InsertionPoint(call), call.location:
         w_call = func.CallOp(w_fn[2], ir.FlatSymbolRefAttr.get(w_name), w_args)
-    w_call.operation.attributes["mm.fragment"] = ir.UnitAttr.get()
+    w_call.operation.attributes[c.FRAGMENT_ATTR] = ir.UnitAttr.get()
     for k, j in enumerate(act_outputs):
         call.results[j].replace_all_uses_with(a_call.results[k])
     for k, j in enumerate(weight_outputs):
@@ -182,7 +182,7 @@ def _make_half(fn, name, *, keep, outputs, split, crossing=()):
     """Clone ``fn`` keeping ops ``keep``; returns (func, used original arg indices, result types)."""
     clone = fn.clone(ip=ir.InsertionPoint(fn))
     clone.attributes["sym_name"] = ir.StringAttr.get(name)
-    clone.attributes["mm.split"] = ir.StringAttr.get(split)
+    clone.attributes[c.SPLIT_ATTR] = ir.StringAttr.get(split)
     body = c.entry_block(clone)
     ops = [o.operation for o in body.operations]
     ret, ops = ops[-1], ops[:-1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_contract import LOGICAL_TARGET, PREFIX, TRANSFER_TARGET
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import ir
 
@@ -18,7 +19,7 @@ from .base import ModulePass
 
 __all__ = ["StripMarkersPass"]
 
-_MARKERS = ("mm.logical_sharding", "mm.transfer")
+_MARKERS = (LOGICAL_TARGET, TRANSFER_TARGET)
 _ARG_ATTR_NAMES = ("arg_attrs", "res_attrs")
 
 
@@ -71,7 +72,7 @@ class StripMarkersPass(ModulePass):
 def _strip_attrs(op: ir.Operation) -> None:
     names = [op.attributes[i].name for i in range(len(op.attributes))]
     for name in names:
-        if name.startswith("mm."):
+        if name.startswith(PREFIX):
             del op.attributes[name]
     for name in _ARG_ATTR_NAMES:
         if name in op.attributes:
@@ -91,7 +92,7 @@ def _strip_arg_attrs(a: ir.Attribute) -> ir.Attribute | None:
             out.append(d)
             continue
         dd = ir.DictAttr(d)
-        kept = {dd[i].name: dd[i].attr for i in range(len(dd)) if not dd[i].name.startswith("mm.")}
+        kept = {dd[i].name: dd[i].attr for i in range(len(dd)) if not dd[i].name.startswith(PREFIX)}
         changed |= len(kept) != len(dd)
         out.append(ir.DictAttr.get(kept))
     return ir.ArrayAttr.get(out) if changed else None

@@ -44,6 +44,7 @@ from multimesh.jax.errors import (
     DiagnosticError,
     DiagnosticWarning,
     DonationError,
+    IRContractError,
     LogicalShardingError,  # noqa: F401  (documented class; resolved in passes)
     MeshError,
     MultimeshAttributeError,
@@ -52,7 +53,7 @@ from multimesh.jax.errors import (
     MultimeshValueError,
     MultimeshWarning,
     PassFailure,
-    PipelineError,  # noqa: F401
+    PipelineError,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -716,6 +717,18 @@ def _():
         mm.mjit(grad_fn).lower(ws, x).compile()
     finally:
         del os.environ["MULTIMESH_COMPILE_THREADS"]
+
+@error("pipeline-options-invalid", API, "`multimesh.passes.PipelineOptions` given a bad value",
+       PipelineError,
+       r"PipelineOptions.split_backward must be a SplitBackward \(NONE, FLAGGED, ALL\), "
+       r"got 'all'",
+       "The pass door's options are typed: a device count, `SplitBackward` members, "
+       "tuples of task names and `Rule` values. Use the enum, not its text.")
+def _():
+    from multimesh.passes import PipelineOptions
+
+    PipelineOptions(8, split_backward="all")
+
 
 # =========================================================================== bad meshes
 
@@ -2328,6 +2341,24 @@ def _():
 def _():
     mm.compile_mpmd("module {\n" + partitioned_identity() + "module {\n}\n}\n",
                     {"m1": range(4)})
+
+
+@error("mpmd-module-breaks-contract", SHARDY,
+       "The runtime given an MPMD module without an attribute it needs",
+       IRContractError,
+       r"The 'mm.fragment_call' has no 'mm.fragment' attribute; in MPMD form every one "
+       r"carries it \(docs/ir.md, section 4\)",
+       "The runtime (`build_plan`, `compile_mpmd`) reads the MPMD form's `mm.*` attributes "
+       "checked, by the names of docs/ir.md: a module edited by hand or cut short of "
+       "`mm-extract-fragments` may lack one. Run the whole pipeline, or add the attribute.")
+def _():
+    from multimesh.runtime import build_plan
+
+    build_plan('module attributes {mm.num_devices = 1 : i64} {\n'
+               '  func.func @main(%x: tensor<2xf32>) -> tensor<2xf32> {\n'
+               '    %y = stablehlo.custom_call @mm.fragment_call(%x) : '
+               '(tensor<2xf32>) -> tensor<2xf32>\n'
+               '    return %y : tensor<2xf32>\n  }\n}')
 
 
 # =========================================================================== multi-process

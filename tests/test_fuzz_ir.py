@@ -60,9 +60,9 @@ _RUN_P = re.compile(r"-p\s+'([^']*)'")
 
 def full_pipeline() -> str:
     try:
-        from multimesh.jax._pipeline import build_pipeline
+        from multimesh.passes import PipelineOptions, build_pipeline
 
-        return str(build_pipeline(8))
+        return str(build_pipeline(PipelineOptions(8)))
     except Exception:  # pragma: no cover - front end mid-edit
         return ("builtin.module(mm-import-gspmd,mm-inline-tasks,mm-assign-tasks{num-devices=8},"
                 "mm-resolve-logical-shardings,mm-outline-fragments,mm-propagate-shardings)")

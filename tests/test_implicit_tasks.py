@@ -543,7 +543,7 @@ def test_mjit_recompiles_when_registrations_change():
 def test_ignore_transforms_turns_matching_off():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     with mm.ignore_transforms():
-        assert _implicit_tasks.implicit_tasks_pass("module {}") is None
+        assert _implicit_tasks.implicit_task_rules("module {}") is None
 
 
 # --------------------------------------------------------------------------- MultiMesh

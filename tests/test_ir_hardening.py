@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multimesh.passes import _attrs
 
 import multimesh.jax as mm
+from multimesh._src import ir_attrs as _attrs
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.mlir import make_context, module_bytecode, parse_module, print_module
 from multimesh.runtime import build_plan

@@ -261,3 +261,18 @@ def test_the_cycle_check_finds_a_hidden_cycle(tmp_path):
     assert set(graph["pkg"]) == {"pkg.a", "pkg.d"} and set(graph["pkg.e"]) == {"pkg.a"}
     assert sorted(import_cycles(graph)) == [["pkg", "pkg.d", "pkg.c", "pkg"],
                                             ["pkg.a", "pkg.b", "pkg.a"]]
+
+
+DOOR = "multimesh.passes.api"
+
+
+@pytest.mark.parametrize("name,path", [m for m in MODULES if m[0].startswith("multimesh.jax")],
+                         ids=[m for m, _ in MODULES if m.startswith("multimesh.jax")])
+def test_the_front_end_enters_the_passes_by_their_door(name, path):
+    """``multimesh.jax`` imports the pass layer only through ``multimesh.passes.api``
+    (typed :class:`PipelineOptions` in, passes out), at any depth of its code."""
+    for imported, line in _imports(path, name):
+        if imported == "multimesh.passes" or imported.startswith("multimesh.passes."):
+            assert imported == DOOR, (
+                f"{path.relative_to(ROOT)}:{line} imports {imported}; the front end uses "
+                f"{DOOR} (add what it needs there)")

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh._src.ir_contract import CALLBACK_KEY, MICROBATCH_ATTR, TASK_ATTR
 from multimesh._src.ir_util import (
     attr_dicts,
     custom_call_target,
@@ -49,7 +50,7 @@ _LOCK = threading.Lock()
 _NUMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # callable -> number
 _BY_NUMBER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # number -> callable
 _NEXT = itertools.count(1)
-_KEY = "mm.callback"  # our number, beside jax's index, in ``mhlo.backend_config``
+_KEY = CALLBACK_KEY  # our number, beside jax's index, in ``mhlo.backend_config``
 
 
 def _number(cb: Callable) -> int:
@@ -238,7 +239,7 @@ def _split_funcs(module: ir.Module) -> list[ir.Operation]:
         calls = _call_ops(fn)
         callees[name] = {ir.FlatSymbolRefAttr(c.attributes["callee"]).value for c in calls}
         split |= {ir.FlatSymbolRefAttr(c.attributes["callee"]).value for c in calls
-                  if "mm.task" in c.attributes or "mm.microbatch" in c.attributes}
+                  if TASK_ATTR in c.attributes or MICROBATCH_ATTR in c.attributes}
     grown = True
     while grown:
         more = {n for n, cs in callees.items() if cs & split} - split

@@ -50,6 +50,11 @@ class DiagnosticError(MultimeshValueError):
         self.notes = tuple(notes)
 
 
+class IRContractError(DiagnosticError):
+    """A module given to the runtime does not follow the IR contract (docs/ir.md): an
+    ``mm.*`` attribute it needs is missing or of the wrong type."""
+
+
 class SourceError(DiagnosticError):
     """A program that is not handed to MLIR's parser; ``line``/``col`` (1-based) say
     where, or are None for bytecode, which has no lines."""

@@ -4,7 +4,7 @@ MLIR's parser, verifier, printer and walks recurse once per nesting level; on th
 thread's 8 MiB stack a module nested ~5,000 deep crashes the process. ``mm-opt`` and
 ``compile_mpmd`` therefore run deeply nested inputs on a thread whose stack is
 :data:`STACK_BYTES` (reserved, not committed), and refuse inputs deeper than
-``multimesh.passes._attrs.MAX_NESTING``.
+``multimesh._src.ir_attrs.MAX_NESTING``.
 """
 
 from __future__ import annotations

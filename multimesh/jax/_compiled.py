@@ -102,7 +102,7 @@ class MpmdCompiled:
     @property
     def schedule(self):
         """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
-        from multimesh.passes.schedule_fragments import read_schedule
+        from multimesh.passes.api import read_schedule
 
         if self._recovered_schedule is not None:  # imported: see _imported_schedule
             return self._recovered_schedule

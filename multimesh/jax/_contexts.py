@@ -10,8 +10,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from multimesh._src import jax_compat
+
+if TYPE_CHECKING:
+    from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
            "context", "state", "program_devices", "push", "pop", "compile_state",
@@ -27,7 +31,7 @@ class _State(threading.local):
         self.program_devices = None  # tuple of jax.Device while mjit traces
         self.remat = None  # microbatch(..., remat=): tasks' default while its body is traced
         self.microbatch_loop = None  # number of microbatches while a loop body is traced
-        self.trace_notes = None  # dict filled while mjit traces (e.g. schedule config)
+        self.trace_notes: TraceNotes | None = None  # filled while mjit traces
         self.internal_trace = False  # multimesh traces tasks outside mjit on purpose
         self.overrides: list[list] = []  # [token, name, value to restore], oldest first
 
@@ -155,6 +159,6 @@ def traced_by_multimesh() -> bool:
     return state.program_devices is not None or state.internal_trace
 
 
-def notes(d: dict):
+def notes(d: TraceNotes):
     """Collects facts the front end learns while tracing (e.g. the microbatch schedule)."""
     return _set("trace_notes", d)

@@ -21,22 +21,24 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
 from multimesh.jax import _contexts
 from multimesh.jax._call_checks import check_call
 from multimesh.jax._compiled import MemoryAnalysis, MpmdCompiled, missing_attribute
+from multimesh.jax._trace_notes import TraceNotes
 from multimesh.runtime.steps import layout_sharding
 
 __all__ = ["eligible", "FastPath", "FastCompiled"]
 
-_TASK_CALL = re.compile(r"\bmm\.task = \{")
-_MARKER = re.compile(r"@mm\.logical_sharding\b")
+_TASK_CALL = re.compile(rf"\b{re.escape(TASK_ATTR)} = \{{")
+_MARKER = re.compile(rf"@{re.escape(LOGICAL_TARGET)}\b")
 
 
-def eligible(program, implicit, notes: dict, pins: dict, num_devices: int) -> bool:
+def eligible(program, implicit, notes: TraceNotes, pins: dict, num_devices: int) -> bool:
     """Whether the lowered program (its text, or the parsed module: then it is walked,
     not printed; inputs already pinned) is one plain SPMD computation that ``jax.jit``
     can compile as is."""
-    if not _contexts.state.fast_path or implicit or notes.get("microbatch") is not None:
+    if not _contexts.state.fast_path or implicit or notes.microbatch is not None:
         return False
     if isinstance(program, str):
         if _TASK_CALL.search(program) or _MARKER.search(program):
@@ -57,8 +59,8 @@ def _has_task_or_marker(module) -> bool:
 
     def cb(op):
         attrs = op.attributes
-        if len(attrs) and ("mm.task" in attrs
-                           or custom_call_target(op) == "mm.logical_sharding"):
+        if len(attrs) and (TASK_ATTR in attrs
+                           or custom_call_target(op) == LOGICAL_TARGET):
             found.append(op)
             return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE

@@ -1,4 +1,4 @@
-"""Registered tasks at compile time: ``implicit_tasks_pass``.
+"""Registered tasks at compile time: ``implicit_task_rules``.
 
 When :func:`multimesh.jax.mjit` compiles a program it asks this module for the
 active rules: the lowered module is scanned for matches, callbacks are called once
@@ -24,7 +24,7 @@ from multimesh.jax._registrations import (
     user_level,
 )
 
-__all__ = ["implicit_tasks_pass"]
+__all__ = ["implicit_task_rules"]
 
 
 def _warn_unmatched(regs: list[Registration], hits, stacks: set[str]) -> None:
@@ -88,8 +88,8 @@ def _direction(backprop: bool) -> str:
     return "backward" if backprop else "forward"
 
 
-def implicit_tasks_pass(program):
-    """The ``mm-match-tasks`` pass for the lowered program, with its rules in memory, or None.
+def implicit_task_rules(program):
+    """The rules of ``mm-match-tasks`` for the lowered program (in memory), or None.
 
     ``program`` is the parsed module (``mjit.lower`` parses once and shares it) or
     its text. Must run while the program's device list is set (``mjit.lower``): task
@@ -100,8 +100,7 @@ def implicit_tasks_pass(program):
         return None
     from multimesh._src.mlir import make_context, parse_module
     from multimesh.jax._task import loop_placement, resolve_task_info
-    from multimesh.passes import _contract
-    from multimesh.passes.match_tasks import MatchTasksPass, Rule, RuleTask, find_matches
+    from multimesh.passes.api import Rule, RuleTask, find_matches
 
     module = parse_module(program, make_context()) if isinstance(program, str) else program
     stacks: set[str] = set()
@@ -140,16 +139,11 @@ def implicit_tasks_pass(program):
                     f"task name.")
         else:
             seen[name] = (info, what)
-        mesh = _contract.TaskMeshInfo(
-            tuple(info.devices), tuple(info.axis_names), tuple(info.axis_sizes),
-            tuple(tuple(p) for p in info.logical_axes),
-            tuple(info.split_backprop) if info.split_backprop else None,
-            tuple(tuple(d) for d in info.loop_devices) if info.loop_devices else None)
+        mesh = info.mesh()
         entries.setdefault(hit.matcher_index, []).append(
             ((hit.name, hit.backprop), RuleTask(name, mesh)))
-    return MatchTasksPass(rule_table=tuple(
-        Rule(regs[i].regex.pattern, regs[i].regex, None, tuple(entries[i]))
-        for i in sorted(entries)))
+    return tuple(Rule(regs[i].regex.pattern, regs[i].regex, None, tuple(entries[i]))
+                 for i in sorted(entries))
 
 
 def _note_remat(spec, name: str, reg: Registration, hit) -> None:
@@ -158,7 +152,7 @@ def _note_remat(spec, name: str, reg: Registration, hit) -> None:
     notes = _contexts.state.trace_notes
     if notes is None:
         return
-    remat = spec.remat if spec.remat is not None else notes.get("remat")
+    remat = spec.remat if spec.remat is not None else notes.remat
     if remat is None or remat is False:
         return
     if remat is not True:
@@ -168,7 +162,7 @@ def _note_remat(spec, name: str, reg: Registration, hit) -> None:
             f"can only be recomputed whole: `remat` must be True or False for it, got the "
             f"checkpoint policy {_policy_name(remat)}. Wrap the stage in `task(..., remat=policy)` to "
             f"recompute it under a jax checkpoint policy.")
-    notes.setdefault("remat_tasks", set()).add(name)
+    notes.remat_tasks.add(name)
 
 
 def _policy_name(policy) -> str:
@@ -186,9 +180,9 @@ def _policy_name(policy) -> str:
 
 def _num_microbatches() -> int | None:
     """The program's microbatch count, once its microbatch loop has been traced."""
-    notes = _contexts.state.trace_notes or {}
-    cfg = notes.get("microbatch")
-    return cfg["num_microbatches"] if cfg else None
+    notes = _contexts.state.trace_notes
+    cfg = notes.microbatch if notes is not None else None
+    return cfg.num_microbatches if cfg else None
 
 
 def _axes(info) -> str:

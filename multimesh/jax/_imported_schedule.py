@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 
 from multimesh._src.errors import MultimeshWarning
-from multimesh.passes.schedule_fragments import schedule_from_order
+from multimesh.passes.api import schedule_from_order
 from multimesh.runtime.plan import Call, Plan
 from multimesh.schedules import Call as UnitCall
 from multimesh.schedules import Schedule, units_from_calls

@@ -29,6 +29,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from multimesh._src.errors import MeshError
+from multimesh._src.ir_contract import DEVICES_ATTR, LOGICAL_TARGET, SHARDING_ATTR
 from multimesh._src.ir_util import custom_call_target, update_attr_dicts
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._task import logical_axes_of  # per-dim names; here mesh axis names
@@ -173,8 +174,8 @@ def pin_module(text: str | ir.Module, pins: dict[int, Layout], drop: Set[int],
         pins = {i: lay for i, lay in pins.items() if i not in soft or i not in constrained}
         i64 = ir.IntegerType.get_signless(64)
         update_attr_dicts(main, "arg_attrs", {i: {
-            "mm.sharding": _sharding_attr(pin),
-            "mm.devices": ir.ArrayAttr.get([ir.IntegerAttr.get(i64, p) for p in pin[0]]),
+            SHARDING_ATTR: _sharding_attr(pin),
+            DEVICES_ATTR: ir.ArrayAttr.get([ir.IntegerAttr.get(i64, p) for p in pin[0]]),
         } for i, pin in pins.items()})
         for op in _markers(block):
             if len(op.operands) == 1 and op.operands[0] in args \
@@ -189,7 +190,7 @@ def _markers(block) -> list:
     out = []
     for op in block.operations:
         op = op.operation
-        if custom_call_target(op) == "mm.logical_sharding":
+        if custom_call_target(op) == LOGICAL_TARGET:
             out.append(op)
     return out
 

@@ -10,12 +10,19 @@ import jax
 from jax.sharding import NamedSharding
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh._src.ir_contract import (
+    DEFAULT_TASK,
+    NUM_DEVICES_ATTR,
+    SCHEDULE_CONFIG_ATTR,
+    TASKS_ATTR,
+    TaskMesh,
+)
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax import _fast_path
 from multimesh.jax._call_checks import check_unsupported
 from multimesh.jax._compiled import MpmdCompiled, drop_unused, missing_attribute
 from multimesh.jax._pipeline_runner import run_pipeline
-from multimesh.passes.pipeline import Pipeline
+from multimesh.passes.api import Pipeline
 
 __all__ = ["MpmdLowered"]
 
@@ -135,15 +142,14 @@ def _annotate(module: ir.Module, schedule_config, num_devices: int,
         if schedule_config:
             from multimesh._src.mlir import py_to_attr
 
-            module.operation.attributes["mm.schedule_config"] = py_to_attr(schedule_config)
-        module.operation.attributes["mm.num_devices"] = _i64(module, num_devices)
+            module.operation.attributes[SCHEDULE_CONFIG_ATTR] = py_to_attr(schedule_config)
+        module.operation.attributes[NUM_DEVICES_ATTR] = _i64(module, num_devices)
         if default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
             from multimesh._src.mlir import py_to_attr
 
             names, sizes = default_mesh
-            module.operation.attributes["mm.tasks"] = py_to_attr({"mm.default": {
-                "devices": list(range(num_devices)), "axis_names": list(names),
-                "axis_sizes": list(sizes), "logical_axes": []}})
+            mesh = TaskMesh(tuple(range(num_devices)), tuple(names), tuple(sizes), ())
+            module.operation.attributes[TASKS_ATTR] = py_to_attr({DEFAULT_TASK: mesh.to_dict()})
 
 
 def _i64(module, n):

@@ -39,6 +39,7 @@ from multimesh._src.errors import (
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
 from multimesh.jax._task import check_remat, with_sharding_constraint
+from multimesh.jax._trace_notes import MicrobatchNote
 from multimesh.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -131,7 +132,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
         # registered tasks read it from the notes when they are matched
         notes = _contexts.state.trace_notes
         if notes is not None and remat is not None:
-            notes["remat"] = remat
+            notes.remat = remat
         token = _contexts.push("remat", _contexts.state.remat if remat is None else remat)
         try:
             return run(*args, **kwargs)
@@ -291,14 +292,13 @@ def _note_loop(name, n, num_stages, interleave, unrolling, custom) -> None:
     notes = st.trace_notes
     if notes is None:
         return
-    cfg = {"schedule": name or "gpipe", "num_microbatches": n, "num_stages": num_stages,
-           "interleave": interleave, "unrolling": unrolling, "custom": custom,
-           "requested": name is not None}
-    if notes.get("microbatch") is not None:
+    cfg = MicrobatchNote(name or "gpipe", n, num_stages, interleave, unrolling, custom,
+                         requested=name is not None)
+    if notes.microbatch is not None:
         raise MultimeshValueError(
             "A program may contain one microbatch loop, but this one calls a second "
             "`microbatch` function. Microbatch one function that does all of the work.")
-    notes["microbatch"] = cfg
+    notes.microbatch = cfg
 
 
 def _is_operand(x) -> bool:

@@ -24,6 +24,7 @@ from multimesh.jax._call_checks import abstract_value, check_distinct_devices, c
 from multimesh.jax._jit_options import ArgOptions, Bound, resolve_options
 from multimesh.jax._module_names import module_names
 from multimesh.jax._task import jax_constraint_hint, with_sharding_constraint
+from multimesh.jax._trace_notes import TraceNotes
 from multimesh.jax._traced import MpmdTraced
 
 __all__ = ["mjit"]
@@ -143,7 +144,7 @@ class _MJit(ProgramCaches):
         devices = self._devices()
         t0 = time.perf_counter()
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
-        notes: dict = {}
+        notes = TraceNotes()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
                 _contexts.notes(notes), module_names():
             traced = jax.jit(fun, keep_unused=True).trace(*abstract[0], **abstract[1])
@@ -208,7 +209,8 @@ def _constrain_outputs(out, shardings, placements: dict):
     """``out`` under ``out_shardings``: logical ones become constraints; a physical
     ``NamedSharding`` (no task maps its names) is where that output is put after the
     program runs, as ``jax.jit`` returns it (recorded in ``placements``, by leaf)."""
-    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())  # tasks traced
+    notes = _contexts.state.trace_notes  # the tasks traced map these names
+    mapped = notes.logical_names if notes is not None else set()
     leaves, tree = jax.tree.flatten(out)
     entries = _leaf_entries(shardings, out)
     for i, s in enumerate(entries):

@@ -22,26 +22,30 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 from multimesh._src import jax_compat
-from multimesh._src.mlir import ir
+from multimesh._src.ir_contract import (
+    AXES_ATTR,
+    INDEX_TARGET,
+    LOGICAL_TARGET,
+    LOOP_ATTR,
+    MICROBATCH_ATTR,
+    SUM_TARGET,
+    TASK_ATTR,
+    TaskMesh,
+)
+from multimesh._src.mlir import ir, py_to_attr
 from multimesh._src.mlir import stablehlo as hlo
 
 __all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical",
            "warn_unplaced"]
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskInfo:
-    """Everything the passes need to know about one task call (hashable)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskInfo(TaskMesh):
+    """One task call: its name and transpose count beside its :class:`TaskMesh`
+    (hashable, a primitive parameter)."""
 
     name: str
-    devices: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    axis_sizes: tuple[int, ...]
-    logical_axes: tuple[tuple[str, str], ...]
     transpose_count: int = 0
-    split_backprop: tuple[str, str] | None = None
-    loop_devices: tuple[tuple[int, ...], ...] | None = None
-    """``Task.loop_dependent_mesh_slice``: the task's device positions in each microbatch."""
     unplaced_ok: bool = False
     """Bound by multimesh's own trace outside ``mjit`` (a Flax init): jax may lower it
     later, unplaced, on purpose (see :func:`warn_unplaced`). Not part of the IR."""
@@ -49,29 +53,20 @@ class TaskInfo:
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
 
+    def mesh(self) -> TaskMesh:
+        """The task's mesh alone, as plain tuples (an ``mm.tasks`` entry)."""
+        split = self.split_backprop
+        return TaskMesh(tuple(int(d) for d in self.devices), tuple(self.axis_names),
+                        tuple(int(s) for s in self.axis_sizes),
+                        tuple((a, b) for a, b in self.logical_axes),
+                        (split[0], split[1]) if split else None,
+                        tuple(tuple(int(d) for d in r) for r in self.loop_devices)
+                        if self.loop_devices else None)
+
     def attribute(self) -> ir.Attribute:
-        i64 = ir.IntegerType.get_signless(64)
-
-        def ints(xs):
-            return ir.ArrayAttr.get([ir.IntegerAttr.get(i64, int(x)) for x in xs])
-
-        def strs(xs):
-            return ir.ArrayAttr.get([ir.StringAttr.get(x) for x in xs])
-
-        extra = {}
-        if self.split_backprop:
-            extra["split_backprop"] = strs(self.split_backprop)
-        if self.loop_devices:
-            extra["loop_devices"] = ir.ArrayAttr.get([ints(d) for d in self.loop_devices])
-        return ir.DictAttr.get({
-            **extra,
-            "name": ir.StringAttr.get(self.name),
-            "transpose_count": ir.IntegerAttr.get(i64, self.transpose_count),
-            "devices": ints(self.devices),
-            "axis_names": strs(self.axis_names),
-            "axis_sizes": ints(self.axis_sizes),
-            "logical_axes": ir.ArrayAttr.get([strs(p) for p in self.logical_axes]),
-        })
+        """The call's ``mm.task``: the tag and the mesh."""
+        return py_to_attr({"name": self.name, "transpose_count": self.transpose_count,
+                           **self.to_dict()})
 
 
 # ----------------------------------------------------------------------------
@@ -95,7 +90,7 @@ def _lowering(ctx, *args, call_jaxpr, info):
         warn_unplaced(info, once_per_process=True)  # lowered by plain jax
     call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
                                             ctx.avals_in)
-    call.attributes["mm.task"] = info.attribute()
+    call.attributes[TASK_ATTR] = info.attribute()
     return out_nodes
 
 
@@ -175,13 +170,13 @@ def _logical_lowering(ctx, x, *, axes):
     (aval,) = ctx.avals_in
     op = hlo.CustomCallOp(
         [mlir.aval_to_ir_type(ctx.module_context, aval)], [x],
-        call_target_name=ir.StringAttr.get("mm.logical_sharding"),
+        call_target_name=ir.StringAttr.get(LOGICAL_TARGET),
         has_side_effect=ir.BoolAttr.get(False),
         api_version=mlir.i32_attr(1),
         called_computations=ir.ArrayAttr.get([]),
         backend_config=ir.StringAttr.get(""),
         operand_layouts=None, result_layouts=None)
-    op.operation.attributes["mm.axes"] = ir.ArrayAttr.get([
+    op.operation.attributes[AXES_ATTR] = ir.ArrayAttr.get([
         ir.ArrayAttr.get([ir.StringAttr.get(n) for n in names]) for names in axes])
     return op.results
 
@@ -215,9 +210,6 @@ batching.primitive_batchers[logical_sharding_p] = _logical_batcher
 microbatch_p = Primitive("mm_microbatch")
 microbatch_p.multiple_results = True
 jax_compat.def_jit_impl(microbatch_p)
-
-INDEX_TARGET = "mm.microbatch_index"
-SUM_TARGET = "mm.microbatch_sum"
 
 
 def bind_microbatch(jaxpr: ClosedJaxpr, num_consts: int, operands,
@@ -275,8 +267,8 @@ def _warn_unrolled(what: str) -> None:
     from multimesh.jax import _contexts
 
     notes = _contexts.state.trace_notes
-    if notes is not None and notes.get("microbatch") is not None:
-        notes["microbatch"] = None  # no loop left for a schedule to order
+    if notes is not None and notes.microbatch is not None:
+        notes.microbatch = None  # no loop left for a schedule to order
 
     warnings.warn(
         f"A `microbatch` function is transformed from the outside ({what}), so its loop is "
@@ -345,17 +337,17 @@ def _mb_lowering(ctx, *operands, jaxpr, num_consts, num_microbatches):
                             "num_microbatches": ir.IntegerAttr.get(i64, num_microbatches)})
     index_type = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
     index = _marker(INDEX_TARGET, [], index_type)
-    index.attributes["mm.loop"] = loop
+    index.attributes[LOOP_ATTR] = loop
     index_aval = jax.core.ShapedArray((), np_int32())
     in_avals = (*ctx.avals_in[:num_consts], index_aval, *ctx.avals_in[num_consts:])
     call, out_nodes = jax_compat.lower_call(
         ctx, "mm_microbatch_body", jaxpr, (*operands[:num_consts], index.results[0],
                                            *operands[num_consts:]), in_avals)
-    call.attributes["mm.microbatch"] = info
+    call.attributes[MICROBATCH_ATTR] = info
     sums = []
     for v in out_nodes:
         s = _marker(SUM_TARGET, [v], v.type)
-        s.attributes["mm.microbatch"] = info
+        s.attributes[MICROBATCH_ATTR] = info
         sums.append(s.results[0])
     return sums
 

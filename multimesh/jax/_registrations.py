@@ -53,7 +53,7 @@ class Registration:
 
 
 def _make_registration(matcher, callback, task) -> Registration:
-    from multimesh.passes.match_tasks import compile_matcher
+    from multimesh.passes.api import compile_matcher
 
     if not isinstance(matcher, str):
         raise MultimeshTypeError(

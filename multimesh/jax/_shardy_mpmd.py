@@ -16,6 +16,8 @@ from jax.sharding import Mesh
 
 from multimesh._src.brackets import deepest_nesting
 from multimesh._src.errors import DiagnosticError, MultimeshTypeError, MultimeshValueError
+from multimesh._src.ir_attrs import SourceError, decode_source
+from multimesh._src.ir_contract import MESHES_ATTR
 from multimesh._src.mlir import (
     element_dtype,
     file_line_col,
@@ -31,9 +33,7 @@ from multimesh.jax._call_checks import check_distinct_devices
 from multimesh.jax._compiled import MpmdCompiled
 from multimesh.jax._imported_schedule import recover_schedule
 from multimesh.jax._lowered import MpmdLowered
-from multimesh.passes._attrs import SourceError, decode_source
-from multimesh.passes.import_mpmd import MESHES_ATTR, parse_mesh_tensor, read_topology
-from multimesh.passes.pipeline import parse_pipeline
+from multimesh.passes.api import parse_mesh_tensor, parse_pipeline, read_topology
 
 __all__ = ["compile_mpmd"]
 

@@ -33,6 +33,7 @@ from multimesh._src.errors import (
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import slice_global_mesh
 from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, warn_unplaced
+from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
            "warn_renamed_tasks", "jax_constraint_hint"]
@@ -299,12 +300,11 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     # mm-resolve-logical-shardings reports it there.
     mapping = mapping + tuple(spec.extra_axes or ())
     if _contexts.state.trace_notes is not None:  # which in_shardings names are logical
-        _contexts.state.trace_notes.setdefault("logical_names", set()).update(
-            logical for logical, _ in mapping)
+        _contexts.state.trace_notes.logical_names.update(logical for logical, _ in mapping)
     # Checked again here: a Task's fields may have been reassigned after construction.
     split = _check_split_backprop(spec.split_backprop, _who(name))
     if split is not None and _contexts.state.trace_notes is not None:
-        _contexts.state.trace_notes["split_backprop"] = True
+        _contexts.state.trace_notes.split_backprop = True
     return TaskInfo(name=name, devices=tuple(int(p) for p in positions.flat),
                     axis_names=tuple(names), axis_sizes=tuple(int(s) for s in sizes),
                     logical_axes=mapping, split_backprop=split)
@@ -415,7 +415,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         remat = _contexts.state.remat if remat is None else remat
         if remat is True and _contexts.state.trace_notes is not None:
             # jax keeps the task's inputs as residuals; the pass reads them in place
-            _contexts.state.trace_notes.setdefault("remat_inputs_of", set()).add(task_name)
+            _contexts.state.trace_notes.remat_inputs_of.add(task_name)
         with _contexts.autoshard(True), jax_constraint_hint(f"inside task {task_name!r}",
                                                             info.logical_axes):
             jaxpr, out_tree = _trace(rematted(fun, remat), in_avals, in_tree, dbg)
@@ -476,21 +476,21 @@ def _note_explicit_name(info: TaskInfo) -> None:
     :func:`warn_renamed_tasks`)."""
     notes = _contexts.state.trace_notes
     if notes is not None:
-        seen = notes.setdefault("explicit_task_names", {})
+        seen = notes.explicit_task_names
         key = (info.devices, info.axis_names, info.axis_sizes, info.logical_axes,
                info.split_backprop)
         if key not in seen.setdefault(info.name, []):
             seen[info.name].append(key)
 
 
-def warn_renamed_tasks(notes: dict) -> None:
+def warn_renamed_tasks(notes: TraceNotes) -> None:
     """Warn when one explicit task name came with several submeshes or mappings.
 
     ``mm-inline-tasks`` keeps such tasks apart (``name``, ``name.1``, ...; MultiMesh
     uniquifies colours the same way), so the program still runs, but the user's
     name no longer names one task.
     """
-    for name, keys in notes.get("explicit_task_names", {}).items():
+    for name, keys in notes.explicit_task_names.items():
         if len(keys) < 2:
             continue
         where = "; ".join(

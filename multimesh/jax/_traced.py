@@ -15,16 +15,11 @@ from multimesh._src.mlir import make_context, module_bytecode, parse_module
 from multimesh.jax import _checks, _contexts, _fast_path, _inputs
 from multimesh.jax._call_checks import is_key, leaf_name
 from multimesh.jax._compiled import missing_attribute
-from multimesh.jax._implicit_tasks import implicit_tasks_pass
+from multimesh.jax._implicit_tasks import implicit_task_rules
 from multimesh.jax._lowered import MpmdLowered
-from multimesh.jax._pipeline import (
-    build_pipeline,
-    remat_options,
-    schedule_config_of,
-    schedule_options,
-    wants_split,
-)
+from multimesh.jax._pipeline import program_pipeline, schedule_config_of
 from multimesh.jax._task import warn_renamed_tasks
+from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["MpmdTraced"]
 
@@ -37,7 +32,7 @@ class MpmdTraced:
     for the pass pipeline (``MpmdLowered``).
     """
 
-    def __init__(self, owner, traced, devices, notes: dict, dyn: tuple, abstract,
+    def __init__(self, owner, traced, devices, notes: TraceNotes, dyn: tuple, abstract,
                  donated: list[int], in_shardings, seconds: float):
         self._owner = owner
         self._traced = traced
@@ -96,7 +91,7 @@ class MpmdTraced:
             held = _callbacks.adopt(module, host_callbacks)
             if held:  # the callbacks' numbers are in the program now
                 program = module_bytecode(module)
-            implicit = implicit_tasks_pass(module)  # registered tasks, in memory
+            implicit = implicit_task_rules(module)  # registered tasks, in memory
             _checks.no_explicit_sharding(traced.jaxpr, implicit is not None)
         trace_seconds = self.trace_seconds + time.perf_counter() - t0
         warn_renamed_tasks(notes)
@@ -110,11 +105,8 @@ class MpmdTraced:
                           list(range(len(dyn_flat))), donated_leaves=self._donated,
                           in_avals=traced.jaxpr.in_avals,
                           schedule_config=schedule_config_of(notes),
-                          pipeline=build_pipeline(len(devices), schedule=schedule_options(notes),
-                                                  implicit_tasks=implicit,
-                                                  split_backward=wants_split(notes),
-                                                  remat=remat_options(notes),
-                                                  recompute=_contexts.state.recomputation),
+                          pipeline=program_pipeline(len(devices), notes, implicit,
+                                                    _contexts.state.recomputation),
                           module=module, name=getattr(owner.fun, "__name__", None))
         _mark_keys(low, dyn_flat, traced.out_info)
         low.out_placements = dict(self.out_placements)
@@ -152,7 +144,7 @@ def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices
     paths = [leaf_name(p) for p, _ in
              jax.tree_util.tree_flatten_with_path((tuple(dyn_args), kwargs))[0]]
     pins, drop, committed = _inputs.plan_pins(
-        dyn_flat, specs, notes.get("logical_names", set()), tuple(devices), paths)
+        dyn_flat, specs, notes.logical_names, tuple(devices), paths)
     changed = bool(pins or drop)
     _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
     return changed, pins

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh._src.ir_contract import SCHEDULE_ATTR
 from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
 from multimesh.schedules.costs import as_cost
 from multimesh.schedules.gantt import format_timeline
@@ -33,7 +34,7 @@ def as_schedule(obj) -> Schedule:
         raise MultimeshTypeError(
             f"visualize_schedule expects a compiled program, a module or a Schedule, got "
             f"{type(obj).__name__}.")
-    from multimesh.passes.schedule_fragments import read_schedule
+    from multimesh.passes.api import read_schedule
 
     s = read_schedule(module)
     if s is None:
@@ -55,7 +56,7 @@ def _schedule_module(obj):
         text = obj.as_text()
     if text is None:
         return obj if hasattr(obj, "operation") else None
-    if "mm.schedule" not in text:  # cheaper than parsing a large module to find nothing
+    if SCHEDULE_ATTR not in text:  # cheaper than parsing a large module to find nothing
         raise MultimeshValueError(_NO_SCHEDULE)
     from multimesh._src.mlir import parse_module
 

@@ -9,6 +9,7 @@ lists them with the errors each one is raised for.
 from multimesh._src.errors import DiagnosticError as DiagnosticError
 from multimesh._src.errors import DiagnosticWarning as DiagnosticWarning
 from multimesh._src.errors import DonationError as DonationError
+from multimesh._src.errors import IRContractError as IRContractError
 from multimesh._src.errors import LogicalShardingError as LogicalShardingError
 from multimesh._src.errors import MeshError as MeshError
 from multimesh._src.errors import MultimeshAttributeError as MultimeshAttributeError

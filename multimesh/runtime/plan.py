@@ -17,6 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh._src.ir_contract import (
+    DEVICES_ATTR,
+    FRAGMENT_CALL_TARGET,
+    LOOP_TARGET,
+    PREFIX,
+    SHARDING_ATTR,
+    TRANSFER_TARGET,
+    read_callee,
+    read_fragment_header,
+    read_loop_header,
+    read_num_devices,
+    read_placement,
+)
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.layouts import layout_key
 from multimesh._src.mlir import attr_to_py, ir, make_context, parse_module, print_module, sdy
@@ -24,9 +37,9 @@ from multimesh._src.mlir import attr_to_py, ir, make_context, parse_module, prin
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
 """(device positions, mesh axis names, mesh axis sizes, per-dim axes)."""
 
-FRAGMENT_CALL = "mm.fragment_call"
-TRANSFER = "mm.transfer"
-LOOP = "mm.microbatch_loop"
+FRAGMENT_CALL = FRAGMENT_CALL_TARGET
+TRANSFER = TRANSFER_TARGET
+LOOP = LOOP_TARGET
 
 
 @dataclass
@@ -178,9 +191,7 @@ class _Builder:
         if main is None:
             raise MultimeshValueError("The module has no 'main' function.")
         self.main: ir.Operation = main
-        attrs = module.operation.attributes
-        self.num_devices = ir.IntegerAttr(attrs["mm.num_devices"]).value \
-            if "mm.num_devices" in attrs else 1
+        self.num_devices: int = read_num_devices(module, default=1) or 1
         self.fragments: dict[str, Fragment] = {}
         self.steps: list = []
         self.layout_of: dict[int, Layout] = {}
@@ -206,8 +217,8 @@ class _Builder:
         inputs: list[Layout] = []
         for a, d in zip(block.arguments, arg_attrs):
             rank = len(ir.RankedTensorType(a.type).shape)
-            if d is not None and "mm.sharding" in d and "mm.devices" in d:
-                lay = self._layout(d["mm.devices"], d["mm.sharding"])
+            if d is not None and SHARDING_ATTR in d and DEVICES_ATTR in d:
+                lay = self._layout(d[DEVICES_ATTR], d[SHARDING_ATTR])
             else:  # unused by any fragment: keep it replicated on every device
                 lay = (tuple(range(self.num_devices)), ("x",), (self.num_devices,),
                        tuple(() for _ in range(rank)))
@@ -240,7 +251,7 @@ class _Builder:
         target = custom_call_target(op)
         if target == TRANSFER:
             src = ids[op.operands[0]]
-            lay = self._layout(op.attributes["mm.devices"], op.attributes["mm.sharding"])
+            lay = self._layout(*read_placement(op, f"'{TRANSFER}'"))
             if src in self.moving and same_layout(self.layout_of[src], lay):
                 ids[op.results[0]] = src  # this microbatch's producer is there already
                 return
@@ -248,7 +259,7 @@ class _Builder:
             ids[op.results[0]] = dst
             self.steps.append(Transfer(src, dst, lay))
         elif target == FRAGMENT_CALL:
-            name = ir.FlatSymbolRefAttr(op.attributes["mm.fragment"]).value
+            name = read_callee(op)
             frag = self._fragment(name)
             devices = None
             if frag.loop_devices is not None and microbatch is not None:
@@ -307,11 +318,12 @@ class _Builder:
     # -- the microbatch loop --------------------------------------------------------
 
     def _loop(self, loop: ir.Operation, ids: dict) -> None:
-        body_name = ir.FlatSymbolRefAttr(loop.attributes["mm.body"]).value
+        header = read_loop_header(loop)
+        body_name = header.body
         body = self.funcs.get(body_name)
         if body is None:
             raise MultimeshValueError(f"The microbatch loop's body @{body_name} is missing.")
-        M = ir.IntegerAttr(loop.attributes["mm.num_microbatches"]).value
+        M = header.num_microbatches
         self.num_microbatches = M
         block = body.regions[0].blocks[0]
         ops = [o.operation for o in block.operations]
@@ -332,9 +344,8 @@ class _Builder:
         if before:
             raise MultimeshValueError(
                 f"The microbatch loop body @{body_name} ends with ops that no call reads.")
-        order = self._order(loop, len(units), M)
-        self.schedule_name = (attr_to_py(loop.attributes["mm.schedule"]).get("name")
-                              if "mm.schedule" in loop.attributes else None)
+        order = _order(header.order, len(units), M)
+        self.schedule_name = header.schedule_name
         chains = _sum_chains(units, args, ret.operands, order, M)
         envs = _Env.per_microbatch(M, args, [ids[v] for v in loop.operands], ret.operands,
                                    chains)
@@ -344,20 +355,6 @@ class _Builder:
                 self._op(op, envs[m], microbatch=m, index=args[0])
         for r, v, chain in zip(loop.results, ret.operands, chains, strict=True):
             ids[r] = envs[chain[-1]][v]
-
-    def _order(self, loop: ir.Operation, S: int, M: int) -> list[tuple[int, int]]:
-        """(body call, microbatch) pairs in dispatch order: the recorded schedule, or
-        microbatch after microbatch."""
-        if "mm.schedule" in loop.attributes:
-            d = ir.DictAttr(loop.attributes["mm.schedule"])
-            pairs = list(ir.DenseI64ArrayAttr(d["order"]))
-            order = [(pairs[2 * j], pairs[2 * j + 1]) for j in range(len(pairs) // 2)]
-            if sorted(order) != [(k, m) for k in range(S) for m in range(M)]:
-                raise MultimeshValueError(
-                    "The microbatch loop's mm.schedule does not list every (call, "
-                    "microbatch) pair exactly once; run mm-schedule-fragments again.")
-            return order
-        return [(k, m) for m in range(M) for k in range(S)]
 
     # -- reading fragments and layouts -----------------------------------------------
 
@@ -388,6 +385,20 @@ class _Builder:
                 raise MultimeshValueError(f"Fragment call to unknown fragment '{name}'.")
             frag = self.fragments[name] = _fragment(name, sub)
         return frag
+
+
+def _order(recorded: tuple[tuple[int, int], ...] | None, S: int,
+           M: int) -> list[tuple[int, int]]:
+    """(body call, microbatch) pairs in dispatch order: the recorded schedule, or
+    microbatch after microbatch."""
+    if recorded is not None:
+        order = list(recorded)
+        if sorted(order) != [(k, m) for k in range(S) for m in range(M)]:
+            raise MultimeshValueError(
+                "The microbatch loop's mm.schedule does not list every (call, "
+                "microbatch) pair exactly once; run mm-schedule-fragments again.")
+        return order
+    return [(k, m) for m in range(M) for k in range(S)]
 
 
 def _sum_chains(units: list[list[ir.Operation]], args: list, carry: list,
@@ -462,11 +473,8 @@ def _find_mesh(module: ir.Module, name: str):
 
 
 def _fragment(name: str, sub: ir.Operation) -> Fragment:
-    task = attr_to_py(sub.attributes["mm.task"])
-    devices = tuple(attr_to_py(sub.attributes["mm.devices"]))
-    loop_devices = None
-    if "mm.loop_devices" in sub.attributes:
-        loop_devices = tuple(tuple(d) for d in attr_to_py(sub.attributes["mm.loop_devices"]))
+    header = read_fragment_header(sub, name)
+    devices, loop_devices = header.devices, header.loop_devices
     mesh = sdy.MeshAttr(_mesh_of(sub).attributes["mesh"])
     axis_names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
     axis_sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
@@ -484,7 +492,7 @@ def _fragment(name: str, sub: ir.Operation) -> Fragment:
 
     donors = tuple(k for k, a in enumerate(arg_attrs)
                    if a is not None and "jax.buffer_donor" in a)
-    return Fragment(name, task["name"], int(task["transpose_count"]), devices, axis_names,
+    return Fragment(name, header.task, header.transpose_count, devices, axis_names,
                     axis_sizes, _standalone(sub), layouts("arg_attrs", len(ftype.inputs)),
                     layouts("res_attrs", len(ftype.results)),
                     [_type_info(t) for t in ftype.inputs], [_type_info(t) for t in ftype.results],
@@ -500,7 +508,7 @@ def _standalone(sub: ir.Operation) -> str:
     op = sub.clone()  # detached: printed once, no round trip through text
     try:
         for n in [a if isinstance(a, str) else a.name for a in op.attributes]:
-            if n.startswith("mm."):
+            if n.startswith(PREFIX):
                 del op.attributes[n]
         op.attributes["sym_name"] = ir.StringAttr.get("multimesh_fragment")
         return print_module(op)

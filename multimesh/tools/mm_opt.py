@@ -27,6 +27,7 @@ from multimesh._src.errors import (
     MultimeshError,
     PipelineError,
 )
+from multimesh._src.ir_attrs import MAX_NESTING, SourceError, decode_source
 from multimesh._src.mlir import (
     file_line_col,
     ir,
@@ -35,7 +36,6 @@ from multimesh._src.mlir import (
     print_module,
 )
 from multimesh._src.stack import STACK_BYTES, on_big_stack
-from multimesh.passes._attrs import MAX_NESTING, SourceError, decode_source
 
 __all__ = ["main"]
 
@@ -212,7 +212,7 @@ def _version() -> str:
 
 # MLIR's parser, verifier and printer recurse once per nesting level: mm-opt runs on
 # a thread with a STACK_BYTES stack (multimesh/_src/stack.py) and refuses inputs
-# nested deeper than MAX_NESTING (multimesh.passes._attrs.check_source).
+# nested deeper than MAX_NESTING (multimesh._src.ir_attrs.check_source).
 __all__ += ["MAX_NESTING", "STACK_BYTES"]
 
 

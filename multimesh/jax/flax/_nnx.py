@@ -603,7 +603,8 @@ def _check_logical(owner, where: str) -> None:
     """For NNX objects, shardings are logical names; a ``NamedSharding`` none of whose
     names a task of the program maps (tasks are traced by now) would silently do
     nothing, so it is an error."""
-    mapped = (_contexts.state.trace_notes or {}).get("logical_names", set())
+    notes = _contexts.state.trace_notes
+    mapped = notes.logical_names if notes is not None else set()
     for kind in ("in_shardings", "out_shardings"):
         for s in _named_shardings(getattr(owner, kind)):
             if is_physical(s, mapped):
