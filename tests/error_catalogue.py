@@ -1904,6 +1904,85 @@ def _():
     mm.mjit(f).lower(jnp.ones(4))
 
 
+@error("plan-unit-does-not-fit", IMPLICIT, "`plan_pipeline`: a unit larger than the memory limit",
+       MultimeshValueError,
+       r"`plan_pipeline` found no plan within memory_limit=1,000 bytes per device: unit "
+       r"'layer0' alone needs",
+       """The planner never splits a unit, so the largest unit (its parameters, their
+       gradient and optimizer state, one microbatch of its residuals) must fit one device.
+       Raise the limit, shard the unit inside its stage, or split it into smaller named
+       parts.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), memory_limit=1000)
+
+
+@error("plan-no-split-fits", IMPLICIT, "`plan_pipeline`: no split within the memory limit",
+       MultimeshValueError,
+       r"every unit fits alone .* but no contiguous split keeps every stage under the limit",
+       """Each unit fits a device alone, but with the allowed number of stages some stage
+       must hold several and goes over the limit. Allow more stages (leave `num_stages`
+       unset) or more microbatches, or raise the limit.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=3000)
+
+
+@error("plan-too-few-units", IMPLICIT, "`plan_pipeline` on a program without named parts",
+       MultimeshValueError,
+       r"`plan_pipeline` found 0 unit\(s\) \(\[\]\) in the step's name stack",
+       """The planner cuts between name-stack units (Flax submodules, NNX attributes,
+       `jax.named_scope` blocks) and needs at least two. Name the model's parts.""")
+def _():
+    mm.plan_pipeline(lambda w, x: (x @ w).sum(), jnp.eye(16), jnp.ones((8, 16)))
+
+
+@error("plan-stages-do-not-divide", IMPLICIT, "`plan_pipeline` with a non-dividing `num_stages`",
+       MultimeshValueError,
+       r"num_stages=3 does not divide the 8 devices; .* choose one of \[1, 2, 4, 8\]",
+       """Every stage gets the same number of devices: choose a number of stages that
+       divides the devices (or leave `num_stages` unset).""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=3)
+
+
+@error("plan-more-stages-than-units", IMPLICIT, "`plan_pipeline` with more stages than units",
+       MultimeshValueError,
+       r"num_stages=4 ask for at least 4 stages, but the step has only 2 units "
+       r"\(layer0, layer1\)",
+       """Each stage holds at least one unit: ask for fewer stages, or name the model's
+       parts more finely (more submodules or `jax.named_scope` blocks).""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=4)
+
+
+@error("plan-schedule-not-modelled", IMPLICIT, "`plan_pipeline` with a schedule it cannot model",
+       MultimeshValueError,
+       r"schedule='zero-bubble-h1' is not one the planner can model; valid choices are "
+       r"\['1f1b', 'gpipe'\]",
+       """The planner places one contiguous stage per submesh and models GPipe and 1F1B;
+       plan with one of them (or None), then pass another schedule to `microbatch`
+       yourself if you like.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), schedule="zero-bubble-h1")
+
+
+@error("plan-bad-memory-limit", IMPLICIT, "`plan_pipeline` with a non-positive memory limit",
+       MultimeshValueError,
+       r"`plan_pipeline`: `memory_limit` must be a positive number or None, got -1",
+       """Give the memory limit in bytes per device, or None for no limit.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), memory_limit=-1)
+
+
+@error("plan-compare-without-track", IMPLICIT, "`PipelinePlan.compare` with another program's profile",
+       MultimeshValueError,
+       r"The profile has no track for stage 0's submesh \(devices \[0, 1, 2, 3\]\)",
+       """`compare` reads each stage's busy time from the track of its submesh; profile
+       the program compiled under this plan (`with plan:`).""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    plan.compare({"traceEvents": []})
+
+
 # =========================================================================== Flax
 
 _FLAX = ("flax", "optax")
@@ -1928,6 +2007,52 @@ def _():
             return nn.Dense(4)(x).sum()
 
     mmf.parallelize_step(Model(), optax.sgd(0.1))
+
+
+@error("parallelize-step-bad-num-stages", FLAX, "`parallelize_step` with an unknown `num_stages`",
+       MultimeshValueError,
+       r"parallelize_step `num_stages` must be a positive integer, 'auto' \(the planner "
+       r"chooses, see `multimesh.jax.plan_pipeline`\) or None, got 'many'",
+       """`num_stages="auto"` lets the planner choose the stages; otherwise give a number.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    mmf.parallelize_step(Model(), optax.sgd(0.1), global_batch=jnp.ones((8, 4)),
+                         num_stages="many", num_microbatches=2)
+
+
+@error("parallelize-step-auto-with-interleave", FLAX,
+       "`parallelize_step(num_stages=\"auto\")` with options the planner cannot honour",
+       MultimeshValueError,
+       r"parallelize_step got num_stages='auto' and `interleave`; the planner places one "
+       r"contiguous stage per submesh",
+       """The planner chooses contiguous stages and GPipe or 1F1B; `interleave`,
+       `custom_schedule` and `unrolling` do not fit its plan. Drop them, or call
+       `plan_pipeline` and write the rest yourself.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(4, name="a")(x)
+            return nn.Dense(4, name="b")(x).sum()
+
+    mmf.parallelize_step(Model(), optax.sgd(0.1), global_batch=jnp.ones((8, 4)),
+                         num_stages="auto", num_microbatches=2, interleave=2)
 
 
 @error("parallelize-step-both-batches", FLAX, "`parallelize_step` with both batch kinds",

@@ -357,3 +357,22 @@ def test_schedule_cost_names_are_public():
     from multimesh.jax._compiled import MpmdCompiled
 
     assert callable(MpmdCompiled.step_profile)
+
+
+def test_planner_is_public():
+    assert mm.plan_pipeline.__module__ == "multimesh.jax._planner._api"
+    assert mm.PipelinePlan.__name__ == "PipelinePlan"
+    assert callable(mm.PipelinePlan.from_json)
+    params = {"w0": jnp.eye(4), "w1": jnp.eye(4)}
+
+    def loss(p, x):
+        with jax.named_scope("a"):
+            x = x @ p["w0"]
+        with jax.named_scope("b"):
+            return (x @ p["w1"]).sum()
+
+    plan = mm.plan_pipeline(loss, params, jnp.ones((8, 4)), num_stages=2,
+                            num_microbatches=2)
+    assert isinstance(plan, mm.PipelinePlan)
+    assert [s.units for s in plan.stages] == [("a",), ("b",)]
+    assert [s.devices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]

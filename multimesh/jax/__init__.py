@@ -21,6 +21,8 @@ from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._mjit import mjit as mjit
 from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._parallelize import parallelize as parallelize
+from multimesh.jax._planner import PipelinePlan as PipelinePlan
+from multimesh.jax._planner import plan_pipeline as plan_pipeline
 from multimesh.jax._registrations import Context as Context
 from multimesh.jax._registrations import clear_tasks as clear_tasks
 from multimesh.jax._registrations import register_task as register_task

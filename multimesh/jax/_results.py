@@ -80,6 +80,8 @@ class ParallelizeStepResult(_FormTuple):
     """
 
     _fields = ("step_fn", "state", "mesh", "prepare_batch")
+    plan: Any = None
+    """The :class:`~multimesh.jax.PipelinePlan` that ``num_stages="auto"`` chose, else None."""
 
     @property
     def step_fn(self):

@@ -303,7 +303,7 @@ class MicrobatchOptions:
     microbatch_size: int | None = None
     schedule: str | None = None
     interleave: int | None = None
-    num_stages: int | None = None
+    num_stages: int | str | None = None  # "auto": plan_pipeline chooses
     unrolling: int | None = None
     custom_schedule: Sequence[Sequence[Any]] | None = None
     reduction: str = "mean"
@@ -329,7 +329,14 @@ class MicrobatchOptions:
         check_remat(self.remat, "parallelize_step")
         pipelining = ("schedule", "interleave", "num_stages", "unrolling", "custom_schedule",
                       "remat")
+        if isinstance(self.num_stages, str) and self.num_stages != "auto":
+            raise MultimeshValueError(
+                f"parallelize_step `num_stages` must be a positive integer, 'auto' (the "
+                f"planner chooses, see `multimesh.jax.plan_pipeline`) or None, got "
+                f"{self.num_stages!r}.")
         given = [n for n in pipelining if getattr(self, n) is not None]
+        if self.num_stages == "auto":  # the planner chooses the microbatches
+            return
         if given and not self.active:
             raise MultimeshValueError(
                 f"parallelize_step got {', '.join(f'`{n}`' for n in given)} but no "
@@ -356,17 +363,18 @@ class MicrobatchOptions:
     def wrap(self, grad_fn, batch_avals):
         """``grad_fn(params, batch) -> (loss, grads)`` over microbatches, reduced."""
         return _microbatch.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
-                             schedule=self.schedule, interleave=self.interleave,
-                             num_stages=self.num_stages, unrolling=self.unrolling,
-                             custom_schedule=self.custom_schedule, reduction=self.reduction,
-                             remat=self.remat)
+                                      schedule=self.schedule, interleave=self.interleave,
+                                      num_stages=None if isinstance(self.num_stages, str)
+                                      else self.num_stages, unrolling=self.unrolling,
+                                      custom_schedule=self.custom_schedule,
+                                      reduction=self.reduction, remat=self.remat)
 
 
 def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
                      local_batch=None, replicate_inputs: bool = True, *,
                      num_microbatches: int | None = None, microbatch_size: int | None = None,
                      schedule: str | None = None, interleave: int | None = None,
-                     num_stages: int | None = None, unrolling: int | None = None,
+                     num_stages: int | str | None = None, unrolling: int | None = None,
                      custom_schedule=None, microbatch_reduction: str = "mean",
                      init_state=None, rng=None, remat=None):
     """Compiles one training step of ``model`` with ``optimizer`` as an MPMD program.
@@ -388,7 +396,9 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     are the mean over microbatches (``microbatch_reduction="mean"``, the same as
     the whole batch for a loss that averages over it) or their sum (``"sum"``).
     ``remat=True`` (or a jax checkpoint policy) makes every stage's backward
-    recompute its forward (``microbatch(..., remat=)``).
+    recompute its forward (``microbatch(..., remat=)``). ``num_stages="auto"``
+    lets :func:`multimesh.jax.plan_pipeline` choose the stages, their submeshes,
+    the microbatches (unless given) and the schedule; ``result.plan`` is its plan.
 
     Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult` that unpacks as
     ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
@@ -417,19 +427,32 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     mesh = default_mesh(mesh)
     init_fn = functools.partial(_linen_init_state, model, optimizer)
     batch_avals = batch_avals_of(global_batch, local_batch)
-    step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
     key = jax.random.key(42) if rng is None else rng
     if init_state is not None:
         init_state = _initial_state(init_state, model, optimizer)
-    compiled = mjit(step_fn, mesh=mesh).lower(
-        _state_avals(init_fn, key, batch_avals, init_state), batch_avals).compile()
+    state_avals = _state_avals(init_fn, key, batch_avals, init_state)
+    mb, plan = _auto_stages(mb, model.apply, state_avals.params, batch_avals, mesh)
+    step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
+    with plan if plan is not None else nullcontext():
+        compiled = mjit(step_fn, mesh=mesh).lower(state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
     state = _placed_state(init_fn, init_state, state_sh, key, init_batch)
     # The original library's forms: 3 values with global_batch, 4 with local_batch.
-    return ParallelizeStepResult((compiled, state, mesh, prepare_batch),
-                                 length=3 if global_batch is not None else 4)
+    result = ParallelizeStepResult((compiled, state, mesh, prepare_batch),
+                                   length=3 if global_batch is not None else 4)
+    result.plan = plan
+    return result
+
+
+def _auto_stages(mb: MicrobatchOptions, loss, params, batch_avals, mesh):
+    """``num_stages="auto"``: the planner's microbatch options and plan, else ``(mb, None)``."""
+    if mb.num_stages != "auto":
+        return mb, None
+    from multimesh.jax._planner._api import plan_step
+
+    return plan_step(mb, loss, params, batch_avals, mesh)
 
 
 def _check_linen_model(model) -> None:

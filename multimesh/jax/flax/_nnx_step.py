@@ -3,6 +3,8 @@ compiled once by ``mjit``; ``step_fn`` updates them in place."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh
@@ -98,6 +100,12 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     state = NnxTrainState(model, opt)
 
     batch_avals = batch_avals_of(global_batch, local_batch)
+    plan = None
+    if microbatching is not None and microbatching.num_stages == "auto":
+        from multimesh.jax._planner._api import plan_step
+
+        microbatching, plan = plan_step(microbatching, lambda m, b: m(b), model, batch_avals,
+                                        mesh)
     piped = microbatching is not None and microbatching.active
     if piped:
         _warn_unstepped(model)
@@ -123,11 +131,14 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
 
     jitted = mjit(train_step, mesh=mesh,
                   in_shardings=(_state_specs(state), None))
-    compiled = jitted.lower(state, batch_avals).compile()
+    with plan if plan is not None else contextlib.nullcontext():
+        compiled = jitted.lower(state, batch_avals).compile()
     compiled.place(state, batch_avals)
     batch_sh = compiled.input_shardings[0][1]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
 
     step_fn = _NnxStep(compiled)
-    return ParallelizeStepResult((step_fn, state, mesh, prepare_batch),
-                                 length=3 if global_batch is not None else 4)
+    result = ParallelizeStepResult((step_fn, state, mesh, prepare_batch),
+                                   length=3 if global_batch is not None else 4)
+    result.plan = plan
+    return result

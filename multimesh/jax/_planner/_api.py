@@ -1,0 +1,242 @@
+"""``plan_pipeline``: trace the step once, cost its units, search, return a plan."""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Sequence
+
+import jax
+
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax._planner._plan import PipelinePlan, Stage
+from multimesh.jax._planner._search import Choice, Costs, Machine, search
+from multimesh.jax._planner._units import Profile, measure_units, unit_matcher
+
+__all__ = ["plan_pipeline"]
+
+SCHEDULES = ("1f1b", "gpipe")
+"""The schedules the planner chooses among (contiguous stages, one per submesh)."""
+
+# Nominal figures per platform; the plan lists the ones it used (``assumptions``).
+_DEVICE_FLOPS = {"cpu": 5e10, "gpu": 5e13, "tpu": 1e14}
+_LINK_BANDWIDTH = {"cpu": 1e10, "gpu": 1e11, "tpu": 1e11}
+_FRAGMENT_OVERHEAD = {"cpu": 2e-4, "gpu": 5e-5, "tpu": 5e-5}
+
+
+def _positive(value, name: str, kind=numbers.Real):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: `{name}` must be a positive "
+            f"{'integer' if kind is numbers.Integral else 'number'} or None, got {value!r}.")
+    return value
+
+
+def _batch_rows(args, argnum: int, dim: int) -> int:
+    if not -len(args) <= argnum < len(args):
+        raise MultimeshValueError(
+            f"`plan_pipeline`: `argnum={argnum}` names no example argument; it got "
+            f"{len(args)} (the batch is usually argument 1, after the parameters).")
+    rows = {int(x.shape[dim]) for x in jax.tree.leaves(args[argnum]) if len(x.shape) > dim}
+    if len(rows) != 1:
+        raise MultimeshValueError(
+            f"`plan_pipeline` cuts the batch (argument {argnum}) along dimension {dim}, but "
+            f"its leaves have sizes {sorted(rows)} there; give `argnum`/`dim` of one batch.")
+    return rows.pop()
+
+
+def _stage_counts(num_stages, n_devices: int) -> list[int]:
+    if num_stages is None:
+        if n_devices < 2:
+            raise MultimeshValueError(
+                f"`plan_pipeline` got {n_devices} device; a pipeline needs at least two "
+                f"(pass `devices=`, or run with more).")
+        return [s for s in range(2, n_devices + 1) if n_devices % s == 0]
+    _positive(num_stages, "num_stages", numbers.Integral)
+    if n_devices % num_stages:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: num_stages={num_stages} does not divide the {n_devices} "
+            f"devices; every stage gets the same number of devices, so choose one of "
+            f"{[s for s in range(1, n_devices + 1) if n_devices % s == 0]}.")
+    return [int(num_stages)]
+
+
+def _fitting(stages: list[int], names: Sequence[str], asked) -> list[int]:
+    """The stage counts that leave every stage at least one unit."""
+    fit = [s for s in stages if s <= len(names)]
+    if not fit:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: {'num_stages=' + str(asked) if asked else 'the devices'} "
+            f"ask for at least {min(stages) if stages else 2} stages, but the step has only "
+            f"{len(names)} units ({', '.join(names)}) and a stage holds at least one. "
+            f"Ask for fewer stages, or name the model's parts more finely.")
+    return fit
+
+
+def _microbatch_counts(num_microbatches, rows: int) -> list[int]:
+    if num_microbatches is None:
+        return [m for m in range(1, min(rows, 64) + 1) if rows % m == 0]
+    _positive(num_microbatches, "num_microbatches", numbers.Integral)
+    if rows % num_microbatches:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: num_microbatches={num_microbatches} does not divide the "
+            f"batch of {rows} rows.")
+    return [int(num_microbatches)]
+
+
+def _schedules(schedule) -> tuple[str, ...]:
+    if schedule is None:
+        return SCHEDULES
+    if schedule not in SCHEDULES:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: schedule={schedule!r} is not one the planner can model; "
+            f"valid choices are {list(SCHEDULES)} or None (choose).")
+    return (schedule,)
+
+
+def _nnx_fun(fun, args):
+    """An NNX model (argument 0) becomes its parameter state, merged back inside ``fun``."""
+    if "flax.nnx" not in sys.modules or not args:
+        return fun, args
+    from flax import nnx
+
+    if not isinstance(args[0], nnx.Module):
+        return fun, args
+    graphdef, params, rest = nnx.split(args[0], nnx.Param, ...)  # type: ignore[misc]
+
+    def merged(p, *others):
+        return fun(nnx.merge(graphdef, p, rest), *others)
+
+    return merged, (params, *args[1:])
+
+
+def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_bandwidth,
+             fragment_overhead) -> tuple[Machine, dict]:
+    platform = devices[0].platform
+    m = Machine(
+        num_devices=len(devices),
+        device_flops=float(device_flops or _DEVICE_FLOPS.get(platform, 1e12)),
+        link_bandwidth=float(link_bandwidth or _LINK_BANDWIDTH.get(platform, 1e10)),
+        fragment_overhead=float(fragment_overhead if fragment_overhead is not None
+                                else _FRAGMENT_OVERHEAD.get(platform, 1e-4)),
+        memory_limit=None if memory_limit is None else float(memory_limit),
+        optimizer_state_factor=float(optimizer_state_factor))
+    notes = {
+        "cost source": "",
+        "device flops": f"{m.device_flops:.3g} flop/s per {platform} device"
+                        f"{'' if device_flops else ' (nominal; pass device_flops=)'}",
+        "work in a stage": "divided evenly over its devices (true where the model's "
+                           "logical axes, mapped by `logical_axes=`, shard it; a stage "
+                           "that replicates runs all of it on every device)",
+        "link bandwidth": f"{m.link_bandwidth:.3g} B/s between submeshes"
+                          f"{'' if link_bandwidth else ' (nominal; pass link_bandwidth=)'}"
+                          "; transfers do not overlap compute",
+        "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
+        "memory": "parameters x (2 + optimizer_state_factor) replicated per stage, plus "
+                  "residuals x the schedule's peak live microbatches"
+                  + ("" if memory_limit is None else f"; limit {m.memory_limit:,.0f} B"),
+        "microbatch cost": "the batch's cost divided by the number of microbatches",
+    }
+    return m, notes
+
+
+def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stage, ...]:
+    d = m.num_devices // choice.num_stages
+    out = []
+    for k, (i, j) in enumerate(choice.bounds):
+        names = tuple(u.name for u in profile.units[i:j])
+        pos = tuple(range(k * d, k * d + d))
+        out.append(Stage(
+            index=k, units=names, devices=tuple(int(devices[p].id) for p in pos), positions=pos,
+            matcher=unit_matcher(profile.root, names),
+            flops=sum(u.fwd_flops + u.bwd_flops for u in profile.units[i:j]),
+            predicted_time=choice.num_microbatches * (choice.fwd_time[k] + choice.bwd_time[k]),
+            param_bytes=sum(u.param_bytes for u in profile.units[i:j]),
+            residual_bytes=sum(u.residual_bytes for u in profile.units[i:j])
+            // choice.num_microbatches,
+            live_microbatches=choice.live[k], memory_bytes=choice.memory[k]))
+    return tuple(out)
+
+
+def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
+                  num_stages: int | None = None, memory_limit: float | None = None,
+                  num_microbatches: int | None = None, schedule: str | None = None,
+                  argnum: int = 1, dim: int = 0, optimizer_state_factor: float = 0.0,
+                  device_flops: float | None = None, link_bandwidth: float | None = None,
+                  fragment_overhead: float | None = None,
+                  logical_axes: Sequence[tuple[str, str]] = ()) -> PipelinePlan:
+    """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
+
+    ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
+    module); ``example_args`` may be arrays or ``jax.ShapeDtypeStruct`` s, and the
+    batch is argument ``argnum``, cut along ``dim``. The step ``value_and_grad(fun)``
+    is traced once; its name-stack units (Flax submodules, NNX graph paths,
+    ``jax.named_scope`` blocks) are costed by XLA's cost analysis, then cut into
+    contiguous stages on ``devices`` (default ``jax.devices()``, split evenly; the
+    rules' ``TaskMesh`` positions index this list, so compile with
+    ``mjit(..., devices=devices)`` when it is not the default). With
+    ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them.
+    ``memory_limit`` is in bytes per device; ``optimizer_state_factor`` is the
+    optimizer's state per parameter byte (2 for Adam). ``logical_axes``, pairs
+    ``(logical name, "x")``, map the model's logical axes onto each stage's submesh
+    (one axis ``x``), e.g. ``(("batch", "x"),)`` to shard the batch inside a stage.
+    """
+    if not callable(fun):
+        raise MultimeshTypeError(
+            f"`plan_pipeline` expects the loss function first, got {type(fun).__name__}.")
+    devices = list(jax.devices() if devices is None else devices)
+    _positive(memory_limit, "memory_limit")
+    if logical_axes:
+        from multimesh.jax._task import Task
+
+        Task(name="plan_pipeline", logical_axes=logical_axes)  # checks the pairs
+    rows = _batch_rows(example_args, argnum, dim)
+    stages = _stage_counts(num_stages, len(devices))
+    mbs = _microbatch_counts(num_microbatches, rows)
+    machine, notes = _machine(devices, memory_limit, optimizer_state_factor, device_flops,
+                              link_bandwidth, fragment_overhead)
+    fun, args = _nnx_fun(fun, example_args)
+    profile = measure_units(fun, args, 0, min_units=num_stages or 2)
+    notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
+                            f"{len(profile.units)} units")
+    u = profile.units
+    costs = Costs(tuple(x.name for x in u), tuple(x.fwd_flops for x in u),
+                  tuple(x.bwd_flops for x in u), tuple(x.param_bytes for x in u),
+                  tuple(x.residual_bytes for x in u), profile.cut_bytes)
+    choice = search(costs, machine, _fitting(stages, costs.names, num_stages), mbs,
+                    _schedules(schedule))
+    return PipelinePlan(
+        stages=_stages(profile, choice, devices, machine),
+        num_microbatches=choice.num_microbatches, schedule=choice.schedule,
+        predicted_step_time=choice.step_time, batch=(argnum, dim, rows),
+        units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
+                     "bytes_accessed": x.bytes_accessed, "param_bytes": x.param_bytes,
+                     "residual_bytes": x.residual_bytes} for x in u),
+        cut_bytes=profile.cut_bytes, assumptions=notes,
+        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
+
+
+def plan_step(mb, loss, params, batch_avals, mesh):
+    """``parallelize_step(..., num_stages="auto")``: plan ``loss(params, batch)`` on the
+    mesh's devices; returns the microbatch options to use and the plan."""
+    import dataclasses
+
+    fixed = [n for n in ("interleave", "custom_schedule", "unrolling")
+             if getattr(mb, n) is not None]
+    if fixed:
+        raise MultimeshValueError(
+            f"parallelize_step got num_stages='auto' and {', '.join(f'`{n}`' for n in fixed)}"
+            f"; the planner places one contiguous stage per submesh and chooses GPipe or "
+            f"1F1B, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
+            f"write the schedule yourself.")
+    rows = _batch_rows((params, batch_avals), 1, 0)
+    given = mb.num_microbatches
+    if given is None and mb.microbatch_size is not None:
+        given = rows // mb.microbatch_size
+    plan = plan_pipeline(loss, params, batch_avals, devices=list(mesh.devices.flat),
+                         num_microbatches=given, schedule=mb.schedule)
+    return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
+                               num_microbatches=plan.num_microbatches,
+                               schedule=plan.schedule), plan

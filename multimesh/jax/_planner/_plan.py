@@ -1,0 +1,285 @@
+"""``PipelinePlan``: the planner's answer, as rules, code, a table and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+
+__all__ = ["PipelinePlan", "Stage", "Comparison"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its units, its submesh and what the planner predicts for it.
+
+    ``devices`` are device ids, ``positions`` their places in the program's device
+    list (what ``TaskMesh`` takes). ``predicted_time`` is the stage's busy time in one
+    step (all microbatches, forward and backward, transfers included);
+    ``memory_bytes`` its predicted peak per device.
+    """
+
+    index: int
+    units: tuple[str, ...]
+    devices: tuple[int, ...]
+    positions: tuple[int, ...]
+    matcher: str
+    flops: float
+    predicted_time: float
+    param_bytes: int
+    residual_bytes: int
+    live_microbatches: int
+    memory_bytes: float
+
+    @property
+    def task_name(self) -> str:
+        return f"stage{self.index}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _raw(pattern: str) -> str:
+    """``pattern`` as a raw string literal (``repr`` would double its backslashes)."""
+    return f'r"{pattern}"' if '"' not in pattern and not pattern.endswith("\\") else repr(pattern)
+
+
+def _units_text(units: Sequence[str]) -> str:
+    return units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """Stage cuts, submeshes, microbatches and schedule chosen from a model's costs.
+
+    ``with plan:`` (or ``plan.apply()``) registers one ``register_task`` rule per
+    stage, exactly what :meth:`as_code` prints; ``plan.microbatch(grad_fn)`` wraps a
+    gradient function with the plan's microbatches and schedule.
+    """
+
+    stages: tuple[Stage, ...]
+    num_microbatches: int
+    schedule: str
+    predicted_step_time: float
+    batch: tuple[int, int, int]  # (argnum, dim, rows) of the example batch
+    units: tuple[dict, ...]  # per unit: name, fwd_flops, bwd_flops, bytes, params, residuals
+    cut_bytes: tuple[int, ...]
+    assumptions: Mapping[str, Any]
+    logical_axes: tuple[tuple[str, str], ...] = ()
+    """Each stage's ``(logical name, "x")`` pairs: how logical axes map onto the one
+    axis ``x`` of its submesh (empty: identity, so unnamed work is replicated)."""
+    _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch[2] // self.num_microbatches
+
+    # ------------------------------------------------------------------ rules
+
+    def _rules(self):
+        from multimesh.jax._task import Task, TaskMesh
+
+        logical = self.logical_axes or None
+        for st in self.stages:
+            yield st.matcher, Task(name=st.task_name, mesh=TaskMesh(devices=st.positions),
+                                   logical_axes=logical)
+
+    def register(self, context=None) -> None:
+        """Register the plan's rules in ``context`` (default: the module-level one)."""
+        from multimesh.jax import _registrations
+
+        for matcher, task in self._rules():
+            if context is None:
+                _registrations.register_task(matcher, task=task)
+            else:
+                context.register_task(matcher, task=task)
+
+    def apply(self) -> None:
+        """Register the plan's tasks for every program compiled from now on, as
+        ``register_task`` calls at the top level would (``clear_tasks()`` undoes it)."""
+        self.register()
+
+    def __enter__(self) -> PipelinePlan:
+        from multimesh.jax._registrations import Context
+
+        ctx = Context()
+        self.register(ctx)
+        ctx.__enter__()
+        self._contexts.append(ctx)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if not self._contexts:
+            raise MultimeshValueError(
+                "PipelinePlan.__exit__ was called without a matching __enter__; use the "
+                "plan in a `with` statement.")
+        return bool(self._contexts.pop().__exit__(*exc))
+
+    def microbatch(self, fun: Callable) -> Callable:
+        """``fun`` (a gradient function) over the plan's microbatches and schedule."""
+        from multimesh.jax._microbatch import microbatch
+
+        argnum, dim, _ = self.batch
+        return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
+                          schedule=self.schedule)
+
+    def as_code(self) -> str:
+        """The rules and the microbatch call a user would write by hand."""
+        lines = ["import multimesh.jax as mm", ""]
+        for st in self.stages:
+            logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
+            lines.append(f"mm.register_task({_raw(st.matcher)}, task=mm.Task("
+                         f"name={st.task_name!r}, mesh=mm.TaskMesh(devices={st.positions!r})"
+                         f"{logical}))")
+        argnum, dim, _ = self.batch
+        lines += ["", f"step = mm.microbatch(jax.value_and_grad(loss), dim={dim}, "
+                      f"size={self.microbatch_size}, argnum={argnum}, "
+                      f"schedule={self.schedule!r})"]
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ reporting
+
+    def __str__(self) -> str:
+        head = (f"PipelinePlan: {self.num_stages} stages, {self.num_microbatches} "
+                f"microbatches, schedule {self.schedule!r}, predicted step "
+                f"{self.predicted_step_time * 1e3:.3f} ms")
+        rows = [("stage", "units", "devices", "GFLOP", "time (ms)", "params", "memory")]
+        for st in self.stages:
+            rows.append((str(st.index), _units_text(st.units),
+                         ",".join(str(d) for d in st.devices), f"{st.flops / 1e9:.4f}",
+                         f"{st.predicted_time * 1e3:.3f}", _fmt_bytes(st.param_bytes),
+                         _fmt_bytes(st.memory_bytes)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        notes = [f"  {k}: {v}" for k, v in self.assumptions.items()]
+        return "\n".join([head, *table, "assumptions:", *notes])
+
+    def __repr__(self) -> str:
+        return (f"PipelinePlan(stages={[list(s.units) for s in self.stages]}, "
+                f"num_microbatches={self.num_microbatches}, schedule={self.schedule!r})")
+
+    def to_json(self) -> str:
+        """The whole plan as JSON; :meth:`from_json` reads it back."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if not f.name.startswith("_")}
+        d["stages"] = [dataclasses.asdict(s) for s in self.stages]
+        d["assumptions"] = dict(self.assumptions)
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        d = json.loads(text)
+        fields: list[dict[str, Any]] = [
+            {k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}
+            for s in d.pop("stages")]
+        stages = tuple(Stage(**f) for f in fields)
+        return cls(stages=stages, num_microbatches=int(d["num_microbatches"]),
+                   schedule=str(d["schedule"]),
+                   predicted_step_time=float(d["predicted_step_time"]),
+                   batch=(int(d["batch"][0]), int(d["batch"][1]), int(d["batch"][2])),
+                   units=tuple(d["units"]),
+                   cut_bytes=tuple(d["cut_bytes"]), assumptions=dict(d["assumptions"]),
+                   logical_axes=tuple((str(a), str(b)) for a, b in d.get("logical_axes", ())))
+
+    def compare(self, profile) -> Comparison:
+        """Predicted against measured busy time per stage.
+
+        ``profile``: a compiled program after ``compiled.profile(...)``, a
+        :class:`~multimesh.jax.StepProfile` (``compiled.step_profile(...)``: the mean
+        of several steps), a ``TraceRecorder``, or the Perfetto trace JSON that
+        ``compiled.profile(..., trace_path=)`` wrote (a path or the loaded dict).
+        Measured time is the stage's submesh's busy time in the microbatch loop (from a
+        trace: the sum of its fragment slices); each call is timed alone, so it
+        includes dispatch.
+        """
+        steps = getattr(profile, "last_profile", None) or profile
+        if hasattr(steps, "busy") and hasattr(steps, "schedule"):
+            busy = _busy_per_mesh(steps, self.stages)
+        else:
+            busy = _busy_per_submesh(_events(profile))
+        rows = []
+        for st in self.stages:
+            got = busy.get(tuple(sorted(st.devices)))
+            if got is None:
+                raise MultimeshValueError(
+                    f"The profile has no track for stage {st.index}'s submesh (devices "
+                    f"{list(st.devices)}); tracks seen: {sorted(busy)}. Profile the program "
+                    f"compiled under this plan.")
+            rows.append((st.index, st.predicted_time, got))
+        return Comparison(tuple(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Per stage: (index, predicted seconds, measured seconds)."""
+
+    rows: tuple[tuple[int, float, float], ...]
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """measured / predicted per stage."""
+        return tuple(m / p if p else float("inf") for _, p, m in self.rows)
+
+    def __str__(self) -> str:
+        lines = ["stage  predicted (ms)  measured (ms)  measured/predicted"]
+        for (i, p, m), r in zip(self.rows, self.ratios):
+            lines.append(f"{i:<5}  {p * 1e3:>14.3f}  {m * 1e3:>13.3f}  {r:>18.2f}")
+        return "\n".join(lines)
+
+
+_TRACK = re.compile(r"devices ([\d,\s]+)")
+
+
+def _events(profile) -> list[tuple[str, str, float, float, str]]:
+    """(track, name, start, end, category) of every slice in ``profile``."""
+    rec = getattr(profile, "last_trace", profile)
+    if hasattr(rec, "events") and isinstance(rec.events, list):
+        return [(str(e[0]), str(e[1]), float(e[2]), float(e[3]),
+                 str((e[4] if len(e) == 5 else {}).get("cat", "fragment"))) for e in rec.events]
+    if isinstance(rec, (str, os.PathLike)):
+        with open(rec, encoding="utf-8") as f:
+            rec = json.load(f)
+    if isinstance(rec, Mapping) and "traceEvents" in rec:
+        names = {e["tid"]: e["args"]["name"] for e in rec["traceEvents"]
+                 if e.get("name") == "thread_name"}
+        return [(names.get(e["tid"], ""), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+                 e.get("cat", "fragment")) for e in rec["traceEvents"] if e.get("ph") == "X"]
+    raise MultimeshTypeError(
+        f"`PipelinePlan.compare` takes a compiled program after `compiled.profile(...)`, "
+        f"a TraceRecorder or a Perfetto trace (path or dict), got {type(profile).__name__}.")
+
+
+def _busy_per_mesh(steps, stages) -> dict[tuple[int, ...], float]:
+    """A ``StepProfile``'s busy seconds per submesh, keyed by the stages' device ids
+    (its schedule names submeshes by device positions)."""
+    ids = {tuple(sorted(st.positions)): tuple(sorted(st.devices)) for st in stages}
+    out = {}
+    for m, where in enumerate(steps.schedule.devices):
+        key = tuple(sorted(int(p) for p in where))
+        out[ids.get(key, key)] = float(steps.busy(m))
+    return out
+
+
+def _busy_per_submesh(events) -> dict[tuple[int, ...], float]:
+    out: dict[tuple[int, ...], float] = {}
+    for track, name, start, end, cat in events:
+        m = _TRACK.search(track)
+        if m is None or cat != "fragment" or name.startswith("transfer"):
+            continue
+        key = tuple(sorted(int(x) for x in re.findall(r"\d+", m.group(1))))
+        out[key] = out.get(key, 0.0) + (end - start)
+    return out

@@ -1,0 +1,200 @@
+"""The planner's search: contiguous stage cuts, microbatches and schedule (no jax).
+
+For each number of stages ``S`` (dividing the devices evenly, ``d = N / S`` each),
+dynamic programming over the units' prefix sums finds the contiguous cut whose
+slowest stage is fastest, subject to the memory limit (Alpa's inter-operator pass,
+without its submesh-shape search: every stage gets ``d`` devices). Each candidate
+``(S, microbatches, schedule)`` is then run through the schedule simulator with the
+stages' predicted times; the shortest simulated step wins (ties: the order the
+candidates are tried in, so the result is deterministic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from multimesh._src.errors import MultimeshValueError
+from multimesh.schedules import build_schedule, live_activations, pipeline_units
+from multimesh.schedules.costs import simulate_stages
+
+__all__ = ["Costs", "Machine", "Choice", "search", "best_cut"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Per unit (whole batch): forward and backward flops, parameter and residual
+    bytes; per cut between units ``i`` and ``i + 1``: the activation bytes crossing it."""
+
+    names: tuple[str, ...]
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    params: tuple[int, ...]
+    residuals: tuple[int, ...]
+    cuts: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """The hardware model and the limits the plan must respect."""
+
+    num_devices: int
+    device_flops: float  # flop/s of one device
+    link_bandwidth: float  # bytes/s between two submeshes
+    fragment_overhead: float  # seconds per fragment call (launch, dispatch)
+    memory_limit: float | None  # bytes per device
+    optimizer_state_factor: float  # optimizer state bytes per parameter byte
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One plan: stage bounds ``[start, end)`` over the units, and its predictions."""
+
+    num_stages: int
+    bounds: tuple[tuple[int, int], ...]
+    num_microbatches: int
+    schedule: str
+    fwd_time: tuple[float, ...]  # per stage, one microbatch
+    bwd_time: tuple[float, ...]
+    memory: tuple[float, ...]  # per stage, bytes per device at the schedule's peak
+    live: tuple[int, ...]  # per stage, peak microbatches in flight
+    step_time: float  # the simulated step
+
+
+class _Prefix:
+    """Prefix sums of the per-unit figures, so a stage's cost is O(1)."""
+
+    def __init__(self, costs: Costs):
+        acc = itertools.accumulate
+        self.flops = [0.0, *acc(f + b for f, b in zip(costs.fwd, costs.bwd))]
+        self.fwd = [0.0, *acc(costs.fwd)]
+        self.params = [0, *acc(costs.params)]
+        self.residuals = [0, *acc(costs.residuals)]
+        self.cuts = costs.cuts
+        self.n = len(costs.names)
+
+    def cut(self, i: int) -> float:
+        """Bytes crossing the boundary before unit ``i`` (none at the ends)."""
+        return float(self.cuts[i - 1]) if 0 < i < self.n else 0.0
+
+
+def _stage_times(p: _Prefix, m: Machine, d: int, M: int, i: int, j: int):
+    """Forward and backward seconds of units ``[i, j)`` for one microbatch."""
+    rate = m.device_flops * d
+    move = (p.cut(i) + p.cut(j)) / M / m.link_bandwidth
+    fwd = (p.fwd[j] - p.fwd[i]) / M / rate + move + m.fragment_overhead
+    bwd = (p.flops[j] - p.flops[i] - p.fwd[j] + p.fwd[i]) / M / rate + move
+    return fwd, bwd + m.fragment_overhead
+
+
+def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int) -> float:
+    """Bytes per device: parameters, gradients and optimizer state (replicated in the
+    stage), plus ``live`` microbatches of residuals."""
+    params = (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
+    return params + (p.residuals[j] - p.residuals[i]) / M * live
+
+
+def best_cut(n: int, S: int, cost: Callable[[int, int], float],
+             fits: Callable[[int, int, int], bool]) -> tuple[tuple[int, int], ...] | None:
+    """Contiguous split of ``n`` units into ``S`` non-empty stages minimising the
+    largest ``cost(i, j)``, every stage ``k`` with ``fits(k, i, j)``; None if none fits.
+    Ties go to the earliest cut, so the answer is deterministic."""
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(S + 1)]
+    arg = [[-1] * (n + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for k in range(1, S + 1):
+        for j in range(k, n - (S - k) + 1):
+            for i in range(k - 1, j):
+                prev = best[k - 1][i]
+                if prev == inf or not fits(k - 1, i, j):
+                    continue
+                value = max(prev, cost(i, j))
+                if value < best[k][j]:
+                    best[k][j], arg[k][j] = value, i
+    if best[S][n] == inf:
+        return None
+    bounds, j = [], n
+    for k in range(S, 0, -1):
+        i = arg[k][j]
+        bounds.append((i, j))
+        j = i
+    return tuple(reversed(bounds))
+
+
+def _simulate(S: int, M: int, name: str, fwd: Sequence[float], bwd: Sequence[float]) -> float:
+    """The simulated step of ``S`` stages with these per-microbatch times."""
+    return simulate_stages(name, fwd, bwd, num_microbatches=M).step_time
+
+
+def _live(S: int, M: int, name: str) -> tuple[int, ...]:
+    return tuple(max(v, 1) for v in live_activations(build_schedule(pipeline_units(S, M), name)))
+
+
+def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
+    """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``."""
+    d = m.num_devices // S
+    live = _live(S, M, name)
+    # times scale by 1/M alike, so without a memory limit the cut depends on S only
+    key = (S,) if m.memory_limit is None else (S, M, live)
+    if key not in cache:
+        limit = m.memory_limit
+
+        def cost(i, j):
+            f, b = _stage_times(p, m, d, M, i, j)
+            return f + b
+
+        def fits(k, i, j):
+            return limit is None or _stage_memory(p, m, M, live[k], i, j) <= limit
+
+        cache[key] = best_cut(p.n, S, cost, fits)
+    bounds = cache[key]
+    if bounds is None:
+        return None
+    times = [_stage_times(p, m, d, M, i, j) for i, j in bounds]
+    fwd, bwd = tuple(t[0] for t in times), tuple(t[1] for t in times)
+    memory = tuple(_stage_memory(p, m, M, live[k], i, j) for k, (i, j) in enumerate(bounds))
+    return Choice(S, bounds, M, name, fwd, bwd, memory, live, _simulate(S, M, name, fwd, bwd))
+
+
+def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
+           schedules: Sequence[str]) -> Choice:
+    """The fastest feasible plan over the candidates; a clear error when none fits."""
+    p = _Prefix(costs)
+    cache: dict = {}
+    best: Choice | None = None
+    for S in stages:
+        if S > p.n:
+            continue
+        for M in microbatches:
+            for name in schedules:
+                c = _candidate(p, m, S, M, name, cache)
+                if c is not None and (best is None or c.step_time < best.step_time):
+                    best = c
+    if best is None:
+        raise _no_plan(costs, p, m, stages, microbatches)
+    return best
+
+
+def _no_plan(costs: Costs, p: _Prefix, m: Machine, stages, microbatches) -> MultimeshValueError:
+    """Why no candidate fits: the unit too big on its own, or the split as a whole."""
+    M = max(microbatches)
+    need = [_stage_memory(p, m, M, 1, k, k + 1) for k in range(p.n)]
+    worst = max(range(p.n), key=lambda k: need[k])
+    limit = m.memory_limit
+    if need[worst] > (limit or 0):
+        return MultimeshValueError(
+            f"`plan_pipeline` found no plan within memory_limit={limit:,.0f} bytes per "
+            f"device: unit {costs.names[worst]!r} alone needs {need[worst]:,.0f} bytes "
+            f"({costs.params[worst]:,} parameter bytes x {2 + m.optimizer_state_factor:g} "
+            f"for the gradient and optimizer state, plus one microbatch of "
+            f"{costs.residuals[worst] / M:,.0f} residual bytes at {M} microbatches). "
+            f"Raise the limit, shard the unit inside its stage, or split it into smaller "
+            f"named parts.")
+    return MultimeshValueError(
+        f"`plan_pipeline` found no plan within memory_limit={limit:,.0f} bytes per device "
+        f"for {' or '.join(str(s) for s in stages)} stage(s) and {list(microbatches)} "
+        f"microbatches: every unit fits alone (the largest, {costs.names[worst]!r}, needs "
+        f"{need[worst]:,.0f} bytes), but no contiguous split keeps every stage under the "
+        f"limit. Allow more stages or more microbatches, or raise the limit.")

@@ -1,0 +1,266 @@
+"""The planner's units: a model's name-stack units in program order, and their costs.
+
+The step ``value_and_grad(fun)`` is traced once to a jaxpr. Every equation carries
+the name stack ``register_task`` matches (``jvp(LM)/layers_3/Dense_0`` forward,
+``transpose(jvp(LM))/layers_3/...`` backward). Below the root the whole model shares
+(``LM``), each distinct next name is a *unit* (``embed``, ``layers_0``, ..., ``head``);
+a unit whose children are list items (NNX's ``blocks/0``, ``blocks/1``) is split into
+them. Equations outside every unit (the glue between modules) count with the unit
+before them in their direction. Each unit's forward and backward equations are
+lowered on their own and costed by XLA's cost analysis (identical units, e.g. the
+blocks of a stack, are costed once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from multimesh._src.errors import MultimeshValueError
+from multimesh.jax._module_names import module_names
+
+__all__ = ["UnitCost", "Profile", "measure_units", "unit_matcher"]
+
+_WRAPPED = re.compile(r"^[\w.-]+\((.*)\)$")
+_BACKWARD = "transpose("
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """What one unit costs for the whole example batch (one step, no microbatching)."""
+
+    name: str
+    fwd_flops: float
+    bwd_flops: float
+    bytes_accessed: float
+    param_bytes: int
+    residual_bytes: int  # forward values the backward reads (held per microbatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """The units of a step, in program order, and the bytes crossing each cut."""
+
+    root: tuple[str, ...]
+    units: tuple[UnitCost, ...]
+    cut_bytes: tuple[int, ...]  # cut_bytes[i]: activations from units <= i read after
+    source: str
+
+
+def _parts(stack: str) -> tuple[tuple[str, ...], bool]:
+    """A name stack's components with jax's transform wrappers removed, and whether
+    it belongs to the backward pass."""
+    out = []
+    for comp in stack.split("/") if stack else ():
+        while (m := _WRAPPED.match(comp)) is not None:
+            comp = m.group(1)
+        if comp:
+            out.append(comp)
+    return tuple(out), _BACKWARD in stack
+
+
+def _root(paths: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+    """The longest prefix under which every named equation lives, with one child at
+    most per level (the model's own scope: ``LM``; empty for a plain function)."""
+    root: tuple[str, ...] = ()
+    while True:
+        below = [p for p in paths if len(p) > len(root)]
+        kids = {p[len(root)] for p in below}
+        if len(kids) != 1 or any(p[:len(root)] != root for p in below):
+            return root
+        if not any(len(p) > len(root) + 1 for p in below):
+            return root
+        root = (*root, kids.pop())
+
+
+def _unit_names(paths: Sequence[tuple[str, ...]], root: tuple[str, ...]) -> list[str]:
+    """Units below ``root`` in order of first appearance; list items split out."""
+    names: list[str] = []
+    for p in paths:
+        if len(p) > len(root) and p[:len(root)] == root:
+            head = p[len(root)]
+            child = p[len(root) + 1] if len(p) > len(root) + 1 else None
+            name = f"{head}/{child}" if child is not None and child.isdigit() else head
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _unit_of(path: tuple[str, ...], root: tuple[str, ...], index: dict[str, int]) -> int | None:
+    """The unit whose name is the longest prefix of ``path`` below ``root``."""
+    if len(path) <= len(root) or path[:len(root)] != root:
+        return None
+    below = path[len(root):]
+    for k in range(len(below), 0, -1):
+        hit = index.get("/".join(below[:k]))
+        if hit is not None:
+            return hit
+    return None
+
+
+def _refine(names: list[str], paths: Sequence[tuple[str, ...]], root: tuple[str, ...],
+            want: int) -> list[str]:
+    """Split the unit with the most forward equations into its children (in program
+    order) until there are ``want`` units or none can be split."""
+    names = list(names)
+    while len(names) < want:
+        kids: dict[str, list[str]] = {}
+        weight: dict[str, int] = {}
+        for p in paths:
+            below = "/".join(p[len(root):])
+            for n in names:
+                if below == n or below.startswith(n + "/"):
+                    weight[n] = weight.get(n, 0) + 1
+                    rest = below[len(n) + 1:].split("/")[0] if below != n else ""
+                    if rest and f"{n}/{rest}" not in kids.setdefault(n, []):
+                        kids[n].append(f"{n}/{rest}")
+        split = [n for n in names if len(kids.get(n, ())) > 1]
+        if not split:
+            return names
+        big = max(split, key=lambda n: weight[n])
+        at = names.index(big)
+        names[at:at + 1] = kids[big]
+    return names
+
+
+def unit_matcher(root: Sequence[str], units: Sequence[str]) -> str:
+    """The ``register_task`` regular expression that claims exactly ``units``: their
+    names right below ``root`` in a name stack, forward and backward."""
+    lead = "".join(re.escape(r) + r"\)*/" for r in root)
+    # jax wraps the stack's first name in its transforms: jvp(enc)/layer0
+    alts = "|".join(r"\)*/".join(re.escape(c) for c in u.split("/")) for u in units)
+    return rf"(?:^|[/(]){lead}({alts})(?=[/)]|$)"
+
+
+def _nbytes(aval) -> int:
+    shape = getattr(aval, "shape", ())
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return 0
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _trace(fun, args, params_argnum: int):
+    """``value_and_grad(fun)``'s jaxpr, NNX modules named as ``mjit`` names them."""
+    roots = [a for a in jax.tree.leaves(args, is_leaf=_is_nnx) if _is_nnx(a)]
+    with module_names(*roots):
+        return jax.make_jaxpr(jax.value_and_grad(fun, argnums=params_argnum))(*args)
+
+
+def _is_nnx(x) -> bool:
+    return type(x).__module__.startswith("flax.nnx") or any(
+        c.__module__.startswith("flax.nnx") for c in type(x).__mro__[1:])
+
+
+def _assign(eqns, root, index, n) -> list[tuple[int, bool]]:
+    """Per equation: its unit and direction (glue goes with the unit before it)."""
+    last = {False: 0, True: n - 1}
+    out = []
+    for e in eqns:
+        path, bwd = _parts(str(e.source_info.name_stack))
+        u = _unit_of(path, root, index)
+        u = last[bwd] if u is None else u
+        last[bwd] = u
+        out.append((u, bwd))
+    return out
+
+
+def _cost(eqns, cache: dict) -> tuple[float, float]:
+    """XLA's flops and bytes accessed for ``eqns`` lowered as one function."""
+    if not eqns:
+        return 0.0, 0.0
+    defined = {v for e in eqns for v in e.outvars if not isinstance(v, jcore.DropVar)}
+    ins: list = []
+    for e in eqns:
+        for v in e.invars:
+            if isinstance(v, jcore.Var) and v not in defined and v not in ins:
+                ins.append(v)
+    outs = [v for e in eqns for v in e.outvars if not isinstance(v, jcore.DropVar)]
+    dbg = jcore.DebugInfo("plan_pipeline", "a unit's equations",
+                          tuple(f"in{k}" for k in range(len(ins))),
+                          tuple(f"out{k}" for k in range(len(outs))))
+    jaxpr = jcore.Jaxpr([], ins, outs, list(eqns), debug_info=dbg)
+    closed = jcore.ClosedJaxpr(jaxpr, [])
+    key = str(closed)
+    if key not in cache:
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
+        fn = jcore.jaxpr_as_fun(closed)
+        info = jax.jit(fn).lower(*avals).cost_analysis() or {}
+        cache[key] = (float(info.get("flops", 0.0)), float(info.get("bytes accessed", 0.0)))
+    return cache[key]
+
+
+def _param_bytes(eqns, where, params: set, n: int) -> list[int]:
+    """Per unit, the bytes of the parameters its forward reads (a shared one counts
+    in every unit that reads it: each stage holds its own copy)."""
+    out = [0] * n
+    seen: set = set()
+    for e, (u, bwd) in zip(eqns, where):
+        for v in e.invars:
+            if not bwd and isinstance(v, jcore.Var) and v in params and (v, u) not in seen:
+                seen.add((v, u))
+                out[u] += _nbytes(v.aval)
+    return out
+
+
+def _flows(eqns, where, n: int) -> tuple[list[int], tuple[int, ...]]:
+    """Residual bytes per unit (forward values the backward reads) and the activation
+    bytes over each cut (forward values read by a later unit's forward)."""
+    made: dict = {}
+    residual = [0] * n
+    reach: dict = {}  # forward value -> the last unit whose forward reads it
+    held: set = set()
+    for e, (u, bwd) in zip(eqns, where):
+        for v in e.invars:
+            src = made.get(v) if isinstance(v, jcore.Var) else None
+            if src is None:
+                continue
+            if bwd and v not in held:
+                held.add(v)
+                residual[src] += _nbytes(v.aval)
+            elif not bwd and u > src:
+                reach[v] = max(reach.get(v, u), u)
+        if not bwd:
+            made.update((v, u) for v in e.outvars)
+    cuts = np.zeros(max(n - 1, 0), dtype=np.int64)
+    for v, last in reach.items():
+        cuts[made[v]:last] += _nbytes(v.aval)
+    return residual, tuple(int(c) for c in cuts)
+
+
+def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 2) -> Profile:
+    """Trace ``value_and_grad(fun)(*args)`` and cost its name-stack units (split
+    finer, heaviest first, while there are fewer than ``min_units``)."""
+    closed = _trace(fun, tuple(args), params_argnum)
+    eqns = closed.jaxpr.eqns
+    fwd_paths = [p for p, bwd in (_parts(str(e.source_info.name_stack)) for e in eqns)
+                 if p and not bwd]
+    root = _root(fwd_paths)
+    names = _refine(_unit_names(fwd_paths, root), fwd_paths, root, min_units)
+    if len(names) < 2:
+        raise MultimeshValueError(
+            f"`plan_pipeline` found {len(names)} unit(s) ({names}) in the step's name "
+            f"stack below {'/'.join(root) or 'the top level'}; a pipeline needs at least two. "
+            f"Name the model's parts: Flax submodules, NNX attributes or "
+            f"`jax.named_scope` blocks.")
+    index = {name: k for k, name in enumerate(names)}
+    where = _assign(eqns, root, index, len(names))
+    leaves = jax.tree.leaves(args[params_argnum])
+    n_before = sum(len(jax.tree.leaves(a)) for a in args[:params_argnum])
+    params = set(closed.jaxpr.invars[n_before:n_before + len(leaves)])
+    param_bytes = _param_bytes(eqns, where, params, len(names))
+    residual, cuts = _flows(eqns, where, len(names))
+    cache: dict = {}
+    units = []
+    for k, name in enumerate(names):
+        fwd = [e for e, (u, b) in zip(eqns, where) if u == k and not b]
+        bwd = [e for e, (u, b) in zip(eqns, where) if u == k and b]
+        ff, fb = _cost(fwd, cache)
+        bf, bb = _cost(bwd, cache)
+        units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k]))
+    return Profile(root, tuple(units), cuts, "XLA cost analysis of each unit's equations")
