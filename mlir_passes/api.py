@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from multimesh._src.errors import PipelineError
 
-from . import get_all_passes
 from .base import ModulePass
 from .import_mpmd import parse_mesh_tensor, read_topology
 from .match_tasks import Rule, RuleTask, compile_matcher, find_matches
 from .pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
+from .registry import get_all_passes
 from .schedule_fragments import read_schedule, schedule_from_order
 
 __all__ = ["PipelineOptions", "SplitBackward", "build_pipeline", "Pipeline", "PipelineHooks",

@@ -100,8 +100,7 @@ class ImportMpmdPass(ModulePass):
                         module.operation.location)
                 if not positions:
                     positions, source = recorded, f"'{MESHES_ATTR}'"
-            plan = _Importer(module, positions, source).check()
-            plan.rewrite()
+            _Rewriter(_Importer(module, positions, source).check()).rewrite()
 
 
 MESHES_ATTR = c.MESHES_ATTR
@@ -327,6 +326,29 @@ def _memory_kind_error(kind: str, what: str, loc) -> DiagnosticError:
         f"(no host offloading)", loc)
 
 
+
+def _unsupported(op: ir.Operation) -> DiagnosticError:
+    """The error for an op that cannot be in @main, saying what to do first."""
+    if op.name in ("mpmd.reduce", "mpmd.broadcast"):
+        return DiagnosticError(
+            f"'{op.name}' in @main: a cross-mesh {op.name[5:]} cannot run as an op "
+            f"(multimesh's runtime has no cross-mesh collectives); Shardy's partitioner "
+            f"lowers it into transfers and fragments, so partition with phases=ALL first",
+            op.location)
+    if op.name == "mpmd.for":
+        return DiagnosticError(
+            "'mpmd.for' in @main: multimesh runs flat programs of fragment calls and "
+            "transfers; unroll the loop before partitioning (e.g. one mpmd.call per "
+            "microbatch)", op.location)
+    if op.name in _UNPARTITIONED:
+        return DiagnosticError(
+            f"'{op.name}' in @main: the module is not partitioned yet; run Shardy's "
+            f"apply_mpmd_partitioning with phases=ALL first", op.location)
+    return DiagnosticError(
+        f"'{op.name}' in @main cannot run: multimesh runs only 'mpmd.fragment_call', "
+        f"'mpmd.transfer' and 'return' there", op.location)
+
+
 @dataclass
 class _Fragment:
     fn: ir.Operation
@@ -339,7 +361,7 @@ class _Fragment:
 
 
 class _Importer:
-    """Checks everything first (:meth:`check`), then rewrites (:meth:`rewrite`)."""
+    """Checks everything first (:meth:`check`); :class:`_Rewriter` then rewrites."""
 
     def __init__(self, module: ir.Module, positions: dict[str, tuple[int, ...]],
                  source: str):
@@ -350,8 +372,6 @@ class _Importer:
         self._types: dict[ir.Type, MeshTensor | None] = {}
         self._layouts: dict[tuple, tuple] = {}
         self._checked: set[tuple] = set()
-
-    # ---------------------------------------------------------------- checking
 
     def check(self) -> _Importer:
         module = self.module
@@ -368,7 +388,7 @@ class _Importer:
         ops = [o.operation for o in block.operations]
         for op in ops:
             if op.name not in _MAIN_OPS:
-                raise self._unsupported(op)
+                raise _unsupported(op)
         self.arg_types = self._arg_types()
         self.topology = read_topology(main)
         self.calls = [op for op in ops if op.name == "mpmd.fragment_call"]
@@ -415,26 +435,6 @@ class _Importer:
                     raise _memory_kind_error(attr_to_py(d[key]), what, main.location)
             self._check_value(mt, what, main.location)
             self.value_mesh[a] = mt
-
-    def _unsupported(self, op: ir.Operation) -> DiagnosticError:
-        if op.name in ("mpmd.reduce", "mpmd.broadcast"):
-            return DiagnosticError(
-                f"'{op.name}' in @main: a cross-mesh {op.name[5:]} cannot run as an op "
-                f"(multimesh's runtime has no cross-mesh collectives); Shardy's partitioner "
-                f"lowers it into transfers and fragments, so partition with phases=ALL first",
-                op.location)
-        if op.name == "mpmd.for":
-            return DiagnosticError(
-                "'mpmd.for' in @main: multimesh runs flat programs of fragment calls and "
-                "transfers; unroll the loop before partitioning (e.g. one mpmd.call per "
-                "microbatch)", op.location)
-        if op.name in _UNPARTITIONED:
-            return DiagnosticError(
-                f"'{op.name}' in @main: the module is not partitioned yet; run Shardy's "
-                f"apply_mpmd_partitioning with phases=ALL first", op.location)
-        return DiagnosticError(
-            f"'{op.name}' in @main cannot run: multimesh runs only 'mpmd.fragment_call', "
-            f"'mpmd.transfer' and 'return' there", op.location)
 
     def _read_fragment(self, name: str, call: ir.Operation) -> _Fragment:
         fn = self.funcs.get(name)
@@ -589,7 +589,18 @@ class _Importer:
                     f"{frag.results[k].get('sdy.sharding', 'replicated')}", call.location)
             self.value_mesh[r] = mt
 
-    # ---------------------------------------------------------------- rewriting
+
+class _Rewriter:
+    """Rewrites a checked program (:class:`_Importer`) into multimesh's MPMD form."""
+
+    def __init__(self, checked: _Importer):
+        # What _Importer.check() read and verified; only rewritten here.
+        self.module, self.positions = checked.module, checked.positions
+        self.main, self.block, self.ret = checked.main, checked.block, checked.ret
+        self.funcs, self.sdy_meshes = checked.funcs, checked.sdy_meshes
+        self.mesh_shapes, self.fragments = checked.mesh_shapes, checked.fragments
+        self.arg_types, self.value_mesh = checked.arg_types, checked.value_mesh
+        self.calls, self.transfers = checked.calls, checked.transfers
 
     def rewrite(self) -> None:
         taken = set(self.funcs) | set(self.sdy_meshes)

@@ -23,8 +23,8 @@ from multimesh._src.brackets import UnbalancedError, split_top
 from multimesh._src.errors import DiagnosticError, PipelineError
 from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
 
-from . import get_all_passes
 from .base import VERIFY_EACH_ENV, ModulePass, run_verifier, verify_each_pass
+from .registry import get_all_passes
 
 __all__ = ["Pipeline", "NativeStep", "parse_pipeline", "PipelineHooks", "verify_each_pass",
            "VERIFY_EACH_ENV"]

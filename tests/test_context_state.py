@@ -11,7 +11,7 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshError
-from multimesh.jax import _contexts, _multimesh
+from multimesh.jax import _contexts, _global_mesh, _multimesh, _registrations
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +19,7 @@ def _clean():
     mm.clear_tasks()
     yield
     mm.clear_tasks()
-    assert len(_multimesh._local.frames) == 1 and _multimesh.active_multimesh() is None
+    assert len(_registrations._local.frames) == 1 and _global_mesh.active_multimesh() is None
     assert _contexts.state.autoshard is False and not _contexts.state.overrides
 
 
@@ -54,13 +54,13 @@ def test_multimeshes_exited_out_of_order_restore_autoshard():
     a.__enter__()
     b.__enter__()
     assert _contexts.state.autoshard
-    assert _multimesh.active_multimesh() is b
+    assert _global_mesh.active_multimesh() is b
     a.__exit__(None, None, None)  # out of order
     assert _contexts.state.autoshard, "b is still open"
-    assert _multimesh.active_multimesh() is b
+    assert _global_mesh.active_multimesh() is b
     b.__exit__(None, None, None)
     assert _contexts.state.autoshard is False
-    assert _multimesh.active_multimesh() is None
+    assert _global_mesh.active_multimesh() is None
 
 
 def test_out_of_order_exit_interleaved_with_autoshard_contexts():
@@ -81,9 +81,9 @@ def test_registrations_of_an_out_of_order_exit_are_gone():
     a.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     a.__enter__()
     b.__enter__()
-    assert [r.matcher for r in _multimesh.active_registrations()] == ["layer0"]
+    assert [r.matcher for r in _registrations.active_registrations()] == ["layer0"]
     a.__exit__(None, None, None)
-    assert _multimesh.active_registrations() == []
+    assert _registrations.active_registrations() == []
     b.__exit__(None, None, None)
 
 
@@ -204,8 +204,8 @@ def test_a_multimesh_entered_in_another_thread_leaves_this_threads_placement_alo
     assert entered.wait(120)
     try:
         assert "error" not in seen, seen.get("error")
-        assert _multimesh.active_multimesh() is None
-        assert _multimesh.active_registrations() == []
+        assert _global_mesh.active_multimesh() is None
+        assert _registrations.active_registrations() == []
         assert _contexts.state.autoshard is False
         g = grad(ws, x)  # while the other thread's MultiMesh is open
         assert [_ids(a) for a in g] == [list(range(8))] * 2
@@ -223,7 +223,7 @@ def test_global_registrations_are_shared_by_threads():
     mm.register_task("layer0", task=mm.Task(mesh=_mesh(1)))
     seen = {}
     t = threading.Thread(target=lambda: seen.update(
-        regs=[r.matcher for r in _multimesh.active_registrations()]))
+        regs=[r.matcher for r in _registrations.active_registrations()]))
     t.start()
     t.join()
     assert seen["regs"] == ["layer0"]
@@ -238,14 +238,14 @@ def test_registering_into_a_context_entered_in_another_thread_reaches_it():
         with ctx:
             entered.set()
             registered.wait(60)
-            seen["regs"] = [r.matcher for r in _multimesh.active_registrations()]
+            seen["regs"] = [r.matcher for r in _registrations.active_registrations()]
         done.set()
 
     t = threading.Thread(target=other)
     t.start()
     assert entered.wait(60)
     ctx.register_task("layer1", task=mm.Task(mesh=_mesh(0)))
-    assert _multimesh.active_registrations() == []  # not entered in this thread
+    assert _registrations.active_registrations() == []  # not entered in this thread
     registered.set()
     t.join(60)
     assert seen["regs"] == ["layer1"]

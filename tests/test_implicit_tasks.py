@@ -33,18 +33,18 @@ from multimesh._src.errors import (
     PipelineError,
 )
 from multimesh._src.mlir import make_context, parse_module
-from multimesh.jax import _multimesh
+from multimesh.jax import _global_mesh, _implicit_tasks, _registrations
 from multimesh.jax import with_sharding_constraint as wsc
 
 
 @pytest.fixture(autouse=True)
 def _clean_registry():
     mm.clear_tasks()
-    depth = len(_multimesh._local.frames)
+    depth = len(_registrations._local.frames)
     yield
     mm.clear_tasks()
-    assert len(_multimesh._local.frames) == depth, "a test left a Context entered"
-    assert _multimesh.active_multimesh() is None
+    assert len(_registrations._local.frames) == depth, "a test left a Context entered"
+    assert _global_mesh.active_multimesh() is None
 
 
 def f(param, x):
@@ -474,14 +474,14 @@ def test_innermost_context_first_then_registration_order():
     outer.register_task("b", task=mm.Task(mesh_slice={"stage": 0}))
     inner.register_task("c", task=mm.Task(mesh_slice={"stage": 0}))
     inner.register_task("d", task=mm.Task(mesh_slice={"stage": 0}))
-    assert _names(_multimesh.active_registrations()) == ["a"]
+    assert _names(_registrations.active_registrations()) == ["a"]
     with outer:
         with inner:
-            assert _names(_multimesh.active_registrations()) == ["c", "d", "b", "a"]
+            assert _names(_registrations.active_registrations()) == ["c", "d", "b", "a"]
             mm.register_task("e", task=mm.Task(mesh_slice={"stage": 0}))  # goes to `inner`
-            assert _names(_multimesh.active_registrations()) == ["c", "d", "e", "b", "a"]
-        assert _names(_multimesh.active_registrations()) == ["b", "a"]
-    assert _names(_multimesh.active_registrations()) == ["a"]
+            assert _names(_registrations.active_registrations()) == ["c", "d", "e", "b", "a"]
+        assert _names(_registrations.active_registrations()) == ["b", "a"]
+    assert _names(_registrations.active_registrations()) == ["a"]
     assert _names(inner.registered) == ["c", "d", "e"]
 
 
@@ -491,10 +491,10 @@ def test_clear_tasks_and_re_entering_a_context():
     mm.register_task("a", task=mm.Task(mesh_slice={"stage": 0}))
     with ctx:
         mm.clear_tasks()
-        assert _multimesh.active_registrations() == []
-    assert _multimesh.active_registrations() == []  # the global "a" is gone for good
+        assert _registrations.active_registrations() == []
+    assert _registrations.active_registrations() == []  # the global "a" is gone for good
     with ctx:  # a context's own registrations come back when it is entered again
-        assert _names(_multimesh.active_registrations()) == ["b"]
+        assert _names(_registrations.active_registrations()) == ["b"]
 
 
 def test_tasks_configurable_scopes_registrations():
@@ -505,10 +505,10 @@ def test_tasks_configurable_scopes_registrations():
             mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
 
     with mm.tasks(Config):
-        assert _names(_multimesh.active_registrations()) == ["layer0"]
-    assert _multimesh.active_registrations() == []
+        assert _names(_registrations.active_registrations()) == ["layer0"]
+    assert _registrations.active_registrations() == []
     with mm.tasks():
-        assert _multimesh.active_registrations() == []
+        assert _registrations.active_registrations() == []
 
 
 def test_inner_context_overrides_outer_registration():
@@ -543,7 +543,7 @@ def test_mjit_recompiles_when_registrations_change():
 def test_ignore_transforms_turns_matching_off():
     mm.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
     with mm.ignore_transforms():
-        assert _multimesh.implicit_task_rules("module {}") is None
+        assert _implicit_tasks.implicit_task_rules("module {}") is None
 
 
 # --------------------------------------------------------------------------- MultiMesh
@@ -574,11 +574,11 @@ def test_multimesh_enter_and_decorator():
     @multi_mesh
     def inside():
         assert _contexts.state.autoshard
-        assert _multimesh.active_multimesh() is multi_mesh
+        assert _global_mesh.active_multimesh() is multi_mesh
         return True
 
     assert inside()
-    assert _multimesh.active_multimesh() is None and not _contexts.state.autoshard
+    assert _global_mesh.active_multimesh() is None and not _contexts.state.autoshard
 
 
 def test_explicit_task_with_mesh_slice():

@@ -7,6 +7,8 @@ mlir_passes/) -> runtime
 it imports only multimesh._src and never the MLIR bindings. Imports only point down,
 only ``multimesh/_src/mlir.py`` imports jaxlib's MLIR bindings, and only
 ``multimesh/_src/jax_compat.py`` touches jax's internals (``jax._src``, ``jaxlib._*``).
+Within a layer too, no two library modules import each other, directly or around a
+cycle, function-local imports included (``import_graph``).
 """
 
 from __future__ import annotations
@@ -135,42 +137,130 @@ def test_the_pass_package_is_the_mlir_passes_folder():
     assert pathlib.Path(multimesh.passes.__file__).resolve() == ROOT / "mlir_passes" / "__init__.py"
 
 
-def _runtime_graph() -> dict[str, set[str]]:
-    """Module -> the ``multimesh.runtime`` modules it imports, at any depth of its code
-    (function-local imports too); ``from pkg import sub`` counts as importing ``pkg.sub``."""
-    names = {m for m, _ in MODULES if m.startswith("multimesh.runtime.")}
-    graph: dict[str, set[str]] = {}
-    for name, path in MODULES:
-        if name not in names:
-            continue
-        edges = graph.setdefault(name, set())
+def import_graph(modules) -> dict[str, dict[str, tuple[pathlib.Path, int]]]:
+    """Module -> {library module it imports: (file, line)}, over ``modules`` (name, path).
+
+    Every import statement counts, at any depth of the code: function-local imports
+    and ``if TYPE_CHECKING:`` ones too (a dependency hidden in a function body is still
+    a dependency). Relative imports are resolved. ``import a.b.c`` is an edge to
+    ``a.b.c``; ``from a.b import c`` is an edge to ``a.b.c`` when that is a module, else
+    to ``a.b`` (a name defined by the package's ``__init__``). A package's ``__init__``
+    importing its submodules is an edge like any other, so a submodule that imports its
+    own package (``import multimesh.jax as mm`` under ``multimesh/jax/``) closes a cycle.
+    Not counted: the parent packages Python initialises before a submodule
+    (``import a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first); with them every
+    package that re-exports its submodules would be a cycle (docs/architecture.md).
+    """
+    modules = dict(modules)
+    graph: dict[str, dict[str, tuple[pathlib.Path, int]]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
             if isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name in names)
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & names
-                edges.update(subs or ({node.module} & names))
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package[:len(package) - node.level + 1],
+                                     *([node.module] if node.module else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    edges.setdefault(target, (path, node.lineno))
     return graph
 
 
-def test_no_import_cycle_in_the_runtime():
-    """The runtime's modules import each other in one direction only (no mutual imports
-    hidden in function bodies): steps <- distributed <- executor, for instance."""
-    graph = _runtime_graph()
-    assert {"multimesh.runtime.executor", "multimesh.runtime.steps"} <= set(graph)
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
+def import_cycles(graph) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected group of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph.get(m, ())):
-            assert state.get(n) != 1, f"import cycle: {' -> '.join([*path, m, n])}"
-            if n not in state:
-                visit(n, [*path, m])
-        state[m] = 2
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
 
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [_cycle_in(graph, group) for group in groups]
+
+
+def _cycle_in(graph, group: set[str]) -> list[str]:
+    """A shortest cycle through the first module of ``group`` (breadth first)."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    return [*paths[v], start]
+                if w in group and w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")  # pragma: no cover
+
+
+def _describe(graph, cycle: list[str]) -> str:
+    steps = []
+    for a, b in zip(cycle, cycle[1:]):
+        path, line = graph[a][b]
+        steps.append(f"{a} -> {b} ({path.relative_to(ROOT)}:{line})")
+    return "import cycle: " + "; ".join(steps)
+
+
+def test_no_import_cycle_in_the_library():
+    """The library's modules (multimesh/ and mlir_passes/) import each other in one
+    direction only: no mutual imports, not even hidden in function bodies."""
+    graph = import_graph(MODULES)
+    assert {"multimesh.runtime.executor", "multimesh.jax._mjit"} <= set(graph)
+    cycles = import_cycles(graph)
+    assert not cycles, "\n".join(_describe(graph, c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_hidden_cycle(tmp_path):
+    """The check itself: a mutual import hidden in a function body (and written
+    relatively), and a submodule that imports its own package, are each found."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    files = {
+        "__init__.py": "from pkg.a import f\nfrom pkg import d\n",
+        "a.py": "def f():\n    from pkg import b\n    return b\n",
+        "b.py": "from .a import f\n",
+        "c.py": "import pkg\n",
+        "d.py": "from pkg import c\n",
+        "e.py": "import pkg.a\n",  # imports a; pkg/__init__ runs first, not counted
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    modules = [("pkg" if n == "__init__.py" else f"pkg.{n[:-3]}", pkg / n) for n in files]
+    graph = import_graph(modules)
+    assert graph["pkg.a"] == {"pkg.b": (pkg / "a.py", 2)}
+    assert set(graph["pkg"]) == {"pkg.a", "pkg.d"} and set(graph["pkg.e"]) == {"pkg.a"}
+    assert sorted(import_cycles(graph)) == [["pkg", "pkg.d", "pkg.c", "pkg"],
+                                            ["pkg.a", "pkg.b", "pkg.a"]]
 
 
 DOOR = "multimesh.passes.api"

@@ -182,7 +182,7 @@ def test_stages_follow_the_pipeline():
     """stage_of reads each form of docs/ir.md as the default pipeline produces it."""
     from multimesh.passes._stages import stage_of
 
-    from multimesh.jax._mjit import default_pipeline
+    from multimesh.jax._pipeline import default_pipeline
 
     text = """
     func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {

@@ -21,7 +21,7 @@ from multimesh.passes.base import ModulePass
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshValueError, PipelineError
-from multimesh.jax import _mjit
+from multimesh.jax import _pipeline
 from multimesh.jax._trace_notes import TraceNotes
 
 HEAD = ("mm-import-gspmd,mm-inline-tasks,mm-assign-tasks{num-devices=8},"
@@ -44,7 +44,7 @@ def test_a_plain_program_runs_the_default_passes():
     pipe = build_pipeline(PipelineOptions(8))
     assert all(isinstance(s, ModulePass) for s in pipe.steps)
     assert str(pipe) == f"builtin.module({HEAD},mm-propagate-shardings,{TAIL})"
-    assert _mjit.default_pipeline(8) == str(pipe)
+    assert _pipeline.default_pipeline(8) == str(pipe)
 
 
 @pytest.mark.parametrize("options,middle", [

@@ -16,7 +16,7 @@ from multimesh.passes.insert_transfers import InsertTransfersPass
 import multimesh.jax as mm
 from multimesh._src.errors import PassFailure
 from multimesh._src.mlir import ir
-from multimesh.jax import _mjit
+from multimesh.jax import _compiled, _lowered, _pipeline_runner
 from multimesh.tools import mm_opt
 
 
@@ -50,9 +50,10 @@ def test_compiling_prints_nothing(monkeypatch):
     """A successful compile never prints the module (printing costs as much as parsing);
     the final program is printed only when asked for."""
     printed = []
-    real = _mjit.print_module
-    monkeypatch.setattr(_mjit, "print_module",
-                        lambda *a, **k: printed.append(1) or real(*a, **k))
+    real = _compiled.print_module
+    for module in (_compiled, _lowered, _pipeline_runner):
+        monkeypatch.setattr(module, "print_module",
+                            lambda *a, **k: printed.append(1) or real(*a, **k))
     loss, ws, x = _two_stage()
     compiled = mm.mjit(jax.value_and_grad(loss)).lower(ws, x).compile()
     assert printed == []

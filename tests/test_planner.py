@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 import multimesh.jax as mm
-from multimesh.jax import _multimesh
+from multimesh.jax import _registrations
 from multimesh.jax import flax as mmf
 
 D, MLP, TOKENS, ROWS = 32, 224, 16, 8
@@ -234,7 +234,7 @@ def test_linen_parallelize_step_auto():
 
 def _live_rules():
     """The registrations in effect at the top level (no context entered)."""
-    return list(_multimesh._local.frames[-1].live)
+    return list(_registrations._local.frames[-1].live)
 
 
 def test_plan_table_code_and_json(lm2048):

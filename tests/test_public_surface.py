@@ -70,6 +70,40 @@ def test_every_error_class_of_the_library_is_public():
         assert getattr(mm_errors, name).__name__ == name
 
 
+def _library_modules() -> list[str]:
+    """Every module of the library, by the name it is imported under."""
+    names = []
+    for top, package in (("multimesh", "multimesh"), ("mlir_passes", "multimesh.passes")):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT / top).with_suffix("").parts
+            names.append(".".join([package, *(p for p in parts if p != "__init__")]))
+    return names
+
+
+def _subclasses(cls) -> set[type]:
+    out = set()
+    for sub in cls.__subclasses__():
+        out |= {sub, *_subclasses(sub)}
+    return out
+
+
+def test_every_error_class_anywhere_in_the_library_is_public():
+    """Any ``MultimeshError`` or ``MultimeshWarning`` subclass that a library module
+    defines (not only those in ``_src/errors.py``) is in ``multimesh.jax.errors``, as
+    jax's ``jax.errors`` names jax's; a private (``_``) class is a signal, not an error."""
+    import importlib
+
+    for name in _library_modules():
+        importlib.import_module(name)
+    classes = {c for base in (mm_errors.MultimeshError, mm_errors.MultimeshWarning)
+               for c in _subclasses(base)
+               if c.__module__.startswith("multimesh.") and not c.__name__.startswith("_")}
+    assert {"ScheduleError", "SourceError", "PassFailure"} <= {c.__name__ for c in classes}
+    missing = sorted(f"{c.__module__}.{c.__name__}" for c in classes
+                     if getattr(mm_errors, c.__name__, None) is not c)
+    assert not missing, f"not re-exported by multimesh.jax.errors: {missing}"
+
+
 def test_errors_are_caught_by_their_builtin_and_public_class():
     with pytest.raises(mm_errors.MeshError) as ei:
         mm.TaskMesh(devices=range(6), axis_names=("x", "y"), axis_sizes=(2, 2))
@@ -320,7 +354,7 @@ def test_schedule_cost_names_are_public():
                  "residual_bytes"):
         assert getattr(mm, name) is getattr(_costs, name)
     assert "schedule-costs.md" in (ROOT / "README.md").read_text()
-    from multimesh.jax._mjit import MpmdCompiled
+    from multimesh.jax._compiled import MpmdCompiled
 
     assert callable(MpmdCompiled.step_profile)
 

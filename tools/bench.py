@@ -263,7 +263,8 @@ def _p4(num_ops: int, reps: int = 1) -> dict[str, float]:
     from multimesh.passes.pipeline import parse_pipeline
 
     from multimesh._src.mlir import make_context, parse_module, print_module
-    from multimesh.jax._mjit import default_pipeline, run_pipeline
+    from multimesh.jax._pipeline import default_pipeline
+    from multimesh.jax._pipeline_runner import run_pipeline
 
     text = generate_module(num_ops)
     pipeline = default_pipeline(8)
@@ -431,7 +432,7 @@ def _p5(reps: int) -> dict[str, float]:
 
     from multimesh._src.mlir import ir, make_context, parse_module, py_to_attr
     from multimesh.jax import mjit
-    from multimesh.jax._mjit import run_pipeline
+    from multimesh.jax._pipeline_runner import run_pipeline
 
     program = sdy_mpmd.TwoStage(4, width=64, batch=16, m1=(("x", 4),), m2=(("x", 4),))
     params, xs = program.args()

@@ -55,6 +55,15 @@ class IRContractError(DiagnosticError):
     ``mm.*`` attribute it needs is missing or of the wrong type."""
 
 
+class SourceError(DiagnosticError):
+    """A program that is not handed to MLIR's parser; ``line``/``col`` (1-based) say
+    where, or are None for bytecode, which has no lines."""
+
+    def __init__(self, message: str, line: int | None = None, col: int | None = None):
+        super().__init__(message)
+        self.line, self.col = line, col
+
+
 class PassFailure(MultimeshValueError):
     """A pass failed while compiling a program; names the pass and a repro."""
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from multimesh._src.brackets import deepest_nesting, skip_element
-from multimesh._src.errors import DiagnosticError
+from multimesh._src.errors import DiagnosticError, SourceError
 from multimesh._src.mlir import attr_to_py, ir, make_context, sub_axis_at, zero_sub_axis
 
 __all__ = ["MAX_DEVICES", "MAX_MICROBATCHES", "MAX_NESTING", "MAX_SHOWN", "Spec", "INT", "BOOL",
@@ -186,15 +186,6 @@ def listing(items, limit: int = MAX_SHOWN) -> str:
 
 BYTECODE_MAGIC = b"ML\xefR"
 """The first bytes of MLIR bytecode (``mlir-opt`` tells bytecode from text by them)."""
-
-
-class SourceError(DiagnosticError):
-    """A program that is not handed to MLIR's parser; ``line``/``col`` (1-based) say
-    where, or are None for bytecode, which has no lines."""
-
-    def __init__(self, message: str, line: int | None = None, col: int | None = None):
-        super().__init__(message)
-        self.line, self.col = line, col
 
 
 def is_bytecode(data: str | bytes | bytearray) -> bool:

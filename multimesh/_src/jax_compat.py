@@ -223,8 +223,10 @@ def lower_call(ctx, name: str, call_jaxpr, operands, in_avals, *,
     as jax's own call lowering does. Why here: ``lower_called_computation`` and
     ``jaxpr_const_args`` are internal in every version, and jax >= 0.11 reads the
     constants off the jaxpr itself (0.10: off the ``ClosedJaxpr``'s inner jaxpr).
+    The call op is built with the bindings of jax's lowering, whose context ``ctx`` is
+    (the same objects as ``multimesh._src.mlir``'s, which imports this module).
     """
-    from multimesh._src.mlir import func, ir
+    ir, func = _mlir.ir, _mlir.func_dialect
 
     const_args_and_avals = _core.jaxpr_const_args(
         call_jaxpr if _MERGED_JAXPR else call_jaxpr.jaxpr)

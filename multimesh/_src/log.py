@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["logger", "log_compiles", "compile_log_level"]
+__all__ = ["logger", "log_compiles", "compile_log_level", "log_phase"]
 
 logger = logging.getLogger("multimesh")
 
@@ -33,3 +33,11 @@ def log_compiles() -> bool:
 
 def compile_log_level() -> int:
     return logging.WARNING if log_compiles() else logging.DEBUG
+
+
+def log_phase(label: str, what: str, seconds: float, detail: str = "") -> None:
+    """One compile phase of the program ``label`` (``mjit(f)``): what, how long, details."""
+    level = compile_log_level()
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s: %s in %.3f s%s", label, what, seconds,
+                   f" ({detail})" if detail else "")

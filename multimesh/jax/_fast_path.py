@@ -23,6 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
 from multimesh.jax import _contexts
+from multimesh.jax._call_checks import check_call
+from multimesh.jax._compiled import MemoryAnalysis, MpmdCompiled, missing_attribute
 from multimesh.jax._trace_notes import TraceNotes
 from multimesh.runtime.steps import layout_sharding
 
@@ -125,8 +127,6 @@ class FastCompiled:
         self.schedule = None
 
     def __call__(self, *args, **kwargs):
-        from multimesh.jax._mjit import check_call
-
         leaves = check_call(self._fast.in_tree, self._fast.in_avals, args, kwargs)
         leaves = [_place(x, sh) for x, sh in zip(leaves, self._in_sh)]
         outs = self._compiled(*leaves)
@@ -152,8 +152,6 @@ class FastCompiled:
 
     def memory_analysis(self, *, by_fragment: bool = False):
         """XLA's memory estimates of the one executable (see ``cost_analysis``)."""
-        from multimesh.jax._mjit import MemoryAnalysis
-
         stats = self._compiled.memory_analysis()
         return {"main": stats} if by_fragment else MemoryAnalysis.total([stats])
 
@@ -170,9 +168,7 @@ class FastCompiled:
         return self._fast.in_avals
 
     def __getattr__(self, name):
-        from multimesh.jax._mjit import MpmdCompiled, _missing_attribute
-
-        raise _missing_attribute(self, name, MpmdCompiled)
+        raise missing_attribute(self, name, MpmdCompiled)
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run once synchronously, as one span (see ``MpmdCompiled.profile``)."""

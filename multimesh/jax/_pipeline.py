@@ -2,15 +2,17 @@
 
 The front end only says what the program needs (:class:`PipelineOptions`); which
 passes run, in which order, is the pass layer's (``multimesh.passes.build_pipeline``).
+The loop's schedule travels on the module instead (``schedule_config_of``), so a repro
+replays it.
 """
 
 from __future__ import annotations
 
-from multimesh.jax._trace_notes import TraceNotes
+from multimesh.jax._trace_notes import MicrobatchNote, TraceNotes
 from multimesh.passes.api import Pipeline, PipelineOptions, Rule, SplitBackward, build_pipeline
 from multimesh.schedules import get_schedule
 
-__all__ = ["program_pipeline", "plain_pipeline"]
+__all__ = ["program_pipeline", "plain_pipeline", "default_pipeline", "schedule_config_of"]
 
 
 def plain_pipeline(num_devices: int) -> Pipeline:
@@ -39,3 +41,28 @@ def _split_backward(notes: TraceNotes) -> SplitBackward:
     if mb is not None and get_schedule(mb.schedule).splits_backward:
         return SplitBackward.ALL
     return SplitBackward.FLAGGED if notes.split_backprop else SplitBackward.NONE
+
+
+def default_pipeline(num_devices: int) -> str:
+    """The pass pipeline for a plain program (also printed in repro commands)."""
+    return str(plain_pipeline(num_devices))
+
+
+def schedule_config_of(notes: TraceNotes) -> dict | None:
+    """The microbatch loop's schedule, stored on the module (so repros replay it).
+
+    Only what the program asked for: the pass warns about a schedule that cannot
+    apply, and a default GPipe was not asked for.
+    """
+    cfg: MicrobatchNote | None = notes.microbatch
+    if cfg is None:
+        return None
+    out: dict = {}
+    if cfg.requested:
+        out["schedule"] = cfg.schedule
+    for key in ("num_stages", "interleave", "unrolling"):
+        if getattr(cfg, key):
+            out[key] = int(getattr(cfg, key))
+    if cfg.custom:
+        out["custom_schedule"] = [[[int(mb), name] for mb, name in row] for row in cfg.custom]
+    return out

@@ -3,7 +3,7 @@
 Shardy's partitioner (jaxlib's ``_sdy_mpmd`` extension) produces MPMD programs that only
 Pathways can compile. ``mm-import-mpmd`` rewrites one into multimesh's MPMD form,
 and the result goes through the same plan and executor as ``mjit``'s programs, so
-the returned object is an :class:`~multimesh.jax._mjit.MpmdCompiled`.
+the returned object is an :class:`~multimesh.jax._compiled.MpmdCompiled`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from multimesh._src.mlir import (
     sdy,
 )
 from multimesh._src.stack import on_big_stack
+from multimesh.jax._call_checks import check_distinct_devices
+from multimesh.jax._compiled import MpmdCompiled
 from multimesh.jax._imported_schedule import recover_schedule
-from multimesh.jax._mjit import MpmdCompiled, MpmdLowered, _check_distinct_devices
+from multimesh.jax._lowered import MpmdLowered
 from multimesh.passes.api import parse_mesh_tensor, parse_pipeline, read_topology
 
 __all__ = ["compile_mpmd"]
@@ -90,7 +92,7 @@ def _compile(program, meshes, devices, in_tree, out_tree) -> MpmdCompiled:
     text: str | bytes
     devices = tuple(jax.devices()) if devices is None else tuple(
         np.asarray(devices, dtype=object).flat)
-    _check_distinct_devices(devices)
+    check_distinct_devices(devices)
     kept = in_avals = None
     if hasattr(program, "mpmd_module") and hasattr(program, "topology"):  # the front end
         if getattr(program, "const_args", None):

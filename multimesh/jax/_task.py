@@ -31,6 +31,7 @@ from multimesh._src.errors import (
     MultimeshWarning,
 )
 from multimesh.jax import _checks, _contexts
+from multimesh.jax._global_mesh import slice_global_mesh
 from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, warn_unplaced
 from multimesh.jax._trace_notes import TraceNotes
 
@@ -280,8 +281,6 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     if spec.mesh_slice is not None:
-        from multimesh.jax._multimesh import slice_global_mesh  # implicit-task support
-
         mesh = slice_global_mesh(name, spec.mesh_slice)
     if mesh is None:
         n = len(_program_devices())

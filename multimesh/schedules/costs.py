@@ -16,145 +16,24 @@ zero-bubble paper's B = W), and ``f+g`` is ``f`` followed by ``g``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .build import build_schedule
-from .model import ScheduleError, Unit, default_cost, pipeline_units, v_shape_units
+from .model import ScheduleError, Unit, pipeline_units, v_shape_units
 from .registry import all_schedules, get_schedule
-from .simulator import Program, Schedule, Timeline, live_activation_profile, simulate
+from .simulator import (
+    FragmentCosts,
+    Prediction,
+    Program,
+    as_cost,
+    bytes_text,
+    predict,
+    time_text,
+)
 
 __all__ = ["FragmentCosts", "Prediction", "predict", "reshape_units", "simulate_stages",
            "Comparison", "compare"]
-
-
-@dataclass(frozen=True)
-class FragmentCosts:
-    """Seconds per call of each fragment (by name), and where they come from.
-
-    ``source`` names the origin in pictures and tables (``"xla"``, ``"profile"``,
-    ``"given"``); ``split_share`` is the weight-gradient share of a backward that a
-    comparison splits in two (see the module docstring).
-    """
-
-    seconds: Mapping[str, float]
-    source: str = "given"
-    split_share: float = 0.5
-
-    def of(self, fragment: str) -> float:
-        """Seconds of one call of ``fragment`` (or a derived name, ``f|dx``, ``f+g``)."""
-        if "+" in fragment:
-            return sum(self.of(f) for f in fragment.split("+"))
-        base, _, half = fragment.partition("|")
-        if base not in self.seconds:
-            known = ", ".join(sorted(self.seconds)) or "none"
-            raise ScheduleError(f"no cost for fragment '{base}' ({self.source} costs know: "
-                                f"{known})")
-        s = float(self.seconds[base])
-        return {"dx": s * (1 - self.split_share), "dw": s * self.split_share}.get(half, s)
-
-    def __call__(self, unit: Unit) -> float:
-        return self.of(unit.fragment)
-
-
-def as_cost(costs) -> tuple[Callable[[Unit], float], str]:
-    """``(unit -> seconds, source)`` for ``costs``: None (unit costs), a
-    :class:`FragmentCosts`, anything with a ``fragment_costs()`` method (a measured
-    profile), a ``{fragment: seconds}`` mapping, or a callable on units."""
-    if costs is None:
-        return default_cost, "unit"
-    if hasattr(costs, "fragment_costs"):
-        costs = costs.fragment_costs()
-    if isinstance(costs, FragmentCosts):
-        return costs, costs.source
-    if isinstance(costs, Mapping):
-        return FragmentCosts(dict(costs)), "given"
-    if callable(costs):
-        return costs, "given"
-    raise ScheduleError(f"costs must be None, a FragmentCosts, a measured profile, a "
-                        f"{{fragment: seconds}} mapping or a function of a unit, got "
-                        f"{type(costs).__name__}")
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One schedule simulated with costs: its timeline, and memory per submesh.
-
-    ``peak_microbatches``: the most (stage, microbatch) activations a submesh holds;
-    ``peak_activation_bytes``: the most bytes they hold (residual bytes of each
-    forward fragment, summed over a stage), None without residual sizes.
-    """
-
-    timeline: Timeline
-    source: str
-    peak_microbatches: tuple[int, ...]
-    peak_activation_bytes: tuple[int, ...] | None = None
-
-    @property
-    def schedule(self) -> Schedule:
-        return self.timeline.schedule
-
-    @property
-    def step_time(self) -> float:
-        """Predicted seconds (units with unit costs) of one step, transfers free
-        unless ``comm`` was given."""
-        return self.timeline.makespan
-
-    @property
-    def bubble(self) -> float:
-        return self.timeline.bubble_fraction()
-
-    @property
-    def busy(self) -> tuple[float, ...]:
-        """Per submesh, the sum of its units' durations."""
-        return tuple(self.timeline.busy(m) for m in range(self.schedule.num_meshes))
-
-    def __str__(self) -> str:
-        t = _time_text(self.step_time, self.source)
-        mem = "" if self.peak_activation_bytes is None else (
-            ", peak activations " + " ".join(_bytes_text(b) for b in self.peak_activation_bytes))
-        return (f"{self.schedule.name} (costs: {self.source}): step {t}, bubble "
-                f"{100 * self.bubble:.1f}%, peak live microbatches "
-                f"{list(self.peak_microbatches)}{mem}")
-
-
-def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
-            comm: float = 0.0) -> Prediction:
-    """Simulate ``schedule``'s order with ``costs`` (see :func:`as_cost`), ``comm``
-    seconds per transfer between submeshes. ``residual_bytes``: ``{forward fragment:
-    bytes one call keeps for its backward}``, a measured memory profile (its
-    submeshes' ``residual_bytes``, per stage) or a function of ``(mesh, stage,
-    microbatch)``; gives the peak activation bytes per submesh."""
-    cost, source = as_cost(costs)
-    tl = simulate(schedule, cost=cost, comm=comm)
-    peak_mb = tuple(max(p, default=0) for p in live_activation_profile(schedule))
-    peak_b = None
-    if residual_bytes is not None:
-        size = _key_size(schedule, residual_bytes)
-        peak_b = tuple(max(p, default=0) for p in live_activation_profile(schedule, size))
-    return Prediction(tl, source, peak_mb, peak_b)
-
-
-def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, int]], int]:
-    if callable(residual_bytes):
-        return residual_bytes
-    subs = getattr(residual_bytes, "submeshes", None)
-    if subs is not None:  # a measured memory profile: one microbatch's bytes per submesh
-        if len(subs) != schedule.num_meshes:
-            raise ScheduleError(f"the memory profile has {len(subs)} submeshes, the "
-                                f"schedule {schedule.num_meshes}; profile this program")
-        per_mesh = [int(s.residual_bytes) for s in subs]
-        return lambda k: per_mesh[k[0]]
-    if not isinstance(residual_bytes, Mapping):
-        raise ScheduleError(f"residual_bytes must be {{forward fragment: bytes}}, a memory "
-                            f"profile or a function of (mesh, stage, microbatch), got "
-                            f"{type(residual_bytes).__name__}")
-    per_key: dict[tuple[int, int, int], int] = {}
-    for u in schedule.units:
-        if not u.free and u.kind == "fwd":
-            b = sum(int(residual_bytes.get(f, 0)) for f in u.fragment.split("+"))
-            per_key[u.key] = per_key.get(u.key, 0) + b
-    return lambda k: per_key.get(k, 0)
 
 
 # ----------------------------------------------------------------------------- reshaping
@@ -308,9 +187,9 @@ class Comparison:
             if not rows:
                 least = min(self.rows, key=lambda p: max(p.peak_activation_bytes or (0,)))
                 raise ScheduleError(
-                    f"no schedule keeps its activations within {_bytes_text(memory_limit)}; "
+                    f"no schedule keeps its activations within {bytes_text(memory_limit)}; "
                     f"the least, '{least.schedule.name}', holds "
-                    f"{_bytes_text(max(least.peak_activation_bytes or (0,)))} on a submesh "
+                    f"{bytes_text(max(least.peak_activation_bytes or (0,)))} on a submesh "
                     f"(recompute stages with remat=, or use more microbatches)")
         return min(rows, key=lambda p: p.step_time)
 
@@ -323,8 +202,8 @@ class Comparison:
         for p in self.rows:
             mem = " ".join(str(n) for n in p.peak_microbatches)
             if p.peak_activation_bytes is not None:
-                mem += "  (" + " ".join(_bytes_text(b) for b in p.peak_activation_bytes) + ")"
-            step = f"{_time_text(p.step_time, self.source):>10}" if times else ""
+                mem += "  (" + " ".join(bytes_text(b) for b in p.peak_activation_bytes) + ")"
+            step = f"{time_text(p.step_time, self.source):>10}" if times else ""
             lines.append(f"{p.schedule.name:<28}{step}{100 * p.bubble:>7.1f}%  {mem}")
         for name, why in self.not_applicable.items():
             lines.append(f"{name:<28}not applicable: {why}")
@@ -360,16 +239,3 @@ def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: flo
     return out
 
 
-def _time_text(t: float, source: str) -> str:
-    if source == "unit":
-        return f"{t:g} units"
-    if t >= 1:
-        return f"{t:.3g} s"
-    return f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} µs"
-
-
-def _bytes_text(b: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if b >= size:
-            return f"{b / size:.3g} {unit}"
-    return f"{int(b)} B"

@@ -1,4 +1,5 @@
-"""The event simulator, the schedule value and what is measured on it (no MLIR).
+"""The event simulator, the schedule value and what is measured on it (no MLIR),
+under unit costs or real ones (:func:`predict`; ``costs`` compares schedules with it).
 
 Every algorithm writes a *plan* per submesh and runs it through :class:`Sim` with unit
 costs; the simulator only ever starts a unit whose inputs are done, so a plan that a
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from .model import KINDS, ScheduleError, Unit, default_cost, short_label, unit_label
 
 __all__ = ["Schedule", "Timeline", "Program", "Sim", "unit_plans", "run_plans", "finish",
-           "simulate", "live_activation_profile", "live_activations", "chunk_of"]
+           "simulate", "live_activation_profile", "live_activations", "chunk_of",
+           "FragmentCosts", "as_cost", "Prediction", "predict", "time_text", "bytes_text"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,6 @@ class Schedule:
     def simulate(self, costs=None, *, residual_bytes=None, comm: float = 0.0):
         """Predicted step time, bubble and peak memory per submesh under ``costs``:
         a :class:`~multimesh.schedules.costs.Prediction` (see :func:`.costs.predict`)."""
-        from .costs import predict
-
         return predict(self, costs, residual_bytes=residual_bytes, comm=comm)
 
     def to_dict(self) -> dict:
@@ -473,3 +473,151 @@ def chunk_of(schedule: Schedule) -> dict[int, int]:
             stages.setdefault(u.mesh, set()).add(u.key[1])
     rank = {m: {st: k for k, st in enumerate(sorted(ss))} for m, ss in stages.items()}
     return {u.index: rank[u.mesh][u.key[1]] for u in schedule.units if not u.free}
+
+
+# ---------------------------------------------------------------- real costs
+# (here, not in costs.py, because Schedule.simulate calls predict)
+
+
+@dataclass(frozen=True)
+class FragmentCosts:
+    """Seconds per call of each fragment (by name), and where they come from.
+
+    ``source`` names the origin in pictures and tables (``"xla"``, ``"profile"``,
+    ``"given"``); ``split_share`` is the weight-gradient share of a backward that a
+    comparison splits in two (see the module docstring).
+    """
+
+    seconds: Mapping[str, float]
+    source: str = "given"
+    split_share: float = 0.5
+
+    def of(self, fragment: str) -> float:
+        """Seconds of one call of ``fragment`` (or a derived name, ``f|dx``, ``f+g``)."""
+        if "+" in fragment:
+            return sum(self.of(f) for f in fragment.split("+"))
+        base, _, half = fragment.partition("|")
+        if base not in self.seconds:
+            known = ", ".join(sorted(self.seconds)) or "none"
+            raise ScheduleError(f"no cost for fragment '{base}' ({self.source} costs know: "
+                                f"{known})")
+        s = float(self.seconds[base])
+        return {"dx": s * (1 - self.split_share), "dw": s * self.split_share}.get(half, s)
+
+    def __call__(self, unit: Unit) -> float:
+        return self.of(unit.fragment)
+
+
+def as_cost(costs) -> tuple[Callable[[Unit], float], str]:
+    """``(unit -> seconds, source)`` for ``costs``: None (unit costs), a
+    :class:`FragmentCosts`, anything with a ``fragment_costs()`` method (a measured
+    profile), a ``{fragment: seconds}`` mapping, or a callable on units."""
+    if costs is None:
+        return default_cost, "unit"
+    if hasattr(costs, "fragment_costs"):
+        costs = costs.fragment_costs()
+    if isinstance(costs, FragmentCosts):
+        return costs, costs.source
+    if isinstance(costs, Mapping):
+        return FragmentCosts(dict(costs)), "given"
+    if callable(costs):
+        return costs, "given"
+    raise ScheduleError(f"costs must be None, a FragmentCosts, a measured profile, a "
+                        f"{{fragment: seconds}} mapping or a function of a unit, got "
+                        f"{type(costs).__name__}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One schedule simulated with costs: its timeline, and memory per submesh.
+
+    ``peak_microbatches``: the most (stage, microbatch) activations a submesh holds;
+    ``peak_activation_bytes``: the most bytes they hold (residual bytes of each
+    forward fragment, summed over a stage), None without residual sizes.
+    """
+
+    timeline: Timeline
+    source: str
+    peak_microbatches: tuple[int, ...]
+    peak_activation_bytes: tuple[int, ...] | None = None
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.timeline.schedule
+
+    @property
+    def step_time(self) -> float:
+        """Predicted seconds (units with unit costs) of one step, transfers free
+        unless ``comm`` was given."""
+        return self.timeline.makespan
+
+    @property
+    def bubble(self) -> float:
+        return self.timeline.bubble_fraction()
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        """Per submesh, the sum of its units' durations."""
+        return tuple(self.timeline.busy(m) for m in range(self.schedule.num_meshes))
+
+    def __str__(self) -> str:
+        t = time_text(self.step_time, self.source)
+        mem = "" if self.peak_activation_bytes is None else (
+            ", peak activations " + " ".join(bytes_text(b) for b in self.peak_activation_bytes))
+        return (f"{self.schedule.name} (costs: {self.source}): step {t}, bubble "
+                f"{100 * self.bubble:.1f}%, peak live microbatches "
+                f"{list(self.peak_microbatches)}{mem}")
+
+
+def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
+            comm: float = 0.0) -> Prediction:
+    """Simulate ``schedule``'s order with ``costs`` (see :func:`as_cost`), ``comm``
+    seconds per transfer between submeshes. ``residual_bytes``: ``{forward fragment:
+    bytes one call keeps for its backward}``, a measured memory profile (its
+    submeshes' ``residual_bytes``, per stage) or a function of ``(mesh, stage,
+    microbatch)``; gives the peak activation bytes per submesh."""
+    cost, source = as_cost(costs)
+    tl = simulate(schedule, cost=cost, comm=comm)
+    peak_mb = tuple(max(p, default=0) for p in live_activation_profile(schedule))
+    peak_b = None
+    if residual_bytes is not None:
+        size = _key_size(schedule, residual_bytes)
+        peak_b = tuple(max(p, default=0) for p in live_activation_profile(schedule, size))
+    return Prediction(tl, source, peak_mb, peak_b)
+
+
+def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, int]], int]:
+    if callable(residual_bytes):
+        return residual_bytes
+    subs = getattr(residual_bytes, "submeshes", None)
+    if subs is not None:  # a measured memory profile: one microbatch's bytes per submesh
+        if len(subs) != schedule.num_meshes:
+            raise ScheduleError(f"the memory profile has {len(subs)} submeshes, the "
+                                f"schedule {schedule.num_meshes}; profile this program")
+        per_mesh = [int(s.residual_bytes) for s in subs]
+        return lambda k: per_mesh[k[0]]
+    if not isinstance(residual_bytes, Mapping):
+        raise ScheduleError(f"residual_bytes must be {{forward fragment: bytes}}, a memory "
+                            f"profile or a function of (mesh, stage, microbatch), got "
+                            f"{type(residual_bytes).__name__}")
+    per_key: dict[tuple[int, int, int], int] = {}
+    for u in schedule.units:
+        if not u.free and u.kind == "fwd":
+            b = sum(int(residual_bytes.get(f, 0)) for f in u.fragment.split("+"))
+            per_key[u.key] = per_key.get(u.key, 0) + b
+    return lambda k: per_key.get(k, 0)
+
+
+def time_text(t: float, source: str) -> str:
+    if source == "unit":
+        return f"{t:g} units"
+    if t >= 1:
+        return f"{t:.3g} s"
+    return f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} µs"
+
+
+def bytes_text(b: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= size:
+            return f"{b / size:.3g} {unit}"
+    return f"{int(b)} B"

@@ -250,13 +250,85 @@ def _internal_error(e: BaseException, where: str = "") -> None:
         sys.stderr.write(f"{PROG}: note: set MULTIMESH_TRACEBACK=1 to see the traceback\n")
 
 
+def _read_input(path: str | None, display: str) -> str | bytes:
+    """The input: text (checked UTF-8) or bytecode, after multimesh's source guard."""
+    if path in ("-", None):
+        stream = getattr(sys.stdin, "buffer", None)
+        data = stream.read() if stream is not None else sys.stdin.read()
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            sys.stderr.write(f"{PROG}: error: could not open input file "
+                             f"'{path}': {e.strerror or e}\n")
+            raise _Failure from None
+    try:
+        return decode_source(data)
+    except SourceError as e:
+        sys.stderr.write(f"{display}:{e.line or 1}:{e.col or 1}: error: {e.message}\n")
+        raise _Failure from None
+
+
+def _write_output(path: str | None, text: str | bytes) -> None:
+    """Write the result to stdout, or to ``path`` atomically (a temporary file, renamed)."""
+    if path in ("-", None):
+        if isinstance(text, bytes):
+            stream = getattr(sys.stdout, "buffer", None)
+            if stream is None:  # a text-only stream (tests): bytecode as latin-1
+                sys.stdout.write(text.decode("latin-1"))
+            else:
+                sys.stdout.flush()
+                stream.write(text)
+                stream.flush()
+            return
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".mm-opt-", suffix=".tmp", dir=directory)
+    except OSError as e:
+        sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
+        raise _Failure from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text if isinstance(text, bytes) else text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
+            raise _Failure from None
+        raise
+
+
+def _print_timing(timings: dict[str, float]) -> None:
+    """``--mlir-timing``: the time of each step, as MLIR's execution time report."""
+    total = timings.get("(total)", 0.0) or 1e-12
+    bar = "===" + "-" * 73 + "==="
+    w = sys.stderr.write
+    w(f"{bar}\n{'... Execution time report ...':^79}".rstrip() + f"\n{bar}\n")
+    w(f"  Total Execution Time: {total:.4f} seconds\n\n")
+    w("  ----Wall Time----  ----Name----\n")
+    for name, dt in timings.items():
+        if name != "(total)":
+            w(f"  {dt:10.4f} ({100 * dt / total:5.1f}%)  {name}\n")
+    w(f"  {total:10.4f} (100.0%)  Total\n")
+
+
 class _Driver:
     """One mm-opt invocation: read, split, parse, run, check, write."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.display = "<stdin>" if args.input in ("-", None) else args.input
-        self.source_lines: list[str] = []
+        self.diag = _Diagnostics(self.display)
         self.timings: dict[str, float] = {}
         self.current_step: str | None = None
 
@@ -271,7 +343,7 @@ class _Driver:
         pipeline = self._parse_pipeline()
         if pipeline is not None and a.dump_pass_pipeline:
             sys.stderr.write(f"Pass Manager with {len(pipeline.steps)} steps:\n{pipeline}\n")
-        chunks = self._chunks(self._read_input())
+        chunks = self._chunks(_read_input(a.input, self.display))
 
         ctx = make_context()
         if a.allow_unregistered_dialect:
@@ -279,7 +351,7 @@ class _Driver:
         emitted: list[Diag] = []
 
         def handler(d):
-            emitted.append(self._from_ir_diag(d))
+            emitted.append(self.diag.from_ir_diag(d))
             return True
 
         handle = ctx.attach_diagnostic_handler(handler)
@@ -296,10 +368,10 @@ class _Driver:
         finally:
             handle.detach()  # type: ignore[attr-defined]  # the stubs type the handle as object
         if a.mlir_timing:
-            self._print_timing()
+            _print_timing(self.timings)
         if not ok and a.output not in ("-", None):
             return 1
-        self._write_output(_join(outputs, a.emit_bytecode))
+        _write_output(a.output, _join(outputs, a.emit_bytecode))
         return 0 if ok else 1
 
     def _chunks(self, text: str | bytes) -> list[Chunk]:
@@ -315,19 +387,19 @@ class _Driver:
             raise _Failure
         if isinstance(text, bytes):
             return [Chunk(text, 1)]
-        self.source_lines = text.splitlines()
+        self.diag.source_lines = text.splitlines()
         return _split(text) if a.split_input_file else [Chunk(text, 1)]
 
     def _report(self, chunk: Chunk, diags: list[Diag]) -> bool:
         """Check (``--verify-diagnostics``) or print one chunk's diagnostics; whether
         the chunk passed."""
         if self.args.verify_diagnostics:
-            return self._verify(chunk, diags)
+            return self.diag.verify(chunk, diags)
         for d in diags:
-            self._print_diag(d)
+            self.diag.print_diag(d)
         return not any(d.severity == "error" for d in diags)
 
-    # -- input / output
+    # -- the pipeline
 
     def _parse_pipeline(self):
         if self.args.pipeline is None:
@@ -340,62 +412,6 @@ class _Driver:
             sys.stderr.write(f"{PROG}: error: {e}\n")
             raise _Failure from None
 
-    def _read_input(self) -> str | bytes:
-        """The input: text (checked UTF-8) or bytecode, after multimesh's source guard."""
-        if self.args.input in ("-", None):
-            stream = getattr(sys.stdin, "buffer", None)
-            data = stream.read() if stream is not None else sys.stdin.read()
-        else:
-            try:
-                with open(self.args.input, "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                sys.stderr.write(f"{PROG}: error: could not open input file "
-                                 f"'{self.args.input}': {e.strerror or e}\n")
-                raise _Failure from None
-        try:
-            return decode_source(data)
-        except SourceError as e:
-            sys.stderr.write(f"{self.display}:{e.line or 1}:{e.col or 1}: error: {e.message}\n")
-            raise _Failure from None
-
-    def _write_output(self, text: str | bytes) -> None:
-        path = self.args.output
-        if path in ("-", None):
-            if isinstance(text, bytes):
-                stream = getattr(sys.stdout, "buffer", None)
-                if stream is None:  # a text-only stream (tests): bytecode as latin-1
-                    sys.stdout.write(text.decode("latin-1"))
-                else:
-                    sys.stdout.flush()
-                    stream.write(text)
-                    stream.flush()
-                return
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            return
-        directory = os.path.dirname(os.path.abspath(path))
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".mm-opt-", suffix=".tmp", dir=directory)
-        except OSError as e:
-            sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
-            raise _Failure from None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(text if isinstance(text, bytes) else text.encode("utf-8"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(e, OSError):
-                sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
-                raise _Failure from None
-            raise
-
     # -- one chunk
 
     def _process(self, chunk: Chunk, ctx: ir.Context,
@@ -406,7 +422,7 @@ class _Driver:
             with ctx:
                 module = ir.Module.parse(chunk.text)
         except ir.MLIRError as e:
-            diags = [self._from_ir_diag(d) for d in e.error_diagnostics]
+            diags = [self.diag.from_ir_diag(d) for d in e.error_diagnostics]
             return None, diags or [Diag("error", str(e), None, None, None)]
         self._time("Parser", time.perf_counter() - t0)
         warned: list[Diag] = []
@@ -432,10 +448,10 @@ class _Driver:
             return None, self._warning_diags(caught)
         except DiagnosticError as e:
             self._dump_failure(module)
-            return [self._from_error(e, chunk)], []
+            return [self.diag.from_error(e, chunk)], []
         except ir.MLIRError as e:
             self._dump_failure(module)
-            return [self._from_ir_diag(d) for d in e.error_diagnostics] or [
+            return [self.diag.from_ir_diag(d) for d in e.error_diagnostics] or [
                 Diag("error", str(e))], []
         except PipelineError as e:
             sys.stderr.write(f"{PROG}: error: {e}\n")
@@ -452,7 +468,7 @@ class _Driver:
         warned = []
         for w in caught:
             if isinstance(w.message, DiagnosticWarning):
-                f, line, col = self._from_loc(w.message.location)
+                f, line, col = self.diag.from_loc(w.message.location)
                 warned.append(Diag("warning", w.message.message, f, line, col))
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -523,37 +539,31 @@ class _Driver:
     def _time(self, name: str, dt: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + dt
 
-    def _print_timing(self) -> None:
-        total = self.timings.get("(total)", 0.0) or 1e-12
-        bar = "===" + "-" * 73 + "==="
-        w = sys.stderr.write
-        w(f"{bar}\n{'... Execution time report ...':^79}".rstrip() + f"\n{bar}\n")
-        w(f"  Total Execution Time: {total:.4f} seconds\n\n")
-        w("  ----Wall Time----  ----Name----\n")
-        for name, dt in self.timings.items():
-            if name != "(total)":
-                w(f"  {dt:10.4f} ({100 * dt / total:5.1f}%)  {name}\n")
-        w(f"  {total:10.4f} (100.0%)  Total\n")
+class _Diagnostics:
+    """How mm-opt reports diagnostics on one input: MLIR's format (file:line:col, the
+    source line and a caret), or checked against ``--verify-diagnostics`` expectations."""
 
-    # -- diagnostics
+    def __init__(self, display: str):
+        self.display = display  # how the input is named: its path, or <stdin>
+        self.source_lines: list[str] = []  # the input's text, once read
 
     def _norm_file(self, f: str | None) -> str | None:
         return self.display if f == "-" else f
 
-    def _from_loc(self, loc) -> tuple[str | None, int | None, int | None]:
+    def from_loc(self, loc) -> tuple[str | None, int | None, int | None]:
         flc = file_line_col(loc) if loc is not None else None
         if flc is None or flc[1] == 0:  # line 0: the implicit module op, not a position
             return None, None, None
         f, line, col = flc
         return self._norm_file(f), line, col
 
-    def _from_ir_diag(self, d) -> Diag:
-        f, line, col = self._from_loc(d.location)
-        notes = [self._from_ir_diag(n) for n in d.notes]
+    def from_ir_diag(self, d) -> Diag:
+        f, line, col = self.from_loc(d.location)
+        notes = [self.from_ir_diag(n) for n in d.notes]
         return Diag(_SEVERITY.get(d.severity, "error"), d.message, f, line, col, notes)
 
-    def _from_error(self, e: DiagnosticError, chunk: Chunk) -> Diag:
-        f, line, col = self._from_loc(e.location)
+    def from_error(self, e: DiagnosticError, chunk: Chunk) -> Diag:
+        f, line, col = self.from_loc(e.location)
         diag = Diag("error", e.message, f, line, col)
         for n in e.notes:
             if isinstance(n, str):
@@ -562,13 +572,13 @@ class _Driver:
                 msg, loc = n
             else:
                 msg, loc = getattr(n, "message", str(n)), getattr(n, "location", None)
-            nf, nl, nc = self._from_loc(loc)
+            nf, nl, nc = self.from_loc(loc)
             if nl is None:  # MLIR: a note without a location sits on its error's line
                 nf, nl, nc = f, line, col
             diag.notes.append(Diag("note", str(msg), nf, nl, nc))
         return diag
 
-    def _print_diag(self, d: Diag) -> None:
+    def print_diag(self, d: Diag) -> None:
         for x in d.flatten():
             self._print_one(x.severity, x.message, x.file, x.line, x.col)
 
@@ -584,7 +594,7 @@ class _Driver:
             caret_col = max(col or 1, 1)
             sys.stderr.write(f"{src}\n{' ' * (caret_col - 1)}^\n")
 
-    def _verify(self, chunk: Chunk, diags: list[Diag]) -> bool:
+    def verify(self, chunk: Chunk, diags: list[Diag]) -> bool:
         """MLIR's --verify-diagnostics on one chunk; prints mismatches, returns success."""
         expected = _parse_expectations(chunk)
         ok = True

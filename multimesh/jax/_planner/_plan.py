@@ -103,11 +103,11 @@ class PipelinePlan:
 
     def register(self, context=None) -> None:
         """Register the plan's rules in ``context`` (default: the module-level one)."""
-        from multimesh.jax import _multimesh
+        from multimesh.jax import _registrations
 
         for matcher, task in self._rules():
             if context is None:
-                _multimesh.register_task(matcher, task=task)
+                _registrations.register_task(matcher, task=task)
             else:
                 context.register_task(matcher, task=task)
 
@@ -117,7 +117,7 @@ class PipelinePlan:
         self.register()
 
     def __enter__(self) -> PipelinePlan:
-        from multimesh.jax._multimesh import Context
+        from multimesh.jax._registrations import Context
 
         ctx = Context()
         self.register(ctx)

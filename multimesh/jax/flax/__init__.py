@@ -32,10 +32,10 @@ from multimesh.jax._results import ParallelizeStepResult as ParallelizeStepResul
 from multimesh.jax.flax._linen import parallelize_step as parallelize_step
 from multimesh.jax.flax._linen import shard_axes as shard_axes
 from multimesh.jax.flax._linen import task as task
-from multimesh.jax.flax._nnx import NnxTrainState as NnxTrainState
 from multimesh.jax.flax._nnx import StateSharding as StateSharding
 from multimesh.jax.flax._nnx import TaskModule as TaskModule
 from multimesh.jax.flax._nnx import nnx_shard_axes as nnx_shard_axes
+from multimesh.jax.flax._nnx_step import NnxTrainState as NnxTrainState
 
 __all__ = ["task", "shard_axes", "nnx_shard_axes", "with_sharding_constraint",
            "parallelize_step", "ParallelizeStepResult", "mjit", "nnx_mjit", "StateSharding", "TaskModule", "NnxTrainState"]

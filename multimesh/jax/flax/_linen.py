@@ -11,15 +11,22 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen as nn
-from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts
+from multimesh.jax import _contexts, _microbatch, _task
+from multimesh.jax._mjit import mjit
 from multimesh.jax._results import ParallelizeStepResult
-from multimesh.jax._task import check_remat
+from multimesh.jax._task import Task, check_remat, with_sharding_constraint
+from multimesh.jax.flax._common import (
+    batch_avals_of,
+    check_batches,
+    check_optimizer,
+    default_mesh,
+    is_array,
+    make_prepare_batch,
+)
 from multimesh.runtime import distributed
 
 __all__ = ["task", "shard_axes", "parallelize_step"]
@@ -45,7 +52,7 @@ def shard_axes(*names: str | None) -> Callable:
     return nn.with_partitioning(nn.initializers.xavier_normal(), tuple(names))
 
 
-def task_spec(name: str | None, task: mm.Task | None, kwargs: dict) -> tuple[mm.Task, str | None]:
+def task_spec(name: str | None, task: Task | None, kwargs: dict) -> tuple[Task, str | None]:
     """Validate the task options once, eagerly, with the core ``task``.
 
     Returns the :class:`~multimesh.jax.Task` and the explicit task name (or
@@ -56,22 +63,10 @@ def task_spec(name: str | None, task: mm.Task | None, kwargs: dict) -> tuple[mm.
         return None
 
     placeholder.__name__ = _AUTO_NAME
-    with mm.ignore_transforms(False):
-        spec = mm.task(placeholder, name, task=task, **kwargs).mm_task
+    with _contexts.ignore_transforms(False):
+        spec = _task.task(placeholder, name, task=task, **kwargs).mm_task
     explicit = name or (spec.name if spec.name not in (None, _AUTO_NAME) else None)
     return spec, explicit
-
-
-def is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, Tracer))
-
-
-def is_dynamic(x) -> bool:
-    """Leaves a compiled program takes as traced inputs (like ``jax.jit``: arrays and
-    Python numbers, but not bools); the rest are static."""
-    if isinstance(x, bool):
-        return False
-    return is_array(x) or isinstance(x, (int, float, complex))
 
 
 def split_static(tree):
@@ -113,14 +108,14 @@ def _constrain_flat(tree, specs):
     leaves, treedef = jax.tree.flatten(tree)
     if len(leaves) != len(specs):
         return tree
-    out = [x if s is None else mm.with_sharding_constraint(x, s) for x, s in zip(leaves, specs)]
+    out = [x if s is None else with_sharding_constraint(x, s) for x, s in zip(leaves, specs)]
     return jax.tree.unflatten(treedef, out)
 
 
 # --------------------------------------------------------------------------- task
 
 
-def task(model, name: str | None = None, *, task: mm.Task | None = None, **kwargs):
+def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
     """Wraps a Flax module in an auto-sharding task context.
 
     * A linen module **class** gives a module class named ``Task[<Model>]``
@@ -166,7 +161,7 @@ def _model_fields(model: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(model) if f.init and f.name not in ("parent", "name")]
 
 
-def _linen_task_class(model: type, explicit_name: str | None, spec: mm.Task) -> type:
+def _linen_task_class(model: type, explicit_name: str | None, spec: Task) -> type:
     fields = _model_fields(model)
     annotations: dict[str, Any] = {}
     namespace: dict[str, Any] = {"__module__": model.__module__,
@@ -202,7 +197,7 @@ def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
 
     def init_mod(rng):
         rngs = {"params": rng, **{k: self.make_rng(k) for k in rng_streams}}
-        with mm.ignore_transforms():  # the inner init is plain flax, nothing to place
+        with _contexts.ignore_transforms():  # the inner init is plain flax, nothing to place
             variables = dict(inner.init(rngs, *args, **kwargs))
         stash.update(variables)
         return {"params": variables.get("params", {})}
@@ -231,7 +226,7 @@ def _call_linen_task(self, model, fields, explicit_name, spec, args, kwargs):
         # Flax's init runs the model once for its variables: nothing to place there.
         quiet = _contexts.internal_trace() if self.is_initializing() else nullcontext()
         with quiet:
-            out = mm.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
+            out = _task.task(body, task_name, task=spec)(mod["params"], other_vals, rngs, dyn)
     if mutable:
         out, updates = out
         _write_back(self, others, updates)
@@ -269,7 +264,7 @@ def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
 
             def init_shapes(d):
                 a, k = rebuild(d)
-                with mm.ignore_transforms():
+                with _contexts.ignore_transforms():
                     return inner.init(jax.random.key(0), *a, **k).get("params", {})
 
             try:
@@ -283,67 +278,16 @@ def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
 # --------------------------------------------------------------------------- parallelize_step
 
 
-def _batch_avals(global_batch, local_batch):
-    if global_batch is not None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
-                            global_batch)
-    nproc = jax.process_count()
-
-    def one(x):
-        shape = np.shape(x)
-        if shape:
-            shape = (shape[0] * nproc,) + tuple(shape[1:])
-        return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
-
-    return jax.tree.map(one, local_batch)
-
-
-def _check_batches(global_batch, local_batch):
-    if global_batch is None and local_batch is None:
-        raise MultimeshValueError(
-            "parallelize_step needs an example batch: pass `global_batch=` (jax arrays of the "
-            "whole batch) or `local_batch=` (this process's slice of the batch, host data).")
-    if global_batch is not None and local_batch is not None:
-        raise MultimeshValueError(
-            "parallelize_step takes either `global_batch=` or `local_batch=`, not both.")
-
-
-def _default_mesh(mesh):
-    if mesh is None:
-        return Mesh(np.array(jax.devices()), ("x",))
-    if not isinstance(mesh, Mesh):
-        raise MultimeshTypeError(
-            f"parallelize_step: `mesh` must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    return mesh
-
-
-def make_prepare_batch(batch_shardings, batch_avals):
-    """``prepare_batch(host_pytree)``: this process's slice → global arrays on the batch's submesh."""
-
-    def prepare_batch(local):
-        def one(x, sh, aval):
-            if isinstance(x, jax.Array) and x.shape == aval.shape and x.sharding == sh:
-                return x
-            data = np.asarray(x)
-            if data.dtype != aval.dtype:
-                data = data.astype(aval.dtype)
-            return distributed.from_process_local(data, sh, aval.shape)
-
-        return jax.tree.map(one, local, batch_shardings, batch_avals)
-
-    return prepare_batch
-
-
 def constrain_linen_state(state):
     """Logical constraint on every variable leaf: its partitioning names, else ``P()``."""
 
     def one(x):
         if _is_box(x):
             spec = _box_spec(x)
-            return x.replace_boxed(mm.with_sharding_constraint(x.unbox(apply_constraint=False),
+            return x.replace_boxed(with_sharding_constraint(x.unbox(apply_constraint=False),
                                                                spec if spec is not None else P()))
         if hasattr(x, "shape"):
-            return mm.with_sharding_constraint(x, P())
+            return with_sharding_constraint(x, P())
         return x
 
     return jax.tree.map(one, state, is_leaf=_is_box)
@@ -418,12 +362,12 @@ class MicrobatchOptions:
 
     def wrap(self, grad_fn, batch_avals):
         """``grad_fn(params, batch) -> (loss, grads)`` over microbatches, reduced."""
-        return mm.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
-                             schedule=self.schedule, interleave=self.interleave,
-                             num_stages=None if isinstance(self.num_stages, str)
-                             else self.num_stages, unrolling=self.unrolling,
-                             custom_schedule=self.custom_schedule, reduction=self.reduction,
-                             remat=self.remat)
+        return _microbatch.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
+                                      schedule=self.schedule, interleave=self.interleave,
+                                      num_stages=None if isinstance(self.num_stages, str)
+                                      else self.num_stages, unrolling=self.unrolling,
+                                      custom_schedule=self.custom_schedule,
+                                      reduction=self.reduction, remat=self.remat)
 
 
 def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
@@ -440,7 +384,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     (default ``jax.random.key(42)``; ``state.params`` is the whole variables dict),
     or built from ``init_state`` (a ``TrainState`` or a variables dict, e.g. a
     restored checkpoint); for an NNX module see
-    :func:`multimesh.jax.flax._nnx.parallelize_step`. Every variable is
+    :func:`multimesh.jax.flax._nnx_step.parallelize_step`. Every variable is
     constrained to its partitioning names (``P()`` if it has none) as *logical*
     names, so it is placed on the submesh of the task that uses it, sharded by
     that task's ``logical_axes``.
@@ -463,7 +407,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     the global batch arrays); all four are attributes in both forms.
     ``loss, state = step_fn(state, batch)``.
     """
-    from multimesh.jax.flax import _nnx
+    from multimesh.jax.flax import _nnx, _nnx_step
 
     mb = MicrobatchOptions(num_microbatches, microbatch_size, schedule, interleave, num_stages,
                            unrolling, custom_schedule, microbatch_reduction, remat)
@@ -474,15 +418,15 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
                 "parallelize_step: an NNX module carries its own values; to start from a "
                 "checkpoint, load it into the module (and the optimizer) before the call "
                 "instead of passing `init_state`/`rng`.")
-        return _nnx.parallelize_step(model, optimizer, mesh=mesh, global_batch=global_batch,
-                                     local_batch=local_batch, replicate_inputs=replicate_inputs,
-                                     microbatching=mb)
+        return _nnx_step.parallelize_step(model, optimizer, mesh=mesh,
+                                          global_batch=global_batch, local_batch=local_batch,
+                                          replicate_inputs=replicate_inputs, microbatching=mb)
     _check_linen_model(model)
     check_optimizer(optimizer, allow_nnx=False)
-    _check_batches(global_batch, local_batch)
-    mesh = _default_mesh(mesh)
+    check_batches(global_batch, local_batch)
+    mesh = default_mesh(mesh)
     init_fn = functools.partial(_linen_init_state, model, optimizer)
-    batch_avals = _batch_avals(global_batch, local_batch)
+    batch_avals = batch_avals_of(global_batch, local_batch)
     key = jax.random.key(42) if rng is None else rng
     if init_state is not None:
         init_state = _initial_state(init_state, model, optimizer)
@@ -490,7 +434,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     mb, plan = _auto_stages(mb, model.apply, state_avals.params, batch_avals, mesh)
     step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
     with plan if plan is not None else nullcontext():
-        compiled = mm.mjit(step_fn, mesh=mesh).lower(state_avals, batch_avals).compile()
+        compiled = mjit(step_fn, mesh=mesh).lower(state_avals, batch_avals).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
@@ -545,7 +489,7 @@ def _linen_step_fn(model, mb: MicrobatchOptions, batch_avals, replicate_inputs: 
     def step_fn(state, inputs):
         state = constrain_linen_state(state)
         if replicate_inputs:
-            inputs = jax.tree.map(lambda x: mm.with_sharding_constraint(x, P()), inputs)
+            inputs = jax.tree.map(lambda x: with_sharding_constraint(x, P()), inputs)
         loss, grads = grad_fn(state.params, inputs)
         # Same logical names on the way out: the new state comes back laid out
         # like the old one, so it feeds the next step without resharding.
@@ -559,7 +503,7 @@ def _state_avals(init_fn, key, batch_avals, init_state):
     if init_state is None:
         # Constraints in the model are logical, also outside tasks; shapes only, so the
         # model's tasks are traced outside mjit on purpose.
-        with mm.autoshard(True), _contexts.internal_trace():
+        with _contexts.autoshard(True), _contexts.internal_trace():
             return jax.eval_shape(init_fn, key, batch_avals)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x,
@@ -571,7 +515,7 @@ def _placed_state(init_fn, init_state, state_sh, key, init_batch):
     variable is computed only by the processes that own it)."""
     if init_state is not None:
         return place(init_state, state_sh)
-    with mm.ignore_transforms():
+    with _contexts.ignore_transforms():
         if jax.process_count() > 1:
             return distributed.owner_init(init_fn, state_sh, key, init_batch)
         return place(jax.jit(init_fn)(key, init_batch), state_sh)
@@ -595,16 +539,6 @@ def _initial_state(given, model, optimizer):
     raise MultimeshTypeError(
         f"parallelize_step `init_state` must be a flax TrainState or a variables dict "
         f"(e.g. {{'params': ...}} restored from a checkpoint), got {type(given).__name__}.")
-
-
-def check_optimizer(optimizer, allow_nnx: bool) -> None:
-    """``optimizer`` must be an optax GradientTransformation (or, for NNX, an nnx.Optimizer)."""
-    if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
-        return
-    kinds = ("an optax GradientTransformation or an nnx.Optimizer" if allow_nnx
-             else "an optax GradientTransformation (e.g. optax.adam(1e-3))")
-    raise MultimeshTypeError(
-        f"parallelize_step: `optimizer` must be {kinds}, got {type(optimizer).__name__}.")
 
 
 def place(tree, shardings):

@@ -1,4 +1,4 @@
-"""NNX: modules as tasks, an NNX-aware ``mjit``, and an NNX ``parallelize_step``.
+"""NNX: modules as tasks, and ``mjit``'s detour for arguments holding NNX objects.
 
 NNX objects are mutable Python graphs; jax transformations need pure
 functions of arrays. Like Flax's own NNX transforms, every entry point here
@@ -17,7 +17,6 @@ rejected with an error.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -28,25 +27,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts, _multimesh
+from multimesh.jax import _contexts, _multimesh, _task
 from multimesh.jax._inputs import is_physical
 from multimesh.jax._module_names import module_names
-from multimesh.jax._results import ParallelizeStepResult
-from multimesh.jax._task import TaskFunction
-from multimesh.jax.flax._linen import (
-    _batch_avals,
-    _check_batches,
-    _default_mesh,
-    check_optimizer,
-    is_array,
-    is_dynamic,
-    make_prepare_batch,
-)
+from multimesh.jax._task import Task, TaskFunction, with_sharding_constraint
+from multimesh.jax.flax._common import is_array, is_dynamic
 
-__all__ = ["TaskModule", "graph_task", "mjit", "StateSharding", "NnxTrainState",
-           "nnx_shard_axes", "parallelize_step", "is_nnx_module"]
+__all__ = ["TaskModule", "graph_task", "StateSharding", "nnx_shard_axes", "is_nnx_module",
+           "var_spec", "trace", "call"]
 
 StateSharding = nnx.StateSharding
 
@@ -88,7 +77,7 @@ def nnx_shard_axes(*names: str | None, init: Callable | None = None) -> Callable
                                  eager_sharding=False)
 
 
-def _var_spec(v) -> P | None:
+def var_spec(v) -> P | None:
     """Logical names of a Variable from its partitioning metadata (None: no names)."""
     if not isinstance(v, nnx.Variable):
         return None
@@ -308,7 +297,7 @@ def _check_no_nodes(out, where: str):
 # --------------------------------------------------------------------------- tasks
 
 
-def graph_task(fun: Callable, name: str | None, spec: mm.Task) -> Callable:
+def graph_task(fun: Callable, name: str | None, spec: Task) -> Callable:
     """``fun`` as a task whose arguments may hold NNX objects (updates written back)."""
     default = name or getattr(fun, "__name__", None) or "task"
 
@@ -326,13 +315,13 @@ def _call_graph_task(fun, name, spec, args, kwargs):
     if _contexts.state.ignore_transforms:
         return fun(*args, **kwargs)
     split = _Split((args, kwargs), scalars_dynamic=False)
-    specs = [_var_spec(leaf) for (_, leaf), d in zip(split.flat, split.var_dynamic) if d]
+    specs = [var_spec(leaf) for (_, leaf), d in zip(split.flat, split.var_dynamic) if d]
     dyn_idx = [i for i, d in enumerate(split.var_dynamic) if d]
     cell: dict[str, Any] = {}
     where = f"task {name!r}"
 
     def body(var_vals, dyn):
-        var_vals = [v if s is None else mm.with_sharding_constraint(v, s)
+        var_vals = [v if s is None else with_sharding_constraint(v, s)
                     for v, s in zip(var_vals, specs)]
         (a, k), nodes = split.rebuild(var_vals, dyn)
         out = fun(*a, **k)
@@ -343,7 +332,7 @@ def _call_graph_task(fun, name, spec, args, kwargs):
         cell["changed"] = changed
         return out, [after[j] for j in changed]
 
-    out, updates = mm.task(body, name, task=spec)(split.dynamic_values(), split.dyn)
+    out, updates = _task.task(body, name, task=spec)(split.dynamic_values(), split.dyn)
     split.write_back([dyn_idx[j] for j in cell["changed"]], updates)
     return out
 
@@ -351,7 +340,7 @@ def _call_graph_task(fun, name, spec, args, kwargs):
 class _TaskOptions:
     """Static (hashable by identity) holder of a task's options on a TaskModule."""
 
-    def __init__(self, name: str | None, spec: mm.Task):
+    def __init__(self, name: str | None, spec: Task):
         self.name = name
         self.spec = spec
 
@@ -359,7 +348,7 @@ class _TaskOptions:
         return f"TaskOptions(name={self.name!r}, mesh={self.spec.mesh!r})"
 
 
-def _default_name(mod, spec: mm.Task) -> str:
+def _default_name(mod, spec: Task) -> str:
     """``<Class>`` or, with a mesh, ``<Class>_<first>_<last>`` (a task name has one submesh).
 
     NNX modules do not know their attribute path, so two stages built from the same
@@ -388,9 +377,9 @@ class TaskModule(nnx.Module):
     written back.
     """
 
-    def __init__(self, mod: nnx.Module, name: str | None = None, spec: mm.Task | None = None):
+    def __init__(self, mod: nnx.Module, name: str | None = None, spec: Task | None = None):
         self.mod = mod
-        self.task_options = _TaskOptions(name, spec if spec is not None else mm.Task())
+        self.task_options = _TaskOptions(name, spec if spec is not None else Task())
 
     def __call__(self, *args, **kwargs):
         opts = self.task_options
@@ -646,7 +635,7 @@ def _axis_names(s: NamedSharding) -> set[str]:
 
 def _constrain(vals: list, specs: list) -> list:
     """Each value under its logical spec (None: unconstrained)."""
-    return [v if s is None else mm.with_sharding_constraint(v, s) for v, s in zip(vals, specs)]
+    return [v if s is None else with_sharding_constraint(v, s) for v, s in zip(vals, specs)]
 
 
 class NnxTraced:
@@ -877,130 +866,3 @@ def _out_stand_in(out: _OutSplit, ov_sh, od_sh):
 def _static_values(bound) -> dict:
     return {**{i: bound.args[i] for i in bound.static_pos},
             **{k: bound.kwargs[k] for k in bound.static_kw}}
-
-
-mjit = mm.mjit
-"""The one :func:`multimesh.jax.mjit`, which handles NNX objects itself."""
-
-
-# --------------------------------------------------------------------------- parallelize_step
-
-
-class NnxTrainState(nnx.Module):
-    """The state of an NNX :func:`parallelize_step`: ``model`` and ``optimizer``."""
-
-    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer):
-        self.model = model
-        self.optimizer = optimizer
-
-
-def _state_specs(node) -> nnx.State:
-    """Every Variable's logical names (``P()`` when it has none), as an nnx.State."""
-    _, state = nnx.split(node)
-    flat = [(p, (_var_spec(v) or P()) if isinstance(v, nnx.Variable) else P())
-            for p, v in nnx.to_flat_state(state)]
-    return nnx.from_flat_state(flat)
-
-
-def _warn_unstepped(model) -> None:
-    import warnings
-
-    from multimesh._src.errors import MultimeshWarning
-
-    others = nnx.state(model, nnx.Not(nnx.Param))
-    if jax.tree.leaves(others):
-        warnings.warn(
-            "parallelize_step with microbatches: the module has variables that are not "
-            "nnx.Param (batch statistics, RNG streams, ...); every microbatch reads them, but "
-            "the step does not update them.", MultimeshWarning, stacklevel=3)
-
-
-def _split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """``model`` as (graph, its ``nnx.Param`` values, every other value)."""
-    graphdef, *states = nnx.split(model, nnx.Param, ...)
-    params, rest = states
-    return graphdef, params, rest
-
-
-class _NnxStep:
-    """``step_fn(state, batch) -> (loss, state)``: the compiled step, which updates the
-    NNX objects in ``state`` in place; ``compiled`` and ``input_shardings`` are its."""
-
-    def __init__(self, compiled) -> None:
-        self.compiled = compiled
-        self.input_shardings = compiled.input_shardings
-
-    def __call__(self, state, batch):
-        return self.compiled(state, batch), state
-
-
-def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, global_batch=None,
-                     local_batch=None, replicate_inputs: bool = True, microbatching=None):
-    """NNX flavour of :func:`multimesh.jax.flax.parallelize_step`.
-
-    ``model(batch)`` returns the scalar loss. ``optimizer`` is an optax
-    ``GradientTransformation`` (wrapped as ``nnx.Optimizer(model, tx,
-    wrt=nnx.Param)``) or an ``nnx.Optimizer`` already built for ``model``. The
-    state is an :class:`NnxTrainState` holding ``model`` and the optimizer; its
-    Variables are moved in place onto the submeshes of the tasks that use them,
-    constrained to their partitioning metadata (``P()`` when they have none)
-    as logical names. ``loss, state = step_fn(state, batch)`` updates the state
-    in place (and returns it).
-
-    Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult`: ``(step_fn, state,
-    mesh)`` for ``global_batch`` or ``(step_fn, state, mesh, prepare_batch)`` for
-    ``local_batch``.
-    """
-    _check_batches(global_batch, local_batch)
-    mesh = _default_mesh(mesh)
-    if isinstance(optimizer, nnx.Optimizer):
-        opt = optimizer
-    else:
-        check_optimizer(optimizer, allow_nnx=True)
-        opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
-    state = NnxTrainState(model, opt)
-
-    batch_avals = _batch_avals(global_batch, local_batch)
-    plan = None
-    if microbatching is not None and microbatching.num_stages == "auto":
-        from multimesh.jax._planner._api import plan_step
-
-        microbatching, plan = plan_step(microbatching, lambda m, b: m(b), model, batch_avals,
-                                        mesh)
-    piped = microbatching is not None and microbatching.active
-    if piped:
-        _warn_unstepped(model)
-
-    def train_step(state: NnxTrainState, batch):
-        if replicate_inputs:
-            batch = jax.tree.map(lambda x: mm.with_sharding_constraint(x, P()), batch)
-        if not piped:
-            def loss_fn(m):
-                return m(batch)
-
-            loss, grads = nnx.value_and_grad(loss_fn)(state.model)
-        else:
-            graphdef, params, rest = _split_params(state.model)
-
-            def loss_of(p, b):
-                return nnx.merge(graphdef, p, rest)(b)
-
-            loss, grads = microbatching.wrap(jax.value_and_grad(loss_of), batch_avals)(
-                params, batch)
-        state.optimizer.update(state.model, grads)
-        return loss
-
-    jitted = mjit(train_step, mesh=mesh,
-                  in_shardings=(_state_specs(state), None))
-    with plan if plan is not None else contextlib.nullcontext():
-        compiled = jitted.lower(state, batch_avals).compile()
-    compiled.place(state, batch_avals)
-    batch_sh = compiled.input_shardings[0][1]
-    prepare_batch = make_prepare_batch(batch_sh, batch_avals)
-
-    step_fn = _NnxStep(compiled)
-    result = ParallelizeStepResult((step_fn, state, mesh, prepare_batch),
-                                   length=3 if global_batch is not None else 4)
-    result.plan = plan
-    return result
-

@@ -1,0 +1,310 @@
+"""``MpmdCompiled``: a compiled MPMD program (``jax.stages.Compiled`` for MPMD), what it
+offers to inspect (fragments, calls, transfers, cost and memory estimates), and the
+error for what it does not offer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import NamedSharding
+
+from multimesh._src.errors import MultimeshAttributeError
+from multimesh._src.log import log_phase
+from multimesh._src.mlir import ir, print_module
+from multimesh.jax._call_checks import check_call, check_leaf_types, leaf_name
+from multimesh.runtime import Executor, build_plan
+from multimesh.schedules import Schedule
+
+__all__ = ["MpmdCompiled", "MemoryAnalysis", "missing_attribute", "place_outputs",
+           "drop_unused"]
+
+
+class MpmdCompiled:
+    """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
+
+    def __init__(self, lowered, module: ir.Module, times: dict | None = None,
+                 pass_times: list | None = None):
+        self._lowered = lowered
+        self.pass_times = list(pass_times or [])
+        """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
+        final verification); ``compile_times["passes"]`` is their total plus parsing."""
+        self._module = module
+        self._text: str | None = None  # printed on demand: printing a big module costs as much as parsing
+        t0 = time.perf_counter()
+        self.plan_data = build_plan(module)
+        t1 = time.perf_counter()
+        log_phase(lowered.label, "built the runtime plan", t1 - t0,
+                   f"{len(self.plan_data.fragments)} fragments, "
+                   f"{len(self.plan_data.calls())} calls, "
+                   f"{len(self.plan_data.steps) - len(self.plan_data.calls())} transfers")
+        self._exec = Executor(self.plan_data, lowered.devices,
+                              frozenset(lowered.donated_leaves), leaf_name=self._arg_name)
+        self.compile_times = {**(times or {}), "plan": t1 - t0,
+                              "xla": time.perf_counter() - t1}
+        """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
+        self.xla_times = dict(self._exec.xla_seconds)
+        """Fragment name -> seconds XLA took to compile it (about 0 when cached); they
+        overlap, since fragments compile concurrently (``MULTIMESH_COMPILE_THREADS``)."""
+        self.xla_sources = dict(self._exec.xla_sources)
+        """Fragment name -> where its executable came from: ``"xla"`` (compiled now),
+        ``"persistent cache"`` (jax's ``jax_compilation_cache_dir``), ``"identical
+        fragment"`` (loaded from a fragment that differs only in its devices) or
+        ``"memory"`` (compiled earlier in this process)."""
+        log_phase(lowered.label, "compiled the fragments with XLA", self.compile_times["xla"],
+                   f"{self._exec.xla_compiles} XLA compilations")
+        log_phase(lowered.label, "finished compiling", sum(self.compile_times.values()),
+                   ", ".join(f"{k} {v:.3f} s" for k, v in self.compile_times.items()))
+        n_leaves = lowered.in_tree.num_leaves
+        self._all_dynamic = list(lowered.dyn_idx) == list(range(n_leaves))
+        in_sh: Sequence[NamedSharding | None] = self._exec.input_shardings
+        if not self._all_dynamic:  # leaves the program does not take have no sharding
+            placed: list[NamedSharding | None] = [None] * n_leaves
+            for i, sh in zip(lowered.dyn_idx, self._exec.input_shardings):
+                placed[i] = sh
+            in_sh = placed
+        self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
+        self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
+
+    fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+    _recovered_schedule: Schedule | None = None  # set by compile_mpmd
+    out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
+
+    def _arg_name(self, i: int) -> str:
+        """``args[0]['w']``: how errors name the executor's argument ``i``."""
+        low = self._lowered
+        leaves = jax.tree.unflatten(low.in_tree, list(range(low.in_tree.num_leaves)))
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(leaves)[0]]
+        return leaf_name(paths[low.dyn_idx[i]])
+
+    def __call__(self, *args, **kwargs):
+        low = self._lowered
+        flat = check_call(low.in_tree, low.in_avals, args, kwargs)
+        if not self._all_dynamic:
+            flat = [flat[i] for i in low.dyn_idx]
+        if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
+            flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
+        outs = self._exec(*flat)
+        if self.out_placements:
+            outs = place_outputs(outs, self.out_placements)
+        if low.key_outputs:
+            outs = [jax.random.wrap_key_data(o, impl=impl) if impl is not None else o
+                    for o, impl in zip(outs, low.key_outputs)]
+        return jax.tree.unflatten(low.out_tree, outs)
+
+    def as_text(self) -> str:
+        """The program after the full pass pipeline (MPMD form)."""
+        if self._text is None:
+            self._text = print_module(self._module)
+        return self._text
+
+    @property
+    def schedule(self):
+        """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
+        from multimesh.passes.api import read_schedule
+
+        if self._recovered_schedule is not None:  # imported: see _imported_schedule
+            return self._recovered_schedule
+        return read_schedule(self._module)
+
+    def profile(self, *args, trace_path=None, **kwargs):
+        """Run one step synchronously, timing every fragment and transfer.
+
+        Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
+        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``);
+        a pipelined program's durations per schedule unit are then ``last_profile``
+        (a :class:`multimesh.jax.StepProfile`). Blocking after each step makes the
+        timeline readable at the cost of overlap, so use it to inspect, not to benchmark.
+        """
+        from multimesh.jax._costs import profile_from_times
+        from multimesh.runtime.timing import run_timed
+        from multimesh.runtime.trace import TraceRecorder
+
+        flat, tree = jax.tree.flatten((args, kwargs))
+        if self._lowered.in_avals is not None and tree == self._lowered.in_tree:
+            check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
+        rec = TraceRecorder()
+        outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
+        sched = self.schedule
+        self.last_profile = None if sched is None else profile_from_times(sched, [times])
+        outs = place_outputs(outs, self.out_placements)
+        if trace_path is not None:
+            from multimesh.jax._trace_view import write_step_trace
+
+            write_step_trace(rec.events, self.plan_data, self.schedule,
+                             [d.id for d in self._lowered.devices], trace_path)
+        self.last_trace = rec
+        return jax.tree.unflatten(self._lowered.out_tree, outs)
+
+    def step_profile(self, *args, steps: int = 3, **kwargs):
+        """Run ``steps`` steps, timing every fragment call alone: a
+        :class:`multimesh.jax.StepProfile` (costs for ``schedule.simulate``)."""
+        from multimesh.jax._costs import step_profile
+
+        return step_profile(self, args, kwargs, steps)
+
+    def memory_profile(self, *args, **kwargs):
+        """Run one step and measure, per submesh, the peak bytes the runtime holds
+        (parameters, activations in flight, other values, XLA temporaries) beside
+        the schedule's prediction: a :class:`multimesh.jax._memory.MemoryProfile`."""
+        from multimesh.jax._memory import memory_profile
+
+        return memory_profile(self, args, kwargs)
+
+    @property
+    def fragments(self) -> list[dict]:
+        out = []
+        for f in self.plan_data.fragments.values():
+            out.append({"name": f.name, "task": f.task,
+                        "direction": "fwd" if f.transpose_count == 0 else "bwd",
+                        "devices": [self._lowered.devices[p].id for p in f.devices],
+                        "module": f.text})
+        return out
+
+    @property
+    def calls(self) -> list[dict]:
+        """Every fragment call of one run, in dispatch order: ``fragment``, ``task``,
+        ``direction``, ``microbatch`` (None outside the loop) and ``devices`` (ids)."""
+        out = []
+        for s in self.plan_data.calls():
+            f = self.plan_data.fragments[s.fragment]
+            out.append({"fragment": s.fragment, "task": f.task,
+                        "direction": "fwd" if f.transpose_count == 0 else "bwd",
+                        "microbatch": s.microbatch,
+                        "devices": [self._lowered.devices[p].id
+                                    for p in self.plan_data.call_devices(s)]})
+        return out
+
+    def calls_per_submesh(self) -> dict[tuple[int, ...], list[str]]:
+        """Per submesh (its device ids), the fragment calls it runs, in dispatch order,
+        as ``name`` or ``name@microbatch`` inside the microbatch loop."""
+        out: dict[tuple[int, ...], list[str]] = {}
+        for c in self.calls:
+            label = c["fragment"] if c["microbatch"] is None else \
+                f"{c['fragment']}@{c['microbatch']}"
+            out.setdefault(tuple(c["devices"]), []).append(label)
+        return out
+
+    @property
+    def transfers(self) -> list:
+        from multimesh.runtime.plan import Transfer
+
+        return [s for s in self.plan_data.steps if isinstance(s, Transfer)]
+
+    def plan(self) -> str:
+        return self.plan_data.describe()
+
+    def process_plan(self) -> str | None:
+        """Under ``jax.distributed``, the plan as this process runs it: the calls it
+        runs or skips, the transfers it sends, receives or joins; None in one process."""
+        pp = self._exec.process_plan
+        return None if pp is None else pp.describe()
+
+    def cost_analysis(self, *, by_fragment: bool = False) -> dict:
+        """XLA's cost estimates (``flops``, ``bytes accessed``, ...) summed over the
+        fragments, each counted once (not once per call); with ``by_fragment=True``,
+        fragment name -> that fragment's own dict."""
+        per = {name: _cost_dict(self._exec.exes[name]) for name in self.plan_data.fragments}
+        return per if by_fragment else _sum_numeric(per.values())
+
+    def memory_analysis(self, *, by_fragment: bool = False):
+        """XLA's memory estimates, summed over the fragments (each counted once, over
+        all the devices of its submesh's executable): a ``MemoryAnalysis`` with the
+        numeric fields of jax's ``CompiledMemoryStats``. With ``by_fragment=True``,
+        fragment name -> jax's own stats object for that fragment."""
+        per = {name: self._exec.exes[name].memory_analysis()
+               for name in self.plan_data.fragments}
+        return per if by_fragment else MemoryAnalysis.total(per.values())
+
+    @property
+    def in_tree(self):
+        """The tree of the dynamic arguments, ``(args, kwargs)``, that calls take."""
+        return self._lowered.in_tree
+
+    @property
+    def out_tree(self):
+        return self._lowered.out_tree
+
+    @property
+    def in_avals(self):
+        return self._lowered.in_avals
+
+    _jax_class = "jax.stages.Compiled"
+    _not_offered = {
+        "donate_argnums": "see the `mjit` function's `donate_argnums`",
+        "runtime_executable": "an MPMD program is one XLA executable per fragment; see "
+                              "`fragments`, `xla_times` and `cost_analysis(by_fragment=True)`",
+        "input_formats": "fragments choose their layouts separately; see `input_shardings`",
+        "output_formats": "fragments choose their layouts separately; see "
+                          "`output_shardings`",
+        "args_info": "see `input_shardings` and the lowered program's `in_avals`",
+        "call": "call the compiled object itself",
+    }
+
+    def __getattr__(self, name):
+        raise missing_attribute(self, name)
+
+
+def place_outputs(outs: list, placements: dict) -> list:
+    """Outputs with a physical ``out_shardings`` entry moved onto it."""
+    return [jax.device_put(o, placements[i]) if i in placements else o
+            for i, o in enumerate(outs)]
+
+
+def drop_unused(compiled, unused: frozenset[int]) -> None:
+    """``input_shardings`` with None for the leaves the program never reads."""
+    leaves, tree = jax.tree.flatten(compiled.input_shardings, is_leaf=lambda x: x is None)
+    compiled.input_shardings = jax.tree.unflatten(
+        tree, [None if i in unused else sh for i, sh in enumerate(leaves)])
+
+
+def _cost_dict(exe) -> dict:
+    ca = exe.cost_analysis()
+    return dict((ca[0] if isinstance(ca, (list, tuple)) else ca) or {})
+
+
+def _sum_numeric(dicts) -> dict:
+    """Per key, the sum of the numeric values of ``dicts`` (others are skipped)."""
+    total: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+class MemoryAnalysis:
+    """The numeric fields of jax's ``CompiledMemoryStats`` summed over fragments
+    (``temp_size_in_bytes``, ``argument_size_in_bytes``, ...), as attributes."""
+
+    def __init__(self, fields: dict[str, int]):
+        self.fields = dict(fields)
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def total(cls, stats) -> MemoryAnalysis:
+        dicts = []
+        for st in stats:
+            names = [n for n in dir(st) if not n.startswith("_")]
+            dicts.append({n: getattr(st, n) for n in names
+                          if isinstance(getattr(st, n), int)})
+        return cls(_sum_numeric(dicts))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v}" for k, v in self.fields.items())
+        return f"MemoryAnalysis({body})"
+
+
+def missing_attribute(stage, name: str, like: type | None = None) -> AttributeError:
+    """The error for a missing attribute: why, for one that jax's stage has (the
+    ``_not_offered`` table of ``like``, by default the stage's own class)."""
+    cls = type(stage).__name__
+    table = like or type(stage)
+    why = table._not_offered.get(name)  # type: ignore[attr-defined]
+    if why is None or name.startswith("__"):
+        return AttributeError(f"{cls!r} object has no attribute {name!r}")
+    return MultimeshAttributeError(
+        f"`{cls}.{name}` is not offered, although `{table._jax_class}` has it: "  # type: ignore[attr-defined]
+        f"{why}.")

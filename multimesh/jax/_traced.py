@@ -1,0 +1,150 @@
+"""``MpmdTraced``: ``mjit(f).trace(*args)``; ``lower()`` lowers it, runs the
+registered-task scan, pins physical input shardings and picks the pipeline."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+from jax.sharding import NamedSharding
+
+from multimesh._src import callbacks as _callbacks
+from multimesh._src import jax_compat
+from multimesh._src.log import log_phase
+from multimesh._src.mlir import make_context, module_bytecode, parse_module
+from multimesh.jax import _checks, _contexts, _fast_path, _inputs
+from multimesh.jax._call_checks import is_key, leaf_name
+from multimesh.jax._compiled import missing_attribute
+from multimesh.jax._implicit_tasks import implicit_task_rules
+from multimesh.jax._lowered import MpmdLowered
+from multimesh.jax._pipeline import program_pipeline, schedule_config_of
+from multimesh.jax._task import warn_renamed_tasks
+from multimesh.jax._trace_notes import TraceNotes
+
+__all__ = ["MpmdTraced"]
+
+
+class MpmdTraced:
+    """``mjit(f).trace(*args)``: the program as a jaxpr, before lowering.
+
+    ``jaxpr`` is over the leaves of the dynamic arguments (static ones are folded in);
+    ``out_info`` gives the outputs' ``jax.ShapeDtypeStruct``s; ``lower()`` lowers it
+    for the pass pipeline (``MpmdLowered``).
+    """
+
+    def __init__(self, owner, traced, devices, notes: TraceNotes, dyn: tuple, abstract,
+                 donated: list[int], in_shardings, seconds: float):
+        self._owner = owner
+        self._traced = traced
+        self._devices = tuple(devices)
+        self._notes = notes
+        self._dyn = dyn
+        self._abstract = abstract
+        self._donated = donated
+        self._in_shardings = in_shardings
+        self.trace_seconds = seconds
+        self.out_placements: dict[int, NamedSharding] = {}  # physical out_shardings
+
+    @property
+    def jaxpr(self):
+        return self._traced.jaxpr
+
+    @property
+    def out_info(self):
+        return self._traced.out_info
+
+    @property
+    def in_avals(self) -> tuple:
+        return tuple(self._traced.jaxpr.in_avals)
+
+    @property
+    def out_avals(self):
+        return self._traced.out_avals
+
+    @property
+    def fun_name(self) -> str:
+        return getattr(self._owner.fun, "__name__", "fun")
+
+    _jax_class = "jax.stages.Traced"
+    _not_offered = {
+        "args_info": "see `in_avals` (the dynamic arguments' leaves) and `compile()`'s "
+                     "`input_shardings`",
+        "in_tree": "see `lower().in_tree`",
+        "out_tree": "see `lower().out_tree`",
+        "donate_argnums": "see the `mjit` function's `donate_argnums`",
+    }
+
+    def __getattr__(self, name):
+        raise missing_attribute(self, name)
+
+    def lower(self) -> MpmdLowered:
+        owner, traced, devices, notes = self._owner, self._traced, self._devices, self._notes
+        t0 = time.perf_counter()
+        with _contexts.program_devices(devices), _contexts.autoshard(True), \
+                _contexts.notes(notes):
+            lowered = traced.lower()
+            # jax's module moves into our context as bytecode (no text printed or parsed)
+            # and is parsed once: the registered-task scan and compile() share it.
+            program = module_bytecode(lowered.compiler_ir("stablehlo"))
+            module = parse_module(program, make_context())
+            host_callbacks, ordered = jax_compat.lowered_callbacks(lowered)
+            held = _callbacks.adopt(module, host_callbacks)
+            if held:  # the callbacks' numbers are in the program now
+                program = module_bytecode(module)
+            implicit = implicit_task_rules(module)  # registered tasks, in memory
+            _checks.no_explicit_sharding(traced.jaxpr, implicit is not None)
+        trace_seconds = self.trace_seconds + time.perf_counter() - t0
+        warn_renamed_tasks(notes)
+        dyn_args, kwargs = self._dyn
+        dyn_flat, in_tree = jax.tree.flatten((dyn_args, kwargs))
+        changed, pins = _pin_inputs(module, self._in_shardings, dyn_args, kwargs, dyn_flat,
+                                    notes, devices, owner.pin_committed)
+        if changed:  # the program the repro replays is the pinned one
+            program = module_bytecode(module)
+        low = MpmdLowered(program, devices, in_tree, lowered.out_tree,
+                          list(range(len(dyn_flat))), donated_leaves=self._donated,
+                          in_avals=traced.jaxpr.in_avals,
+                          schedule_config=schedule_config_of(notes),
+                          pipeline=program_pipeline(len(devices), notes, implicit,
+                                                    _contexts.state.recomputation),
+                          module=module, name=getattr(owner.fun, "__name__", None))
+        _mark_keys(low, dyn_flat, traced.out_info)
+        low.out_placements = dict(self.out_placements)
+        if not owner.keep_unused:
+            low.unused_leaves = frozenset(jax_compat.unused_inputs(traced.jaxpr))
+        mesh = owner._program_mesh(devices)
+        if mesh is not None:
+            low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
+        # (ordered callbacks: jax.jit runs ordered debug prints on one device only)
+        if not ordered and _fast_path.eligible(module, implicit, notes, pins, len(devices)):
+            low.fast = _fast_path.FastPath(traced.jaxpr, in_tree, lowered.out_tree,
+                                           jax.tree.leaves(self._abstract), pins, devices,
+                                           self._donated, low.as_text(), low.default_mesh)
+        low.trace_seconds = trace_seconds
+        low.host_callbacks = held  # alive while the program may compile
+        log_phase(low.label, "traced and lowered", trace_seconds)
+        return low
+
+
+def _mark_keys(low: MpmdLowered, dyn_flat, out_info) -> None:
+    """Typed PRNG keys cross the runtime as their raw data: which leaves are keys."""
+    key_in = [is_key(x) for x in dyn_flat]
+    key_out = [x.dtype._impl if is_key(x) else None for x in jax.tree.leaves(out_info)]
+    low.key_inputs = tuple(key_in) if any(key_in) else ()
+    low.key_outputs = tuple(key_out) if any(k is not None for k in key_out) else ()
+
+
+def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices,
+                force: bool) -> tuple[bool, dict]:
+    """Pin physical input shardings (``_inputs``) on the lowered program's arguments, in
+    place; returns (whether the module changed, the pins). ``in_shardings`` is a prefix
+    of the dynamic positional arguments, as for ``jax.jit``."""
+    specs = _inputs.leaf_in_shardings(in_shardings, dyn_args, (),
+                                      len(jax.tree.leaves(kwargs)))
+    paths = [leaf_name(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path((tuple(dyn_args), kwargs))[0]]
+    pins, drop, committed = _inputs.plan_pins(
+        dyn_flat, specs, notes.logical_names, tuple(devices), paths)
+    changed = bool(pins or drop)
+    _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
+    return changed, pins
