@@ -246,6 +246,7 @@ class Executor:
         """The plan's steps that this process runs, one by one, in plan order (traces,
         memory profiles, and every run under jax.distributed)."""
         self._env_template = self._constants()
+        self._zeros = self._zero_sources()
         # One process: the precomputed dispatch program (batched transfers). Several
         # processes dispatch step by step, in the same global order everywhere.
         self._program = (_program(plan, self.devices, exes, self._skipped_donations,
@@ -268,6 +269,17 @@ class Executor:
             if pp is None or pp.owns(lay[0]):
                 env[vid] = jax.device_put(np.int32(value), layout_sharding(lay, self.devices))
         return env
+    def _zero_sources(self) -> tuple[list[int], list, list]:
+        """The zeros every run starts from (:attr:`Plan.zeros`, a loop's running sums):
+        value ids, host zeros and shardings, put on the devices by one ``device_put``
+        per run, so that no fragment compiles (or runs) for them."""
+        pp = self.process_plan
+        mine = [(vid, t, lay) for vid, (t, lay) in self.plan.zeros.items()
+                if pp is None or pp.owns(lay[0])]
+        return ([vid for vid, _, _ in mine],
+                [np.zeros(shape, element_dtype(dtype)) for _, (shape, dtype), _ in mine],
+                [layout_sharding(lay, self.devices) for _, _, lay in mine])
+
     def _compile_calls(self, donated: frozenset[int]) -> dict[int, jax.stages.Compiled]:
         """The executable of every call this process runs (by step index), compiling only
         what is used: one executable per (fragment, devices), with the donations every
@@ -332,6 +344,10 @@ class Executor:
         """
         check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
+        ids, host, shardings = self._zeros
+        if ids:
+            for i, z in zip(ids, jax.device_put(host, shardings)):
+                env[i] = z
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
         return env
