@@ -399,3 +399,42 @@ def test_custom_schedule_is_checked_when_microbatch_is_called():
     rows = canonicalize_custom([[(np.int64(1), "a"), "a"], ["b", "b"]], 2)
     assert rows == [[(1, "a"), (0, "a")], [(0, "b"), (1, "b")]]
     assert all(type(mb) is int for row in rows for mb, _ in row)
+
+
+def test_fragments_that_compute_nothing_are_not_compiled():
+    """``in_shardings`` constraints outside the loop are pass-through fragments and the
+    running sums' ``*_acc_init`` are zeros: both stay in the IR, neither compiles."""
+    import re
+
+    from multimesh.runtime import executor
+
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+    executor._COMPILE_CACHE.clear()
+    before = executor.xla_compiles
+    compiled = mm.mjit(f, in_shardings=(P(), P())).lower(ws, x).compile()
+    in_ir = sorted(set(re.findall(r"mm.fragment = @(\w+)", compiled.as_text())))
+    assert in_ir == ["s0_acc_init", "s0_bwd", "s0_fwd", "s0_fwd_1",
+                     "s1_acc_init", "s1_bwd", "s1_fwd", "s1_fwd_1"]
+    names = sorted(fr["name"] for fr in compiled.fragments)
+    assert names == ["s0_bwd", "s0_fwd_1", "s1_bwd", "s1_fwd_1"]
+    assert executor.xla_compiles - before == 4
+    assert {c["fragment"] for c in compiled.calls} == set(names)
+    for _ in range(2):  # fresh zeros every run (the first run's were donated)
+        value, grads = compiled(ws, x)
+        with mm.ignore_transforms():
+            _check((value, grads), jax.value_and_grad(loss)(ws, x))
+    assert [sorted(d.id for d in g.devices()) for g in grads] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+    # a pass-through that the program returns is called: jax.jit returns fresh arrays
+    def step(ws, x):
+        return f(ws, x), ws
+
+    kept = mm.mjit(step, in_shardings=(P(), P())).lower(ws, x).compile()
+    assert "s0_fwd" in {fr["name"] for fr in kept.fragments}
+    (value, grads), ws_out = kept(ws, x)
+    assert all(a is not b for a, b in zip(ws_out, ws))
+    np.testing.assert_array_equal(ws_out[1], ws[1])
+    with mm.ignore_transforms():
+        _check((value, grads), jax.value_and_grad(loss)(ws, x))

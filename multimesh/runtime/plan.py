@@ -551,7 +551,7 @@ def _trivial(sub: ir.Operation) -> tuple[str, list[int]] | None:
         return None  # not a fragment: reading it (_fragment) says what is wrong
     block = fn.regions[0].blocks[0]
     ops = [o.operation for o in block.operations]
-    source: dict = {a: a.arg_number for a in block.arguments}
+    source: dict[ir.Value, int] = {a: a.arg_number for a in block.arguments}
     for op in ops[:-1]:
         if op.name == "stablehlo.constant" and not len(block.arguments) and _zero(op):
             source[op.results[0]] = -1
@@ -560,12 +560,12 @@ def _trivial(sub: ir.Operation) -> tuple[str, list[int]] | None:
             source[op.results[0]] = source[op.operands[0]]
         else:
             return None
-    found = [source.get(v) for v in ops[-1].operands]
-    if not found or any(f is None for f in found):
+    if not ops[-1].operands or any(v not in source for v in ops[-1].operands):
         return None
+    found: list[int] = [source[v] for v in ops[-1].operands]
     if all(f == -1 for f in found):
         return "zeros", []
-    return ("pass", [int(f) for f in found]) if all(f >= 0 for f in found) else None
+    return ("pass", found) if all(f >= 0 for f in found) else None
 
 
 def _zero(op: ir.Operation) -> bool:
