@@ -421,6 +421,7 @@ def test_fragments_that_compute_nothing_are_not_compiled():
     assert names == ["s0_bwd", "s0_fwd_1", "s1_bwd", "s1_fwd_1"]
     assert executor.xla_compiles - before == 4
     assert {c["fragment"] for c in compiled.calls} == set(names)
+    assert compiled.plan().count("  zeros %") == 3  # the two gradients and the loss
     for _ in range(2):  # fresh zeros every run (the first run's were donated)
         value, grads = compiled(ws, x)
         with mm.ignore_transforms():

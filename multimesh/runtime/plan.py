@@ -100,6 +100,9 @@ class Plan:
     def describe(self) -> str:
         """A readable plan: one line per fragment call and transfer."""
         lines = [f"multimesh plan over {self.num_devices} devices:"]
+        for vid, (_, lay) in self.zeros.items():
+            lines.append(f"  zeros %{vid} onto devices {list(lay[0])} {_spec_str(lay[3])} "
+                         f"(put there at the start of each run)")
         for s in self.steps:
             if isinstance(s, Call):
                 mb = f" mb {s.microbatch}" if s.microbatch is not None else ""
