@@ -1,7 +1,7 @@
 """Compile time of a pipelined transformer LM: threads, jax.jit + scan, persistent cache.
 
     python tools/bench_compile.py [--quick] [--threads 1,2,4] [--schedules 1f1b,interleaved]
-                                  [--no-persistent] [--json PATH]
+                                  [--no-persistent] [--json PATH] [--step]
 
 A transformer LM (vocabulary 8192, d=128, sequences of 64, 8 blocks; the embedding
 in the first stage, the head and the loss in the last) on 4 submeshes x 2 devices,
@@ -189,6 +189,30 @@ def jit_scan(schedule: str) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def step_time(schedule: str, reps: int = 7, calls: int = 5) -> dict:
+    """Milliseconds per run of the compiled step (median and min over ``reps`` batches of
+    ``calls`` runs), and its fragment calls per run."""
+    import jax
+
+    import multimesh.jax as mm
+
+    loss, params, tokens, name = model(schedule)
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB_SIZE, argnum=1,
+                         schedule=name)
+    compiled = mm.mjit(step).lower(params, tokens).compile()
+    for _ in range(3):
+        jax.block_until_ready(compiled(params, tokens))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = compiled(params, tokens)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times),
+            "calls": len(compiled.calls)}
+
+
 _CHILD = """
 import json, sys, time
 sys.path.insert(0, {tools!r})
@@ -222,7 +246,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-persistent", action="store_true",
                     help="skip the two-process persistent-cache measurement")
     ap.add_argument("--json", help="write results as JSON to this path")
+    ap.add_argument("--step", action="store_true",
+                    help="only time one run of each compiled step (ms), no compiles timed")
     args = ap.parse_args(argv)
+    if args.step:
+        for sched in args.schedules.split(","):
+            r = step_time(sched)
+            print(f"{sched:12} step {r['median_ms']:8.2f} ms (min {r['min_ms']:8.2f} ms), "
+                  f"{r['calls']} fragment calls")
+        return 0
     threads = [int(t) for t in args.threads.split(",")]
     reps = 1 if args.quick else 3
     print(f"{os.cpu_count()} CPUs; compile threads {threads}; {reps} repetition(s)")
