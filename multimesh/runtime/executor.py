@@ -29,6 +29,7 @@ from multimesh.runtime.guards import check_args
 from multimesh.runtime.parallel import map_ordered
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 from multimesh.runtime.steps import layout_sharding
+from multimesh.runtime.zeros import Zeros
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
 # by jax.clear_caches() / multimesh.clear_caches().
@@ -269,16 +270,16 @@ class Executor:
             if pp is None or pp.owns(lay[0]):
                 env[vid] = jax.device_put(np.int32(value), layout_sharding(lay, self.devices))
         return env
-    def _zero_sources(self) -> tuple[list[int], list, list]:
-        """The zeros every run starts from (:attr:`Plan.zeros`, a loop's running sums):
-        value ids, host zeros and shardings, put on the devices by one ``device_put``
-        per run, so that no fragment compiles (or runs) for them."""
+
+    def _zero_sources(self) -> Zeros:
+        """The zeros every run starts from (:attr:`Plan.zeros`, a loop's running sums),
+        made without a fragment (:mod:`multimesh.runtime.zeros`)."""
         pp = self.process_plan
         mine = [(vid, t, lay) for vid, (t, lay) in self.plan.zeros.items()
                 if pp is None or pp.owns(lay[0])]
-        return ([vid for vid, _, _ in mine],
-                [np.zeros(shape, element_dtype(dtype)) for _, (shape, dtype), _ in mine],
-                [layout_sharding(lay, self.devices) for _, _, lay in mine])
+        return Zeros([vid for vid, _, _ in mine],
+                     [(shape, element_dtype(dtype)) for _, (shape, dtype), _ in mine],
+                     [layout_sharding(lay, self.devices) for _, _, lay in mine])
 
     def _compile_calls(self, donated: frozenset[int]) -> dict[int, jax.stages.Compiled]:
         """The executable of every call this process runs (by step index), compiling only
@@ -344,9 +345,8 @@ class Executor:
         """
         check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
-        ids, host, shardings = self._zeros
-        if ids:
-            for i, z in zip(ids, jax.device_put(host, shardings)):
+        if self._zeros.ids:
+            for i, z in zip(self._zeros.ids, self._zeros.make()):
                 env[i] = z
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
