@@ -38,7 +38,8 @@ class FormMicrobatchLoopPass(ModulePass):
       fragment takes the running sum as an extra argument (a ``jax.buffer_donor``,
       so XLA adds in place) and returns ``running sum + value``;
     * one ``@<task>_acc_init`` fragment per task makes the zero accumulators,
-      called before the loop.
+      called before the loop (the runtime recognises it and puts the zeros on the
+      devices itself: it is never compiled, docs/ir.md).
 
     ``@main`` ends up ordered as: the calls the loop does not depend on, the
     initialisations, the loop, and the calls that read its sums. A program

@@ -123,13 +123,17 @@ def test_each_fragment_compiles_once_and_runs_per_microbatch():
     before = executor.xla_compiles
     compiled = mm.mjit(f).lower(ws, x).compile()
     names = sorted(fr["name"] for fr in compiled.fragments)
-    # forward and backward per stage, and each stage's zero accumulators
-    assert names == ["s0_acc_init", "s0_bwd", "s0_fwd", "s1_acc_init", "s1_bwd", "s1_fwd"]
+    # one forward and one backward per stage: the zero accumulators the runs start
+    # from (the IR's s*_acc_init) are put on the devices by the runtime, not compiled
+    assert names == ["s0_bwd", "s0_fwd", "s1_bwd", "s1_fwd"]
     assert executor.xla_compiles - before == len(names)
+    zeros = sorted((lay[0], t) for t, lay in compiled.plan_data.zeros.values())
+    assert zeros == [((0, 1, 2, 3), ((16, 16), "f32")), ((4, 5, 6, 7), ((), "f32")),
+                     ((4, 5, 6, 7), ((16, 16), "f32"))]  # grads of ws; the loss
     per = compiled.calls_per_submesh()
-    assert per[(0, 1, 2, 3)] == ["s0_acc_init", "s0_fwd@0", "s0_fwd@1", "s0_bwd@0", "s0_fwd@2",
+    assert per[(0, 1, 2, 3)] == ["s0_fwd@0", "s0_fwd@1", "s0_bwd@0", "s0_fwd@2",
                                  "s0_bwd@1", "s0_fwd@3", "s0_bwd@2", "s0_bwd@3"]
-    assert per[(4, 5, 6, 7)] == ["s1_acc_init"] + [
+    assert per[(4, 5, 6, 7)] == [
         f"s1_{d}@{m}" for m in range(4) for d in ("fwd", "bwd")]
     with mm.ignore_transforms():
         _check(compiled(ws, x), jax.value_and_grad(loss)(ws, x))
@@ -395,3 +399,78 @@ def test_custom_schedule_is_checked_when_microbatch_is_called():
     rows = canonicalize_custom([[(np.int64(1), "a"), "a"], ["b", "b"]], 2)
     assert rows == [[(1, "a"), (0, "a")], [(0, "b"), (1, "b")]]
     assert all(type(mb) is int for row in rows for mb, _ in row)
+
+
+def test_fragments_that_compute_nothing_are_not_compiled():
+    """``in_shardings`` constraints outside the loop are pass-through fragments and the
+    running sums' ``*_acc_init`` are zeros: both stay in the IR, neither compiles."""
+    import re
+
+    from multimesh.runtime import executor
+
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+    executor._COMPILE_CACHE.clear()
+    before = executor.xla_compiles
+    compiled = mm.mjit(f, in_shardings=(P(), P())).lower(ws, x).compile()
+    in_ir = sorted(set(re.findall(r"mm.fragment = @(\w+)", compiled.as_text())))
+    assert in_ir == ["s0_acc_init", "s0_bwd", "s0_fwd", "s0_fwd_1",
+                     "s1_acc_init", "s1_bwd", "s1_fwd", "s1_fwd_1"]
+    names = sorted(fr["name"] for fr in compiled.fragments)
+    assert names == ["s0_bwd", "s0_fwd_1", "s1_bwd", "s1_fwd_1"]
+    assert executor.xla_compiles - before == 4
+    assert {c["fragment"] for c in compiled.calls} == set(names)
+    assert compiled.plan().count("  zeros %") == 3  # the two gradients and the loss
+    for _ in range(2):  # fresh zeros every run (the first run's were donated)
+        value, grads = compiled(ws, x)
+        with mm.ignore_transforms():
+            _check((value, grads), jax.value_and_grad(loss)(ws, x))
+    assert [sorted(d.id for d in g.devices()) for g in grads] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+    # a pass-through that the program returns is called: jax.jit returns fresh arrays
+    def step(ws, x):
+        return f(ws, x), ws
+
+    kept = mm.mjit(step, in_shardings=(P(), P())).lower(ws, x).compile()
+    assert "s0_fwd" in {fr["name"] for fr in kept.fragments}
+    (value, grads), ws_out = kept(ws, x)
+    assert all(a is not b for a, b in zip(ws_out, ws))
+    np.testing.assert_array_equal(ws_out[1], ws[1])
+    with mm.ignore_transforms():
+        _check((value, grads), jax.value_and_grad(loss)(ws, x))
+
+
+def test_zeros_on_an_accelerator_are_filled_on_the_devices(monkeypatch):
+    """Off the CPU the running sums' zeros come from one jitted fill per submesh, not a
+    host copy per step; forced here, it gives the same zeros, shardings and results."""
+    from functools import partial
+
+    from jax.sharding import NamedSharding
+
+    from multimesh.runtime import executor
+    from multimesh.runtime.zeros import Zeros
+
+    devs = jax.devices()
+    a = NamedSharding(jax.sharding.Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    b = NamedSharding(jax.sharding.Mesh(np.array(devs[4:]), ("x",)), P())
+    a0 = NamedSharding(a.mesh, P())
+    avals = [((8, 4), np.dtype(jnp.bfloat16)), ((4,), np.dtype(np.int32)), ((), np.dtype(np.float32))]
+    host = Zeros([3, 5, 9], avals, [a, b, a0], on_device=False)
+    dev = Zeros([3, 5, 9], avals, [a, b, a0], on_device=True)
+    assert not host.on_device and dev.on_device and len(dev._fills) == 2  # one per submesh
+    for h, d in zip(host.make(), dev.make()):
+        assert h.dtype == d.dtype and h.shape == d.shape and h.sharding == d.sharding
+        np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(d, np.float32))
+        assert not np.any(np.asarray(d, np.float32))
+
+    monkeypatch.setattr(executor, "Zeros", partial(Zeros, on_device=True))
+    loss, ws, _ = _pipeline(2)
+    x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
+    f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+    compiled = mm.mjit(f).lower(ws, x).compile()
+    for _ in range(2):
+        value, grads = compiled(ws, x)
+        with mm.ignore_transforms():
+            _check((value, grads), jax.value_and_grad(loss)(ws, x))
+    assert [sorted(d.id for d in g.devices()) for g in grads] == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -154,6 +154,11 @@ def test_nnx_step_pipelines_over_microbatches():
     assert schedule.labels() == build_schedule(pipeline_units(2, 4), "1f1b").labels()
     kernel = state.model.l1.mod.kernel[...]
     assert sorted(d.id for d in kernel.devices()) == [4, 5, 6, 7]
+    # per stage: forward, backward, the mean over microbatches and the update; neither
+    # the step's input constraints (a pass-through) nor the zero accumulators compile
+    names = sorted(f["name"] for f in step.compiled.fragments)
+    assert names == ["mm_default_fwd", "s0_bwd", "s0_bwd_1", "s0_fwd_1", "s0_fwd_2",
+                     "s1_bwd", "s1_bwd_1", "s1_fwd_1", "s1_fwd_2"]
 
 
 def test_microbatch_options_are_checked():

@@ -63,8 +63,7 @@ def _check_values(value, grads, ref):
 
 
 def _frags(compiled, task, direction):
-    return [f for f in compiled.fragments if f["task"] == task and f["direction"] == direction
-            and "acc_init" not in f["name"]]
+    return [f for f in compiled.fragments if f["task"] == task and f["direction"] == direction]
 
 
 def _count(fragments, op: str) -> int:

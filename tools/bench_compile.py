@@ -1,7 +1,7 @@
 """Compile time of a pipelined transformer LM: threads, jax.jit + scan, persistent cache.
 
     python tools/bench_compile.py [--quick] [--threads 1,2,4] [--schedules 1f1b,interleaved]
-                                  [--no-persistent] [--json PATH]
+                                  [--no-persistent] [--json PATH] [--step]
 
 A transformer LM (vocabulary 8192, d=128, sequences of 64, 8 blocks; the embedding
 in the first stage, the head and the loss in the last) on 4 submeshes x 2 devices,
@@ -18,7 +18,8 @@ may be shared: compare ratios within one run), and ``jax.jit`` of the same step 
 jax's) are cleared before every compile; figures are medians. Then, unless
 ``--no-persistent``, two fresh processes compile the first schedule with jax's
 persistent compilation cache in a temporary directory: the second loads every
-fragment from it. Also reported: XLA compilations per stage (task).
+fragment from it. Also reported: XLA compilations per stage (task), and the process
+CPU time of each compile (all threads), steadier than wall time on a shared machine.
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ def ours(schedule: str, threads: int, share: bool = True) -> dict:
     try:
         step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB_SIZE, argnum=1,
                              schedule=name)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         compiled = mm.mjit(step).lower(params, tokens).compile()
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         del os.environ["MULTIMESH_COMPILE_THREADS"]
         executor._shape_key = shape_key
@@ -151,14 +152,15 @@ def ours(schedule: str, threads: int, share: bool = True) -> dict:
         per_task[f["task"]] = per_task.get(f["task"], 0) + 1
         compiles[f["task"]] = (compiles.get(f["task"], 0)
                                + (compiled.xla_sources[f["name"]] == "xla"))
-    return {"total": total, "xla": compiled.compile_times["xla"],
+    return {"total": total, "cpu": cpu, "xla": compiled.compile_times["xla"],
             "xla_sum": sum(compiled.xla_times.values()),
             "fragments": len(compiled.fragments), "xla_compiles": compiled._exec.xla_compiles,
             "per_task": per_task, "compiles_per_task": compiles, "sources": sorted(set(compiled.xla_sources.values()))}
 
 
-def jit_scan(schedule: str) -> float:
-    """Seconds to compile ``jax.jit`` of the same step, a ``lax.scan`` over microbatches."""
+def jit_scan(schedule: str) -> tuple[float, float]:
+    """Seconds (wall, process CPU) to compile ``jax.jit`` of the same step, a ``lax.scan``
+    over microbatches."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -180,11 +182,35 @@ def jit_scan(schedule: str) -> float:
         return jax.lax.scan(body, zero, xs)[0]
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with mm.ignore_transforms():
         jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("x")))
                 ).lower(params, tokens).compile()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def step_time(schedule: str, reps: int = 7, calls: int = 5) -> dict:
+    """Milliseconds per run of the compiled step (median and min over ``reps`` batches of
+    ``calls`` runs), and its fragment calls per run."""
+    import jax
+
+    import multimesh.jax as mm
+
+    loss, params, tokens, name = model(schedule)
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=MB_SIZE, argnum=1,
+                         schedule=name)
+    compiled = mm.mjit(step).lower(params, tokens).compile()
+    for _ in range(3):
+        jax.block_until_ready(compiled(params, tokens))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = compiled(params, tokens)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times),
+            "calls": len(compiled.calls)}
 
 
 _CHILD = """
@@ -220,7 +246,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-persistent", action="store_true",
                     help="skip the two-process persistent-cache measurement")
     ap.add_argument("--json", help="write results as JSON to this path")
+    ap.add_argument("--step", action="store_true",
+                    help="only time one run of each compiled step (ms), no compiles timed")
     args = ap.parse_args(argv)
+    if args.step:
+        for sched in args.schedules.split(","):
+            r = step_time(sched)
+            print(f"{sched:12} step {r['median_ms']:8.2f} ms (min {r['min_ms']:8.2f} ms), "
+                  f"{r['calls']} fragment calls")
+        return 0
     threads = [int(t) for t in args.threads.split(",")]
     reps = 1 if args.quick else 3
     print(f"{os.cpu_count()} CPUs; compile threads {threads}; {reps} repetition(s)")
@@ -235,22 +269,28 @@ def main(argv=None) -> int:
             for st in setups:
                 runs[st].append(ours(sched, *st))
             scans.append(jit_scan(sched))
-        scan = statistics.median(scans)
+        scan = statistics.median(w for w, _ in scans)
+        scan_cpu = statistics.median(c for _, c in scans)
         base = statistics.median(r["total"] for r in runs[setups[0]])
         for st in setups:
             total = statistics.median(r["total"] for r in runs[st])
             xla = statistics.median(r["xla"] for r in runs[st])
+            cpu = statistics.median(r["cpu"] for r in runs[st])
             last = runs[st][-1]
             label = f"threads={st[0]}{'' if st[1] else ' no sharing'}"
-            res[f"{sched} {label}"] = {"total": total, "xla": xla, "/jit+scan": total / scan,
-                                       "/before": total / base, **last}
+            res[f"{sched} {label}"] = {**last, "total": total, "xla": xla, "cpu": cpu,
+                                       "/jit+scan": total / scan, "/before": total / base,
+                                       "cpu/jit+scan": cpu / scan_cpu}
             print(f"{sched:12} {label:22}: compile {total:6.2f} s (XLA {xla:6.2f} s, "
                   f"{last['xla_compiles']:2} XLA compiles of {last['fragments']} fragments), "
-                  f"{total / scan:4.2f}x jax.jit+scan, {total / base:4.2f}x before")
-        print(f"{sched:12} jax.jit + lax.scan: {scan:6.2f} s; fragments per stage: "
+                  f"{total / scan:4.2f}x jax.jit+scan, {total / base:4.2f}x before; process "
+                  f"CPU {cpu:6.2f} s, {cpu / scan_cpu:4.2f}x jax.jit+scan's")
+        print(f"{sched:12} jax.jit + lax.scan: {scan:6.2f} s (CPU {scan_cpu:6.2f} s); "
+              f"fragments per stage: "
               f"{runs[setups[0]][-1]['per_task']}; XLA compiles per stage: "
               f"{runs[setups[1]][-1]['compiles_per_task']}")
         res[f"{sched} jit+scan"] = scan
+        res[f"{sched} jit+scan cpu"] = scan_cpu
     if not args.no_persistent:
         sched = args.schedules.split(",")[0]
         pc = persistent(sched, threads[-1])

@@ -29,6 +29,7 @@ from multimesh.runtime.guards import check_args
 from multimesh.runtime.parallel import map_ordered
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 from multimesh.runtime.steps import layout_sharding
+from multimesh.runtime.zeros import Zeros
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
 # by jax.clear_caches() / multimesh.clear_caches().
@@ -246,6 +247,7 @@ class Executor:
         """The plan's steps that this process runs, one by one, in plan order (traces,
         memory profiles, and every run under jax.distributed)."""
         self._env_template = self._constants()
+        self._zeros = self._zero_sources()
         # One process: the precomputed dispatch program (batched transfers). Several
         # processes dispatch step by step, in the same global order everywhere.
         self._program = (_program(plan, self.devices, exes, self._skipped_donations,
@@ -268,6 +270,17 @@ class Executor:
             if pp is None or pp.owns(lay[0]):
                 env[vid] = jax.device_put(np.int32(value), layout_sharding(lay, self.devices))
         return env
+
+    def _zero_sources(self) -> Zeros:
+        """The zeros every run starts from (:attr:`Plan.zeros`, a loop's running sums),
+        made without a fragment (:mod:`multimesh.runtime.zeros`)."""
+        pp = self.process_plan
+        mine = [(vid, t, lay) for vid, (t, lay) in self.plan.zeros.items()
+                if pp is None or pp.owns(lay[0])]
+        return Zeros([vid for vid, _, _ in mine],
+                     [(shape, element_dtype(dtype)) for _, (shape, dtype), _ in mine],
+                     [layout_sharding(lay, self.devices) for _, _, lay in mine])
+
     def _compile_calls(self, donated: frozenset[int]) -> dict[int, jax.stages.Compiled]:
         """The executable of every call this process runs (by step index), compiling only
         what is used: one executable per (fragment, devices), with the donations every
@@ -332,6 +345,9 @@ class Executor:
         """
         check_args(args, self.donated, self._leaf_name)
         env = self._env_template.copy()
+        if self._zeros.ids:
+            for i, z in zip(self._zeros.ids, self._zeros.make()):
+                env[i] = z
         for i, a in zip(self.plan.input_ids, self.place_inputs(args)):
             env[i] = a
         return env

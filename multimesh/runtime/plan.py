@@ -93,10 +93,17 @@ class Plan:
     """Value id -> (int32 value, layout): the microbatch index where a fragment reads it."""
     num_microbatches: int | None = None
     schedule_name: str | None = None
+    zeros: dict[int, tuple[tuple[tuple[int, ...], str], Layout]] = field(default_factory=dict)
+    """Value id -> ((shape, dtype), layout): zeros the runtime makes at the start of each
+    run, in place of a fragment that only returns zeros (a loop's running sums start
+    from them, see :func:`_trivial`)."""
 
     def describe(self) -> str:
         """A readable plan: one line per fragment call and transfer."""
         lines = [f"multimesh plan over {self.num_devices} devices:"]
+        for vid, (_, lay) in self.zeros.items():
+            lines.append(f"  zeros %{vid} onto devices {list(lay[0])} {_spec_str(lay[3])} "
+                         f"(put there at the start of each run)")
         for s in self.steps:
             if isinstance(s, Call):
                 mb = f" mb {s.microbatch}" if s.microbatch is not None else ""
@@ -119,6 +126,7 @@ class Plan:
         """Where every value of one run lives (value id -> layout)."""
         out: dict[int, Layout] = dict(zip(self.input_ids, self.inputs))
         out.update({vid: lay for vid, (_, lay) in self.constants.items()})
+        out.update({vid: lay for vid, (_, lay) in self.zeros.items()})
         for s in self.steps:
             if isinstance(s, Call):
                 frag = self.fragments[s.fragment]
@@ -198,6 +206,8 @@ class _Builder:
         self.layout_of: dict[int, Layout] = {}
         self.moving: set[int] = set()  # values made by (or for) a task that moves
         self.constants: dict[int, tuple[int, Layout]] = {}
+        self.zeros: dict[int, tuple[tuple[tuple[int, ...], str], Layout]] = {}
+        self._trivial: dict[str, tuple[str, list[int]] | None] = {}
         self.const_ids: dict[tuple, int] = {}
         self.next_id = 0
         self.num_microbatches: int | None = None
@@ -240,7 +250,8 @@ class _Builder:
         self.steps = defer_transfers(self.steps, self.fragments)
         plan = Plan(self.num_devices, self.fragments, self.steps, inputs, input_ids, outputs,
                     [self.layout_of[o] for o in outputs], constants=self.constants,
-                    num_microbatches=self.num_microbatches, schedule_name=self.schedule_name)
+                    num_microbatches=self.num_microbatches, schedule_name=self.schedule_name,
+                    zeros=self.zeros)
         for i, s in enumerate(self.steps):
             for vid in (s.args if isinstance(s, Call) else [s.src]):
                 plan.last_use[vid] = i
@@ -262,6 +273,8 @@ class _Builder:
             self.steps.append(Transfer(src, dst, lay))
         elif target == FRAGMENT_CALL:
             name = read_callee(op)
+            if microbatch is None and self._elide(op, name, ids):
+                return
             frag = self._fragment(name)
             devices = None
             if frag.loop_devices is not None and microbatch is not None:
@@ -285,6 +298,36 @@ class _Builder:
                 f"Expected only fragment calls, transfers and a microbatch loop in the "
                 f"program, found '{op.name}'" + (f" @{target}" if target else "") +
                 "; run mm-extract-fragments.")
+
+    def _elide(self, op: ir.Operation, name: str, ids: dict) -> bool:
+        """Stand in for a call of a fragment that computes nothing (:func:`_trivial`):
+        its zeros become :attr:`Plan.zeros`, its passed-through arguments its results.
+        Nothing is compiled or dispatched for it. Returns whether it did."""
+        if name not in self._trivial:
+            sub = self.subs.get(name)
+            self._trivial[name] = _trivial(sub) if sub is not None else None
+        trivial = self._trivial[name]
+        if trivial is None:
+            return False
+        kind, sources = trivial
+        frag = _fragment(name, self.subs[name])
+        if frag.loop_devices is not None:
+            return False
+        if kind == "zeros":
+            for r, t, lay in zip(op.results, frag.out_types, frag.out_layouts):
+                rid = ids[r] = self.new_id(lay)
+                self.zeros[rid] = (t, lay)
+            return True
+        if any(getattr(u.owner, "operation", u.owner).name == "func.return"
+               for r in op.results for u in r.uses):
+            return False  # the program returns it: a fresh array, as jax.jit returns
+        if not all(same_layout(self.layout_of[ids[op.operands[a]]], lay)
+                   and same_layout(frag.in_layouts[a], lay)
+                   for a, lay in zip(sources, frag.out_layouts)):
+            return False
+        for r, a in zip(op.results, sources):
+            ids[r] = ids[op.operands[a]]
+        return True
 
     def _arg(self, v, k, frag, devices, ids, index, name) -> int:
         want = frag.in_layouts[k]
@@ -539,6 +582,49 @@ def _fragment(name: str, sub: ir.Operation) -> Fragment:
                     layouts("res_attrs", len(ftype.results)),
                     [_type_info(t) for t in ftype.inputs], [_type_info(t) for t in ftype.results],
                     loop_devices, donors)
+
+
+def _trivial(sub: ir.Operation) -> tuple[str, list[int]] | None:
+    """How a fragment computes nothing, if it does: ``("zeros", [])`` when it takes no
+    arguments and returns splat zeros (``mm-form-microbatch-loop``'s ``<task>_acc_init``),
+    ``("pass", [argument number per result])`` when it returns its arguments, at most
+    through ``sdy.sharding_constraint`` (e.g. a constraint to the layout an input has
+    already, outside a microbatch loop); else None."""
+    fn = next((op.operation for op in sub.regions[0].blocks[0].operations
+               if op.operation.name == "func.func"), None)
+    if fn is None or not fn.regions[0].blocks:
+        return None  # not a fragment: reading it (_fragment) says what is wrong
+    block = fn.regions[0].blocks[0]
+    ops = [o.operation for o in block.operations]
+    source: dict[ir.Value, int] = {a: a.arg_number for a in block.arguments}
+    for op in ops[:-1]:
+        if op.name == "stablehlo.constant" and not len(block.arguments) and _zero(op):
+            source[op.results[0]] = -1
+        elif op.name == "sdy.sharding_constraint" and op.operands[0] in source \
+                and source[op.operands[0]] >= 0:
+            source[op.results[0]] = source[op.operands[0]]
+        else:
+            return None
+    if not ops[-1].operands or any(v not in source for v in ops[-1].operands):
+        return None
+    found: list[int] = [source[v] for v in ops[-1].operands]
+    if all(f == -1 for f in found):
+        return "zeros", []
+    return ("pass", found) if all(f >= 0 for f in found) else None
+
+
+def _zero(op: ir.Operation) -> bool:
+    """Whether a ``stablehlo.constant`` is a splat of integer or real zero."""
+    try:
+        value = ir.DenseElementsAttr(op.attributes["value"])
+        if not value.is_splat:
+            return False
+        splat = value.get_splat_value()
+        if isinstance(splat, (ir.IntegerAttr, ir.FloatAttr)):
+            return splat.value == 0
+    except (ValueError, TypeError):
+        pass
+    return False
 
 
 def _standalone(sub: ir.Operation) -> str:
