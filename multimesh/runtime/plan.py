@@ -181,6 +181,34 @@ def build_plan(module: ir.Module | str | bytes) -> Plan:
         return _Builder(module).build()
 
 
+class _LayoutReader:
+    """Layouts read off a module's device and sharding attributes, cached: a loop's
+    transfers repeat the same pair per microbatch."""
+
+    def __init__(self, module: ir.Module):
+        self.module = module
+        self._cache: dict = {}
+
+    def __call__(self, devices_attr, sharding_attr) -> Layout:
+        key = (devices_attr, sharding_attr)
+        lay = self._cache.get(key)
+        if lay is None:
+            lay = self._cache[key] = self._read(devices_attr, sharding_attr)
+        return lay
+
+    def _read(self, devices_attr, sharding_attr) -> Layout:
+        devices = tuple(attr_to_py(devices_attr))
+        ts = sdy.TensorShardingAttr(sharding_attr)
+        mesh_ref = ts.mesh_or_ref
+        if isinstance(mesh_ref, ir.FlatSymbolRefAttr):
+            mesh = _find_mesh(self.module, mesh_ref.value)
+        else:
+            mesh = sdy.MeshAttr(mesh_ref)
+        names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
+        sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
+        return devices, names, sizes, _sharding_dims(sharding_attr)
+
+
 class _Builder:
     def __init__(self, module: ir.Module):
         self.module = module
@@ -212,7 +240,7 @@ class _Builder:
         self.next_id = 0
         self.num_microbatches: int | None = None
         self.schedule_name: str | None = None
-        self._layouts: dict = {}
+        self._layout = _LayoutReader(module)
 
     def new_id(self, layout: Layout | None) -> int:
         i = self.next_id
@@ -401,26 +429,7 @@ class _Builder:
         for r, v, chain in zip(loop.results, ret.operands, chains, strict=True):
             ids[r] = envs[chain[-1]][v]
 
-    # -- reading fragments and layouts -----------------------------------------------
-
-    def _layout(self, devices_attr, sharding_attr) -> Layout:
-        key = (devices_attr, sharding_attr)  # a loop's transfers repeat per microbatch
-        lay = self._layouts.get(key)
-        if lay is None:
-            lay = self._layouts[key] = self._read_layout(devices_attr, sharding_attr)
-        return lay
-
-    def _read_layout(self, devices_attr, sharding_attr) -> Layout:
-        devices = tuple(attr_to_py(devices_attr))
-        ts = sdy.TensorShardingAttr(sharding_attr)
-        mesh_ref = ts.mesh_or_ref
-        if isinstance(mesh_ref, ir.FlatSymbolRefAttr):
-            mesh = _find_mesh(self.module, mesh_ref.value)
-        else:
-            mesh = sdy.MeshAttr(mesh_ref)
-        names = tuple(sdy.MeshAxisAttr(a).name for a in mesh.axes)
-        sizes = tuple(sdy.MeshAxisAttr(a).size for a in mesh.axes)
-        return devices, names, sizes, _sharding_dims(sharding_attr)
+    # -- reading fragments -------------------------------------------------------------
 
     def _fragment(self, name: str) -> Fragment:
         frag = self.fragments.get(name)
