@@ -1956,13 +1956,14 @@ def _():
 
 @error("plan-schedule-not-modelled", IMPLICIT, "`plan_pipeline` with a schedule it cannot model",
        MultimeshValueError,
-       r"schedule='zero-bubble-h1' is not one the planner can model; valid choices are "
-       r"\['1f1b', 'gpipe'\]",
-       """The planner places one contiguous stage per submesh and models GPipe and 1F1B;
-       plan with one of them (or None), then pass another schedule to `microbatch`
-       yourself if you like.""")
+       r"schedule='interleaved-1f1b' is not one the planner can model: it places 2 stages "
+       r"per submesh, and the planner places one contiguous stage per submesh",
+       """The planner places one contiguous stage per submesh and models the schedules
+       for that placement (GPipe, 1F1B, eager 1F1B, GPipe with 1F1B last, ZB-H1, ZB-H2);
+       plan with one of them, several, or None, then pass an interleaved schedule to
+       `microbatch` yourself with your own rules if you like.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), schedule="zero-bubble-h1")
+    mm.plan_pipeline(layered_model, *layered_args(), schedule="interleaved-1f1b")
 
 
 @error("plan-bad-memory-limit", IMPLICIT, "`plan_pipeline` with a non-positive memory limit",

@@ -12,11 +12,16 @@ from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._planner._plan import PipelinePlan, Stage
 from multimesh.jax._planner._search import Choice, Costs, Machine, search
 from multimesh.jax._planner._units import Profile, measure_units, unit_matcher
+from multimesh.schedules import ScheduleError, all_schedules, get_schedule
 
 __all__ = ["plan_pipeline"]
 
-SCHEDULES = ("1f1b", "gpipe")
-"""The schedules the planner chooses among (contiguous stages, one per submesh)."""
+SCHEDULES = tuple(sorted((a.name for a in all_schedules() if a.interleave == 1
+                          and a.has_textbook and a.placement in (None, "contiguous")),
+                         key=lambda n: get_schedule(n).splits_backward))
+"""The schedules the planner chooses among (contiguous stages, one per submesh), the
+simpler first: on a tie the earlier wins. Registry order, those that split the
+backward last."""
 
 # Nominal figures per platform; the plan lists the ones it used (``assumptions``).
 _DEVICE_FLOPS = {"cpu": 5e10, "gpu": 5e13, "tpu": 1e14}
@@ -87,13 +92,29 @@ def _microbatch_counts(num_microbatches, rows: int) -> list[int]:
 
 
 def _schedules(schedule) -> tuple[str, ...]:
+    """The candidate schedules: all the planner models, or the one(s) the user names."""
     if schedule is None:
         return SCHEDULES
-    if schedule not in SCHEDULES:
+    names = (schedule,) if isinstance(schedule, str) else tuple(schedule)
+    out = []
+    for name in names:
+        try:
+            algo = get_schedule(name)
+        except ScheduleError as e:
+            raise MultimeshValueError(f"`plan_pipeline`: {e}.") from None
+        if algo.name not in SCHEDULES:
+            why = (f"it places {algo.interleave} stages per submesh"
+                   if algo.interleave > 1 else "it has no textbook order to model")
+            raise MultimeshValueError(
+                f"`plan_pipeline`: schedule={name!r} is not one the planner can model: "
+                f"{why}, and the planner places one contiguous stage per submesh. Valid "
+                f"choices are {list(SCHEDULES)}, a sequence of them, or None (choose).")
+        out.append(algo.name)
+    if not out:
         raise MultimeshValueError(
-            f"`plan_pipeline`: schedule={schedule!r} is not one the planner can model; "
-            f"valid choices are {list(SCHEDULES)} or None (choose).")
-    return (schedule,)
+            f"`plan_pipeline` got schedule={schedule!r}, an empty choice; name at least "
+            f"one of {list(SCHEDULES)}, or None (choose).")
+    return tuple(sorted(set(out), key=SCHEDULES.index))  # ties: the simpler
 
 
 def _nnx_fun(fun, args):
@@ -135,9 +156,11 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
                           "; transfers do not overlap compute",
         "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
         "memory": "parameters x (2 + optimizer_state_factor) replicated per stage, plus "
-                  "residuals x the schedule's peak live microbatches"
+                  "residuals x the schedule's peak live microbatches (simulated; a split backward "
+                  "holds them until its weight-gradient part ran)"
                   + ("" if memory_limit is None else f"; limit {m.memory_limit:,.0f} B"),
         "microbatch cost": "the batch's cost divided by the number of microbatches",
+        "weight gradient": "",
     }
     return m, notes
 
@@ -162,7 +185,8 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
 
 def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   num_stages: int | None = None, memory_limit: float | None = None,
-                  num_microbatches: int | None = None, schedule: str | None = None,
+                  num_microbatches: int | None = None,
+                  schedule: str | Sequence[str] | None = None,
                   argnum: int = 1, dim: int = 0, optimizer_state_factor: float = 0.0,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
                   fragment_overhead: float | None = None,
@@ -177,7 +201,9 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     contiguous stages on ``devices`` (default ``jax.devices()``, split evenly; the
     rules' ``TaskMesh`` positions index this list, so compile with
     ``mjit(..., devices=devices)`` when it is not the default). With
-    ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them.
+    ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them
+    (``schedule`` may also name several to choose among; :data:`SCHEDULES` lists
+    those it models).
     ``memory_limit`` is in bytes per device; ``optimizer_state_factor`` is the
     optimizer's state per parameter byte (2 for Adam). ``logical_axes``, pairs
     ``(logical name, "x")``, map the model's logical axes onto each stage's submesh
@@ -202,9 +228,16 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
                             f"{len(profile.units)} units")
     u = profile.units
+    split = any(x.wgrad_flops for x in u)
+    notes["weight gradient"] = (
+        "each unit's backward split by XLA cost analysis into the input-gradient part "
+        "(what the unit before it waits for) and the weight-gradient part"
+        if split else "no unit's backward splits apart by its equations; assumed half "
+        "of each unit's backward (zero-bubble schedules)")
     costs = Costs(tuple(x.name for x in u), tuple(x.fwd_flops for x in u),
                   tuple(x.bwd_flops for x in u), tuple(x.param_bytes for x in u),
-                  tuple(x.residual_bytes for x in u), profile.cut_bytes)
+                  tuple(x.residual_bytes for x in u), profile.cut_bytes,
+                  tuple(x.wgrad_flops for x in u) if split else None)
     choice = search(costs, machine, _fitting(stages, costs.names, num_stages), mbs,
                     _schedules(schedule))
     return PipelinePlan(
@@ -212,7 +245,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
         num_microbatches=choice.num_microbatches, schedule=choice.schedule,
         predicted_step_time=choice.step_time, batch=(argnum, dim, rows),
         units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
-                     "bytes_accessed": x.bytes_accessed, "param_bytes": x.param_bytes,
+                     "wgrad_flops": x.wgrad_flops, "bytes_accessed": x.bytes_accessed, "param_bytes": x.param_bytes,
                      "residual_bytes": x.residual_bytes} for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
@@ -228,8 +261,8 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     if fixed:
         raise MultimeshValueError(
             f"parallelize_step got num_stages='auto' and {', '.join(f'`{n}`' for n in fixed)}"
-            f"; the planner places one contiguous stage per submesh and chooses GPipe or "
-            f"1F1B, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
+            f"; the planner places one contiguous stage per submesh and chooses a "
+            f"schedule for that placement, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
             f"write the schedule yourself.")
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches

@@ -5,8 +5,11 @@ dynamic programming over the units' prefix sums finds the contiguous cut whose
 slowest stage is fastest, subject to the memory limit (Alpa's inter-operator pass,
 without its submesh-shape search: every stage gets ``d`` devices). Each candidate
 ``(S, microbatches, schedule)`` is then run through the schedule simulator with the
-stages' predicted times; the shortest simulated step wins (ties: the order the
-candidates are tried in, so the result is deterministic).
+stages' predicted times; the shortest simulated step wins (ties, within a part in
+a billion: fewer stages, fewer microbatches, then the simpler schedule, in the order
+given, so the result is deterministic). A schedule that splits the backward
+(zero-bubble) runs each stage's weight-gradient part apart: one more fragment call
+per microbatch, and the activations held until it ran (the simulator's peak).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from multimesh._src.errors import MultimeshValueError
-from multimesh.schedules import build_schedule, live_activations, pipeline_units
+from multimesh.schedules import build_schedule, get_schedule, live_activations, pipeline_units
 from multimesh.schedules.costs import simulate_stages
 
 __all__ = ["Costs", "Machine", "Choice", "search", "best_cut"]
@@ -33,6 +36,8 @@ class Costs:
     params: tuple[int, ...]
     residuals: tuple[int, ...]
     cuts: tuple[int, ...]
+    wgrad: tuple[float, ...] | None = None
+    """Per unit, the part of ``bwd`` that computes parameter gradients (None: half)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +61,8 @@ class Choice:
     num_microbatches: int
     schedule: str
     fwd_time: tuple[float, ...]  # per stage, one microbatch
-    bwd_time: tuple[float, ...]
+    bwd_time: tuple[float, ...]  # the whole backward, weight-gradient part included
+    wgrad_time: tuple[float, ...]  # the part a splitting schedule runs apart
     memory: tuple[float, ...]  # per stage, bytes per device at the schedule's peak
     live: tuple[int, ...]  # per stage, peak microbatches in flight
     step_time: float  # the simulated step
@@ -69,6 +75,8 @@ class _Prefix:
         acc = itertools.accumulate
         self.flops = [0.0, *acc(f + b for f, b in zip(costs.fwd, costs.bwd))]
         self.fwd = [0.0, *acc(costs.fwd)]
+        wgrad = costs.wgrad if costs.wgrad is not None else [b / 2 for b in costs.bwd]
+        self.wgrad = [0.0, *acc(wgrad)]
         self.params = [0, *acc(costs.params)]
         self.residuals = [0, *acc(costs.residuals)]
         self.cuts = costs.cuts
@@ -79,13 +87,19 @@ class _Prefix:
         return float(self.cuts[i - 1]) if 0 < i < self.n else 0.0
 
 
-def _stage_times(p: _Prefix, m: Machine, d: int, M: int, i: int, j: int):
-    """Forward and backward seconds of units ``[i, j)`` for one microbatch."""
+def _stage_times(p: _Prefix, m: Machine, d: int, M: int, i: int, j: int,
+                 split: bool = False) -> tuple[float, float, float]:
+    """Forward, whole backward and weight-gradient seconds of units ``[i, j)`` for one
+    microbatch; ``split``: the weight-gradient part is a fragment call of its own."""
     rate = m.device_flops * d
     move = (p.cut(i) + p.cut(j)) / M / m.link_bandwidth
     fwd = (p.fwd[j] - p.fwd[i]) / M / rate + move + m.fragment_overhead
     bwd = (p.flops[j] - p.flops[i] - p.fwd[j] + p.fwd[i]) / M / rate + move
-    return fwd, bwd + m.fragment_overhead
+    w = (p.wgrad[j] - p.wgrad[i]) / M / rate
+    if split:
+        w += m.fragment_overhead
+        bwd += m.fragment_overhead
+    return fwd, bwd + m.fragment_overhead, w
 
 
 def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int) -> float:
@@ -123,26 +137,24 @@ def best_cut(n: int, S: int, cost: Callable[[int, int], float],
     return tuple(reversed(bounds))
 
 
-def _simulate(S: int, M: int, name: str, fwd: Sequence[float], bwd: Sequence[float]) -> float:
-    """The simulated step of ``S`` stages with these per-microbatch times."""
-    return simulate_stages(name, fwd, bwd, num_microbatches=M).step_time
-
-
 def _live(S: int, M: int, name: str) -> tuple[int, ...]:
-    return tuple(max(v, 1) for v in live_activations(build_schedule(pipeline_units(S, M), name)))
+    split = get_schedule(name).splits_backward
+    units = pipeline_units(S, M, split_backward=split)
+    return tuple(max(v, 1) for v in live_activations(build_schedule(units, name)))
 
 
 def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
     """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``."""
     d = m.num_devices // S
+    split = get_schedule(name).splits_backward
     live = _live(S, M, name)
     # times scale by 1/M alike, so without a memory limit the cut depends on S only
-    key = (S,) if m.memory_limit is None else (S, M, live)
+    key = (S, split) if m.memory_limit is None else (S, split, M, live)
     if key not in cache:
         limit = m.memory_limit
 
         def cost(i, j):
-            f, b = _stage_times(p, m, d, M, i, j)
+            f, b, _ = _stage_times(p, m, d, M, i, j, split)
             return f + b
 
         def fits(k, i, j):
@@ -152,10 +164,18 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -
     bounds = cache[key]
     if bounds is None:
         return None
-    times = [_stage_times(p, m, d, M, i, j) for i, j in bounds]
-    fwd, bwd = tuple(t[0] for t in times), tuple(t[1] for t in times)
-    memory = tuple(_stage_memory(p, m, M, live[k], i, j) for k, (i, j) in enumerate(bounds))
-    return Choice(S, bounds, M, name, fwd, bwd, memory, live, _simulate(S, M, name, fwd, bwd))
+    times = [_stage_times(p, m, d, M, i, j, split) for i, j in bounds]
+    fwd, bwd, w = (tuple(t[k] for t in times) for k in range(3))
+    held = [(p.residuals[j] - p.residuals[i]) // M for i, j in bounds]
+    pred = simulate_stages(name, fwd, bwd, num_microbatches=M, weight_gradient=w,
+                           activation_bytes=held)
+    peak = pred.peak_activation_bytes or (0,) * S
+    memory = tuple((p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) + peak[k]
+                   for k, (i, j) in enumerate(bounds))
+    if m.memory_limit is not None and max(memory) > m.memory_limit:
+        return None
+    return Choice(S, bounds, M, name, fwd, bwd, w, memory,
+                  tuple(max(v, 1) for v in pred.peak_microbatches), pred.step_time)
 
 
 def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
@@ -170,7 +190,9 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
         for M in microbatches:
             for name in schedules:
                 c = _candidate(p, m, S, M, name, cache)
-                if c is not None and (best is None or c.step_time < best.step_time):
+                # a part in a billion: equal schedules' float noise is no gain
+                if c is not None and (best is None
+                                      or c.step_time < best.step_time * (1 - 1e-9)):
                     best = c
     if best is None:
         raise _no_plan(costs, p, m, stages, microbatches)

@@ -8,7 +8,9 @@ a unit whose children are list items (NNX's ``blocks/0``, ``blocks/1``) is split
 them. Equations outside every unit (the glue between modules) count with the unit
 before them in their direction. Each unit's forward and backward equations are
 lowered on their own and costed by XLA's cost analysis (identical units, e.g. the
-blocks of a stack, are costed once).
+blocks of a stack, are costed once). A unit's backward splits, as the zero-bubble
+schedules split it, into the equations the cotangent for the units before it needs
+(input gradient) and the rest (weight gradient), each costed apart.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class UnitCost:
     bytes_accessed: float
     param_bytes: int
     residual_bytes: int  # forward values the backward reads (held per microbatch)
+    wgrad_flops: float = 0.0  # the part of bwd_flops no other unit's backward waits for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +236,22 @@ def _flows(eqns, where, n: int) -> tuple[list[int], tuple[int, ...]]:
     return residual, tuple(int(c) for c in cuts)
 
 
+def _weight_part(eqns, where, k: int) -> list:
+    """Unit ``k``'s backward equations that no equation outside it waits for: its
+    weight-gradient part (what a split backward runs apart)."""
+    mine = [e for e, (u, b) in zip(eqns, where) if u == k and b]
+    ids = {id(e) for e in mine}
+    needed = {v for e in eqns if id(e) not in ids for v in e.invars
+              if isinstance(v, jcore.Var)}
+    weight = []
+    for e in reversed(mine):
+        if any(v in needed for v in e.outvars if not isinstance(v, jcore.DropVar)):
+            needed.update(v for v in e.invars if isinstance(v, jcore.Var))
+        else:
+            weight.append(e)
+    return weight[::-1]
+
+
 def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 2) -> Profile:
     """Trace ``value_and_grad(fun)(*args)`` and cost its name-stack units (split
     finer, heaviest first, while there are fewer than ``min_units``)."""
@@ -262,5 +281,7 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
         bwd = [e for e, (u, b) in zip(eqns, where) if u == k and b]
         ff, fb = _cost(fwd, cache)
         bf, bb = _cost(bwd, cache)
-        units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k]))
+        wf, _ = _cost(_weight_part(eqns, where, k), cache)
+        units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k],
+                              min(wf, bf)))
     return Profile(root, tuple(units), cuts, "XLA cost analysis of each unit's equations")
