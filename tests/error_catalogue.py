@@ -1966,6 +1966,16 @@ def _():
     mm.plan_pipeline(layered_model, *layered_args(), schedule="interleaved-1f1b")
 
 
+@error("plan-bad-cost-source", IMPLICIT, "`plan_pipeline` with an unknown cost source",
+       MultimeshValueError,
+       r"`plan_pipeline`: costs='flops' is not a cost source; valid choices are "
+       r"\['xla', 'profile'\]",
+       """`costs="xla"` (the default) prices XLA's cost analysis of each unit at
+       `device_flops`; `costs="profile"` runs and times each unit on the first device.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), costs="flops")
+
+
 @error("plan-bad-memory-limit", IMPLICIT, "`plan_pipeline` with a non-positive memory limit",
        MultimeshValueError,
        r"`plan_pipeline`: `memory_limit` must be a positive number or None, got -1",

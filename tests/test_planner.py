@@ -638,3 +638,34 @@ def test_units_split_their_backward_into_input_and_weight_gradients():
 def test_schedules_the_planner_cannot_model_are_refused(schedule, match):
     with pytest.raises(mm.errors.MultimeshValueError, match=match):
         mm.plan_pipeline(_scoped, _scoped_params(n=3), jnp.ones((8, 16)), schedule=schedule)
+
+
+# --------------------------------------------------------------------------- measured costs
+
+
+def test_measured_costs_plan_records_its_source_and_runs():
+    """``costs="profile"`` times each unit on this noisy shared CPU, so the cut it
+    picks may vary from run to run: only what does not depend on the timings is
+    checked (the source is recorded, the plan is whole, and it runs exactly)."""
+    params = _scoped_params(n=3)
+    x = jnp.cos(jnp.arange(16 * 16.0)).reshape(16, 16)
+    plan = mm.plan_pipeline(_scoped, params, x, num_stages=2, num_microbatches=2,
+                            costs="profile")
+    assert plan.assumptions["cost source"].startswith("measured time of each unit's")
+    assert plan.assumptions["device flops"].startswith("unused: unit costs are measured")
+    assert [u for st in plan.stages for u in st.units] == ["layer0", "layer1", "layer2",
+                                                           "head"]
+    assert plan.predicted_step_time > 0 and all(st.predicted_time > 0 for st in plan.stages)
+    assert mm.PipelinePlan.from_json(plan.to_json()) == plan
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
+            params, x).compile()
+    value, grads = compiled(params, x)
+    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
+        assert sorted(d.id for d in a.devices()) == list(stage.devices)
+    with pytest.raises(mm.errors.MultimeshValueError, match="costs='flops' is not a cost"):
+        mm.plan_pipeline(_scoped, params, x, costs="flops")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import sys
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ import jax
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._planner._plan import PipelinePlan, Stage
 from multimesh.jax._planner._search import Choice, Costs, Machine, search
-from multimesh.jax._planner._units import Profile, measure_units, unit_matcher
+from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher
 from multimesh.schedules import ScheduleError, all_schedules, get_schedule
 
 __all__ = ["plan_pipeline"]
@@ -22,6 +23,9 @@ SCHEDULES = tuple(sorted((a.name for a in all_schedules() if a.interleave == 1
 """The schedules the planner chooses among (contiguous stages, one per submesh), the
 simpler first: on a tie the earlier wins. Registry order, those that split the
 backward last."""
+
+COST_SOURCES = ("xla", "profile")
+"""Where unit costs come from: XLA's cost analysis, or a short profile of each unit."""
 
 # Nominal figures per platform; the plan lists the ones it used (``assumptions``).
 _DEVICE_FLOPS = {"cpu": 5e10, "gpu": 5e13, "tpu": 1e14}
@@ -190,7 +194,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   argnum: int = 1, dim: int = 0, optimizer_state_factor: float = 0.0,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
                   fragment_overhead: float | None = None,
-                  logical_axes: Sequence[tuple[str, str]] = ()) -> PipelinePlan:
+                  logical_axes: Sequence[tuple[str, str]] = (),
+                  costs: str = "xla") -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -208,6 +213,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     optimizer's state per parameter byte (2 for Adam). ``logical_axes``, pairs
     ``(logical name, "x")``, map the model's logical axes onto each stage's submesh
     (one axis ``x``), e.g. ``(("batch", "x"),)`` to shard the batch inside a stage.
+    ``costs="profile"`` times each unit's forward, backward and weight-gradient part
+    on the first device instead of pricing XLA's flops at ``device_flops``.
     """
     if not callable(fun):
         raise MultimeshTypeError(
@@ -224,38 +231,68 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     machine, notes = _machine(devices, memory_limit, optimizer_state_factor, device_flops,
                               link_bandwidth, fragment_overhead)
     fun, args = _nnx_fun(fun, example_args)
-    profile = measure_units(fun, args, 0, min_units=num_stages or 2)
-    notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
-                            f"{len(profile.units)} units")
+    timer = _timer(costs, devices)
+    profile = measure_units(fun, args, 0, min_units=num_stages or 2, timer=timer)
+    table, machine = _costs(profile, machine, notes)
+    choice = search(table, machine, _fitting(stages, table.names, num_stages), mbs,
+                    _schedules(schedule))
     u = profile.units
+    return PipelinePlan(
+        stages=_stages(profile, choice, devices, machine),
+        num_microbatches=choice.num_microbatches, schedule=choice.schedule,
+        predicted_step_time=choice.step_time, batch=(argnum, dim, rows),
+        units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
+                     "wgrad_flops": x.wgrad_flops, "bytes_accessed": x.bytes_accessed,
+                     "param_bytes": x.param_bytes, "residual_bytes": x.residual_bytes}
+                    for x in u),
+        cut_bytes=profile.cut_bytes, assumptions=notes,
+        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
+
+
+def _timer(costs: str, devices) -> Timer | None:
+    if costs not in COST_SOURCES:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: costs={costs!r} is not a cost source; valid choices are "
+            f"{list(COST_SOURCES)} ('xla': XLA's cost analysis, 'profile': each unit "
+            f"run and timed once on the first device).")
+    return Timer(devices[0]) if costs == "profile" else None
+
+
+def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
+    """The search's per-unit figures: XLA flops at the nominal rate, or measured
+    seconds (then the rate is one "flop" per second)."""
+    u = profile.units
+    notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
+                            f"{len(u)} units")
     split = any(x.wgrad_flops for x in u)
     notes["weight gradient"] = (
         "each unit's backward split by XLA cost analysis into the input-gradient part "
         "(what the unit before it waits for) and the weight-gradient part"
         if split else "no unit's backward splits apart by its equations; assumed half "
         "of each unit's backward (zero-bubble schedules)")
-    costs = Costs(tuple(x.name for x in u), tuple(x.fwd_flops for x in u),
-                  tuple(x.bwd_flops for x in u), tuple(x.param_bytes for x in u),
-                  tuple(x.residual_bytes for x in u), profile.cut_bytes,
-                  tuple(x.wgrad_flops for x in u) if split else None)
-    choice = search(costs, machine, _fitting(stages, costs.names, num_stages), mbs,
-                    _schedules(schedule))
-    return PipelinePlan(
-        stages=_stages(profile, choice, devices, machine),
-        num_microbatches=choice.num_microbatches, schedule=choice.schedule,
-        predicted_step_time=choice.step_time, batch=(argnum, dim, rows),
-        units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
-                     "wgrad_flops": x.wgrad_flops, "bytes_accessed": x.bytes_accessed, "param_bytes": x.param_bytes,
-                     "residual_bytes": x.residual_bytes} for x in u),
-        cut_bytes=profile.cut_bytes, assumptions=notes,
-        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
+    fwd = [x.fwd_flops for x in u]
+    bwd = [x.bwd_flops for x in u]
+    wgrad = [x.wgrad_flops for x in u]
+    timed = [x.times for x in u if x.times is not None]
+    if len(timed) == len(u):
+        fwd, bwd, wgrad = ([t[k] for t in timed] for k in range(3))
+        m = dataclasses.replace(m, device_flops=1.0)
+        notes["device flops"] = ("unused: unit costs are measured seconds on one device, "
+                                 "divided over a stage's devices")
+        if split:
+            notes["weight gradient"] = (
+                "each unit's backward split by its equations into the input-gradient "
+                "part (what the unit before it waits for) and the weight-gradient part, "
+                "each part timed")
+    costs = Costs(tuple(x.name for x in u), tuple(fwd), tuple(bwd),
+                  tuple(x.param_bytes for x in u), tuple(x.residual_bytes for x in u),
+                  profile.cut_bytes, tuple(wgrad) if split else None)
+    return costs, m
 
 
 def plan_step(mb, loss, params, batch_avals, mesh):
     """``parallelize_step(..., num_stages="auto")``: plan ``loss(params, batch)`` on the
     mesh's devices; returns the microbatch options to use and the plan."""
-    import dataclasses
-
     fixed = [n for n in ("interleave", "custom_schedule", "unrolling")
              if getattr(mb, n) is not None]
     if fixed:
