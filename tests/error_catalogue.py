@@ -1956,14 +1956,14 @@ def _():
 
 @error("plan-schedule-not-modelled", IMPLICIT, "`plan_pipeline` with a schedule it cannot model",
        MultimeshValueError,
-       r"schedule='interleaved-1f1b' is not one the planner can model: it places 2 stages "
-       r"per submesh, and the planner places one contiguous stage per submesh",
-       """The planner places one contiguous stage per submesh and models the schedules
-       for that placement (GPipe, 1F1B, eager 1F1B, GPipe with 1F1B last, ZB-H1, ZB-H2);
-       plan with one of them, several, or None, then pass an interleaved schedule to
-       `microbatch` yourself with your own rules if you like.""")
+       r"schedule='dualpipe-v' is not one the planner can model: it places stages in a "
+       r"v-shape, and the planner places contiguous stages one per submesh, or round-robin",
+       """The planner models the schedules for one contiguous stage per submesh (GPipe,
+       1F1B, eager 1F1B, GPipe with 1F1B last, ZB-H1, ZB-H2) and, when named, the
+       round-robin interleaved ones; plan with one of them, several, or None, then
+       write a V-shape placement's rules yourself.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), schedule="interleaved-1f1b")
+    mm.plan_pipeline(layered_model, *layered_args(), schedule="dualpipe-v")
 
 
 @error("plan-bad-cost-source", IMPLICIT, "`plan_pipeline` with an unknown cost source",
@@ -2046,7 +2046,7 @@ def _():
        MultimeshValueError,
        r"parallelize_step got num_stages='auto' and `interleave`; the planner places one "
        r"contiguous stage per submesh",
-       """The planner chooses contiguous stages and GPipe or 1F1B; `interleave`,
+       """The planner chooses contiguous stages and their schedule; `interleave`,
        `custom_schedule` and `unrolling` do not fit its plan. Drop them, or call
        `plan_pipeline` and write the rest yourself.""",
        requires=_FLAX)

@@ -557,11 +557,14 @@ def test_best_cut_is_the_brute_force_optimum(seed):
 
 
 def test_the_planner_models_every_contiguous_schedule():
-    from multimesh.jax._planner._api import SCHEDULES
+    from multimesh.jax._planner._api import INTERLEAVED, SCHEDULES
 
     # the simpler first (a tie goes to the earlier): those that split the backward last
     assert SCHEDULES == ("gpipe", "1f1b", "eager-1f1b", "gpipe-1f1b-last",
                          "zero-bubble-h1", "zero-bubble-h2")
+    # round-robin ones, planned when named
+    assert set(INTERLEAVED) == {"interleaved-1f1b", "interleaved-gpipe", "kimi-k2",
+                                "circular-reversed-backward"}
 
 
 def _search_costs(n=8, wgrad=None):
@@ -630,7 +633,7 @@ def test_units_split_their_backward_into_input_and_weight_gradients():
 
 
 @pytest.mark.parametrize("schedule, match", [
-    ("interleaved-1f1b", "places 2 stages per submesh"),
+    ("dualpipe-v", "it places stages in a v-shape"),
     ("custom", "no textbook order"),
     ("zigzag", "unknown schedule 'zigzag'"),
     ((), "an empty choice"),
@@ -669,3 +672,47 @@ def test_measured_costs_plan_records_its_source_and_runs():
         assert sorted(d.id for d in a.devices()) == list(stage.devices)
     with pytest.raises(mm.errors.MultimeshValueError, match="costs='flops' is not a cost"):
         mm.plan_pipeline(_scoped, params, x, costs="flops")
+
+
+def test_interleaved_plan_places_stages_round_robin_and_runs():
+    from multimesh.jax._planner._search import search
+    from multimesh.schedules.costs import simulate_stages
+
+    costs, machine = _search_costs()
+    c = search(costs, machine, [4], [4], ["interleaved-1f1b"])
+    assert c.interleave == 2 and len(c.bounds) == 4
+    held = [sum(costs.residuals[i:j]) // 4 for i, j in c.bounds]
+    pred = simulate_stages("interleaved-1f1b", c.fwd_time, c.bwd_time, num_microbatches=4,
+                           num_meshes=2, activation_bytes=held)
+    assert c.step_time == pred.step_time
+    # each submesh holds its two stages' parameters and its simulated peak
+    mesh0 = sum(sum(costs.params[i:j]) for i, j in c.bounds[0::2]) * 2.0
+    assert c.memory[0] == c.memory[2] == mesh0 + pred.peak_activation_bytes[0]
+
+    params = _scoped_params(n=5)
+    x = jnp.cos(jnp.arange(16 * 16.0)).reshape(16, 16)
+    plan = mm.plan_pipeline(_scoped, params, x, num_stages=4, num_microbatches=2,
+                            schedule="interleaved-1f1b")
+    assert plan.interleave == 2 and "(2 stages per submesh)" in str(plan)
+    assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)] * 2
+    assert "interleave=2)" in plan.as_code()
+    assert mm.PipelinePlan.from_json(plan.to_json()) == plan
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
+            params, x).compile()
+    assert compiled.schedule.name == "interleaved-1f1b"
+    value, grads = compiled(params, x)
+    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
+        assert sorted(d.id for d in a.devices()) == list(stage.devices)
+    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
+    assert sorted(d.id for d in grads["head"].devices()) == [4, 5, 6, 7]
+    # compare: one row per submesh, predicting the sum of its stages
+    compiled.profile(params, x)
+    rows = plan.compare(compiled).rows
+    assert [r[0] for r in rows] == [0, 1]
+    assert rows[0][1] == pytest.approx(plan.stages[0].predicted_time
+                                       + plan.stages[2].predicted_time)

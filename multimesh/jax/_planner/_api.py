@@ -24,6 +24,11 @@ SCHEDULES = tuple(sorted((a.name for a in all_schedules() if a.interleave == 1
 simpler first: on a tie the earlier wins. Registry order, those that split the
 backward last."""
 
+INTERLEAVED = tuple(a.name for a in all_schedules()
+                    if a.interleave > 1 and a.placement in (None, "round-robin"))
+"""Round-robin schedules the planner models when named (stage k on submesh k % P,
+``interleave`` stages per submesh), not chosen by default."""
+
 COST_SOURCES = ("xla", "profile")
 """Where unit costs come from: XLA's cost analysis, or a short profile of each unit."""
 
@@ -106,19 +111,20 @@ def _schedules(schedule) -> tuple[str, ...]:
             algo = get_schedule(name)
         except ScheduleError as e:
             raise MultimeshValueError(f"`plan_pipeline`: {e}.") from None
-        if algo.name not in SCHEDULES:
-            why = (f"it places {algo.interleave} stages per submesh"
-                   if algo.interleave > 1 else "it has no textbook order to model")
+        if algo.name not in SCHEDULES + INTERLEAVED:
+            why = (f"it places stages in a {algo.placement}"
+                   if algo.placement == "v-shape" else "it has no textbook order to model")
             raise MultimeshValueError(
                 f"`plan_pipeline`: schedule={name!r} is not one the planner can model: "
-                f"{why}, and the planner places one contiguous stage per submesh. Valid "
-                f"choices are {list(SCHEDULES)}, a sequence of them, or None (choose).")
+                f"{why}, and the planner places contiguous stages one per submesh, or "
+                f"round-robin. Valid choices are {list(SCHEDULES + INTERLEAVED)}, a "
+                f"sequence of them, or None (choose among {list(SCHEDULES)}).")
         out.append(algo.name)
     if not out:
         raise MultimeshValueError(
             f"`plan_pipeline` got schedule={schedule!r}, an empty choice; name at least "
             f"one of {list(SCHEDULES)}, or None (choose).")
-    return tuple(sorted(set(out), key=SCHEDULES.index))  # ties: the simpler
+    return tuple(sorted(set(out), key=(SCHEDULES + INTERLEAVED).index))  # ties: simpler
 
 
 def _nnx_fun(fun, args):
@@ -170,11 +176,12 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
 
 
 def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stage, ...]:
-    d = m.num_devices // choice.num_stages
+    P = choice.num_stages // choice.interleave
+    d = m.num_devices // P
     out = []
     for k, (i, j) in enumerate(choice.bounds):
         names = tuple(u.name for u in profile.units[i:j])
-        pos = tuple(range(k * d, k * d + d))
+        pos = tuple(range(k % P * d, k % P * d + d))
         out.append(Stage(
             index=k, units=names, devices=tuple(int(devices[p].id) for p in pos), positions=pos,
             matcher=unit_matcher(profile.root, names),
@@ -246,7 +253,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                      "param_bytes": x.param_bytes, "residual_bytes": x.residual_bytes}
                     for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
-        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
+        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
+        interleave=choice.interleave)
 
 
 def _timer(costs: str, devices) -> Timer | None:
@@ -309,4 +317,5 @@ def plan_step(mb, loss, params, batch_avals, mesh):
                          num_microbatches=given, schedule=mb.schedule)
     return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
                                num_microbatches=plan.num_microbatches,
-                               schedule=plan.schedule), plan
+                               schedule=plan.schedule,
+                               interleave=plan.interleave if plan.interleave > 1 else None), plan

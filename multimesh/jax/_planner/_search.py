@@ -19,7 +19,13 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from multimesh._src.errors import MultimeshValueError
-from multimesh.schedules import build_schedule, get_schedule, live_activations, pipeline_units
+from multimesh.schedules import (
+    ScheduleError,
+    build_schedule,
+    get_schedule,
+    live_activations,
+    pipeline_units,
+)
 from multimesh.schedules.costs import simulate_stages
 
 __all__ = ["Costs", "Machine", "Choice", "search", "best_cut"]
@@ -63,9 +69,10 @@ class Choice:
     fwd_time: tuple[float, ...]  # per stage, one microbatch
     bwd_time: tuple[float, ...]  # the whole backward, weight-gradient part included
     wgrad_time: tuple[float, ...]  # the part a splitting schedule runs apart
-    memory: tuple[float, ...]  # per stage, bytes per device at the schedule's peak
-    live: tuple[int, ...]  # per stage, peak microbatches in flight
+    memory: tuple[float, ...]  # per stage, bytes per device of its submesh at the peak
+    live: tuple[int, ...]  # per stage, peak microbatches in flight on its submesh
     step_time: float  # the simulated step
+    interleave: int = 1  # stages per submesh (stage k on submesh k % (S / interleave))
 
 
 class _Prefix:
@@ -137,19 +144,30 @@ def best_cut(n: int, S: int, cost: Callable[[int, int], float],
     return tuple(reversed(bounds))
 
 
-def _live(S: int, M: int, name: str) -> tuple[int, ...]:
+def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
+    """Peak live microbatches per submesh; None where the schedule refuses ``M``."""
     split = get_schedule(name).splits_backward
-    units = pipeline_units(S, M, split_backward=split)
-    return tuple(max(v, 1) for v in live_activations(build_schedule(units, name)))
+    units = pipeline_units(P, M, interleave=V, split_backward=split)
+    try:
+        sched = build_schedule(units, name)
+    except ScheduleError:  # e.g. kimi-k2 needs rounds of P microbatches
+        return None
+    return tuple(max(v, 1) for v in live_activations(sched))
 
 
 def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
-    """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``."""
-    d = m.num_devices // S
-    split = get_schedule(name).splits_backward
-    live = _live(S, M, name)
+    """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``; an
+    interleaved schedule puts stage ``k`` on submesh ``k % P`` (``P = S / V``)."""
+    algo = get_schedule(name)
+    V, split = algo.interleave, algo.splits_backward
+    P = S // V
+    ok = S % V == 0 and P >= 2 and algo.placement != "v-shape"
+    live = _live(P, V, M, name) if ok else None
+    if live is None or m.num_devices % P:
+        return None
+    d = m.num_devices // P
     # times scale by 1/M alike, so without a memory limit the cut depends on S only
-    key = (S, split) if m.memory_limit is None else (S, split, M, live)
+    key = (S, d, split) if m.memory_limit is None else (S, d, split, M, live)
     if key not in cache:
         limit = m.memory_limit
 
@@ -158,24 +176,31 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -
             return f + b
 
         def fits(k, i, j):
-            return limit is None or _stage_memory(p, m, M, live[k], i, j) <= limit
+            return limit is None or _stage_memory(p, m, M, live[k % P], i, j) <= limit
 
         cache[key] = best_cut(p.n, S, cost, fits)
     bounds = cache[key]
-    if bounds is None:
-        return None
+    return None if bounds is None else _predict(p, m, bounds, d, M, name, P, split)
+
+
+def _predict(p: _Prefix, m: Machine, bounds, d: int, M: int, name: str, P: int,
+             split: bool) -> Choice | None:
+    """Simulate the cut; None where a submesh's memory breaks the limit."""
+    S = len(bounds)
     times = [_stage_times(p, m, d, M, i, j, split) for i, j in bounds]
     fwd, bwd, w = (tuple(t[k] for t in times) for k in range(3))
     held = [(p.residuals[j] - p.residuals[i]) // M for i, j in bounds]
-    pred = simulate_stages(name, fwd, bwd, num_microbatches=M, weight_gradient=w,
-                           activation_bytes=held)
-    peak = pred.peak_activation_bytes or (0,) * S
-    memory = tuple((p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) + peak[k]
-                   for k, (i, j) in enumerate(bounds))
-    if m.memory_limit is not None and max(memory) > m.memory_limit:
+    pred = simulate_stages(name, fwd, bwd, num_microbatches=M, num_meshes=P,
+                           weight_gradient=w, activation_bytes=held)
+    peak = pred.peak_activation_bytes or (0,) * P
+    mesh = [float(peak[r]) for r in range(P)]
+    for k, (i, j) in enumerate(bounds):
+        mesh[k % P] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
+    if m.memory_limit is not None and max(mesh) > m.memory_limit:
         return None
-    return Choice(S, bounds, M, name, fwd, bwd, w, memory,
-                  tuple(max(v, 1) for v in pred.peak_microbatches), pred.step_time)
+    return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[k % P] for k in range(S)),
+                  tuple(max(pred.peak_microbatches[k % P], 1) for k in range(S)),
+                  pred.step_time, S // P)
 
 
 def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
