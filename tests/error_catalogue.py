@@ -1956,14 +1956,27 @@ def _():
 
 @error("plan-schedule-not-modelled", IMPLICIT, "`plan_pipeline` with a schedule it cannot model",
        MultimeshValueError,
-       r"schedule='dualpipe-v' is not one the planner can model: it places stages in a "
-       r"v-shape, and the planner places contiguous stages one per submesh, or round-robin",
-       """The planner models the schedules for one contiguous stage per submesh (GPipe,
-       1F1B, eager 1F1B, GPipe with 1F1B last, ZB-H1, ZB-H2) and, when named, the
-       round-robin interleaved ones; plan with one of them, several, or None, then
-       write a V-shape placement's rules yourself.""")
+       r"schedule='custom' is not one the planner can model: it has no textbook order to "
+       r"model",
+       """The planner models every registered schedule but `custom`: those for one
+       contiguous stage per submesh (chosen among by default) and, when named, the
+       interleaved and V-shape ones. Plan with one of them, then write your own order
+       for the planned rules if you like.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), schedule="dualpipe-v")
+    mm.plan_pipeline(layered_model, *layered_args(), schedule="custom")
+
+
+@error("plan-schedule-accepts-nothing", IMPLICIT,
+       "`plan_pipeline` with a schedule no candidate suits",
+       MultimeshValueError,
+       r"`plan_pipeline` found no plan: schedule\(s\) \['dualpipe-v'\] accept none of "
+       r"\[2\] stage\(s\) with \[2\] microbatch\(es\)",
+       """A schedule with two stages per submesh needs an even number of stages over at
+       least two submeshes, and DualPipeV at least 2P microbatches. Allow more stages or
+       microbatches (or leave them to the planner), or name another schedule.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2,
+                     schedule="dualpipe-v")
 
 
 @error("plan-bad-cost-source", IMPLICIT, "`plan_pipeline` with an unknown cost source",

@@ -463,8 +463,8 @@ def test_bad_options_are_refused(lm2048):
     model, params, tok, _ = lm2048
     with pytest.raises(mm.errors.MultimeshValueError, match="num_stages=3 does not divide"):
         mm.plan_pipeline(model.apply, params, tok, num_stages=3)
-    with pytest.raises(mm.errors.MultimeshValueError, match="schedule='dualpipe-v'"):
-        mm.plan_pipeline(model.apply, params, tok, schedule="dualpipe-v")
+    with pytest.raises(mm.errors.MultimeshValueError, match="schedule='custom'"):
+        mm.plan_pipeline(model.apply, params, tok, schedule="custom")
     with pytest.raises(mm.errors.MultimeshValueError, match="`memory_limit` must be"):
         mm.plan_pipeline(model.apply, params, tok, memory_limit=-1)
     with pytest.raises(mm.errors.MultimeshValueError, match=r"found 0 unit\(s\)"):
@@ -562,9 +562,9 @@ def test_the_planner_models_every_contiguous_schedule():
     # the simpler first (a tie goes to the earlier): those that split the backward last
     assert SCHEDULES == ("gpipe", "1f1b", "eager-1f1b", "gpipe-1f1b-last",
                          "zero-bubble-h1", "zero-bubble-h2")
-    # round-robin ones, planned when named
+    # several stages per submesh (round-robin or a V), planned when named
     assert set(INTERLEAVED) == {"interleaved-1f1b", "interleaved-gpipe", "kimi-k2",
-                                "circular-reversed-backward"}
+                                "circular-reversed-backward", "dualpipe-v", "zero-bubble-v"}
 
 
 def _search_costs(n=8, wgrad=None):
@@ -632,15 +632,16 @@ def test_units_split_their_backward_into_input_and_weight_gradients():
                             schedule=("1f1b", "gpipe")).schedule in ("1f1b", "gpipe")
 
 
-@pytest.mark.parametrize("schedule, match", [
-    ("dualpipe-v", "it places stages in a v-shape"),
-    ("custom", "no textbook order"),
-    ("zigzag", "unknown schedule 'zigzag'"),
-    ((), "an empty choice"),
+@pytest.mark.parametrize("schedule, num_stages, match", [
+    ("dualpipe-v", 2, r"\['dualpipe-v'\] accept none of \[2\] stage"),  # 1 submesh
+    ("custom", None, "no textbook order"),
+    ("zigzag", None, "unknown schedule 'zigzag'"),
+    ((), None, "an empty choice"),
 ])
-def test_schedules_the_planner_cannot_model_are_refused(schedule, match):
+def test_schedules_the_planner_cannot_model_are_refused(schedule, num_stages, match):
     with pytest.raises(mm.errors.MultimeshValueError, match=match):
-        mm.plan_pipeline(_scoped, _scoped_params(n=3), jnp.ones((8, 16)), schedule=schedule)
+        mm.plan_pipeline(_scoped, _scoped_params(n=3), jnp.ones((8, 16)), schedule=schedule,
+                         num_stages=num_stages)
 
 
 # --------------------------------------------------------------------------- measured costs
@@ -716,3 +717,27 @@ def test_interleaved_plan_places_stages_round_robin_and_runs():
     assert [r[0] for r in rows] == [0, 1]
     assert rows[0][1] == pytest.approx(plan.stages[0].predicted_time
                                        + plan.stages[2].predicted_time)
+
+
+def test_v_shape_plan_goes_down_the_submeshes_and_back_and_runs():
+    params = _scoped_params(n=5)
+    x = jnp.cos(jnp.arange(16 * 16.0)).reshape(16, 16)
+    plan = mm.plan_pipeline(_scoped, params, x, num_stages=4, num_microbatches=4,
+                            schedule="dualpipe-v")
+    assert plan.interleave == 2
+    assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7),
+                                                  (4, 5, 6, 7), (0, 1, 2, 3)]
+    assert plan.as_code().endswith("schedule='dualpipe-v')\n")  # no interleave=
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
+            params, x).compile()
+    assert compiled.schedule.name == "dualpipe-v"
+    value, grads = compiled(params, x)
+    ref_value, ref_grads = _accumulated(_scoped, params, x, 4)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
+        assert sorted(d.id for d in a.devices()) == list(stage.devices)
+    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
+    assert sorted(d.id for d in grads["head"].devices()) == [0, 1, 2, 3]

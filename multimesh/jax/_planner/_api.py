@@ -11,7 +11,7 @@ import jax
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._planner._plan import PipelinePlan, Stage
-from multimesh.jax._planner._search import Choice, Costs, Machine, search
+from multimesh.jax._planner._search import Choice, Costs, Machine, mesh_of, search
 from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher
 from multimesh.schedules import ScheduleError, all_schedules, get_schedule
 
@@ -24,10 +24,9 @@ SCHEDULES = tuple(sorted((a.name for a in all_schedules() if a.interleave == 1
 simpler first: on a tie the earlier wins. Registry order, those that split the
 backward last."""
 
-INTERLEAVED = tuple(a.name for a in all_schedules()
-                    if a.interleave > 1 and a.placement in (None, "round-robin"))
-"""Round-robin schedules the planner models when named (stage k on submesh k % P,
-``interleave`` stages per submesh), not chosen by default."""
+INTERLEAVED = tuple(a.name for a in all_schedules() if a.interleave > 1)
+"""Schedules with several stages per submesh, planned when named (round-robin: stage
+k on submesh k % P; V-shape: down the submeshes and back up), not chosen by default."""
 
 COST_SOURCES = ("xla", "profile")
 """Where unit costs come from: XLA's cost analysis, or a short profile of each unit."""
@@ -112,13 +111,11 @@ def _schedules(schedule) -> tuple[str, ...]:
         except ScheduleError as e:
             raise MultimeshValueError(f"`plan_pipeline`: {e}.") from None
         if algo.name not in SCHEDULES + INTERLEAVED:
-            why = (f"it places stages in a {algo.placement}"
-                   if algo.placement == "v-shape" else "it has no textbook order to model")
             raise MultimeshValueError(
-                f"`plan_pipeline`: schedule={name!r} is not one the planner can model: "
-                f"{why}, and the planner places contiguous stages one per submesh, or "
-                f"round-robin. Valid choices are {list(SCHEDULES + INTERLEAVED)}, a "
-                f"sequence of them, or None (choose among {list(SCHEDULES)}).")
+                f"`plan_pipeline`: schedule={name!r} is not one the planner can model: it "
+                f"has no textbook order to model. Valid choices are "
+                f"{list(SCHEDULES + INTERLEAVED)}, a sequence of them, or None (choose "
+                f"among {list(SCHEDULES)}).")
         out.append(algo.name)
     if not out:
         raise MultimeshValueError(
@@ -181,7 +178,8 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
     out = []
     for k, (i, j) in enumerate(choice.bounds):
         names = tuple(u.name for u in profile.units[i:j])
-        pos = tuple(range(k % P * d, k % P * d + d))
+        r = mesh_of(k, choice.num_stages, P, choice.v_shape)
+        pos = tuple(range(r * d, r * d + d))
         out.append(Stage(
             index=k, units=names, devices=tuple(int(devices[p].id) for p in pos), positions=pos,
             matcher=unit_matcher(profile.root, names),
@@ -318,4 +316,4 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
                                num_microbatches=plan.num_microbatches,
                                schedule=plan.schedule,
-                               interleave=plan.interleave if plan.interleave > 1 else None), plan
+                               interleave=plan._interleave_option()), plan

@@ -79,7 +79,8 @@ class PipelinePlan:
     """Each stage's ``(logical name, "x")`` pairs: how logical axes map onto the one
     axis ``x`` of its submesh (empty: identity, so unnamed work is replicated)."""
     interleave: int = 1
-    """Stages per submesh: stage ``k`` runs on submesh ``k % (num_stages / interleave)``."""
+    """Stages per submesh (round-robin, or a V for a V-shape schedule; each stage's
+    ``devices`` say where it runs)."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -138,7 +139,15 @@ class PipelinePlan:
         argnum, dim, _ = self.batch
         return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
                           schedule=self.schedule,
-                          interleave=self.interleave if self.interleave > 1 else None)
+                          interleave=self._interleave_option())
+
+    def _interleave_option(self) -> int | None:
+        """``microbatch``'s ``interleave``: round-robin plans only (a V-shape schedule
+        knows its two stages per submesh)."""
+        from multimesh.schedules import get_schedule
+
+        v_shape = get_schedule(self.schedule).placement == "v-shape"
+        return self.interleave if self.interleave > 1 and not v_shape else None
 
     def as_code(self) -> str:
         """The rules and the microbatch call a user would write by hand."""
@@ -152,7 +161,8 @@ class PipelinePlan:
         lines += ["", f"step = mm.microbatch(jax.value_and_grad(loss), dim={dim}, "
                       f"size={self.microbatch_size}, argnum={argnum}, "
                       f"schedule={self.schedule!r}"
-                      + (f", interleave={self.interleave})" if self.interleave > 1 else ")")]
+                      + (f", interleave={self._interleave_option()})"
+                         if self._interleave_option() else ")")]
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ reporting

@@ -25,10 +25,11 @@ from multimesh.schedules import (
     get_schedule,
     live_activations,
     pipeline_units,
+    v_shape_units,
 )
 from multimesh.schedules.costs import simulate_stages
 
-__all__ = ["Costs", "Machine", "Choice", "search", "best_cut"]
+__all__ = ["Costs", "Machine", "Choice", "search", "best_cut", "mesh_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,16 @@ class Choice:
     memory: tuple[float, ...]  # per stage, bytes per device of its submesh at the peak
     live: tuple[int, ...]  # per stage, peak microbatches in flight on its submesh
     step_time: float  # the simulated step
-    interleave: int = 1  # stages per submesh (stage k on submesh k % (S / interleave))
+    interleave: int = 1  # stages per submesh (:func:`mesh_of` places them)
+    v_shape: bool = False
+
+
+def mesh_of(k: int, S: int, P: int, v_shape: bool = False) -> int:
+    """The submesh of stage ``k`` of ``S`` on ``P``: one each (contiguous), ``k % P``
+    (round-robin) or down and back up the submeshes (V-shape)."""
+    if v_shape:
+        return k if k < P else 2 * P - 1 - k
+    return k % P
 
 
 class _Prefix:
@@ -146,8 +156,10 @@ def best_cut(n: int, S: int, cost: Callable[[int, int], float],
 
 def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
     """Peak live microbatches per submesh; None where the schedule refuses ``M``."""
-    split = get_schedule(name).splits_backward
-    units = pipeline_units(P, M, interleave=V, split_backward=split)
+    algo = get_schedule(name)
+    split = algo.splits_backward
+    units = (v_shape_units(P, M, split_backward=split) if algo.placement == "v-shape"
+             else pipeline_units(P, M, interleave=V, split_backward=split))
     try:
         sched = build_schedule(units, name)
     except ScheduleError:  # e.g. kimi-k2 needs rounds of P microbatches
@@ -157,12 +169,13 @@ def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
 
 def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
     """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``; an
-    interleaved schedule puts stage ``k`` on submesh ``k % P`` (``P = S / V``)."""
+    interleaved schedule puts ``V`` stages on each of ``P = S / V`` submeshes
+    (:func:`mesh_of`)."""
     algo = get_schedule(name)
     V, split = algo.interleave, algo.splits_backward
     P = S // V
-    ok = S % V == 0 and P >= 2 and algo.placement != "v-shape"
-    live = _live(P, V, M, name) if ok else None
+    vs = algo.placement == "v-shape"
+    live = _live(P, V, M, name) if S % V == 0 and P >= 2 else None
     if live is None or m.num_devices % P:
         return None
     d = m.num_devices // P
@@ -176,15 +189,16 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -
             return f + b
 
         def fits(k, i, j):
-            return limit is None or _stage_memory(p, m, M, live[k % P], i, j) <= limit
+            where = live[mesh_of(k, S, P, vs)]
+            return limit is None or _stage_memory(p, m, M, where, i, j) <= limit
 
         cache[key] = best_cut(p.n, S, cost, fits)
     bounds = cache[key]
-    return None if bounds is None else _predict(p, m, bounds, d, M, name, P, split)
+    return None if bounds is None else _predict(p, m, bounds, d, M, name, P, split, vs)
 
 
 def _predict(p: _Prefix, m: Machine, bounds, d: int, M: int, name: str, P: int,
-             split: bool) -> Choice | None:
+             split: bool, vs: bool) -> Choice | None:
     """Simulate the cut; None where a submesh's memory breaks the limit."""
     S = len(bounds)
     times = [_stage_times(p, m, d, M, i, j, split) for i, j in bounds]
@@ -194,13 +208,14 @@ def _predict(p: _Prefix, m: Machine, bounds, d: int, M: int, name: str, P: int,
                            weight_gradient=w, activation_bytes=held)
     peak = pred.peak_activation_bytes or (0,) * P
     mesh = [float(peak[r]) for r in range(P)]
+    where = [mesh_of(k, S, P, vs) for k in range(S)]
     for k, (i, j) in enumerate(bounds):
-        mesh[k % P] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
+        mesh[where[k]] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
     if m.memory_limit is not None and max(mesh) > m.memory_limit:
         return None
-    return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[k % P] for k in range(S)),
-                  tuple(max(pred.peak_microbatches[k % P], 1) for k in range(S)),
-                  pred.step_time, S // P)
+    return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[r] for r in where),
+                  tuple(max(pred.peak_microbatches[r], 1) for r in where),
+                  pred.step_time, S // P, vs)
 
 
 def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
@@ -220,8 +235,20 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
                                       or c.step_time < best.step_time * (1 - 1e-9)):
                     best = c
     if best is None:
+        if m.memory_limit is None:
+            raise _nothing_applies(stages, microbatches, schedules)
         raise _no_plan(costs, p, m, stages, microbatches)
     return best
+
+
+def _nothing_applies(stages, microbatches, schedules) -> MultimeshValueError:
+    return MultimeshValueError(
+        f"`plan_pipeline` found no plan: schedule(s) {list(schedules)} accept none of "
+        f"{list(stages)} stage(s) with {list(microbatches)} microbatch(es). A schedule "
+        f"with V stages per submesh needs a multiple of V stages, at least two submeshes "
+        f"that divide the devices, and some need more microbatches (dualpipe-v: at "
+        f"least 2 per submesh, twice). Allow more stages or microbatches, or name "
+        f"another schedule.")
 
 
 def _no_plan(costs: Costs, p: _Prefix, m: Machine, stages, microbatches) -> MultimeshValueError:
