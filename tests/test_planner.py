@@ -210,12 +210,16 @@ def test_linen_pipelined_step_matches_gradient_accumulation(lm2048, tmp_path):
     assert plan.compare(compiled.last_profile).rows == cmp.rows
 
 
-def test_linen_parallelize_step_auto():
+@pytest.mark.parametrize("schedule", [None, "interleaved-1f1b"])
+def test_linen_parallelize_step_auto(schedule):
     model, tok, lr = LM(512, n=2), _tokens(512), 0.5
     result = mmf.parallelize_step(model, optax.sgd(lr), global_batch=tok, num_stages="auto",
-                                  num_microbatches=2)
+                                  num_microbatches=2, schedule=schedule)
     plan = result.plan
     assert isinstance(plan, mm.PipelinePlan) and plan.num_microbatches == 2
+    if schedule is not None:  # two stages on each of two submeshes, round-robin
+        assert plan.schedule == schedule and plan.interleave == 2
+        assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)] * 2
     assert [u for st in plan.stages for u in st.units] == ["embed", "layers_0", "layers_1",
                                                            "head"]
     params = jax.device_get(result.state.params)
