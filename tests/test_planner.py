@@ -614,6 +614,9 @@ def test_search_times_every_schedule_with_the_simulator():
     assert max(chosen.memory) <= limit and chosen.bounds[0] == (0, 1)
     with pytest.raises(mm.errors.MultimeshValueError, match="no contiguous split"):
         search(costs, tight, [4], [4], ["gpipe", "zero-bubble-h1", "zero-bubble-h2"])
+    # a schedule that suits no candidate says so, limit or not (dualpipe-v: M >= 2P)
+    with pytest.raises(mm.errors.MultimeshValueError, match="accept none of"):
+        search(costs, tight, [4], [2], ["dualpipe-v"])
     # weight-gradient costs move the zero-bubble prediction
     light = dataclasses.replace(costs, wgrad=tuple(b / 10 for b in costs.bwd))
     assert (search(light, machine, [4], [4], ["zero-bubble-h1"]).step_time

@@ -175,9 +175,10 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -
     V, split = algo.interleave, algo.splits_backward
     P = S // V
     vs = algo.placement == "v-shape"
-    live = _live(P, V, M, name) if S % V == 0 and P >= 2 else None
+    live = _live(P, V, M, name) if S % V == 0 and (P >= 2 or V == 1) else None
     if live is None or m.num_devices % P:
         return None
+    cache["applies"] = True  # some candidate suits the schedule; memory decides
     d = m.num_devices // P
     # times scale by 1/M alike, so without a memory limit the cut depends on S only
     key = (S, d, split) if m.memory_limit is None else (S, d, split, M, live)
@@ -235,7 +236,7 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
                                       or c.step_time < best.step_time * (1 - 1e-9)):
                     best = c
     if best is None:
-        if m.memory_limit is None:
+        if m.memory_limit is None or not cache.get("applies"):
             raise _nothing_applies(stages, microbatches, schedules)
         raise _no_plan(costs, p, m, stages, microbatches)
     return best
