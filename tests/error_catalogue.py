@@ -1966,13 +1966,37 @@ def _():
 
 @error("plan-schedule-not-modelled", IMPLICIT, "`plan_pipeline` with a schedule it cannot model",
        MultimeshValueError,
-       r"schedule='zero-bubble-h1' is not one the planner can model; valid choices are "
-       r"\['1f1b', 'gpipe'\]",
-       """The planner places one contiguous stage per submesh and models GPipe and 1F1B;
-       plan with one of them (or None), then pass another schedule to `microbatch`
-       yourself if you like.""")
+       r"schedule='custom' is not one the planner can model: it has no textbook order to "
+       r"model",
+       """The planner models every registered schedule but `custom`: those for one
+       contiguous stage per submesh (chosen among by default) and, when named, the
+       interleaved and V-shape ones. Plan with one of them, then write your own order
+       for the planned rules if you like.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), schedule="zero-bubble-h1")
+    mm.plan_pipeline(layered_model, *layered_args(), schedule="custom")
+
+
+@error("plan-schedule-accepts-nothing", IMPLICIT,
+       "`plan_pipeline` with a schedule no candidate suits",
+       MultimeshValueError,
+       r"`plan_pipeline` found no plan: schedule\(s\) \['dualpipe-v'\] accept none of "
+       r"\[2\] stage\(s\) with \[2\] microbatch\(es\)",
+       """A schedule with two stages per submesh needs an even number of stages over at
+       least two submeshes, and DualPipeV at least 2P microbatches. Allow more stages or
+       microbatches (or leave them to the planner), or name another schedule.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2,
+                     schedule="dualpipe-v")
+
+
+@error("plan-bad-cost-source", IMPLICIT, "`plan_pipeline` with an unknown cost source",
+       MultimeshValueError,
+       r"`plan_pipeline`: costs='flops' is not a cost source; valid choices are "
+       r"\['xla', 'profile'\]",
+       """`costs="xla"` (the default) prices XLA's cost analysis of each unit at
+       `device_flops`; `costs="profile"` runs and times each unit on the first device.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), costs="flops")
 
 
 @error("plan-bad-memory-limit", IMPLICIT, "`plan_pipeline` with a non-positive memory limit",
@@ -2045,7 +2069,7 @@ def _():
        MultimeshValueError,
        r"parallelize_step got num_stages='auto' and `interleave`; the planner places one "
        r"contiguous stage per submesh",
-       """The planner chooses contiguous stages and GPipe or 1F1B; `interleave`,
+       """The planner chooses contiguous stages and their schedule; `interleave`,
        `custom_schedule` and `unrolling` do not fit its plan. Drop them, or call
        `plan_pipeline` and write the rest yourself.""",
        requires=_FLAX)

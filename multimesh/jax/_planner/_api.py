@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import sys
 from collections.abc import Sequence
@@ -10,13 +11,25 @@ import jax
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._planner._plan import PipelinePlan, Stage
-from multimesh.jax._planner._search import Choice, Costs, Machine, search
-from multimesh.jax._planner._units import Profile, measure_units, unit_matcher
+from multimesh.jax._planner._search import Choice, Costs, Machine, mesh_of, search
+from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher
+from multimesh.schedules import ScheduleError, all_schedules, get_schedule
 
 __all__ = ["plan_pipeline"]
 
-SCHEDULES = ("1f1b", "gpipe")
-"""The schedules the planner chooses among (contiguous stages, one per submesh)."""
+SCHEDULES = tuple(sorted((a.name for a in all_schedules() if a.interleave == 1
+                          and a.has_textbook and a.placement in (None, "contiguous")),
+                         key=lambda n: get_schedule(n).splits_backward))
+"""The schedules the planner chooses among (contiguous stages, one per submesh), the
+simpler first: on a tie the earlier wins. Registry order, those that split the
+backward last."""
+
+INTERLEAVED = tuple(a.name for a in all_schedules() if a.interleave > 1)
+"""Schedules with several stages per submesh, planned when named (round-robin: stage
+k on submesh k % P; V-shape: down the submeshes and back up), not chosen by default."""
+
+COST_SOURCES = ("xla", "profile")
+"""Where unit costs come from: XLA's cost analysis, or a short profile of each unit."""
 
 # Nominal figures per platform; the plan lists the ones it used (``assumptions``).
 _DEVICE_FLOPS = {"cpu": 5e10, "gpu": 5e13, "tpu": 1e14}
@@ -87,13 +100,28 @@ def _microbatch_counts(num_microbatches, rows: int) -> list[int]:
 
 
 def _schedules(schedule) -> tuple[str, ...]:
+    """The candidate schedules: all the planner models, or the one(s) the user names."""
     if schedule is None:
         return SCHEDULES
-    if schedule not in SCHEDULES:
+    names = (schedule,) if isinstance(schedule, str) else tuple(schedule)
+    out = []
+    for name in names:
+        try:
+            algo = get_schedule(name)
+        except ScheduleError as e:
+            raise MultimeshValueError(f"`plan_pipeline`: {e}.") from None
+        if algo.name not in SCHEDULES + INTERLEAVED:
+            raise MultimeshValueError(
+                f"`plan_pipeline`: schedule={name!r} is not one the planner can model: it "
+                f"has no textbook order to model. Valid choices are "
+                f"{list(SCHEDULES + INTERLEAVED)}, a sequence of them, or None (choose "
+                f"among {list(SCHEDULES)}).")
+        out.append(algo.name)
+    if not out:
         raise MultimeshValueError(
-            f"`plan_pipeline`: schedule={schedule!r} is not one the planner can model; "
-            f"valid choices are {list(SCHEDULES)} or None (choose).")
-    return (schedule,)
+            f"`plan_pipeline` got schedule={schedule!r}, an empty choice; name at least "
+            f"one of {list(SCHEDULES)}, or None (choose).")
+    return tuple(sorted(set(out), key=(SCHEDULES + INTERLEAVED).index))  # ties: simpler
 
 
 def _nnx_fun(fun, args):
@@ -135,19 +163,23 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
                           "; transfers do not overlap compute",
         "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
         "memory": "parameters x (2 + optimizer_state_factor) replicated per stage, plus "
-                  "residuals x the schedule's peak live microbatches"
+                  "residuals x the schedule's peak live microbatches (simulated; a split backward "
+                  "holds them until its weight-gradient part ran)"
                   + ("" if memory_limit is None else f"; limit {m.memory_limit:,.0f} B"),
         "microbatch cost": "the batch's cost divided by the number of microbatches",
+        "weight gradient": "",
     }
     return m, notes
 
 
 def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stage, ...]:
-    d = m.num_devices // choice.num_stages
+    P = choice.num_stages // choice.interleave
+    d = m.num_devices // P
     out = []
     for k, (i, j) in enumerate(choice.bounds):
         names = tuple(u.name for u in profile.units[i:j])
-        pos = tuple(range(k * d, k * d + d))
+        r = mesh_of(k, choice.num_stages, P, choice.v_shape)
+        pos = tuple(range(r * d, r * d + d))
         out.append(Stage(
             index=k, units=names, devices=tuple(int(devices[p].id) for p in pos), positions=pos,
             matcher=unit_matcher(profile.root, names),
@@ -162,11 +194,13 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
 
 def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   num_stages: int | None = None, memory_limit: float | None = None,
-                  num_microbatches: int | None = None, schedule: str | None = None,
+                  num_microbatches: int | None = None,
+                  schedule: str | Sequence[str] | None = None,
                   argnum: int = 1, dim: int = 0, optimizer_state_factor: float = 0.0,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
                   fragment_overhead: float | None = None,
-                  logical_axes: Sequence[tuple[str, str]] = ()) -> PipelinePlan:
+                  logical_axes: Sequence[tuple[str, str]] = (),
+                  costs: str = "xla") -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -177,11 +211,15 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     contiguous stages on ``devices`` (default ``jax.devices()``, split evenly; the
     rules' ``TaskMesh`` positions index this list, so compile with
     ``mjit(..., devices=devices)`` when it is not the default). With
-    ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them.
+    ``num_stages``/``num_microbatches``/``schedule`` unset, the planner chooses them
+    (``schedule`` may also name several to choose among; :data:`SCHEDULES` lists
+    those it models).
     ``memory_limit`` is in bytes per device; ``optimizer_state_factor`` is the
     optimizer's state per parameter byte (2 for Adam). ``logical_axes``, pairs
     ``(logical name, "x")``, map the model's logical axes onto each stage's submesh
     (one axis ``x``), e.g. ``(("batch", "x"),)`` to shard the batch inside a stage.
+    ``costs="profile"`` times each unit's forward, backward and weight-gradient part
+    on the first device instead of pricing XLA's flops at ``device_flops``.
     """
     if not callable(fun):
         raise MultimeshTypeError(
@@ -198,38 +236,76 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     machine, notes = _machine(devices, memory_limit, optimizer_state_factor, device_flops,
                               link_bandwidth, fragment_overhead)
     fun, args = _nnx_fun(fun, example_args)
-    profile = measure_units(fun, args, 0, min_units=num_stages or 2)
-    notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
-                            f"{len(profile.units)} units")
-    u = profile.units
-    costs = Costs(tuple(x.name for x in u), tuple(x.fwd_flops for x in u),
-                  tuple(x.bwd_flops for x in u), tuple(x.param_bytes for x in u),
-                  tuple(x.residual_bytes for x in u), profile.cut_bytes)
-    choice = search(costs, machine, _fitting(stages, costs.names, num_stages), mbs,
+    timer = _timer(costs, devices)
+    profile = measure_units(fun, args, 0, min_units=num_stages or 2, timer=timer)
+    table, machine = _costs(profile, machine, notes)
+    choice = search(table, machine, _fitting(stages, table.names, num_stages), mbs,
                     _schedules(schedule))
+    u = profile.units
     return PipelinePlan(
         stages=_stages(profile, choice, devices, machine),
         num_microbatches=choice.num_microbatches, schedule=choice.schedule,
         predicted_step_time=choice.step_time, batch=(argnum, dim, rows),
         units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
-                     "bytes_accessed": x.bytes_accessed, "param_bytes": x.param_bytes,
-                     "residual_bytes": x.residual_bytes} for x in u),
+                     "wgrad_flops": x.wgrad_flops, "bytes_accessed": x.bytes_accessed,
+                     "param_bytes": x.param_bytes, "residual_bytes": x.residual_bytes}
+                    for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
-        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes))
+        logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
+        interleave=choice.interleave)
+
+
+def _timer(costs: str, devices) -> Timer | None:
+    if costs not in COST_SOURCES:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: costs={costs!r} is not a cost source; valid choices are "
+            f"{list(COST_SOURCES)} ('xla': XLA's cost analysis, 'profile': each unit "
+            f"run and timed once on the first device).")
+    return Timer(devices[0]) if costs == "profile" else None
+
+
+def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
+    """The search's per-unit figures: XLA flops at the nominal rate, or measured
+    seconds (then the rate is one "flop" per second)."""
+    u = profile.units
+    notes["cost source"] = (f"{profile.source}, traced once on the example batch; "
+                            f"{len(u)} units")
+    split = any(x.wgrad_flops for x in u)
+    notes["weight gradient"] = (
+        "each unit's backward split by XLA cost analysis into the input-gradient part "
+        "(what the unit before it waits for) and the weight-gradient part"
+        if split else "no unit's backward splits apart by its equations; assumed half "
+        "of each unit's backward (zero-bubble schedules)")
+    fwd = [x.fwd_flops for x in u]
+    bwd = [x.bwd_flops for x in u]
+    wgrad = [x.wgrad_flops for x in u]
+    timed = [x.times for x in u if x.times is not None]
+    if len(timed) == len(u):
+        fwd, bwd, wgrad = ([t[k] for t in timed] for k in range(3))
+        m = dataclasses.replace(m, device_flops=1.0)
+        notes["device flops"] = ("unused: unit costs are measured seconds on one device, "
+                                 "divided over a stage's devices")
+        if split:
+            notes["weight gradient"] = (
+                "each unit's backward split by its equations into the input-gradient "
+                "part (what the unit before it waits for) and the weight-gradient part, "
+                "each part timed")
+    costs = Costs(tuple(x.name for x in u), tuple(fwd), tuple(bwd),
+                  tuple(x.param_bytes for x in u), tuple(x.residual_bytes for x in u),
+                  profile.cut_bytes, tuple(wgrad) if split else None)
+    return costs, m
 
 
 def plan_step(mb, loss, params, batch_avals, mesh):
     """``parallelize_step(..., num_stages="auto")``: plan ``loss(params, batch)`` on the
     mesh's devices; returns the microbatch options to use and the plan."""
-    import dataclasses
-
     fixed = [n for n in ("interleave", "custom_schedule", "unrolling")
              if getattr(mb, n) is not None]
     if fixed:
         raise MultimeshValueError(
             f"parallelize_step got num_stages='auto' and {', '.join(f'`{n}`' for n in fixed)}"
-            f"; the planner places one contiguous stage per submesh and chooses GPipe or "
-            f"1F1B, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
+            f"; the planner places one contiguous stage per submesh and chooses a "
+            f"schedule for that placement, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
             f"write the schedule yourself.")
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches
@@ -239,4 +315,5 @@ def plan_step(mb, loss, params, batch_avals, mesh):
                          num_microbatches=given, schedule=mb.schedule)
     return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
                                num_microbatches=plan.num_microbatches,
-                               schedule=plan.schedule), plan
+                               schedule=plan.schedule,
+                               interleave=plan._interleave_option()), plan

@@ -81,6 +81,9 @@ class PipelinePlan:
     logical_axes: tuple[tuple[str, str], ...] = ()
     """Each stage's ``(logical name, "x")`` pairs: how logical axes map onto the one
     axis ``x`` of its submesh (empty: identity, so unnamed work is replicated)."""
+    interleave: int = 1
+    """Stages per submesh (round-robin, or a V for a V-shape schedule; each stage's
+    ``devices`` say where it runs)."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -138,7 +141,16 @@ class PipelinePlan:
 
         argnum, dim, _ = self.batch
         return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
-                          schedule=self.schedule)
+                          schedule=self.schedule,
+                          interleave=self._interleave_option())
+
+    def _interleave_option(self) -> int | None:
+        """``microbatch``'s ``interleave``: round-robin plans only (a V-shape schedule
+        knows its two stages per submesh)."""
+        from multimesh.schedules import get_schedule
+
+        v_shape = get_schedule(self.schedule).placement == "v-shape"
+        return self.interleave if self.interleave > 1 and not v_shape else None
 
     def as_code(self) -> str:
         """The rules and the microbatch call a user would write by hand."""
@@ -151,14 +163,18 @@ class PipelinePlan:
         argnum, dim, _ = self.batch
         lines += ["", f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
                       f"size={self.microbatch_size}, argnum={argnum}, "
-                      f"schedule={self.schedule!r})"]
+                      f"schedule={self.schedule!r}"
+                      + (f", interleave={self._interleave_option()})"
+                         if self._interleave_option() else ")")]
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ reporting
 
     def __str__(self) -> str:
         head = (f"PipelinePlan: {self.num_stages} stages, {self.num_microbatches} "
-                f"microbatches, schedule {self.schedule!r}, predicted step "
+                f"microbatches, schedule {self.schedule!r}"
+                f"{f' ({self.interleave} stages per submesh)' if self.interleave > 1 else ''}"
+                f", predicted step "
                 f"{self.predicted_step_time * 1e3:.3f} ms")
         rows = [("stage", "units", "devices", "GFLOP", "time (ms)", "params", "memory")]
         for st in self.stages:
@@ -196,7 +212,8 @@ class PipelinePlan:
                    batch=(int(d["batch"][0]), int(d["batch"][1]), int(d["batch"][2])),
                    units=tuple(d["units"]),
                    cut_bytes=tuple(d["cut_bytes"]), assumptions=dict(d["assumptions"]),
-                   logical_axes=tuple((str(a), str(b)) for a, b in d.get("logical_axes", ())))
+                   logical_axes=tuple((str(a), str(b)) for a, b in d.get("logical_axes", ())),
+                   interleave=int(d.get("interleave", 1)))
 
     def compare(self, profile) -> Comparison:
         """Predicted against measured busy time per stage.
@@ -207,23 +224,26 @@ class PipelinePlan:
         ``compiled.profile(..., trace_path=)`` wrote (a path or the loaded dict).
         Measured time is the stage's submesh's busy time in the microbatch loop (from a
         trace: the sum of its fragment slices); each call is timed alone, so it
-        includes dispatch.
+        includes dispatch. An interleaved plan has one row per submesh, named by its
+        first stage, predicting the sum of its stages.
         """
         steps = getattr(profile, "last_profile", None) or profile
         if hasattr(steps, "busy") and hasattr(steps, "schedule"):
             busy = _busy_per_mesh(steps, self.stages)
         else:
             busy = _busy_per_submesh(_events(profile))
-        rows = []
+        rows: dict[tuple[int, ...], list] = {}  # per submesh: first stage, predicted
         for st in self.stages:
-            got = busy.get(tuple(sorted(st.devices)))
+            key = tuple(sorted(st.devices))
+            got = busy.get(key)
             if got is None:
                 raise MultimeshValueError(
                     f"The profile has no track for stage {st.index}'s submesh (devices "
                     f"{list(st.devices)}); tracks seen: {sorted(busy)}. Profile the program "
                     f"compiled under this plan.")
-            rows.append((st.index, st.predicted_time, got))
-        return Comparison(tuple(rows))
+            row = rows.setdefault(key, [st.index, 0.0, got])
+            row[1] += st.predicted_time  # an interleaved submesh runs several stages
+        return Comparison(tuple((int(i), float(p), float(m)) for i, p, m in rows.values()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,11 @@ dynamic programming over the units' prefix sums finds the contiguous cut whose
 slowest stage is fastest, subject to the memory limit (Alpa's inter-operator pass,
 without its submesh-shape search: every stage gets ``d`` devices). Each candidate
 ``(S, microbatches, schedule)`` is then run through the schedule simulator with the
-stages' predicted times; the shortest simulated step wins (ties: the order the
-candidates are tried in, so the result is deterministic).
+stages' predicted times; the shortest simulated step wins (ties, within a part in
+a billion: fewer stages, fewer microbatches, then the simpler schedule, in the order
+given, so the result is deterministic). A schedule that splits the backward
+(zero-bubble) runs each stage's weight-gradient part apart: one more fragment call
+per microbatch, and the activations held until it ran (the simulator's peak).
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from multimesh._src.errors import MultimeshValueError
-from multimesh.schedules import build_schedule, live_activations, pipeline_units
+from multimesh.schedules import (
+    ScheduleError,
+    build_schedule,
+    get_schedule,
+    live_activations,
+    pipeline_units,
+    v_shape_units,
+)
 from multimesh.schedules.costs import simulate_stages
 
-__all__ = ["Costs", "Machine", "Choice", "search", "best_cut"]
+__all__ = ["Costs", "Machine", "Choice", "search", "best_cut", "mesh_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +43,8 @@ class Costs:
     params: tuple[int, ...]
     residuals: tuple[int, ...]
     cuts: tuple[int, ...]
+    wgrad: tuple[float, ...] | None = None
+    """Per unit, the part of ``bwd`` that computes parameter gradients (None: half)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +68,21 @@ class Choice:
     num_microbatches: int
     schedule: str
     fwd_time: tuple[float, ...]  # per stage, one microbatch
-    bwd_time: tuple[float, ...]
-    memory: tuple[float, ...]  # per stage, bytes per device at the schedule's peak
-    live: tuple[int, ...]  # per stage, peak microbatches in flight
+    bwd_time: tuple[float, ...]  # the whole backward, weight-gradient part included
+    wgrad_time: tuple[float, ...]  # the part a splitting schedule runs apart
+    memory: tuple[float, ...]  # per stage, bytes per device of its submesh at the peak
+    live: tuple[int, ...]  # per stage, peak microbatches in flight on its submesh
     step_time: float  # the simulated step
+    interleave: int = 1  # stages per submesh (:func:`mesh_of` places them)
+    v_shape: bool = False
+
+
+def mesh_of(k: int, S: int, P: int, v_shape: bool = False) -> int:
+    """The submesh of stage ``k`` of ``S`` on ``P``: one each (contiguous), ``k % P``
+    (round-robin) or down and back up the submeshes (V-shape)."""
+    if v_shape:
+        return k if k < P else 2 * P - 1 - k
+    return k % P
 
 
 class _Prefix:
@@ -69,6 +92,8 @@ class _Prefix:
         acc = itertools.accumulate
         self.flops = [0.0, *acc(f + b for f, b in zip(costs.fwd, costs.bwd))]
         self.fwd = [0.0, *acc(costs.fwd)]
+        wgrad = costs.wgrad if costs.wgrad is not None else [b / 2 for b in costs.bwd]
+        self.wgrad = [0.0, *acc(wgrad)]
         self.params = [0, *acc(costs.params)]
         self.residuals = [0, *acc(costs.residuals)]
         self.cuts = costs.cuts
@@ -79,13 +104,19 @@ class _Prefix:
         return float(self.cuts[i - 1]) if 0 < i < self.n else 0.0
 
 
-def _stage_times(p: _Prefix, m: Machine, d: int, M: int, i: int, j: int):
-    """Forward and backward seconds of units ``[i, j)`` for one microbatch."""
+def _stage_times(p: _Prefix, m: Machine, d: int, M: int, i: int, j: int,
+                 split: bool = False) -> tuple[float, float, float]:
+    """Forward, whole backward and weight-gradient seconds of units ``[i, j)`` for one
+    microbatch; ``split``: the weight-gradient part is a fragment call of its own."""
     rate = m.device_flops * d
     move = (p.cut(i) + p.cut(j)) / M / m.link_bandwidth
     fwd = (p.fwd[j] - p.fwd[i]) / M / rate + move + m.fragment_overhead
     bwd = (p.flops[j] - p.flops[i] - p.fwd[j] + p.fwd[i]) / M / rate + move
-    return fwd, bwd + m.fragment_overhead
+    w = (p.wgrad[j] - p.wgrad[i]) / M / rate
+    if split:
+        w += m.fragment_overhead
+        bwd += m.fragment_overhead
+    return fwd, bwd + m.fragment_overhead, w
 
 
 def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int) -> float:
@@ -123,39 +154,69 @@ def best_cut(n: int, S: int, cost: Callable[[int, int], float],
     return tuple(reversed(bounds))
 
 
-def _simulate(S: int, M: int, name: str, fwd: Sequence[float], bwd: Sequence[float]) -> float:
-    """The simulated step of ``S`` stages with these per-microbatch times."""
-    return simulate_stages(name, fwd, bwd, num_microbatches=M).step_time
-
-
-def _live(S: int, M: int, name: str) -> tuple[int, ...]:
-    return tuple(max(v, 1) for v in live_activations(build_schedule(pipeline_units(S, M), name)))
+def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
+    """Peak live microbatches per submesh; None where the schedule refuses ``M``."""
+    algo = get_schedule(name)
+    split = algo.splits_backward
+    units = (v_shape_units(P, M, split_backward=split) if algo.placement == "v-shape"
+             else pipeline_units(P, M, interleave=V, split_backward=split))
+    try:
+        sched = build_schedule(units, name)
+    except ScheduleError:  # e.g. kimi-k2 needs rounds of P microbatches
+        return None
+    return tuple(max(v, 1) for v in live_activations(sched))
 
 
 def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
-    """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``."""
-    d = m.num_devices // S
-    live = _live(S, M, name)
+    """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``; an
+    interleaved schedule puts ``V`` stages on each of ``P = S / V`` submeshes
+    (:func:`mesh_of`)."""
+    algo = get_schedule(name)
+    V, split = algo.interleave, algo.splits_backward
+    P = S // V
+    vs = algo.placement == "v-shape"
+    live = _live(P, V, M, name) if S % V == 0 and (P >= 2 or V == 1) else None
+    if live is None or m.num_devices % P:
+        return None
+    cache["applies"] = True  # some candidate suits the schedule; memory decides
+    d = m.num_devices // P
     # times scale by 1/M alike, so without a memory limit the cut depends on S only
-    key = (S,) if m.memory_limit is None else (S, M, live)
+    key = (S, d, split) if m.memory_limit is None else (S, d, split, M, live)
     if key not in cache:
         limit = m.memory_limit
 
         def cost(i, j):
-            f, b = _stage_times(p, m, d, M, i, j)
+            f, b, _ = _stage_times(p, m, d, M, i, j, split)
             return f + b
 
         def fits(k, i, j):
-            return limit is None or _stage_memory(p, m, M, live[k], i, j) <= limit
+            where = live[mesh_of(k, S, P, vs)]
+            return limit is None or _stage_memory(p, m, M, where, i, j) <= limit
 
         cache[key] = best_cut(p.n, S, cost, fits)
     bounds = cache[key]
-    if bounds is None:
+    return None if bounds is None else _predict(p, m, bounds, d, M, name, P, split, vs)
+
+
+def _predict(p: _Prefix, m: Machine, bounds, d: int, M: int, name: str, P: int,
+             split: bool, vs: bool) -> Choice | None:
+    """Simulate the cut; None where a submesh's memory breaks the limit."""
+    S = len(bounds)
+    times = [_stage_times(p, m, d, M, i, j, split) for i, j in bounds]
+    fwd, bwd, w = (tuple(t[k] for t in times) for k in range(3))
+    held = [(p.residuals[j] - p.residuals[i]) // M for i, j in bounds]
+    pred = simulate_stages(name, fwd, bwd, num_microbatches=M, num_meshes=P,
+                           weight_gradient=w, activation_bytes=held)
+    peak = pred.peak_activation_bytes or (0,) * P
+    mesh = [float(peak[r]) for r in range(P)]
+    where = [mesh_of(k, S, P, vs) for k in range(S)]
+    for k, (i, j) in enumerate(bounds):
+        mesh[where[k]] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
+    if m.memory_limit is not None and max(mesh) > m.memory_limit:
         return None
-    times = [_stage_times(p, m, d, M, i, j) for i, j in bounds]
-    fwd, bwd = tuple(t[0] for t in times), tuple(t[1] for t in times)
-    memory = tuple(_stage_memory(p, m, M, live[k], i, j) for k, (i, j) in enumerate(bounds))
-    return Choice(S, bounds, M, name, fwd, bwd, memory, live, _simulate(S, M, name, fwd, bwd))
+    return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[r] for r in where),
+                  tuple(max(pred.peak_microbatches[r], 1) for r in where),
+                  pred.step_time, S // P, vs)
 
 
 def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
@@ -170,11 +231,25 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
         for M in microbatches:
             for name in schedules:
                 c = _candidate(p, m, S, M, name, cache)
-                if c is not None and (best is None or c.step_time < best.step_time):
+                # a part in a billion: equal schedules' float noise is no gain
+                if c is not None and (best is None
+                                      or c.step_time < best.step_time * (1 - 1e-9)):
                     best = c
     if best is None:
+        if m.memory_limit is None or not cache.get("applies"):
+            raise _nothing_applies(stages, microbatches, schedules)
         raise _no_plan(costs, p, m, stages, microbatches)
     return best
+
+
+def _nothing_applies(stages, microbatches, schedules) -> MultimeshValueError:
+    return MultimeshValueError(
+        f"`plan_pipeline` found no plan: schedule(s) {list(schedules)} accept none of "
+        f"{list(stages)} stage(s) with {list(microbatches)} microbatch(es). A schedule "
+        f"with V stages per submesh needs a multiple of V stages, at least two submeshes "
+        f"that divide the devices, and some need more microbatches (dualpipe-v: at "
+        f"least 2 per submesh, twice). Allow more stages or microbatches, or name "
+        f"another schedule.")
 
 
 def _no_plan(costs: Costs, p: _Prefix, m: Machine, stages, microbatches) -> MultimeshValueError:

@@ -8,13 +8,17 @@ a unit whose children are list items (NNX's ``blocks/0``, ``blocks/1``) is split
 them. Equations outside every unit (the glue between modules) count with the unit
 before them in their direction. Each unit's forward and backward equations are
 lowered on their own and costed by XLA's cost analysis (identical units, e.g. the
-blocks of a stack, are costed once).
+blocks of a stack, are costed once). A unit's backward splits, as the zero-bubble
+schedules split it, into the equations the cotangent for the units before it needs
+(input gradient) and the rest (weight gradient), each costed apart. With ``timer``, each part is also run and timed on one device
+(the measured-cost source).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Sequence
 
 import jax
@@ -24,7 +28,7 @@ from jax.extend import core as jcore
 from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._module_names import module_names
 
-__all__ = ["UnitCost", "Profile", "measure_units", "unit_matcher"]
+__all__ = ["UnitCost", "Profile", "Timer", "measure_units", "unit_matcher"]
 
 _WRAPPED = re.compile(r"^[\w.-]+\((.*)\)$")
 _BACKWARD = "transpose("
@@ -40,6 +44,8 @@ class UnitCost:
     bytes_accessed: float
     param_bytes: int
     residual_bytes: int  # forward values the backward reads (held per microbatch)
+    wgrad_flops: float = 0.0  # the part of bwd_flops no other unit's backward waits for
+    times: tuple[float, float, float] | None = None  # measured fwd, bwd, wgrad seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +176,8 @@ def _assign(eqns, root, index, n) -> list[tuple[int, bool]]:
     return out
 
 
-def _cost(eqns, cache: dict) -> tuple[float, float]:
-    """XLA's flops and bytes accessed for ``eqns`` lowered as one function."""
-    if not eqns:
-        return 0.0, 0.0
+def _closed(eqns):
+    """``eqns`` as a closed jaxpr of their own, and the avals of its inputs."""
     defined = {v for e in eqns for v in e.outvars if not isinstance(v, jcore.DropVar)}
     ins: list = []
     for e in eqns:
@@ -185,14 +189,47 @@ def _cost(eqns, cache: dict) -> tuple[float, float]:
                           tuple(f"in{k}" for k in range(len(ins))),
                           tuple(f"out{k}" for k in range(len(outs))))
     jaxpr = jcore.Jaxpr([], ins, outs, list(eqns), debug_info=dbg)
-    closed = jcore.ClosedJaxpr(jaxpr, [])
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
+    return jcore.ClosedJaxpr(jaxpr, []), avals
+
+
+def _cost(eqns, cache: dict) -> tuple[float, float]:
+    """XLA's flops and bytes accessed for ``eqns`` lowered as one function."""
+    if not eqns:
+        return 0.0, 0.0
+    closed, avals = _closed(eqns)
     key = str(closed)
     if key not in cache:
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
-        fn = jcore.jaxpr_as_fun(closed)
-        info = jax.jit(fn).lower(*avals).cost_analysis() or {}
+        info = jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).cost_analysis() or {}
         cache[key] = (float(info.get("flops", 0.0)), float(info.get("bytes accessed", 0.0)))
     return cache[key]
+
+
+@dataclasses.dataclass
+class Timer:
+    """Times ``eqns`` compiled on their own on ``device``: the best of ``repeat``
+    runs after one warm-up, on zero inputs (identical equations timed once)."""
+
+    device: object
+    repeat: int = 3
+    cache: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, eqns) -> float:
+        if not eqns:
+            return 0.0
+        closed, avals = _closed(eqns)
+        key = str(closed)
+        if key not in self.cache:
+            fn = jax.jit(jcore.jaxpr_as_fun(closed))
+            args = [jax.device_put(np.zeros(a.shape, a.dtype), self.device) for a in avals]
+            jax.block_until_ready(fn(*args))
+            best = float("inf")
+            for _ in range(self.repeat):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                best = min(best, time.perf_counter() - t0)
+            self.cache[key] = best
+        return self.cache[key]
 
 
 def _param_bytes(eqns, where, params: set, n: int) -> list[int]:
@@ -233,9 +270,27 @@ def _flows(eqns, where, n: int) -> tuple[list[int], tuple[int, ...]]:
     return residual, tuple(int(c) for c in cuts)
 
 
-def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 2) -> Profile:
+def _weight_part(eqns, where, k: int) -> list:
+    """Unit ``k``'s backward equations that no equation outside it waits for: its
+    weight-gradient part (what a split backward runs apart)."""
+    mine = [e for e, (u, b) in zip(eqns, where) if u == k and b]
+    ids = {id(e) for e in mine}
+    needed = {v for e in eqns if id(e) not in ids for v in e.invars
+              if isinstance(v, jcore.Var)}
+    weight = []
+    for e in reversed(mine):
+        if any(v in needed for v in e.outvars if not isinstance(v, jcore.DropVar)):
+            needed.update(v for v in e.invars if isinstance(v, jcore.Var))
+        else:
+            weight.append(e)
+    return weight[::-1]
+
+
+def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 2,
+                  timer: Timer | None = None) -> Profile:
     """Trace ``value_and_grad(fun)(*args)`` and cost its name-stack units (split
-    finer, heaviest first, while there are fewer than ``min_units``)."""
+    finer, heaviest first, while there are fewer than ``min_units``); ``timer`` also
+    times each unit's forward, backward and weight-gradient part."""
     closed = _trace(fun, tuple(args), params_argnum)
     eqns = closed.jaxpr.eqns
     fwd_paths = [p for p, bwd in (_parts(str(e.source_info.name_stack)) for e in eqns)
@@ -260,7 +315,17 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
     for k, name in enumerate(names):
         fwd = [e for e, (u, b) in zip(eqns, where) if u == k and not b]
         bwd = [e for e, (u, b) in zip(eqns, where) if u == k and b]
+        wgrad = _weight_part(eqns, where, k)
         ff, fb = _cost(fwd, cache)
         bf, bb = _cost(bwd, cache)
-        units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k]))
-    return Profile(root, tuple(units), cuts, "XLA cost analysis of each unit's equations")
+        wf, _ = _cost(wgrad, cache)
+        times = None if timer is None else (timer(fwd), timer(bwd), min(timer(wgrad),
+                                                                       timer(bwd)))
+        units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k],
+                              min(wf, bf), times))
+    source = "XLA cost analysis of each unit's equations"
+    if timer is not None:
+        source = (f"measured time of each unit's equations compiled alone on "
+                  f"{timer.device} (best of {timer.repeat} runs after a warm-up, zero "
+                  f"inputs); flops from XLA cost analysis")
+    return Profile(root, tuple(units), cuts, source)
