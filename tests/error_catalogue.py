@@ -2455,7 +2455,8 @@ def _():
 def _():
     t = '!mpmd.mesh_tensor<"m1", tensor<8xf32>>'
     fn = ('func.func @{}(%a: tensor<8xf32>) -> tensor<8xf32> attributes '
-          '{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  return %a : tensor<8xf32>\n}}\n')
+          '{{mesh_shape = #sdy.mesh<["x"=4]>}} {{\n  %b = stablehlo.add %a, %a : tensor<8xf32>\n'
+          '  return %b : tensor<8xf32>\n}}\n')  # computes: a pass-through is never called
     mm.compile_mpmd(
         f"func.func public @main(%x: {t}) -> {t} attributes "
         f'{{topology = #mpmd.topology<<"m1" : <["x"=4]>>>}} {{\n'
