@@ -388,9 +388,7 @@ def _timed_dispatch(ex, flat) -> tuple[float, float]:
 
     from multimesh.runtime.steps import FragmentCall, Free
 
-    env = ex._env_template.copy()
-    for i, v in zip(ex.plan.input_ids, ex.place_inputs(flat)):
-        env[i] = v
+    env = ex._start(flat)  # placed inputs and the run's zeros, as a call makes them
     tc = tt = 0.0
     clock = time.perf_counter
     for step in ex._program:

@@ -352,7 +352,6 @@ class Executor:
             env[i] = a
         return env
 
-
     def __call__(self, *args):
         return self._outputs(st.run_program(self._runs, self._start(args)))
 
