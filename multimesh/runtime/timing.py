@@ -1,13 +1,13 @@
 """How long each dispatch step of a real step took, by step, not by trace slice name.
 
 :func:`run_timed` runs one step as ``Executor.run_traced`` does (blocking after every
-step, recording the trace), and also keeps each step's plan origin with its span, so
-a reader maps durations to fragment calls without parsing slice names.
+step, recording the trace), and also keeps each step's plan origin with its span's
+times (the trace's own clock, so trace and durations agree), so a reader maps
+durations to fragment calls without parsing slice names.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from multimesh.runtime import steps as st
@@ -34,9 +34,9 @@ def run_timed(executor, recorder, args) -> tuple[list, list[StepTime]]:
 
     def clocked(step: st.Step, run):
         def timed(env: list) -> None:
-            t = time.perf_counter()
-            run(env)
-            times.append(StepTime(step.origin, step.cat, t, time.perf_counter()))
+            run(env)  # records exactly one span: this step's
+            start, end = recorder.events[-1][2:4]
+            times.append(StepTime(step.origin, step.cat, start, end))
         return timed
 
     env = st.run_program([clocked(s, r) for s, r in zip(executor._steps, runs, strict=True)],
