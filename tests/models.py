@@ -48,3 +48,30 @@ def e2_model():
         return wsc(layer2(p2, layer1(p1, x)), P("batch", None))
 
     return model
+
+
+def tanh_chain(stages: int, meshes: int | None = None):
+    """``stages`` tanh-matmul tasks over a 16-wide batch, stage ``k`` on submesh
+    ``k % meshes`` (8 devices split evenly; ``meshes`` defaults to ``stages``).
+    Returns ``(loss, ws, devices per submesh)``."""
+    meshes = meshes or stages
+    per = 8 // meshes
+
+    def mk(k):
+        def body(w, x):
+            return jnp.tanh(mm.with_sharding_constraint(x, P("batch", None)) @ w)
+
+        m = k % meshes
+        mesh = mm.TaskMesh(devices=range(per * m, per * m + per), axis_names=("x",),
+                           axis_sizes=(per,))
+        return mm.task(body, name=f"s{k}", mesh=mesh, logical_axes=(("batch", "x"),))
+
+    tasks = [mk(k) for k in range(stages)]
+
+    def loss(ws, x):
+        for t, w in zip(tasks, ws):
+            x = t(w, x)
+        return (x ** 2).sum()
+
+    ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(stages)]
+    return loss, ws, per

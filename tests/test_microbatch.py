@@ -12,30 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshError
+from tests.models import tanh_chain
 
 SCHEDULES = ["gpipe", "1f1b", "zero-bubble-h1"]
 
 
 def _pipeline(stages: int):
-    per = 8 // stages
-
-    def mk(k):
-        def body(w, x):
-            return jnp.tanh(mm.with_sharding_constraint(x, P("batch", None)) @ w)
-
-        mesh = mm.TaskMesh(devices=range(per * k, per * k + per), axis_names=("x",),
-                           axis_sizes=(per,))
-        return mm.task(body, name=f"s{k}", mesh=mesh, logical_axes=(("batch", "x"),))
-
-    tasks = [mk(k) for k in range(stages)]
-
-    def loss(ws, x):
-        for t, w in zip(tasks, ws):
-            x = t(w, x)
-        return (x ** 2).sum()
-
-    ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(stages)]
-    return loss, ws, per
+    return tanh_chain(stages)
 
 
 def _check(out, ref):

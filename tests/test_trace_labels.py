@@ -16,37 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh.jax._visualize import _row_label
 from multimesh.runtime.trace import write_trace
+from tests.models import tanh_chain
 
 LETTER = {"fwd": "F", "bwd": "B", "bwd_w": "W"}
 
 
 def _model(stages: int, meshes: int):
     """``stages`` tasks, stage ``k`` on submesh ``k % meshes`` (8 devices split evenly)."""
-    per = 8 // meshes
-
-    def mk(k):
-        def body(w, x):
-            return jnp.tanh(mm.with_sharding_constraint(x, P("batch", None)) @ w)
-
-        m = k % meshes
-        mesh = mm.TaskMesh(devices=range(per * m, per * m + per), axis_names=("x",),
-                           axis_sizes=(per,))
-        return mm.task(body, name=f"s{k}", mesh=mesh, logical_axes=(("batch", "x"),))
-
-    tasks = [mk(k) for k in range(stages)]
-
-    def loss(ws, x):
-        for t, w in zip(tasks, ws):
-            x = t(w, x)
-        return (x ** 2).sum()
-
-    ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(stages)]
-    return loss, ws, per
+    return tanh_chain(stages, meshes)
 
 
 @functools.cache
