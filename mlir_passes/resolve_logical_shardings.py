@@ -16,6 +16,7 @@ from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, ir, sdy
 
 from . import _contract as c
+from . import _localize
 from .base import ModulePass
 from .logical_axes import resolve_logical_spec
 
@@ -216,19 +217,26 @@ class ResolveLogicalShardingsPass(ModulePass):
 
     def _apply(self, module: ir.Module) -> None:
         markers = _markers_in_program_order(module)
-        if not markers:
-            return
         tasks = _read_tasks(module) or {}
         sym_names = mesh_symbol_names(tasks)
-        # Phase 1: resolve everything (may raise); no IR is modified.
+        own = set(sym_names.values())
+        foreign = _localize.collect_foreign(module, own) if tasks else []
+        if not markers and not foreign:
+            return
+        # Phase 1: resolve and check everything (may raise); no IR is modified.
         plan = [_resolve(op, tasks) for op in markers]
+        if foreign:
+            _localize.check_foreign(foreign, module, own, c.read_tasks(module))
         needed = {task.name: task for _, task, _ in plan}
+        needed.update((f.task, tasks[f.task]) for f in foreign if f.task)
         to_create = _meshes_to_create(module, needed, sym_names)
         _warn_unmapped_names(plan, tasks)
         # Phase 2: rewrite.
+        foreign_syms = _localize.foreign_symbols(module, own)
         _insert_meshes(module, to_create)
         for op, task, spec in plan:
             _to_constraint(op, sym_names[task.name], spec)
+        _localize.rewrite_foreign(foreign, foreign_syms, sym_names)
 
 
 _Spec = tuple[tuple[str, ...], ...]

@@ -686,20 +686,41 @@ def _():
 
 @error("jax-with-sharding-constraint-in-task", API,
        "`jax.lax.with_sharding_constraint` with logical names in a task",
-       MultimeshValueError,
-       r"`jax\.lax\.with_sharding_constraint` with a `PartitionSpec` inside task 't' needs a "
-       r"jax mesh in context, and multimesh sets none: in an MPMD program, axis names are "
-       r"logical names that each task maps to its own mesh axes \('batch' -> 'x'\)\. Use "
-       r"`multimesh\.jax\.with_sharding_constraint\(x, spec\)` instead\.",
-       """jax's constraint resolves a `PartitionSpec` against the mesh in context, and a
-       task sets none: jax's own error is "requires a non-empty mesh" (kept as the
-       cause). The logical constraint, `multimesh.jax.with_sharding_constraint`, is the one
-       that each task resolves through its `logical_axes`. The same holds outside tasks in
-       an `mjit` program.""")
+       MeshError,
+       r"A sharding inside task 't' names the mesh axis 'batch' \(P\('batch',\)\), which the "
+       r"task's mesh lacks: inside a task the mesh is the task's mesh, with the axes "
+       r"\('x',\) \(sizes \(4,\)\)\. 'batch' is a logical name that the task maps "
+       r"\('batch' -> 'x'\): name it with `multimesh\.jax\.with_sharding_constraint\(x, "
+       r"spec\)`, which resolves logical names on each task's mesh\.",
+       """Inside a task the mesh is the task's mesh: jax's constraint resolves a
+       `PartitionSpec` against the task's own axes (`P("x")` here shards over the task's
+       `x`, on its devices). A logical name is not one of them: the logical constraint,
+       `multimesh.jax.with_sharding_constraint`, is the one that each task resolves
+       through its `logical_axes`.""")
 def _():
     t = mm.task(lambda x: lax.with_sharding_constraint(x, P("batch")), name="t",
                 mesh=mesh4(), logical_axes=(("batch", "x"),))
     mm.mjit(t)(jnp.ones(8))
+
+
+@error("sharding-names-a-sliced-axis", API,
+       "a sharding in a stage names the axis its `mesh_slice` slices",
+       PassFailure,
+       r"a sharding in task 's0' .*names the mesh axis 'stage', which is sliced away \(the "
+       r"task is one slice of it\); inside a task the mesh is the task's mesh, with the axes "
+       r"\['data'\] \(device positions \[0, 1, 2, 3\]\)",
+       """A stage cut from the global mesh by `mesh_slice={"stage": 0}` keeps the other
+       axes with their sizes; the sliced axis is one index there, so a sharding over it
+       (here a `NamedSharding` of the global mesh, written outside the stage's body)
+       cannot apply inside the stage. Shard over the axes the stage keeps.""")
+def _():
+    mesh = jax.make_mesh((2, 4), ("stage", "data"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    over_stage = NamedSharding(mesh, P("stage"))
+    s0 = mm.task(lambda x: lax.with_sharding_constraint(x, over_stage) * 2, name="s0",
+                 mesh_slice={"stage": 0})
+    with jax.set_mesh(mesh):
+        mm.mjit(s0)(jnp.ones(8))
 
 
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",

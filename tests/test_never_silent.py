@@ -18,7 +18,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh._src.errors import DiagnosticWarning, MultimeshValueError, MultimeshWarning
+from multimesh._src.errors import (
+    DiagnosticWarning,
+    MeshError,
+    MultimeshValueError,
+    MultimeshWarning,
+)
 
 
 def _mesh(first: int) -> mm.TaskMesh:
@@ -291,15 +296,28 @@ def test_deliberately_unmapped_names_are_quiet(spec, logical_axes):
 
 
 def test_jax_with_sharding_constraint_in_a_task_points_to_multimesh():
+    """Inside a task the mesh is the task's mesh: a logical name given to jax's own
+    constraint is an axis that mesh lacks, and the error says to use multimesh's."""
     t = mm.task(lambda x: jax.lax.with_sharding_constraint(x, P("batch")) * 2, name="t",
                 mesh=_mesh(0), logical_axes=(("batch", "x"),))
-    with pytest.raises(MultimeshValueError, match=(
-            r"`jax\.lax\.with_sharding_constraint` with a `PartitionSpec` inside task 't' "
-            r"needs a jax mesh in context, and multimesh sets none: .*\('batch' -> 'x'\)\. "
-            r"Use `multimesh\.jax\.with_sharding_constraint\(x, spec\)` instead\.")) as e:
+    with pytest.raises(MeshError, match=(
+            r"A sharding inside task 't' names the mesh axis 'batch' .*which the task's mesh "
+            r"lacks: inside a task the mesh is the task's mesh, with the axes \('x',\).*"
+            r"'batch' is a logical name that the task maps \('batch' -> 'x'\): name it with "
+            r"`multimesh\.jax\.with_sharding_constraint\(x, spec\)`")):
         mm.mjit(lambda x: t(x))(jnp.ones(8))
-    assert isinstance(e.value.__cause__, RuntimeError)
-    assert "non-empty mesh" in str(e.value.__cause__)
+
+
+def test_jax_with_sharding_constraint_in_a_task_uses_the_tasks_mesh():
+    """``jax.lax.with_sharding_constraint(x, P("x"))`` inside a task shards over the
+    task's own axis ``x`` on its devices, as ``jax.jit`` on that mesh would."""
+    t = mm.task(lambda x: jax.lax.with_sharding_constraint(x * 2, P("x")), name="t",
+                mesh=_mesh(4))
+    x = jnp.arange(8.0)
+    out = mm.mjit(lambda x: t(x) + 1)(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x * 2 + 1))
+    assert sorted((s.device.id, s.index[0].start) for s in out.addressable_shards) == [
+        (4, 0), (5, 2), (6, 4), (7, 6)]
 
 
 def test_jax_with_sharding_constraint_outside_tasks_points_to_multimesh():

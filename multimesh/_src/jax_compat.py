@@ -15,6 +15,7 @@ same rules are written out here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
@@ -555,6 +556,28 @@ def concrete_mesh():
         if mesh is not None and not mesh.empty:
             return mesh
     return None
+
+
+@contextlib.contextmanager
+def mesh_scope(abstract, concrete=None):
+    """Trace under a task's mesh inside a program traced under a larger one.
+
+    ``jax.sharding.use_abstract_mesh`` refuses to change the mesh's size and
+    ``jax.set_mesh`` refuses to run under a trace; a task's body is traced inside the
+    program's trace, on a submesh, so both contexts (the abstract mesh that
+    ``PartitionSpec``s resolve against and the concrete one) are swapped here
+    directly, as those two do. ``concrete`` None leaves no concrete mesh in scope.
+    """
+    from jax._src import mesh as mesh_lib
+
+    conc = mesh_lib.empty_concrete_mesh if concrete is None else concrete
+    prev_abstract = _config.abstract_mesh_context_manager.swap_local(abstract)
+    prev_concrete = _config.device_context.swap_local(conc)
+    try:
+        yield
+    finally:
+        _config.abstract_mesh_context_manager.set_local(prev_abstract)
+        _config.device_context.set_local(prev_concrete)
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -20,7 +21,7 @@ from jax.extend import linear_util as lu
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr
 from jax.interpreters import partial_eval as pe
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src import jax_compat
 from multimesh._src.errors import (
@@ -416,8 +417,10 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if remat is True and _contexts.state.trace_notes is not None:
             # jax keeps the task's inputs as residuals; the pass reads them in place
             _contexts.state.trace_notes.remat_inputs_of.add(task_name)
-        with _contexts.autoshard(True), jax_constraint_hint(f"inside task {task_name!r}",
-                                                            info.logical_axes):
+        tmesh = task_abstract_mesh(spec, info)
+        with _contexts.autoshard(True), jax_constraint_hint(
+                f"inside task {task_name!r}", info.logical_axes, tmesh), \
+                task_mesh_context(tmesh, info):
             jaxpr, out_tree = _trace(rematted(fun, remat), in_avals, in_tree, dbg)
         if any(isinstance(c, Tracer) for c in jaxpr.consts):
             jaxpr, consts = jax_compat.separate_consts(jaxpr)
@@ -431,6 +434,41 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     out = cast(TaskFunction, wrapped)
     out.mm_task = spec
     return out
+
+
+def task_abstract_mesh(spec: Task, info: TaskInfo) -> AbstractMesh | None:
+    """The mesh a task's body sees: its own axes, a ``mesh_slice``'s sliced axes dropped,
+    with the axis types of the mesh in context (None: the task has no mesh of its own).
+
+    Inside a task the mesh is the task's mesh, so sharding code written for one mesh
+    (``jax.lax.with_sharding_constraint`` with a ``PartitionSpec``, flax's logical rules,
+    ``shard_map``) applies on the task's submesh.
+    """
+    if (spec.mesh is None and spec.mesh_slice is None) or info.unplaced_ok \
+            or _contexts.state.program_devices is None:
+        return None  # outside mjit a task is an ordinary call on the program's mesh
+    sliced = set(spec.mesh_slice or ())
+    outer = jax.sharding.get_abstract_mesh()
+    types = dict(zip(outer.axis_names, outer.axis_types, strict=True)) if outer.axis_names else {}
+    keep = [(n, s) for n, s in zip(info.axis_names, info.axis_sizes, strict=True)
+            if n not in sliced]
+    if not keep:
+        return None
+    return AbstractMesh(tuple(s for _, s in keep), tuple(n for n, _ in keep),
+                        axis_types=tuple(types.get(n, AxisType.Auto) for n, _ in keep))
+
+
+@contextlib.contextmanager
+def task_mesh_context(mesh: AbstractMesh | None, info: TaskInfo) -> Iterator[None]:
+    """Trace a task's body under its :func:`task_abstract_mesh` (when it has one), with
+    the task's devices as the concrete mesh."""
+    if mesh is None:
+        yield
+        return
+    prog = _program_devices()
+    devices = np.asarray([prog[p] for p in info.devices], dtype=object).reshape(mesh.axis_sizes)
+    with jax_compat.mesh_scope(mesh, Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)):
+        yield
 
 
 def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
@@ -505,25 +543,46 @@ def warn_renamed_tasks(notes: TraceNotes) -> None:
 
 
 _JAX_NEEDS_MESH = "with_sharding_constraint requires a non-empty mesh"
+_JAX_NO_AXIS = re.compile(r"Resource axis: (\S+) of (.*) is not found in mesh: (\(.*\))")
 
 
 @contextlib.contextmanager
-def jax_constraint_hint(where: str, mapping=()) -> Iterator[None]:
-    """Turn jax's "requires a non-empty mesh" from ``jax.lax.with_sharding_constraint``
-    with a ``PartitionSpec`` (``where``: inside a task, an ``mjit`` program) into an
-    error that points to the logical ``multimesh.jax.with_sharding_constraint``."""
+def jax_constraint_hint(where: str, mapping=(), mesh: AbstractMesh | None = None
+                        ) -> Iterator[None]:
+    """Turn jax's errors for a ``PartitionSpec`` that cannot apply (``where``: inside a
+    task, an ``mjit`` program) into errors that say what the mesh is there: no mesh
+    (a program or task without one), or the task's own mesh (``mesh``) lacking an
+    axis, with the logical ``multimesh.jax.with_sharding_constraint`` as the way to
+    use a logical name."""
     try:
         yield
     except (RuntimeError, ValueError) as e:
-        if isinstance(e, MultimeshError) or _JAX_NEEDS_MESH not in str(e):
+        if isinstance(e, MultimeshError):
             raise
         maps = (" (" + ", ".join(f"{a!r} -> {b!r}" for a, b in mapping) + ")"
                 if mapping else "")
+        missing = _JAX_NO_AXIS.search(str(e))
+        if missing is not None and mesh is not None:
+            axis = missing.group(1)
+            logical = any(a == axis for a, _ in mapping)
+            hint = (f" {axis!r} is a logical name that the task maps{maps}: name it with "
+                    f"`multimesh.jax.with_sharding_constraint(x, spec)`, which resolves "
+                    f"logical names on each task's mesh." if logical else
+                    f" Shard over the task's axes, or give the task a mesh with an axis "
+                    f"{axis!r}.")
+            raise MeshError(
+                f"A sharding {where} names the mesh axis {axis!r} ({missing.group(2)}), "
+                f"which the task's mesh lacks: inside a task the mesh is the task's mesh, "
+                f"with the axes {tuple(mesh.axis_names)} (sizes "
+                f"{tuple(mesh.axis_sizes)}).{hint}") from e
+        if _JAX_NEEDS_MESH not in str(e):
+            raise
         raise MultimeshValueError(
             f"`jax.lax.with_sharding_constraint` with a `PartitionSpec` {where} needs a jax "
             f"mesh in context, and multimesh sets none: in an MPMD program, axis names are "
             f"logical names that each task maps to its own mesh axes{maps}. Use "
-            f"`multimesh.jax.with_sharding_constraint(x, spec)` instead.") from e
+            f"`multimesh.jax.with_sharding_constraint(x, spec)` instead, or enter a mesh "
+            f"(`jax.set_mesh`) or give the task a `mesh` whose axes the spec names.") from e
 
 
 def _trace(fun, in_avals, in_tree, dbg):

@@ -1,0 +1,210 @@
+"""Inside a task the mesh is the task's mesh: a model's own sharding code, written for
+one mesh, shards each pipeline stage over its own devices (issue 30).
+
+Two stages of 2x2 devices on 8 CPU devices, each stage sharding batch x model by the
+model's own annotations (flax linen logical rules; ``jax.lax.with_sharding_constraint``
+with a ``PartitionSpec``), with the stages as ``mesh_slice``s of a global mesh
+``("stage", "data", "model")`` and as ``TaskMesh``es with the axes ``("data", "model")``.
+Each case checks values and gradients against plain jax, per-device flops against
+``jax.jit`` with the same annotations on a 2x2 mesh, and where every gradient lives and
+how it is sharded against that ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import multimesh.jax as mm
+
+RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
+AUTO3 = (AxisType.Auto,) * 3
+
+
+class Block(nn.Module):
+    """An MLP block sharded the flax way: logical partitioning and constraints."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.with_logical_constraint(x, ("batch", "embed"))
+        init = nn.initializers.normal(0.3)
+        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
+        out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+        return x + out
+
+
+def jax_block(w, x):
+    """The same block in plain jax, sharded with ``jax.lax.with_sharding_constraint``."""
+    x = jax.lax.with_sharding_constraint(x, P("data", None))
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w["w1"]), P("data", "model"))
+    return x + h @ w["w2"]
+
+
+def _linen_params():
+    blk = Block()
+    x = jnp.ones((16, 16))
+    return blk.apply, tuple(nn.unbox(blk.init(jax.random.key(k), x)) for k in (0, 1))
+
+
+def _jax_params():
+    ks = jax.random.split(jax.random.key(0), 4)
+    return jax_block, tuple({"w1": 0.3 * jax.random.normal(ks[2 * i], (16, 64)),
+                             "w2": 0.3 * jax.random.normal(ks[2 * i + 1], (64, 16))}
+                            for i in range(2))
+
+
+MODELS = {"linen-rules": _linen_params, "jax-constraint": _jax_params}
+
+
+def _global_mesh():
+    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=AUTO3)
+
+
+def _stage_mesh(first: int) -> jax.sharding.Mesh:
+    devs = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
+    return jax.sharding.Mesh(devs, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _stages(apply, placement):
+    if placement == "mesh_slice":
+        return [mm.task(apply, name=f"s{k}", mesh_slice={"stage": k}) for k in range(2)]
+    m0 = mm.TaskMesh(devices=(0, 1, 2, 3), axis_names=("data", "model"), axis_sizes=(2, 2))
+    return [mm.task(apply, name="s0", mesh=m0), mm.task(apply, name="s1", mesh=m0.place((4, 5, 6, 7)))]
+
+
+@contextlib.contextmanager
+def _context(placement, mesh=None):
+    with contextlib.ExitStack() as stack:
+        if placement == "mesh_slice":
+            stack.enter_context(jax.set_mesh(mesh or _global_mesh()))
+        stack.enter_context(nn.logical_axis_rules(RULES))
+        yield
+
+
+def _loss_of(stages):
+    def loss(ps, x):
+        return jnp.mean(stages[1](ps[1], stages[0](ps[0], x)) ** 2)
+    return loss
+
+
+def _spec(sharding, ndim):
+    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    sizes = dict(sharding.mesh.shape)
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and sizes.get(n, 1) > 1)
+        return kept or None
+    return tuple(keep(e) for e in spec)
+
+
+def _flops(compiled) -> float:
+    return float(compiled.cost_analysis()["flops"])
+
+
+def _one_device_flops(loss, params, x) -> float:
+    """The whole step's flops on one device (a 1x1 mesh, so the annotations apply)."""
+    one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"),
+                            axis_types=(AxisType.Auto,) * 2)
+    with nn.logical_axis_rules(RULES), jax.set_mesh(one):
+        return _flops(jax.jit(jax.value_and_grad(loss)).lower(params, x).compile())
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("placement", ["mesh_slice", "TaskMesh"])
+def test_each_stage_is_sharded_as_the_model_says(model, placement):
+    apply, params = MODELS[model]()
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    plain = _loss_of([apply, apply])
+    with _context(placement):
+        step = mm.mjit(jax.value_and_grad(_loss_of(_stages(apply, placement))))
+        value, grads = step(params, x)
+        flops = _flops(step.lower(params, x).compile())
+    # The reference: plain jax, with the same rules, on one stage-shaped 2x2 mesh.
+    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
+        ref_step = jax.jit(jax.value_and_grad(plain))
+        ref_value, ref_grads = ref_step(params, x)
+        ref_flops = _flops(ref_step.lower(params, x).compile())
+    one_device = _one_device_flops(plain, params, x)
+
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    # Every device of a stage works: per-device flops as jax.jit's on a 2x2 mesh.
+    assert flops <= 1.1 * ref_flops, (flops, ref_flops, one_device)
+    assert flops <= 0.3 * one_device, (flops, one_device)
+    # Each gradient lives on its stage's devices, sharded as jax.jit shards it.
+    for k in range(2):
+        for g, r in zip(jax.tree.leaves(grads[k]), jax.tree.leaves(ref_grads[k]), strict=True):
+            assert {d.id for d in g.devices()} == set(range(4 * k, 4 * k + 4))
+            assert _spec(g.sharding, g.ndim) == _spec(r.sharding, r.ndim), (g.sharding, r.sharding)
+
+
+def test_parameters_in_the_global_layout_keep_it_on_their_stage():
+    """flax's recipe: parameters placed by ``nn.logical_to_mesh_sharding`` on the global
+    mesh (over ``model``, replicated over ``stage``) reach their stage's slice with the
+    same spec on the kept axes, and their gradients come back in it."""
+    apply, params = _linen_params()
+    mesh = _global_mesh()
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    specs = nn.get_partition_spec(jax.eval_shape(Block().init, jax.random.key(0), x))
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    placed = tuple(jax.device_put(p, shardings) for p in params)
+    with _context("mesh_slice", mesh):
+        step = mm.mjit(jax.value_and_grad(_loss_of(_stages(apply, "mesh_slice"))))
+        value, grads = step(placed, x)
+    ref_value, ref_grads = jax.value_and_grad(_loss_of([apply, apply]))(params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for k in range(2):
+        kernel = grads[k]["params"]["Dense_0"]["kernel"]
+        np.testing.assert_allclose(np.asarray(kernel),
+                                   np.asarray(ref_grads[k]["params"]["Dense_0"]["kernel"]),
+                                   rtol=1e-5, atol=1e-6)
+        assert {d.id for d in kernel.devices()} == set(range(4 * k, 4 * k + 4))
+        assert _spec(kernel.sharding, 2) == (None, ("model",))
+        assert kernel.addressable_shards[0].data.shape == (16, 32)  # half of (16, 64)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_microbatched_stages_stay_sharded(schedule):
+    """Under ``microbatch`` each stage's fragments shard as the model says, and values
+    and gradients are plain jax's."""
+    apply, params = _linen_params()
+    x = jax.random.normal(jax.random.key(7), (32, 16))
+    with _context("mesh_slice"):
+        loss = _loss_of(_stages(apply, "mesh_slice"))
+        step = mm.mjit(mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1,
+                                     schedule=schedule, reduction="mean"))
+        value, grads = step(params, x)
+        flops = _flops(step.lower(params, x).compile())
+    ref_value, ref_grads = jax.value_and_grad(_loss_of([apply, apply]))(params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    one_device = _one_device_flops(_loss_of([apply, apply]), params, x)
+    assert flops <= 0.3 * one_device, (flops, one_device)
+
+
+def test_a_constraint_over_a_global_mesh_named_sharding_in_a_stage():
+    """A ``NamedSharding`` of the global mesh written inside a stage applies on the
+    stage's slice: the sliced axis dropped, the others kept."""
+    mesh = _global_mesh()
+    data = NamedSharding(mesh, P("data", "model"))
+    stages = [mm.task(lambda x: jax.lax.with_sharding_constraint(jnp.sin(x), data) * 2,
+                      name=f"s{k}", mesh_slice={"stage": k}) for k in range(2)]
+    x = jnp.arange(64.0).reshape(8, 8)
+    with jax.set_mesh(mesh):
+        out = mm.mjit(lambda x: stages[1](stages[0](x)))(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.sin(jnp.sin(x) * 2) * 2),
+                               rtol=1e-6)
+    assert {d.id for d in out.devices()} == {4, 5, 6, 7}
+    assert _spec(out.sharding, 2) == (("data",), ("model",))
