@@ -956,19 +956,16 @@ def _():
         mm.mjit(f).lower(jnp.eye(16), jnp.ones((16, 16)))
 
 
-@error("explicit-sharding-mode", MESHES, "Explicit-sharding mode in a program with tasks",
-       MultimeshValueError,
-       r"This program uses jax's explicit-sharding mode, which multimesh does not support in "
-       r"programs with tasks yet: `reshard` gives a value of type float32\[8@fsdp,8\], "
-       r"sharded over the mesh axes \('fsdp',\) of type AxisType\.Explicit.*Make the "
-       r"mesh's axes Auto",
-       """Under a mesh with `AxisType.Explicit` axes, jax types values with shardings over
-       the whole mesh, which a task's submesh (with axes of its own) cannot hold; it is
-       caught before any pass runs, where Shardy or XLA used to fail late or abort. Use
-       `AxisType.Auto` axes (`jax.set_mesh` works), drop `reshard`/`out_sharding=`, and
-       give shardings as logical names with `multimesh.jax.with_sharding_constraint`
-       (parameters: `nnx_shard_axes`/`shard_axes`). A program without tasks runs under
-       an explicit mesh.""")
+@error("sharding-names-an-axis-the-task-lacks", MESHES,
+       "A sharding in a task names an axis that the task's mesh lacks", PassFailure,
+       r"a sharding in task 's0' names the mesh axis 'fsdp', which is not an axis of the "
+       r"task's mesh; inside a task the mesh is the task's mesh, with the axes \['x'\] "
+       r"\(device positions \[0, 1, 2, 3\]\)",
+       """Sharding code written for one mesh (here explicit mode's `reshard` under
+       `jax.set_mesh`) applies on each task's mesh, by axis name: the task here runs on
+       a `TaskMesh` with the one axis `x`, so a sharding over `fsdp` cannot apply. Give
+       the task a mesh with the axes the model names (a `mesh_slice` of the global mesh
+       keeps them), or shard over the task's axes.""")
 def _():
     explicit = jax.make_mesh((2, 4), ("fsdp", "tp"),
                              axis_types=(jax.sharding.AxisType.Explicit,) * 2)

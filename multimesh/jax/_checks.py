@@ -11,13 +11,11 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import jaxprs_in_params
-from jax.sharding import AxisType
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["is_int", "task_name", "program_devices", "axis_names", "axis_sizes", "argnum",
-           "resolve_argnum", "custom_schedule", "no_explicit_sharding"]
+           "resolve_argnum", "custom_schedule"]
 
 
 def is_int(x) -> bool:
@@ -125,71 +123,3 @@ def _schedule_entry(entry) -> bool:
     return isinstance(entry, str) or (
         isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], str)
         and isinstance(entry[0], (int, np.integer)) and not isinstance(entry[0], bool))
-
-
-def _explicit_axes(aval) -> tuple[str, ...]:
-    """The mesh axes of type ``Explicit`` that ``aval``'s sharding-in-types shards over."""
-    sharding = getattr(aval, "sharding", None)
-    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    if mesh is None or spec is None or AxisType.Explicit not in tuple(mesh.axis_types):
-        return ()
-    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-    used = [a for entry in spec if entry is not None
-            for a in ((entry,) if isinstance(entry, str) else entry)]
-    return tuple(a for a in used if a in explicit)
-
-
-def _first_explicit(jaxpr) -> tuple | None:
-    """((eqn, aval, axes), holds a task) for the first op that gives a value typed with
-    an explicit sharding (preferring ops without a body of their own, where the type is
-    made), in one walk over ``jaxpr`` and the jaxprs inside; None if there is none."""
-    todo, seen, tasks = [jaxpr], set(), False
-    found: dict[bool, tuple] = {}  # has a body -> first hit
-    while todo:
-        jx = todo.pop(0)
-        if id(jx) in seen:
-            continue
-        seen.add(id(jx))
-        for eqn in jx.eqns:
-            tasks = tasks or eqn.primitive.name == "mm_task"
-            inner = list(jaxprs_in_params(eqn.params))
-            todo.extend(inner)
-            if bool(inner) in found:
-                continue
-            for v in eqn.outvars:
-                axes = _explicit_axes(v.aval)
-                if axes:
-                    found[bool(inner)] = (eqn, v.aval, axes)
-                    break
-    first = found.get(False, found.get(True))
-    return (first, tasks) if first is not None else None
-
-
-def no_explicit_sharding(closed_jaxpr, has_registered_tasks: bool) -> None:
-    """Raise, before any pass runs, if a program with tasks uses explicit-sharding mode.
-
-    Under a mesh whose axes are ``AxisType.Explicit`` jax types values with
-    shardings over the *whole* mesh (``float32[8@fsdp,16@tp]``); a task runs on a
-    submesh with axes of its own, where those types name axes that do not exist,
-    and XLA or Shardy fail late (or abort). Only checked under such a mesh.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if AxisType.Explicit not in tuple(getattr(mesh, "axis_types", ()) or ()):
-        return
-    found = _first_explicit(closed_jaxpr.jaxpr)
-    if found is None or not (found[1] or has_registered_tasks):
-        return
-    (eqn, aval, axes), _ = found
-    where = str(eqn.source_info.name_stack)
-    raise MultimeshValueError(
-        f"This program uses jax's explicit-sharding mode, which multimesh does not support "
-        f"in programs with tasks yet: `{eqn.primitive.name}`"
-        f"{f' (in {where!r})' if where else ''} gives a value of type "
-        f"{aval.str_short()}, sharded over the mesh axes {axes} of type "
-        f"AxisType.Explicit. A task runs on a submesh with axes of its own, where a type "
-        f"that names the whole mesh's axes cannot live. Make the mesh's axes Auto "
-        f"(`jax.make_mesh(..., axis_types=(AxisType.Auto, ...))`, entered with "
-        f"`jax.set_mesh`), drop explicit resharding (`jax.sharding.reshard`, "
-        f"`out_sharding=`), and name shardings with logical axis names instead: "
-        f"`multimesh.jax.with_sharding_constraint(x, P('batch', ...))` and, for "
-        f"parameters, `nnx_shard_axes`/`shard_axes`; each task maps them onto its own axes.")

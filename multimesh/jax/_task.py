@@ -449,6 +449,11 @@ def task_abstract_mesh(spec: Task, info: TaskInfo) -> AbstractMesh | None:
         return None  # outside mjit a task is an ordinary call on the program's mesh
     sliced = set(spec.mesh_slice or ())
     outer = jax.sharding.get_abstract_mesh()
+    if AxisType.Explicit in tuple(outer.axis_types or ()):
+        # Explicit mode types values over the program's mesh, and those types cross the
+        # task's boundary: the body keeps that mesh, and mm-resolve-logical-shardings
+        # moves its shardings onto the task's mesh by axis name.
+        return None
     types = dict(zip(outer.axis_names, outer.axis_types, strict=True)) if outer.axis_names else {}
     keep = [(n, s) for n, s in zip(info.axis_names, info.axis_sizes, strict=True)
             if n not in sliced]

@@ -12,7 +12,7 @@ from multimesh._src import callbacks as _callbacks
 from multimesh._src import jax_compat
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import make_context, module_bytecode, parse_module
-from multimesh.jax import _checks, _contexts, _fast_path, _inputs
+from multimesh.jax import _contexts, _fast_path, _inputs
 from multimesh.jax._call_checks import is_key, leaf_name
 from multimesh.jax._compiled import missing_attribute
 from multimesh.jax._implicit_tasks import implicit_task_rules
@@ -92,7 +92,6 @@ class MpmdTraced:
             if held:  # the callbacks' numbers are in the program now
                 program = module_bytecode(module)
             implicit = implicit_task_rules(module)  # registered tasks, in memory
-            _checks.no_explicit_sharding(traced.jaxpr, implicit is not None)
         trace_seconds = self.trace_seconds + time.perf_counter() - t0
         warn_renamed_tasks(notes)
         dyn_args, kwargs = self._dyn
