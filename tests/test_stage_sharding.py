@@ -208,3 +208,79 @@ def test_a_constraint_over_a_global_mesh_named_sharding_in_a_stage():
                                rtol=1e-6)
     assert {d.id for d in out.devices()} == {4, 5, 6, 7}
     assert _spec(out.sharding, 2) == (("data",), ("model",))
+
+
+class TwoBlocks(nn.Module):
+    """An unmodified linen model: its blocks are placed by registered rules."""
+
+    @nn.compact
+    def __call__(self, x):
+        return Block(name="b1")(Block(name="b0")(x))
+
+
+def test_registered_stages_shard_as_the_models_rules_say():
+    """Stages placed by ``register_task`` rules on mesh slices (no ``task`` in the
+    model): flax's rules shard each stage over its own 2x2 devices."""
+    model = TwoBlocks()
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    params = nn.unbox(model.init(jax.random.key(0), x))
+
+    def loss(p, x):
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"b{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with _context("mesh_slice"):
+            step = mm.mjit(jax.value_and_grad(loss))
+            value, grads = step(params, x)
+            flops = _flops(step.lower(params, x).compile())
+    finally:
+        mm.clear_tasks()
+    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
+        ref = jax.jit(jax.value_and_grad(loss))
+        ref_value, ref_grads = ref(params, x)
+        ref_flops = _flops(ref.lower(params, x).compile())
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
+    for k in range(2):
+        kernel = grads["params"][f"b{k}"]["Dense_0"]["kernel"]
+        assert {d.id for d in kernel.devices()} == set(range(4 * k, 4 * k + 4))
+        want = ref_grads["params"][f"b{k}"]["Dense_0"]["kernel"].sharding
+        assert _spec(kernel.sharding, 2) == _spec(want, 2)
+
+
+def _explicit_block(w, x):
+    x = jax.sharding.reshard(x, P("data", None))
+    h = jnp.tanh(jnp.dot(x, w["w1"], out_sharding=P("data", "model")))
+    return x + jnp.dot(h, w["w2"], out_sharding=P("data", None))
+
+
+def test_explicit_mode_stages():
+    """jax's explicit sharding mode (``reshard``, ``out_sharding=``) inside mesh-slice
+    stages of an explicit global mesh: values and per-device flops as ``jax.jit``'s
+    on an explicit 2x2 mesh."""
+    _, params = _jax_params()
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    explicit = (AxisType.Explicit,) * 3
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=explicit)
+    stages = [mm.task(_explicit_block, name=f"s{k}", mesh_slice={"stage": k}) for k in range(2)]
+    with jax.set_mesh(mesh):
+        step = mm.mjit(jax.value_and_grad(_loss_of(stages)))
+        value, grads = step(params, x)
+        flops = _flops(step.lower(params, x).compile())
+    stage = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"),
+                              axis_types=explicit[:2])
+    with jax.set_mesh(stage):
+        ref = jax.jit(jax.value_and_grad(_loss_of([_explicit_block] * 2)))
+        ref_value, ref_grads = ref(params, x)
+        ref_flops = _flops(ref.lower(params, x).compile())
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
+    for k in range(2):
+        assert {d.id for d in grads[k]["w1"].devices()} == set(range(4 * k, 4 * k + 4))
