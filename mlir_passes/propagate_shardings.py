@@ -153,10 +153,24 @@ def _pinned_hint(pin: _Pin, mesh_sym, mesh, devices_attr) -> ir.Attribute | None
                           [sdy.MeshAxisAttr(x).name for x in m.axes],
                           [sdy.MeshAxisAttr(x).size for x in m.axes])
     if dims is None:
+        dims = _by_axis_name(pin, m)
+    if dims is None:
         return None
     return sdy.TensorShardingAttr.get(
         mesh_sym, [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(x) for x in axes],
                                                  is_closed=True) for axes in dims])
+
+
+def _by_axis_name(pin: _Pin, mesh) -> tuple[tuple[str, ...], ...] | None:
+    """The pinned spec on a consumer whose mesh has every axis it names, with the
+    same sizes: an input laid out on the global mesh (over ``model``, replicated over
+    ``stage``) goes to a stage's slice with the same spec on the kept axes."""
+    sizes = {sdy.MeshAxisAttr(x).name: sdy.MeshAxisAttr(x).size for x in mesh.axes}
+    pin_sizes = dict(zip(pin[1], pin[2], strict=True))
+    used = {a for dim in pin[3] for a in dim}
+    if not used or any(sizes.get(a) != pin_sizes.get(a) for a in used):
+        return None
+    return pin[3]
 
 
 def _same_shape(a: ir.Attribute, b: ir.Attribute) -> bool:

@@ -284,3 +284,55 @@ def test_explicit_mode_stages():
     assert flops <= 1.1 * ref_flops, (flops, ref_flops)
     for k in range(2):
         assert {d.id for d in grads[k]["w1"].devices()} == set(range(4 * k, 4 * k + 4))
+
+
+def test_nnx_partition_metadata_shards_each_stage():
+    """NNX state sharded by its partition metadata, the way flax's guide builds it (inside
+    ``nnx.jit`` under ``jax.set_mesh``), with its blocks placed by rules on mesh slices:
+    each stage's parameters and gradients keep the metadata's layout on its devices."""
+    from flax import nnx
+
+    from multimesh.jax.flax import mjit
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.3)
+            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                                 rngs=rngs)
+            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                                 rngs=rngs)
+
+        def __call__(self, x):
+            x = jax.lax.with_sharding_constraint(x, P("data", None))
+            return self.l1(jnp.tanh(self.l0(x)))
+
+    @nnx.jit
+    def create():
+        model = MLP(nnx.Rngs(0))
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+        return model
+
+    def step(m, x):
+        return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
+
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with jax.set_mesh(_global_mesh()):
+            model = create()
+            assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
+            loss, grads = mjit(step)(model, x)
+            want_loss, want_grads = nnx.jit(step)(model, x)
+    finally:
+        mm.clear_tasks()
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for k, spec in ((0, (None, ("model",))), (1, (("model",), None))):
+        got = grads[f"l{k}"]["kernel"].get_value()
+        want = want_grads[f"l{k}"]["kernel"].get_value()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert {d.id for d in got.devices()} == set(range(4 * k, 4 * k + 4))
+        assert _spec(got.sharding, 2) == spec
+        assert got.addressable_shards[0].data.size == got.size // 2
