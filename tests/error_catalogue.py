@@ -703,6 +703,21 @@ def _():
     mm.mjit(t)(jnp.ones(8))
 
 
+@error("logical-name-is-another-mesh-axis", API,
+       "A logical name that is also a mesh axis of the task, mapped onto another axis",
+       MeshError,
+       r"Task 't' maps the logical name 'data' onto the mesh axis 'model', but 'data' is also "
+       r"an axis of the task's mesh \('data', 'model'\)",
+       """Inside a task the mesh is the task's mesh: `jax.lax.with_sharding_constraint`,
+       flax's rules and explicit mode read `data` as the mesh axis `data`, while the pair
+       makes multimesh's logical constraint read it as `model`. Name the logical axis
+       apart from the mesh's axes, or map it onto itself.""")
+def _():
+    mesh = mm.TaskMesh(devices=range(4), axis_names=("data", "model"), axis_sizes=(2, 2))
+    t = mm.task(lambda x: x * 2, name="t", mesh=mesh, logical_axes=(("data", "model"),))
+    mm.mjit(t)(jnp.ones(8))
+
+
 @error("sharding-names-a-sliced-axis", API,
        "a sharding in a stage names the axis its `mesh_slice` slices",
        PassFailure,

@@ -336,3 +336,40 @@ def test_nnx_partition_metadata_shards_each_stage():
         assert {d.id for d in got.devices()} == set(range(4 * k, 4 * k + 4))
         assert _spec(got.sharding, 2) == spec
         assert got.addressable_shards[0].data.size == got.size // 2
+
+
+def test_a_mesh_axis_name_reused_as_a_logical_name_is_an_error():
+    """``("data", "model")`` on a mesh with both axes: ``data`` would mean one axis to
+    jax's constraints and another to multimesh's; refused when the task is built into
+    a program, naming both."""
+    mesh = mm.TaskMesh(devices=range(4), axis_names=("data", "model"), axis_sizes=(2, 2))
+    t = mm.task(lambda x: x * 2, name="t", mesh=mesh, logical_axes=(("data", "model"),))
+    with pytest.raises(mm.errors.MeshError, match=(
+            r"Task 't' maps the logical name 'data' onto the mesh axis 'model', but 'data' is "
+            r"also an axis of the task's mesh \('data', 'model'\)")):
+        mm.mjit(t)(jnp.ones(8))
+
+
+def test_shard_map_over_the_kept_axes_inside_a_stage():
+    """``jax.shard_map`` over a stage's kept axes (its ``psum`` over ``model``) runs on
+    the stage's devices, forward and backward, as plain jax computes it."""
+    mesh = _global_mesh()
+
+    def body(w, x):
+        def local(w, x):
+            return jax.lax.psum(x @ w, "model")
+        return jax.shard_map(local, in_specs=(P("model", None), P("data", "model")),
+                             out_specs=P("data", None))(w, x)
+
+    stages = [mm.task(body, name=f"s{k}", mesh_slice={"stage": k}) for k in range(2)]
+    w = jax.random.normal(jax.random.key(0), (16, 16))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss(w, x):
+        return jnp.sum(stages[1](w, stages[0](w, x)) ** 2)
+
+    with jax.set_mesh(mesh):
+        value, grad = mm.mjit(jax.value_and_grad(loss))(w, x)
+    ref_value, ref_grad = jax.value_and_grad(lambda w, x: jnp.sum(((x @ w) @ w) ** 2))(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-4, atol=1e-4)

@@ -64,7 +64,9 @@ _MERGED_JAXPR = ClosedJaxpr is _core.Jaxpr  # jax >= 0.11: one class, consts att
 # Call-primitives (the ``mm_task`` marker)
 
 def register_call_primitive(prim: Primitive, *,
-                            transposed: Callable[[dict], dict]) -> None:
+                            transposed: Callable[[dict], dict],
+                            scope: Callable[[dict], contextlib.AbstractContextManager] | None
+                            = None) -> None:
     """Give ``prim`` the rules of a call-primitive: impl, abstract eval, jvp,
     linearize, transpose, partial eval, DCE and batching.
 
@@ -72,6 +74,11 @@ def register_call_primitive(prim: Primitive, *,
     hashable ``params`` that every rule passes through unchanged, except the
     transpose, which binds with ``transposed(params)`` (how the backward of a task
     is told apart from its forward). Lowering is the caller's (``lower_call``).
+
+    ``scope(params)``, when given, is entered around every rule that retraces or
+    rewrites the body (jvp, linearize, transpose, partial eval, DCE, batching): a
+    task's body runs under its own mesh, and jax checks the mesh in context whenever
+    it walks a ``shard_map`` inside.
 
     Why here: jax has no public way to define a call-primitive. jax >= 0.11 has one
     internal helper for it (``register_call_primitive_rules``, which ``compute_on``
@@ -87,10 +94,37 @@ def register_call_primitive(prim: Primitive, *,
                 prim, ct, *args, call_jaxpr=call_jaxpr, **transposed(params))
 
         _eval_jaxpr.register_call_primitive_rules(prim, transpose_rule=transpose)
-        return
-    _register_call_rules_010(prim, transposed)
-    _pe.partial_eval_jaxpr_custom_rules[prim] = _pe.partial_eval_jaxpr_custom_rules[closed_call_p]
-    _pe.dce_rules[prim] = _pe.dce_rules[closed_call_p]
+    else:
+        _register_call_rules_010(prim, transposed)
+        _pe.partial_eval_jaxpr_custom_rules[prim] = \
+            _pe.partial_eval_jaxpr_custom_rules[closed_call_p]
+        _pe.dce_rules[prim] = _pe.dce_rules[closed_call_p]
+    if scope is not None:
+        _scope_rules(prim, scope)
+
+
+_RULE_TABLES = (
+    (_batching, "fancy_primitive_batchers"), (_ad, "primitive_jvps"),
+    (_ad, "primitive_linearizations"), (_ad, "primitive_transposes"),
+    (_pe, "custom_partial_eval_rules"), (_pe, "partial_eval_jaxpr_custom_rules"),
+    (_pe, "dce_rules"))
+
+
+def _scope_rules(prim, scope) -> None:
+    """Wrap each of ``prim``'s rules in ``scope(params)`` (params from the keyword
+    arguments, or from the equation a jaxpr-level rule is given)."""
+    for module, table_name in _RULE_TABLES:
+        table = getattr(module, table_name, None)
+        if table is None or prim not in table:
+            continue
+        table[prim] = functools.partial(_scoped, table[prim], scope)
+
+
+def _scoped(rule, scope, *args, **kwargs):
+    params = kwargs if "call_jaxpr" in kwargs or "jaxpr" in kwargs else next(
+        (a.params for a in args if isinstance(getattr(a, "params", None), dict)), kwargs)
+    with scope(params):
+        return rule(*args, **kwargs)
 
 
 def _call_rules_module() -> ModuleType | None:

@@ -10,6 +10,7 @@ itself: it records logical axis names for the passes to resolve per task.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -35,7 +36,7 @@ from multimesh._src.ir_contract import (
 from multimesh._src.mlir import ir, py_to_attr
 from multimesh._src.mlir import stablehlo as hlo
 
-__all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical",
+__all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical", "body_scope",
            "warn_unplaced"]
 
 
@@ -49,6 +50,9 @@ class TaskInfo(TaskMesh):
     unplaced_ok: bool = False
     """Bound by multimesh's own trace outside ``mjit`` (a Flax init): jax may lower it
     later, unplaced, on purpose (see :func:`warn_unplaced`). Not part of the IR."""
+    body_mesh: jax.sharding.Mesh | None = None
+    """The mesh the body was traced under (the task's own; None: the program's). Every
+    rule that retraces the body, and its lowering, runs under it. Not part of the IR."""
 
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
@@ -75,7 +79,17 @@ class TaskInfo(TaskMesh):
 task_p = Primitive("mm_task")
 # A call-primitive: jax's rules for calls, except that the transpose binds with
 # ``transpose_count + 1``.
-jax_compat.register_call_primitive(task_p, transposed=lambda p: dict(p, info=p["info"].bumped()))
+def body_scope(params: dict):
+    """The mesh a task's body is traced, transformed and lowered under."""
+    info = params.get("info")
+    mesh = getattr(info, "body_mesh", None)
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax_compat.mesh_scope(mesh.abstract_mesh, mesh)
+
+
+jax_compat.register_call_primitive(task_p, transposed=lambda p: dict(p, info=p["info"].bumped()),
+                                   scope=body_scope)
 
 
 def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
@@ -88,8 +102,9 @@ def _lowering(ctx, *args, call_jaxpr, info):
     st = _contexts.state
     if not (info.unplaced_ok or st.ignore_transforms or _contexts.traced_by_multimesh()):
         warn_unplaced(info, once_per_process=True)  # lowered by plain jax
-    call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
-                                            ctx.avals_in)
+    with body_scope({"info": info}):
+        call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
+                                                ctx.avals_in)
     call.attributes[TASK_ATTR] = info.attribute()
     return out_nodes
 

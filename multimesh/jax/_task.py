@@ -33,7 +33,7 @@ from multimesh._src.errors import (
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import slice_global_mesh
-from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, warn_unplaced
+from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, body_scope, warn_unplaced
 from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
@@ -276,6 +276,21 @@ def _positions_of(devices, name: str) -> np.ndarray:
     return out
 
 
+def _check_reused_axis_names(name: str, mapping, axis_names) -> None:
+    """A logical name that is also one of the task's mesh axes must map onto that
+    axis: inside a task the mesh is the task's mesh, so jax's own constraints read it
+    as the axis, and multimesh's logical ones would read it as another."""
+    for logical, device in mapping:
+        if logical in axis_names and device in axis_names and device != logical:
+            raise MeshError(
+                f"Task {name!r} maps the logical name {logical!r} onto the mesh axis "
+                f"{device!r}, but {logical!r} is also an axis of the task's mesh "
+                f"{tuple(axis_names)}: a sharding over {logical!r} would mean that axis to "
+                f"jax's constraints and {device!r} to multimesh's logical ones. Give the "
+                f"logical name another name (for example ({logical + '_logical'!r}, "
+                f"{device!r})), or map it onto itself.")
+
+
 def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     """Turn a :class:`Task` into the IR-level :class:`TaskInfo` for this program."""
     mesh = spec.mesh
@@ -300,6 +315,7 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     # task uses its logical name (one map shared by submeshes of different shapes):
     # mm-resolve-logical-shardings reports it there.
     mapping = mapping + tuple(spec.extra_axes or ())
+    _check_reused_axis_names(name, mapping, names)
     if _contexts.state.trace_notes is not None:  # which in_shardings names are logical
         _contexts.state.trace_notes.logical_names.update(logical for logical, _ in mapping)
     # Checked again here: a Task's fields may have been reassigned after construction.
@@ -417,10 +433,10 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
         if remat is True and _contexts.state.trace_notes is not None:
             # jax keeps the task's inputs as residuals; the pass reads them in place
             _contexts.state.trace_notes.remat_inputs_of.add(task_name)
-        tmesh = task_abstract_mesh(spec, info)
+        info, tmesh = _with_body_mesh(spec, info)
         with _contexts.autoshard(True), jax_constraint_hint(
                 f"inside task {task_name!r}", info.logical_axes, tmesh), \
-                task_mesh_context(tmesh, info):
+                body_scope({"info": info}):
             jaxpr, out_tree = _trace(rematted(fun, remat), in_avals, in_tree, dbg)
         if any(isinstance(c, Tracer) for c in jaxpr.consts):
             jaxpr, consts = jax_compat.separate_consts(jaxpr)
@@ -463,17 +479,21 @@ def task_abstract_mesh(spec: Task, info: TaskInfo) -> AbstractMesh | None:
                         axis_types=tuple(types.get(n, AxisType.Auto) for n, _ in keep))
 
 
-@contextlib.contextmanager
-def task_mesh_context(mesh: AbstractMesh | None, info: TaskInfo) -> Iterator[None]:
-    """Trace a task's body under its :func:`task_abstract_mesh` (when it has one), with
-    the task's devices as the concrete mesh."""
+def _with_body_mesh(spec: Task, info: TaskInfo) -> tuple[TaskInfo, AbstractMesh | None]:
+    """``info`` carrying the concrete mesh its body is traced under, and that mesh's
+    abstract form (None: the body sees the program's mesh)."""
+    mesh = task_abstract_mesh(spec, info)
+    body = task_body_mesh(mesh, info)
+    return (info if body is None else dataclasses.replace(info, body_mesh=body)), mesh
+
+
+def task_body_mesh(mesh: AbstractMesh | None, info: TaskInfo) -> Mesh | None:
+    """The concrete mesh of :func:`task_abstract_mesh`: the task's devices."""
     if mesh is None:
-        yield
-        return
+        return None
     prog = _program_devices()
     devices = np.asarray([prog[p] for p in info.devices], dtype=object).reshape(mesh.axis_sizes)
-    with jax_compat.mesh_scope(mesh, Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)):
-        yield
+    return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
