@@ -373,3 +373,46 @@ def test_shard_map_over_the_kept_axes_inside_a_stage():
     ref_value, ref_grad = jax.value_and_grad(lambda w, x: jnp.sum(((x @ w) @ w) ** 2))(w, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-4, atol=1e-4)
+
+
+def test_parallelize_step_under_a_global_mesh_and_flax_rules():
+    """``parallelize_step`` of a linen model whose stages are mesh slices, under a global
+    mesh and flax's rules: pipelined and sharded. The loss and the updated parameters
+    are plain optax's; each kernel lives on its stage, sharded by the rules."""
+    import optax
+
+    from multimesh.jax.flax import parallelize_step, task
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = task(Block, name="s0", mesh_slice={"stage": 0})()(x)
+            x = task(Block, name="s1", mesh_slice={"stage": 1})()(x)
+            return jnp.mean(x ** 2)
+
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    with _context("mesh_slice"):
+        step, state, _ = parallelize_step(Net(), optax.sgd(0.1), global_batch=x)
+        before = jax.tree.leaves(state.params)  # a box is a pytree of its value
+        loss, new_state = step(state, x)
+        flops = _flops(step)
+    with mm.ignore_transforms():
+        params = jax.tree.unflatten(jax.tree.structure(nn.unbox(Net().init(jax.random.key(0), x))),
+                                    [np.asarray(b) for b in before])
+        ref_loss, ref_grads = jax.value_and_grad(Net().apply)(params, x)
+        with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
+            ref_flops = _flops(jax.jit(jax.value_and_grad(Net().apply)).lower(params, x).compile())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    after = jax.tree.leaves(new_state.params)
+    for a, p, g in zip(after, jax.tree.leaves(params), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), p - 0.1 * np.asarray(g), rtol=1e-5, atol=1e-6)
+    kernels = [v for path, v in jax.tree_util.tree_flatten_with_path(new_state.params)[0]
+               if "kernel" in jax.tree_util.keystr(path)]
+    assert len(kernels) == 4
+    for i, k in enumerate(kernels):
+        stage = i // 2
+        assert {d.id for d in k.devices()} == set(range(4 * stage, 4 * stage + 4))
+        assert _spec(k.sharding, 2) == ((None, ("model",)) if i % 2 == 0 else (("model",), None))
+    # the step also updates the parameters; its per-device work is jax.jit's gradient's
+    # on a 2x2 mesh, plus the (sharded) update
+    assert flops <= 1.15 * ref_flops, (flops, ref_flops)

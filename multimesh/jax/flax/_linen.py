@@ -279,11 +279,20 @@ def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
 
 
 def constrain_linen_state(state):
-    """Logical constraint on every variable leaf: its partitioning names, else ``P()``."""
+    """Logical constraint on every variable leaf: its partitioning names, else ``P()``.
+
+    Under flax's ``nn.logical_axis_rules`` the names are flax's logical ones: the rules
+    turn them into mesh axis names first, which each task reads as its own axes (a
+    ``mesh_slice`` stage maps the global mesh's axes onto themselves), so a parameter
+    is sharded on its stage as ``jax.jit`` with the same rules shards it.
+    """
+    rules = tuple(nn.get_logical_axis_rules())
 
     def one(x):
         if _is_box(x):
             spec = _box_spec(x)
+            if spec is not None and rules:
+                spec = nn.logical_to_mesh_axes(tuple(spec), rules)
             return x.replace_boxed(with_sharding_constraint(x.unbox(apply_constraint=False),
                                                                spec if spec is not None else P()))
         if hasattr(x, "shape"):
