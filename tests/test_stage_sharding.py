@@ -416,3 +416,60 @@ def test_parallelize_step_under_a_global_mesh_and_flax_rules():
     # the step also updates the parameters; its per-device work is jax.jit's gradient's
     # on a 2x2 mesh, plus the (sharded) update
     assert flops <= 1.15 * ref_flops, (flops, ref_flops)
+
+
+def test_nnx_parallelize_step_under_a_global_mesh():
+    """NNX ``parallelize_step`` of a model sharded by its partition metadata (built as
+    flax's guide builds it), its layers placed by rules on mesh slices: the loss and the
+    updated parameters are ``nnx.jit``'s, each kernel sharded over its stage's
+    ``model`` axis."""
+    import optax
+    from flax import nnx
+
+    from multimesh.jax.flax import parallelize_step
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.3)
+            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                                 rngs=rngs)
+            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                                 rngs=rngs)
+
+        def __call__(self, x):
+            x = jax.lax.with_sharding_constraint(x, P("data", None))
+            return jnp.mean(self.l1(jnp.tanh(self.l0(x))) ** 2)
+
+    @nnx.jit
+    def create():
+        model = MLP(nnx.Rngs(0))
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+        return model
+
+    @nnx.jit
+    def plain_step(m, opt, x):
+        loss, grads = nnx.value_and_grad(lambda m: m(x))(m)
+        opt.update(m, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with jax.set_mesh(_global_mesh()):
+            model = create()
+            ref = nnx.clone(model)
+            step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
+            loss, state = step(state, x)
+            ref_loss = plain_step(ref, nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param), x)
+    finally:
+        mm.clear_tasks()
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for k, spec in ((0, (None, ("model",))), (1, (("model",), None))):
+        got = getattr(model, f"l{k}").kernel.get_value()
+        want = getattr(ref, f"l{k}").kernel.get_value()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert {d.id for d in got.devices()} == set(range(4 * k, 4 * k + 4))
+        assert _spec(got.sharding, 2) == spec
