@@ -404,3 +404,9 @@ def test_skipped_donations_are_freed_in_every_process():
     """A donated weight that only its last call could donate is deleted after its last
     use in the process that holds it, as in one process."""
     _expect_ok(launch(HERE / "donated_weights.py", 2, 4), 2)
+
+
+def test_stages_sharded_by_flax_rules_one_process_each():
+    """Each process holds one stage, sharded over its own 2x2 devices by the model's
+    flax rules (issue 30): values, placement and the kernels' split."""
+    _expect_ok(launch(HERE / "stage_sharding.py", 2, 4), 2)

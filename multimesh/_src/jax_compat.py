@@ -600,11 +600,14 @@ def mesh_scope(abstract, concrete=None):
     ``jax.set_mesh`` refuses to run under a trace; a task's body is traced inside the
     program's trace, on a submesh, so both contexts (the abstract mesh that
     ``PartitionSpec``s resolve against and the concrete one) are swapped here
-    directly, as those two do. ``concrete`` None leaves no concrete mesh in scope.
+    directly, as those two do. ``concrete`` None leaves no concrete mesh in scope, and
+    ``abstract`` None no mesh at all (the runtime's own programs, which name their mesh,
+    run so whatever mesh the caller entered).
     """
     from jax._src import mesh as mesh_lib
 
     conc = mesh_lib.empty_concrete_mesh if concrete is None else concrete
+    abstract = mesh_lib.empty_abstract_mesh if abstract is None else abstract
     prev_abstract = _config.abstract_mesh_context_manager.swap_local(abstract)
     prev_concrete = _config.device_context.swap_local(conc)
     try:

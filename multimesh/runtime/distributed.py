@@ -164,8 +164,14 @@ def _union_program(union: tuple, rounds: tuple) -> Callable:
             out = jnp.where(rid == r, lax.ppermute(block, "u", perm), out)
         return out
 
-    prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("u"),
-                                 out_specs=PartitionSpec("u")))
+    jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("u"),
+                                   out_specs=PartitionSpec("u")))
+
+    def prog(*args):
+        # the caller's mesh (jax.set_mesh around the step) is not this program's
+        with jax_compat.mesh_scope(None):
+            return jitted(*args)
+
     with _LOCK:
         _PROGRAMS[key] = prog
     return prog
