@@ -200,6 +200,13 @@ class ResolveLogicalShardingsPass(ModulePass):
     ``[A-Za-z0-9_]``, see :func:`mesh_symbol_names`). The rewrite is all-or-nothing:
     every marker is resolved before the IR is touched.
 
+    Shardings written for another mesh (``jax.lax.with_sharding_constraint`` under
+    ``jax.set_mesh``, flax's rules, explicit-mode types, ``shard_map``: an ``sdy``
+    sharding on a mesh symbol that is no task's) are moved onto the mesh of the task
+    that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
+    task's mesh. Naming an axis the task's mesh lacks, or a ``mesh_slice``'s sliced
+    axis, is an error at the op.
+
     A logical name that no task of the module maps leaves its dimension unsharded; when
     it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device
     side of a swapped pair) the pass warns once per name, at the first marker using it,
@@ -208,7 +215,8 @@ class ResolveLogicalShardingsPass(ModulePass):
 
     argument: ClassVar[str] = "mm-resolve-logical-shardings"
     summary: ClassVar[str] = (
-        "Replace logical sharding markers by sdy.sharding_constraint ops on each task's mesh.")
+        "Replace logical sharding markers by sdy.sharding_constraint ops on each task's mesh, "
+        "and move shardings written for the global mesh onto it.")
     consumes = ("flat",)
 
     def apply(self, module: ir.Module) -> None:

@@ -215,3 +215,54 @@ module attributes {mm.tasks = {mm.default = {devices = [0, 1], axis_names = ["x"
     return %0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// Shardings written for the global mesh ("stage", "data", "model"): inside a task the
+// mesh is the task's mesh, so each moves onto @mesh_<task> by axis name (the sliced
+// "stage" has size 1 there), on constraints, on ops' results and on a leaf task's body.
+// CHECK: sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+// CHECK: sdy.mesh @mesh_s0 = <["stage"=1, "data"=2, "model"=2]>
+// CHECK: sdy.mesh @mesh_s1 = <["stage"=1, "data"=2, "model"=2]>
+// CHECK-LABEL: func.func @global_mesh
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_s0, [{"data"}, {}]>
+// CHECK-NEXT: stablehlo.tanh %{{.*}} {mm.task = {name = "s1", transpose_count = 0 : i64}, sdy.sharding = #sdy.sharding_per_value<[<@mesh_s1, [{"data"}, {"model"}]>]>}
+// CHECK-LABEL: func.func private @body
+// CHECK-SAME: sdy.sharding = #sdy.sharding<@mesh_s1, [{}, {"model"}]>
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_s1, [{}, {"model"}]>
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}, s1 = {devices = [4, 5, 6, 7], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+  func.func @global_mesh(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{"data"}, {}]> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %1 = stablehlo.tanh %0 {mm.task = {name = "s1", transpose_count = 0 : i64}, sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"data"}, {"model"}]>]>} : tensor<8x8xf32>
+    return %1 : tensor<8x8xf32>
+  }
+  func.func private @body(%arg0: tensor<8x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> tensor<8x8xf32> attributes {mm.task = {name = "s1", transpose_count = 0 : i64}} {
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{}, {"model"}]> : tensor<8x8xf32>
+    return %0 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+// A sharding over the sliced axis, or over an axis the task's mesh lacks, cannot apply
+// inside the task: an error at the op.
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+  func.func @sliced_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    // expected-error@+1 {{a sharding in task 's0' names the mesh axis 'stage', which is sliced away (the task is one slice of it); inside a task the mesh is the task's mesh, with the axes ['data', 'model'] (device positions [0, 1, 2, 3]). Shard over those axes only, or give the task a mesh with an axis 'stage'}}
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{"stage"}, {}]> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    return %0 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x"], axis_sizes = [4], logical_axes = []}}} {
+  sdy.mesh @mesh = <["fsdp"=2, "tp"=4]>
+  func.func @missing_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    // expected-error@+1 {{a sharding in task 't' names the mesh axis 'fsdp', which is not an axis of the task's mesh; inside a task the mesh is the task's mesh, with the axes ['x'] (device positions [0, 1, 2, 3]). Shard over those axes only, or give the task a mesh with an axis 'fsdp'}}
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{"fsdp"}, {}]> {mm.task = {name = "t", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    return %0 : tensor<8x8xf32>
+  }
+}
