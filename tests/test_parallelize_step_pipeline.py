@@ -152,7 +152,7 @@ def test_nnx_step_pipelines_over_microbatches():
     _assert_close(jax.device_get(nnx.state(state.model, nnx.Param)), want)
     schedule = step.compiled.schedule
     assert schedule.labels() == build_schedule(pipeline_units(2, 4), "1f1b").labels()
-    kernel = state.model.l1.mod.kernel[...]
+    kernel = state.model.l1.kernel[...]
     assert sorted(d.id for d in kernel.devices()) == [4, 5, 6, 7]
     # per stage: forward, backward, the mean over microbatches and the update; neither
     # the step's input constraints (a pass-through) nor the zero accumulators compile

@@ -126,9 +126,10 @@ def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
       *task* only, as in MultiMesh: an instance without a linen ``name`` is
       auto-named by Flax from the class, ``Task[<Model>]_0``, ``Task[<Model>]_1``,
       ... (which fixes the parameter paths and so Flax's initial values).
-    * An ``nnx.Module`` **instance** gives an NNX module (``TaskModule``) whose
-      attribute ``mod`` is the wrapped module; calling it runs the module as a
-      task and writes its state updates back.
+    * An ``nnx.Module`` **instance** becomes a :class:`TaskModule` and is returned:
+      still an instance of its class, with its own attributes and state paths
+      (``nnx.state`` reads as it does without the task); calling it runs the module
+      as a task and writes its state updates back.
     * Any other callable becomes a task whose arguments may hold NNX objects.
 
     Options as for :func:`multimesh.jax.task`: ``mesh`` (a ``TaskMesh`` or a
@@ -145,7 +146,7 @@ def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
     from multimesh.jax.flax import _nnx
 
     if _nnx.is_nnx_module(model):
-        return _nnx.TaskModule(model, explicit, spec)
+        return _nnx.make_task_module(model, explicit, spec)
     if isinstance(model, type) and _nnx.is_nnx_module_class(model):
         raise MultimeshTypeError(
             f"`task` takes an NNX module *instance* (NNX modules are built eagerly): write "

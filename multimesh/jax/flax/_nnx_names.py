@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import jax
 from flax import nnx
 
-__all__ = ["module_names"]
+__all__ = ["module_names", "same_names"]
 
 class _Naming:
     """One thread's naming while it traces: module paths and the calls under way."""
@@ -64,6 +64,17 @@ class _Naming:
             self.add_root(module, (*outer, type(module).__name__))
             entry = self.paths[id(module)]
         return entry[1]
+
+    def alias(self, copies, originals) -> None:
+        """Name the modules of each of ``copies`` (rebuilt from ``originals``, e.g. by a
+        task's split and merge) by the path of the original at the same graph path."""
+        for copy, orig in zip(copies, originals):
+            entry = self.paths.get(id(orig)) if isinstance(orig, nnx.Module) else None
+            if entry is None:
+                continue
+            for path, sub in nnx.graph.iter_graph(copy):
+                if isinstance(sub, nnx.Module) and id(sub) not in self.paths:
+                    self.paths[id(sub)] = (sub, entry[1] + tuple(str(p) for p in path))
 
     def scope(self, module) -> str:
         """The scope a call of ``module`` enters: its path below the enclosing call's."""
@@ -140,6 +151,14 @@ def _unpatch() -> None:
         for name, fun in methods.items():
             setattr(cls, name, fun)
     _patched.clear()
+
+
+def same_names(copies, originals) -> None:
+    """While this thread names modules: each of ``copies``, rebuilt from the matching
+    one of ``originals``, is named (with its modules) by the original's path."""
+    naming: _Naming | None = getattr(_local, "naming", None)
+    if naming is not None:
+        naming.alias(copies, originals)
 
 
 @contextlib.contextmanager
