@@ -2177,9 +2177,10 @@ def _():
        r"\(`init_state.tx`\), and a different `optimizer`; one of them would be ignored",
        """A flax `TrainState` carries its optimizer (`tx`) and that optimizer's state; a
        different `optimizer=` cannot both train it and match its state. Pass the state's
-       own (`optimizer=init_state.tx`), or restart the optimizer with
-       `init_state.replace(tx=optimizer, opt_state=optimizer.init(init_state.params))`.
-       Two calls of `optax.adam(1e-3)` are two optimizers: pass the same object.""",
+       own (`optimizer=init_state.tx`) or one built the same way (optimizers are compared
+       by how they were built: a fresh `optax.adam(1e-3)` after a restart is the saved
+       state's `optax.adam(1e-3)`), or restart the optimizer with
+       `init_state.replace(tx=optimizer, opt_state=optimizer.init(init_state.params))`.""",
        requires=_FLAX)
 def _():
     import optax
@@ -2194,9 +2195,59 @@ def _():
             return nn.Dense(4)(x).sum()
 
     batch = jnp.ones((8, 4))
-    params = Model().init(jax.random.key(0), batch)
+    params = Model().init(jax.random.key(0), batch)["params"]
     state = TrainState.create(apply_fn=Model().apply, params=params, tx=optax.sgd(0.1))
     mmf.parallelize_step(Model(), optax.adam(1e-3), global_batch=batch, init_state=state)
+
+
+@error("parallelize-step-init-state-does-not-fit", FLAX,
+       "`init_state` that does not fit the model", MultimeshValueError,
+       r"parallelize_step `init_state` does not fit the model: it has nothing at "
+       r"init_state\['params'\]\['Dense_0'\]\['bias'\]",
+       """`init_state` is read against the state `model.init` builds for the example batch
+       (flax's layout: `params` is `variables["params"]`): a `TrainState`, the dict orbax
+       restores for one, a variables dict `{'params': ...}` or the params alone, of this
+       model. The message names the first place where the two differ; restore the
+       checkpoint of this model, or convert it.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(x).sum()
+
+    batch = jnp.ones((8, 4))
+    kernel = jnp.zeros((4, 4))
+    mmf.parallelize_step(Model(), optax.sgd(0.1), global_batch=batch,
+                         init_state={"params": {"Dense_0": {"kernel": kernel}}})
+
+
+@error("parallelize-step-linen-other-collections", FLAX,
+       "`parallelize_step` (linen) of a model with other collections", MultimeshValueError,
+       r"parallelize_step trains a linen model's `params`, as a flax TrainState holds "
+       r"them; `model.init` also made the collections \['batch_stats'\]",
+       """A flax `TrainState` holds `params` and the optimizer's state only; batch statistics
+       and other collections have no place in it. Compile your own step with
+       `multimesh.jax.mjit` (apply with `mutable=` and keep the collections beside the
+       state), or use an NNX model, whose `parallelize_step` keeps every Variable.""",
+       requires=_FLAX)
+def _():
+    import optax
+    from flax import linen as nn
+
+    import multimesh.jax.flax as mmf
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.BatchNorm(use_running_average=True)(x).sum()
+
+    mmf.parallelize_step(Model(), optax.sgd(0.1), global_batch=jnp.ones((8, 4)))
 
 
 @error("parallelize-step-bad-optimizer", FLAX, "`parallelize_step` (NNX) given no optimizer",

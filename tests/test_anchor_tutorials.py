@@ -327,9 +327,9 @@ def _plain_flax_loss(model, x):
 
     with mm.ignore_transforms():
         variables = jax.jit(model.init)(jax.random.key(42), x)
-        state = TrainState.create(apply_fn=model.apply, params=variables,
+        state = TrainState.create(apply_fn=model.apply, params=variables["params"],
                                   tx=optax.sgd(learning_rate=0.02))
-        return float(jax.jit(state.apply_fn)(state.params, x)), state
+        return float(jax.jit(state.apply_fn)({"params": state.params}, x)), state
 
 
 def test_e3_flax_mpmd(capsys):
@@ -371,7 +371,7 @@ def test_e3_flax_mpmd(capsys):
     # one parameter `mod`; the multimesh task names (layer_i) are not module names.
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(nn.meta.unbox(state.params))[0]]
-    assert paths == [f"['params']['Task[MLPBlock]_{i}']['mod']['params']['Dense_0']['{n}']"
+    assert paths == [f"['Task[MLPBlock]_{i}']['mod']['params']['Dense_0']['{n}']"
                      for i in range(2) for n in ("bias", "kernel")]
 
     # The published loss is plain Flax's for the same naming (anchor §3 E3).
@@ -399,7 +399,7 @@ def test_e3_flax_mpmd(capsys):
     ref_loss, ref_state = _plain_flax_loss(PlainPipeline(), x)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     # After one sgd step the parameters are plain Flax's after one step too.
-    grads = jax.grad(ref_state.apply_fn)(ref_state.params, x)
+    grads = jax.grad(lambda p: ref_state.apply_fn({"params": p}, x))(ref_state.params)
     want = ref_state.apply_gradients(grads=grads)
     for got, ref in zip(jax.tree.leaves(nn.meta.unbox(state.params)),
                         jax.tree.leaves(nn.meta.unbox(want.params))):
@@ -469,7 +469,7 @@ def test_e4_implicit_flax_tasks(capsys, monkeypatch):
         clear_tasks()
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(nn.meta.unbox(state.params))[0]]
-    assert paths == [f"['params']['layer_{i}']['Dense_0']['{n}']"
+    assert paths == [f"['layer_{i}']['Dense_0']['{n}']"
                      for i in range(2) for n in ("bias", "kernel")]
     ref_loss, _ = _plain_flax_loss(Pipeline(), x)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -166,12 +166,13 @@ class PlainPipeline(nn.Module):
 
 
 def _plain_step(x, lr=0.02):
-    params = jax.jit(PlainPipeline().init)(jax.random.key(42), x)
+    params = jax.jit(PlainPipeline().init)(jax.random.key(42), x)["params"]
     state = TrainState.create(apply_fn=PlainPipeline().apply, params=params, tx=optax.sgd(lr))
 
     @jax.jit
     def step(state, x):
-        loss, grads = jax.value_and_grad(state.apply_fn)(state.params, x)
+        loss, grads = jax.value_and_grad(
+            lambda p: state.apply_fn({"params": p}, x))(state.params)
         return loss, state.apply_gradients(grads=grads)
 
     loss, new = step(state, x)
@@ -202,10 +203,10 @@ def test_e3_placement(e3):
         step = leaves[".step"]
         assert step.shape == () and _ids(step) == list(range(8))
         assert step.sharding.is_fully_replicated
-        k0 = leaves[".params['params']['Task[MLPBlock]_0']['mod']['params']['Dense_0']['kernel']"]
-        b0 = leaves[".params['params']['Task[MLPBlock]_0']['mod']['params']['Dense_0']['bias']"]
-        k1 = leaves[".params['params']['Task[MLPBlock]_1']['mod']['params']['Dense_0']['kernel']"]
-        b1 = leaves[".params['params']['Task[MLPBlock]_1']['mod']['params']['Dense_0']['bias']"]
+        k0 = leaves[".params['Task[MLPBlock]_0']['mod']['params']['Dense_0']['kernel']"]
+        b0 = leaves[".params['Task[MLPBlock]_0']['mod']['params']['Dense_0']['bias']"]
+        k1 = leaves[".params['Task[MLPBlock]_1']['mod']['params']['Dense_0']['kernel']"]
+        b1 = leaves[".params['Task[MLPBlock]_1']['mod']['params']['Dense_0']['bias']"]
         assert k0.shape == (16, 4) and k1.shape == (4, 4) and b0.shape == b1.shape == (4,)
         assert _row_blocks(k0) == [(0, 0, 4), (1, 4, 8), (2, 8, 12), (3, 12, 16)]
         assert _row_blocks(k1) == [(4, 0, 1), (5, 1, 2), (6, 2, 3), (7, 3, 4)]
@@ -234,7 +235,7 @@ def test_e3_second_step_keeps_layout(e3):
     loss2, state2 = step_fn(new_state, batch)
     assert float(loss2) < float(loss)
     assert int(state2.step) == 2
-    k1 = _leaves(state2)[".params['params']['Task[MLPBlock]_1']['mod']['params']['Dense_0']['kernel']"]
+    k1 = _leaves(state2)[".params['Task[MLPBlock]_1']['mod']['params']['Dense_0']['kernel']"]
     assert _ids(k1) == [4, 5, 6, 7]
     frags = {f["name"]: f["devices"] for f in step_fn.fragments}
     assert frags["layer_0_fwd"] == [0, 1, 2, 3] and frags["layer_1_bwd"] == [4, 5, 6, 7]
@@ -245,7 +246,7 @@ def test_e3_under_ignore_transforms_same_structure_and_loss(e3):
     with mm.ignore_transforms():
         variables = jax.jit(Pipeline().init)(jax.random.key(42), x)
         ref = jax.jit(Pipeline().apply)(variables, x)
-    assert jax.tree.structure(nn.meta.unbox(variables)) == \
+    assert jax.tree.structure(nn.meta.unbox(variables["params"])) == \
         jax.tree.structure(nn.meta.unbox(state.params))
     np.testing.assert_allclose(float(ref), float(loss), rtol=1e-5)
 
@@ -361,7 +362,7 @@ def test_parallelize_step_global_batch_returns_three():
     assert len(out) == 3
     step_fn, state, mesh = out
     assert mesh.axis_names == ("x",) and mesh.devices.size == 8
-    kernel = nn.meta.unbox(state.params)["params"]["Task[Dense]_0"]["mod"]["params"]["kernel"]
+    kernel = nn.meta.unbox(state.params)["Task[Dense]_0"]["mod"]["params"]["kernel"]
     assert _row_blocks(kernel) == [(2, 0, 3), (3, 3, 6)]
     loss, state = step_fn(state, x)
     assert np.isfinite(float(loss))
@@ -438,12 +439,12 @@ def test_e4_implicit_flax_tasks(kind):
         mm.clear_tasks()
     leaves = _leaves(state)
     assert _ids(leaves[".step"]) == list(range(8))
-    k0 = leaves[".params['params']['layer_0']['Dense_0']['kernel']"]
-    k1 = leaves[".params['params']['layer_1']['Dense_0']['kernel']"]
+    k0 = leaves[".params['layer_0']['Dense_0']['kernel']"]
+    k1 = leaves[".params['layer_1']['Dense_0']['kernel']"]
     assert _row_blocks(k0) == [(0, 0, 4), (1, 4, 8), (2, 8, 12), (3, 12, 16)]
     assert _row_blocks(k1) == [(4, 0, 1), (5, 1, 2), (6, 2, 3), (7, 3, 4)]
-    b0 = leaves[".params['params']['layer_0']['Dense_0']['bias']"]
-    b1 = leaves[".params['params']['layer_1']['Dense_0']['bias']"]
+    b0 = leaves[".params['layer_0']['Dense_0']['bias']"]
+    b1 = leaves[".params['layer_1']['Dense_0']['bias']"]
     assert _ids(b0) == [0, 1, 2, 3] and b0.sharding.is_fully_replicated
     assert _ids(b1) == [4, 5, 6, 7] and b1.sharding.is_fully_replicated
 

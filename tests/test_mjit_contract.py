@@ -370,8 +370,8 @@ def test_both_mjits_train_nnx_like_nnx_jit(nnx_kit):
         for g, w in zip(got_opt, want_opt):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
         for i, layer in enumerate(model.layers):  # each layer's state on its submesh
-            assert _ids(layer.mod.kernel.get_value()) == list(range(4 * i, 4 * i + 4))
-        mu = nnx.state(opt)["opt_state"][0]["mu"]["layers"][1]["mod"]["kernel"]
+            assert _ids(layer.kernel.get_value()) == list(range(4 * i, 4 * i + 4))
+        mu = nnx.state(opt)["opt_state"][0]["mu"]["layers"][1]["kernel"]
         assert _ids(mu.get_value()) == [4, 5, 6, 7]
 
 
@@ -388,7 +388,7 @@ def test_nnx_donation_negative_static_and_argnames(nnx_kit):
     assert len(traced.jaxpr.in_avals) == n_state + 1  # the Variables and x; not the scale
     got = []
     for _ in range(2):
-        before = [model.layers[0].mod.kernel.get_value(), opt.step.get_value()]
+        before = [model.layers[0].kernel.get_value(), opt.step.get_value()]
         got.append(float(step(model, opt, XN, 2.0)))
         assert all(b.is_deleted() for b in before)  # donated: buffers reused
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -405,9 +405,9 @@ def test_nnx_static_argnames_and_eval_shape(nnx_kit):
         return getattr(jax.nn, act)(m(x))
 
     f = mm.mjit(apply, static_argnames="act")
-    kernel = model.layers[0].mod.kernel.get_value()
+    kernel = model.layers[0].kernel.get_value()
     assert f.eval_shape(model, XN, act="relu") == jax.ShapeDtypeStruct((8, 4), jnp.float32)
-    assert model.layers[0].mod.kernel.get_value() is kernel  # eval_shape changed nothing
+    assert model.layers[0].kernel.get_value() is kernel  # eval_shape changed nothing
     for act in ("relu", "tanh"):
         out = f(model, XN, act=act)
         np.testing.assert_allclose(out, nnx.jit(apply, static_argnames="act")(ref, XN, act=act),

@@ -40,7 +40,10 @@ def _step(**kw):
 
 def _plain_step(params, reduction="mean", M=4):
     """optax SGD on the mean (or sum) of the per-microbatch value_and_grads, in plain JAX."""
-    parts = [jax.value_and_grad(Net().apply)(params, X[8 * m:8 * m + 8]) for m in range(M)]
+    def loss(p, x):  # flax's layout: the TrainState's params are variables["params"]
+        return Net().apply({"params": p}, x)
+
+    parts = [jax.value_and_grad(loss)(params, X[8 * m:8 * m + 8]) for m in range(M)]
     k = M if reduction == "mean" else 1
     loss = sum(p[0] for p in parts) / k
     grads = jax.tree.map(lambda *g: sum(g[1:], g[0]) / k, *[p[1] for p in parts])
@@ -64,7 +67,7 @@ def test_linen_step_pipelines_over_microbatches(schedule):
     _assert_close(jax.device_get(new.params), ref_params)
     # each block's parameters stay on its stage's submesh
     for i in range(2):
-        for leaf in jax.tree.leaves(new.params["params"][f"block_{i}"]):
+        for leaf in jax.tree.leaves(new.params[f"block_{i}"]):
             assert sorted(d.id for d in leaf.devices()) == list(range(4 * i, 4 * i + 4))
     assert step.schedule.labels() == build_schedule(pipeline_units(2, 4), schedule).labels()
     assert sum(c["microbatch"] is not None for c in step.calls) >= 2 * 2 * 4
@@ -85,8 +88,9 @@ def test_linen_step_sums_with_microbatch_size():
 
 
 def test_linen_step_resumes_from_given_parameters():
-    params = Net().init(jax.random.key(7), X[:8])  # e.g. restored from a checkpoint
-    step, state, _ = _step(num_microbatches=4, schedule="1f1b", init_state=params)
+    variables = Net().init(jax.random.key(7), X[:8])  # e.g. restored from a checkpoint
+    params = variables["params"]
+    step, state, _ = _step(num_microbatches=4, schedule="1f1b", init_state=variables)
     _assert_close(jax.device_get(state.params), params)
     loss, new = step(state, X)
     ref_loss, ref_params = _plain_step(params)
@@ -100,7 +104,7 @@ def test_linen_step_resumes_from_given_parameters():
 def test_linen_step_takes_a_train_state_with_its_own_optimizer_only():
     from flax.training.train_state import TrainState
 
-    params = Net().init(jax.random.key(7), X[:8])
+    params = Net().init(jax.random.key(7), X[:8])["params"]
     tx = optax.sgd(0.1)
     given = TrainState.create(apply_fn=Net().apply, params=params, tx=tx)
     with mm.Context() as ctx:  # the state's own optimizer: it resumes
@@ -152,7 +156,7 @@ def test_nnx_step_pipelines_over_microbatches():
     _assert_close(jax.device_get(nnx.state(state.model, nnx.Param)), want)
     schedule = step.compiled.schedule
     assert schedule.labels() == build_schedule(pipeline_units(2, 4), "1f1b").labels()
-    kernel = state.model.l1.mod.kernel[...]
+    kernel = state.model.l1.kernel[...]
     assert sorted(d.id for d in kernel.devices()) == [4, 5, 6, 7]
     # per stage: forward, backward, the mean over microbatches and the update; neither
     # the step's input constraints (a pass-through) nor the zero accumulators compile

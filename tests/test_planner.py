@@ -225,7 +225,8 @@ def test_linen_parallelize_step_auto(schedule):
                                                            "head"]
     params = jax.device_get(result.state.params)
     loss, state = result.step_fn(result.state, tok)
-    ref_loss, ref_grads = _accumulated(model.apply, params, tok, 2)
+    ref_loss, ref_grads = _accumulated(lambda p, x: model.apply({"params": p}, x), params,
+                                       tok, 2)  # flax's layout: params = variables["params"]
     np.testing.assert_allclose(loss, ref_loss / 2, rtol=1e-5)  # the mean over microbatches
     want = jax.tree.map(lambda w, g: w - lr * g / 2, params, ref_grads)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params),

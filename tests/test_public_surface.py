@@ -199,22 +199,24 @@ class LinenTwoStage(nn.Module):
 
 def _plain_linen_step(x):
     model = LinenTwoStage(tasks=False)
-    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(42), x),
+    state = TrainState.create(apply_fn=model.apply,
+                              params=model.init(jax.random.key(42), x)["params"],
                               tx=optax.sgd(0.1))
-    loss, grads = jax.jit(jax.value_and_grad(state.apply_fn))(state.params, x)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: state.apply_fn({"params": p}, x)))(state.params)
     return loss, state.apply_gradients(grads=grads)
 
 
 def _check_linen_step(step_fn, state, batch, x):
-    assert _ids(state.params["params"]["w0"]) == [0, 1, 2, 3]
-    assert _ids(state.params["params"]["w1"]) == [4, 5, 6, 7]
+    assert _ids(state.params["w0"]) == [0, 1, 2, 3]
+    assert _ids(state.params["w1"]) == [4, 5, 6, 7]
     loss, new = step_fn(state, batch)
     ref_loss, ref_new = _plain_linen_step(x)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for k in ("w0", "w1"):
-        np.testing.assert_allclose(new.params["params"][k], ref_new.params["params"][k],
+        np.testing.assert_allclose(new.params[k], ref_new.params[k],
                                    rtol=1e-5, atol=1e-6)
-    assert _ids(new.params["params"]["w1"]) == [4, 5, 6, 7]
+    assert _ids(new.params["w1"]) == [4, 5, 6, 7]
 
 
 def test_parallelize_step_linen_global_batch_unpacks_as_three():

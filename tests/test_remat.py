@@ -258,7 +258,7 @@ def test_nnx_parallelize_step_remat_matches_plain():
         step, state, _ = parallelize_step(Staged(nnx.Rngs(0)), optax.sgd(0.1), global_batch=X,
                                           num_microbatches=M, schedule="1f1b", remat=remat)
         loss, state = step(state, X)
-        kernel = state.model.l1.mod.kernel[...]
+        kernel = state.model.l1.kernel[...]
         assert sorted(d.id for d in kernel.devices()) == [4, 5, 6, 7]
         out.append((loss, jax.device_get(nnx.state(state.model, nnx.Param)), step.compiled))
     np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)

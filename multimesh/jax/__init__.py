@@ -31,6 +31,6 @@ from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
 from multimesh.jax._task import Task as Task
 from multimesh.jax._task import TaskMesh as TaskMesh
-from multimesh.jax._task import task as task
 from multimesh.jax._task import with_sharding_constraint as with_sharding_constraint
+from multimesh.jax._task_dispatch import task as task
 from multimesh.jax._visualize import visualize_schedule as visualize_schedule

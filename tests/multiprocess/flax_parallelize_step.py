@@ -78,12 +78,12 @@ batch = prepare_batch(local)
 common.check("batch", batch, x, range(4))
 
 ref_state = TrainState.create(apply_fn=PlainPipeline().apply, tx=tx,
-                              params=jax.jit(PlainPipeline().init)(jax.random.key(42), x))
+                              params=jax.jit(PlainPipeline().init)(jax.random.key(42), x)["params"])
 
 
 @jax.jit
 def ref_step(state, x):
-    loss, grads = jax.value_and_grad(state.apply_fn)(state.params, x)
+    loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, x))(state.params)
     return loss, state.apply_gradients(grads=grads)
 
 
@@ -108,7 +108,7 @@ def check_state(tag, state, ref):
 
 
 check_state("init", state, ref_state)
-kernel0 = nn.meta.unbox(state.params)["params"]["Task[Block]_0"]["mod"]["params"]["Dense_0"]["kernel"]
+kernel0 = nn.meta.unbox(state.params)["Task[Block]_0"]["mod"]["params"]["Dense_0"]["kernel"]
 assert kernel0.is_fully_addressable == (me == 0)  # created only on its owner
 for it in range(2):
     loss, state = step_fn(state, batch)

@@ -75,7 +75,7 @@ for it in range(3):
     common.check(f"step{it}.loss", loss, ref, range(4, 8), rtol=1e-4)
 for i in range(2):
     for name in ("kernel", "bias"):
-        got = getattr(state.model.stages[i].mod.linear, name).get_value()
+        got = getattr(state.model.stages[i].linear, name).get_value()
         want = getattr(plain.stages[i].linear, name).get_value()
         common.check(f"stage{i}.{name}", got, want, range(4 * i, 4 * i + 4), rtol=1e-4,
                      atol=1e-5)

@@ -19,6 +19,7 @@ from multimesh.jax import _contexts, _microbatch, _task
 from multimesh.jax._mjit import mjit
 from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._task import Task, check_remat, with_sharding_constraint
+from multimesh.jax.flax import _resume
 from multimesh.jax.flax._common import (
     batch_avals_of,
     check_batches,
@@ -126,9 +127,10 @@ def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
       *task* only, as in MultiMesh: an instance without a linen ``name`` is
       auto-named by Flax from the class, ``Task[<Model>]_0``, ``Task[<Model>]_1``,
       ... (which fixes the parameter paths and so Flax's initial values).
-    * An ``nnx.Module`` **instance** gives an NNX module (``TaskModule``) whose
-      attribute ``mod`` is the wrapped module; calling it runs the module as a
-      task and writes its state updates back.
+    * An ``nnx.Module`` **instance** becomes a :class:`TaskModule` and is returned:
+      still an instance of its class, with its own attributes and state paths
+      (``nnx.state`` reads as it does without the task); calling it runs the module
+      as a task and writes its state updates back.
     * Any other callable becomes a task whose arguments may hold NNX objects.
 
     Options as for :func:`multimesh.jax.task`: ``mesh`` (a ``TaskMesh`` or a
@@ -145,7 +147,7 @@ def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
     from multimesh.jax.flax import _nnx
 
     if _nnx.is_nnx_module(model):
-        return _nnx.TaskModule(model, explicit, spec)
+        return _nnx.make_task_module(model, explicit, spec)
     if isinstance(model, type) and _nnx.is_nnx_module_class(model):
         raise MultimeshTypeError(
             f"`task` takes an NNX module *instance* (NNX modules are built eagerly): write "
@@ -390,9 +392,12 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
 
     ``model(batch)`` must return the scalar loss. For a linen module the state
     is a ``flax.training.train_state.TrainState`` initialised with ``rng``
-    (default ``jax.random.key(42)``; ``state.params`` is the whole variables dict),
-    or built from ``init_state`` (a ``TrainState`` or a variables dict, e.g. a
-    restored checkpoint); for an NNX module see
+    (default ``jax.random.key(42)``), laid out as flax lays it out: ``state.params``
+    is ``variables["params"]``. ``init_state`` resumes instead: a ``TrainState``
+    (its ``tx`` must be ``optimizer`` or built the same way, e.g. another
+    ``optax.adam(1e-2)``), the dict orbax (or ``flax.serialization.to_state_dict``)
+    gives for one, a variables dict ``{"params": ...}`` or the params alone (the
+    optimizer then starts afresh). For an NNX module see
     :func:`multimesh.jax.flax._nnx_step.parallelize_step`. Every variable is
     constrained to its partitioning names (``P()`` if it has none) as *logical*
     names, so it is placed on the submesh of the task that uses it, sharded by
@@ -438,9 +443,10 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     batch_avals = batch_avals_of(global_batch, local_batch)
     key = jax.random.key(42) if rng is None else rng
     if init_state is not None:
-        init_state = _initial_state(init_state, model, optimizer)
+        fresh = _state_avals(init_fn, key, batch_avals, None)
+        init_state = _resume.initial_state(init_state, fresh, model, optimizer)
     state_avals = _state_avals(init_fn, key, batch_avals, init_state)
-    mb, plan = _auto_stages(mb, model.apply, state_avals.params, batch_avals, mesh)
+    mb, plan = _auto_stages(mb, _loss_of(model), state_avals.params, batch_avals, mesh)
     step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
     with plan if plan is not None else nullcontext():
         compiled = mjit(step_fn, mesh=mesh).lower(state_avals, batch_avals).compile()
@@ -481,17 +487,38 @@ def _check_linen_model(model) -> None:
 
 
 def _linen_init_state(model, optimizer, key, batch):
-    """A fresh ``TrainState``: ``model``'s variables for ``batch`` and the optimizer's."""
+    """A fresh ``TrainState`` as flax builds one: ``params`` is ``model``'s
+    ``variables["params"]``, and the optimizer's state is for them."""
     from flax.training.train_state import TrainState
 
     variables = model.init(key, batch)
-    return TrainState.create(apply_fn=model.apply, params=variables, tx=optimizer)
+    _check_collections(variables)
+    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optimizer)
+
+
+def _check_collections(variables) -> None:
+    """A linen model whose variables are more than ``params`` does not fit a TrainState."""
+    others = sorted(set(variables) - {"params"})
+    if others:
+        raise MultimeshValueError(
+            f"parallelize_step trains a linen model's `params`, as a flax TrainState holds "
+            f"them; `model.init` also made the collections {others}, which a TrainState "
+            f"does not hold. Compile your own step with `multimesh.jax.mjit` (apply with "
+            f"`mutable=` and keep those collections beside the state), or use an NNX model.")
+
+
+def _loss_of(model):
+    """``loss(params, batch)``: ``model`` applied to ``{"params": params}``."""
+    def loss(params, batch):
+        return model.apply({"params": params}, batch)
+
+    return loss
 
 
 def _linen_step_fn(model, mb: MicrobatchOptions, batch_avals, replicate_inputs: bool):
     """The training step that ``mjit`` compiles: (state, inputs) -> (loss, new state)."""
     def plain_grad(params, inputs):
-        return jax.value_and_grad(model.apply)(params, inputs)
+        return jax.value_and_grad(_loss_of(model))(params, inputs)
 
     grad_fn = mb.wrap(plain_grad, batch_avals) if mb.active else plain_grad
 
@@ -528,26 +555,6 @@ def _placed_state(init_fn, init_state, state_sh, key, init_batch):
         if jax.process_count() > 1:
             return distributed.owner_init(init_fn, state_sh, key, init_batch)
         return place(jax.jit(init_fn)(key, init_batch), state_sh)
-
-
-def _initial_state(given, model, optimizer):
-    """A ``TrainState`` from ``init_state``: one as it is, or a variables dict."""
-    from flax.training.train_state import TrainState
-
-    if isinstance(given, TrainState):
-        if given.tx is not optimizer and given.tx != optimizer:
-            raise MultimeshValueError(
-                "parallelize_step got `init_state`, a TrainState with its own optimizer "
-                "(`init_state.tx`), and a different `optimizer`; one of them would be "
-                "ignored silently. Pass the state's own (`optimizer=init_state.tx`), or "
-                "restart the optimizer: `init_state.replace(tx=optimizer, "
-                "opt_state=optimizer.init(init_state.params))`.")
-        return given
-    if isinstance(given, dict) or hasattr(given, "keys"):
-        return TrainState.create(apply_fn=model.apply, params=given, tx=optimizer)
-    raise MultimeshTypeError(
-        f"parallelize_step `init_state` must be a flax TrainState or a variables dict "
-        f"(e.g. {{'params': ...}} restored from a checkpoint), got {type(given).__name__}.")
 
 
 def place(tree, shardings):

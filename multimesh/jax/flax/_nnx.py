@@ -33,6 +33,7 @@ from multimesh.jax._inputs import is_physical
 from multimesh.jax._module_names import module_names
 from multimesh.jax._task import Task, TaskFunction, with_sharding_constraint
 from multimesh.jax.flax._common import is_array, is_dynamic
+from multimesh.jax.flax._nnx_names import same_names
 
 __all__ = ["TaskModule", "graph_task", "StateSharding", "nnx_shard_axes", "is_nnx_module",
            "var_spec", "trace", "call"]
@@ -324,6 +325,7 @@ def _call_graph_task(fun, name, spec, args, kwargs):
         var_vals = [v if s is None else with_sharding_constraint(v, s)
                     for v, s in zip(var_vals, specs)]
         (a, k), nodes = split.rebuild(var_vals, dyn)
+        same_names(nodes, split.nodes)  # the copies keep the originals' module paths
         out = fun(*a, **k)
         _check_no_nodes(out, where)
         collected = split.collect(nodes, where)
@@ -354,7 +356,7 @@ def _default_name(mod, spec: Task) -> str:
     NNX modules do not know their attribute path, so two stages built from the same
     class get distinct names from their submeshes instead.
     """
-    base = type(mod).__name__
+    base = _module_class(type(mod)).__name__
     mesh = spec.mesh
     if mesh is None:
         return base
@@ -366,29 +368,54 @@ def _default_name(mod, spec: Task) -> str:
 
 
 class TaskModule(nnx.Module):
-    """An NNX module run as a multimesh task; the wrapped module is ``self.mod``.
+    """An NNX module run as a multimesh task.
 
-    Made by :func:`multimesh.jax.flax.task` from an ``nnx.Module`` instance.
-    Its state is the wrapped module's state under ``mod`` (as the linen wrapper
-    nests the inner variables under its parameter ``mod``). Calling it runs
-    ``self.mod(*args, **kwargs)`` as a task: Variables with partitioning
-    metadata are constrained to their logical names inside the task, and
-    Variables the call changes (batch statistics, RNG counters, ...) are
+    :func:`multimesh.jax.flax.task` turns a module instance into one: the instance
+    becomes a ``Task[<Class>]``, a subclass of both its own class and this one, and is
+    returned. Its attributes, Variables and state paths stay the module's own (as
+    ``nnx.state`` and ``nnx.jit`` see them, with no level added), and it is still an
+    instance of its class. Calling it runs the class's ``__call__`` as a task:
+    Variables with partitioning metadata are constrained to their logical names inside
+    the task, and Variables the call changes (batch statistics, RNG counters, ...) are
     written back.
     """
 
-    def __init__(self, mod: nnx.Module, name: str | None = None, spec: Task | None = None):
-        self.mod = mod
-        self.task_options = _TaskOptions(name, spec if spec is not None else Task())
+    _mm_task_options: _TaskOptions
 
     def __call__(self, *args, **kwargs):
-        opts = self.task_options
-        name = opts.name or _default_name(self.mod, opts.spec)
+        opts = self._mm_task_options
+        name = opts.name or _default_name(self, opts.spec)
+        return _call_graph_task(_call_module, name, opts.spec, (self, *args), kwargs)
 
-        def call(mod, *a, **k):
-            return mod(*a, **k)
 
-        return _call_graph_task(call, name, opts.spec, (self.mod, *args), kwargs)
+def _call_module(mod, *args, **kwargs):
+    """The wrapped class's own ``__call__`` (the next after ``TaskModule``)."""
+    return super(TaskModule, mod).__call__(*args, **kwargs)
+
+
+def _module_class(cls: type) -> type:
+    """The user's module class of a ``Task[<Class>]`` (``cls`` itself otherwise)."""
+    return getattr(cls, "_mm_module_class", cls)
+
+
+_task_classes: dict[type, type] = {}
+
+
+def make_task_module(mod: nnx.Module, name: str | None, spec: Task) -> nnx.Module:
+    """``mod`` turned into a :class:`TaskModule` with these options (and returned)."""
+    base = _module_class(type(mod))
+    cls = _task_classes.get(base)
+    if cls is None:
+        cls = type(f"Task[{base.__name__}]", (TaskModule, base),
+                   {"__module__": base.__module__,
+                    "__qualname__": f"Task[{base.__qualname__}]",
+                    "__doc__": f"``{base.__name__}`` run as a multimesh task.",
+                    "_mm_module_class": base},
+                   pytree=getattr(base, "_pytree__is_pytree", False))
+        _task_classes[base] = cls
+    mod.__class__ = cls
+    mod._mm_task_options = _TaskOptions(name, spec)  # type: ignore[attr-defined]
+    return mod
 
 
 # --------------------------------------------------------------------------- mjit

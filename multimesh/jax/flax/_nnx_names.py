@@ -3,15 +3,18 @@
 A linen module enters a ``jax.named_scope`` for every call, so its ops carry
 ``Model/blocks_0/Dense_0/dot_general`` and ``register_task``/``MultiMesh`` rules
 find them. An NNX module enters none. While :func:`module_names` is active (in
-this thread), a call of an NNX module's ``__call__`` (or of a public method of a
-model's own module class: ``encode``, ``decode``; flax's layers are named by
-``__call__`` only, so a tied head's ``wte.attend`` is not placed as the
-embedding) enters a scope named after the module's *graph path*: the path
+this thread), a call of an NNX module's ``__call__`` or of another public method
+(``encode``, ``decode``, flax's ``Embed.attend``) enters a scope named after the
+module's *graph path*: the path
 ``nnx.iter_modules`` gives, joined by ``/``, under the class name of the root
 module, e.g. ``Model/blocks/3/attn`` for ``model.blocks[3].attn`` (an
 ``nnx.List`` item) and ``Model/block_3/attn`` for a numbered attribute. A
 scope holds only the part of the path below the module whose call encloses
-it, so nested calls spell the full path once, as linen's scopes do.
+it, so nested calls spell the full path once, as linen's scopes do. A method
+other than ``__call__`` of a module below the enclosing call is named as linen
+names it, the method after the last component: a tied head's
+``self.wte.attend(x)`` runs in ``Model/wte.attend``, a unit of its own that a rule
+(or a plan) places apart from the embedding's lookup in ``Model/wte``.
 
 Which module is where: the NNX objects passed as roots (the arguments of the
 traced function) are named from their class. A module first called without a
@@ -38,7 +41,7 @@ from collections.abc import Iterator
 import jax
 from flax import nnx
 
-__all__ = ["module_names"]
+__all__ = ["module_names", "same_names"]
 
 class _Naming:
     """One thread's naming while it traces: module paths and the calls under way."""
@@ -65,13 +68,28 @@ class _Naming:
             entry = self.paths[id(module)]
         return entry[1]
 
-    def scope(self, module) -> str:
-        """The scope a call of ``module`` enters: its path below the enclosing call's."""
+    def alias(self, copies, originals) -> None:
+        """Name the modules of each of ``copies`` (rebuilt from ``originals``, e.g. by a
+        task's split and merge) by the path of the original at the same graph path."""
+        for copy, orig in zip(copies, originals):
+            entry = self.paths.get(id(orig)) if isinstance(orig, nnx.Module) else None
+            if entry is None:
+                continue
+            for path, sub in nnx.graph.iter_graph(copy):
+                if isinstance(sub, nnx.Module) and id(sub) not in self.paths:
+                    self.paths[id(sub)] = (sub, entry[1] + tuple(str(p) for p in path))
+
+    def scope(self, module, method: str = "__call__") -> str:
+        """The scope a call of ``module``'s ``method`` enters: its path below the
+        enclosing call's; another method than ``__call__`` of a module below that call
+        appends its name to the last component, as linen names it (``embed.attend``)."""
         path = self.path_of(module)
         outer = self.calls[-1][1] if self.calls else ()
         self.calls.append((module, path))
         if path[:len(outer)] == outer:
             path = path[len(outer):]
+        if method != "__call__" and path and self.calls[:-1]:
+            path = (*path[:-1], f"{path[-1]}.{method}")
         return "/".join(path)
 
 
@@ -81,13 +99,13 @@ _users = 0
 _patched: dict[type, dict[str, object]] = {}  # class -> {method name: original}
 
 
-def _wrap(fun):
+def _wrap(fun, method: str):
     @functools.wraps(fun)
     def named(self, *args, **kwargs):
         naming: _Naming | None = getattr(_local, "naming", None)
         if naming is None:
             return fun(self, *args, **kwargs)
-        scope = naming.scope(self)
+        scope = naming.scope(self, method)
         try:
             if not scope:  # a method of the module whose call encloses this one
                 return fun(self, *args, **kwargs)
@@ -100,9 +118,12 @@ def _wrap(fun):
 
 
 def _methods(cls: type) -> dict[str, object]:
-    """The methods of ``cls`` (its own, not inherited) that a call names: ``__call__``,
-    and the public methods of a model's own classes (flax's layers: ``__call__`` only)."""
-    public = not cls.__module__.startswith("flax.")
+    """The methods of ``cls`` (its own, not inherited) that a call names: ``__call__``
+    and the public methods, of a model's own classes and of flax's layers
+    (``flax.nnx.nn``) alike: a tied head's ``embed.attend``. Flax's other modules
+    (the linen bridge, ``nnx.List``) keep their methods unnamed."""
+    mod = cls.__module__
+    public = not mod.startswith("flax.") or mod.startswith("flax.nnx.nn.")
     out: dict[str, object] = {}
     for name, fun in vars(cls).items():
         if name != "__call__" and (name.startswith("_") or not public):
@@ -132,7 +153,7 @@ def _patch() -> None:
         methods = _methods(cls)
         _patched[cls] = methods
         for name, fun in methods.items():
-            setattr(cls, name, _wrap(fun))
+            setattr(cls, name, _wrap(fun, name))
 
 
 def _unpatch() -> None:
@@ -140,6 +161,14 @@ def _unpatch() -> None:
         for name, fun in methods.items():
             setattr(cls, name, fun)
     _patched.clear()
+
+
+def same_names(copies, originals) -> None:
+    """While this thread names modules: each of ``copies``, rebuilt from the matching
+    one of ``originals``, is named (with its modules) by the original's path."""
+    naming: _Naming | None = getattr(_local, "naming", None)
+    if naming is not None:
+        naming.alias(copies, originals)
 
 
 @contextlib.contextmanager

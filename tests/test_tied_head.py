@@ -1,0 +1,132 @@
+"""A tied output head in an NNX model runs where the plan puts it (issue 31, item 3).
+
+``self.embed.attend(x)`` is a method other than ``__call__``. It is named as linen names
+it, ``LM/embed.attend``: a unit of its own, apart from the lookup in ``LM/embed``, that a
+plan places and costs, and whose backward (the [vocab, d] weight gradient of the shared
+table included) runs in that stage's backward fragments.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+optax = pytest.importorskip("optax")
+
+from flax import nnx  # noqa: E402
+
+import multimesh.jax as mm  # noqa: E402
+from multimesh.jax import flax as mmf  # noqa: E402
+
+D, V = 32, 1024
+TOK = (jnp.arange(8 * 16).reshape(8, 16) * 7) % V
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.up = nnx.Linear(D, 64, rngs=rngs)
+        self.down = nnx.Linear(64, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(self.ln(x))))
+
+
+class TiedLM(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(4)])
+
+    def __call__(self, tok):
+        x = self.embed(tok)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.embed.attend(x)  # the output head: the embedding's table, tied
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[..., None], -1)
+        return -jnp.mean(picked)
+
+
+def _stacks(model):
+    from multimesh.jax.flax._nnx_names import module_names
+
+    def loss(m, t):
+        return m(t)
+
+    with module_names(model):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(model, TOK)
+    return [(e.primitive.name, str(e.source_info.name_stack), e) for e in jaxpr.jaxpr.eqns]
+
+
+def _vocab_dots(eqns):
+    return [(p, s) for p, s, e in eqns if p == "dot_general"
+            and any(V in getattr(v.aval, "shape", ()) for v in (*e.invars, *e.outvars))]
+
+
+def test_a_method_call_is_named_by_its_module_path():
+    dots = _vocab_dots(_stacks(TiedLM(nnx.Rngs(0))))
+    assert len(dots) == 3  # the head's matmul, its input and its weight gradient
+    for _, stack in dots:
+        assert re.search(r"TiedLM\)*/embed\.attend$", stack), stack
+    assert sum(s.startswith("transpose(") for _, s in dots) == 2  # backward, named so
+
+
+def test_the_plan_places_and_costs_the_tied_head():
+    model = TiedLM(nnx.Rngs(0))
+    plan = mm.plan_pipeline(lambda m, t: m(t), model, TOK, num_stages=4, num_microbatches=2)
+    units = [u for st in plan.stages for u in st.units]
+    assert units == ["embed", "blocks/0", "blocks/1", "blocks/2", "blocks/3", "embed.attend"]
+    head = next(u for u in plan.units if u["name"] == "embed.attend")
+    matmul = 2 * TOK.size * V * D  # one [tokens, d] x [d, vocab] product
+    assert head["fwd_flops"] == pytest.approx(matmul, rel=0.1)
+    assert head["bwd_flops"] == pytest.approx(2 * matmul, rel=0.1)
+    last = plan.stages[-1]
+    assert "embed.attend" in last.units and last.index != 0
+    assert r"embed\.attend" in plan.as_code()  # the rule claims the head, not the lookup
+
+
+def _accumulated(model, tok, m):
+    g, p, rest = nnx.split(model, nnx.Param, ...)
+    rows = tok.shape[0] // m
+    parts = [jax.value_and_grad(lambda p, t: nnx.merge(g, p, rest)(t))(p, tok[rows * i:rows * (i + 1)])
+             for i in range(m)]
+    loss = sum(x[0] for x in parts) / m
+    grads = jax.tree.map(lambda *gs: sum(gs[1:], gs[0]) / m, *[x[1] for x in parts])
+    return loss, p, grads
+
+
+def test_the_step_runs_the_head_where_the_plan_put_it():
+    lr = 0.5
+    model, ref = TiedLM(nnx.Rngs(0)), TiedLM(nnx.Rngs(0))
+    result = mmf.parallelize_step(model, optax.sgd(lr), global_batch=TOK,
+                                  num_stages="auto", num_microbatches=2)
+    plan = result.plan
+    head_stage = next(st for st in plan.stages if "embed.attend" in st.units)
+    embed_stage = next(st for st in plan.stages if "embed" in st.units)
+    assert head_stage.index != embed_stage.index
+    loss, state = result.step_fn(result.state, TOK)
+    ref_loss, p, grads = _accumulated(ref, TOK, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    want = jax.tree.map(lambda w, g: w - lr * g, p, grads)
+    got = nnx.state(state.model, nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    table = state.model.embed.embedding.get_value()  # the tied gradient reached the table
+    np.testing.assert_allclose(table, want["embed"]["embedding"], rtol=2e-4, atol=1e-6)
+    # every [vocab, d] matmul (the head, its input and weight gradient) runs on the head's
+    # stage, the gradients in backward fragments
+    vocab_dots = {}
+    for frag in result.step_fn.compiled.fragments:
+        dots = [ln for ln in frag["module"].splitlines()
+                if "stablehlo.dot_general" in ln and str(V) in ln]
+        if dots:
+            vocab_dots[frag["name"]] = (frag["devices"], frag["direction"], len(dots))
+    assert vocab_dots, "no head matmul found"
+    for name, (devices, _, _) in vocab_dots.items():
+        assert devices == list(head_stage.devices), (name, vocab_dots)
+    assert sum(n for _, d, n in vocab_dots.values() if d == "bwd") == 2, vocab_dots
+    assert sum(n for _, d, n in vocab_dots.values() if d == "fwd") == 1, vocab_dots
