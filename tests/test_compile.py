@@ -184,7 +184,7 @@ def _child(script, cache_dir):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", MULTIMESH_COMPILE_THREADS="2")
     p = subprocess.run([sys.executable, str(script), str(cache_dir)], capture_output=True,
-                       text=True, env=env, timeout=300, cwd=ROOT)
+                       text=True, env=env, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
