@@ -2639,6 +2639,30 @@ cli("cli-unknown-pass", "An `mm-*` pass that does not exist",
     (as does `mm-opt --list-passes`).""",
     input_text=OK_MLIR)
 
+cli("cli-misspelt-pass", "A misspelt pass name",
+    ["in.mlir", "-p", "builtin.module(mm-asign-tasks)"], 1,
+    r"^mm-opt: error: 'mm-asign-tasks' does not refer to a registered multimesh pass\. "
+    r"Registered passes: .*\. Did you mean 'mm-assign-tasks'\?",
+    """The closest registered name is suggested (also for native passes, for
+    `--<pass>` flags and for `--mlir-print-ir-after=<pass>`).""",
+    input_text=OK_MLIR)
+
+cli("cli-pass-flags-and-pipeline", "Passes given both as `-p` and as `--<pass>` flags",
+    ["in.mlir", "--mm-verify", "-p", "builtin.module(cse)"], 2,
+    r"^mm-opt: error: give the passes either as -p PIPELINE or as --<pass> flags, not both "
+    r"\(got -p and --mm-verify\)",
+    """As in mlir-opt, a pipeline is either one `-p` text or `--<pass>[=options]` flags in
+    order (`--mm-verify --mm-assign-tasks=num-devices=8 --cse`), not a mix.""",
+    input_text=OK_MLIR)
+
+cli("cli-print-ir-after-unknown", "`--mlir-print-ir-after` naming no pass",
+    ["in.mlir", "--mm-verify", "--mlir-print-ir-after=mm-verfy"], 1,
+    r"^mm-opt: error: --mlir-print-ir-after: 'mm-verfy' is not a registered pass\. Did you "
+    r"mean 'mm-verify'\?",
+    """`--mlir-print-ir-after=<pass>` (and `--mlir-print-ir-before`) print the IR around
+    each step that runs that pass; the name must be a pass (`mm-opt --list-passes`).""",
+    input_text=OK_MLIR)
+
 cli("cli-unknown-native-pass", "A native pass that does not exist",
     ["in.mlir", "-p", "builtin.module(not-a-pass)"], 1,
     r"^mm-opt: error: 'not-a-pass' does not refer to a registered pass or pass pipeline",
