@@ -287,7 +287,7 @@ def _failure_time(proc) -> float:
 
 
 @pytest.mark.parametrize("when", ["before-init", "during-init", "after-init",
-                                  "exit0-before-init"])
+                                  "exit0-before-init", "exit1-after-init", "exit0-after-init"])
 def test_first_failure_is_named_and_the_rest_stop_within_5_s(when):
     """jax.distributed: process 1 fails (or exits 0 unjoined) while process 0 waits for it
     in ``initialize`` or a barrier, where it ignores SIGTERM and used to wait 40-120 s."""
@@ -313,6 +313,16 @@ def test_first_failure_is_named_and_the_rest_stop_within_5_s(when):
     if when == "after-init":
         assert "process 1 failed (ValueError: process 1 fails after-init)" in proc.stderr, out
         assert proc.returncode == 1
+    if when == "exit1-after-init":  # its own code at once, not 137 after a SIGKILL
+        assert "process 1 failed (sys.exit(1)); stopping processes [0]." in proc.stderr, out
+        assert proc.stderr.rstrip().endswith(
+            "the cause: process 1 (sys.exit(1)), which exited with code 1; exit code 1."), out
+        assert "process 1 exited with code 137" not in proc.stderr and proc.returncode == 1, out
+    if when == "exit0-after-init":
+        assert ("process 1 exited with code 0 after joining jax.distributed.initialize() but "
+                "before setting up its devices, which exchanges every process's topology: "
+                "processes [0] wait for its topology; stopping them.") in proc.stderr, out
+        assert proc.returncode == 1, out
     _assert_gone(_pids(proc.stdout))
 
 
@@ -328,9 +338,10 @@ def test_an_early_exit_with_code_0_is_named_within_10_s(tmp_path):
 
 
 def test_launcher_timeout(tmp_path):
-    proc = _run_launcher(tmp_path, SLEEPER, "-n", "2", "--timeout", "4")
-    assert proc.returncode == 124 and "timed out after 4 s" in proc.stderr
-    assert proc.elapsed < 60  # not the 120 s SLEEPER sleeps
+    # 20 s: time for both processes to start and print their pids on a loaded machine
+    proc = _run_launcher(tmp_path, SLEEPER, "-n", "2", "--timeout", "20")
+    assert proc.returncode == 124 and "timed out after 20 s" in proc.stderr
+    assert proc.elapsed < 80  # not the 120 s SLEEPER sleeps
     _assert_gone(_pids(proc.stdout))
 
 
@@ -346,6 +357,31 @@ def test_launcher_port_in_use_is_named(tmp_path):
     assert "Pick another with --port N, or leave --port out (or --port 0) for a free one." \
         in proc.stderr
     assert _run_launcher(tmp_path, "pass\n", "-n", "2", "--port", "0").returncode == 0
+
+
+def test_port_taken_after_the_check_is_named(tmp_path):
+    """Another program takes the coordinator port between the launcher's check and jax's
+    bind (here process 0 itself, just before initialize): jax's coordination service
+    would die of SIGSEGV naming nothing; process 0 names the port and exits with 1."""
+    code = ("import os, socket\n"
+            "if os.environ['MULTIMESH_LAUNCH_PROCESS_ID'] == '0':\n"
+            "    host, port = os.environ['MULTIMESH_LAUNCH_COORDINATOR'].rsplit(':', 1)\n"
+            "    thief = socket.socket()\n"
+            "    thief.bind((host, int(port)))\n"
+            "    thief.listen()\n"
+            "print('pid', os.getpid(), flush=True)\n"
+            "import jax\n"
+            "jax.distributed.initialize()\n"
+            "print('the peer never got here', flush=True)\n")
+    proc = _run_launcher(tmp_path, code, "-n", "2", "--devices-per-process", "1")
+    port = re.search(r"was taken by another program", proc.stderr)
+    assert port, proc.stderr[-3000:]
+    assert re.search(r"process 0 failed \(the coordinator port \d+ on 127\.0\.0\.1 was taken "
+                     r"by another program after the launcher chose it \(Address already in "
+                     r"use\)\); stopping processes \[1\]\.", proc.stderr), proc.stderr[-3000:]
+    assert proc.returncode == 1 and "exited with code 139" not in proc.stderr, proc.stderr[-3000:]
+    assert "the peer never got here" not in proc.stdout
+    _assert_gone(_pids(proc.stdout))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -648,6 +648,15 @@ def cluster_env_base() -> tuple[type, list]:
     return clusters.ClusterEnv, clusters.ClusterEnv._cluster_types
 
 
+def backends_initialized() -> bool:
+    """Whether this process has set up its jax backends (``xla_bridge._backends``,
+    internal in every version). Under ``jax.distributed`` that set-up exchanges every
+    process's device topology, so a process that exits before it strands the others."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
 def sdy_mpmd_partitioner():
     """jaxlib's Shardy:MPMD partitioner extension (``jaxlib._sdy_mpmd``: no public
     name). In jaxlib 0.10 to 0.12 the extension imports ``jax.jaxlib._jax``, which

@@ -221,9 +221,11 @@ def _stored_entries(leaders: dict[tuple, int], jobs: list[Job], devices: tuple
     entry name, and its executable where a process stored one (one read each)."""
     if not jax_compat.persistent_cache_on():
         return {}, {}
-    entries = {shape: fragment_store.entry_key(shape, devices[0])
-               for shape, j in leaders.items()
-               if not callbacks.may_call_back(jobs[j][0].text)}
+    with _LOCK:
+        todo = {shape: j for shape, j in leaders.items()
+                if _COMPILE_CACHE.get(_fragment_key(jobs[j][0], devices, *jobs[j][1:])) is None
+                and not callbacks.may_call_back(jobs[j][0].text)}
+    entries = {shape: fragment_store.entry_key(shape, devices[0]) for shape in todo}
     return entries, {shape: fragment_store.read(key) for shape, key in entries.items()}
 
 
