@@ -657,7 +657,7 @@ class IsolatedRunner:
     def close(self):
         if self.proc is not None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=300)
             self.proc = None
 
 
