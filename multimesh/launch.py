@@ -180,7 +180,7 @@ def _leave(status: int, e: SystemExit | None) -> None:
         return
     from multimesh._src.jax_compat import backends_initialized
 
-    if status == 0 and backends_initialized():
+    if status == 0 and (backends_initialized() or os.environ.get(ENV_NUM_PROCESSES) == "1"):
         return  # a normal end: jax's shutdown barrier meets the peers there
     if status == 0:
         _report("left-before-topology")
