@@ -237,6 +237,32 @@ def test_mutated_bytecode_never_aborts(tmp_path):
     assert outcome["diagnosed"] > len(cases) // 4, outcome
 
 
+# ----------------------------------------------------------------------------- regressions
+# Found by bytecode fuzzing (tools/fuzz.py --bytecode 400 --seed 7), fixed: bytecode is
+# parsed first in a forked child (multimesh._src.mlir.probe_bytecode).
+
+
+def _cli(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "multimesh.tools.mm_opt", str(path), "-p",
+                           "builtin.module(mm-verify)"], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_regression_bytecode_reader_segfault():
+    """A deleted byte made MLIR's bytecode reader segfault (verify.mlir#11)."""
+    p = _cli(ROOT / "tests" / "fuzz" / "bytecode_reader_segv.mlirbc")
+    assert p.returncode in (0, 1) and "internal error" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 0 or "error: " in p.stderr, p.stderr[-2000:]
+
+
+def test_regression_bytecode_reader_value_error():
+    """A zeroed byte made the reader raise LLVM's "SmallVector unable to grow" as a bare
+    ValueError, which mm-opt reported as an internal error (verify.mlir#1)."""
+    p = _cli(ROOT / "tests" / "fuzz" / "bytecode_reader_smallvector.mlirbc")
+    assert p.returncode in (0, 1) and "internal error" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 0 or "error: " in p.stderr, p.stderr[-2000:]
+
+
 if __name__ == "__main__":  # pragma: no cover
     if sys.argv[1:2] == ["--worker"]:
         sys.exit(_worker_main(sys.argv[2], int(sys.argv[3]), sys.argv[4]))

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from multimesh._src.brackets import deepest_nesting, skip_element
 from multimesh._src.bytecode import BytecodeFormatError, bad_escape, bad_string
 from multimesh._src.errors import DiagnosticError, SourceError
-from multimesh._src.mlir import attr_to_py, ir, make_context, sub_axis_at, zero_sub_axis
+from multimesh._src.mlir import (
+    attr_to_py,
+    ir,
+    make_context,
+    probe_bytecode,
+    sub_axis_at,
+    zero_sub_axis,
+)
 
 __all__ = ["MAX_DEVICES", "MAX_MICROBATCHES", "MAX_NESTING", "MAX_SHOWN", "Spec", "INT", "BOOL",
            "STR", "NAME", "POSITION", "MICROBATCHES", "MICROBATCH_INDEX", "TOPOLOGY", "int_in",
@@ -285,6 +292,9 @@ def _check_bytecode_strings(data: bytes) -> None:
         shown = _shown_bytes(bad.rstrip(b"\0"))
         raise SourceError(f"the bytecode holds a string that is not valid UTF-8: {shown}; "
                           f"names and strings in MLIR are UTF-8")
+    harm = probe_bytecode(data)
+    if harm is not None:
+        raise SourceError(f"the input is not valid MLIR bytecode: {harm}")
 
 
 def _shown_bytes(raw: bytes) -> str:

@@ -27,7 +27,7 @@ from multimesh._src.errors import (
     MultimeshError,
     PipelineError,
 )
-from multimesh._src.ir_attrs import MAX_NESTING, SourceError, decode_source
+from multimesh._src.ir_attrs import MAX_NESTING, SourceError, decode_source, is_bytecode
 from multimesh._src.mlir import (
     file_line_col,
     ir,
@@ -336,7 +336,7 @@ def _internal_error(e: BaseException, where: str = "") -> None:
         sys.stderr.write(f"{PROG}: note: set MULTIMESH_TRACEBACK=1 to see the traceback\n")
 
 
-def _read_input(path: str | None, display: str) -> str | bytes:
+def _read_input(path: str | None, display: str, split: bool = False) -> str | bytes:
     """The input: text (checked UTF-8) or bytecode, after multimesh's source guard."""
     if path in ("-", None):
         stream = getattr(sys.stdin, "buffer", None)
@@ -349,6 +349,10 @@ def _read_input(path: str | None, display: str) -> str | bytes:
             sys.stderr.write(f"{PROG}: error: could not open input file "
                              f"'{path}': {e.strerror or e}\n")
             raise _Failure from None
+    if split and is_bytecode(data):
+        sys.stderr.write(f"{display}:1:1: error: --split-input-file needs text input, got "
+                         f"MLIR bytecode\n")
+        raise _Failure
     try:
         return decode_source(data)
     except SourceError as e:
@@ -454,7 +458,7 @@ class _Driver:
         self.print_after = _print_ir_names(a.mlir_print_ir_after, "after")
         if pipeline is not None and a.dump_pass_pipeline:
             sys.stderr.write(f"Pass Manager with {len(pipeline.steps)} steps:\n{pipeline}\n")
-        chunks = self._chunks(_read_input(a.input, self.display))
+        chunks = self._chunks(_read_input(a.input, self.display, a.split_input_file))
 
         ctx = make_context()
         if a.allow_unregistered_dialect:
