@@ -278,7 +278,7 @@ def _load_pass(name: str) -> type[ModulePass]:
     if name not in passes:
         raise PipelineError(
             f"'{name}' does not refer to a registered multimesh pass. "
-            f"Registered passes: {', '.join(passes)}.")
+            f"Registered passes: {', '.join(passes)}.{did_you_mean(name, passes)}")
     try:
         return passes[name]()
     except (ImportError, AttributeError) as e:
@@ -314,8 +314,21 @@ def _native_unknown(text: str, msg: str) -> str:
     m = re.search(r"'([^']+)' does not refer to a registered pass", msg)
     if m:
         return (f"'{m.group(1)}' does not refer to a registered pass or pass pipeline. "
-                f"Run `mm-opt --list-passes` to see the available passes.")
+                f"Run `mm-opt --list-passes` to see the available passes."
+                f"{did_you_mean(m.group(1), [*get_all_passes(), *COMMON_NATIVE])}")
     return _clean_native_error(msg)
+
+
+COMMON_NATIVE = ("canonicalize", "cse", "symbol-dce", "inline", "sdy-propagation-pipeline")
+"""Native passes a misspelling is compared with (jaxlib lists no names of its own)."""
+
+
+def did_you_mean(name: str, choices) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``choices`` (difflib), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
+    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def dump_dir() -> str | None:

@@ -110,6 +110,8 @@ def _cluster_env():
             if not _joined:  # jax asks at the start of initialize(): this process joins
                 _joined = True
                 _report("join")
+                if os.environ[ENV_PROCESS_ID] == "0":
+                    _check_coordinator_port(os.environ[ENV_COORDINATOR])
             return os.environ[ENV_COORDINATOR]
 
         @classmethod
@@ -128,6 +130,25 @@ def _cluster_env():
 LocalCluster = None  # defined in the child processes only (it imports jax)
 
 
+def _check_coordinator_port(address: str) -> None:
+    """In process 0, just before jax's coordination service binds ``address``: if
+    another program took the port since the launcher checked it, say so and exit (jax's
+    service would crash on it with SIGSEGV, naming nothing)."""
+    host, _, port = address.rpartition(":")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            why = (f"the coordinator port {port} on {host} was taken by another program "
+                   f"after the launcher chose it ({e.strerror or e})")
+            _report(f"failed 1 {why}")
+            sys.stderr.write(f"multimesh.launch: {why}; run again, or pick a port with "
+                             f"--port N.\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+
 def _die_with_launcher() -> None:
     """Ask the kernel to SIGKILL this process when the launcher dies (Linux only), so
     not even a SIGKILLed launcher leaves orphans."""
@@ -144,6 +165,30 @@ def _die_with_launcher() -> None:
         return
     if os.environ.get(ENV_LAUNCHER_PID) not in (None, str(os.getppid())):
         os._exit(1)  # the launcher died before the request took effect
+
+
+def _leave(status: int, e: SystemExit | None) -> None:
+    """The program ended (``sys.exit`` or its last line) with ``status``. Under
+    ``jax.distributed``, Python's exit would wait in jax's shutdown barrier for peers
+    that may be waiting for this process; so a failure is reported and the process
+    exits at once with its own code, and a process that leaves before its devices were
+    set up (which exchanges every process's topology) tells the launcher its peers are
+    stranded, then exits at once too."""
+    if status != 0 and e is not None:
+        _report(f"failed {status} sys.exit({e.code!r})")
+    if not _joined:
+        return
+    from multimesh._src.jax_compat import backends_initialized
+
+    if status == 0 and (backends_initialized() or os.environ.get(ENV_NUM_PROCESSES) == "1"):
+        return  # a normal end: jax's shutdown barrier meets the peers there
+    if status == 0:
+        _report("left-before-topology")
+    elif e is not None and e.code is not None and not isinstance(e.code, int):
+        print(e.code, file=sys.stderr)  # as Python prints sys.exit("message")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _exit_status(e: SystemExit) -> int:
@@ -171,8 +216,7 @@ def _child(argv: list[str]) -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
-        if _exit_status(e) != 0:
-            _report(f"failed {_exit_status(e)} sys.exit({e.code!r})")
+        _leave(_exit_status(e), e)
         raise
     except BaseException as e:
         _report(f"failed 1 {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
@@ -182,6 +226,8 @@ def _child(argv: list[str]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # not into jax's shutdown barrier (see above)
+    else:
+        _leave(0, None)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -409,6 +455,17 @@ class _Launch:
     def on_report(self, w: _Worker, line: str) -> None:
         if line == "join":
             w.joined = True
+        elif line == "left-before-topology" and self.stop is None:
+            waiting = [o.k for o in self.running() if o is not w]
+            if waiting:
+                self.say(f"process {w.k} exited with code 0 after joining "
+                         f"jax.distributed.initialize() but before setting up its devices, "
+                         f"which exchanges every process's topology: processes {waiting} "
+                         f"wait for its topology; stopping them.")
+                w.failed = (EXIT_STRANDED, "it left before setting up its devices under "
+                                           "jax.distributed")
+                self.first_failure = (w.k, EXIT_STRANDED)
+                self.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
         elif line.startswith("failed ") and w.failed is None:
             code, _, why = line[len("failed "):].partition(" ")
             w.failed = (int(code) if code.lstrip("-").isdigit() else 1, why)

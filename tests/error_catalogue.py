@@ -91,6 +91,7 @@ class Entry:
     tool: str = "mm-opt"  # or "python -m multimesh.launch"
     input_text: str | None = None  # written to in.mlir when given
     input_bytes: bytes | None = None  # written to in.mlir as is (not UTF-8 text)
+    input_shown: str | None = None  # how docs/errors.md shows input_bytes (e.g. bytecode)
     exit_code: int | None = None
     # known problem: the test is xfail(strict=True, reason=issue) until fixed
     issue: str | None = None
@@ -153,10 +154,11 @@ def warning(id: str, category: str, title: str, exc: type[Warning], match: str, 
 
 def cli(id: str, title: str, argv: list[str], exit_code: int, match: str, fix: str, *,
         input_text: str | None = None, input_bytes: bytes | None = None,
-        issue: str | None = None) -> None:
+        input_shown: str | None = None, issue: str | None = None) -> None:
     ENTRIES.append(Entry(id=id, category=CLI, title=title, match=match,
                          fix=" ".join(fix.split()), argv=tuple(argv), input_text=input_text,
-                         input_bytes=input_bytes, exit_code=exit_code, issue=issue))
+                         input_bytes=input_bytes, input_shown=input_shown,
+                         exit_code=exit_code, issue=issue))
 
 
 LAUNCH = "python -m multimesh.launch"
@@ -2574,6 +2576,18 @@ def _():
                     {"m1": range(4)})
 
 
+@error("compile-mpmd-bytecode-not-utf8", SHARDY, "`compile_mpmd` given bytecode with a name that is not UTF-8",
+       MultimeshValueError,
+       r"`compile_mpmd` cannot read the program: the bytecode holds a string that is not "
+       r"valid UTF-8: \"#mpmd\.topology<<\"\\xff1\" : <\[\"x\"=4\]>>>\"; names and strings "
+       r"in MLIR are UTF-8\.",
+       """Bytecode is checked as text is: every name (here the mesh `m1`, its first byte
+       changed) is UTF-8. Such a name used to abort the process inside jaxlib's bindings.""")
+def _():
+    data = bytecode(partitioned_identity()).replace(b'"m1"', b'"\xff1"')
+    mm.compile_mpmd(data, {"m1": range(4)})
+
+
 @error("compile-mpmd-stray-module", SHARDY, "`compile_mpmd` given a program with a stray nested module",
        PassFailure,
        r"multimesh pass 'mm-import-mpmd' failed: 'builtin\.module' at the top level of the "
@@ -2707,6 +2721,30 @@ cli("cli-unknown-pass", "An `mm-*` pass that does not exist",
     r"Registered passes: mm-assign-tasks, ",
     """Pipeline elements starting with `mm-` are multimesh passes; the message lists them
     (as does `mm-opt --list-passes`).""",
+    input_text=OK_MLIR)
+
+cli("cli-misspelt-pass", "A misspelt pass name",
+    ["in.mlir", "-p", "builtin.module(mm-asign-tasks)"], 1,
+    r"^mm-opt: error: 'mm-asign-tasks' does not refer to a registered multimesh pass\. "
+    r"Registered passes: .*\. Did you mean 'mm-assign-tasks'\?",
+    """The closest registered name is suggested (also for native passes, for
+    `--<pass>` flags and for `--mlir-print-ir-after=<pass>`).""",
+    input_text=OK_MLIR)
+
+cli("cli-pass-flags-and-pipeline", "Passes given both as `-p` and as `--<pass>` flags",
+    ["in.mlir", "--mm-verify", "-p", "builtin.module(cse)"], 2,
+    r"^mm-opt: error: give the passes either as -p PIPELINE or as --<pass> flags, not both "
+    r"\(got -p and --mm-verify\)",
+    """As in mlir-opt, a pipeline is either one `-p` text or `--<pass>[=options]` flags in
+    order (`--mm-verify --mm-assign-tasks=num-devices=8 --cse`), not a mix.""",
+    input_text=OK_MLIR)
+
+cli("cli-print-ir-after-unknown", "`--mlir-print-ir-after` naming no pass",
+    ["in.mlir", "--mm-verify", "--mlir-print-ir-after=mm-verfy"], 1,
+    r"^mm-opt: error: --mlir-print-ir-after: 'mm-verfy' is not a registered pass\. Did you "
+    r"mean 'mm-verify'\?",
+    """`--mlir-print-ir-after=<pass>` (and `--mlir-print-ir-before`) print the IR around
+    each step that runs that pass; the name must be a pass (`mm-opt --list-passes`).""",
     input_text=OK_MLIR)
 
 cli("cli-unknown-native-pass", "A native pass that does not exist",
@@ -2948,6 +2986,33 @@ cli("cli-bytecode-split-input", "`--split-input-file` on MLIR bytecode",
     r"^in\.mlir:1:1: error: --split-input-file needs text input, got MLIR bytecode",
     """Bytecode holds one module; split text files only.""",
     input_bytes=b"ML\xefR")
+
+def bytecode(text: str) -> bytes:
+    """``text`` as MLIR bytecode (what ``mm-opt --emit-bytecode`` writes)."""
+    from multimesh._src.mlir import make_context, module_bytecode, parse_module
+
+    with make_context():
+        return module_bytecode(parse_module(text))
+
+
+cli("cli-bytecode-not-utf8", "MLIR bytecode holding a name that is not UTF-8",
+    ["in.mlir"], 1,
+    r"^in\.mlir:1:1: error: the bytecode holds a string that is not valid UTF-8: "
+    r"\"\\xffain\"; names and strings in MLIR are UTF-8",
+    """Names, symbols and strings in MLIR are UTF-8, in text and in bytecode; a name that
+    is not (here the symbol `@main`, its first byte changed) used to abort the process
+    when it reached Python. The bytecode is corrupt: write it again.""",
+    input_bytes=bytecode(OK_MLIR).replace(b"main\0", b"\xffain\0", 1),
+    input_shown="// MLIR bytecode of this module, with the first byte of 'main' made 0xff\n"
+                + OK_MLIR)
+
+cli("cli-escape-not-utf8", "A string whose escapes spell bytes that are not UTF-8",
+    ["in.mlir"], 1,
+    r"^in\.mlir:1:12: error: the string \"\\xffain\" is not valid UTF-8 once its escapes "
+    r"are read; names and strings in MLIR are UTF-8",
+    """MLIR text may write any byte as `\\HH`; names and strings must still be UTF-8 once
+    the escapes are read (here `@"\\FFain"`).""",
+    input_text=OK_MLIR.replace("@main", '@"\\FFain"'))
 
 cli("cli-emit-bytecode-split", "`--emit-bytecode` with `--split-input-file`",
     ["in.mlir", "--split-input-file", "--emit-bytecode"], 1,

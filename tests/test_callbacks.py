@@ -597,7 +597,7 @@ def test_callbacks_under_jax_distributed():
     script = os.path.join(root, "tests", "multiprocess", "host_callbacks.py")
     p = subprocess.run([sys.executable, "-m", "multimesh.launch", "-n", "2",
                         "--devices-per-process", "4", "--timeout", "200", script],
-                       capture_output=True, text=True, timeout=300, cwd=root)
+                       capture_output=True, text=True, timeout=600, cwd=root)
     out = "\n".join(line for line in p.stdout.splitlines() if "[Gloo]" not in line)
     assert p.returncode == 0, out + p.stderr[-3000:]
     for k in range(2):

@@ -194,14 +194,14 @@ def test_a_multimesh_entered_in_another_thread_leaves_this_threads_placement_alo
                 seen["ids"] = [_ids(a) for a in g]
                 seen["vals"] = g
                 entered.set()
-                done.wait(60)
+                done.wait(600)
         except BaseException as e:  # surfaced by the main thread
             seen["error"] = e
             entered.set()
 
     t = threading.Thread(target=other)
     t.start()
-    assert entered.wait(120)
+    assert entered.wait(600)
     try:
         assert "error" not in seen, seen.get("error")
         assert _global_mesh.active_multimesh() is None
@@ -213,7 +213,7 @@ def test_a_multimesh_entered_in_another_thread_leaves_this_threads_placement_alo
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     finally:
         done.set()
-        t.join(120)
+        t.join(600)
     assert seen["ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for a, b in zip(seen["vals"], ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -237,17 +237,17 @@ def test_registering_into_a_context_entered_in_another_thread_reaches_it():
     def other():
         with ctx:
             entered.set()
-            registered.wait(60)
+            registered.wait(600)
             seen["regs"] = [r.matcher for r in _registrations.active_registrations()]
         done.set()
 
     t = threading.Thread(target=other)
     t.start()
-    assert entered.wait(60)
+    assert entered.wait(600)
     ctx.register_task("layer1", task=mm.Task(mesh=_mesh(0)))
     assert _registrations.active_registrations() == []  # not entered in this thread
     registered.set()
-    t.join(60)
+    t.join(600)
     assert seen["regs"] == ["layer1"]
 
 

@@ -198,7 +198,7 @@ def _run_in_subprocess(programs: dict[str, str], hashseed: str, out_dir: Path) -
     env.pop("MULTIMESH_DUMP_IR_TO", None)
     p = subprocess.run([sys.executable, str(script), str(out_dir / "progs.json"),
                         str(out_dir / "dumps")], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=str(ROOT))
+                       timeout=600, cwd=str(ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -83,7 +83,7 @@ def test_programs_compiled_in_parallel_threads_keep_their_dumps_apart(dump_dir):
 
     def compile_one(tag):
         try:
-            barrier.wait(30)
+            barrier.wait(600)
             y = mm.mjit(_program(tag))(jnp.arange(8.0))
             np.testing.assert_array_equal(y, np.arange(8.0) * 2 + 1)
             assert sorted(d.id for d in y.devices()) == [4, 5, 6, 7]
@@ -94,7 +94,7 @@ def test_programs_compiled_in_parallel_threads_keep_their_dumps_apart(dump_dir):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(300)
+        t.join(600)
     assert not errors, errors
     assert sorted(p.name for p in dump_dir.iterdir()) == [f"prog_{t}-0" for t in tags]
     for t in tags:
@@ -124,7 +124,7 @@ def test_concurrent_failures_write_their_own_repros(dumping, tmp_path, monkeypat
     barrier = threading.Barrier(len(tags))
 
     def fail(tag):
-        barrier.wait(30)
+        barrier.wait(600)
         try:
             mm.mjit(_broken(tag))(jnp.ones(8))
         except PassFailure as e:
@@ -134,7 +134,7 @@ def test_concurrent_failures_write_their_own_repros(dumping, tmp_path, monkeypat
     for t in threads:
         t.start()
     for t in threads:
-        t.join(300)
+        t.join(600)
     assert sorted(failures) == tags
     paths = {tag: _repro_file(e) for tag, e in failures.items()}
     assert len(set(paths.values())) == len(tags), paths

@@ -87,7 +87,7 @@ def test_filecheck(path: Path, tmp_path: Path, mm_opt_dir: Path):
     for i, raw in enumerate(cmds):
         cmd = expand(raw, path, tmp_path / f"run{i}.tmp")
         proc = subprocess.run(["bash", "-c", "set -o pipefail\n" + cmd], env=env,
-                              cwd=path.parent, capture_output=True, text=True, timeout=300)
+                              cwd=path.parent, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             pytest.fail(
                 f"RUN line {i + 1} of {path.relative_to(ROOT)} failed with exit code "

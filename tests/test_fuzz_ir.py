@@ -37,11 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "filecheck"
-TIMEOUT_S = 60.0
+TIMEOUT_S = 600.0
+"""A case (or a worker's start) that runs this long is a hang. No case comes near it on a
+loaded 2-core machine; a hang is a bug, whatever it costs to wait for it."""
 N_IN_PROCESS = int(os.environ.get("MULTIMESH_FUZZ_IR_IN_PROCESS", "1500"))
 N_ISOLATED = int(os.environ.get("MULTIMESH_FUZZ_IR_ISOLATED", "300"))
 
@@ -657,7 +657,7 @@ class IsolatedRunner:
     def close(self):
         if self.proc is not None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=300)
             self.proc = None
 
 
@@ -1047,17 +1047,20 @@ def test_hang_input_is_diagnosed_single_threaded():
 def test_regression_parse_hang(tmp_path):
     path = tmp_path / "hang.mlir"
     path.write_text(_HANG)
-    code = ("import sys; from multimesh._src.mlir import ir, make_context\n"
+    # Only the parse is watched, with a limit no parse of 7 lines nears however loaded the
+    # machine (the imports before it are not: they once took more than 6 s at load 12).
+    code = ("import faulthandler, sys; from multimesh._src.mlir import ir, make_context\n"
+            "text = open(sys.argv[1]).read()\n"
+            "faulthandler.dump_traceback_later(120, exit=True)\n"
             "with make_context():\n"
-            "    try: ir.Module.parse(open(sys.argv[1]).read())\n"
-            "    except Exception: pass\n")
+            "    try: ir.Module.parse(text)\n"
+            "    except Exception: pass\n"
+            "faulthandler.cancel_dump_traceback_later()\n")
     for _ in range(3):  # nondeterministic: three clean parses in a row count as fixed
-        try:
-            subprocess.run([sys.executable, "-c", code, str(path)], timeout=6,
-                           capture_output=True, cwd=str(ROOT),
+        p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                           text=True, cwd=str(ROOT), timeout=TIMEOUT_S,
                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        except subprocess.TimeoutExpired:
-            pytest.fail("ir.Module.parse hung")
+        assert p.returncode == 0, f"ir.Module.parse hung:\n{p.stderr[-2000:]}"
 
 
 def test_regression_data_flow_edge_segfault():

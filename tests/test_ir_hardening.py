@@ -42,12 +42,12 @@ def _with_topology(value: str) -> str:
     return text[:start] + f"topology = {value}" + text[end:]
 
 
-def _child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _child(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=_ENV)
 
 
-def _mm_opt_cli(args, timeout: float = 120) -> subprocess.CompletedProcess:
+def _mm_opt_cli(args, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "multimesh.tools.mm_opt", *args],
                           capture_output=True, timeout=timeout, cwd=ROOT, env=_ENV)
 
@@ -92,7 +92,7 @@ def test_compile_mpmd_deeply_nested_in_a_child():
             "    deep = src[:i] + 'module {' * depth + '}' * depth + '\\n}\\n'\n"
             "    try: mm.compile_mpmd(deep, {'m1': range(4), 'm2': range(4, 8)})\n"
             "    except ValueError as e: print(depth, str(e).splitlines()[0])\n")
-    c = _child(code, timeout=300)
+    c = _child(code)
     assert c.returncode == 0, (c.returncode, c.stderr[-800:])
     lines = c.stdout.splitlines()
     assert lines[0].startswith("6000 multimesh pass 'mm-import-mpmd' failed: 'builtin.module' "
@@ -108,7 +108,7 @@ def test_huge_microbatch_count_in_a_child(tmp_path):
                       if not ln.startswith("//"))
     path = tmp_path / "mb.mlir"
     path.write_text(chunk.replace("mm.num_microbatches = 2", "mm.num_microbatches = 1000000000"))
-    p = _mm_opt_cli([str(path), "-p", "builtin.module(mm-schedule-fragments)"], timeout=60)
+    p = _mm_opt_cli([str(path), "-p", "builtin.module(mm-schedule-fragments)"])
     assert p.returncode == 1, p.stderr[-500:]
     assert b"error: 'mm.num_microbatches' on 'mm.microbatch_loop' must be a microbatch count " \
            b"in 1..65536, got 1000000000" in p.stderr, p.stderr
@@ -248,7 +248,7 @@ def test_bytecode_on_stdout_and_stdin():
     p = _mm_opt_cli([str(TWO_STAGE), "--emit-bytecode"])
     assert p.returncode == 0 and p.stdout[:4] == _attrs.BYTECODE_MAGIC, p.stderr
     q = subprocess.run([sys.executable, "-m", "multimesh.tools.mm_opt", "-"], input=p.stdout,
-                       capture_output=True, timeout=120, cwd=ROOT, env=_ENV)
+                       capture_output=True, timeout=600, cwd=ROOT, env=_ENV)
     assert q.returncode == 0, q.stderr
     assert q.stdout.decode() == _mm_opt([TWO_STAGE])[1]
 
@@ -334,3 +334,53 @@ def test_lowered_program_replays_exactly(tmp_path, schedule):
         [(c["fragment"], c["microbatch"]) for c in compiled.calls]
     assert {n: f.text for n, f in plan.fragments.items()} == \
         {f["name"]: f["module"] for f in compiled.fragments}
+
+
+# ----------------------------------------------------------------------------- bytecode names
+
+
+def _bytecode_with(old: bytes, new: bytes) -> bytes:
+    with make_context():
+        data = module_bytecode(parse_module(TWO_STAGE.read_text()))
+    assert data.count(old) >= 1
+    return data.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("old,new,shown", [
+    (b"\0m1\0", b"\0\xff1\0", '"\\xff1"'),  # a mesh name in the string section
+    (b"\0main\0", b"\0\xffain\0", '"\\xffain"'),  # a symbol
+    (b'<<"m1"', b'<<"\xff1"', "#mpmd.topology<<"),  # the text of an mpmd attribute
+])
+def test_bytecode_name_that_is_not_utf8_is_diagnosed(tmp_path, old, new, shown):
+    """Issue 31: such a name aborted the process (SIGABRT in nanobind) through mm-opt and
+    compile_mpmd, or escaped as a bare RuntimeError; now the source guard names it."""
+    path = tmp_path / "bad.mlirbc"
+    path.write_bytes(_bytecode_with(old, new))
+    p = _mm_opt_cli([str(path), "-p", "builtin.module(mm-import-mpmd{meshes=m1=0-3;m2=4-7})"])
+    err = p.stderr.decode()
+    assert p.returncode == 1, err
+    assert "error: the bytecode holds a string that is not valid UTF-8: " in err, err
+    assert shown in err and "internal error" not in err
+    code = (f"import multimesh.jax as mm\n"
+            f"from multimesh._src.errors import MultimeshValueError\n"
+            f"data = open({str(path)!r}, 'rb').read()\n"
+            f"try:\n    mm.compile_mpmd(data, {{'m1': range(4), 'm2': range(4, 8)}})\n"
+            f"except MultimeshValueError as e:\n    print('refused:', e)\n")
+    c = _child(code)
+    assert c.returncode == 0, c.stderr
+    assert "refused: `compile_mpmd` cannot read the program: the bytecode holds a string" \
+        in c.stdout, c.stdout
+
+
+def test_text_escape_that_is_not_utf8_is_diagnosed(tmp_path):
+    """``"\\FF1"`` in text spells the same byte: it aborted the process as well."""
+    path = tmp_path / "bad.mlir"
+    path.write_text(TWO_STAGE.read_text().replace('"m1"', '"\\FF1"'))
+    p = _mm_opt_cli([str(path)])
+    err = p.stderr.decode()
+    assert p.returncode == 1, err
+    assert 'error: the string "\\xff1" is not valid UTF-8 once its escapes are read' in err
+    with pytest.raises(_attrs.SourceError, match="not valid UTF-8"):
+        _attrs.decode_source('func.func @"\\C3\\28"() {\n  return\n}\n')
+    # escapes that spell UTF-8, and escaped backslashes, are fine
+    _attrs.decode_source('func.func @"\\C3\\A9"() attributes {s = "\\\\FF"} {\n  return\n}\n')

@@ -243,3 +243,50 @@ def test_internal_error_has_no_traceback(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "mm-opt: internal error in 'mm-verify': RuntimeError: kaboom" in err
     assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- mlir-opt habits
+# (issue 31, item 6)
+
+TWO_ADDS = OK.replace("  return", "  %1 = stablehlo.add %arg0, %arg0 : tensor<8xf32>\n  return")
+
+
+def test_passes_as_flags_in_order(tmp_path, capsys):
+    """``--<pass>[=options]`` flags, as mlir-opt takes them, make the pipeline in order."""
+    path = _write(tmp_path, TWO_ADDS)
+    assert main([path, "--mm-verify", "--cse", "--mm-assign-tasks=num-devices=8",
+                 "--dump-pass-pipeline"]) == 0
+    captured = capsys.readouterr()
+    assert "stablehlo.add" in captured.out and "%1" not in captured.out  # cse ran
+    assert "mm-verify" in captured.err and "mm-assign-tasks{num-devices=8}" in captured.err
+    assert main([path, "--mm-verify", "-p", "builtin.module(cse)"]) == 2
+    assert "either as -p PIPELINE or as --<pass> flags, not both" in capsys.readouterr().err
+
+
+def test_print_ir_after_and_before_one_pass(tmp_path, capsys):
+    path = _write(tmp_path, TWO_ADDS)
+    assert main([path, "-p", "builtin.module(mm-verify,cse,mm-strip-markers)",
+                 "--mlir-print-ir-after=cse", "--mlir-print-ir-before=mm-strip-markers"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("// -----// IR Dump") == 2, err
+    assert "IR Dump After cse //" in err and "IR Dump Before mm-strip-markers //" in err
+    assert main([path, "--mm-verify", "--mlir-print-ir-after=mm-verfy"]) == 1
+    assert ("--mlir-print-ir-after: 'mm-verfy' is not a registered pass. Did you mean "
+            "'mm-verify'?") in capsys.readouterr().err
+
+
+def test_list_passes_shows_option_types(capsys):
+    assert main(["--list-passes"]) == 0
+    out = capsys.readouterr().out
+    assert "num-devices=<int> (default: 0)" in out
+    assert "tasks=<string,...> (default: ())" in out
+
+
+def test_misspelt_pass_gets_a_suggestion(tmp_path, capsys):
+    path = _write(tmp_path, OK)
+    assert main([path, "-p", "builtin.module(mm-asign-tasks)"]) == 1
+    assert "Did you mean 'mm-assign-tasks'?" in capsys.readouterr().err
+    assert main([path, "-p", "builtin.module(canonicalise)"]) == 1
+    assert "Did you mean 'canonicalize'?" in capsys.readouterr().err
+    assert main([path, "--mm-asign-tasks"]) == 2
+    assert "Did you mean '--mm-assign-tasks'?" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     python tools/bench_compile.py [--quick] [--threads 1,2,4] [--schedules 1f1b,interleaved]
                                   [--no-persistent] [--json PATH] [--step]
+    python tools/bench_compile.py --cold [--schedules 1f1b,interleaved] [--threads 2]
 
 A transformer LM (vocabulary 8192, d=128, sequences of 64, 8 blocks; the embedding
 in the first stage, the head and the loss in the last) on 4 submeshes x 2 devices,
@@ -20,6 +21,11 @@ jax's) are cleared before every compile; figures are medians. Then, unless
 persistent compilation cache in a temporary directory: the second loads every
 fragment from it. Also reported: XLA compilations per stage (task), and the process
 CPU time of each compile (all threads), steadier than wall time on a shared machine.
+
+``--cold`` (issue 31): for each schedule, fresh processes with jax's persistent cache on
+and empty: one compiles the step (``--threads``, the last value), one ``jax.jit`` +
+``lax.scan`` of it, then a second process compiles the step again from the filled cache;
+each reports the process CPU time and wall time of its compile.
 """
 
 from __future__ import annotations
@@ -221,8 +227,37 @@ jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import bench_compile
-print(json.dumps(bench_compile.ours(sys.argv[2], int(sys.argv[3]))))
+if sys.argv[3] == "jit":
+    wall, cpu = bench_compile.jit_scan(sys.argv[2])
+    print(json.dumps({{"total": wall, "cpu": cpu}}))
+else:
+    print(json.dumps(bench_compile.ours(sys.argv[2], int(sys.argv[3]))))
 """
+
+
+def _fresh(cache: str, schedule: str, what: str) -> dict:
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(tools=os.path.dirname(__file__)), cache,
+         schedule, what], capture_output=True, text=True, check=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cold(schedules: list[str], threads: int) -> None:
+    """Fresh processes, jax's persistent cache on and empty: the step and jax.jit + scan;
+    then the step again in a fresh process from the filled cache."""
+    for sched in schedules:
+        with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
+            first = _fresh(c1, sched, str(threads))
+            scan = _fresh(c2, sched, "jit")
+            second = _fresh(c1, sched, str(threads))
+        print(f"{sched:12} cold, persistent cache on: step CPU {first['cpu']:6.2f} s "
+              f"(wall {first['total']:6.2f} s, {first['xla_compiles']} XLA compiles of "
+              f"{first['fragments']} fragments); jax.jit+scan CPU {scan['cpu']:6.2f} s "
+              f"(wall {scan['total']:6.2f} s): {first['cpu'] / scan['cpu']:4.2f}x CPU, "
+              f"{first['total'] / scan['total']:4.2f}x wall; warm process CPU "
+              f"{second['cpu']:6.2f} s (wall {second['total']:6.2f} s, "
+              f"{second['xla_compiles']} XLA compiles, sources {second['sources']})")
 
 
 def persistent(schedule: str, threads: int) -> dict:
@@ -248,7 +283,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write results as JSON to this path")
     ap.add_argument("--step", action="store_true",
                     help="only time one run of each compiled step (ms), no compiles timed")
+    ap.add_argument("--cold", action="store_true",
+                    help="fresh processes with jax's persistent cache on (issue 31)")
     args = ap.parse_args(argv)
+    if args.cold:
+        cold(args.schedules.split(","), int(args.threads.split(",")[-1]))
+        return 0
     if args.step:
         for sched in args.schedules.split(","):
             r = step_time(sched)

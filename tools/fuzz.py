@@ -4,6 +4,7 @@
     python tools/fuzz.py --programs 200 --microbatch 1  # ... microbatched programs only
     python tools/fuzz.py --ir 5000 --seed 0             # mm-opt IR fuzzing
     python tools/fuzz.py --ir-attrs 20000 --seed 0      # attribute types and values
+    python tools/fuzz.py --bytecode 5000 --seed 0       # mutated MLIR bytecode
     python tools/fuzz.py --programs 200 --ir 2000 --out /tmp/fuzz-out
 
 Unlike the hypothesis tests in CI, the long profile keeps going after a failure:
@@ -133,6 +134,35 @@ def run_ir_attrs(n: int, seed: int, out: str) -> dict:
     return summary
 
 
+def run_bytecode(n: int, seed: int, out: str) -> dict:
+    """``n`` mutated bytecode inputs (tests/test_fuzz_bytecode.py), in crash-isolated
+    workers; each failing case is written to ``OUT/bytecode/case<N>.mlirbc``."""
+    from tests.test_fuzz_bytecode import HANG_S, make_cases, run_isolated
+    from tests.test_fuzz_ir import Case, Result, problems
+
+    t0 = time.perf_counter()
+    cases = make_cases(n, seed)
+    d = Path(out, "bytecode")
+    d.mkdir(parents=True, exist_ok=True)
+    results, deaths = run_isolated(cases, d)
+    fails = [{"death": why} for why in deaths]
+    stats = collections.Counter()
+    for r in results:
+        case = cases[r["id"]]
+        found = problems(Case(r["id"], case["seed"], (), case["pipeline"], ""),
+                         Result(r["rc"], "", r["stderr"], r["wrote"], None, r["seconds"]),
+                         timeout=HANG_S)
+        if found:
+            fails.append({"case": r["id"], "seed": case["seed"], "mutations": case["mutations"],
+                          "pipeline": case["pipeline"], "problems": found})
+            (d / f"case{r['id']}.mlirbc").write_bytes(bytes.fromhex(case["data"]))
+        stats["FAIL" if found else "diagnosed" if r["rc"] == 1 else "clean"] += 1
+    for why in deaths:
+        print(f"  FAIL {why}", flush=True)
+    return {"bytecode_cases": n, "seconds": round(time.perf_counter() - t0, 1),
+            "outcomes": dict(stats), "worker_deaths": len(deaths), "failures": fails}
+
+
 def _run_ir_cases(cases: list, out: str, kind: str) -> dict:
     from tests.test_fuzz_ir import IsolatedRunner, describe, known_bug, problems
 
@@ -179,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ir-attrs", type=int, default=0, metavar="N",
                     help="inputs whose attributes have other types and values (mm-opt, "
                          "mm-import-mpmd, compile_mpmd)")
+    ap.add_argument("--bytecode", type=int, default=0, metavar="N",
+                    help="mutated MLIR bytecode inputs (mm-opt and compile_mpmd)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=50, help="programs per worker process")
     ap.add_argument("--microbatch", type=float, default=0.0, metavar="FRACTION",
@@ -191,7 +223,7 @@ def main(argv=None) -> int:
     if a._worker:
         return _program_worker(int(a._worker[0]), int(a._worker[1]), a._worker[2],
                                float(a._worker[3]))
-    if not a.programs and not a.ir and not a.ir_attrs:
+    if not a.programs and not a.ir and not a.ir_attrs and not a.bytecode:
         a.programs = 500
     summary = {}
     if a.programs:
@@ -206,6 +238,9 @@ def main(argv=None) -> int:
     if a.ir_attrs:
         print(f"IR attribute fuzzing: {a.ir_attrs} inputs from seed {a.seed}", flush=True)
         summary["ir_attrs"] = run_ir_attrs(a.ir_attrs, a.seed, a.out)
+    if a.bytecode:
+        print(f"bytecode fuzzing: {a.bytecode} mutated inputs from seed {a.seed}", flush=True)
+        summary["bytecode"] = run_bytecode(a.bytecode, a.seed, a.out)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "summary.json").write_text(json.dumps(summary, indent=1))
     for k, s in summary.items():

@@ -128,7 +128,9 @@ def render_entry(cat, entry, workdir: Path) -> str:
         parts.append("")
         if entry.input_text is not None:
             parts += ["With `in.mlir`:", "", fence(entry.input_text, "mlir")]
-        if entry.input_bytes is not None:
+        if entry.input_shown is not None:
+            parts += ["With `in.mlir`:", "", fence(entry.input_shown, "mlir")]
+        elif entry.input_bytes is not None:
             shown = entry.input_bytes.decode("utf-8", "backslashreplace")
             parts += ["With `in.mlir` (bytes that are not UTF-8 shown as `\\xNN`):", "",
                       fence(shown, "mlir")]

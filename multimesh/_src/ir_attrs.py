@@ -23,8 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from multimesh._src.brackets import deepest_nesting, skip_element
+from multimesh._src.bytecode import BytecodeFormatError, bad_escape, bad_string
 from multimesh._src.errors import DiagnosticError, SourceError
-from multimesh._src.mlir import attr_to_py, ir, make_context, sub_axis_at, zero_sub_axis
+from multimesh._src.mlir import (
+    attr_to_py,
+    ir,
+    make_context,
+    probe_bytecode,
+    sub_axis_at,
+    zero_sub_axis,
+)
 
 __all__ = ["MAX_DEVICES", "MAX_MICROBATCHES", "MAX_NESTING", "MAX_SHOWN", "Spec", "INT", "BOOL",
            "STR", "NAME", "POSITION", "MICROBATCHES", "MICROBATCH_INDEX", "TOPOLOGY", "int_in",
@@ -247,6 +255,11 @@ def check_source(data: str | bytes) -> None:
         bad = _bad_topology(data)
         if bad is not None:
             raise SourceError(bad[1], *_line_col(data, bad[0]))
+    escaped = bad_escape(data)
+    if escaped is not None:
+        raise SourceError(f"the string {_shown_bytes(escaped[1])} is not valid UTF-8 once "
+                          f"its escapes are read; names and strings in MLIR are UTF-8",
+                          *_line_col(data, escaped[0]))
 
 
 def _zero_sub_axis_message(text: str, offset: int) -> str:
@@ -255,6 +268,7 @@ def _zero_sub_axis_message(text: str, offset: int) -> str:
 
 
 def _check_bytecode(data: bytes) -> None:
+    _check_bytecode_strings(data)
     text = data.decode("latin-1")  # one character per byte: the mpmd text is ASCII
     if "#mpmd." not in text and "!mpmd." not in text:
         return
@@ -265,6 +279,27 @@ def _check_bytecode(data: bytes) -> None:
         raise SourceError("'topology' must be an #mpmd.topology; in this bytecode it is "
                           "some other attribute, which jaxlib's mpmd dialect would read "
                           "without a check")
+
+
+def _check_bytecode_strings(data: bytes) -> None:
+    """Every name in bytecode is UTF-8, as in text: jaxlib's bindings abort the process
+    on a name that is not (multimesh/_src/bytecode.py)."""
+    try:
+        bad = bad_string(data)
+    except BytecodeFormatError as e:
+        raise SourceError(f"the input is not valid MLIR bytecode: {e}") from None
+    if bad is not None:
+        shown = _shown_bytes(bad.rstrip(b"\0"))
+        raise SourceError(f"the bytecode holds a string that is not valid UTF-8: {shown}; "
+                          f"names and strings in MLIR are UTF-8")
+    harm = probe_bytecode(data)
+    if harm is not None:
+        raise SourceError(f"the input is not valid MLIR bytecode: {harm}")
+
+
+def _shown_bytes(raw: bytes) -> str:
+    """Bytes as a quoted string, bytes that are not UTF-8 as ``\\xFF``."""
+    return show(raw.decode("utf-8", "backslashreplace"))
 
 
 _TOPOLOGY = re.compile(r'[{,]\s*"?topology"?\s*(?:=\s*|(?=[,}]))')

@@ -50,7 +50,7 @@ __all__ = [
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
-    "persistent_cache_on",
+    "persistent_cache_on", "serialized_executable", "persistent_cache_settings",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -350,7 +350,7 @@ def separate_consts(closed) -> tuple:
 
 def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_shardings,
                    devices, host_callbacks: Sequence[Callable] = (),
-                   ordered_effects: Sequence = ()):
+                   ordered_effects: Sequence = (), serialized: bytes | None = None):
     """Compile an MLIR module for ``devices`` (a list, in mesh order) into a
     ``jax.stages.Compiled`` that takes and returns ``jax.Array``s on jit's C++
     dispatch path.
@@ -365,12 +365,32 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     ``jax.effects_barrier()`` waits for them). ``ordered_effects``: the module's
     ``main`` takes and returns one token per effect, first, like a jitted program
     with ordered effects; jax threads its runtime token of each through the call.
+
+    ``serialized``: an executable of this module (on any devices of the same count,
+    :func:`serialized_executable`), loaded onto ``devices`` instead of compiling; the
+    rest of jit's path is the same. It raises where the bytes cannot be loaded.
     """
     from jax._src import stages
 
     # jax only asks whether there are unordered effects (then it keeps runtime tokens)
     unordered: list[_core.Effect] = [_debugging.debug_effect] if host_callbacks else []
-    exe = _pxla.UnloadedMeshExecutable.from_hlo(
+    if serialized is not None:
+        _install_loader()
+    _loading.blob = serialized
+    try:
+        exe = _from_hlo(name, module, in_avals, out_avals, in_shardings, out_shardings,
+                        devices, host_callbacks, ordered_effects, unordered)
+    finally:
+        _loading.blob = None
+    _skip_sub_byte_layout_check(exe)
+    args_info: tuple[tuple, dict] = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
+    out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
+    return stages.Compiled(exe, [], args_info, out_tree)
+
+
+def _from_hlo(name, module, in_avals, out_avals, in_shardings, out_shardings, devices,
+              host_callbacks, ordered_effects, unordered):
+    return _pxla.UnloadedMeshExecutable.from_hlo(
         name, module, list(in_avals), list(out_avals), list(in_shardings),
         list(out_shardings), tuple_args=False, unordered_effects=unordered,
         ordered_effects=list(ordered_effects),
@@ -380,10 +400,60 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
         committed=True, in_layouts=(None,) * len(in_shardings),
         out_layouts=(None,) * len(out_shardings), compiler_options_kvs=(),
         num_devices=len(devices))
-    _skip_sub_byte_layout_check(exe)
-    args_info: tuple[tuple, dict] = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
-    out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
-    return stages.Compiled(exe, [], args_info, out_tree)
+
+
+_loading = threading.local()
+"""``blob``: the serialized executable :func:`compile_module` loads in this thread."""
+_loader_lock = threading.Lock()
+_loader_installed = False
+
+
+def _install_loader() -> None:
+    """Wrap jax's ``compiler.compile_or_get_cached`` (internal; pxla's
+    ``_cached_compilation`` looks it up on the module at each call, 0.10.2 to 0.12) so
+    that a compile in a thread that set ``_loading.blob`` deserializes those bytes for
+    the call's devices (``Client.deserialize_executable`` with the call's compile
+    options, as jax's own cache read does) instead of compiling or reading jax's cache."""
+    global _loader_installed
+    from jax._src import compiler as _compiler
+
+    with _loader_lock:
+        if _loader_installed:
+            return
+        original = _compiler.compile_or_get_cached
+
+        @functools.wraps(original)
+        def compile_or_load(backend, computation, devices, compile_options, *args, **kwargs):
+            blob = getattr(_loading, "blob", None)
+            if blob is None:
+                return original(backend, computation, devices, compile_options, *args,
+                                **kwargs)
+            _loading.blob = None
+            targets = [a for a in (*args, *kwargs.values()) if isinstance(a, _xc.DeviceList)]
+            return backend.deserialize_executable(blob, targets[0], compile_options)
+
+        _compiler.compile_or_get_cached = compile_or_load
+        _loader_installed = True
+
+
+def serialized_executable(compiled) -> bytes | None:
+    """The bytes of an executable :func:`compile_module` compiled, which it loads again
+    with ``serialized=``; None for one with host callbacks (their addresses are compiled
+    in) or one jax cannot serialize. Only an executable XLA compiled in this process
+    serializes with its code on jaxlib 0.10.2's CPU client (docs/performance.md)."""
+    src = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+    if src is None or src.host_callbacks or src.keepalive:
+        return None
+    try:
+        return src.xla_executable.serialize()
+    except (AttributeError, jax.errors.JaxRuntimeError):
+        return None
+
+
+def persistent_cache_settings() -> tuple[str, float]:
+    """``(jax_compilation_cache_dir, jax_persistent_cache_min_compile_time_secs)``."""
+    return (str(_config.compilation_cache_dir.value or ""),
+            float(_config.persistent_cache_min_compile_time_secs.value))
 
 
 def load_on_devices(compiled, name: str, in_shardings, out_shardings, devices):
@@ -636,6 +706,15 @@ def cluster_env_base() -> tuple[type, list]:
     from jax._src import clusters
 
     return clusters.ClusterEnv, clusters.ClusterEnv._cluster_types
+
+
+def backends_initialized() -> bool:
+    """Whether this process has set up its jax backends (``xla_bridge._backends``,
+    internal in every version). Under ``jax.distributed`` that set-up exchanges every
+    process's device topology, so a process that exits before it strands the others."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
 
 
 def sdy_mpmd_partitioner():

@@ -24,7 +24,7 @@ from multimesh._src.jax_compat import fresh_ir_context
 __all__ = [
     "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
     "make_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module",
-    "module_bytecode", "clone_module", "unchanged_on_error",
+    "module_bytecode", "clone_module", "unchanged_on_error", "probe_bytecode",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
     "symbol_table", "attr_to_py", "py_to_attr", "element_dtype",
@@ -40,6 +40,67 @@ def make_context() -> ir.Context:
     ctx = fresh_ir_context()
     ctx.enable_multithreading(False)
     return ctx
+
+
+def probe_bytecode(data: bytes, patience_s: float = 60.0) -> str | None:
+    """Why MLIR's bytecode reader cannot read ``data`` without harm, or None.
+
+    The reader trusts the sizes and offsets it reads: damaged bytecode (a byte deleted)
+    can crash it (SIGSEGV, found by bytecode fuzzing) or make LLVM raise an error that is
+    no diagnostic ("SmallVector unable to grow"). So bytecode is parsed first in a
+    forked child, single-threaded, which only parses and exits; the parent parses it
+    only if the child came back. The child touches nothing but MLIR's parser (no XLA,
+    no imports), so jax's warning about forking a multithreaded process is silenced; a
+    child that does not come back within ``patience_s`` (a lock another thread held at
+    the fork, or a very large module) is killed, and the parent parses as before.
+    """
+    import os
+    import signal
+    import time
+    import warnings
+
+    if not hasattr(os, "fork"):
+        return None
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                                category=RuntimeWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: parse, say how it went, exit without cleanup
+        os.close(read)
+        code, message = 0, b""
+        try:
+            ctx = make_context()
+            ctx.enable_multithreading(False)
+            with ctx:
+                ir.Module.parse(data)
+        except ir.MLIRError:
+            pass  # diagnostics: the parent's own parse reports them
+        except BaseException as e:  # noqa: BLE001 - what the probe is for
+            code, message = 3, f"{type(e).__name__}: {e}".encode(errors="replace")[:2000]
+        os.write(write, message)
+        os._exit(code)
+    os.close(write)
+    deadline = time.monotonic() + patience_s
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None
+            time.sleep(0.002)
+        reason = os.read(read, 4096).decode(errors="replace")
+    finally:
+        os.close(read)
+    if os.WIFSIGNALED(status):
+        return (f"MLIR's bytecode reader crashes on it "
+                f"({signal.Signals(os.WTERMSIG(status)).name}); the bytecode is damaged")
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3:
+        return f"MLIR's bytecode reader fails on it ({reason})"
+    return None
 
 
 def parse_module(text: str | bytes, context: ir.Context | None = None) -> ir.Module:

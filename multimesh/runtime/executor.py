@@ -23,6 +23,7 @@ from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
+from multimesh.runtime import fragment_store
 from multimesh.runtime import steps as st
 from multimesh.runtime.distributed import ProcessPlan
 from multimesh.runtime.guards import check_args
@@ -90,12 +91,13 @@ def _shape_key(frag: Fragment, donors: tuple[int, ...]) -> tuple:
 
 
 def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
-                 positions: tuple[int, ...] | None = None, like=None
-                 ) -> tuple[jax.stages.Compiled, str]:
+                 positions: tuple[int, ...] | None = None, like=None,
+                 stored: bytes | None = None) -> tuple[jax.stages.Compiled, str]:
     """:func:`compile_fragment`, and where the executable came from (:data:`XLA`, ...).
 
     ``like``: the executable of a fragment with the same :func:`_shape_key` on other
     devices; loaded onto these devices instead of compiling, where jax can.
+    ``stored``: such an executable from :mod:`.fragment_store`, loaded likewise.
     """
     home = frag.devices
     positions = positions or home
@@ -111,6 +113,8 @@ def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
               for lay in frag.out_layouts]
     exe = like and jax_compat.load_on_devices(like, frag.name, in_sh, out_sh, sub)
     origin = IDENTICAL
+    if exe is None and stored is not None:
+        exe, origin = _load_stored(frag, donors, in_sh, out_sh, sub, stored)
     if exe is None:
         exe, origin = _xla_compile(frag, donors, in_sh, out_sh, sub)
     level = compile_log_level()
@@ -126,6 +130,21 @@ def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
 
 _SAY = {XLA: "XLA compiled", PERSISTENT_CACHE: "loaded from jax's persistent cache",
         IDENTICAL: "loaded an identical fragment's executable for"}
+
+
+def _load_stored(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple,
+                 stored: bytes) -> tuple[jax.stages.Compiled | None, str]:
+    """A :mod:`.fragment_store` entry loaded onto ``sub``; None where it cannot be."""
+    module = parse_module(frag.text, make_context())
+    if donors:
+        _mark_donors(module, donors)
+    try:
+        exe = jax_compat.compile_module(
+            frag.name, module, [_aval(t) for t in frag.in_types],
+            [_aval(t) for t in frag.out_types], in_sh, out_sh, sub, serialized=stored)
+    except Exception:  # noqa: BLE001 - a stale or damaged entry: compile instead
+        return None, XLA
+    return exe, PERSISTENT_CACHE
 
 
 def _xla_compile(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple
@@ -171,23 +190,43 @@ def _compile_all(jobs: list[Job], devices: tuple
     done: dict[int, tuple[jax.stages.Compiled, str, float]] = {}
     # Only an executable XLA compiled in this process can be loaded elsewhere (jax
     # 0.10.2's CPU client re-serializes a loaded one without its code); with jax's
-    # persistent cache on, each fragment compiles for its own cache entry, so that a
-    # restarted process loads them all.
-    share = not jax_compat.persistent_cache_on()
+    # persistent cache on, the one XLA compiled is also stored for later processes.
+    entries, stored = _stored_entries(leaders, jobs, devices)
 
     def timed(j: int) -> tuple[jax.stages.Compiled, str, float]:
         frag, donors, positions = jobs[j]
-        like = done.get(leaders[_shape_key(frag, donors)])
+        shape = _shape_key(frag, donors)
+        like = done.get(leaders[shape])
         t0 = time.perf_counter()
         exe, origin = _compile_one(frag, devices, donors, positions,
-                                   like[0] if share and like and like[1] == XLA else None)
-        return exe, origin, time.perf_counter() - t0
+                                   like[0] if like and like[1] == XLA else None,
+                                   stored.get(shape))
+        seconds = time.perf_counter() - t0
+        if origin == XLA and shape in entries and stored.get(shape) is None:
+            data = jax_compat.serialized_executable(exe)
+            if data is not None:
+                fragment_store.write(entries[shape], data, seconds)
+        return exe, origin, seconds
 
     done.update(zip(lead, map_ordered(timed, lead)))
     rest = [j for j in first.values() if j not in done]
     done.update(zip(rest, map_ordered(timed, rest)))
     return [done[j] if j in done else (done[first[k]][0], MEMORY, 0.0)
             for j, k in enumerate(_fragment_key(f, devices, d, p) for f, d, p in jobs)]
+
+
+def _stored_entries(leaders: dict[tuple, int], jobs: list[Job], devices: tuple
+                    ) -> tuple[dict[tuple, str], dict[tuple, bytes | None]]:
+    """With jax's persistent cache on: each distinct fragment's :mod:`.fragment_store`
+    entry name, and its executable where a process stored one (one read each)."""
+    if not jax_compat.persistent_cache_on():
+        return {}, {}
+    with _LOCK:
+        todo = {shape: j for shape, j in leaders.items()
+                if _COMPILE_CACHE.get(_fragment_key(jobs[j][0], devices, *jobs[j][1:])) is None
+                and not callbacks.may_call_back(jobs[j][0].text)}
+    entries = {shape: fragment_store.entry_key(shape, devices[0]) for shape in todo}
+    return entries, {shape: fragment_store.read(key) for shape, key in entries.items()}
 
 
 def _mark_donors(module, donors) -> None:

@@ -27,7 +27,7 @@ from multimesh._src.errors import (
     MultimeshError,
     PipelineError,
 )
-from multimesh._src.ir_attrs import MAX_NESTING, SourceError, decode_source
+from multimesh._src.ir_attrs import MAX_NESTING, SourceError, decode_source, is_bytecode
 from multimesh._src.mlir import (
     file_line_col,
     ir,
@@ -36,6 +36,7 @@ from multimesh._src.mlir import (
     print_module,
 )
 from multimesh._src.stack import STACK_BYTES, on_big_stack
+from multimesh.passes.pipeline import COMMON_NATIVE, did_you_mean
 
 __all__ = ["main"]
 
@@ -106,10 +107,21 @@ class Chunk:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with the registered ``mm-*`` passes appended to ``--help``."""
+    """argparse, with the registered ``mm-*`` passes appended to ``--help`` and a
+    suggestion for a misspelt flag."""
 
     def format_help(self) -> str:
         return super().format_help() + "\n" + _passes_help()
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            known += [f"--{arg}" for arg, _cls, _summary in _load_passes()]
+            for token in message.split(":", 1)[1].split():
+                hint = did_you_mean(token.split("=", 1)[0], known)
+                if hint:
+                    message += f" ({token}:{hint})"
+        super().error(message)
 
 
 _SWITCHES = (
@@ -153,10 +165,48 @@ def _make_parser() -> argparse.ArgumentParser:
                    help="output file ('-': stdout); written atomically, only on success")
     p.add_argument("-p", "--pass-pipeline", dest="pipeline", default=None,
                    metavar="PIPELINE",
-                   help="textual pass pipeline, e.g. 'builtin.module(mm-verify,canonicalize)'")
+                   help="textual pass pipeline, e.g. 'builtin.module(mm-verify,canonicalize)'; "
+                        "or give passes as flags in order, as mlir-opt does: "
+                        "--mm-verify --mm-assign-tasks=num-devices=8 --canonicalize")
     for flag, help_text in _SWITCHES:
         p.add_argument(flag, action="store_true", help=help_text)
+    for when in ("before", "after"):
+        p.add_argument(f"--mlir-print-ir-{when}", action="append", default=[],
+                       metavar="PASS", help=f"print the IR {when} every step that runs PASS "
+                       f"(stderr; repeat it or separate passes by commas)")
     return p
+
+
+def _pass_flags(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` without its ``--<pass>[=options]`` flags, and those as pipeline elements
+    (``--mm-assign-tasks=num-devices=8`` is ``mm-assign-tasks{num-devices=8}``)."""
+    rest: list[str] = []
+    elements: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return rest + argv[i:], elements
+        name, eq, options = arg[2:].partition("=")
+        if arg.startswith("--") and arg.split("=")[0] not in parser._option_string_actions \
+                and _is_pass(name):
+            elements.append(f"{name}{{{options}}}" if eq else name)
+        else:
+            rest.append(arg)
+    return rest, elements
+
+
+def _is_pass(name: str) -> bool:
+    """Whether ``name`` is a registered multimesh pass or a native one jaxlib knows."""
+    from multimesh.passes.pipeline import parse_pipeline
+
+    if not name or not re.fullmatch(r"[\w.-]+", name):
+        return False
+    if name.startswith("mm-"):
+        return any(arg == name for arg, _cls, _summary in _load_passes())
+    try:
+        parse_pipeline(f"builtin.module({name})")
+    except MultimeshError:
+        return False
+    return True
 
 
 def _load_passes() -> list[tuple[str, type | None, str]]:
@@ -185,14 +235,41 @@ def _passes_help() -> str:
 
 
 def _list_passes(out) -> None:
+    """Each pass, its summary and its options as ``name=<type> (default: value)``."""
+    import typing
+
     from multimesh.passes.base import option_fields
 
     for arg, cls, summary in _load_passes():
         out.write(f"  {arg}\n    {summary}\n")
         if cls is None:
             continue
+        hints = typing.get_type_hints(cls)
         for f in option_fields(cls):
-            out.write(f"      {f.name.replace('_', '-')}={f.default!r}\n")
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING
+                else None)
+            out.write(f"      {f.name.replace('_', '-')}=<{_type_name(hints[f.name])}> "
+                      f"(default: {default!r})\n")
+
+
+def _type_name(tp) -> str:
+    """An option's type as ``--list-passes`` shows it: ``int``, ``string``, ``int,...``,
+    ``int or none``."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        named = " or ".join(_type_name(a) for a in inner)
+        return named + (" or none" if len(inner) < len(args) else "")
+    if origin is tuple:
+        return f"{_type_name(args[0])},..." if args else "list"
+    if origin is typing.Literal:
+        return "|".join(str(a) for a in args)
+    return {str: "string", bool: "bool", int: "int", float: "number"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 def _version() -> str:
@@ -219,10 +296,19 @@ __all__ += ["MAX_NESTING", "STACK_BYTES"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mm-opt`` console script; returns the exit code."""
     parser = _make_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        argv, elements = _pass_flags(parser, argv)
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help exits 0, usage errors exit 2
         return int(e.code or 0)
+    if elements:
+        if args.pipeline is not None:
+            sys.stderr.write(f"{PROG}: error: give the passes either as -p PIPELINE or as "
+                             f"--<pass> flags, not both (got -p and "
+                             f"{', '.join('--' + e.split('{')[0] for e in elements)})\n")
+            return 2
+        args.pipeline = f"builtin.module({','.join(elements)})"
     try:
         return on_big_stack(lambda: _main(args), name=PROG)
     except KeyboardInterrupt:  # pragma: no cover
@@ -250,7 +336,7 @@ def _internal_error(e: BaseException, where: str = "") -> None:
         sys.stderr.write(f"{PROG}: note: set MULTIMESH_TRACEBACK=1 to see the traceback\n")
 
 
-def _read_input(path: str | None, display: str) -> str | bytes:
+def _read_input(path: str | None, display: str, split: bool = False) -> str | bytes:
     """The input: text (checked UTF-8) or bytecode, after multimesh's source guard."""
     if path in ("-", None):
         stream = getattr(sys.stdin, "buffer", None)
@@ -263,6 +349,10 @@ def _read_input(path: str | None, display: str) -> str | bytes:
             sys.stderr.write(f"{PROG}: error: could not open input file "
                              f"'{path}': {e.strerror or e}\n")
             raise _Failure from None
+    if split and is_bytecode(data):
+        sys.stderr.write(f"{display}:1:1: error: --split-input-file needs text input, got "
+                         f"MLIR bytecode\n")
+        raise _Failure
     try:
         return decode_source(data)
     except SourceError as e:
@@ -308,6 +398,27 @@ def _write_output(path: str | None, text: str | bytes) -> None:
         raise
 
 
+def _print_ir_names(values: list[str], when: str) -> set[str]:
+    """The passes of ``--mlir-print-ir-<when>=a,b``; each must be a pass."""
+    names = {n.strip() for v in values for n in v.split(",") if n.strip()}
+    for name in sorted(names):
+        if not _is_pass(name):
+            known = [arg for arg, _cls, _summary in _load_passes()]
+            sys.stderr.write(f"{PROG}: error: --mlir-print-ir-{when}: '{name}' is not a "
+                             f"registered pass.{did_you_mean(name, known + list(COMMON_NATIVE))} "
+                             f"Run `mm-opt --list-passes` to see the multimesh passes.\n")
+            raise _Failure
+    return names
+
+
+def _step_names(step) -> set[str]:
+    """The pass names a pipeline step runs (a native step may run several)."""
+    text = getattr(step, "text", None)
+    if text is None:
+        return {step.argument}
+    return {e.split("{")[0].split("(")[0].strip() for e in text.split(",")}
+
+
 def _print_timing(timings: dict[str, float]) -> None:
     """``--mlir-timing``: the time of each step, as MLIR's execution time report."""
     total = timings.get("(total)", 0.0) or 1e-12
@@ -331,6 +442,8 @@ class _Driver:
         self.diag = _Diagnostics(self.display)
         self.timings: dict[str, float] = {}
         self.current_step: str | None = None
+        self.print_before: set[str] = set()
+        self.print_after: set[str] = set()
 
     def run(self) -> int:
         a = self.args
@@ -341,9 +454,11 @@ class _Driver:
             _list_passes(sys.stdout)
             return 0
         pipeline = self._parse_pipeline()
+        self.print_before = _print_ir_names(a.mlir_print_ir_before, "before")
+        self.print_after = _print_ir_names(a.mlir_print_ir_after, "after")
         if pipeline is not None and a.dump_pass_pipeline:
             sys.stderr.write(f"Pass Manager with {len(pipeline.steps)} steps:\n{pipeline}\n")
-        chunks = self._chunks(_read_input(a.input, self.display))
+        chunks = self._chunks(_read_input(a.input, self.display, a.split_input_file))
 
         ctx = make_context()
         if a.allow_unregistered_dialect:
@@ -504,12 +619,12 @@ class _Driver:
 
         def before(step, mod):
             self.current_step = step.argument
-            if a.mlir_print_ir_before_all:
+            if a.mlir_print_ir_before_all or _step_names(step) & self.print_before:
                 self._dump(f"IR Dump Before {step.argument}", mod)
 
         def after(step, mod, dt):
             self._time(step.argument, dt)
-            if a.mlir_print_ir_after_all:
+            if a.mlir_print_ir_after_all or _step_names(step) & self.print_after:
                 self._dump(f"IR Dump After {step.argument}", mod)
 
         self.current_step = None

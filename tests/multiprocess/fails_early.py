@@ -3,7 +3,10 @@
 ``WHEN``: ``before-init`` (raises before ``jax.distributed.initialize()``),
 ``during-init`` (its ``initialize`` times out: the peer comes 60 s late),
 ``after-init`` (raises after it, before any multimesh program, while the peer waits in
-a cross-process barrier), ``exit0-before-init`` (exits with code 0 without joining).
+a cross-process barrier), ``exit0-before-init`` (exits with code 0 without joining),
+``exit1-after-init`` (``sys.exit(1)`` after it, while the peer waits in a barrier),
+``exit0-after-init`` (exits with code 0 right after it, before setting up its devices,
+so the peer waits for its topology).
 Every process prints its pid first, and the culprit the time it fails (but for
 ``during-init``, where jax's fatal log line gives the time).
 """
@@ -21,6 +24,8 @@ def fail(how):
     print(f"fails at {time.time():.3f}", flush=True)
     if how == "exit0":
         sys.exit(0)
+    if how == "exit1":
+        sys.exit(1)
     raise ValueError(f"process {me} fails {WHEN}")
 
 
@@ -37,5 +42,7 @@ if me == CULPRIT and WHEN == "during-init":  # jax aborts the process (its log s
 jax.distributed.initialize()
 if me == CULPRIT and WHEN == "after-init":
     fail("raise")
+if me == CULPRIT and WHEN in ("exit1-after-init", "exit0-after-init"):
+    fail(WHEN[:5])
 multihost_utils.sync_global_devices("everyone")  # waits for the culprit
 print("the peer never got here", flush=True)
