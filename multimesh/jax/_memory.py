@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from multimesh.runtime.memory import SubmeshMemory, measure_step
+from multimesh.runtime.memory import SubmeshMemory, handed_over, measure_step
 
 __all__ = ["MemoryProfile", "memory_profile"]
 
@@ -18,7 +18,8 @@ class MemoryProfile:
     schedule's ``live_activations``), and ``predicted_activations``, the most bytes
     over the submesh's dispatch order of (pairs between forward and backward) x
     ``residual_bytes`` + (pairs between the halves of a split backward) x
-    ``weight_bytes`` (a pair whose first half runs counts in both), with each
+    ``weight_bytes`` (a pair whose first half runs counts in both where that half
+    hands values to the second), with each
     stage's own bytes (``stage_bytes``) where the submesh runs several."""
 
     schedule: str | None
@@ -74,15 +75,17 @@ def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     ids = [tuple(low.devices[p].id for p in where) for where in sched.devices]
     live = sched.live_activations()
     rows = [measured.get(i, SubmeshMemory(i)) for i in ids]
-    per_stage = _states(sched)
+    per_stage = _states(sched, handed_over(compiled.plan_data))
     states = [[tuple(map(sum, zip((0, 0), *row.values()))) for row in sub] for sub in per_stage]
     return MemoryProfile(sched.name, rows, list(live), states, per_stage)  # type: ignore
 
 
-def _states(schedule) -> list[list[dict[str, tuple[int, int]]]]:
+def _states(schedule, handed: set[str]) -> list[list[dict[str, tuple[int, int]]]]:
     """Per submesh, after each dispatch, per stage (its forward task): (stage,
     microbatch) pairs whose forward ran and backward has not, and pairs whose
-    backward has partly run (a weight half to come)."""
+    backward has partly run (a weight half to come). ``handed``: the stages whose
+    first backward half makes values for the second (held beside its residuals while
+    it runs)."""
     task = {u.stage: u.task for u in schedule.units if not u.free and u.kind == "fwd"}
     total: dict[tuple, int] = {}
     for u in schedule.units:
@@ -102,7 +105,8 @@ def _states(schedule) -> list[list[dict[str, tuple[int, int]]]]:
             # while a split backward's first half runs, its microbatch's residuals are
             # still held beside what it makes for the second half
             running = (not u.free and u.kind == "bwd" and u.key in fwd
-                       and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1)
+                       and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1
+                       and task.get(u.key[1], "") in handed)
             row_counts: dict[str, list[int]] = {}
             for k in waiting:
                 row_counts.setdefault(task.get(k[1], ""), [0, 0])[bool(bwd.get(k))] += 1
