@@ -1176,6 +1176,17 @@ def _():
     pipelined().schedule.simulate(3)
 
 
+@error("run-ahead-invalid", API, "A run-ahead bound that is not a positive integer",
+       MultimeshValueError,
+       r"`run_ahead` must be a positive integer \(the fragment calls of one submesh that may "
+       r"be in flight at once\) or None \(no bound\), got 0\.",
+       """`MpmdCompiled.run_ahead` bounds how many fragment calls of one submesh the host
+       dispatches before the oldest has finished; None dispatches without a bound. The
+       same holds for `$MULTIMESH_RUN_AHEAD` (a positive integer, or `none`).""")
+def _():
+    pipelined().run_ahead = 0
+
+
 @error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
        MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
        """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a
