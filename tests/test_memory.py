@@ -200,3 +200,17 @@ def test_defer_transfers_moves_only_past_calls_that_leave_the_source_alone():
     hop = Transfer(2, 7, ((0,), ("x",), (1,), ((),)))
     steps = [make, move, other, hop, Call("a", [7], [8], microbatch=0)]
     assert defer_transfers(steps, frags) == steps
+
+
+def test_planner_model_prices_a_v_turn_as_the_sum_of_its_stages():
+    """The planner's memory model (``simulate_stages``, per stage) prices the two stages
+    at a V's turn (stages 1 and 2 of 4 on submesh 1) as the sum of theirs: each stage's
+    live microbatches at its own bytes, not one stage's bytes for both."""
+    from multimesh.schedules.costs import simulate_stages
+
+    def turn(bytes_):
+        return simulate_stages("dualpipe-v", [1.0] * 4, [2.0] * 4, num_microbatches=4,
+                               num_meshes=2, activation_bytes=bytes_).peak_activation_bytes[1]
+
+    down, up, both = turn([0, 10, 0, 0]), turn([0, 0, 100, 0]), turn([0, 10, 100, 0])
+    assert (down, up) == (30, 200) and max(down, up) < both <= down + up
