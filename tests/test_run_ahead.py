@@ -42,7 +42,7 @@ def test_default_per_backend_and_from_the_environment(monkeypatch):
     monkeypatch.setenv(runahead.RUN_AHEAD_ENV, "3")
     assert runahead.default_run_ahead("gpu") == 3
     monkeypatch.setenv(runahead.RUN_AHEAD_ENV, "many")
-    with pytest.raises(MultimeshValueError, match=r"\$MULTIMESH_RUN_AHEAD.*got 'many'"):
+    with pytest.raises(MultimeshValueError, match=r"MULTIMESH_RUN_AHEAD must be a positive whole number.*got 'many'"):
         runahead.default_run_ahead("cpu")
     monkeypatch.setenv(runahead.RUN_AHEAD_ENV, "1")
     compiled, ws, x, ref = _program("gpipe", stages=2)

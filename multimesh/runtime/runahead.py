@@ -55,7 +55,12 @@ def default_run_ahead(platform: str) -> int | None:
         n = int(env)
     except ValueError:
         n = 0
-    return check_run_ahead(n if n > 0 else env, f"${RUN_AHEAD_ENV}")
+    if n < 1:
+        raise MultimeshValueError(
+            f"{RUN_AHEAD_ENV} must be a positive whole number of fragment calls, or none "
+            f"for no bound, got {os.environ[RUN_AHEAD_ENV]!r}; for example "
+            f"{RUN_AHEAD_ENV}=2, or {RUN_AHEAD_ENV}=none to dispatch without waiting.")
+    return n
 
 
 class _Window:
