@@ -38,16 +38,19 @@ def _loss_of(stages):
     return loss
 
 
+V_SHAPED = ("dualpipe-v", "zero-bubble-v")
+
+
 def _stages(schedule) -> int:
-    """Interleaved: 8 stages, stage k on submesh k % 4; dualpipe-v: 8 stages in a V
+    """Interleaved: 8 stages, stage k on submesh k % 4; V-shaped: 8 stages in a V
     (:func:`_home`); else one stage per submesh."""
-    return 2 * S if schedule.startswith("interleaved") or schedule == "dualpipe-v" else S
+    return 2 * S if schedule.startswith("interleaved") or schedule in V_SHAPED else S
 
 
 def _home(schedule, k) -> int:
     """Stage ``k``'s submesh: in a V, k down and 2S - 1 - k back up (stages S - 1 and S,
     the turn, on the last submesh); else k % S."""
-    if schedule == "dualpipe-v" and k >= S:
+    if schedule in V_SHAPED and k >= S:
         return 2 * S - 1 - k
     return k % S
 
@@ -92,7 +95,7 @@ def _stages_priced_apart(schedule, compiled, prof, remat) -> None:
     stage (the two at a V's turn, on the last submesh) is priced as the sum of what
     each task's microbatch holds, in memory_profile's theory and in the simulator."""
     turn = prof.submeshes[S - 1]
-    if schedule == "dualpipe-v":
+    if schedule in V_SHAPED:
         assert "s3+s4" in {t for row in prof.stage_states[S - 1] for t in row}
         if not remat:  # both turn tasks keep their layers' activations
             assert {"s3", "s4"} <= set(turn.stage_bytes)
@@ -106,8 +109,8 @@ def _stages_priced_apart(schedule, compiled, prof, remat) -> None:
             assert got >= 0.9 * s.peak_activations, (k, got, s)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b",
-                                      "dualpipe-v"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2",
+                                      "interleaved-1f1b", "dualpipe-v", "zero-bubble-v"])
 def test_measured_activations_equal_theory(schedule):
     n = _stages(schedule)
     ref = _reference(n)
@@ -125,7 +128,7 @@ def test_measured_activations_equal_theory(schedule):
         for k, (s, theory) in enumerate(zip(prof.submeshes, prof.predicted_activations)):
             assert s.peak == s.inputs + s.activations + s.transient + s.other + s.temporaries
             assert abs(s.peak_activations - theory) <= 0.1 * theory, (remat, k, s, theory)
-        if schedule in ("dualpipe-v", "interleaved-1f1b"):
+        if schedule in ("dualpipe-v", "zero-bubble-v", "interleaved-1f1b"):
             _stages_priced_apart(schedule, compiled, prof, remat)
         if remat and n == S:
             # only stage inputs stay (the first stage's is a slice of the batch); the
