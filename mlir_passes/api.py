@@ -92,7 +92,8 @@ def build_pipeline(options: PipelineOptions) -> Pipeline:
         steps.append(_new("mm-recompute-forward", tasks=options.remat_tasks,
                           inputs_of=options.remat_inputs_of))
     if options.split_backward is not SplitBackward.NONE:
-        steps.append(_new("mm-split-backward", all=options.split_backward is SplitBackward.ALL))
+        steps.append(_new("mm-split-backward", all=options.split_backward is SplitBackward.ALL,
+                          recompute=options.remat_tasks + options.remat_inputs_of))
     if options.recompute_transfers:
         steps.append(_new("mm-recompute-transfers"))
     steps.append(_new("mm-propagate-shardings"))

@@ -33,6 +33,14 @@ class SplitBackwardPass(ModulePass):
     """Split every backward fragment (zero-bubble schedules); otherwise only tasks whose
     `mm.tasks` entry has `split_backprop`."""
 
+    recompute: tuple[str, ...] = ()
+    """Tasks (forward or backward names) whose weight half may recompute what it shares
+    with the activation half, from the backward's own arguments, instead of taking it
+    as extra arguments: chosen per fragment when the arguments it would keep alive
+    longer (those made by other fragments: a stage input, the incoming cotangent) take
+    fewer bytes than the shared values. ``remat=True`` under a schedule that splits the
+    backward: a microbatch keeps no more than those arguments between the two halves."""
+
     def apply(self, module: ir.Module) -> None:
         with module.context:
             main = c.main_func(module)
@@ -55,7 +63,22 @@ class SplitBackwardPass(ModulePass):
                 act = _activation_outputs(call, tag[0], task_of)
                 if not act or len(act) == len(call.results):
                     continue
-                _split(call, funcs[name], act, suffixes or ("_act", "_w"))
+                again = tag[0] in self.recompute or any(
+                    t in self.recompute for t in _forward_tasks(call, task_of))
+                _split(call, funcs[name], act, suffixes or ("_act", "_w"), again)
+
+
+def _forward_tasks(call: ir.Operation, task_of: dict[str, c.Tag | None]) -> set[str]:
+    """The tasks of the forward fragments whose results a backward call reads."""
+    out = set()
+    for v in call.operands:
+        owner = v.owner
+        if isinstance(owner, ir.Block) or owner.operation.name != "func.call":
+            continue
+        t = task_of.get(c.callee_of(owner.operation))
+        if t is not None and t[1] == 0:
+            out.add(t[0])
+    return out
 
 
 def _activation_outputs(call: ir.Operation, task: str,
@@ -117,16 +140,22 @@ class _Body:
 
 
 def _split(call: ir.Operation, fn: ir.Operation, act_outputs: list[int],
-           suffixes: tuple[str, str]) -> None:
+           suffixes: tuple[str, str], recompute: bool = False) -> None:
     body = _Body(fn)
     need = body.needed_by(act_outputs)
     weight_outputs = [j for j in range(len(body.ret.operands)) if j not in act_outputs]
     crossing = body.crossing(need, weight_outputs)
+    w_keep = set(range(len(body.ops))) - need
+    if recompute and crossing:
+        whole = body.needed_by(weight_outputs)
+        if _held_longer(call, fn, whole, w_keep) < sum(
+                c.value_bytes(body.ops[p].results[r]) for p, r in crossing):
+            crossing, w_keep = [], whole
     name = c.func_name(fn)
     a_name, w_name = f"{name}{suffixes[0]}", f"{name}{suffixes[1]}"
     a_fn = _make_half(fn, a_name, keep=need, outputs=[("ret", j) for j in act_outputs]
                       + [("op", k) for k in crossing], split="activation")
-    w_fn = _make_half(fn, w_name, keep=set(range(len(body.ops))) - need,
+    w_fn = _make_half(fn, w_name, keep=w_keep,
                       outputs=[("ret", j) for j in weight_outputs], split="weight",
                       crossing=crossing)
     # rebuild the call site: act half, then weight half
@@ -145,6 +174,26 @@ def _split(call: ir.Operation, fn: ir.Operation, act_outputs: list[int],
         call.results[j].replace_all_uses_with(w_call.results[k])
     call.erase()
     fn.erase()
+
+
+def _held_longer(call: ir.Operation, fn: ir.Operation, recompute: set[int],
+                 keep: set[int]) -> int:
+    """Bytes of the arguments a weight half that recomputes (its ops ``recompute``) reads
+    beyond those the one that takes shared values reads (ops ``keep``), counting only
+    those made by other fragments (per microbatch: a stage input, a cotangent); the
+    program's own arguments (the parameters) are held through the step anyway."""
+    body = _Body(fn)
+
+    def args_of(ops: set[int]) -> set[int]:
+        read = {v for i in ops for v in _all_operands(body.ops[i])}
+        read |= set(body.ret.operands)
+        return {k for k, a in enumerate(c.entry_block(fn).arguments) if a in read}
+    total = 0
+    for k in args_of(recompute) - args_of(keep):
+        owner = call.operands[k].owner
+        if not isinstance(owner, ir.Block) and owner.operation.name == "func.call":
+            total += c.value_bytes(call.operands[k])
+    return total
 
 
 def _defined_inside(op: ir.Operation) -> set[ir.Value]:

@@ -1211,6 +1211,33 @@ def _():
     pipelined().schedule.simulate(3)
 
 
+@error("run-ahead-invalid", API, "A run-ahead bound that is not a positive integer",
+       MultimeshValueError,
+       r"`run_ahead` must be a positive integer \(the fragment calls of one submesh that may "
+       r"be in flight at once\) or None \(no bound\), got 0\.",
+       """`MpmdCompiled.run_ahead` bounds how many fragment calls of one submesh the host
+       dispatches before the oldest has finished; None dispatches without a bound. The
+       same holds for `$MULTIMESH_RUN_AHEAD` (a positive integer, or `none`).""")
+def _():
+    pipelined().run_ahead = 0
+
+
+@error("run-ahead-env-not-a-count", API, "`MULTIMESH_RUN_AHEAD` is not a bound",
+       MultimeshValueError,
+       r"MULTIMESH_RUN_AHEAD must be a positive whole number of fragment calls, or none for "
+       r"no bound, got 'lots'; for example MULTIMESH_RUN_AHEAD=2, or MULTIMESH_RUN_AHEAD=none "
+       r"to dispatch without waiting\.",
+       """The default run-ahead bound of every program compiled while it is set (see
+       `run-ahead-invalid`): a count, e.g. `MULTIMESH_RUN_AHEAD=2`, or `none`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    os.environ["MULTIMESH_RUN_AHEAD"] = "lots"
+    try:
+        mm.mjit(grad_fn).lower(ws, x).compile()
+    finally:
+        del os.environ["MULTIMESH_RUN_AHEAD"]
+
+
 @error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
        MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
        """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a

@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 D, HEADS, BLOCKS, SUBMESHES, BATCH, M = 128, 4, 8, 4, 256, 8
 SCHEDULES = ["gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2", "interleaved-1f1b"]
+REAL_SCHEDULES = ["gpipe", "1f1b", "zero-bubble-h1", "dualpipe-v"]
+V_SHAPED = ("dualpipe-v", "zero-bubble-v")
 
 
 def _block(p, x):
@@ -53,8 +55,15 @@ def _block(p, x):
     return x + jax.nn.gelu(norm(x) @ p["w1"]) @ p["w2"]
 
 
-def _model(stages: int):
-    """(loss, params, x) with ``stages`` stage tasks, stage k on submesh k % 4."""
+def _home(k: int, stages: int, v_shape: bool = False) -> int:
+    """Stage ``k``'s submesh: k % 4, or in a V (dualpipe-v) k down and 2P - 1 - k up."""
+    if v_shape and k >= SUBMESHES:
+        return 2 * SUBMESHES - 1 - k
+    return k % SUBMESHES
+
+
+def _model(stages: int, v_shape: bool = False):
+    """(loss, params) with ``stages`` stage tasks, stage k on submesh :func:`_home`."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -68,8 +77,8 @@ def _model(stages: int):
 
     per = 8 // SUBMESHES
     tasks = [mm.task(stage, name=f"stage{k}",
-                     mesh=mm.TaskMesh(devices=range(per * (k % SUBMESHES),
-                                                    per * (k % SUBMESHES) + per)),
+                     mesh=mm.TaskMesh(devices=range(per * _home(k, stages, v_shape),
+                                                    per * _home(k, stages, v_shape) + per)),
                      logical_axes=(("batch", "x"),)) for k in range(stages)]
 
     def loss(params, x):
@@ -100,8 +109,9 @@ def _compile(schedule: str, remat: bool, seq: int):
 
     import multimesh.jax as mm
 
-    stages = 2 * SUBMESHES if schedule == "interleaved-1f1b" else SUBMESHES
-    loss, params = _model(stages)
+    v_shape = schedule in V_SHAPED
+    stages = 2 * SUBMESHES if schedule == "interleaved-1f1b" or v_shape else SUBMESHES
+    loss, params = _model(stages, v_shape)
     x = jax.random.normal(jax.random.key(1), (BATCH, seq, D), jnp.float32)
     step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=BATCH // M, argnum=1,
                          schedule=schedule, remat=True if remat else None)
@@ -155,13 +165,133 @@ def _print(r: dict) -> None:
               flush=True)
 
 
+# ------------------------------------------------------------- the real peak (issue 33)
+
+
+def _status(field: str) -> int:
+    """``/proc/self/status``'s ``field`` (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    """Start the RSS high-water mark (VmHWM) afresh from the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_of(run) -> int:
+    """The RSS high-water mark while ``run()`` runs, above the RSS before it."""
+    import gc
+
+    gc.collect()
+    base = _status("VmRSS")
+    _reset_peak()
+    out = run()
+    peak = _status("VmHWM") - base
+    del out
+    gc.collect()
+    return peak
+
+
+def _child(cfg: dict) -> dict:
+    """One (schedule, remat) in this fresh process: the real peak of two ordinary calls
+    per run-ahead bound, the peak dispatched step by step, the theory, step times."""
+    import jax
+
+    compiled, params, x = _compile(cfg["schedule"], cfg["remat"], cfg["seq"])
+    prof = compiled.memory_profile(params, x)
+    # theory above the compiled state: per device, the most it holds beyond the inputs
+    theory = sum((s.peak - s.inputs) * len(s.devices) for s in prof.submeshes)
+    two = lambda: jax.block_until_ready([compiled(params, x), compiled(params, x)])  # noqa: E731
+    stepwise = _peak_of(lambda: compiled.profile(params, x))
+    out = {"schedule": cfg["schedule"], "remat": cfg["remat"], "theory": theory,
+           "stepwise": stepwise, "real": {}, "step_s": {}}
+    bounds = [None if b == "none" else int(b) for b in cfg["bounds"]]
+    for b in bounds:
+        compiled.run_ahead = b
+        two()  # warm this program
+        out["real"][str(b)] = _peak_of(two)
+    times: dict[str, list[float]] = {str(b): [] for b in bounds}
+    for _ in range(cfg["reps"]):
+        for b in bounds:  # alternating, so the variants share the machine's load
+            compiled.run_ahead = b
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(params, x))
+            times[str(b)].append(time.perf_counter() - t0)
+    out["step_s"] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+def real_peaks(schedules: list[str], seq: int, reps: int, bounds: list[str]) -> list[dict]:
+    """:func:`_child` for each schedule, without and with remat, each in a fresh process
+    (glibc returns every buffer of 64 KiB or more to the system at once:
+    ``MALLOC_MMAP_THRESHOLD_``, so RSS follows the live buffers)."""
+    import subprocess
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env.pop("MULTIMESH_RUN_AHEAD", None)
+    out = []
+    for schedule in schedules:
+        for remat in (False, True):
+            cfg = {"schedule": schedule, "remat": remat, "seq": seq, "reps": reps,
+                   "bounds": bounds}
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                                   json.dumps(cfg)], env=env, capture_output=True,
+                                  text=True, check=True)
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            _print_real(r)
+            out.append(r)
+    return out
+
+
+def _print_real(r: dict) -> None:
+    mib = 1 << 20
+    label = f"{r['schedule']}{' remat' if r['remat'] else ''}"
+    parts = [f"theory {r['theory'] / mib:7.1f} MiB",
+             f"step by step {r['stepwise'] / mib:7.1f} ({r['stepwise'] / r['theory']:.2f}x)"]
+    for b, v in r["real"].items():
+        name = "unbounded" if b == "None" else f"run_ahead={b}"
+        parts.append(f"{name} {v / mib:7.1f} ({v / r['theory']:.2f}x, "
+                     f"{r['step_s'][b] * 1e3:.0f} ms)")
+    print(f"{label:<20} " + "  ".join(parts), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--reps", type=int, default=3, help="timed steps per config")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--real", action="store_true",
+                    help="the real peak (RSS of two ordinary calls in a fresh process) "
+                         f"against theory, for {','.join(REAL_SCHEDULES)} unless "
+                         "--schedules says otherwise, per --run-ahead bound")
+    ap.add_argument("--run-ahead", default="none,2,1",
+                    help="run-ahead bounds to compare with --real ('none': no bound)")
+    ap.add_argument("--issue-size", action="store_true",
+                    help="issue 33's size: sequences of 128 tokens (activations dominate)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(json.loads(args.child))), flush=True)
+        return 0
+    if args.issue_size:
+        args.seq = 128
+    if args.real:
+        schedules = (args.schedules.split(",") if "--schedules" in (argv or sys.argv)
+                     else REAL_SCHEDULES)
+        print(f"transformer: {BLOCKS} blocks, d={D}, batch {BATCH} x {args.seq} tokens, "
+              f"{SUBMESHES} submeshes x 2 devices, M={M}; RSS above the compiled state, "
+              "all 8 devices", flush=True)
+        results = real_peaks(schedules, args.seq, args.reps, args.run_ahead.split(","))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     print(f"transformer: {BLOCKS} blocks, d={D}, batch {BATCH} x {args.seq} tokens, "
           f"{SUBMESHES} submeshes x 2 devices, M={M}", flush=True)
     results = []

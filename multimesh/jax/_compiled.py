@@ -93,6 +93,18 @@ class MpmdCompiled:
                     for o, impl in zip(outs, low.key_outputs)]
         return jax.tree.unflatten(low.out_tree, outs)
 
+    @property
+    def run_ahead(self) -> int | None:
+        """How far the host may dispatch ahead of the devices: at most this many fragment
+        calls of one submesh in flight (None: no bound). Defaults to
+        ``$MULTIMESH_RUN_AHEAD``, else 2 on CPU and no bound elsewhere; see
+        docs/performance.md, "The real peak". Settable."""
+        return self._exec.run_ahead
+
+    @run_ahead.setter
+    def run_ahead(self, limit: int | None) -> None:
+        self._exec.set_run_ahead(limit)
+
     def as_text(self) -> str:
         """The program after the full pass pipeline (MPMD form)."""
         if self._text is None:

@@ -6,9 +6,9 @@ import dataclasses
 
 import jax
 
-from multimesh.runtime.memory import SubmeshMemory, measure_step
+from multimesh.runtime.memory import SubmeshMemory, handed_over, measure_step
 
-__all__ = ["MemoryProfile", "memory_profile"]
+__all__ = ["MemoryProfile", "memory_profile", "stage_tasks"]
 
 
 @dataclasses.dataclass
@@ -18,7 +18,8 @@ class MemoryProfile:
     schedule's ``live_activations``), and ``predicted_activations``, the most bytes
     over the submesh's dispatch order of (pairs between forward and backward) x
     ``residual_bytes`` + (pairs between the halves of a split backward) x
-    ``weight_bytes`` (a pair whose first half runs counts in both), with each
+    ``weight_bytes`` (a pair whose first half runs counts in both where that half
+    hands values to the second), with each
     stage's own bytes (``stage_bytes``) where the submesh runs several."""
 
     schedule: str | None
@@ -29,7 +30,8 @@ class MemoryProfile:
     pairs awaiting their weight half)."""
     stage_states: list[list[dict[str, tuple[int, int]]]] = dataclasses.field(
         default_factory=list)
-    """``states`` per stage (its forward task)."""
+    """``states`` per stage (its forward task; the tasks of a stage that runs several,
+    joined by ``+``)."""
 
     @property
     def predicted_activations(self) -> list[int]:
@@ -39,9 +41,11 @@ class MemoryProfile:
                 {"": c} for c in self.states[k]]
             # a stage with nothing measured kept nothing (a first stage's batch slice)
             fallback = (0, 0) if s.stage_bytes else (s.residual_bytes, s.weight_bytes)
-            out.append(max((sum(a * s.stage_bytes.get(t, fallback)[0]
-                                + b * s.stage_bytes.get(t, fallback)[1]
-                                for t, (a, b) in row.items()) for row in rows), default=0))
+            # a stage that runs several tasks (a V's turn) holds the sum of theirs
+            out.append(max((sum(a * s.stage_bytes.get(part, fallback)[0]
+                                + b * s.stage_bytes.get(part, fallback)[1]
+                                for t, (a, b) in row.items() for part in t.split("+"))
+                            for row in rows), default=0))
         return out
 
     def format(self) -> str:
@@ -74,16 +78,29 @@ def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     ids = [tuple(low.devices[p].id for p in where) for where in sched.devices]
     live = sched.live_activations()
     rows = [measured.get(i, SubmeshMemory(i)) for i in ids]
-    per_stage = _states(sched)
+    per_stage = _states(sched, handed_over(compiled.plan_data))
     states = [[tuple(map(sum, zip((0, 0), *row.values()))) for row in sub] for sub in per_stage]
     return MemoryProfile(sched.name, rows, list(live), states, per_stage)  # type: ignore
 
 
-def _states(schedule) -> list[list[dict[str, tuple[int, int]]]]:
+def stage_tasks(schedule) -> dict[int, str]:
+    """Each pipeline stage's forward tasks, joined by ``+``: one task, or several
+    consecutive ones that run back to back on one submesh (the two at a V's turn),
+    which the schedule counts as one stage."""
+    tasks: dict[int, list[str]] = {}
+    for u in schedule.units:
+        if not u.free and u.kind == "fwd" and u.task not in tasks.setdefault(u.stage, []):
+            tasks[u.stage].append(u.task)
+    return {k: "+".join(v) for k, v in tasks.items()}
+
+
+def _states(schedule, handed: set[str]) -> list[list[dict[str, tuple[int, int]]]]:
     """Per submesh, after each dispatch, per stage (its forward task): (stage,
     microbatch) pairs whose forward ran and backward has not, and pairs whose
-    backward has partly run (a weight half to come)."""
-    task = {u.stage: u.task for u in schedule.units if not u.free and u.kind == "fwd"}
+    backward has partly run (a weight half to come). ``handed``: the stages whose
+    first backward half makes values for the second (held beside its residuals while
+    it runs)."""
+    task = stage_tasks(schedule)
     total: dict[tuple, int] = {}
     for u in schedule.units:
         if not u.free and u.kind in ("bwd", "bwd_w"):
@@ -102,7 +119,8 @@ def _states(schedule) -> list[list[dict[str, tuple[int, int]]]]:
             # while a split backward's first half runs, its microbatch's residuals are
             # still held beside what it makes for the second half
             running = (not u.free and u.kind == "bwd" and u.key in fwd
-                       and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1)
+                       and bwd.get(u.key) == 1 and total.get(u.key, 0) > 1
+                       and bool(handed & set(task.get(u.key[1], "").split("+"))))
             row_counts: dict[str, list[int]] = {}
             for k in waiting:
                 row_counts.setdefault(task.get(k[1], ""), [0, 0])[bool(bwd.get(k))] += 1

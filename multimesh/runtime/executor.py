@@ -23,7 +23,7 @@ from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, make_context, parse_module
-from multimesh.runtime import fragment_store
+from multimesh.runtime import fragment_store, runahead
 from multimesh.runtime import steps as st
 from multimesh.runtime.distributed import ProcessPlan
 from multimesh.runtime.guards import check_args
@@ -292,11 +292,24 @@ class Executor:
         self._program = (_program(plan, self.devices, exes, self._skipped_donations,
                                   self._consumed, shared, layouts)
                          if self.process_plan is None else None)
-        self._runs = [s.run for s in (self._program or self._steps)]
+        self.run_ahead: int | None = None
+        """Fragment calls of one submesh that may be in flight at once (None: no bound;
+        :mod:`.runahead`); set with :meth:`set_run_ahead`."""
+        self.set_run_ahead(runahead.default_run_ahead(self.devices[0].platform))
         self.batched_transfers = (
             sum(1 for s in self._program if not isinstance(s, (st.FragmentCall, st.Free)))
             if self._program is not None else self.transfer_count)
         """Batched copy calls per run (each moves one or more arrays)."""
+
+    def set_run_ahead(self, limit: int | None) -> None:
+        """Bound how far the host dispatches ahead of the devices (:mod:`.runahead`):
+        at most ``limit`` fragment calls of one submesh in flight; None: no bound.
+        One process only (several dispatch step by step, in lock step anyway)."""
+        self.run_ahead = runahead.check_run_ahead(limit)
+        program = self._program or self._steps
+        if self._program is not None:
+            program = runahead.bounded(program, self.plan, limit, self._consumed)
+        self._runs = [s.run for s in program]
 
     def _constants(self) -> list:
         """The value list every run starts from: the microbatch indices in place."""

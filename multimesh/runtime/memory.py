@@ -263,6 +263,20 @@ def _kept_for(plan: Plan, src: Call, dst: Call) -> bool:
             and plan.call_devices(src) == plan.call_devices(dst))
 
 
+def handed_over(plan: Plan) -> set[str]:
+    """Stages (forward tasks) whose split backward's first half hands values to its
+    second (not so when the weight half recomputes them: ``remat=True``, issue 33)."""
+    _, _, stage_of = _classes(plan)
+    made_by = {r: c for c in plan.calls() for r in c.results}
+    out = set()
+    for c in plan.calls():
+        for a in c.args:
+            src = made_by.get(a)
+            if src is not None and src is not c and _kept_for(plan, src, c):
+                out.add(stage_of[id(src)])
+    return out
+
+
 def _stages(plan: Plan) -> dict[tuple[int, ...], int]:
     """Per submesh, the number of pipeline stages (forward tasks in the loop) on it."""
     tasks: dict[tuple[int, ...], set[str]] = {}

@@ -594,8 +594,7 @@ def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, i
         if len(subs) != schedule.num_meshes:
             raise ScheduleError(f"the memory profile has {len(subs)} submeshes, the "
                                 f"schedule {schedule.num_meshes}; profile this program")
-        per_mesh = [int(s.residual_bytes) for s in subs]
-        return lambda k: per_mesh[k[0]]
+        return _profile_size(schedule, subs)
     if not isinstance(residual_bytes, Mapping):
         raise ScheduleError(f"residual_bytes must be {{forward fragment: bytes}}, a memory "
                             f"profile or a function of (mesh, stage, microbatch), got "
@@ -606,6 +605,26 @@ def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, i
             b = sum(int(residual_bytes.get(f, 0)) for f in u.fragment.split("+"))
             per_key[u.key] = per_key.get(u.key, 0) + b
     return lambda k: per_key.get(k, 0)
+
+
+def _profile_size(schedule: Schedule, subs) -> Callable[[tuple[int, int, int]], int]:
+    """One microbatch's bytes per (mesh, stage, microbatch) from a measured profile: its
+    stage's own bytes (``stage_bytes``), summed over the forward tasks of a stage that
+    runs several (a V's turn); the submesh's ``residual_bytes`` for a profile without
+    ``stage_bytes``."""
+    tasks: dict[tuple[int, int], set[str]] = {}
+    for u in schedule.units:
+        if not u.free and u.kind == "fwd":
+            tasks.setdefault(u.key[:2], set()).add(u.task)
+
+    def size(k: tuple[int, int, int]) -> int:
+        s = subs[k[0]]
+        per = getattr(s, "stage_bytes", None) or {}
+        if not per:
+            return int(s.residual_bytes)
+        # a stage with nothing measured kept nothing (a first stage's batch slice)
+        return sum(int(per[t][0]) for t in tasks.get(k[:2], ()) if t in per)
+    return size
 
 
 def time_text(t: float, source: str) -> str:
