@@ -146,9 +146,9 @@ def _union_program(union: tuple, rounds: tuple) -> Callable:
     """A jitted ``shard_map`` over the union devices: each round one ``ppermute``."""
     key = (tuple(d.id for d in union), rounds)
     with _LOCK:
-        prog = _PROGRAMS.get(key)
-    if prog is not None:
-        return prog
+        cached = _PROGRAMS.get(key)
+    if cached is not None:
+        return cached
     mesh = Mesh(np.array(union, dtype=object), ("u",))
     recv_round = [0] * len(union)
     for r, perm in enumerate(rounds):
