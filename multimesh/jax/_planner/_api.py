@@ -200,7 +200,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
                   fragment_overhead: float | None = None,
                   logical_axes: Sequence[tuple[str, str]] = (),
-                  costs: str = "xla") -> PipelinePlan:
+                  costs: str = "xla", reduction: str = "mean") -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -220,12 +220,16 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     (one axis ``x``), e.g. ``(("batch", "x"),)`` to shard the batch inside a stage.
     ``costs="profile"`` times each unit's forward, backward and weight-gradient part
     on the first device instead of pricing XLA's flops at ``device_flops``.
+    ``reduction`` is how ``plan.microbatch`` combines the microbatches' loss and
+    gradients: ``"mean"`` (the default, as ``parallelize_step``: the full batch's, for
+    a loss that averages over its batch) or ``"sum"`` (gradient accumulation).
     """
     if not callable(fun):
         raise MultimeshTypeError(
             f"`plan_pipeline` expects the loss function first, got {type(fun).__name__}.")
     devices = list(jax.devices() if devices is None else devices)
     _positive(memory_limit, "memory_limit")
+    _check_reduction(reduction)
     if logical_axes:
         from multimesh.jax._task import Task
 
@@ -252,7 +256,17 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                     for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
-        interleave=choice.interleave)
+        interleave=choice.interleave, reduction=reduction)
+
+
+def _check_reduction(reduction) -> None:
+    from multimesh.jax._microbatch import REDUCTIONS
+
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: reduction={reduction!r} is not a reduction; valid choices "
+            f"are {list(REDUCTIONS)} ('mean': the full batch's loss and gradients for a "
+            f"loss that averages over its batch; 'sum': gradient accumulation).")
 
 
 def _timer(costs: str, devices) -> Timer | None:
@@ -312,7 +326,8 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     if given is None and mb.microbatch_size is not None:
         given = rows // mb.microbatch_size
     plan = plan_pipeline(loss, params, batch_avals, devices=list(mesh.devices.flat),
-                         num_microbatches=given, schedule=mb.schedule)
+                         num_microbatches=given, schedule=mb.schedule,
+                         reduction=mb.reduction)
     return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
                                num_microbatches=plan.num_microbatches,
                                schedule=plan.schedule,
