@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from typing import Any
 
 import jax
 
 from multimesh.runtime.memory import SubmeshMemory, measure_step
 
-__all__ = ["MemoryProfile", "memory_profile"]
+__all__ = ["MemoryProfile", "memory_profile", "program_fingerprint"]
+
+
+def program_fingerprint(compiled) -> str:
+    """What tells one compiled program from another: its MPMD text and its devices."""
+    ids = ",".join(str(d.id) for d in compiled._lowered.devices)
+    return hashlib.sha256(f"{ids}\n{compiled.as_text()}".encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -30,6 +38,11 @@ class MemoryProfile:
     stage_states: list[list[dict[str, tuple[int, int]]]] = dataclasses.field(
         default_factory=list)
     """``states`` per stage (its forward task)."""
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The schedule of the program measured (None if it is not microbatched), so a
+    picture of another program can refuse this profile."""
+    program: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    """A fingerprint of the compiled program measured (:func:`program_fingerprint`)."""
 
     @property
     def predicted_activations(self) -> list[int]:
@@ -58,6 +71,9 @@ class MemoryProfile:
                 + f"{t / 1024:>9.1f}{n:>6}")
         return "\n".join(rows)
 
+    def __str__(self) -> str:
+        return self.format()
+
 
 def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     """Run one step of ``compiled`` on ``args`` and measure it (see :class:`MemoryProfile`)."""
@@ -70,13 +86,14 @@ def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     sched = compiled.schedule
     if sched is None:
         return MemoryProfile(None, list(measured.values()), [0] * len(measured),
-                             [[] for _ in measured])
+                             [[] for _ in measured], program=program_fingerprint(compiled))
     ids = [tuple(low.devices[p].id for p in where) for where in sched.devices]
     live = sched.live_activations()
     rows = [measured.get(i, SubmeshMemory(i)) for i in ids]
     per_stage = _states(sched)
     states = [[tuple(map(sum, zip((0, 0), *row.values()))) for row in sub] for sub in per_stage]
-    return MemoryProfile(sched.name, rows, list(live), states, per_stage)  # type: ignore
+    return MemoryProfile(sched.name, rows, list(live), states, per_stage,  # type: ignore
+                         source=sched, program=program_fingerprint(compiled))
 
 
 def _states(schedule) -> list[list[dict[str, tuple[int, int]]]]:
