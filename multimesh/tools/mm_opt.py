@@ -14,8 +14,8 @@ import argparse
 import dataclasses
 import os
 import re
-import sys
 import stat
+import sys
 import tempfile
 import time
 import traceback
