@@ -150,7 +150,7 @@ class PipelinePlan:
 
         argnum, dim, _ = self.batch
         return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
-                          schedule=self.schedule,
+                          schedule=self.schedule if self.num_microbatches > 1 else None,
                           interleave=self._interleave_option(), reduction=self.reduction)
 
     def _interleave_option(self) -> int | None:
@@ -162,27 +162,38 @@ class PipelinePlan:
         return self.interleave if self.interleave > 1 and not v_shape else None
 
     def as_code(self) -> str:
-        """The rules and the microbatch call a user would write by hand."""
+        """The rules and the microbatch call a user would write by hand, each rule
+        under a comment naming its units and devices."""
         lines = [f"import multimesh.jax as {_ALIAS}", ""]
         for st in self.stages:
             logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
-            lines.append(f"{_ALIAS}.register_task({_raw(st.matcher)}, task={_ALIAS}.Task("
-                         f"name={st.task_name!r}, mesh={_ALIAS}.TaskMesh(devices={st.positions!r})"
-                         f"{logical}))")
+            lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
+                      f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
+                      f"{st.positions[-1]})",
+                      f"{_ALIAS}.register_task(",
+                      f"    {_raw(st.matcher)},",
+                      f"    task={_ALIAS}.Task(name={st.task_name!r}, "
+                      f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}){logical}))"]
         argnum, dim, _ = self.batch
-        lines += ["", f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
-                      f"size={self.microbatch_size}, argnum={argnum}, "
-                      f"schedule={self.schedule!r}"
-                      + (f", interleave={self._interleave_option()}"
-                         if self._interleave_option() else "")
-                      + f", reduction={self.reduction!r})"]
+        piped = self.num_microbatches > 1
+        lines += ["", f"# {self.num_microbatches} microbatch(es) of {self.microbatch_size} "
+                      f"rows, {'schedule ' + repr(self.schedule) if piped else 'no pipeline'}"
+                      f", the microbatches' {self.reduction}",
+                  f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
+                  f"size={self.microbatch_size}, argnum={argnum}, "
+                  + (f"schedule={self.schedule!r}, " if piped else "")
+                  + (f"interleave={self._interleave_option()}, "
+                     if piped and self._interleave_option() else "")
+                  + f"reduction={self.reduction!r})"]
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ reporting
 
     def __str__(self) -> str:
-        head = (f"PipelinePlan: {self.num_stages} stages, {self.num_microbatches} "
-                f"microbatches, schedule {self.schedule!r}"
+        M = self.num_microbatches
+        head = (f"PipelinePlan: {self.num_stages} stages, {M} "
+                f"{'microbatches' if M > 1 else 'microbatch (no pipeline: see microbatches)'}"
+                f", schedule {self.schedule!r}"
                 f"{f' ({self.interleave} stages per submesh)' if self.interleave > 1 else ''}"
                 f", predicted step "
                 f"{self.predicted_step_time * 1e3:.3f} ms")

@@ -1,0 +1,328 @@
+"""The planner's and profiles' surfaces never mislead (issue 31, items 1, 3, 4 and 6):
+a plan's reduction, its JSON, schedule pictures, ``mm-opt -o``'s file mode, and the
+inputs the planner, the simulator and the profiles refuse.
+
+Every program that runs is checked against plain jax (values and gradients) and where
+its arrays live.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import multimesh.jax as mm
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+
+
+def _loss(ws, x):
+    """A mean loss over two named layers."""
+    with jax.named_scope("layer0"):
+        x = jnp.tanh(x @ ws[0])
+    with jax.named_scope("layer1"):
+        x = jnp.tanh(x @ ws[1])
+    return jnp.mean(x ** 2)
+
+
+def _args():
+    key = jax.random.key(0)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (16, 16)) / 4 for i in range(2)]
+    return ws, jax.random.normal(key, (8, 16))
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return mm.plan_pipeline(_loss, *_args(), num_stages=2, num_microbatches=2,
+                            schedule="1f1b")
+
+
+# --------------------------------------------------------------------------- item 1: reduction
+
+
+def _run_plan(plan, ws, x):
+    with plan:
+        return mm.mjit(plan.microbatch(jax.value_and_grad(_loss)))(ws, x)
+
+
+def test_plan_microbatch_averages_a_mean_loss_by_default(plan):
+    ws, x = _args()
+    assert plan.reduction == "mean"
+    loss, grads = _run_plan(plan, ws, x)
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(ws, x)  # the whole batch at once
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r, st in zip(grads, ref_grads, plan.stages):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == list(st.devices)
+    # the code it prints says so, and running that code gives the same numbers
+    code = plan.as_code()
+    assert "reduction='mean'" in code.splitlines()[-1]
+    scope: dict = {"jax": jax, "loss": _loss}
+    try:
+        exec(code, scope)
+        loss2, _ = mm.mjit(scope["step"])(ws, x)
+    finally:
+        mm.clear_tasks()
+    np.testing.assert_allclose(loss2, ref_loss, rtol=1e-5)
+
+
+def test_plan_reduction_sum_accumulates():
+    ws, x = _args()
+    plan = mm.plan_pipeline(_loss, ws, x, num_stages=2, num_microbatches=2,
+                            schedule="1f1b", reduction="sum")
+    assert "reduction='sum'" in plan.as_code()
+    loss, _ = _run_plan(plan, ws, x)
+    parts = [_loss(ws, x[4 * m:4 * m + 4]) for m in range(2)]
+    np.testing.assert_allclose(loss, parts[0] + parts[1], rtol=1e-5)
+    assert mm.PipelinePlan.from_json(plan.to_json()).reduction == "sum"
+    with pytest.raises(MultimeshValueError, match=r"reduction='avg' is not a reduction"):
+        mm.plan_pipeline(_loss, ws, x, reduction="avg")
+
+
+# --------------------------------------------------------------------------- item 1: plan JSON
+
+
+def _edited(plan, **changes) -> str:
+    d = json.loads(plan.to_json())
+    for key, value in changes.items():
+        if value is KeyError:
+            d.pop(key)
+        else:
+            d[key] = value
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"num_microbatches": 3}, r"`batch` must be \[argnum, dim, rows\] with rows divisible by "
+                              r"num_microbatches=3, got \[1, 0, 8\]"),
+    ({"num_microbatches": 0}, r"`num_microbatches` must be a positive integer, got 0"),
+    ({"num_microbatches": 2.0}, r"`num_microbatches` must be a positive integer, got 2.0"),
+    ({"schedule": KeyError}, r"the plan's keys must be .*'schedule'"),
+    ({"schedule": "zigzag"}, r"`schedule` must be a registered schedule's name, got 'zigzag'"),
+    ({"reduction": "avg"}, r"`reduction` must be one of \['sum', 'mean'\], got 'avg'"),
+    ({"stages": []}, r"`stages` must be a non-empty list"),
+    ({"stages": [{"index": 0}]}, r"stage 0 must be an object with the keys"),
+    ({"interleave": 3}, r"`interleave` must be a divisor of the 2 stages, got 3"),
+    ({"batch": "rows"}, r"`batch` must be \[argnum, dim, rows\]"),
+    ({"logical_axes": [["batch"]]}, r"`logical_axes` must be a list of \[logical name, axis\]"),
+    ({"predicted_step_time": -1}, r"`predicted_step_time` must be a finite non-negative"),
+    ({"format_version": KeyError}, r"format_version is None, but this multimesh reads version 2 "
+                                   r"\(a plan written before versions"),
+    ({"format_version": 99}, r"format_version is 99"),
+])
+def test_plan_from_json_checks_every_field(plan, changes, match):
+    with pytest.raises(MultimeshValueError, match=match):
+        mm.PipelinePlan.from_json(_edited(plan, **changes))
+
+
+def test_plan_from_json_refuses_other_documents(plan):
+    assert mm.PipelinePlan.from_json(plan.to_json()) == plan
+    with pytest.raises(MultimeshValueError, match=r"the document must be a JSON object"):
+        mm.PipelinePlan.from_json("[1, 2]")
+    with pytest.raises(MultimeshValueError, match=r"the text is not JSON"):
+        mm.PipelinePlan.from_json("{")
+    with pytest.raises(MultimeshTypeError, match=r"takes the JSON text .* got dict"):
+        mm.PipelinePlan.from_json(json.loads(plan.to_json()))
+    d = json.loads(plan.to_json())
+    d["stages"][1]["positions"] = [4]
+    with pytest.raises(MultimeshValueError, match=r"stage 1's `positions` must be 4 positions"):
+        mm.PipelinePlan.from_json(json.dumps(d))
+
+
+# --------------------------------------------------------------------------- item 1: pictures
+
+
+def _pipelined(schedule="1f1b", n=2):
+    """A two-task pipeline over ``n`` microbatches and its arguments."""
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mm.TaskMesh(devices=(0, 1)))
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mm.TaskMesh(devices=(2, 3)))
+
+    def loss(ws, x):
+        return jnp.mean(s1(ws[1], s0(ws[0], x)) ** 2)
+
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8 // n, argnum=1,
+                         schedule=schedule)
+    ws, x = _args()
+    return mm.mjit(step).lower(ws, x).compile(), ws, x
+
+
+def _wide_step():
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mm.TaskMesh(devices=(0, 1)))
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mm.TaskMesh(devices=(2, 3)))
+    return mm.microbatch(jax.value_and_grad(lambda ws, x: jnp.mean(s1(ws[1], s0(ws[0], x)))),
+                         dim=0, size=4, argnum=1, schedule="1f1b")
+
+
+def test_visualize_schedule_refuses_another_programs_memory_profile(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    a, ws, x = _pipelined("1f1b")
+    b, _, _ = _pipelined("gpipe")
+    c, _, _ = _pipelined("1f1b", n=4)
+    prof = a.memory_profile(ws, x)
+    for other in (b, c, c.schedule):
+        with pytest.raises(MultimeshValueError, match=r"`memory` is the memory profile of "
+                                                      r"another program"):
+            mm.visualize_schedule(other, memory=prof)
+    # a program with the same schedule on other shapes is another program too
+    wide = mm.mjit(_wide_step()).lower(
+        [jnp.ones((32, 32))] * 2, jnp.ones((8, 32))).compile()
+    assert wide.schedule == a.schedule
+    with pytest.raises(MultimeshValueError, match=r"memory profile of another program"):
+        mm.visualize_schedule(wide, memory=prof)
+    # its own program draws, and the path returned is the file written
+    capsys.readouterr()
+    out = mm.visualize_schedule(a, tmp_path / "gantt", memory=prof, print=False)
+    assert out == str(tmp_path / "gantt.png") and (tmp_path / "gantt.png").exists()
+    assert capsys.readouterr().out == ""  # print=False
+    assert mm.visualize_schedule(a, tmp_path / "g.svg") == str(tmp_path / "g.svg")
+    assert (tmp_path / "g.svg").read_text().lstrip().startswith("<?xml")
+    assert "live activations" not in capsys.readouterr().out
+    # a MemoryProfile prints as its table
+    assert str(prof) == prof.format() and str(prof).startswith("devices")
+
+
+# --------------------------------------------------------------------------- item 1: mm-opt -o
+
+_IDENTITY = "func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {\n  return %arg0 : tensor<8xf32>\n}\n"
+
+
+def test_mm_opt_output_honours_the_umask_and_keeps_a_files_mode(tmp_path, capsys):
+    import os
+    import stat
+
+    from multimesh.tools.mm_opt import main
+
+    src = tmp_path / "in.mlir"
+    src.write_text(_IDENTITY)
+    old = os.umask(0o022)
+    try:
+        assert main([str(src), "-o", str(tmp_path / "new.mlir")]) == 0
+        assert stat.S_IMODE(os.stat(tmp_path / "new.mlir").st_mode) == 0o644
+        os.umask(0o077)
+        assert main([str(src), "-o", str(tmp_path / "private.mlir")]) == 0
+        assert stat.S_IMODE(os.stat(tmp_path / "private.mlir").st_mode) == 0o600
+        shared = tmp_path / "shared.mlir"
+        shared.write_text("old")
+        os.chmod(shared, 0o664)  # an existing file keeps its mode, wider than the umask
+        assert main([str(src), "-o", str(shared)]) == 0
+        assert stat.S_IMODE(os.stat(shared).st_mode) == 0o664
+        assert "return %arg0" in shared.read_text()
+    finally:
+        os.umask(old)
+
+
+# --------------------------------------------------------------------------- items 3, 4: planner inputs
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(devices=[]), MultimeshValueError, r"got devices=\[\]; a pipeline needs at least two"),
+    (dict(devices=[0, 1, 2, 3]), MultimeshTypeError,
+     r"`devices` must be jax devices \(e.g. `jax.devices\(\)\[4:\]`\), got 0 \(int\)"),
+    (dict(devices="cpu"), MultimeshTypeError, r"`devices` must be a list of jax devices"),
+    (dict(schedule=3), MultimeshTypeError, r"schedule=3 is not a schedule's name"),
+    (dict(memory_limit=float("nan")), MultimeshValueError,
+     r"`memory_limit` must be a positive number or None, got nan"),
+    (dict(device_flops=0), MultimeshValueError, r"`device_flops` must be a positive number"),
+    (dict(device_flops=-1e9), MultimeshValueError, r"`device_flops` must be a positive number"),
+    (dict(link_bandwidth=-1.0), MultimeshValueError, r"`link_bandwidth` must be a positive"),
+    (dict(fragment_overhead=-1e-4), MultimeshValueError,
+     r"`fragment_overhead` must be a finite number >= 0 \(seconds per fragment call\)"),
+    (dict(optimizer_state_factor=-2), MultimeshValueError,
+     r"`optimizer_state_factor` must be a finite number >= 0 \(optimizer state bytes"),
+])
+def test_planner_refuses_bad_inputs_naming_them(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        mm.plan_pipeline(_loss, *_args(), **kwargs)
+
+
+def test_planner_refuses_duplicate_devices_and_empty_batches():
+    d = jax.devices()
+    with pytest.raises(MultimeshValueError, match=r"lists device\(s\) \[0\] more than once"):
+        mm.plan_pipeline(_loss, *_args(), devices=[d[0], d[0], d[1], d[2]])
+    ws, _ = _args()
+    with pytest.raises(MultimeshValueError, match=r"cuts the batch \(argument 1\) along "
+                                                  r"dimension 0, but it has no rows there"):
+        mm.plan_pipeline(_loss, ws, jnp.ones((0, 16)))
+    with pytest.raises(MultimeshValueError, match=r"no array with that dimension"):
+        mm.plan_pipeline(_loss, ws, {})
+
+
+def test_planner_looks_inside_a_jitted_loss(plan):
+    got = mm.plan_pipeline(jax.jit(_loss), *_args(), num_stages=2, num_microbatches=2,
+                           schedule="1f1b")
+    assert [st.units for st in got.stages] == [st.units for st in plan.stages]
+
+
+# --------------------------------------------------------------------------- item 6: plan text
+
+
+def test_one_microbatch_plan_says_why_and_runs_without_the_library_warning():
+    import warnings
+
+    ws, x = _args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no one-microbatch warning from the plan's own call
+        one = mm.plan_pipeline(_loss, ws, x, num_stages=2)
+        assert one.num_microbatches == 1
+        with one:
+            loss, grads = mm.mjit(one.microbatch(jax.value_and_grad(_loss)))(ws, x)
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(ws, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r, st in zip(grads, ref_grads, one.stages):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == list(st.devices)
+    text = str(one)
+    assert "1 microbatch (no pipeline: see microbatches)" in text
+    assert "microbatches: one: the best plan with more (2, " in text
+    assert "pass num_microbatches= to pipeline anyway" in text
+    code = one.as_code()
+    assert "schedule=" not in code and "# 1 microbatch(es) of 8 rows, no pipeline" in code
+    asked = mm.plan_pipeline(_loss, ws, x, num_stages=2, num_microbatches=1)
+    assert "microbatches: one, as asked (num_microbatches=1)" in str(asked)
+
+
+def test_as_code_names_each_rules_units(plan):
+    code = plan.as_code()
+    lines = code.splitlines()
+    for st in plan.stages:
+        k = lines.index(f"# stage {st.index}: {', '.join(st.units)} on devices "
+                        f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
+                        f"{st.positions[-1]})")
+        assert lines[k + 1] == "mm.register_task("
+    assert max(len(line) for line in lines if "microbatch(" not in line) <= 100
+
+
+# --------------------------------------------------------------------------- item 3: simulate
+
+
+def test_simulate_refuses_infinite_costs_negative_transfers_and_bytes():
+    from multimesh.schedules import ScheduleError, build_schedule, pipeline_units
+    from multimesh.schedules.costs import simulate_stages
+
+    sched = build_schedule(pipeline_units(2, 4), "1f1b")
+    frags = {u.fragment for u in sched.units}
+    inf = dict.fromkeys(frags, 1.0) | {sorted(frags)[0]: float("inf")}
+    with pytest.raises(ScheduleError, match=r"must be a positive finite duration, got inf"):
+        sched.simulate(inf)
+    with pytest.raises(ScheduleError, match=r"must be a positive finite duration, got nan"):
+        sched.simulate(lambda u: float("nan"))
+    with pytest.raises(ScheduleError, match=r"comm \(seconds per transfer between submeshes\) "
+                                            r"must be a finite number >= 0, got -1"):
+        sched.simulate(comm=-1)
+    with pytest.raises(ScheduleError, match=r"residual bytes must be >= 0 and finite, got -8"):
+        sched.simulate(residual_bytes=dict.fromkeys(frags, -8))
+    with pytest.raises(ScheduleError, match=r"residual bytes must be >= 0"):
+        sched.simulate(residual_bytes=lambda key: -1)
+    with pytest.raises(ScheduleError, match=r"stage costs must be positive and finite"):
+        simulate_stages("1f1b", [1.0, float("inf")], [2.0, 2.0], num_microbatches=4)
+    with pytest.raises(ScheduleError, match=r"activation_bytes must be >= 0 and finite"):
+        simulate_stages("1f1b", [1.0, 1.0], [2.0, 2.0], num_microbatches=4,
+                        activation_bytes=[-1, 4])
+    with pytest.raises(ScheduleError, match=r"comm .* must be a finite number >= 0"):
+        simulate_stages("1f1b", [1.0, 1.0], [2.0, 2.0], num_microbatches=4, comm=-0.5)
+    # what is fine still runs: zero bytes, zero transfer time
+    pred = sched.simulate(dict.fromkeys(frags, 1.0), residual_bytes=dict.fromkeys(frags, 0))
+    assert pred.step_time > 0 and pred.peak_activation_bytes == (0, 0)
