@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import json
 import os
 import re
 import shlex
@@ -1979,11 +1980,14 @@ def _():
 @error("plan-schedule-accepts-nothing", IMPLICIT,
        "`plan_pipeline` with a schedule no candidate suits",
        MultimeshValueError,
-       r"`plan_pipeline` found no plan: schedule\(s\) \['dualpipe-v'\] accept none of "
-       r"\[2\] stage\(s\) with \[2\] microbatch\(es\)",
+       r"`plan_pipeline` plans schedule 'dualpipe-v' with 2 stages per submesh \(v-shape\), "
+       r"so it needs a multiple of 2 stages on at least two submeshes \(4 stages or more\), "
+       r"but the candidates are \[2\] stage\(s\)",
        """A schedule with two stages per submesh needs an even number of stages over at
-       least two submeshes, and DualPipeV at least 2P microbatches. Allow more stages or
-       microbatches (or leave them to the planner), or name another schedule.""")
+       least two submeshes (and DualPipeV at least 2P microbatches); the planner does not
+       plan it with one stage per submesh. Allow more stages or microbatches (or leave
+       them to the planner), name the model's parts more finely, or name another
+       schedule.""")
 def _():
     mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2,
                      schedule="dualpipe-v")
@@ -2015,6 +2019,36 @@ def _():
 def _():
     plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
     plan.compare({"traceEvents": []})
+
+
+@error("plan-json-bad-field", IMPLICIT, "`PipelinePlan.from_json` with an edited plan",
+       MultimeshValueError,
+       r"`PipelinePlan.from_json`: `batch` must be \[argnum, dim, rows\] with rows divisible "
+       r"by num_microbatches=3, got \[1, 0, 8\]",
+       """Every field of a saved plan is checked before it is used: the stages, their
+       devices and positions, the microbatches (which must divide the batch's rows), the
+       schedule, the interleave and the reduction. Load the JSON `plan.to_json()` wrote,
+       unedited, or plan again.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    saved = json.loads(plan.to_json())
+    saved["num_microbatches"] = 3
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-json-old-version", IMPLICIT, "`PipelinePlan.from_json` with a plan of another version",
+       MultimeshValueError,
+       r"the plan's format_version is None, but this multimesh reads version 2 \(a plan "
+       r"written before versions, whose microbatches summed\)",
+       """`plan.to_json()` writes its format's version; a plan of another version (or one
+       written before versions, whose `plan.microbatch` summed the microbatches where
+       plans now average them by default) is refused rather than read differently. Plan
+       again and save the new plan.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    saved = json.loads(plan.to_json())
+    del saved["format_version"]
+    mm.PipelinePlan.from_json(json.dumps(saved))
 
 
 # =========================================================================== Flax

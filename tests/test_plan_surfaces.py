@@ -326,3 +326,34 @@ def test_simulate_refuses_infinite_costs_negative_transfers_and_bytes():
     # what is fine still runs: zero bytes, zero transfer time
     pred = sched.simulate(dict.fromkeys(frags, 1.0), residual_bytes=dict.fromkeys(frags, 0))
     assert pred.step_time > 0 and pred.peak_activation_bytes == (0, 0)
+
+
+def test_planner_says_why_it_cannot_place_circular_reversed_backward_one_per_submesh():
+    with pytest.raises(MultimeshValueError,
+                       match=r"plans schedule 'circular-reversed-backward' with 2 stages per "
+                             r"submesh \(round-robin\), so it needs a multiple of 2 stages on "
+                             r"at least two submeshes \(4 stages or more\), but the candidates "
+                             r"are \[2\] stage\(s\) \(2 units, 8 devices\)"):
+        mm.plan_pipeline(_loss, *_args(), schedule="circular-reversed-backward")
+
+
+def test_circular_reversed_backward_one_stage_per_submesh_runs_as_documented():
+    """GPipe with the backwards in descending order, the full batch's mean."""
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mm.TaskMesh(devices=(0, 1)))
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mm.TaskMesh(devices=(2, 3)))
+
+    def loss(ws, x):
+        return jnp.mean(s1(ws[1], s0(ws[0], x)) ** 2)
+
+    ws, x = _args()
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=2, argnum=1,
+                         schedule="circular-reversed-backward", reduction="mean")
+    compiled = mm.mjit(step).lower(ws, x).compile()
+    assert compiled.schedule.labels() == [["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0"]] * 2
+    value, grads = compiled(ws, x)
+    with mm.ignore_transforms():
+        ref, ref_grads = jax.value_and_grad(loss)(ws, x)
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    for k, (g, r) in enumerate(zip(grads, ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]

@@ -181,6 +181,26 @@ def _schedules(schedule) -> tuple[str, ...]:
     return tuple(sorted(set(out), key=(SCHEDULES + INTERLEAVED).index))  # ties: simpler
 
 
+def _check_placeable(names, stages, n_devices: int, n_units: int) -> None:
+    """Named schedules with several stages per submesh need stage counts that give
+    them at least two submeshes; say so when none of the candidates does."""
+    need = {n: get_schedule(n).interleave for n in names}
+    if any(V == 1 or any(S % V == 0 and S // V >= 2 and n_devices % (S // V) == 0
+                         for S in stages) for V in need.values()):
+        return
+    name, V = next(iter(need.items()))
+    raise MultimeshValueError(
+        f"`plan_pipeline` plans schedule {name!r} with {V} stages per submesh "
+        f"({get_schedule(name).placement}), so it needs a multiple of {V} stages on at "
+        f"least two submeshes ({2 * V} stages or more), but the candidates are "
+        f"{list(stages)} stage(s) ({n_units} units, {n_devices} devices). The planner "
+        f"does not plan it with one stage per submesh (where circular-reversed-backward "
+        f"is GPipe with the backwards in descending order, and the interleaved "
+        f"schedules plain GPipe or 1F1B): name the model's parts more finely, allow more "
+        f"stages, plan with another schedule, or write the rules and "
+        f"`microbatch(..., schedule={name!r})` yourself.")
+
+
 def _nnx_fun(fun, args):
     """An NNX model (argument 0) becomes its parameter state, merged back inside ``fun``."""
     if "flax.nnx" not in sys.modules or not args:
@@ -309,6 +329,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     profile = measure_units(fun, args, 0, min_units=num_stages or 2, timer=timer)
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
+    _check_placeable(names, fit, len(devices), len(table.names))
     choice = search(table, machine, fit, mbs, names)
     if choice.num_microbatches == 1:
         notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows)
