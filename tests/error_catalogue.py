@@ -671,13 +671,14 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=0))(ws, x)
 @warning("task-traced-outside-mjit", API, "A task traced outside `mjit`", MultimeshWarning,
          r"Task 't' is traced outside `multimesh\.jax\.mjit` \(called eagerly, or under "
-         r"jax\.jit, jax\.eval_shape or another jax transformation\), so its placement is "
+         r"jax\.jit or another jax transformation that runs it\), so its placement is "
          r"ignored: it runs as an ordinary jax call where jax puts it, not on its submesh "
          r"\(device positions \[0, 1, 2, 3\]\)\. The values are the same\. To place it, "
          r"compile the program with `multimesh\.jax\.mjit`",
          """Only `mjit` (and `parallelize`, `parallelize_step`) put tasks on their submeshes;
-         eagerly, under `jax.jit` or `jax.eval_shape` a task is an ordinary call (on jax's
-         default device for uncommitted inputs). Warned once per task function. Compile
+         eagerly or under `jax.jit` a task is an ordinary call (on jax's default device
+         for uncommitted inputs). Warned when jax runs it, once per task and program (a
+         trace that never runs, `jax.eval_shape`, is quiet). Compile
          the program with `mjit`, or call it under `ignore_transforms()` to run plain jax
          on purpose (a reference value, a debugging run).""")
 def _():

@@ -396,14 +396,15 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     spec = _task_spec(default_name, task, kwargs)
     task_name = name or spec.name or default_name
     explicit = bool(name) or (task is not None and bool(task.name))  # not fun.__name__
-    warned: list[bool] = []  # placement-ignored warning, once per task function
+
+    warned: list[bool] = []  # placement-ignored warning, once per task function (eager)
 
     def wrapped(*args, **kw):
         if _contexts.state.ignore_transforms:
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
         if _contexts.state.program_devices is None:
-            info = _outside_mjit(info, warned)
+            info = _outside_mjit(info, warned, (args, kw))
         if explicit:
             _note_explicit_name(info)
         if spec.loop_dependent_mesh_slice is not None:
@@ -433,15 +434,20 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     return out
 
 
-def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
+def _outside_mjit(info: TaskInfo, warned: list[bool], args) -> TaskInfo:
     """A task bound outside ``mjit``: quiet (and marked so for the lowering rule) in
-    multimesh's own traces, else warned once per task function (``warned``)."""
+    multimesh's own traces. Called eagerly (no tracer among ``args``) it runs now:
+    warned once per task function (``warned``). Traced, the lowering rule warns when
+    jax is about to run it (:func:`warn_unplaced`, once per program), so a trace that
+    never runs (``jax.eval_shape``) is quiet."""
     if _contexts.state.internal_trace:
         return dataclasses.replace(info, unplaced_ok=True)
+    if any(isinstance(x, Tracer) for x in jax.tree.leaves(args)):
+        return info
     if not warned:
         warned.append(True)
-        warn_unplaced(info)
-    return info
+        warn_unplaced(info, "eager")
+    return dataclasses.replace(info, unplaced_ok=True)  # said here, once
 
 
 class TaskFunction(Protocol):
