@@ -357,3 +357,29 @@ def test_circular_reversed_backward_one_stage_per_submesh_runs_as_documented():
     for k, (g, r) in enumerate(zip(grads, ref_grads)):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
         assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]
+
+
+# --------------------------------------------------------------------------- item 3: with plan:
+
+
+def test_mjit_built_in_with_plan_but_called_after_says_why(plan):
+    import warnings
+
+    from multimesh._src.errors import MultimeshWarning
+
+    ws, x = _args()
+    with plan:
+        inside = mm.mjit(plan.microbatch(jax.value_and_grad(_loss)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MultimeshWarning)
+            placed = inside(ws, x)  # called in the block: the plan's rules, no warning
+        late = mm.mjit(plan.microbatch(jax.value_and_grad(_loss)))
+    with pytest.warns(MultimeshWarning, match=r"`mjit\(_loss\)` was built inside a `with "
+                      r"plan:` \(or `with Context\(\):`\) block, but it is traced after the "
+                      r"block exited, so the block's 2 task rule\(s\) .* do not apply") as rec:
+        value, grads = late(ws, x)
+    assert rec[0].filename == __file__
+    ref, ref_grads = jax.value_and_grad(_loss)(ws, x)
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    np.testing.assert_allclose(placed[0], ref, rtol=1e-5)
+    assert sorted(d.id for d in placed[1][1].devices()) == list(plan.stages[1].devices)

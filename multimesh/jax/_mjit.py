@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -18,8 +19,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.caches import LRUCache, ProgramCaches
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _checks, _contexts, _global_mesh, _inputs, _multimesh
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
+from multimesh.jax import _checks, _contexts, _global_mesh, _inputs, _multimesh, _registrations
 from multimesh.jax._call_checks import abstract_value, check_distinct_devices, check_unsupported
 from multimesh.jax._jit_options import ArgOptions, Bound, resolve_options
 from multimesh.jax._module_names import module_names
@@ -77,6 +78,9 @@ class _MJit(ProgramCaches):
         # Pin committed inputs even where the program constrains them (parallelize's
         # initial_batch); see multimesh.jax._inputs.
         self.pin_committed = False
+        # the `with plan:` / `with Context():` blocks this was built in (see _left_blocks)
+        self._built_in = [f.context for f in _registrations.entered_frames()[1:]
+                          if f.live]
         functools.update_wrapper(self, fun, updated=())
 
     @property
@@ -142,6 +146,7 @@ class _MJit(ProgramCaches):
         """Trace ``fun`` of dynamic arguments only (statics already bound), under the
         program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``."""
         devices = self._devices()
+        self._warn_left_blocks()
         t0 = time.perf_counter()
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
         notes = TraceNotes()
@@ -151,6 +156,24 @@ class _MJit(ProgramCaches):
         return MpmdTraced(self, traced, devices, notes, (tuple(dyn_args), kwargs),
                           abstract, [i for i, d in enumerate(donated) if d], in_shardings,
                           time.perf_counter() - t0)
+
+    def _warn_left_blocks(self) -> None:
+        """Warn (once) when the ``with plan:``/``with Context():`` block this function
+        was built in has exited: its task rules no longer apply to this trace."""
+        entered = {id(f.context) for f in _registrations.entered_frames()}
+        left = [c for c in self._built_in if id(c) not in entered]
+        if not left:
+            return
+        self._built_in = []
+        rules = [r.matcher for c in left for r in c.registered]
+        warnings.warn(
+            f"`mjit({getattr(self.fun, '__name__', 'fun')})` was built inside a `with "
+            f"plan:` (or `with Context():`) block, but it is traced after the block "
+            f"exited, so the block's {len(rules)} task rule(s) ({', '.join(map(repr, rules))}"
+            f") do not apply: what they would place runs without them (for a plan: not "
+            f"pipelined, on all the program's devices). Call it (or `.lower(...)`) inside "
+            f"the block, or register the rules for good (`plan.apply()`).",
+            MultimeshWarning, stacklevel=_registrations.user_level())
 
     def lower(self, *args, **kwargs):
         """Trace and lower for these arguments (``jax.jit(f).lower``)."""
