@@ -383,3 +383,56 @@ def test_mjit_built_in_with_plan_but_called_after_says_why(plan):
     np.testing.assert_allclose(value, ref, rtol=1e-5)
     np.testing.assert_allclose(placed[0], ref, rtol=1e-5)
     assert sorted(d.id for d in placed[1][1].devices()) == list(plan.stages[1].devices)
+
+
+# --------------------------------------------------------------------------- item 4: remat
+
+
+def test_remat_errors_name_remat():
+    ws, x = _args()
+    with pytest.raises(MultimeshTypeError, match=r"`microbatch`: `remat` got "
+                       r"`jax.checkpoint_policies.save_only_these_names` itself, which makes "
+                       r"a policy when called"):
+        mm.microbatch(jax.value_and_grad(_loss), dim=0, size=4, argnum=1,
+                      remat=jax.checkpoint_policies.save_only_these_names)
+    with pytest.raises(MultimeshTypeError, match=r"`remat` got .*save_any_names_but_these"):
+        mm.Task(name="t", remat=jax.checkpoint_policies.save_any_names_but_these)
+
+
+def test_remat_accepts_numpy_bools():
+    ws, x = _args()
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mm.TaskMesh(devices=(0, 1)),
+                 remat=np.True_)
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s1", mesh=mm.TaskMesh(devices=(2, 3)))
+
+    def loss(ws, x):
+        return jnp.mean(s1(ws[1], s0(ws[0], x)) ** 2)
+
+    step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1,
+                         remat=np.True_, reduction="mean")
+    value, grads = mm.mjit(step)(ws, x)
+    with mm.ignore_transforms():
+        ref, ref_grads = jax.value_and_grad(loss)(ws, x)
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    for k, (g, r) in enumerate(zip(grads, ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]
+
+
+def test_parallelize_step_auto_refuses_a_remat_policy_naming_the_planner():
+    import flax.linen as nn
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.mean(nn.Dense(16, name="l1")(nn.Dense(16, name="l0")(x)) ** 2)
+
+    _, x = _args()
+    with pytest.raises(MultimeshValueError, match=r"num_stages='auto' and the checkpoint "
+                       r"policy remat=`jax.checkpoint_policies.\w+`: the planner's "
+                       r"stages are `register_task` rules"):
+        mmf.parallelize_step(Two(), optax.sgd(0.1), global_batch=x, num_stages="auto",
+                             num_microbatches=2, remat=jax.checkpoint_policies.dots_saveable)

@@ -123,7 +123,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     argnum, name = _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling,
                                   schedule, custom_schedule)
     _check_reduction(reduction)
-    check_remat(remat, "`microbatch`")
+    remat = check_remat(remat, "`microbatch`")
 
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:

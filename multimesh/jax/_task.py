@@ -95,8 +95,25 @@ def _check_split_backprop(value, who: str) -> tuple[str, str] | None:
         f"(critical, non-critical), e.g. ('_activations', '_gradients'), got {value!r}.")
 
 
+# jax.checkpoint_policies that make a policy when called (``save_only_these_names("x")``)
+_POLICY_FACTORIES = ("save_only_these_names", "save_any_names_but_these",
+                     "save_and_offload_only_these_names", "save_from_both_policies",
+                     "offload_dot_with_no_batch_dims")
+
+
 def check_remat(value, who: str):
-    """``remat``: None (inherit), a bool, or a jax checkpoint policy (a callable)."""
+    """``remat``: None (inherit), a bool (``np.bool_`` too, returned as ``bool``), or a
+    jax checkpoint policy (a callable)."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    factory = next((n for n in _POLICY_FACTORIES
+                    if getattr(jax.checkpoint_policies, n, None) is value), None)
+    if factory is not None:
+        raise MultimeshTypeError(
+            f"{who}: `remat` got `jax.checkpoint_policies.{factory}` itself, which makes a "
+            f"policy when called; call it with the names to save, e.g. "
+            f"`remat=jax.checkpoint_policies.{factory}(\"name\")` (names given with "
+            f"`jax.ad_checkpoint.checkpoint_name`).")
     if value is None or isinstance(value, bool) or callable(value):
         return value
     raise MultimeshTypeError(
@@ -245,7 +262,7 @@ class Task:
             if pairs is not None:
                 setattr(self, field, _check_pairs(pairs, field, who))
         self.split_backprop = _check_split_backprop(self.split_backprop, who)
-        check_remat(self.remat, who)
+        self.remat = check_remat(self.remat, who)
 
 
 def _program_devices() -> tuple:
@@ -404,7 +421,7 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
             return fun(*args, **kw)
         info = resolve_task_info(spec, task_name)
         if _contexts.state.program_devices is None:
-            info = _outside_mjit(info, warned, (args, kw))
+            info = _outside_mjit(info, warned)
         if explicit:
             _note_explicit_name(info)
         if spec.loop_dependent_mesh_slice is not None:
@@ -434,15 +451,15 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     return out
 
 
-def _outside_mjit(info: TaskInfo, warned: list[bool], args) -> TaskInfo:
+def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
     """A task bound outside ``mjit``: quiet (and marked so for the lowering rule) in
-    multimesh's own traces. Called eagerly (no tracer among ``args``) it runs now:
-    warned once per task function (``warned``). Traced, the lowering rule warns when
+    multimesh's own traces. Called eagerly (``jax.grad``/``jax.vmap`` too) it runs now:
+    warned once per task function (``warned``). Staged out, the lowering rule warns when
     jax is about to run it (:func:`warn_unplaced`, once per program), so a trace that
     never runs (``jax.eval_shape``) is quiet."""
     if _contexts.state.internal_trace:
         return dataclasses.replace(info, unplaced_ok=True)
-    if any(isinstance(x, Tracer) for x in jax.tree.leaves(args)):
+    if jax_compat.staging():
         return info
     if not warned:
         warned.append(True)

@@ -428,6 +428,15 @@ def plan_step(mb, loss, params, batch_avals, mesh):
             f"; the planner places one contiguous stage per submesh and chooses a "
             f"schedule for that placement, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
             f"write the schedule yourself.")
+    if mb.remat is not None and not isinstance(mb.remat, bool):
+        from multimesh.jax._implicit_tasks import _policy_name
+
+        raise MultimeshValueError(
+            f"parallelize_step got num_stages='auto' and the checkpoint policy "
+            f"remat={_policy_name(mb.remat)}: the planner's stages are `register_task` "
+            f"rules, and a registered stage is recomputed whole or not at all. Pass "
+            f"remat=True or False, or plan with `plan_pipeline`, write each stage as "
+            f"`task(..., remat=policy)` and compile the step yourself.")
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches
     if given is None and mb.microbatch_size is not None:
