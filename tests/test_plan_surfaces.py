@@ -436,3 +436,46 @@ def test_parallelize_step_auto_refuses_a_remat_policy_naming_the_planner():
                        r"stages are `register_task` rules"):
         mmf.parallelize_step(Two(), optax.sgd(0.1), global_batch=x, num_stages="auto",
                              num_microbatches=2, remat=jax.checkpoint_policies.dots_saveable)
+
+
+# --------------------------------------------------------------------------- item 4: profiles
+
+
+def test_profiles_of_a_program_without_tasks_say_so():
+    plain = mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+    for call in (lambda: plain.memory_profile(jnp.ones(4)),
+                 lambda: plain.step_profile(jnp.ones(4)),
+                 lambda: mm.xla_costs(plain), lambda: mm.residual_bytes(plain)):
+        with pytest.raises(MultimeshValueError, match=r"This program has no tasks, so "
+                           r"multimesh compiled it as one `jax.jit` executable"):
+            call()
+    np.testing.assert_allclose(plain.profile(jnp.ones(4)), 2 * np.ones(4))
+
+
+def test_profiles_check_their_arguments_and_options():
+    from multimesh.schedules import ScheduleError
+
+    c, ws, x = _pipelined()
+    for call in (c.memory_profile, c.step_profile, c.profile):
+        with pytest.raises(MultimeshTypeError, match=r"called with args\[1\] of type "
+                           r"float32\[8,8\], but it was compiled for float32\[8,16\]"):
+            call(ws, jnp.ones((8, 8)))
+        with pytest.raises(MultimeshValueError, match=r"called with arguments of structure"):
+            call(ws[0], x)
+    for steps in (2.5, 0, True):
+        with pytest.raises(MultimeshValueError, match=r"`steps` must be a positive integer"):
+            c.step_profile(ws, x, steps=steps)
+    cmp = mm.compare_schedules(c)
+    for limit in (float("nan"), -1, 0):
+        with pytest.raises(ScheduleError, match=r"memory_limit must be a positive number of "
+                                                r"bytes per device, or None"):
+            cmp.best(memory_limit=limit)
+    assert cmp.best().step_time > 0
+    for kwargs in (dict(peak_flops=0, memory_bandwidth=1e9),
+                   dict(peak_flops=1e12, memory_bandwidth=-1.0),
+                   dict(peak_flops=float("nan"), memory_bandwidth=1e9),
+                   dict(peak_flops=1e12, memory_bandwidth=1e9, overhead=-1e-5)):
+        with pytest.raises(MultimeshValueError, match=r"DeviceModel: `\w+` must be a finite"):
+            mm.DeviceModel(**kwargs)
+    costs = mm.xla_costs(c, mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e10, overhead=0))
+    assert all(v > 0 for v in costs.seconds.values())

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from multimesh.jax._call_checks import check_call
 from multimesh.runtime.memory import SubmeshMemory, measure_step
 
 __all__ = ["MemoryProfile", "memory_profile", "program_fingerprint"]
@@ -78,7 +79,7 @@ class MemoryProfile:
 def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     """Run one step of ``compiled`` on ``args`` and measure it (see :class:`MemoryProfile`)."""
     low = compiled._lowered
-    flat, _ = jax.tree.flatten((args, kwargs))
+    flat = check_call(low.in_tree, low.in_avals, args, kwargs)
     flat = [flat[i] for i in low.dyn_idx]
     if low.key_inputs:
         flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]

@@ -185,6 +185,10 @@ class Comparison:
         stay within it on every submesh."""
         rows = self.rows
         if memory_limit is not None:
+            if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+                    or not 0 < memory_limit < math.inf:
+                raise ScheduleError(f"memory_limit must be a positive number of bytes per "
+                                    f"device, or None (no limit), got {memory_limit!r}")
             if any(p.peak_activation_bytes is None for p in rows):
                 raise ScheduleError("memory_limit needs residual sizes: compare with "
                                     "memory='plan' or a memory profile")
