@@ -479,3 +479,21 @@ def test_profiles_check_their_arguments_and_options():
             mm.DeviceModel(**kwargs)
     costs = mm.xla_costs(c, mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e10, overhead=0))
     assert all(v > 0 for v in costs.seconds.values())
+
+
+# --------------------------------------------------------------------------- item 4: dumps
+
+
+def test_dump_directory_that_cannot_be_made_names_the_variable(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MULTIMESH_DUMP_IR_TO", str(blocker / "dumps"))
+    _, x = _args()
+    t = mm.task(lambda x: x * 2, name="t", mesh=mm.TaskMesh(devices=(0, 1)))
+    with pytest.raises(MultimeshValueError, match=r"MULTIMESH_DUMP_IR_TO='.*a-file/dumps' "
+                       r"names a directory multimesh cannot make or write \(Not a directory"):
+        mm.mjit(lambda x: t(x) + 1).lower(x).compile()
+    monkeypatch.setenv("MULTIMESH_DUMP_IR_TO", str(tmp_path / "ok"))
+    out = mm.mjit(lambda x: t(x) + 1)(x)
+    np.testing.assert_allclose(out, x * 2 + 1)
+    assert any((tmp_path / "ok").iterdir())
