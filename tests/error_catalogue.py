@@ -55,6 +55,7 @@ from multimesh.jax.errors import (
     MultimeshWarning,
     PassFailure,
     PipelineError,
+    ScheduleError,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1518,13 +1519,14 @@ def v_shape_two_submeshes():
 
 
 @error("dualpipe-v-too-few-microbatches", SCHEDULES,
-       "DualPipeV with fewer than 2P microbatches", PassFailure,
-       r"schedule 'dualpipe-v' needs at least 2P = 4 microbatches for 2 pipeline submeshes, "
-       r"but there are 2",
+       "DualPipeV with fewer than 2P microbatches", ScheduleError,
+       r"`microbatch` got 2 microbatch\(es\) for schedule 'dualpipe-v', which it accepts on "
+       r"no pipeline of 2 to 8 submeshes \(checked before tracing\): schedule 'dualpipe-v' "
+       r"needs at least 2P = 4 microbatches for 2 pipeline submeshes, but there are 2",
        """DualPipeV's warm-up sends 2P microbatches through the two legs of the V before its
-       steady state (the published schedule asserts the same). Cut the batch into more
-       microbatches (a smaller `size`), or pick another schedule.""",
-       check=_repro_check("mm-schedule-fragments"))
+       steady state (the published schedule asserts the same). A count that no pipeline
+       the devices allow accepts is refused before the function is traced. Cut the batch
+       into more microbatches (a smaller `size`), or pick another schedule.""")
 def _():
     grad_fn, ws, x = v_shape_two_submeshes()
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="dualpipe-v"))(ws, x)

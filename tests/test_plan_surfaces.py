@@ -497,3 +497,45 @@ def test_dump_directory_that_cannot_be_made_names_the_variable(tmp_path, monkeyp
     out = mm.mjit(lambda x: t(x) + 1)(x)
     np.testing.assert_allclose(out, x * 2 + 1)
     assert any((tmp_path / "ok").iterdir())
+
+
+# --------------------------------------------------------------------------- item 4: schedules
+
+
+def test_too_few_microbatches_for_a_schedule_refused_before_tracing():
+    from multimesh.schedules import ScheduleError
+
+    traced = []
+
+    def grad_fn(ws, x):
+        traced.append(x.shape)
+        return jax.value_and_grad(_loss)(ws, x)
+
+    ws, x = _args()
+    for kwargs in (dict(), dict(num_stages=4)):
+        step = mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="dualpipe-v", **kwargs)
+        with pytest.raises(ScheduleError, match=r"`microbatch` got 2 microbatch\(es\) for "
+                           r"schedule 'dualpipe-v', which it accepts on no pipeline .* \(checked "
+                           r"before tracing\): schedule 'dualpipe-v' needs at least 2P = 4"):
+            mm.mjit(step).lower(ws, x)
+    assert traced == []  # refused before the function was traced
+
+
+# --------------------------------------------------------------------------- item 4: mjit traced
+
+
+def test_mjit_under_jax_transformations_says_so():
+    inner = mm.mjit(lambda x: x * 2)
+    x = jnp.ones(4)
+    for call, where in ((lambda: jax.jit(inner)(x), r"jax.jit"),
+                        (lambda: jax.grad(lambda x: inner(x).sum())(x), r"jax.grad"),
+                        (lambda: jax.vmap(inner)(jnp.ones((2, 4))), r"jax.vmap")):
+        with pytest.raises(MultimeshTypeError, match=rf"`mjit\(<lambda>\)` was called under "
+                           rf"{where}.* Put the transformation inside it"):
+            call()
+    with pytest.raises(MultimeshTypeError, match=r"inside another `mjit` program while it "
+                                                 r"was traced; `mjit` functions do not nest"):
+        mm.mjit(lambda x: inner(x) + 1)(x)
+    # the supported way round: the transformation inside
+    np.testing.assert_allclose(mm.mjit(jax.grad(lambda x: (x * 2).sum()))(x), 2 * np.ones(4))
+    np.testing.assert_allclose(inner(x), 2 * np.ones(4))

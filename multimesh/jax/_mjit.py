@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.caches import LRUCache, ProgramCaches
@@ -52,6 +53,33 @@ def _nnx_bridge(bound: Bound):
     from multimesh.jax.flax import _nnx
 
     return _nnx
+
+
+_TRANSFORMS = {"DynamicJaxprTracer": "jax.jit (or another trace: jax.eval_shape, lax.scan, "
+                                     "a jax.checkpoint)",
+               "JVPTracer": "jax.grad or jax.jvp", "LinearizeTracer": "jax.grad or jax.vjp",
+               "BatchTracer": "jax.vmap"}
+
+
+def _refuse_tracers(fun, args, kwargs) -> None:
+    """``mjit`` runs compiled MPMD programs on concrete arrays; under a jax transform
+    its arguments are tracers, which no MPMD program can take."""
+    tracer = next((x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, Tracer)), None)
+    if tracer is None:
+        return
+    kind = type(tracer).__name__
+    if _contexts.state.program_devices is not None:
+        raise MultimeshTypeError(
+            f"`mjit({getattr(fun, '__name__', 'fun')})` was called inside another `mjit` "
+            f"program while it was traced; `mjit` functions do not nest. Call the inner "
+            f"function plainly (its tasks are placed by the outer `mjit`).")
+    raise MultimeshTypeError(
+        f"`mjit({getattr(fun, '__name__', 'fun')})` was called under "
+        f"{_TRANSFORMS.get(kind, 'a jax transformation')} (an argument is a {kind}): an "
+        f"`mjit` program is compiled and run by multimesh on concrete arrays and cannot be "
+        f"traced by jax. Put the transformation inside it (`mjit(jax.grad(f))`, "
+        f"`mjit(jax.vmap(f))`) and call the `mjit` function outside `jax.jit`, or call "
+        f"the plain function there.")
 
 
 class _MJit(ProgramCaches):
@@ -185,6 +213,7 @@ class _MJit(ProgramCaches):
         return self.trace(*args, **kwargs).out_info
 
     def __call__(self, *args, **kwargs):
+        _refuse_tracers(self.fun, args, kwargs)
         bound = self.options.bind(args, kwargs)
         nnx = _nnx_bridge(bound)
         if nnx is not None:
