@@ -539,3 +539,28 @@ def test_mjit_under_jax_transformations_says_so():
     # the supported way round: the transformation inside
     np.testing.assert_allclose(mm.mjit(jax.grad(lambda x: (x * 2).sum()))(x), 2 * np.ones(4))
     np.testing.assert_allclose(inner(x), 2 * np.ones(4))
+
+
+_ONE_DEVICE = """
+import jax, jax.numpy as jnp
+import multimesh.jax as mm
+t = mm.task(lambda x: x * 2, name="t", mesh=mm.TaskMesh(devices=(0, 1)))
+try:
+    mm.mjit(lambda x: t(x) + 1)(jnp.ones(4))
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_one_cpu_device_hints_at_simulating_more():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    out = subprocess.run([sys.executable, "-c", _ONE_DEVICE], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert "valid positions are 0..0). jax sees 1 CPU device(s); to simulate more, set " \
+           "XLA_FLAGS=--xla_force_host_platform_device_count=8" in out, out

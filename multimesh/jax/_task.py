@@ -287,7 +287,8 @@ def _positions_of(devices, name: str) -> np.ndarray:
         if not 0 <= pos < len(prog):
             raise MeshError(
                 f"Task {name!r} uses device position {pos}, outside the program's "
-                f"{len(prog)} devices (valid positions are 0..{len(prog) - 1}).")
+                f"{len(prog)} devices (valid positions are 0..{len(prog) - 1})."
+                + _checks.few_devices_hint(prog))
         out[idx] = pos
     return out
 
