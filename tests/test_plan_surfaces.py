@@ -564,3 +564,44 @@ def test_one_cpu_device_hints_at_simulating_more():
                          text=True, check=True).stdout
     assert "valid positions are 0..0). jax sees 1 CPU device(s); to simulate more, set " \
            "XLA_FLAGS=--xla_force_host_platform_device_count=8" in out, out
+
+
+# --------------------------------------------------------------------------- item 6: stacklevel
+
+
+def test_warnings_point_at_the_users_line():
+    import warnings
+
+    from multimesh._src.errors import MultimeshWarning
+
+    ws, x = _args()
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s", mesh=mm.TaskMesh(devices=(0, 1)))
+    s1 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s", mesh=mm.TaskMesh(devices=(2, 3)))
+    slid = mm.task(lambda x: x + 1, name="slid", mesh=mm.TaskMesh(devices=(0, 1)),
+                   loop_dependent_mesh_slice=lambda i: {"x": i % 2})
+
+    def loss(ws, x):
+        return jnp.mean(s1(ws[1], s0(ws[0], x)) ** 2)
+
+    one = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
+    inner = mm.microbatch(loss, dim=0, size=4, argnum=1)
+    calls = {
+        "one microbatch": lambda: mm.mjit(one)(ws, x),
+        "renamed tasks": lambda: mm.mjit(loss)(ws, x),
+        "loop slice outside a loop": lambda: mm.mjit(slid)(x),
+        "unrolled loop": lambda: mm.mjit(jax.grad(inner))(ws, x),
+        "matcher registered twice": lambda: (
+            mm.register_task("a", task=mm.Task(mesh=mm.TaskMesh(devices=(0,)))),
+            mm.register_task("a", task=mm.Task(mesh=mm.TaskMesh(devices=(1,))))),
+    }
+    try:
+        for what, call in calls.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+            mine = [w for w in caught if issubclass(w.category, MultimeshWarning)]
+            assert mine, what
+            assert {w.filename for w in mine} == {__file__}, (what, [
+                (w.filename, str(w.message)[:60]) for w in mine])
+    finally:
+        mm.clear_tasks()

@@ -35,6 +35,7 @@ from multimesh._src.errors import (
     MultimeshTypeError,
     MultimeshValueError,
     MultimeshWarning,
+    user_stacklevel,
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
@@ -147,7 +148,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                 warnings.warn(
                     f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
                     f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
-                    f"to order.", MultimeshWarning, stacklevel=3)
+                    f"to order.", MultimeshWarning, stacklevel=user_stacklevel())
             out = fun(*args, **kwargs)
             _check_output_dtypes(out, reduction)
             return out

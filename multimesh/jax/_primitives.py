@@ -274,7 +274,7 @@ def _fori(*operands, jaxpr, num_consts, num_microbatches):
 def _warn_unrolled(what: str) -> None:
     import warnings
 
-    from multimesh._src.errors import MultimeshWarning
+    from multimesh._src.errors import MultimeshWarning, user_stacklevel
     from multimesh.jax import _contexts
 
     notes = _contexts.state.trace_notes
@@ -285,7 +285,8 @@ def _warn_unrolled(what: str) -> None:
         f"A `microbatch` function is transformed from the outside ({what}), so its loop is "
         f"unrolled into straight-line code: the result is the same, but no pipeline schedule "
         f"applies. To pipeline, apply the transformation inside: "
-        f"microbatch(jax.value_and_grad(loss), ...).", MultimeshWarning, stacklevel=4)
+        f"microbatch(jax.value_and_grad(loss), ...).", MultimeshWarning,
+        stacklevel=user_stacklevel())
 
 
 def _mb_jvp(primals, tangents, *, jaxpr, num_consts, num_microbatches):

@@ -29,6 +29,7 @@ from multimesh._src.errors import (
     MultimeshTypeError,
     MultimeshValueError,
     MultimeshWarning,
+    user_stacklevel,
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import slice_global_mesh
@@ -359,7 +360,7 @@ def loop_placement(spec: Task, name: str, info: TaskInfo, n: int | None = None) 
         warnings.warn(
             f"Task {name!r} has a loop_dependent_mesh_slice, but it is not called inside a "
             f"`microbatch` function, so it runs on its default submesh "
-            f"{list(info.devices)}.", MultimeshWarning, stacklevel=3)
+            f"{list(info.devices)}.", MultimeshWarning, stacklevel=user_stacklevel())
         return info
     return _loop_dependent(spec, name, info, n)
 
@@ -525,7 +526,7 @@ def warn_renamed_tasks(notes: TraceNotes) -> None:
             f"Task name {name!r} was given {len(keys)} different submeshes or logical "
             f"mappings, so multimesh runs them as {len(keys)} tasks: {where} (suffixes in "
             f"program order). Give each task its own name to choose the names yourself.",
-            MultimeshWarning, stacklevel=3)
+            MultimeshWarning, stacklevel=user_stacklevel())
 
 
 _JAX_NEEDS_MESH = "with_sharding_constraint requires a non-empty mesh"

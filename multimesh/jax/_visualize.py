@@ -7,7 +7,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, user_stacklevel
 from multimesh._src.ir_contract import SCHEDULE_ATTR
 from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
 from multimesh.schedules.costs import as_cost
@@ -102,7 +102,7 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
         from matplotlib.figure import Figure
     except ImportError:
         warnings.warn("matplotlib is not installed: no PNG written "
-                      "(pip install matplotlib)", stacklevel=2)
+                      "(pip install matplotlib)", stacklevel=user_stacklevel())
         return None
     seconds = cost is None and "unit" not in label
     span = 40.0 if seconds else tl.makespan  # real seconds: a fixed width
