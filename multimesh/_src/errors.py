@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 
 class MultimeshError(Exception):
@@ -122,9 +123,9 @@ def _library_roots() -> tuple[str, ...]:
     roots = [here + os.sep, os.path.join(os.path.dirname(here), "mlir_passes") + os.sep,
              os.path.abspath(contextlib.__file__)]
     for name in ("jax", "jaxlib", "flax"):
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "__file__", None):
-            roots.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
     return tuple(roots)
 
 
@@ -133,7 +134,7 @@ def user_stacklevel() -> int:
     this: the first frame outside multimesh, its passes, jax and flax, i.e. the user's
     line (1, the issuing line, when every frame is the library's)."""
     roots = _library_roots()
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(roots):
         frame, level = frame.f_back, level + 1

@@ -50,7 +50,7 @@ def _positive(value, name: str, kind=numbers.Real):
 
 def _non_negative(value, name: str, unit: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                              or not 0 <= value < math.inf):
+                              or not 0 <= float(value) < math.inf):
         raise MultimeshValueError(
             f"`plan_pipeline`: `{name}` must be a finite number >= 0 ({unit}), got {value!r}.")
 
