@@ -82,8 +82,6 @@ _NO_TASKS = (
 
 def _compiled(obj):
     """The compiled program behind ``obj`` (a lowered one is compiled)."""
-    if getattr(obj, "fast_path", False):
-        raise MultimeshValueError(_NO_TASKS)
     if hasattr(obj, "cost_analysis") and hasattr(obj, "schedule"):
         return obj
     if hasattr(obj, "compile") and hasattr(obj, "as_text"):
@@ -93,11 +91,19 @@ def _compiled(obj):
         f".compile()), got {type(obj).__name__}.")
 
 
+def _mpmd(obj):
+    """The compiled MPMD program behind ``obj``; a program without tasks is refused."""
+    c = _compiled(obj)
+    if getattr(c, "fast_path", False):
+        raise MultimeshValueError(_NO_TASKS)
+    return c
+
+
 def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCosts:
     """Seconds per fragment call from XLA's cost analysis (``flops``, ``bytes
     accessed``) through ``device_model`` (default: :meth:`DeviceModel.for_device` of
     the program's first device)."""
-    c = _compiled(compiled)
+    c = _mpmd(compiled)
     model = device_model or DeviceModel.for_device(c._lowered.devices[0])
     per = c.cost_analysis(by_fragment=True)
     secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
@@ -111,7 +117,7 @@ def residual_bytes(compiled) -> dict[str, int]:
     (not the program's inputs: parameters stay anyway) or makes that such a backward
     reads, sized by their layouts. The schedule's live activations times these are
     its activation memory (``schedule.simulate(residual_bytes=...)``)."""
-    plan = _compiled(compiled).plan_data
+    plan = _mpmd(compiled).plan_data
     kept = _read_by_backward(plan)
     inputs = set(plan.input_ids)
     out: dict[str, int] = {}
