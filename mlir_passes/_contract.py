@@ -354,9 +354,9 @@ def warn_at(location, message: str) -> None:
     """A pass warning (``mm-opt`` prints it as ``file:line:col: warning: ...``)."""
     import warnings
 
-    from multimesh._src.errors import DiagnosticWarning
+    from multimesh._src.errors import DiagnosticWarning, user_stacklevel
 
-    warnings.warn(DiagnosticWarning(message, location), stacklevel=2)
+    warnings.warn(DiagnosticWarning(message, location), stacklevel=user_stacklevel())
 
 
 def is_custom_call(op: ir.Operation, target: str) -> bool:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import json
 import os
 import re
 import shlex
@@ -54,6 +55,7 @@ from multimesh.jax.errors import (
     MultimeshWarning,
     PassFailure,
     PipelineError,
+    ScheduleError,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -672,13 +674,14 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=0))(ws, x)
 @warning("task-traced-outside-mjit", API, "A task traced outside `mjit`", MultimeshWarning,
          r"Task 't' is traced outside `multimesh\.jax\.mjit` \(called eagerly, or under "
-         r"jax\.jit, jax\.eval_shape or another jax transformation\), so its placement is "
+         r"jax\.jit or another jax transformation that runs it\), so its placement is "
          r"ignored: it runs as an ordinary jax call where jax puts it, not on its submesh "
          r"\(device positions \[0, 1, 2, 3\]\)\. The values are the same\. To place it, "
          r"compile the program with `multimesh\.jax\.mjit`",
          """Only `mjit` (and `parallelize`, `parallelize_step`) put tasks on their submeshes;
-         eagerly, under `jax.jit` or `jax.eval_shape` a task is an ordinary call (on jax's
-         default device for uncommitted inputs). Warned once per task function. Compile
+         eagerly or under `jax.jit` a task is an ordinary call (on jax's default device
+         for uncommitted inputs). Warned when jax runs it, once per task and program (a
+         trace that never runs, `jax.eval_shape`, is quiet). Compile
          the program with `mjit`, or call it under `ignore_transforms()` to run plain jax
          on purpose (a reference value, a debugging run).""")
 def _():
@@ -1326,7 +1329,8 @@ def _():
 
 
 @error("step-profile-steps", SCHEDULES, "`step_profile` with fewer than one step",
-       MultimeshValueError, r"steps must be at least 1, got 0",
+       MultimeshValueError, r"step_profile: `steps` must be a positive integer \(the number "
+       r"of steps to time\), got 0",
        """`steps` is how many steps to run and time.""")
 def _():
     pipelined().step_profile([jnp.eye(16), jnp.eye(16)], jnp.ones((16, 16)), steps=0)
@@ -1578,13 +1582,14 @@ def v_shape_two_submeshes():
 
 
 @error("dualpipe-v-too-few-microbatches", SCHEDULES,
-       "DualPipeV with fewer than 2P microbatches", PassFailure,
-       r"schedule 'dualpipe-v' needs at least 2P = 4 microbatches for 2 pipeline submeshes, "
-       r"but there are 2",
+       "DualPipeV with fewer than 2P microbatches", ScheduleError,
+       r"`microbatch` got 2 microbatch\(es\) for schedule 'dualpipe-v', which it accepts on "
+       r"no pipeline of 2 to 8 submeshes \(checked before tracing\): schedule 'dualpipe-v' "
+       r"needs at least 2P = 4 microbatches for 2 pipeline submeshes, but there are 2",
        """DualPipeV's warm-up sends 2P microbatches through the two legs of the V before its
-       steady state (the published schedule asserts the same). Cut the batch into more
-       microbatches (a smaller `size`), or pick another schedule.""",
-       check=_repro_check("mm-schedule-fragments"))
+       steady state (the published schedule asserts the same). A count that no pipeline
+       the devices allow accepts is refused before the function is traced. Cut the batch
+       into more microbatches (a smaller `size`), or pick another schedule.""")
 def _():
     grad_fn, ws, x = v_shape_two_submeshes()
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, schedule="dualpipe-v"))(ws, x)
@@ -2041,11 +2046,14 @@ def _():
 @error("plan-schedule-accepts-nothing", IMPLICIT,
        "`plan_pipeline` with a schedule no candidate suits",
        MultimeshValueError,
-       r"`plan_pipeline` found no plan: schedule\(s\) \['dualpipe-v'\] accept none of "
-       r"\[2\] stage\(s\) with \[2\] microbatch\(es\)",
+       r"`plan_pipeline` plans schedule 'dualpipe-v' with 2 stages per submesh \(v-shape\), "
+       r"so it needs a multiple of 2 stages on at least two submeshes \(4 stages or more\), "
+       r"but the candidates are \[2\] stage\(s\)",
        """A schedule with two stages per submesh needs an even number of stages over at
-       least two submeshes, and DualPipeV at least 2P microbatches. Allow more stages or
-       microbatches (or leave them to the planner), or name another schedule.""")
+       least two submeshes (and DualPipeV at least 2P microbatches); the planner does not
+       plan it with one stage per submesh. Allow more stages or microbatches (or leave
+       them to the planner), name the model's parts more finely, or name another
+       schedule.""")
 def _():
     mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2,
                      schedule="dualpipe-v")
@@ -2077,6 +2085,212 @@ def _():
 def _():
     plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
     plan.compare({"traceEvents": []})
+
+
+@error("plan-json-bad-field", IMPLICIT, "`PipelinePlan.from_json` with an edited plan",
+       MultimeshValueError,
+       r"`PipelinePlan.from_json`: `batch` must be \[argnum, dim, rows\] with rows divisible "
+       r"by num_microbatches=3, got \[1, 0, 8\]",
+       """Every field of a saved plan is checked before it is used: the stages, their
+       devices and positions, the microbatches (which must divide the batch's rows), the
+       schedule, the interleave and the reduction. Load the JSON `plan.to_json()` wrote,
+       unedited, or plan again.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    saved = json.loads(plan.to_json())
+    saved["num_microbatches"] = 3
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-json-old-version", IMPLICIT, "`PipelinePlan.from_json` with a plan of another version",
+       MultimeshValueError,
+       r"the plan's format_version is None, but this multimesh reads version 2 \(a plan "
+       r"written before versions, whose microbatches summed\)",
+       """`plan.to_json()` writes its format's version; a plan of another version (or one
+       written before versions, whose `plan.microbatch` summed the microbatches where
+       plans now average them by default) is refused rather than read differently. Plan
+       again and save the new plan.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    saved = json.loads(plan.to_json())
+    del saved["format_version"]
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-devices-not-devices", IMPLICIT, "`plan_pipeline` given device positions",
+       MultimeshTypeError,
+       r"`plan_pipeline`: `devices` must be jax devices \(e.g. `jax.devices\(\)\[4:\]`\), got 0 "
+       r"\(int\)",
+       """`devices=` takes the jax devices to plan on; the plan's rules then give positions
+       in that list themselves (`TaskMesh(devices=...)`). Pass `jax.devices()[a:b]`, not
+       numbers.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), devices=[0, 1, 2, 3])
+
+
+@error("plan-duplicate-devices", IMPLICIT, "`plan_pipeline` given a device twice",
+       MultimeshValueError, r"`plan_pipeline`: `devices` lists device\(s\) \[0\] more than once",
+       """Every stage gets devices of its own; list each device once.""")
+def _():
+    d = jax.devices()
+    mm.plan_pipeline(layered_model, *layered_args(), devices=[d[0], d[0], d[1], d[2]])
+
+
+@error("plan-no-devices", IMPLICIT, "`plan_pipeline` with `devices=[]`",
+       MultimeshValueError, r"`plan_pipeline` got devices=\[\]; a pipeline needs at least two",
+       """Give at least two devices, or leave `devices` unset for all of `jax.devices()`.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), devices=[])
+
+
+@error("plan-schedule-not-a-name", IMPLICIT, "`plan_pipeline` with a schedule that is no name",
+       MultimeshTypeError, r"`plan_pipeline`: schedule=3 is not a schedule's name",
+       """`schedule=` takes a schedule's name, a sequence of names to choose among, or None
+       (the planner chooses).""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), schedule=3)
+
+
+@error("plan-bad-machine-figure", IMPLICIT,
+       "`plan_pipeline` with a zero, negative or NaN machine figure", MultimeshValueError,
+       r"`plan_pipeline`: `device_flops` must be a positive number or None, got 0",
+       """`device_flops` and `link_bandwidth` are positive rates (None: the platform's
+       nominal one), `fragment_overhead` seconds >= 0, `optimizer_state_factor` >= 0 (2
+       for Adam), `memory_limit` a positive number of bytes per device.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), device_flops=0)
+
+
+@error("plan-empty-batch", IMPLICIT, "`plan_pipeline` with an empty batch", MultimeshValueError,
+       r"`plan_pipeline` cuts the batch \(argument 1\) along dimension 0, but it has no rows "
+       r"there",
+       """The planner cuts the example batch into microbatches; give it at least one row,
+       and `argnum`/`dim` that name the batch.""")
+def _():
+    ws, _ = layered_args()
+    mm.plan_pipeline(layered_model, ws, jnp.ones((0, 16)))
+
+
+@error("plan-unknown-reduction", IMPLICIT, "`plan_pipeline` with an unknown reduction",
+       MultimeshValueError, r"`plan_pipeline`: reduction='avg' is not a reduction",
+       """A plan's microbatches are averaged (`"mean"`, the default, as `parallelize_step`)
+       or summed (`"sum"`).""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), reduction="avg")
+
+
+@warning("mjit-built-in-plan-traced-after", IMPLICIT,
+         "An `mjit` built inside `with plan:` but called after it", MultimeshWarning,
+         r"`mjit\(layered_model\)` was built inside a `with plan:` \(or `with Context\(\):`\) "
+         r"block, but it is traced after the block exited",
+         """A plan's (or a `Context`'s) rules apply to what is traced inside its block. Call
+         the function (or `.lower(...)`) inside the block, or register the rules for good
+         with `plan.apply()`.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    with plan:
+        f = mm.mjit(layered_model)
+    f(*layered_args())
+
+
+@error("remat-policy-factory", API, "`remat=` given a policy factory, uncalled",
+       MultimeshTypeError,
+       r"`remat` got `jax.checkpoint_policies.save_only_these_names` itself, which makes a "
+       r"policy when called",
+       """`save_only_these_names` and its kind make a policy from the names to save: call
+       them, `remat=jax.checkpoint_policies.save_only_these_names("h")`.""")
+def _():
+    mm.Task(name="t", remat=jax.checkpoint_policies.save_only_these_names)
+
+
+@error("parallelize-auto-remat-policy", FLAX,
+       "`parallelize_step(num_stages='auto')` with a checkpoint policy", MultimeshValueError,
+       r"parallelize_step got num_stages='auto' and the checkpoint policy remat=",
+       """The planner's stages are `register_task` rules, and a registered stage is
+       recomputed whole or not at all: pass `remat=True` or False, or write the stages as
+       `task(..., remat=policy)` yourself.""", requires=("flax", "optax"))
+def _():
+    import flax.linen as nn
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.mean(nn.Dense(16, name="l1")(nn.Dense(16, name="l0")(x)) ** 2)
+
+    mmf.parallelize_step(Two(), optax.sgd(0.1), global_batch=jnp.ones((8, 16)),
+                         num_stages="auto", remat=jax.checkpoint_policies.dots_saveable)
+
+
+@error("visualize-memory-of-another-program", SCHEDULES,
+       "`visualize_schedule` with another program's memory profile", MultimeshValueError,
+       r"visualize_schedule's `memory` is the memory profile of another program",
+       """A memory profile is drawn beside the program it measured; pass
+       `compiled.memory_profile(...)` of the program you draw.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    a = mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1)).lower(ws, x).compile()
+    b = mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1)).lower(ws, x).compile()
+    mm.visualize_schedule(b, memory=a.memory_profile(ws, x))
+
+
+@error("simulate-cost-not-finite", SCHEDULES, "A schedule simulated with an infinite cost",
+       MultimeshValueError, r"must be a positive finite duration, got inf",
+       """Every unit's cost is a positive, finite duration; transfers (`comm`) take a
+       finite time >= 0 and residual bytes are >= 0.""")
+def _():
+    sched = pipelined().schedule
+    sched.simulate(lambda unit: float("inf"))
+
+
+@error("profile-without-tasks", SCHEDULES, "A profile or cost of a program without tasks",
+       MultimeshValueError, r"This program has no tasks, so multimesh compiled it as one "
+       r"`jax.jit` executable",
+       """A program without tasks has no fragments, submeshes or schedule: time it with
+       `compiled.profile(...)`, or place work with `task`/`register_task`.""")
+def _():
+    mm.xla_costs(mm.mjit(lambda x: x * 2).lower(jnp.ones(4)).compile())
+
+
+@error("device-model-not-positive", SCHEDULES, "A `DeviceModel` with a zero rate",
+       MultimeshValueError, r"DeviceModel: `peak_flops` must be a finite number > 0",
+       """A roofline divides by its peak flops and memory bandwidth: give positive, finite
+       rates (and an overhead >= 0).""")
+def _():
+    mm.DeviceModel(peak_flops=0, memory_bandwidth=1e12)
+
+
+@error("best-memory-limit-not-positive", SCHEDULES, "`best(memory_limit=nan)`",
+       MultimeshValueError, r"memory_limit must be a positive number of bytes per device",
+       """Give the limit in bytes per device, or None for no limit.""")
+def _():
+    mm.compare_schedules(pipelined()).best(memory_limit=float("nan"))
+
+
+@error("dump-dir-cannot-be-made", API, "`MULTIMESH_DUMP_IR_TO` that cannot be made",
+       MultimeshValueError, r"MULTIMESH_DUMP_IR_TO='/dev/null/dumps' names a directory "
+       r"multimesh cannot make or write",
+       """Set `MULTIMESH_DUMP_IR_TO` to a directory you can write (it is made if need be),
+       or unset it to dump nothing.""")
+def _():
+    os.environ["MULTIMESH_DUMP_IR_TO"] = "/dev/null/dumps"
+    try:
+        grad_fn, ws, x = two_stage()
+        mm.mjit(grad_fn).lower(ws, x).compile()
+    finally:
+        del os.environ["MULTIMESH_DUMP_IR_TO"]
+
+
+@error("mjit-under-jax-transform", API, "An `mjit` function called under `jax.jit`",
+       MultimeshTypeError, r"`mjit\(<lambda>\)` was called under jax.jit",
+       """An `mjit` program is compiled and run by multimesh on concrete arrays; jax
+       cannot trace it. Put the transformation inside (`mjit(jax.grad(f))`) and call the
+       `mjit` function outside `jax.jit`, or call the plain function there.""")
+def _():
+    inner = mm.mjit(lambda x: x * 2)
+    jax.jit(inner)(jnp.ones(4))
 
 
 # =========================================================================== Flax

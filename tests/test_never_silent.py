@@ -94,7 +94,8 @@ def test_jax_jit_of_tasks_warns_once_and_keeps_values_and_gradients():
     msgs = _outside(caught)
     assert len(msgs) == 2, msgs  # traced once by jax.jit: s0 and s1
     assert re.match(r"Task 's0' is traced outside `multimesh\.jax\.mjit` \(called eagerly, or "
-                    r"under jax\.jit, jax\.eval_shape .*\), so its placement is ignored: .*"
+                    r"under jax\.jit or another jax transformation that runs it\), so its "
+                    r"placement is ignored: .*"
                     r"The values are the same\. To place it, compile the program with "
                     r"`multimesh\.jax\.mjit` \(or `parallelize`\); to run plain jax on "
                     r"purpose, call it under `multimesh\.jax\.ignore_transforms\(\)`\.",
@@ -107,15 +108,33 @@ def test_jax_jit_of_tasks_warns_once_and_keeps_values_and_gradients():
             assert _ids(a) == {jax.devices()[0].id}
 
 
-def test_eval_shape_of_tasks_warns():
+def test_eval_shape_of_tasks_is_quiet_and_a_later_jit_warns():
+    """Nothing runs under ``jax.eval_shape``, so nothing is misplaced: no warning. A
+    later ``jax.jit`` of the same tasks runs them unplaced and warns, and so does
+    each other program that runs them (issue 31)."""
     loss = _two_stage_loss()
     ws, x = _args()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = jax.eval_shape(loss, ws, x)
+    assert _outside(caught) == []
+    assert (out.shape, out.dtype) == ((), jnp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = jax.jit(loss)(ws, x)
+        jax.jit(loss)(ws, x * 2)  # the same program, retraced: said already
     assert [m[:30] for m in _outside(caught)] == ["Task 's0' is traced outside `m",
                                                   "Task 's1' is traced outside `m"]
-    assert (out.shape, out.dtype) == ((), jnp.float32)
+    assert {w.filename for w in caught} == {__file__}  # the line that runs it
+    np.testing.assert_allclose(np.asarray(value), np.asarray(_plain_loss(ws, x)), rtol=1e-6)
+
+    def other(ws, x):
+        return loss(ws, x) * 2
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(other)(ws, x)
+    assert len(_outside(caught)) == 2  # another program that runs them unplaced
 
 
 def test_jit_traced_inside_mjit_then_run_outside_warns():

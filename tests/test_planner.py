@@ -165,6 +165,14 @@ def _accumulated(loss, params, x, M):
                                                   *[p[1] for p in parts])
 
 
+def _planned(plan, loss, params, x):
+    """What ``plan.microbatch(value_and_grad(loss))`` gives: the microbatches' mean (the
+    plan's default reduction) or sum."""
+    M = plan.num_microbatches
+    out = _accumulated(loss, params, x, M)
+    return out if plan.reduction == "sum" else jax.tree.map(lambda a: a / M, out)
+
+
 def _stage_of(plan, keystr: str) -> int:
     hits = [st.index for st in plan.stages for u in st.units
             if f"['{u.split('/')[0]}']" in keystr
@@ -175,7 +183,7 @@ def _stage_of(plan, keystr: str) -> int:
 
 def _check_run(plan, loss, params, x, out):
     value, grads = out
-    ref_value, ref_grads = _accumulated(loss, params, x, plan.num_microbatches)
+    ref_value, ref_grads = _planned(plan, loss, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
                             jax.tree.leaves(ref_grads)):
@@ -443,7 +451,7 @@ def test_named_scope_function_plan_and_run():
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
             params, x).compile()
     value, grads = compiled(params, x)
-    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    ref_value, ref_grads = _planned(plan, _scoped, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
@@ -499,7 +507,7 @@ def test_units_are_split_finer_when_more_stages_are_asked():
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_nested))).lower(
             params, x).compile()
     value, grads = compiled(params, x)
-    ref_value, ref_grads = _accumulated(_nested, params, x, 2)
+    ref_value, ref_grads = _planned(plan, _nested, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k, part in enumerate(("enc", "enc", "dec", "dec")):
         g, r = grads[part][k % 2], ref_grads[part][k % 2]
@@ -519,7 +527,7 @@ def test_plan_on_some_devices():
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped)),
                            devices=devices).lower(params, x).compile()
     value, grads = compiled(params, x)
-    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    ref_value, ref_grads = _planned(plan, _scoped, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
     assert sorted(d.id for d in grads["head"].devices()) == [6, 7]
@@ -642,7 +650,8 @@ def test_units_split_their_backward_into_input_and_weight_gradients():
 
 
 @pytest.mark.parametrize("schedule, num_stages, match", [
-    ("dualpipe-v", 2, r"\['dualpipe-v'\] accept none of \[2\] stage"),  # 1 submesh
+    ("dualpipe-v", 2, r"plans schedule 'dualpipe-v' with 2 stages per submesh \(v-shape\), "
+                      r"so it needs .* but the candidates are \[2\] stage"),  # 1 submesh
     ("custom", None, "no textbook order"),
     ("zigzag", None, "unknown schedule 'zigzag'"),
     ((), None, "an empty choice"),
@@ -674,7 +683,7 @@ def test_measured_costs_plan_records_its_source_and_runs():
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
             params, x).compile()
     value, grads = compiled(params, x)
-    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    ref_value, ref_grads = _planned(plan, _scoped, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
@@ -705,14 +714,14 @@ def test_interleaved_plan_places_stages_round_robin_and_runs():
                             schedule="interleaved-1f1b")
     assert plan.interleave == 2 and "(2 stages per submesh)" in str(plan)
     assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)] * 2
-    assert "interleave=2)" in plan.as_code()
+    assert "interleave=2, reduction='mean')" in plan.as_code()
     assert mm.PipelinePlan.from_json(plan.to_json()) == plan
     with plan:
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
             params, x).compile()
     assert compiled.schedule.name == "interleaved-1f1b"
     value, grads = compiled(params, x)
-    ref_value, ref_grads = _accumulated(_scoped, params, x, 2)
+    ref_value, ref_grads = _planned(plan, _scoped, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
@@ -736,13 +745,13 @@ def test_v_shape_plan_goes_down_the_submeshes_and_back_and_runs():
     assert plan.interleave == 2
     assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7),
                                                   (4, 5, 6, 7), (0, 1, 2, 3)]
-    assert plan.as_code().endswith("schedule='dualpipe-v')\n")  # no interleave=
+    assert plan.as_code().endswith("schedule='dualpipe-v', reduction='mean')\n")  # no interleave=
     with plan:
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
             params, x).compile()
     assert compiled.schedule.name == "dualpipe-v"
     value, grads = compiled(params, x)
-    ref_value, ref_grads = _accumulated(_scoped, params, x, 4)
+    ref_value, ref_grads = _planned(plan, _scoped, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)

@@ -7,6 +7,10 @@ about multimesh.
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+
 
 class MultimeshError(Exception):
     """Base class of every error raised by multimesh."""
@@ -108,3 +112,30 @@ def _at(location) -> str:
 class DonationError(MultimeshValueError):
     """A compiled program got an argument whose buffer is gone (donated or deleted), or
     the same array both donated and passed as another argument."""
+
+
+def _library_roots() -> tuple[str, ...]:
+    """Where multimesh, its passes, jax and flax live (and contextlib, which ``with``
+    blocks and decorators pass through): frames a warning should not point at."""
+    import contextlib
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # multimesh/
+    roots = [here + os.sep, os.path.join(os.path.dirname(here), "mlir_passes") + os.sep,
+             os.path.abspath(contextlib.__file__)]
+    for name in ("jax", "jaxlib", "flax"):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(roots)
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` for a warning issued by the function that calls
+    this: the first frame outside multimesh, its passes, jax and flax, i.e. the user's
+    line (1, the issuing line, when every frame is the library's)."""
+    roots = _library_roots()
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1

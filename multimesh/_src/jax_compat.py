@@ -50,7 +50,7 @@ __all__ = [
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
-    "persistent_cache_on", "serialized_executable", "persistent_cache_settings",
+    "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -738,3 +738,15 @@ def unused_inputs(closed) -> set[int]:
     used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
     used |= {id(v) for v in jaxpr.outvars}
     return {i for i, v in enumerate(jaxpr.invars) if id(v) not in used}
+
+
+def staging() -> bool:
+    """Whether the current trace stages out a program (``jax.jit``, ``jax.eval_shape``)
+    rather than running now (eagerly, or under eager ``jax.grad``/``jax.vmap``): some
+    trace between here and the bottom is a jaxpr trace. jax has no public way to ask."""
+    trace = getattr(getattr(_core, "trace_ctx", None), "trace", None)
+    while trace is not None:
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False

@@ -53,6 +53,17 @@ def program_devices(devices, who: str = "`mjit`") -> tuple:
     return flat
 
 
+def few_devices_hint(devices) -> str:
+    """Advice for a position past the last of ``devices``: on a CPU with fewer devices
+    than asked, how to simulate more; else nothing."""
+    if all(getattr(d, "platform", "") == "cpu" for d in devices) and \
+            jax.device_count() == len(devices):
+        return (f" jax sees {len(devices)} CPU device(s); to simulate more, set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count=8 (or the number you "
+                f"need) before jax is imported.")
+    return ""
+
+
 def axis_names(names, who: str) -> tuple:
     """Axis names as a tuple; a string is one name, as for ``jax.sharding.Mesh``."""
     if isinstance(names, str):

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from multimesh._src.errors import MultimeshAttributeError
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import ir, print_module
-from multimesh.jax._call_checks import check_call, check_leaf_types, leaf_name
+from multimesh.jax._call_checks import check_call, leaf_name
 from multimesh.runtime import Executor, build_plan
 from multimesh.schedules import Schedule
 
@@ -134,8 +134,8 @@ class MpmdCompiled:
         from multimesh.runtime.trace import TraceRecorder
 
         flat, tree = jax.tree.flatten((args, kwargs))
-        if self._lowered.in_avals is not None and tree == self._lowered.in_tree:
-            check_leaf_types(flat, self._lowered.in_avals, args, kwargs)
+        if self._lowered.in_avals is not None:
+            flat = check_call(self._lowered.in_tree, self._lowered.in_avals, args, kwargs)
         rec = TraceRecorder()
         outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
         sched = self.schedule

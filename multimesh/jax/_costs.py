@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax._call_checks import check_call
 from multimesh.runtime.memory import _shard_bytes as shard_bytes
 from multimesh.runtime.plan import Call
 from multimesh.runtime.timing import StepTime, run_timed
@@ -42,6 +44,17 @@ class DeviceModel:
     overhead: float = 1e-5
     name: str = "custom"
 
+    def __post_init__(self):
+        for name in ("peak_flops", "memory_bandwidth", "overhead"):
+            v = getattr(self, name)
+            low = 0 if name == "overhead" else None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    (v >= 0 if low == 0 else v > 0) and v < float("inf")):
+                raise MultimeshValueError(
+                    f"DeviceModel: `{name}` must be a finite number "
+                    f"{'>= 0 (seconds per call)' if low == 0 else '> 0 (per second)'}, got "
+                    f"{v!r}.")
+
     def seconds(self, flops: float, bytes_accessed: float) -> float:
         return self.overhead + max(flops / self.peak_flops, bytes_accessed / self.memory_bandwidth)
 
@@ -60,6 +73,13 @@ _DATASHEET = (("h200", 989e12, 4.8e12), ("h100", 989e12, 3.35e12), ("a100", 312e
               ("v5e", 197e12, 8.19e11), ("v5p", 459e12, 2.76e12), ("v4", 275e12, 1.2e12))
 
 
+_NO_TASKS = (
+    "This program has no tasks, so multimesh compiled it as one `jax.jit` executable "
+    "(the fast path): it has no fragments, submeshes or schedule to cost, profile or "
+    "measure. Time it with `compiled.profile(...)`; place work with `task`/"
+    "`register_task` to make it an MPMD program.")
+
+
 def _compiled(obj):
     """The compiled program behind ``obj`` (a lowered one is compiled)."""
     if hasattr(obj, "cost_analysis") and hasattr(obj, "schedule"):
@@ -71,11 +91,19 @@ def _compiled(obj):
         f".compile()), got {type(obj).__name__}.")
 
 
+def _mpmd(obj):
+    """The compiled MPMD program behind ``obj``; a program without tasks is refused."""
+    c = _compiled(obj)
+    if getattr(c, "fast_path", False):
+        raise MultimeshValueError(_NO_TASKS)
+    return c
+
+
 def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCosts:
     """Seconds per fragment call from XLA's cost analysis (``flops``, ``bytes
     accessed``) through ``device_model`` (default: :meth:`DeviceModel.for_device` of
     the program's first device)."""
-    c = _compiled(compiled)
+    c = _mpmd(compiled)
     model = device_model or DeviceModel.for_device(c._lowered.devices[0])
     per = c.cost_analysis(by_fragment=True)
     secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
@@ -89,7 +117,7 @@ def residual_bytes(compiled) -> dict[str, int]:
     (not the program's inputs: parameters stay anyway) or makes that such a backward
     reads, sized by their layouts. The schedule's live activations times these are
     its activation memory (``schedule.simulate(residual_bytes=...)``)."""
-    plan = _compiled(compiled).plan_data
+    plan = _mpmd(compiled).plan_data
     kept = _read_by_backward(plan)
     inputs = set(plan.input_ids)
     out: dict[str, int] = {}
@@ -225,14 +253,15 @@ def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepPro
         raise MultimeshValueError(
             "This program has no pipeline schedule (it is not microbatched: use "
             "multimesh.jax.microbatch), so it has no units to profile.")
-    if steps < 1:
-        raise MultimeshValueError(f"steps must be at least 1, got {steps}.")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise MultimeshValueError(f"step_profile: `steps` must be a positive integer (the "
+                                  f"number of steps to time), got {steps!r}.")
     if steps > 1 and compiled._lowered.donated_leaves:
         raise MultimeshValueError(
             f"steps={steps} reruns the program on the same arguments, but it donates "
             "some of them; profile one step at a time (steps=1) with fresh arguments.")
     low = compiled._lowered
-    flat = jax.tree.flatten((args, kwargs))[0]
+    flat = check_call(low.in_tree, low.in_avals, args, kwargs)
     flat = [flat[i] for i in low.dyn_idx]
     if low.key_inputs:
         flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]

@@ -39,16 +39,24 @@ def _safe(name: str | None) -> str:
 
 def program_dir(root: str, name: str | None) -> str:
     """A new, empty directory ``root/<name>-<n>`` for one program's dumps."""
-    os.makedirs(root, exist_ok=True)
     base = _safe(name)
     n = 0
-    while True:
-        path = os.path.join(root, f"{base}-{n}")
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            n += 1
+    try:
+        os.makedirs(root, exist_ok=True)
+        while True:
+            path = os.path.join(root, f"{base}-{n}")
+            try:
+                os.mkdir(path)
+                return path
+            except FileExistsError:
+                n += 1
+    except OSError as e:
+        from multimesh._src.errors import MultimeshValueError
+
+        raise MultimeshValueError(
+            f"MULTIMESH_DUMP_IR_TO={root!r} names a directory multimesh cannot make or "
+            f"write ({e.strerror or e}: {e.filename!r}); set it to a directory you can "
+            f"write, or unset it to dump nothing.") from None
 
 
 def _user() -> str:

@@ -170,6 +170,15 @@ class FastCompiled:
     def __getattr__(self, name):
         raise missing_attribute(self, name, MpmdCompiled)
 
+    def memory_profile(self, *args, **kwargs):
+        """Refused: a program without tasks has no submeshes to measure."""
+        from multimesh._src.errors import MultimeshValueError
+        from multimesh.jax._costs import _NO_TASKS
+
+        raise MultimeshValueError(_NO_TASKS)
+
+    step_profile = memory_profile
+
     def profile(self, *args, trace_path=None, **kwargs):
         """Run once synchronously, as one span (see ``MpmdCompiled.profile``)."""
         from multimesh.runtime.trace import TraceRecorder

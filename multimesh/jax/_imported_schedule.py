@@ -21,7 +21,7 @@ import re
 import warnings
 from collections.abc import Sequence
 
-from multimesh._src.errors import MultimeshWarning
+from multimesh._src.errors import MultimeshWarning, user_stacklevel
 from multimesh.passes.api import schedule_from_order
 from multimesh.runtime.plan import Call, Plan
 from multimesh.schedules import Call as UnitCall
@@ -102,7 +102,7 @@ def recover_schedule(plan: Plan, counters: Sequence[int | None] = ()) -> Schedul
             f"call_counter attribute nor a '_call<N>', '_calls<a>to<b>' or "
             f"'_calls<b>from<a>' fragment name. The recovered schedule leaves them "
             f"unnumbered; keep the partitioner's fragment names to number them.",
-            MultimeshWarning, stacklevel=4)
+            MultimeshWarning, stacklevel=user_stacklevel())
     units_in = []
     for c, m, d in zip(calls, mbs, deps):
         frag = plan.fragments[c.fragment]

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from typing import Any
 
 import jax
 
+from multimesh.jax._call_checks import check_call
 from multimesh.runtime.memory import SubmeshMemory, handed_over, measure_step
 
-__all__ = ["MemoryProfile", "memory_profile", "stage_tasks"]
+__all__ = ["MemoryProfile", "memory_profile", "stage_tasks", "program_fingerprint"]
+
+
+def program_fingerprint(compiled) -> str:
+    """What tells one compiled program from another: its MPMD text and its devices."""
+    ids = ",".join(str(d.id) for d in compiled._lowered.devices)
+    return hashlib.sha256(f"{ids}\n{compiled.as_text()}".encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -32,6 +41,11 @@ class MemoryProfile:
         default_factory=list)
     """``states`` per stage (its forward task; the tasks of a stage that runs several,
     joined by ``+``)."""
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The schedule of the program measured (None if it is not microbatched), so a
+    picture of another program can refuse this profile."""
+    program: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    """A fingerprint of the compiled program measured (:func:`program_fingerprint`)."""
 
     @property
     def predicted_activations(self) -> list[int]:
@@ -62,11 +76,14 @@ class MemoryProfile:
                 + f"{t / 1024:>9.1f}{n:>6}")
         return "\n".join(rows)
 
+    def __str__(self) -> str:
+        return self.format()
+
 
 def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     """Run one step of ``compiled`` on ``args`` and measure it (see :class:`MemoryProfile`)."""
     low = compiled._lowered
-    flat, _ = jax.tree.flatten((args, kwargs))
+    flat = check_call(low.in_tree, low.in_avals, args, kwargs)
     flat = [flat[i] for i in low.dyn_idx]
     if low.key_inputs:
         flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
@@ -74,13 +91,14 @@ def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     sched = compiled.schedule
     if sched is None:
         return MemoryProfile(None, list(measured.values()), [0] * len(measured),
-                             [[] for _ in measured])
+                             [[] for _ in measured], program=program_fingerprint(compiled))
     ids = [tuple(low.devices[p].id for p in where) for where in sched.devices]
     live = sched.live_activations()
     rows = [measured.get(i, SubmeshMemory(i)) for i in ids]
     per_stage = _states(sched, handed_over(compiled.plan_data))
     states = [[tuple(map(sum, zip((0, 0), *row.values()))) for row in sub] for sub in per_stage]
-    return MemoryProfile(sched.name, rows, list(live), states, per_stage)  # type: ignore
+    return MemoryProfile(sched.name, rows, list(live), states, per_stage,  # type: ignore
+                         source=sched, program=program_fingerprint(compiled))
 
 
 def stage_tasks(schedule) -> dict[int, str]:

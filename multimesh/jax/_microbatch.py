@@ -35,6 +35,7 @@ from multimesh._src.errors import (
     MultimeshTypeError,
     MultimeshValueError,
     MultimeshWarning,
+    user_stacklevel,
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
@@ -123,7 +124,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     argnum, name = _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling,
                                   schedule, custom_schedule)
     _check_reduction(reduction)
-    check_remat(remat, "`microbatch`")
+    remat = check_remat(remat, "`microbatch`")
 
     def wrapped(*args, **kwargs):
         if _contexts.state.ignore_transforms:
@@ -147,13 +148,14 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
                 warnings.warn(
                     f"`microbatch` got a batch of exactly one microbatch (size {size}), so it "
                     f"calls the function once and the schedule {name or 'gpipe'!r} has nothing "
-                    f"to order.", MultimeshWarning, stacklevel=3)
+                    f"to order.", MultimeshWarning, stacklevel=user_stacklevel())
             out = fun(*args, **kwargs)
             _check_output_dtypes(out, reduction)
             return out
         custom = (canonicalize_custom(custom_schedule, n)
                   if custom_schedule is not None else None)
         _note_loop(name, n, num_stages, interleave, unrolling, custom)
+        _check_count(name, n, num_stages, interleave)
         x = _constrain_argument(args[index], arg_shardings)
         return _run(fun, args, kwargs, index, x, (dim, size, n), reduction)
 
@@ -299,6 +301,36 @@ def _note_loop(name, n, num_stages, interleave, unrolling, custom) -> None:
             "A program may contain one microbatch loop, but this one calls a second "
             "`microbatch` function. Microbatch one function that does all of the work.")
     notes.microbatch = cfg
+
+
+def _check_count(name, n: int, num_stages, interleave) -> None:
+    """Refuse, before ``fun`` is traced, a number of microbatches the schedule accepts
+    on no pipeline the program's devices allow (``num_stages``: that one)."""
+    if name is None or name == "custom" or _contexts.state.trace_notes is None:
+        return
+    from multimesh.schedules import pipeline_units, v_shape_units
+    from multimesh.schedules.simulator import Program
+
+    algo = get_schedule(name)
+    V = interleave or algo.interleave
+    devices = len(_contexts.state.program_devices or ()) or jax.device_count()
+    sizes = ([num_stages // V] if num_stages and num_stages % V == 0
+             else range(2, max(2, devices) + 1))
+    errors = []
+    for P in sizes:
+        units = (v_shape_units(P, n, split_backward=algo.splits_backward)
+                 if algo.placement == "v-shape"
+                 else pipeline_units(P, n, interleave=V, split_backward=algo.splits_backward))
+        try:
+            algo.check(Program(units))
+            return
+        except ScheduleError as e:
+            errors.append(str(e))
+    if errors:
+        raise ScheduleError(
+            f"`microbatch` got {n} microbatch(es) for schedule {algo.name!r}, which it "
+            f"accepts on no pipeline of {'num_stages=' + str(num_stages) if num_stages else f'2 to {max(2, devices)} submeshes'}"
+            f" (checked before tracing): {errors[0]}")
 
 
 def _is_operand(x) -> bool:

@@ -11,15 +11,17 @@ from __future__ import annotations
 import functools
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.caches import LRUCache, ProgramCaches
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _checks, _contexts, _global_mesh, _inputs, _multimesh
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
+from multimesh.jax import _checks, _contexts, _global_mesh, _inputs, _multimesh, _registrations
 from multimesh.jax._call_checks import abstract_value, check_distinct_devices, check_unsupported
 from multimesh.jax._jit_options import ArgOptions, Bound, resolve_options
 from multimesh.jax._module_names import module_names
@@ -53,6 +55,33 @@ def _nnx_bridge(bound: Bound):
     return _nnx
 
 
+_TRANSFORMS = {"DynamicJaxprTracer": "jax.jit (or another trace: jax.eval_shape, lax.scan, "
+                                     "a jax.checkpoint)",
+               "JVPTracer": "jax.grad or jax.jvp", "LinearizeTracer": "jax.grad or jax.vjp",
+               "BatchTracer": "jax.vmap"}
+
+
+def _refuse_tracers(fun, args, kwargs) -> None:
+    """``mjit`` runs compiled MPMD programs on concrete arrays; under a jax transform
+    its arguments are tracers, which no MPMD program can take."""
+    tracer = next((x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, Tracer)), None)
+    if tracer is None:
+        return
+    kind = type(tracer).__name__
+    if _contexts.state.program_devices is not None:
+        raise MultimeshTypeError(
+            f"`mjit({getattr(fun, '__name__', 'fun')})` was called inside another `mjit` "
+            f"program while it was traced; `mjit` functions do not nest. Call the inner "
+            f"function plainly (its tasks are placed by the outer `mjit`).")
+    raise MultimeshTypeError(
+        f"`mjit({getattr(fun, '__name__', 'fun')})` was called under "
+        f"{_TRANSFORMS.get(kind, 'a jax transformation')} (an argument is a {kind}): an "
+        f"`mjit` program is compiled and run by multimesh on concrete arrays and cannot be "
+        f"traced by jax. Put the transformation inside it (`mjit(jax.grad(f))`, "
+        f"`mjit(jax.vmap(f))`) and call the `mjit` function outside `jax.jit`, or call "
+        f"the plain function there.")
+
+
 class _MJit(ProgramCaches):
     """``mjit(fun, ...)``: options checked once; one program per argument types."""
 
@@ -77,6 +106,9 @@ class _MJit(ProgramCaches):
         # Pin committed inputs even where the program constrains them (parallelize's
         # initial_batch); see multimesh.jax._inputs.
         self.pin_committed = False
+        # the `with plan:` / `with Context():` blocks this was built in (see _left_blocks)
+        self._built_in = [f.context for f in _registrations.entered_frames()[1:]
+                          if f.live]
         functools.update_wrapper(self, fun, updated=())
 
     @property
@@ -142,6 +174,7 @@ class _MJit(ProgramCaches):
         """Trace ``fun`` of dynamic arguments only (statics already bound), under the
         program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``."""
         devices = self._devices()
+        self._warn_left_blocks()
         t0 = time.perf_counter()
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
         notes = TraceNotes()
@@ -151,6 +184,24 @@ class _MJit(ProgramCaches):
         return MpmdTraced(self, traced, devices, notes, (tuple(dyn_args), kwargs),
                           abstract, [i for i, d in enumerate(donated) if d], in_shardings,
                           time.perf_counter() - t0)
+
+    def _warn_left_blocks(self) -> None:
+        """Warn (once) when the ``with plan:``/``with Context():`` block this function
+        was built in has exited: its task rules no longer apply to this trace."""
+        entered = {id(f.context) for f in _registrations.entered_frames()}
+        left = [c for c in self._built_in if id(c) not in entered]
+        if not left:
+            return
+        self._built_in = []
+        rules = [r.matcher for c in left for r in c.registered]
+        warnings.warn(
+            f"`mjit({getattr(self.fun, '__name__', 'fun')})` was built inside a `with "
+            f"plan:` (or `with Context():`) block, but it is traced after the block "
+            f"exited, so the block's {len(rules)} task rule(s) ({', '.join(map(repr, rules))}"
+            f") do not apply: what they would place runs without them (for a plan: not "
+            f"pipelined, on all the program's devices). Call it (or `.lower(...)`) inside "
+            f"the block, or register the rules for good (`plan.apply()`).",
+            MultimeshWarning, stacklevel=_registrations.user_level())
 
     def lower(self, *args, **kwargs):
         """Trace and lower for these arguments (``jax.jit(f).lower``)."""
@@ -162,6 +213,7 @@ class _MJit(ProgramCaches):
         return self.trace(*args, **kwargs).out_info
 
     def __call__(self, *args, **kwargs):
+        _refuse_tracers(self.fun, args, kwargs)
         bound = self.options.bind(args, kwargs)
         nnx = _nnx_bridge(bound)
         if nnx is not None:

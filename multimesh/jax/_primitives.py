@@ -101,7 +101,7 @@ def _lowering(ctx, *args, call_jaxpr, info):
 
     st = _contexts.state
     if not (info.unplaced_ok or st.ignore_transforms or _contexts.traced_by_multimesh()):
-        warn_unplaced(info, once_per_process=True)  # lowered by plain jax
+        warn_unplaced(info, _program_name(ctx))
     with body_scope({"info": info}):
         call, out_nodes = jax_compat.lower_call(ctx, _symbol(info.name), call_jaxpr, args,
                                                 ctx.avals_in)
@@ -109,29 +109,40 @@ def _lowering(ctx, *args, call_jaxpr, info):
     return out_nodes
 
 
-_UNPLACED: set[tuple] = set()  # tasks already warned about (see warn_unplaced)
+def _program_name(ctx) -> str:
+    """The name of the module jax lowers (``jit_loss``), or "" where it has none."""
+    module = getattr(ctx.module_context, "module", None)
+    try:
+        name = str(module.operation.attributes["sym_name"])  # type: ignore[union-attr]
+    except (AttributeError, KeyError):
+        name = ""
+    return f"{name}@{id(module):x}"
 
 
-def warn_unplaced(info: TaskInfo, *, once_per_process: bool = False) -> None:
-    """Warn that a task outside ``mjit`` (bound eagerly, under ``jax.jit``,
-    ``jax.eval_shape``, ...) is an ordinary call that nothing puts on its submesh.
+_UNPLACED: set[tuple] = set()  # (task, program) already warned about (see warn_unplaced)
 
-    ``task`` warns at bind time, once per task function. The lowering rule catches what
-    binding cannot see (a ``jax.jit`` jaxpr traced inside ``mjit``, lowered outside it
-    from jax's cache) and warns once per process per task, and not for one already
-    warned about.
+
+def warn_unplaced(info: TaskInfo, program: str) -> None:
+    """Warn that a task outside ``mjit`` (called eagerly, under ``jax.jit``, ...) is an
+    ordinary call that nothing puts on its submesh.
+
+    Jax lowers a task it is about to run (its lowering rule calls this), so a trace
+    that never runs (``jax.eval_shape``) is quiet; the warning comes once per task and
+    program (``program``: the module jax lowers, ``jit_loss`` for ``jax.jit(loss)``,
+    the primitive's own for an eager call), so each program that runs it unplaced is
+    named, and retracing or calling it again is not.
     """
     import warnings
 
     from multimesh._src.errors import MultimeshWarning
 
-    key = (info.name, info.devices, info.axis_names, info.axis_sizes)
-    if once_per_process and key in _UNPLACED:
+    key = (info.name, info.devices, info.axis_names, info.axis_sizes, program)
+    if key in _UNPLACED:
         return
     _UNPLACED.add(key)
     warnings.warn(
         f"Task {info.name!r} is traced outside `multimesh.jax.mjit` (called eagerly, or "
-        f"under jax.jit, jax.eval_shape or another jax transformation), so its placement "
+        f"under jax.jit or another jax transformation that runs it), so its placement "
         f"is ignored: it runs as an ordinary jax call where jax puts it, not on its "
         f"submesh (device positions {list(info.devices)}). The values are the same. To "
         f"place it, compile the program with `multimesh.jax.mjit` (or `parallelize`); to "
@@ -278,7 +289,7 @@ def _fori(*operands, jaxpr, num_consts, num_microbatches):
 def _warn_unrolled(what: str) -> None:
     import warnings
 
-    from multimesh._src.errors import MultimeshWarning
+    from multimesh._src.errors import MultimeshWarning, user_stacklevel
     from multimesh.jax import _contexts
 
     notes = _contexts.state.trace_notes
@@ -289,7 +300,8 @@ def _warn_unrolled(what: str) -> None:
         f"A `microbatch` function is transformed from the outside ({what}), so its loop is "
         f"unrolled into straight-line code: the result is the same, but no pipeline schedule "
         f"applies. To pipeline, apply the transformation inside: "
-        f"microbatch(jax.value_and_grad(loss), ...).", MultimeshWarning, stacklevel=4)
+        f"microbatch(jax.value_and_grad(loss), ...).", MultimeshWarning,
+        stacklevel=user_stacklevel())
 
 
 def _mb_jvp(primals, tangents, *, jaxpr, num_consts, num_microbatches):

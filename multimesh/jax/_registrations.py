@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import threading
 import warnings
@@ -240,16 +239,11 @@ def _what(reg: Registration) -> str:
 
 
 def user_level() -> int:
-    """``stacklevel`` of the first frame outside multimesh (for warnings)."""
-    import sys
-    import types
+    """``stacklevel`` of the first frame outside multimesh, jax and flax (for warnings
+    issued by this function's caller)."""
+    from multimesh._src.errors import user_stacklevel
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
-        frame, level = frame.f_back, level + 1
-    return level
+    return max(1, user_stacklevel() - 1)
 
 
 def entered_frames() -> list[_Frame]:

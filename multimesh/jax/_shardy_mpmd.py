@@ -30,6 +30,7 @@ from multimesh._src.mlir import (
 )
 from multimesh._src.stack import on_big_stack
 from multimesh.jax._call_checks import check_distinct_devices
+from multimesh.jax._checks import few_devices_hint
 from multimesh.jax._compiled import MpmdCompiled
 from multimesh.jax._imported_schedule import recover_schedule
 from multimesh.jax._lowered import MpmdLowered
@@ -275,7 +276,8 @@ def _listed_positions(name, value, devices) -> tuple[int, ...]:
     if bad:
         raise MultimeshValueError(
             f"`compile_mpmd` meshes[{name!r}] has device position {bad[0]}, but there "
-            f"are {len(devices)} devices (valid positions are 0..{len(devices) - 1}).")
+            f"are {len(devices)} devices (valid positions are 0..{len(devices) - 1})."
+            + few_devices_hint(devices))
     return pos
 
 

@@ -30,6 +30,7 @@ from multimesh._src.errors import (
     MultimeshTypeError,
     MultimeshValueError,
     MultimeshWarning,
+    user_stacklevel,
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import slice_global_mesh
@@ -96,8 +97,25 @@ def _check_split_backprop(value, who: str) -> tuple[str, str] | None:
         f"(critical, non-critical), e.g. ('_activations', '_gradients'), got {value!r}.")
 
 
+# jax.checkpoint_policies that make a policy when called (``save_only_these_names("x")``)
+_POLICY_FACTORIES = ("save_only_these_names", "save_any_names_but_these",
+                     "save_and_offload_only_these_names", "save_from_both_policies",
+                     "offload_dot_with_no_batch_dims")
+
+
 def check_remat(value, who: str):
-    """``remat``: None (inherit), a bool, or a jax checkpoint policy (a callable)."""
+    """``remat``: None (inherit), a bool (``np.bool_`` too, returned as ``bool``), or a
+    jax checkpoint policy (a callable)."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    factory = next((n for n in _POLICY_FACTORIES
+                    if getattr(jax.checkpoint_policies, n, None) is value), None)
+    if factory is not None:
+        raise MultimeshTypeError(
+            f"{who}: `remat` got `jax.checkpoint_policies.{factory}` itself, which makes a "
+            f"policy when called; call it with the names to save, e.g. "
+            f"`remat=jax.checkpoint_policies.{factory}(\"name\")` (names given with "
+            f"`jax.ad_checkpoint.checkpoint_name`).")
     if value is None or isinstance(value, bool) or callable(value):
         return value
     raise MultimeshTypeError(
@@ -246,7 +264,7 @@ class Task:
             if pairs is not None:
                 setattr(self, field, _check_pairs(pairs, field, who))
         self.split_backprop = _check_split_backprop(self.split_backprop, who)
-        check_remat(self.remat, who)
+        self.remat = check_remat(self.remat, who)
 
 
 def _program_devices() -> tuple:
@@ -271,7 +289,8 @@ def _positions_of(devices, name: str) -> np.ndarray:
         if not 0 <= pos < len(prog):
             raise MeshError(
                 f"Task {name!r} uses device position {pos}, outside the program's "
-                f"{len(prog)} devices (valid positions are 0..{len(prog) - 1}).")
+                f"{len(prog)} devices (valid positions are 0..{len(prog) - 1})."
+                + _checks.few_devices_hint(prog))
         out[idx] = pos
     return out
 
@@ -358,7 +377,7 @@ def loop_placement(spec: Task, name: str, info: TaskInfo, n: int | None = None) 
         warnings.warn(
             f"Task {name!r} has a loop_dependent_mesh_slice, but it is not called inside a "
             f"`microbatch` function, so it runs on its default submesh "
-            f"{list(info.devices)}.", MultimeshWarning, stacklevel=3)
+            f"{list(info.devices)}.", MultimeshWarning, stacklevel=user_stacklevel())
         return info
     return _loop_dependent(spec, name, info, n)
 
@@ -413,7 +432,8 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
     spec = _task_spec(default_name, task, kwargs)
     task_name = name or spec.name or default_name
     explicit = bool(name) or (task is not None and bool(task.name))  # not fun.__name__
-    warned: list[bool] = []  # placement-ignored warning, once per task function
+
+    warned: list[bool] = []  # placement-ignored warning, once per task function (eager)
 
     def wrapped(*args, **kw):
         if _contexts.state.ignore_transforms:
@@ -498,13 +518,18 @@ def task_body_mesh(mesh: AbstractMesh | None, info: TaskInfo) -> Mesh | None:
 
 def _outside_mjit(info: TaskInfo, warned: list[bool]) -> TaskInfo:
     """A task bound outside ``mjit``: quiet (and marked so for the lowering rule) in
-    multimesh's own traces, else warned once per task function (``warned``)."""
+    multimesh's own traces. Called eagerly (``jax.grad``/``jax.vmap`` too) it runs now:
+    warned once per task function (``warned``). Staged out, the lowering rule warns when
+    jax is about to run it (:func:`warn_unplaced`, once per program), so a trace that
+    never runs (``jax.eval_shape``) is quiet."""
     if _contexts.state.internal_trace:
         return dataclasses.replace(info, unplaced_ok=True)
+    if jax_compat.staging():
+        return info
     if not warned:
         warned.append(True)
-        warn_unplaced(info)
-    return info
+        warn_unplaced(info, "eager")
+    return dataclasses.replace(info, unplaced_ok=True)  # said here, once
 
 
 class TaskFunction(Protocol):
@@ -564,7 +589,7 @@ def warn_renamed_tasks(notes: TraceNotes) -> None:
             f"Task name {name!r} was given {len(keys)} different submeshes or logical "
             f"mappings, so multimesh runs them as {len(keys)} tasks: {where} (suffixes in "
             f"program order). Give each task its own name to choose the names yourself.",
-            MultimeshWarning, stacklevel=3)
+            MultimeshWarning, stacklevel=user_stacklevel())
 
 
 _JAX_NEEDS_MESH = "with_sharding_constraint requires a non-empty mesh"

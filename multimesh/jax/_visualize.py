@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import warnings
 from collections.abc import Callable, Mapping
 
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, user_stacklevel
 from multimesh._src.ir_contract import SCHEDULE_ATTR
 from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
 from multimesh.schedules.costs import as_cost
@@ -65,7 +66,7 @@ def _schedule_module(obj):
 
 def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = None, *,
                        cost: Callable[[Unit], float] | None = None,
-                       costs=None, memory=None) -> str | None:
+                       costs=None, memory=None, print: bool = True) -> str | None:
     """Print the schedule as a text Gantt chart; with ``path``, also save it as a PNG.
 
     ``compiled_or_schedule``: what ``mjit(f).lower(...).compile()`` returns, the
@@ -79,24 +80,21 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     has one row per submesh, forward/backward/weight-gradient boxes in three
     colours with the microbatch number inside (hatched: a submesh's second stage
     under interleaving); it needs matplotlib (without it a
-    warning is issued and no file is written). Returns the PNG's path, or None.
+    warning is issued and no file is written). Returns the path of the file it
+    wrote (``path``, with ``.png`` added when it has no extension), or None.
+    ``print=False`` leaves the text chart out (only the file is written).
 
     ``memory``: True adds a memory lane per submesh (its live activations, in
     microbatches, over the timeline); a ``MemoryProfile``
-    (``compiled.memory_profile(...)``) also puts what a real step measured beside
-    each lane: the peak activation bytes and microbatches, and the theory's bytes.
+    (``compiled.memory_profile(...)`` of this same program) also puts what a real
+    step measured beside each lane: the peak activation bytes and microbatches, and
+    the theory's bytes.
     """
     tl, label = _timeline(compiled_or_schedule, cost, costs)
-    notes = _memory_notes(memory)
+    notes = _memory_notes(memory, compiled_or_schedule, tl.schedule)
     lanes = False if memory is None else notes or True
-    if "unit" in label or cost is not None:  # a grid of whole units of time
-        print(format_gantt(tl.schedule, cost=cost, memory=lanes))
-    else:
-        print(format_timeline(tl, label))
-        if lanes:
-            for m, lane in enumerate(memory_lanes(tl.schedule, tl)):
-                note = f"  {notes[m]}" if notes and m < len(notes) else ""
-                print(f"submesh {m} live activations: peak {lane.peak}{note}")
+    if print:
+        _print_chart(tl, label, cost, lanes, notes)
     if path is None:
         return None
     try:
@@ -104,7 +102,7 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
         from matplotlib.figure import Figure
     except ImportError:
         warnings.warn("matplotlib is not installed: no PNG written "
-                      "(pip install matplotlib)", stacklevel=2)
+                      "(pip install matplotlib)", stacklevel=user_stacklevel())
         return None
     seconds = cost is None and "unit" not in label
     span = 40.0 if seconds else tl.makespan  # real seconds: a fixed width
@@ -116,8 +114,22 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     if lanes:
         _draw_lanes(fig.add_subplot(2, 1, 2, sharex=ax), tl, notes, 1e3 if seconds else 1.0)
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    return os.fspath(path)
+    out = os.fspath(path)
+    if not os.path.splitext(out)[1]:  # matplotlib adds the format's extension
+        out += ".png"
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def _print_chart(tl: Timeline, label: str, cost, lanes, notes) -> None:
+    if "unit" in label or cost is not None:  # a grid of whole units of time
+        builtins.print(format_gantt(tl.schedule, cost=cost, memory=lanes))
+        return
+    builtins.print(format_timeline(tl, label))
+    if lanes:
+        for m, lane in enumerate(memory_lanes(tl.schedule, tl)):
+            note = f"  {notes[m]}" if notes and m < len(notes) else ""
+            builtins.print(f"submesh {m} live activations: peak {lane.peak}{note}")
 
 
 def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
@@ -180,8 +192,9 @@ def _row_label(s: Schedule, m: int) -> str:
     return f"submesh {m}"
 
 
-def _memory_notes(memory) -> list[str] | None:
-    """Per submesh, what a real step measured (``memory``: a MemoryProfile), or None."""
+def _memory_notes(memory, obj, sched: Schedule) -> list[str] | None:
+    """Per submesh, what a real step measured (``memory``: a MemoryProfile of the
+    program drawn), or None."""
     if memory is None or memory is True or memory is False:
         return None
     rows = getattr(memory, "submeshes", None)
@@ -189,8 +202,27 @@ def _memory_notes(memory) -> list[str] | None:
         raise MultimeshTypeError(
             f"visualize_schedule's `memory` must be True or a MemoryProfile (what "
             f"compiled.memory_profile(...) returns), got {type(memory).__name__}.")
+    _check_same_program(memory, obj, sched)
     return [f"measured {_size(s.peak_activations)} ({s.peak_microbatches} mb), "
             f"theory {_size(t)}" for s, t in zip(rows, memory.predicted_activations)]
+
+
+def _check_same_program(memory, obj, sched: Schedule) -> None:
+    """``memory`` was measured on the program drawn: the same schedule and, for a
+    compiled program, the same program."""
+    source = getattr(memory, "source", None)
+    program = getattr(memory, "program", None)
+    other = source is None or source != sched or len(memory.submeshes) != sched.num_meshes
+    if not other and program is not None and hasattr(obj, "_lowered"):
+        from multimesh.jax._memory import program_fingerprint
+
+        other = program_fingerprint(obj) != program
+    if other:
+        raise MultimeshValueError(
+            f"visualize_schedule's `memory` is the memory profile of another program "
+            f"(schedule {memory.schedule!r} on {len(memory.submeshes)} submesh(es)) than "
+            f"the one drawn (schedule {sched.name!r} on {sched.num_meshes}); pass "
+            f"`compiled.memory_profile(...)` of the program you draw.")
 
 
 def _size(n: int) -> str:

@@ -16,6 +16,7 @@ zero-bubble paper's B = W), and ``f+g`` is ``f`` followed by ``g``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -150,9 +151,13 @@ def _check_stages(schedule, forward, backward, weight_gradient, activation_bytes
         raise ScheduleError(f"simulate_stages needs at least one stage and a number of "
                             f"stages divisible by num_meshes, got {S} stages on {P} "
                             f"submeshes")
-    if any(not c > 0 for c in (*forward, *backward)):
-        raise ScheduleError(f"stage costs must be positive, got forward={list(forward)} "
-                            f"backward={list(backward)} for schedule '{schedule}'")
+    if any(not 0 < c < math.inf for c in (*forward, *backward)):
+        raise ScheduleError(f"stage costs must be positive and finite, got "
+                            f"forward={list(forward)} backward={list(backward)} for "
+                            f"schedule '{schedule}'")
+    if activation_bytes is not None and any(not 0 <= b < math.inf for b in activation_bytes):
+        raise ScheduleError(f"activation_bytes must be >= 0 and finite, got "
+                            f"{list(activation_bytes)}")
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -180,6 +185,10 @@ class Comparison:
         stay within it on every submesh."""
         rows = self.rows
         if memory_limit is not None:
+            if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+                    or not 0 < memory_limit < math.inf:
+                raise ScheduleError(f"memory_limit must be a positive number of bytes per "
+                                    f"device, or None (no limit), got {memory_limit!r}")
             if any(p.peak_activation_bytes is None for p in rows):
                 raise ScheduleError("memory_limit needs residual sizes: compare with "
                                     "memory='plan' or a memory profile")

@@ -11,6 +11,7 @@ sorted by their simulated start time, a topological merge of the per-submesh ord
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -256,8 +257,10 @@ class Sim:
         u = self.prog.units[i]
         self.ready[u.mesh].discard(i)
         c = float(self.cost(u))
-        if not c > 0:
-            raise ScheduleError(f"cost of unit {i} must be positive, got {c}")
+        if not 0 < c < math.inf:
+            raise ScheduleError(f"cost of unit {i} ({u.fragment or short_label(u)} on "
+                                f"submesh {u.mesh}) must be a positive finite duration, "
+                                f"got {c}")
         self.start[i], self.end[i] = t, t + c
         self.orders[u.mesh].append(i)
         if not u.free:
@@ -411,6 +414,9 @@ def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
              comm: float = 0.0) -> Timeline:
     """Run the schedule's per-submesh orders: a unit starts when its submesh is free and
     its inputs are done (``comm`` later when they come from another submesh)."""
+    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0 <= comm < math.inf:
+        raise ScheduleError(f"comm (seconds per transfer between submeshes) must be a "
+                            f"finite number >= 0, got {comm!r}")
     prog = Program(schedule.units)
     plans = [list(r) for r in schedule.orders]
     pos = {i: k for row in plans for k, i in enumerate(row)}
@@ -581,9 +587,20 @@ def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
     peak_mb = tuple(max(p, default=0) for p in live_activation_profile(schedule))
     peak_b = None
     if residual_bytes is not None:
-        size = _key_size(schedule, residual_bytes)
+        size = _non_negative_size(_key_size(schedule, residual_bytes))
         peak_b = tuple(max(p, default=0) for p in live_activation_profile(schedule, size))
     return Prediction(tl, source, peak_mb, peak_b)
+
+
+def _non_negative_size(size: Callable[[tuple[int, int, int]], int]):
+    def checked(key: tuple[int, int, int]) -> int:
+        b = size(key)
+        if not 0 <= b < math.inf:
+            raise ScheduleError(f"residual bytes must be >= 0 and finite, got {b!r} for "
+                                f"(submesh, stage, microbatch) {key}")
+        return b
+
+    return checked
 
 
 def _key_size(schedule: Schedule, residual_bytes) -> Callable[[tuple[int, int, int]], int]:

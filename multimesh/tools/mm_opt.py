@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -360,6 +361,17 @@ def _read_input(path: str | None, display: str, split: bool = False) -> str | by
         raise _Failure from None
 
 
+def _output_mode(path: str) -> int:
+    """The mode of the file written: an existing file's own, else 0666 less the umask
+    (as ``open`` and mlir-opt create it)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def _write_output(path: str | None, text: str | bytes) -> None:
     """Write the result to stdout, or to ``path`` atomically (a temporary file, renamed)."""
     if path in ("-", None):
@@ -382,6 +394,7 @@ def _write_output(path: str | None, text: str | bytes) -> None:
         sys.stderr.write(f"{PROG}: error: cannot write '{path}': {e.strerror or e}\n")
         raise _Failure from None
     try:
+        os.fchmod(fd, _output_mode(path))  # mkstemp's 0600 would narrow it
         with os.fdopen(fd, "wb") as f:
             f.write(text if isinstance(text, bytes) else text.encode("utf-8"))
             f.flush()

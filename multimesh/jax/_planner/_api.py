@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 
@@ -40,11 +41,55 @@ _FRAGMENT_OVERHEAD = {"cpu": 2e-4, "gpu": 5e-5, "tpu": 5e-5}
 def _positive(value, name: str, kind=numbers.Real):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
         raise MultimeshValueError(
             f"`plan_pipeline`: `{name}` must be a positive "
             f"{'integer' if kind is numbers.Integral else 'number'} or None, got {value!r}.")
     return value
+
+
+def _non_negative(value, name: str, unit: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not 0 <= float(value) < math.inf):
+        raise MultimeshValueError(
+            f"`plan_pipeline`: `{name}` must be a finite number >= 0 ({unit}), got {value!r}.")
+
+
+def _devices(devices) -> list:
+    """``devices`` (default ``jax.devices()``) checked: jax devices, each once."""
+    if devices is None:
+        return list(jax.devices())
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise MultimeshTypeError(
+            f"`plan_pipeline`: `devices` must be a list of jax devices, got "
+            f"{type(devices).__name__}.")
+    devices = list(devices)
+    if not devices:
+        raise MultimeshValueError(
+            "`plan_pipeline` got devices=[]; a pipeline needs at least two devices (leave "
+            "`devices` unset for all of `jax.devices()`).")
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if bad:
+        raise MultimeshTypeError(
+            f"`plan_pipeline`: `devices` must be jax devices (e.g. `jax.devices()[4:]`), got "
+            f"{bad[0]!r} ({type(bad[0]).__name__}); the plan's rules give device positions "
+            f"in this list themselves.")
+    ids = [d.id for d in devices]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: `devices` lists device(s) {twice} more than once; each stage "
+            f"needs devices of its own, so list each device once.")
+    return devices
+
+
+def _unjitted(fun):
+    """The function inside ``jax.jit(fun)``: the planner reads the name stack of the
+    step's own operations, which a jitted loss hides in one call."""
+    inner = getattr(fun, "__wrapped__", None)
+    if callable(inner) and hasattr(fun, "lower") and hasattr(fun, "trace"):
+        return _unjitted(inner)
+    return fun
 
 
 def _batch_rows(args, argnum: int, dim: int) -> int:
@@ -53,6 +98,12 @@ def _batch_rows(args, argnum: int, dim: int) -> int:
             f"`plan_pipeline`: `argnum={argnum}` names no example argument; it got "
             f"{len(args)} (the batch is usually argument 1, after the parameters).")
     rows = {int(x.shape[dim]) for x in jax.tree.leaves(args[argnum]) if len(x.shape) > dim}
+    if not rows or 0 in rows:
+        raise MultimeshValueError(
+            f"`plan_pipeline` cuts the batch (argument {argnum}) along dimension {dim}, but "
+            f"it has {'no rows there' if rows else 'no array with that dimension'} "
+            f"({jax.tree.map(lambda x: getattr(x, 'shape', x), args[argnum])}); give an "
+            f"example batch of at least one row, and `argnum`/`dim` that name it.")
     if len(rows) != 1:
         raise MultimeshValueError(
             f"`plan_pipeline` cuts the batch (argument {argnum}) along dimension {dim}, but "
@@ -103,6 +154,12 @@ def _schedules(schedule) -> tuple[str, ...]:
     """The candidate schedules: all the planner models, or the one(s) the user names."""
     if schedule is None:
         return SCHEDULES
+    if not isinstance(schedule, str) and not (
+            isinstance(schedule, Sequence) and all(isinstance(n, str) for n in schedule)):
+        raise MultimeshTypeError(
+            f"`plan_pipeline`: schedule={schedule!r} is not a schedule's name; give one of "
+            f"{list(SCHEDULES + INTERLEAVED)}, a sequence of them, or None (choose among "
+            f"{list(SCHEDULES)}).")
     names = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     out = []
     for name in names:
@@ -122,6 +179,26 @@ def _schedules(schedule) -> tuple[str, ...]:
             f"`plan_pipeline` got schedule={schedule!r}, an empty choice; name at least "
             f"one of {list(SCHEDULES)}, or None (choose).")
     return tuple(sorted(set(out), key=(SCHEDULES + INTERLEAVED).index))  # ties: simpler
+
+
+def _check_placeable(names, stages, n_devices: int, n_units: int) -> None:
+    """Named schedules with several stages per submesh need stage counts that give
+    them at least two submeshes; say so when none of the candidates does."""
+    need = {n: get_schedule(n).interleave for n in names}
+    if any(V == 1 or any(S % V == 0 and S // V >= 2 and n_devices % (S // V) == 0
+                         for S in stages) for V in need.values()):
+        return
+    name, V = next(iter(need.items()))
+    raise MultimeshValueError(
+        f"`plan_pipeline` plans schedule {name!r} with {V} stages per submesh "
+        f"({get_schedule(name).placement}), so it needs a multiple of {V} stages on at "
+        f"least two submeshes ({2 * V} stages or more), but the candidates are "
+        f"{list(stages)} stage(s) ({n_units} units, {n_devices} devices). The planner "
+        f"does not plan it with one stage per submesh (where circular-reversed-backward "
+        f"is GPipe with the backwards in descending order, and the interleaved "
+        f"schedules plain GPipe or 1F1B): name the model's parts more finely, allow more "
+        f"stages, plan with another schedule, or write the rules and "
+        f"`microbatch(..., schedule={name!r})` yourself.")
 
 
 def _nnx_fun(fun, args):
@@ -145,8 +222,10 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
     platform = devices[0].platform
     m = Machine(
         num_devices=len(devices),
-        device_flops=float(device_flops or _DEVICE_FLOPS.get(platform, 1e12)),
-        link_bandwidth=float(link_bandwidth or _LINK_BANDWIDTH.get(platform, 1e10)),
+        device_flops=float(_DEVICE_FLOPS.get(platform, 1e12) if device_flops is None
+                           else device_flops),
+        link_bandwidth=float(_LINK_BANDWIDTH.get(platform, 1e10) if link_bandwidth is None
+                             else link_bandwidth),
         fragment_overhead=float(fragment_overhead if fragment_overhead is not None
                                 else _FRAGMENT_OVERHEAD.get(platform, 1e-4)),
         memory_limit=None if memory_limit is None else float(memory_limit),
@@ -200,7 +279,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
                   fragment_overhead: float | None = None,
                   logical_axes: Sequence[tuple[str, str]] = (),
-                  costs: str = "xla") -> PipelinePlan:
+                  costs: str = "xla", reduction: str = "mean") -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -220,12 +299,22 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     (one axis ``x``), e.g. ``(("batch", "x"),)`` to shard the batch inside a stage.
     ``costs="profile"`` times each unit's forward, backward and weight-gradient part
     on the first device instead of pricing XLA's flops at ``device_flops``.
+    ``reduction`` is how ``plan.microbatch`` combines the microbatches' loss and
+    gradients: ``"mean"`` (the default, as ``parallelize_step``: the full batch's, for
+    a loss that averages over its batch) or ``"sum"`` (gradient accumulation).
     """
     if not callable(fun):
         raise MultimeshTypeError(
             f"`plan_pipeline` expects the loss function first, got {type(fun).__name__}.")
-    devices = list(jax.devices() if devices is None else devices)
-    _positive(memory_limit, "memory_limit")
+    devices = _devices(devices)
+    fun = _unjitted(fun)
+    for name, value in (("memory_limit", memory_limit), ("device_flops", device_flops),
+                        ("link_bandwidth", link_bandwidth)):
+        _positive(value, name)
+    _non_negative(fragment_overhead, "fragment_overhead", "seconds per fragment call")
+    _non_negative(optimizer_state_factor, "optimizer_state_factor",
+                  "optimizer state bytes per parameter byte; 2 for Adam")
+    _check_reduction(reduction)
     if logical_axes:
         from multimesh.jax._task import Task
 
@@ -239,8 +328,11 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     timer = _timer(costs, devices)
     profile = measure_units(fun, args, 0, min_units=num_stages or 2, timer=timer)
     table, machine = _costs(profile, machine, notes)
-    choice = search(table, machine, _fitting(stages, table.names, num_stages), mbs,
-                    _schedules(schedule))
+    fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
+    _check_placeable(names, fit, len(devices), len(table.names))
+    choice = search(table, machine, fit, mbs, names)
+    if choice.num_microbatches == 1:
+        notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows)
     u = profile.units
     return PipelinePlan(
         stages=_stages(profile, choice, devices, machine),
@@ -252,7 +344,36 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                     for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
-        interleave=choice.interleave)
+        interleave=choice.interleave, reduction=reduction)
+
+
+def _check_reduction(reduction) -> None:
+    from multimesh.jax._microbatch import REDUCTIONS
+
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: reduction={reduction!r} is not a reduction; valid choices "
+            f"are {list(REDUCTIONS)} ('mean': the full batch's loss and gradients for a "
+            f"loss that averages over its batch; 'sum': gradient accumulation).")
+
+
+def _why_one(table: Costs, m: Machine, stages, mbs, schedules, choice: Choice,
+             rows: int) -> str:
+    """Why the plan runs the batch as one microbatch (no pipelining)."""
+    if mbs == [1]:
+        return ("one, as asked (num_microbatches=1)" if rows > 1
+                else "one: the example batch has one row")
+    try:
+        other = search(table, m, stages, [k for k in mbs if k > 1], schedules)
+    except MultimeshValueError:
+        return ("one: no plan with more microbatches fits (memory limit or schedule); "
+                "the stages run one after the other, without a pipeline")
+    return (f"one: the best plan with more ({other.num_microbatches}, "
+            f"{other.schedule!r}) is predicted at {other.step_time * 1e3:.3f} ms against "
+            f"{choice.step_time * 1e3:.3f} ms, since each microbatch adds a fragment call "
+            f"per stage ({m.fragment_overhead:.3g} s) and transfers that cost more than the "
+            f"pipeline bubble it fills; the stages run one after the other (pass "
+            f"num_microbatches= to pipeline anyway)")
 
 
 def _timer(costs: str, devices) -> Timer | None:
@@ -307,13 +428,23 @@ def plan_step(mb, loss, params, batch_avals, mesh):
             f"; the planner places one contiguous stage per submesh and chooses a "
             f"schedule for that placement, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
             f"write the schedule yourself.")
+    if mb.remat is not None and not isinstance(mb.remat, bool):
+        from multimesh.jax._implicit_tasks import _policy_name
+
+        raise MultimeshValueError(
+            f"parallelize_step got num_stages='auto' and the checkpoint policy "
+            f"remat={_policy_name(mb.remat)}: the planner's stages are `register_task` "
+            f"rules, and a registered stage is recomputed whole or not at all. Pass "
+            f"remat=True or False, or plan with `plan_pipeline`, write each stage as "
+            f"`task(..., remat=policy)` and compile the step yourself.")
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches
     if given is None and mb.microbatch_size is not None:
         given = rows // mb.microbatch_size
     plan = plan_pipeline(loss, params, batch_avals, devices=list(mesh.devices.flat),
-                         num_microbatches=given, schedule=mb.schedule)
+                         num_microbatches=given, schedule=mb.schedule,
+                         reduction=mb.reduction)
     return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
                                num_microbatches=plan.num_microbatches,
-                               schedule=plan.schedule,
+                               schedule=plan.schedule if plan.num_microbatches > 1 else None,
                                interleave=plan._interleave_option()), plan

@@ -16,6 +16,10 @@ __all__ = ["PipelinePlan", "Stage", "Comparison"]
 # The name the generated code imports multimesh.jax as (the docs' convention).
 _ALIAS = "mm"
 
+PLAN_FORMAT_VERSION = 2
+"""The version of :meth:`PipelinePlan.to_json`'s format (2: ``reduction`` is written;
+plans without a version summed their microbatches)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -84,6 +88,10 @@ class PipelinePlan:
     interleave: int = 1
     """Stages per submesh (round-robin, or a V for a V-shape schedule; each stage's
     ``devices`` say where it runs)."""
+    reduction: str = "mean"
+    """How :meth:`microbatch` combines the microbatches' loss and gradients: ``"mean"``
+    (the full batch's, for a loss that averages over its batch, as
+    ``parallelize_step``) or ``"sum"`` (gradient accumulation)."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -136,13 +144,14 @@ class PipelinePlan:
         return bool(self._contexts.pop().__exit__(*exc))
 
     def microbatch(self, fun: Callable) -> Callable:
-        """``fun`` (a gradient function) over the plan's microbatches and schedule."""
+        """``fun`` (a gradient function) over the plan's microbatches and schedule, its
+        outputs combined by the plan's ``reduction``."""
         from multimesh.jax._microbatch import microbatch
 
         argnum, dim, _ = self.batch
         return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
-                          schedule=self.schedule,
-                          interleave=self._interleave_option())
+                          schedule=self.schedule if self.num_microbatches > 1 else None,
+                          interleave=self._interleave_option(), reduction=self.reduction)
 
     def _interleave_option(self) -> int | None:
         """``microbatch``'s ``interleave``: round-robin plans only (a V-shape schedule
@@ -153,26 +162,38 @@ class PipelinePlan:
         return self.interleave if self.interleave > 1 and not v_shape else None
 
     def as_code(self) -> str:
-        """The rules and the microbatch call a user would write by hand."""
+        """The rules and the microbatch call a user would write by hand, each rule
+        under a comment naming its units and devices."""
         lines = [f"import multimesh.jax as {_ALIAS}", ""]
         for st in self.stages:
             logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
-            lines.append(f"{_ALIAS}.register_task({_raw(st.matcher)}, task={_ALIAS}.Task("
-                         f"name={st.task_name!r}, mesh={_ALIAS}.TaskMesh(devices={st.positions!r})"
-                         f"{logical}))")
+            lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
+                      f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
+                      f"{st.positions[-1]})",
+                      f"{_ALIAS}.register_task(",
+                      f"    {_raw(st.matcher)},",
+                      f"    task={_ALIAS}.Task(name={st.task_name!r}, "
+                      f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}){logical}))"]
         argnum, dim, _ = self.batch
-        lines += ["", f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
-                      f"size={self.microbatch_size}, argnum={argnum}, "
-                      f"schedule={self.schedule!r}"
-                      + (f", interleave={self._interleave_option()})"
-                         if self._interleave_option() else ")")]
+        piped = self.num_microbatches > 1
+        lines += ["", f"# {self.num_microbatches} microbatch(es) of {self.microbatch_size} "
+                      f"rows, {'schedule ' + repr(self.schedule) if piped else 'no pipeline'}"
+                      f", the microbatches' {self.reduction}",
+                  f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
+                  f"size={self.microbatch_size}, argnum={argnum}, "
+                  + (f"schedule={self.schedule!r}, " if piped else "")
+                  + (f"interleave={self._interleave_option()}, "
+                     if piped and self._interleave_option() else "")
+                  + f"reduction={self.reduction!r})"]
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ reporting
 
     def __str__(self) -> str:
-        head = (f"PipelinePlan: {self.num_stages} stages, {self.num_microbatches} "
-                f"microbatches, schedule {self.schedule!r}"
+        M = self.num_microbatches
+        head = (f"PipelinePlan: {self.num_stages} stages, {M} "
+                f"{'microbatches' if M > 1 else 'microbatch (no pipeline: see microbatches)'}"
+                f", schedule {self.schedule!r}"
                 f"{f' ({self.interleave} stages per submesh)' if self.interleave > 1 else ''}"
                 f", predicted step "
                 f"{self.predicted_step_time * 1e3:.3f} ms")
@@ -197,23 +218,14 @@ class PipelinePlan:
              if not f.name.startswith("_")}
         d["stages"] = [dataclasses.asdict(s) for s in self.stages]
         d["assumptions"] = dict(self.assumptions)
+        d["format_version"] = PLAN_FORMAT_VERSION
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> PipelinePlan:
-        d = json.loads(text)
-        fields: list[dict[str, Any]] = [
-            {k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}
-            for s in d.pop("stages")]
-        stages = tuple(Stage(**f) for f in fields)
-        return cls(stages=stages, num_microbatches=int(d["num_microbatches"]),
-                   schedule=str(d["schedule"]),
-                   predicted_step_time=float(d["predicted_step_time"]),
-                   batch=(int(d["batch"][0]), int(d["batch"][1]), int(d["batch"][2])),
-                   units=tuple(d["units"]),
-                   cut_bytes=tuple(d["cut_bytes"]), assumptions=dict(d["assumptions"]),
-                   logical_axes=tuple((str(a), str(b)) for a, b in d.get("logical_axes", ())),
-                   interleave=int(d.get("interleave", 1)))
+    def from_json(cls, text: str | bytes) -> PipelinePlan:
+        """The plan :meth:`to_json` wrote; every field is checked, and the format
+        version must be this multimesh's (:data:`PLAN_FORMAT_VERSION`)."""
+        return cls(**_plan_fields(text))
 
     def compare(self, profile) -> Comparison:
         """Predicted against measured busy time per stage.
@@ -244,6 +256,125 @@ class PipelinePlan:
             row = rows.setdefault(key, [st.index, 0.0, got])
             row[1] += st.predicted_time  # an interleaved submesh runs several stages
         return Comparison(tuple((int(i), float(p), float(m)) for i, p, m in rows.values()))
+
+
+def _json_error(what: str, want: str, got) -> MultimeshValueError:
+    return MultimeshValueError(
+        f"`PipelinePlan.from_json`: {what} must be {want}, got {got!r}. Load the JSON "
+        f"that `plan.to_json()` wrote, unedited, or plan again.")
+
+
+def _count(v, what: str, low: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise _json_error(what, "a positive integer" if low else "a non-negative integer", v)
+    return v
+
+
+def _number(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise _json_error(what, "a finite non-negative number", v)
+    return float(v)
+
+
+def _ints(v, what: str, empty: bool = False) -> tuple[int, ...]:
+    if not isinstance(v, list) or (not v and not empty):
+        raise _json_error(what, "a list of non-negative integers", v)
+    return tuple(_count(x, f"each of {what}") for x in v)
+
+
+def _stage_fields(k: int, d) -> Stage:
+    names = [f.name for f in dataclasses.fields(Stage)]
+    if not isinstance(d, dict) or sorted(d) != sorted(names):
+        raise _json_error(f"stage {k}", f"an object with the keys {names}",
+                          sorted(d) if isinstance(d, dict) else d)
+    if d["index"] != k:
+        raise _json_error(f"stage {k}'s `index`", str(k), d["index"])
+    units = d["units"]
+    if not isinstance(units, list) or not units or not all(isinstance(u, str) for u in units):
+        raise _json_error(f"stage {k}'s `units`", "a non-empty list of unit names", units)
+    devices, positions = (_ints(d[n], f"stage {k}'s `{n}`") for n in ("devices", "positions"))
+    if len(devices) != len(positions):
+        raise _json_error(f"stage {k}'s `positions`", f"{len(devices)} positions, one per "
+                          f"device of {list(devices)}", list(positions))
+    if not isinstance(d["matcher"], str):
+        raise _json_error(f"stage {k}'s `matcher`", "a regular expression (a string)",
+                          d["matcher"])
+    return Stage(index=k, units=tuple(units), devices=devices, positions=positions,
+                 matcher=d["matcher"], flops=_number(d["flops"], f"stage {k}'s `flops`"),
+                 predicted_time=_number(d["predicted_time"], f"stage {k}'s `predicted_time`"),
+                 memory_bytes=_number(d["memory_bytes"], f"stage {k}'s `memory_bytes`"),
+                 **{n: _count(d[n], f"stage {k}'s `{n}`")
+                    for n in ("param_bytes", "residual_bytes", "live_microbatches")})
+
+
+def _plan_document(text) -> dict:
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise MultimeshTypeError(
+            f"`PipelinePlan.from_json` takes the JSON text `plan.to_json()` wrote, got "
+            f"{type(text).__name__}.")
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise MultimeshValueError(f"`PipelinePlan.from_json`: the text is not JSON ({e}).") \
+            from None
+    if not isinstance(d, dict):
+        raise _json_error("the document", "a JSON object (what `plan.to_json()` writes)",
+                          type(d).__name__)
+    version = d.pop("format_version", None)
+    if version != PLAN_FORMAT_VERSION:
+        raise MultimeshValueError(
+            f"`PipelinePlan.from_json`: the plan's format_version is {version!r}, but this "
+            f"multimesh reads version {PLAN_FORMAT_VERSION}"
+            f"{' (a plan written before versions, whose microbatches summed)' if version is None else ''}"
+            f". Plan again with `plan_pipeline` and save `plan.to_json()`.")
+    names = {f.name for f in dataclasses.fields(PipelinePlan) if not f.name.startswith("_")}
+    if set(d) != names:
+        raise _json_error("the plan's keys", f"{sorted(names)} and 'format_version'",
+                          sorted(d))
+    return d
+
+
+def _plan_fields(text) -> dict[str, Any]:
+    """``PipelinePlan``'s constructor arguments from its JSON, every field checked."""
+    from multimesh.jax._microbatch import REDUCTIONS
+    from multimesh.schedules import ScheduleError, get_schedule
+
+    d = _plan_document(text)
+    if not isinstance(d["stages"], list) or not d["stages"]:
+        raise _json_error("`stages`", "a non-empty list", d["stages"])
+    stages = tuple(_stage_fields(k, s) for k, s in enumerate(d["stages"]))
+    batch, M = d["batch"], _count(d["num_microbatches"], "`num_microbatches`", 1)
+    if not (isinstance(batch, list) and len(batch) == 3
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in batch)
+            and batch[1] >= 0 and batch[2] >= 1) or batch[2] % M:
+        raise _json_error("`batch`", f"[argnum, dim, rows] with rows divisible by "
+                          f"num_microbatches={M}", d["batch"])
+    try:
+        schedule = get_schedule(d["schedule"]).name if isinstance(d["schedule"], str) else None
+    except ScheduleError:
+        schedule = None
+    if schedule is None:
+        raise _json_error("`schedule`", "a registered schedule's name", d["schedule"])
+    interleave = _count(d["interleave"], "`interleave`", 1)
+    if len(stages) % interleave:
+        raise _json_error("`interleave`", f"a divisor of the {len(stages)} stages", interleave)
+    if d["reduction"] not in REDUCTIONS:
+        raise _json_error("`reduction`", f"one of {list(REDUCTIONS)}", d["reduction"])
+    axes = d["logical_axes"]
+    if not isinstance(axes, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(a, str) for a in p)
+            for p in axes):
+        raise _json_error("`logical_axes`", "a list of [logical name, axis] pairs", axes)
+    if not isinstance(d["units"], list) or not all(isinstance(u, dict) for u in d["units"]):
+        raise _json_error("`units`", "a list of objects", d["units"])
+    if not isinstance(d["assumptions"], dict):
+        raise _json_error("`assumptions`", "an object", d["assumptions"])
+    return dict(stages=stages, num_microbatches=M, schedule=schedule,
+                predicted_step_time=_number(d["predicted_step_time"], "`predicted_step_time`"),
+                batch=(batch[0], batch[1], batch[2]), units=tuple(d["units"]),
+                cut_bytes=_ints(d["cut_bytes"], "`cut_bytes`", empty=True),
+                assumptions=d["assumptions"], logical_axes=tuple(tuple(p) for p in axes),
+                interleave=interleave, reduction=d["reduction"])
 
 
 @dataclasses.dataclass(frozen=True)

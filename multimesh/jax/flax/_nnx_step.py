@@ -44,14 +44,15 @@ def _state_specs(node) -> nnx.State:
 def _warn_unstepped(model) -> None:
     import warnings
 
-    from multimesh._src.errors import MultimeshWarning
+    from multimesh._src.errors import MultimeshWarning, user_stacklevel
 
     others = nnx.state(model, nnx.Not(nnx.Param))
     if jax.tree.leaves(others):
         warnings.warn(
             "parallelize_step with microbatches: the module has variables that are not "
             "nnx.Param (batch statistics, RNG streams, ...); every microbatch reads them, but "
-            "the step does not update them.", MultimeshWarning, stacklevel=3)
+            "the step does not update them.", MultimeshWarning,
+            stacklevel=user_stacklevel())
 
 
 def _split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
