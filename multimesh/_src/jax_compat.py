@@ -51,6 +51,7 @@ __all__ = [
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
     "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
+    "mesh_scope",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
