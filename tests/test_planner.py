@@ -264,11 +264,12 @@ def test_plan_table_code_and_json(lm2048):
                                                                 for st in plan.stages]
     finally:
         mm.clear_tasks()
-    # logical axes: every stage maps them onto its submesh's axis
-    sharded = dataclasses.replace(plan, logical_axes=(("batch", "x"),))
-    assert "logical_axes=(('batch', 'x'),)" in sharded.as_code()
+    # logical axes: every stage maps the batch, and the user's, onto its `data` axis
+    sharded = dataclasses.replace(plan, logical_axes=(("mlp", "data"),))
+    assert "logical_axes=(('batch', 'data'), ('mlp', 'data'))" in sharded.as_code()
     assert mm.PipelinePlan.from_json(sharded.to_json()) == sharded
-    assert {t.logical_axes for _, t in sharded._rules()} == {(("batch", "x"),)}
+    assert {t.logical_axes for _, t in sharded._rules()} == {(("batch", "data"),
+                                                              ("mlp", "data"))}
     with pytest.raises(mm.errors.MultimeshValueError, match="logical_axes"):
         mm.plan_pipeline(_scoped, _scoped_params(), jnp.ones((8, 16)),
                          logical_axes=("batch", "x"))

@@ -9,12 +9,65 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["PipelinePlan", "Stage", "Comparison"]
 
 # The name the generated code imports multimesh.jax as (the docs' convention).
 _ALIAS = "mm"
+DATA = "data"  # each stage's one mesh axis
+BATCH = "batch"  # the logical name of the batch rows, mapped onto DATA
+FSDP = "fsdp"  # the logical name of a parameter's sharded dimension, mapped onto DATA
+
+
+def _rows_spec(dim: int) -> Callable:
+    """Per leaf: the spec putting dimension ``dim`` (the rows) on ``batch``."""
+    from jax.sharding import PartitionSpec
+
+    return lambda x: PartitionSpec(*([None] * dim), BATCH) if len(x.shape) > dim \
+        else PartitionSpec()
+
+
+def _fsdp_spec(ways: int) -> Callable:
+    """Per leaf: the spec sharding its largest dimension that ``ways`` divides."""
+    from jax.sharding import PartitionSpec
+
+    def spec(x):
+        dims = [k for k, n in enumerate(x.shape) if n % ways == 0 and n >= ways]
+        if ways < 2 or not dims:
+            return PartitionSpec()
+        k = max(dims, key=lambda k: (x.shape[k], -k))
+        return PartitionSpec(*([None] * k), FSDP)
+
+    return spec
+
+
+def _shard_code(argnum: int, dim: int, rows: bool, fsdp: bool, ways: int) -> list[str]:
+    """``as_code``'s ``sharded(grad_fn)``: what :meth:`PipelinePlan.shard` does."""
+    out = ["from jax.sharding import PartitionSpec as P", ""]
+    if fsdp:
+        out += ["def fsdp_spec(x):  # the largest dimension the stage's devices divide",
+                f"    dims = [k for k, n in enumerate(x.shape) if n % {ways} == 0]",
+                "    k = max(dims, key=lambda k: (x.shape[k], -k), default=None)",
+                f"    return P() if k is None else P(*[None] * k, {FSDP!r})", ""]
+    out += ["def sharded(grad_fn):", "    def step(*args):", "        args = list(args)"]
+    if rows:
+        none = "None, " * dim
+        out.append(f"        args[{argnum}] = {_ALIAS}.with_sharding_constraint(args[{argnum}], "
+                   f"jax.tree.map(lambda x: P({none}{BATCH!r}) if x.ndim > {dim} else P(), "
+                   f"args[{argnum}]))")
+    if fsdp:
+        out += [f"        args[0] = {_ALIAS}.with_sharding_constraint(args[0], "
+                f"jax.tree.map(fsdp_spec, args[0]))",
+                "        loss, grads = grad_fn(*args)",
+                f"        return loss, {_ALIAS}.with_sharding_constraint(grads, "
+                f"jax.tree.map(fsdp_spec, grads))"]
+    else:
+        out.append("        return grad_fn(*args)")
+    out += ["    return step"]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +91,9 @@ class Stage:
     residual_bytes: int
     live_microbatches: int
     memory_bytes: float
+    device_flops: float = 0.0
+    """Flops one device of the stage runs in a step (``flops`` divided over the
+    devices each microbatch's rows split over)."""
 
     @property
     def task_name(self) -> str:
@@ -84,6 +140,10 @@ class PipelinePlan:
     interleave: int = 1
     """Stages per submesh (round-robin, or a V for a V-shape schedule; each stage's
     ``devices`` say where it runs)."""
+    batch_sharded: bool = False
+    """Each microbatch's rows split over every stage's ``data`` axis (its devices)."""
+    fsdp: bool = False
+    """Parameters (and their gradients) sharded over every stage's ``data`` axis."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -96,13 +156,20 @@ class PipelinePlan:
 
     # ------------------------------------------------------------------ rules
 
+    def _logical(self) -> tuple[tuple[str, str], ...]:
+        """Each stage's logical axes: the plan's own (``batch`` and ``fsdp`` onto the
+        stage's ``data`` axis) and the user's."""
+        own = tuple((n, DATA) for n, on in ((BATCH, self.batch_sharded), (FSDP, self.fsdp)) if on)
+        return own + tuple(p for p in self.logical_axes if p not in own)
+
     def _rules(self):
         from multimesh.jax._task import Task, TaskMesh
 
-        logical = self.logical_axes or None
+        logical = self._logical() or None
         for st in self.stages:
-            yield st.matcher, Task(name=st.task_name, mesh=TaskMesh(devices=st.positions),
-                                   logical_axes=logical)
+            mesh = TaskMesh(devices=st.positions, axis_names=(DATA,),
+                            axis_sizes=(len(st.positions),))
+            yield st.matcher, Task(name=st.task_name, mesh=mesh, logical_axes=logical)
 
     def register(self, context=None) -> None:
         """Register the plan's rules in ``context`` (default: the module-level one)."""
@@ -135,12 +202,40 @@ class PipelinePlan:
                 "plan in a `with` statement.")
         return bool(self._contexts.pop().__exit__(*exc))
 
+    def shard(self, fun: Callable) -> Callable:
+        """``fun`` (``grad_fn(params, ..., batch, ...)``) with its batch rows pinned to
+        each stage's ``data`` axis and, for an fsdp plan, its parameters and returned
+        gradients sharded over it (multimesh's logical ``with_sharding_constraint``)."""
+        argnum, dim, _ = self.batch
+        if not (self.batch_sharded or self.fsdp):
+            return fun
+        ways = len(self.stages[0].devices)
+        rows, spread = _rows_spec(dim), _fsdp_spec(ways)
+
+        def sharded(*args):
+            from multimesh.jax._task import with_sharding_constraint as wsc
+
+            args = list(args)
+            if self.batch_sharded:
+                args[argnum] = wsc(args[argnum], jax.tree.map(rows, args[argnum]))
+            if self.fsdp:
+                args[0] = wsc(args[0], jax.tree.map(spread, args[0]))
+            out = fun(*args)
+            if self.fsdp and isinstance(out, tuple) and len(out) == 2:
+                out = (out[0], wsc(out[1], jax.tree.map(spread, out[1])))
+            return out
+
+        return sharded
+
     def microbatch(self, fun: Callable) -> Callable:
-        """``fun`` (a gradient function) over the plan's microbatches and schedule."""
+        """``fun`` (a gradient function) over the plan's microbatches and schedule,
+        its batch (and parameters) sharded as :meth:`shard` says."""
         from multimesh.jax._microbatch import microbatch
 
         argnum, dim, _ = self.batch
-        return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
+        if self.num_microbatches == 1:  # nothing to order: one call of the step
+            return self.shard(fun)
+        return microbatch(self.shard(fun), dim=dim, size=self.microbatch_size, argnum=argnum,
                           schedule=self.schedule,
                           interleave=self._interleave_option())
 
@@ -155,13 +250,20 @@ class PipelinePlan:
     def as_code(self) -> str:
         """The rules and the microbatch call a user would write by hand."""
         lines = [f"import multimesh.jax as {_ALIAS}", ""]
+        logical = self._logical()
         for st in self.stages:
-            logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
+            lg = f", logical_axes={logical!r}" if logical else ""
             lines.append(f"{_ALIAS}.register_task({_raw(st.matcher)}, task={_ALIAS}.Task("
-                         f"name={st.task_name!r}, mesh={_ALIAS}.TaskMesh(devices={st.positions!r})"
-                         f"{logical}))")
+                         f"name={st.task_name!r}, mesh={_ALIAS}.TaskMesh(devices={st.positions!r}"
+                         f", axis_names=({DATA!r},), axis_sizes=({len(st.positions)},))"
+                         f"{lg}))")
         argnum, dim, _ = self.batch
-        lines += ["", f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
+        grad = "jax.value_and_grad(loss)"
+        if self.batch_sharded or self.fsdp:
+            lines += ["", *_shard_code(argnum, dim, self.batch_sharded, self.fsdp,
+                                       len(self.stages[0].devices))]
+            grad = f"sharded({grad})"
+        lines += ["", f"step = {_ALIAS}.microbatch({grad}, dim={dim}, "
                       f"size={self.microbatch_size}, argnum={argnum}, "
                       f"schedule={self.schedule!r}"
                       + (f", interleave={self._interleave_option()})"
@@ -176,16 +278,26 @@ class PipelinePlan:
                 f"{f' ({self.interleave} stages per submesh)' if self.interleave > 1 else ''}"
                 f", predicted step "
                 f"{self.predicted_step_time * 1e3:.3f} ms")
-        rows = [("stage", "units", "devices", "GFLOP", "time (ms)", "params", "memory")]
+        rows = [("stage", "units", "devices", "layout", "GFLOP", "time (ms)", "params",
+                 "memory")]
         for st in self.stages:
             rows.append((str(st.index), _units_text(st.units),
-                         ",".join(str(d) for d in st.devices), f"{st.flops / 1e9:.4f}",
+                         ",".join(str(d) for d in st.devices), self.layout(),
+                         f"{st.flops / 1e9:.4f}",
                          f"{st.predicted_time * 1e3:.3f}", _fmt_bytes(st.param_bytes),
                          _fmt_bytes(st.memory_bytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         notes = [f"  {k}: {v}" for k, v in self.assumptions.items()]
         return "\n".join([head, *table, "assumptions:", *notes])
+
+    def layout(self) -> str:
+        """Each stage's layout in words: ``data=4`` (rows over 4 devices), ``+fsdp``
+        (parameters too), ``replicated`` (one device, or rows that do not divide)."""
+        ways = len(self.stages[0].devices)
+        if not self.batch_sharded:
+            return "replicated" if not self.fsdp else f"fsdp={ways}"
+        return f"data={ways}" + ("+fsdp" if self.fsdp else "")
 
     def __repr__(self) -> str:
         return (f"PipelinePlan(stages={[list(s.units) for s in self.stages]}, "
@@ -213,7 +325,9 @@ class PipelinePlan:
                    units=tuple(d["units"]),
                    cut_bytes=tuple(d["cut_bytes"]), assumptions=dict(d["assumptions"]),
                    logical_axes=tuple((str(a), str(b)) for a, b in d.get("logical_axes", ())),
-                   interleave=int(d.get("interleave", 1)))
+                   interleave=int(d.get("interleave", 1)),
+                   batch_sharded=bool(d.get("batch_sharded", False)),
+                   fsdp=bool(d.get("fsdp", False)))
 
     def compare(self, profile) -> Comparison:
         """Predicted against measured busy time per stage.
