@@ -310,7 +310,8 @@ def test_memory_limit_the_even_split_violates(lm2048):
     for st in plan.stages:
         assert st.param_bytes == sum(own[u] for u in st.units)  # counted right
         assert st.memory_bytes <= limit
-        assert st.memory_bytes >= st.param_bytes * (2 + factor)
+        shards = len(st.devices) if plan.fsdp else 1  # sharded parameters: split
+        assert st.memory_bytes >= st.param_bytes * (2 + factor) / shards
     assert [u for st in plan.stages for u in st.units] == names
 
 
@@ -319,7 +320,7 @@ def test_memory_limit_no_plan_names_the_unit(lm2048):
     head = _param_bytes(params["params"]["head"])
     with pytest.raises(mm.errors.MultimeshValueError, match="unit 'head' alone needs"):
         mm.plan_pipeline(model.apply, params, tok, num_stages=4, memory_limit=head * 3,
-                         optimizer_state_factor=2.0)
+                         optimizer_state_factor=2.0, fsdp=False)
 
 
 # --------------------------------------------------------------------------- NNX
@@ -691,7 +692,7 @@ def test_interleaved_plan_places_stages_round_robin_and_runs():
     costs, machine = _search_costs()
     c = search(costs, machine, [4], [4], ["interleaved-1f1b"])
     assert c.interleave == 2 and len(c.bounds) == 4
-    held = [sum(costs.residuals[i:j]) // 4 for i, j in c.bounds]
+    held = [sum(costs.residuals[i:j]) // 4 // c.data for i, j in c.bounds]  # rows split
     pred = simulate_stages("interleaved-1f1b", c.fwd_time, c.bwd_time, num_microbatches=4,
                            num_meshes=2, activation_bytes=held)
     assert c.step_time == pred.step_time

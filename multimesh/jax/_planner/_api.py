@@ -212,7 +212,7 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
             predicted_time=choice.num_microbatches * (choice.fwd_time[k] + choice.bwd_time[k]),
             param_bytes=sum(u.param_bytes for u in profile.units[i:j]),
             residual_bytes=sum(u.residual_bytes for u in profile.units[i:j])
-            // choice.num_microbatches,
+            // choice.num_microbatches // choice.data,
             live_microbatches=choice.live[k], memory_bytes=choice.memory[k],
             device_flops=flops / choice.data))
     return tuple(out)

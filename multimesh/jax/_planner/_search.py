@@ -169,11 +169,12 @@ def _stage_times(p: _Prefix, m: Machine, d: int | Layout, M: int, i: int, j: int
 
 
 def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int,
-                  shards: int = 1) -> float:
+                  shards: int = 1, data: int = 1) -> float:
     """Bytes per device: parameters, gradients and optimizer state (replicated in the
-    stage, or split over ``shards`` devices), plus ``live`` microbatches of residuals."""
+    stage, or split over ``shards`` devices), plus ``live`` microbatches of residuals
+    (their rows split over ``data`` devices)."""
     params = (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
-    return params + (p.residuals[j] - p.residuals[i]) / M * live
+    return params + (p.residuals[j] - p.residuals[i]) / M / data * live
 
 
 def best_cut(n: int, S: int, cost: Callable[[int, int], float],
@@ -245,7 +246,8 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict,
 
         def fits(k, i, j):
             where = live[mesh_of(k, S, P, vs)]
-            return limit is None or _stage_memory(p, m, M, where, i, j, shards) <= limit
+            return limit is None or _stage_memory(p, m, M, where, i, j, shards,
+                                                  lay.data) <= limit
 
         cache[key] = best_cut(p.n, S, cost, fits)
     bounds = cache[key]
@@ -258,7 +260,7 @@ def _predict(p: _Prefix, m: Machine, bounds, lay: Layout, M: int, name: str, P: 
     S = len(bounds)
     times = [_stage_times(p, m, lay, M, i, j, split) for i, j in bounds]
     fwd, bwd, w = (tuple(t[k] for t in times) for k in range(3))
-    held = [(p.residuals[j] - p.residuals[i]) // M for i, j in bounds]
+    held = [(p.residuals[j] - p.residuals[i]) // M // lay.data for i, j in bounds]
     pred = simulate_stages(name, fwd, bwd, num_microbatches=M, num_meshes=P,
                            weight_gradient=w, activation_bytes=held)
     peak = pred.peak_activation_bytes or (0,) * P
