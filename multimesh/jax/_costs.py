@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -85,9 +86,10 @@ class DeviceModel:
 
     @classmethod
     def calibrate(cls, devices: Sequence | None = None, *, refresh: bool = False) -> DeviceModel:
-        """A model measured on ``devices`` (default ``jax.devices()``) in about a
-        second: the achieved flop/s of a matmul and the bandwidth of an elementwise
-        op, both run on all the devices at once (so devices that share chips or
+        """A model measured on ``devices`` (default ``jax.devices()``) in a second or
+        two: the achieved flop/s of a small layer's training step (matmuls and the
+        small ops around them) and the bandwidth of an elementwise op, both run on
+        all the devices at once (so devices that share chips or
         cores see their share), the bandwidth of a copy from one device to another,
         and one small call's dispatch. Cached per device kind and count (``refresh``
         measures again)."""
@@ -115,6 +117,25 @@ def _best(fn, *args, repeat: int = 5) -> float:
     return best
 
 
+def _step_flops(mesh, rows, n: int, overhead: float) -> float:
+    """Achieved flop/s per device of a small layer's training step (two matmuls, a
+    GELU and a softmax, forward and backward), its rows split over every device: the
+    mix of matmuls and small ops a model's fragments run, rather than one large
+    matmul's peak."""
+    def loss(w, x):
+        h = jax.nn.gelu(x @ w[0])
+        return jnp.mean(jax.nn.log_softmax(h @ w[1]))
+
+    w = jax.device_put((np.full((128, 256), 0.01, np.float32),
+                        np.full((256, 128), 0.01, np.float32)),
+                       NamedSharding(mesh, PartitionSpec()))
+    x = jax.device_put(np.ones((64 * n, 128), np.float32), rows)
+    step = jax.jit(jax.value_and_grad(loss))
+    flops = float((step.lower(w, x).compile().cost_analysis() or {}).get("flops", 0.0))
+    t = _best(step, w, x, repeat=3)
+    return flops / max(t - overhead, t / 2)
+
+
 def _measure(cls, devices: list) -> DeviceModel:
     """:meth:`DeviceModel.calibrate`'s measurements (a run's dispatch is taken off
     the matmul's and the elementwise op's times)."""
@@ -130,11 +151,7 @@ def _measure(cls, devices: list) -> DeviceModel:
         jax.block_until_ready(step(tiny))
         calls.append(time.perf_counter() - t0)
     overhead = statistics.median(calls)
-    size = 384
-    a = jax.device_put(np.ones((size * n, size), np.float32), rows)
-    b = jax.device_put(np.ones((size, size), np.float32), NamedSharding(mesh, PartitionSpec()))
-    t = _best(jax.jit(lambda x, y: x @ y), a, b)
-    flops = 2.0 * size ** 3 / max(t - overhead, t / 2)
+    flops = _step_flops(mesh, rows, n, overhead)
     big = jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows)  # 4 MiB per device
     t = _best(jax.jit(lambda x: x * 2.0), big)
     memory = 8 * 2 ** 20 / max(t - overhead, t / 2)

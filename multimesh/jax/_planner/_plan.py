@@ -215,12 +215,12 @@ class PipelinePlan:
         def sharded(*args):
             from multimesh.jax._task import with_sharding_constraint as wsc
 
-            args = list(args)
+            given = list(args)
             if self.batch_sharded:
-                args[argnum] = wsc(args[argnum], jax.tree.map(rows, args[argnum]))
+                given[argnum] = wsc(given[argnum], jax.tree.map(rows, given[argnum]))
             if self.fsdp:
-                args[0] = wsc(args[0], jax.tree.map(spread, args[0]))
-            out = fun(*args)
+                given[0] = wsc(given[0], jax.tree.map(spread, given[0]))
+            out = fun(*given)
             if self.fsdp and isinstance(out, tuple) and len(out) == 2:
                 out = (out[0], wsc(out[1], jax.tree.map(spread, out[1])))
             return out
