@@ -236,3 +236,24 @@ def test_search_prices_the_data_split_and_fsdp():
     assert _search._stage_memory(p, m, 1, 1, 0, 1, 4) == pytest.approx(2e8 / 4)
     assert dataclasses.replace(m, batch_rows=6) and _search.data_ways(
         dataclasses.replace(m, batch_rows=6), 4, 1) == 1
+
+
+def test_parallelize_step_auto_plans_the_layout(lm):
+    import warnings
+
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    model, _, tok, _ = lm
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = mmf.parallelize_step(model, optax.sgd(0.1), global_batch=tok,
+                                      num_stages="auto")
+        before = jax.device_get(result.state.params)
+        loss, state = result.step_fn(result.state, tok)
+    assert not [w for w in seen if "exactly one microbatch" in str(w.message)]
+    plan = result.plan
+    assert plan.batch_sharded and plan.layout().startswith("data=")
+    assert "layout" in str(plan) and plan.layout() in str(plan)
+    np.testing.assert_allclose(loss, model.apply(before, tok), rtol=1e-5)

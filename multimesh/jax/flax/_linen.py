@@ -363,8 +363,10 @@ class MicrobatchOptions:
 
     def wrap(self, grad_fn, batch_avals):
         """``grad_fn(params, batch) -> (loss, grads)`` over microbatches, reduced."""
-        if self.shard is not None:
+        if self.shard is not None:  # the planner's layout
             grad_fn = self.shard(grad_fn)
+            if self.num_microbatches == 1:  # one microbatch: nothing to order
+                return grad_fn
         return _microbatch.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
                                       schedule=self.schedule, interleave=self.interleave,
                                       num_stages=None if isinstance(self.num_stages, str)
