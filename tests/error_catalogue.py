@@ -1987,10 +1987,11 @@ def _():
        r"'layer0' alone needs",
        """The planner never splits a unit, so the largest unit (its parameters, their
        gradient and optimizer state, one microbatch of its residuals) must fit one device.
-       Raise the limit, shard the unit inside its stage, or split it into smaller named
+       Raise the limit, let the planner shard the parameters over each stage's devices
+       (leave `fsdp` unset, or `fsdp=True`), or split the unit into smaller named
        parts.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), memory_limit=1000)
+    mm.plan_pipeline(layered_model, *layered_args(), memory_limit=1000, fsdp=False)
 
 
 @error("plan-no-split-fits", IMPLICIT, "`plan_pipeline`: no split within the memory limit",
@@ -2000,7 +2001,8 @@ def _():
        must hold several and goes over the limit. Allow more stages (leave `num_stages`
        unset) or more microbatches, or raise the limit.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=3000)
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=3000,
+                     fsdp=False)
 
 
 @error("plan-too-few-units", IMPLICIT, "`plan_pipeline` on a program without named parts",

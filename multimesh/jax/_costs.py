@@ -10,11 +10,14 @@ through a roofline :class:`DeviceModel` (:func:`xla_costs`), and real steps
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._call_checks import check_call
@@ -31,18 +34,26 @@ __all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """A roofline: one fragment call takes ``overhead + max(flops / peak_flops,
-    bytes / memory_bandwidth)`` seconds (per device; XLA's counts are per device).
+    """The one hardware model of every prediction: the planner (``plan_pipeline``),
+    :func:`xla_costs`, :func:`compare_schedules` and the schedule simulator price
+    work with it.
 
-    The defaults (:meth:`for_device`) are datasheet peaks, which real kernels reach
-    only in part, so XLA-cost predictions rank schedules rather than time steps;
-    a measured profile times them.
+    One fragment call takes ``overhead + max(flops / peak_flops, bytes /
+    memory_bandwidth)`` seconds (per device; XLA's counts are per device); moving
+    ``n`` bytes between devices takes ``n / link_bandwidth`` seconds.
+
+    :meth:`for_device` gives the documented defaults: datasheet peaks by device kind
+    (which real kernels reach only in part, so they rank plans rather than time
+    steps) and a CPU guess. :meth:`calibrate` measures the devices at hand instead
+    (a matmul's achieved flop/s, a copy's bandwidth, one call's dispatch), so
+    predicted steps come near measured ones.
     """
 
     peak_flops: float
     memory_bandwidth: float
     overhead: float = 1e-5
     name: str = "custom"
+    link_bandwidth: float = 1e10
 
     def __post_init__(self):
         for name in ("peak_flops", "memory_bandwidth", "overhead"):
@@ -58,19 +69,109 @@ class DeviceModel:
     def seconds(self, flops: float, bytes_accessed: float) -> float:
         return self.overhead + max(flops / self.peak_flops, bytes_accessed / self.memory_bandwidth)
 
+    def transfer_seconds(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` from one device to another."""
+        return nbytes / self.link_bandwidth
+
+    def all_reduce_seconds(self, nbytes: float, devices: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over ``devices`` devices (each
+        sends and receives ``2 (n - 1) / n`` of it); 0 on one device."""
+        return 2.0 * (devices - 1) / devices * nbytes / self.link_bandwidth if devices > 1 else 0.0
+
+    def describe(self) -> str:
+        """One line: the model's name and figures (``plan.assumptions`` shows it)."""
+        return (f"{self.name}: {self.peak_flops:.3g} flop/s, {self.memory_bandwidth:.3g} B/s "
+                f"memory, {self.link_bandwidth:.3g} B/s between devices, "
+                f"{self.overhead * 1e6:.3g} us per call")
+
     @classmethod
     def for_device(cls, device) -> DeviceModel:
-        """Datasheet numbers by ``device.device_kind`` (dense bf16 peak; HBM bandwidth),
-        else a CPU guess of 100 GFLOP/s and 20 GB/s per device."""
+        """The documented defaults by ``device.device_kind``: datasheet numbers (dense
+        bf16 peak; HBM bandwidth; NVLink or ICI between devices) with 10 us per call,
+        else a CPU guess of 100 GFLOP/s, 20 GB/s memory, 10 GB/s between devices and
+        100 us per call."""
         kind = str(getattr(device, "device_kind", "")).lower()
-        for key, flops, bw in _DATASHEET:
+        for key, flops, bw, link in _DATASHEET:
             if key in kind:
-                return cls(flops, bw, name=key)
-        return cls(1e11, 2e10, name="cpu guess")
+                return cls(flops, bw, name=key, link_bandwidth=link)
+        return cls(1e11, 2e10, overhead=1e-4, name="cpu guess", link_bandwidth=1e10)
+
+    @classmethod
+    def calibrate(cls, devices: Sequence | None = None, *, refresh: bool = False) -> DeviceModel:
+        """A model measured on ``devices`` (default ``jax.devices()``) in a second or
+        two: the achieved flop/s of a small layer's training step (matmuls and the
+        small ops around them) and the bandwidth of an elementwise op, both run on
+        all the devices at once (so devices that share chips or
+        cores see their share), the bandwidth of a copy from one device to another,
+        and one small call's dispatch. Cached per device kind and count (``refresh``
+        measures again)."""
+        devices = list(jax.devices() if devices is None else devices)
+        key = (devices[0].platform, str(devices[0].device_kind), len(devices))
+        if refresh or key not in _CALIBRATED:
+            _CALIBRATED[key] = _measure(cls, devices)
+        return _CALIBRATED[key]
 
 
-_DATASHEET = (("h200", 989e12, 4.8e12), ("h100", 989e12, 3.35e12), ("a100", 312e12, 2.0e12),
-              ("v5e", 197e12, 8.19e11), ("v5p", 459e12, 2.76e12), ("v4", 275e12, 1.2e12))
+_DATASHEET = (("h200", 989e12, 4.8e12, 4.5e11), ("h100", 989e12, 3.35e12, 4.5e11),
+              ("a100", 312e12, 2.0e12, 3e11), ("v5e", 197e12, 8.19e11, 2e11),
+              ("v5p", 459e12, 2.76e12, 6e11), ("v4", 275e12, 1.2e12, 3e11))
+_CALIBRATED: dict[tuple, DeviceModel] = {}
+
+
+def _best(fn, *args, repeat: int = 5) -> float:
+    """The best of ``repeat`` timed runs of ``fn(*args)`` after one warm-up."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _step_flops(mesh, rows, n: int, overhead: float) -> float:
+    """Achieved flop/s per device of a small layer's training step (two matmuls, a
+    GELU and a softmax, forward and backward), its rows split over every device: the
+    mix of matmuls and small ops a model's fragments run, rather than one large
+    matmul's peak."""
+    def loss(w, x):
+        h = jax.nn.gelu(x @ w[0])
+        return jnp.mean(jax.nn.log_softmax(h @ w[1]))
+
+    w = jax.device_put((np.full((128, 256), 0.01, np.float32),
+                        np.full((256, 128), 0.01, np.float32)),
+                       NamedSharding(mesh, PartitionSpec()))
+    x = jax.device_put(np.ones((64 * n, 128), np.float32), rows)
+    step = jax.jit(jax.value_and_grad(loss))
+    flops = float((step.lower(w, x).compile().cost_analysis() or {}).get("flops", 0.0))
+    t = _best(step, w, x, repeat=3)
+    return flops / max(t - overhead, t / 2)
+
+
+def _measure(cls, devices: list) -> DeviceModel:
+    """:meth:`DeviceModel.calibrate`'s measurements (a run's dispatch is taken off
+    the matmul's and the elementwise op's times)."""
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices), ("d",))
+    rows = NamedSharding(mesh, PartitionSpec("d"))
+    tiny = jax.device_put(np.ones((n,), np.float32), rows)
+    step = jax.jit(lambda x: x + 1.0)
+    jax.block_until_ready(step(tiny))
+    calls = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(tiny))
+        calls.append(time.perf_counter() - t0)
+    overhead = statistics.median(calls)
+    flops = _step_flops(mesh, rows, n, overhead)
+    big = jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows)  # 4 MiB per device
+    t = _best(jax.jit(lambda x: x * 2.0), big)
+    memory = 8 * 2 ** 20 / max(t - overhead, t / 2)
+    one = jax.device_put(np.ones(2 ** 20, np.float32), devices[0])  # 4 MiB
+    link = (4 * 2 ** 20 / _best(lambda x: jax.device_put(x, devices[1]), one)
+            if n > 1 else 1e10)
+    return cls(flops, memory, overhead=overhead, link_bandwidth=link,
+               name=f"calibrated on {n} {devices[0].platform} device(s)")
 
 
 _NO_TASKS = (

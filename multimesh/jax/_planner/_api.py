@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import jax
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax._costs import DeviceModel
 from multimesh.jax._planner._plan import PipelinePlan, Stage
 from multimesh.jax._planner._search import Choice, Costs, Machine, mesh_of, search
 from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher
@@ -32,10 +33,9 @@ k on submesh k % P; V-shape: down the submeshes and back up), not chosen by defa
 COST_SOURCES = ("xla", "profile")
 """Where unit costs come from: XLA's cost analysis, or a short profile of each unit."""
 
-# Nominal figures per platform; the plan lists the ones it used (``assumptions``).
-_DEVICE_FLOPS = {"cpu": 5e10, "gpu": 5e13, "tpu": 1e14}
-_LINK_BANDWIDTH = {"cpu": 1e10, "gpu": 1e11, "tpu": 1e11}
-_FRAGMENT_OVERHEAD = {"cpu": 2e-4, "gpu": 5e-5, "tpu": 5e-5}
+DEVICE_MODELS = ("default", "calibrate")
+"""``device_model=`` by name: the documented defaults of ``DeviceModel.for_device``, or
+``DeviceModel.calibrate`` (measured on the devices, cached per device kind)."""
 
 
 def _positive(value, name: str, kind=numbers.Real):
@@ -117,7 +117,8 @@ def _stage_counts(num_stages, n_devices: int) -> list[int]:
             raise MultimeshValueError(
                 f"`plan_pipeline` got {n_devices} device; a pipeline needs at least two "
                 f"(pass `devices=`, or run with more).")
-        return [s for s in range(2, n_devices + 1) if n_devices % s == 0]
+        # one stage: data parallelism over every device
+        return [s for s in range(1, n_devices + 1) if n_devices % s == 0]
     _positive(num_stages, "num_stages", numbers.Integral)
     if n_devices % num_stages:
         raise MultimeshValueError(
@@ -217,31 +218,53 @@ def _nnx_fun(fun, args):
     return merged, (params, *args[1:])
 
 
+def _device_model(device_model, devices) -> DeviceModel:
+    if device_model is None or device_model == "default":
+        return DeviceModel.for_device(devices[0])
+    if device_model == "calibrate":
+        return DeviceModel.calibrate(devices)
+    if not isinstance(device_model, DeviceModel):
+        raise MultimeshValueError(
+            f"`plan_pipeline`: device_model={device_model!r} is not a hardware model; "
+            f"valid choices are a `DeviceModel`, {list(DEVICE_MODELS)} or None (the "
+            f"default for the device's kind).")
+    return device_model
+
+
 def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_bandwidth,
-             fragment_overhead) -> tuple[Machine, dict]:
-    platform = devices[0].platform
+             fragment_overhead, device_model=None, rows=None) -> tuple[Machine, dict]:
+    model = _device_model(device_model, devices)
     m = Machine(
         num_devices=len(devices),
-        device_flops=float(_DEVICE_FLOPS.get(platform, 1e12) if device_flops is None
-                           else device_flops),
-        link_bandwidth=float(_LINK_BANDWIDTH.get(platform, 1e10) if link_bandwidth is None
+        device_flops=float(model.peak_flops if device_flops is None else device_flops),
+        link_bandwidth=float(model.link_bandwidth if link_bandwidth is None
                              else link_bandwidth),
         fragment_overhead=float(fragment_overhead if fragment_overhead is not None
-                                else _FRAGMENT_OVERHEAD.get(platform, 1e-4)),
+                                else model.overhead),
         memory_limit=None if memory_limit is None else float(memory_limit),
-        optimizer_state_factor=float(optimizer_state_factor))
+        optimizer_state_factor=float(optimizer_state_factor),
+        memory_bandwidth=float(model.memory_bandwidth), batch_rows=rows)
+    given = [n for n, v in (("device_flops", device_flops), ("link_bandwidth", link_bandwidth),
+                            ("fragment_overhead", fragment_overhead)) if v is not None]
     notes = {
         "cost source": "",
-        "device flops": f"{m.device_flops:.3g} flop/s per {platform} device"
-                        f"{'' if device_flops else ' (nominal; pass device_flops=)'}",
-        "work in a stage": "divided evenly over its devices (true where the model's "
-                           "logical axes, mapped by `logical_axes=`, shard it; a stage "
-                           "that replicates runs all of it on every device)",
-        "link bandwidth": f"{m.link_bandwidth:.3g} B/s between submeshes"
-                          f"{'' if link_bandwidth else ' (nominal; pass link_bandwidth=)'}"
-                          "; transfers do not overlap compute",
+        "device model": model.describe()
+                        + (f" ({', '.join(given)} given)" if given else "")
+                        + ("" if model.name.startswith("calibrated") else
+                           " (device_model='calibrate' measures the devices)"),
+        "device flops": f"{m.device_flops:.3g} flop/s per {devices[0].platform} device; "
+                        f"a fragment takes overhead + max(flops / flop/s, bytes / "
+                        f"memory bandwidth)",
+        "work in a stage": "each microbatch's rows split over the stage's `data` axis "
+                           "(a constraint on the batch; rows that do not divide stay "
+                           "whole and every device runs all the work); the gradients "
+                           "all-reduced over it, or with parameters sharded over it "
+                           "(fsdp) all-gathered in each call and reduce-scattered",
+        "link bandwidth": f"{m.link_bandwidth:.3g} B/s between devices; transfers do not "
+                          f"overlap compute",
         "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
-        "memory": "parameters x (2 + optimizer_state_factor) replicated per stage, plus "
+        "memory": "parameters x (2 + optimizer_state_factor) per stage (divided over its "
+                  "devices when sharded), plus "
                   "residuals x the schedule's peak live microbatches (simulated; a split backward "
                   "holds them until its weight-gradient part ran)"
                   + ("" if memory_limit is None else f"; limit {m.memory_limit:,.0f} B"),
@@ -259,15 +282,17 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
         names = tuple(u.name for u in profile.units[i:j])
         r = mesh_of(k, choice.num_stages, P, choice.v_shape)
         pos = tuple(range(r * d, r * d + d))
+        flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units[i:j])
         out.append(Stage(
             index=k, units=names, devices=tuple(int(devices[p].id) for p in pos), positions=pos,
             matcher=unit_matcher(profile.root, names),
-            flops=sum(u.fwd_flops + u.bwd_flops for u in profile.units[i:j]),
+            flops=flops,
             predicted_time=choice.num_microbatches * (choice.fwd_time[k] + choice.bwd_time[k]),
             param_bytes=sum(u.param_bytes for u in profile.units[i:j]),
             residual_bytes=sum(u.residual_bytes for u in profile.units[i:j])
-            // choice.num_microbatches,
-            live_microbatches=choice.live[k], memory_bytes=choice.memory[k]))
+            // choice.num_microbatches // choice.data,
+            live_microbatches=choice.live[k], memory_bytes=choice.memory[k],
+            device_flops=flops / choice.data))
     return tuple(out)
 
 
@@ -279,7 +304,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   device_flops: float | None = None, link_bandwidth: float | None = None,
                   fragment_overhead: float | None = None,
                   logical_axes: Sequence[tuple[str, str]] = (),
-                  costs: str = "xla", reduction: str = "mean") -> PipelinePlan:
+                  costs: str = "xla", device_model=None,
+                  fsdp: bool | None = None, reduction: str = "mean") -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -302,6 +328,15 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     ``reduction`` is how ``plan.microbatch`` combines the microbatches' loss and
     gradients: ``"mean"`` (the default, as ``parallelize_step``: the full batch's, for
     a loss that averages over its batch) or ``"sum"`` (gradient accumulation).
+
+    Each stage's submesh has one axis, ``data``: every microbatch's rows are split
+    over it (``plan.microbatch`` pins them there), so an unmodified model runs data
+    parallel inside each stage; one stage is pure data parallelism. ``fsdp`` shards
+    the parameters over it too (ZeRO-3): True, False, or None (chosen, where the
+    memory limit needs it or it is predicted faster). ``device_model``: the one
+    hardware model (a :class:`~multimesh.jax.DeviceModel`, ``"calibrate"`` to
+    measure these devices, or None for the documented default of their kind);
+    ``device_flops``/``link_bandwidth``/``fragment_overhead`` override its figures.
     """
     if not callable(fun):
         raise MultimeshTypeError(
@@ -323,16 +358,17 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     stages = _stage_counts(num_stages, len(devices))
     mbs = _microbatch_counts(num_microbatches, rows)
     machine, notes = _machine(devices, memory_limit, optimizer_state_factor, device_flops,
-                              link_bandwidth, fragment_overhead)
+                              link_bandwidth, fragment_overhead, device_model, rows)
     fun, args = _nnx_fun(fun, example_args)
     timer = _timer(costs, devices)
     profile = measure_units(fun, args, 0, min_units=num_stages or 2, timer=timer)
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
-    choice = search(table, machine, fit, mbs, names)
+    fsdps = (False, True) if fsdp is None else (bool(fsdp),)
+    choice = search(table, machine, fit, mbs, names, fsdps)
     if choice.num_microbatches == 1:
-        notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows)
+        notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows, fsdps)
     u = profile.units
     return PipelinePlan(
         stages=_stages(profile, choice, devices, machine),
@@ -344,7 +380,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                     for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
-        interleave=choice.interleave, reduction=reduction)
+        interleave=choice.interleave, reduction=reduction, batch_sharded=choice.data > 1,
+        fsdp=choice.fsdp)
 
 
 def _check_reduction(reduction) -> None:
@@ -358,13 +395,13 @@ def _check_reduction(reduction) -> None:
 
 
 def _why_one(table: Costs, m: Machine, stages, mbs, schedules, choice: Choice,
-             rows: int) -> str:
+             rows: int, fsdps: tuple[bool, ...]) -> str:
     """Why the plan runs the batch as one microbatch (no pipelining)."""
     if mbs == [1]:
         return ("one, as asked (num_microbatches=1)" if rows > 1
                 else "one: the example batch has one row")
     try:
-        other = search(table, m, stages, [k for k in mbs if k > 1], schedules)
+        other = search(table, m, stages, [k for k in mbs if k > 1], schedules, fsdps)
     except MultimeshValueError:
         return ("one: no plan with more microbatches fits (memory limit or schedule); "
                 "the stages run one after the other, without a pipeline")
@@ -403,7 +440,7 @@ def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
     timed = [x.times for x in u if x.times is not None]
     if len(timed) == len(u):
         fwd, bwd, wgrad = ([t[k] for t in timed] for k in range(3))
-        m = dataclasses.replace(m, device_flops=1.0)
+        m = dataclasses.replace(m, device_flops=1.0, memory_bandwidth=None)
         notes["device flops"] = ("unused: unit costs are measured seconds on one device, "
                                  "divided over a stage's devices")
         if split:
@@ -411,9 +448,12 @@ def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
                 "each unit's backward split by its equations into the input-gradient "
                 "part (what the unit before it waits for) and the weight-gradient part, "
                 "each part timed")
+    priced = len(timed) != len(u)  # measured seconds already hold the memory traffic
     costs = Costs(tuple(x.name for x in u), tuple(fwd), tuple(bwd),
                   tuple(x.param_bytes for x in u), tuple(x.residual_bytes for x in u),
-                  profile.cut_bytes, tuple(wgrad) if split else None)
+                  profile.cut_bytes, tuple(wgrad) if split else None,
+                  tuple(x.fwd_bytes for x in u) if priced else None,
+                  tuple(x.bytes_accessed - x.fwd_bytes for x in u) if priced else None)
     return costs, m
 
 
@@ -447,4 +487,5 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     return dataclasses.replace(mb, num_stages=None, microbatch_size=None,
                                num_microbatches=plan.num_microbatches,
                                schedule=plan.schedule if plan.num_microbatches > 1 else None,
+                               shard=plan.shard,
                                interleave=plan._interleave_option()), plan

@@ -9,12 +9,65 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["PipelinePlan", "Stage", "Comparison"]
 
 # The name the generated code imports multimesh.jax as (the docs' convention).
 _ALIAS = "mm"
+DATA = "data"  # each stage's one mesh axis
+BATCH = "batch"  # the logical name of the batch rows, mapped onto DATA
+FSDP = "fsdp"  # the logical name of a parameter's sharded dimension, mapped onto DATA
+
+
+def _rows_spec(dim: int) -> Callable:
+    """Per leaf: the spec putting dimension ``dim`` (the rows) on ``batch``."""
+    from jax.sharding import PartitionSpec
+
+    return lambda x: PartitionSpec(*([None] * dim), BATCH) if len(x.shape) > dim \
+        else PartitionSpec()
+
+
+def _fsdp_spec(ways: int) -> Callable:
+    """Per leaf: the spec sharding its largest dimension that ``ways`` divides."""
+    from jax.sharding import PartitionSpec
+
+    def spec(x):
+        dims = [k for k, n in enumerate(x.shape) if n % ways == 0 and n >= ways]
+        if ways < 2 or not dims:
+            return PartitionSpec()
+        k = max(dims, key=lambda k: (x.shape[k], -k))
+        return PartitionSpec(*([None] * k), FSDP)
+
+    return spec
+
+
+def _shard_code(argnum: int, dim: int, rows: bool, fsdp: bool, ways: int) -> list[str]:
+    """``as_code``'s ``sharded(grad_fn)``: what :meth:`PipelinePlan.shard` does."""
+    out = ["from jax.sharding import PartitionSpec as P", ""]
+    if fsdp:
+        out += ["def fsdp_spec(x):  # the largest dimension the stage's devices divide",
+                f"    dims = [k for k, n in enumerate(x.shape) if n % {ways} == 0]",
+                "    k = max(dims, key=lambda k: (x.shape[k], -k), default=None)",
+                f"    return P() if k is None else P(*[None] * k, {FSDP!r})", ""]
+    out += ["def sharded(grad_fn):", "    def step(*args):", "        args = list(args)"]
+    if rows:
+        none = "None, " * dim
+        out.append(f"        args[{argnum}] = {_ALIAS}.with_sharding_constraint(args[{argnum}], "
+                   f"jax.tree.map(lambda x: P({none}{BATCH!r}) if x.ndim > {dim} else P(), "
+                   f"args[{argnum}]))")
+    if fsdp:
+        out += [f"        args[0] = {_ALIAS}.with_sharding_constraint(args[0], "
+                f"jax.tree.map(fsdp_spec, args[0]))",
+                "        loss, grads = grad_fn(*args)",
+                f"        return loss, {_ALIAS}.with_sharding_constraint(grads, "
+                f"jax.tree.map(fsdp_spec, grads))"]
+    else:
+        out.append("        return grad_fn(*args)")
+    out += ["    return step"]
+    return out
 
 PLAN_FORMAT_VERSION = 2
 """The version of :meth:`PipelinePlan.to_json`'s format (2: ``reduction`` is written;
@@ -42,6 +95,9 @@ class Stage:
     residual_bytes: int
     live_microbatches: int
     memory_bytes: float
+    device_flops: float = 0.0
+    """Flops one device of the stage runs in a step (``flops`` divided over the
+    devices each microbatch's rows split over)."""
 
     @property
     def task_name(self) -> str:
@@ -92,6 +148,10 @@ class PipelinePlan:
     """How :meth:`microbatch` combines the microbatches' loss and gradients: ``"mean"``
     (the full batch's, for a loss that averages over its batch, as
     ``parallelize_step``) or ``"sum"`` (gradient accumulation)."""
+    batch_sharded: bool = False
+    """Each microbatch's rows split over every stage's ``data`` axis (its devices)."""
+    fsdp: bool = False
+    """Parameters (and their gradients) sharded over every stage's ``data`` axis."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -104,13 +164,20 @@ class PipelinePlan:
 
     # ------------------------------------------------------------------ rules
 
+    def _logical(self) -> tuple[tuple[str, str], ...]:
+        """Each stage's logical axes: the plan's own (``batch`` and ``fsdp`` onto the
+        stage's ``data`` axis) and the user's."""
+        own = tuple((n, DATA) for n, on in ((BATCH, self.batch_sharded), (FSDP, self.fsdp)) if on)
+        return own + tuple(p for p in self.logical_axes if p not in own)
+
     def _rules(self):
         from multimesh.jax._task import Task, TaskMesh
 
-        logical = self.logical_axes or None
+        logical = self._logical() or None
         for st in self.stages:
-            yield st.matcher, Task(name=st.task_name, mesh=TaskMesh(devices=st.positions),
-                                   logical_axes=logical)
+            mesh = TaskMesh(devices=st.positions, axis_names=(DATA,),
+                            axis_sizes=(len(st.positions),))
+            yield st.matcher, Task(name=st.task_name, mesh=mesh, logical_axes=logical)
 
     def register(self, context=None) -> None:
         """Register the plan's rules in ``context`` (default: the module-level one)."""
@@ -143,15 +210,43 @@ class PipelinePlan:
                 "plan in a `with` statement.")
         return bool(self._contexts.pop().__exit__(*exc))
 
+    def shard(self, fun: Callable) -> Callable:
+        """``fun`` (``grad_fn(params, ..., batch, ...)``) with its batch rows pinned to
+        each stage's ``data`` axis and, for an fsdp plan, its parameters and returned
+        gradients sharded over it (multimesh's logical ``with_sharding_constraint``)."""
+        argnum, dim, _ = self.batch
+        if not (self.batch_sharded or self.fsdp):
+            return fun
+        ways = len(self.stages[0].devices)
+        rows, spread = _rows_spec(dim), _fsdp_spec(ways)
+
+        def sharded(*args):
+            from multimesh.jax._task import with_sharding_constraint as wsc
+
+            given = list(args)
+            if self.batch_sharded:
+                given[argnum] = wsc(given[argnum], jax.tree.map(rows, given[argnum]))
+            if self.fsdp:
+                given[0] = wsc(given[0], jax.tree.map(spread, given[0]))
+            out = fun(*given)
+            if self.fsdp and isinstance(out, tuple) and len(out) == 2:
+                out = (out[0], wsc(out[1], jax.tree.map(spread, out[1])))
+            return out
+
+        return sharded
+
     def microbatch(self, fun: Callable) -> Callable:
         """``fun`` (a gradient function) over the plan's microbatches and schedule, its
-        outputs combined by the plan's ``reduction``."""
+        batch (and parameters) sharded as :meth:`shard` says and its outputs combined by
+        the plan's ``reduction``."""
         from multimesh.jax._microbatch import microbatch
 
         argnum, dim, _ = self.batch
-        return microbatch(fun, dim=dim, size=self.microbatch_size, argnum=argnum,
-                          schedule=self.schedule if self.num_microbatches > 1 else None,
-                          interleave=self._interleave_option(), reduction=self.reduction)
+        if self.num_microbatches == 1:  # nothing to order or combine: one call of the step
+            return self.shard(fun)
+        return microbatch(self.shard(fun), dim=dim, size=self.microbatch_size, argnum=argnum,
+                          schedule=self.schedule, interleave=self._interleave_option(),
+                          reduction=self.reduction)
 
     def _interleave_option(self) -> int | None:
         """``microbatch``'s ``interleave``: round-robin plans only (a V-shape schedule
@@ -165,21 +260,28 @@ class PipelinePlan:
         """The rules and the microbatch call a user would write by hand, each rule
         under a comment naming its units and devices."""
         lines = [f"import multimesh.jax as {_ALIAS}", ""]
+        logical = self._logical()
         for st in self.stages:
-            logical = f", logical_axes={self.logical_axes!r}" if self.logical_axes else ""
+            lg = f", logical_axes={logical!r}" if logical else ""
             lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
                       f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
                       f"{st.positions[-1]})",
                       f"{_ALIAS}.register_task(",
                       f"    {_raw(st.matcher)},",
                       f"    task={_ALIAS}.Task(name={st.task_name!r}, "
-                      f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}){logical}))"]
+                      f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}, "
+                      f"axis_names=({DATA!r},), axis_sizes=({len(st.positions)},)){lg}))"]
         argnum, dim, _ = self.batch
+        grad = "jax.value_and_grad(loss)"
+        if self.batch_sharded or self.fsdp:
+            lines += ["", *_shard_code(argnum, dim, self.batch_sharded, self.fsdp,
+                                       len(self.stages[0].devices))]
+            grad = f"sharded({grad})"
         piped = self.num_microbatches > 1
         lines += ["", f"# {self.num_microbatches} microbatch(es) of {self.microbatch_size} "
                       f"rows, {'schedule ' + repr(self.schedule) if piped else 'no pipeline'}"
                       f", the microbatches' {self.reduction}",
-                  f"step = {_ALIAS}.microbatch(jax.value_and_grad(loss), dim={dim}, "
+                  f"step = {_ALIAS}.microbatch({grad}, dim={dim}, "
                   f"size={self.microbatch_size}, argnum={argnum}, "
                   + (f"schedule={self.schedule!r}, " if piped else "")
                   + (f"interleave={self._interleave_option()}, "
@@ -197,16 +299,26 @@ class PipelinePlan:
                 f"{f' ({self.interleave} stages per submesh)' if self.interleave > 1 else ''}"
                 f", predicted step "
                 f"{self.predicted_step_time * 1e3:.3f} ms")
-        rows = [("stage", "units", "devices", "GFLOP", "time (ms)", "params", "memory")]
+        rows = [("stage", "units", "devices", "layout", "GFLOP", "time (ms)", "params",
+                 "memory")]
         for st in self.stages:
             rows.append((str(st.index), _units_text(st.units),
-                         ",".join(str(d) for d in st.devices), f"{st.flops / 1e9:.4f}",
+                         ",".join(str(d) for d in st.devices), self.layout(),
+                         f"{st.flops / 1e9:.4f}",
                          f"{st.predicted_time * 1e3:.3f}", _fmt_bytes(st.param_bytes),
                          _fmt_bytes(st.memory_bytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         notes = [f"  {k}: {v}" for k, v in self.assumptions.items()]
         return "\n".join([head, *table, "assumptions:", *notes])
+
+    def layout(self) -> str:
+        """Each stage's layout in words: ``data=4`` (rows over 4 devices), ``+fsdp``
+        (parameters too), ``replicated`` (one device, or rows that do not divide)."""
+        ways = len(self.stages[0].devices)
+        if not self.batch_sharded:
+            return "replicated" if not self.fsdp else f"fsdp={ways}"
+        return f"data={ways}" + ("+fsdp" if self.fsdp else "")
 
     def __repr__(self) -> str:
         return (f"PipelinePlan(stages={[list(s.units) for s in self.stages]}, "
@@ -303,6 +415,7 @@ def _stage_fields(k: int, d) -> Stage:
                  matcher=d["matcher"], flops=_number(d["flops"], f"stage {k}'s `flops`"),
                  predicted_time=_number(d["predicted_time"], f"stage {k}'s `predicted_time`"),
                  memory_bytes=_number(d["memory_bytes"], f"stage {k}'s `memory_bytes`"),
+                 device_flops=_number(d["device_flops"], f"stage {k}'s `device_flops`"),
                  **{n: _count(d[n], f"stage {k}'s `{n}`")
                     for n in ("param_bytes", "residual_bytes", "live_microbatches")})
 
@@ -374,7 +487,15 @@ def _plan_fields(text) -> dict[str, Any]:
                 batch=(batch[0], batch[1], batch[2]), units=tuple(d["units"]),
                 cut_bytes=_ints(d["cut_bytes"], "`cut_bytes`", empty=True),
                 assumptions=d["assumptions"], logical_axes=tuple(tuple(p) for p in axes),
-                interleave=interleave, reduction=d["reduction"])
+                interleave=interleave, reduction=d["reduction"],
+                batch_sharded=_flag(d["batch_sharded"], "`batch_sharded`"),
+                fsdp=_flag(d["fsdp"], "`fsdp`"))
+
+
+def _flag(v, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise _json_error(what, "true or false", v)
+    return v
 
 
 @dataclasses.dataclass(frozen=True)

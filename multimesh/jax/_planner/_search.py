@@ -29,7 +29,7 @@ from multimesh.schedules import (
 )
 from multimesh.schedules.costs import simulate_stages
 
-__all__ = ["Costs", "Machine", "Choice", "search", "best_cut", "mesh_of"]
+__all__ = ["Costs", "Machine", "Choice", "Layout", "search", "best_cut", "mesh_of", "data_ways"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,10 @@ class Costs:
     cuts: tuple[int, ...]
     wgrad: tuple[float, ...] | None = None
     """Per unit, the part of ``bwd`` that computes parameter gradients (None: half)."""
+    fwd_bytes: tuple[float, ...] | None = None
+    bwd_bytes: tuple[float, ...] | None = None
+    """Per unit, XLA's bytes accessed by the forward and the backward (None: not
+    priced; the roofline then counts flops only)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Machine:
     fragment_overhead: float  # seconds per fragment call (launch, dispatch)
     memory_limit: float | None  # bytes per device
     optimizer_state_factor: float  # optimizer state bytes per parameter byte
+    memory_bandwidth: float | None = None  # bytes/s of one device (None: flops only)
+    batch_rows: int | None = None  # the example batch's rows (None: always divisible)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,8 @@ class Choice:
     step_time: float  # the simulated step
     interleave: int = 1  # stages per submesh (:func:`mesh_of` places them)
     v_shape: bool = False
+    data: int = 1  # devices each microbatch's rows split over in a stage (1: replicated)
+    fsdp: bool = False  # parameters sharded over the stage's devices (ZeRO-3)
 
 
 def mesh_of(k: int, S: int, P: int, v_shape: bool = False) -> int:
@@ -96,6 +104,8 @@ class _Prefix:
         self.wgrad = [0.0, *acc(wgrad)]
         self.params = [0, *acc(costs.params)]
         self.residuals = [0, *acc(costs.residuals)]
+        self.fwd_bytes = [0.0, *acc(costs.fwd_bytes or [0.0] * len(costs.names))]
+        self.bwd_bytes = [0.0, *acc(costs.bwd_bytes or [0.0] * len(costs.names))]
         self.cuts = costs.cuts
         self.n = len(costs.names)
 
@@ -104,26 +114,67 @@ class _Prefix:
         return float(self.cuts[i - 1]) if 0 < i < self.n else 0.0
 
 
-def _stage_times(p: _Prefix, m: Machine, d: int, M: int, i: int, j: int,
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a stage uses its ``d`` devices: each microbatch's rows split over ``data``
+    of them (``d``, or 1 where the rows do not divide), parameters replicated or
+    sharded over them (``fsdp``)."""
+
+    d: int
+    data: int
+    fsdp: bool = False
+
+
+def data_ways(m: Machine, d: int, M: int) -> int:
+    """Devices a stage of ``d`` splits each of ``M`` microbatches' rows over."""
+    rows = m.batch_rows
+    return d if rows is None or (rows // M) % d == 0 else 1
+
+
+def _compute(m: Machine, flops: float, nbytes: float, ways: int) -> float:
+    """Roofline seconds of work divided over ``ways`` devices (no call overhead)."""
+    t = flops / (m.device_flops * ways)
+    if m.memory_bandwidth:
+        t = max(t, nbytes / (m.memory_bandwidth * ways))
+    return t
+
+
+def _stage_times(p: _Prefix, m: Machine, d: int | Layout, M: int, i: int, j: int,
                  split: bool = False) -> tuple[float, float, float]:
     """Forward, whole backward and weight-gradient seconds of units ``[i, j)`` for one
-    microbatch; ``split``: the weight-gradient part is a fragment call of its own."""
-    rate = m.device_flops * d
+    microbatch; ``split``: the weight-gradient part is a fragment call of its own.
+    Data parallelism adds the gradients' all-reduce over the stage's devices to each
+    backward; sharded parameters (``fsdp``) an all-gather to the forward, and an
+    all-gather and a reduce-scatter to the backward, instead."""
+    lay = d if isinstance(d, Layout) else Layout(d, d)
+    w_ = lay.data
     move = (p.cut(i) + p.cut(j)) / M / m.link_bandwidth
-    fwd = (p.fwd[j] - p.fwd[i]) / M / rate + move + m.fragment_overhead
-    bwd = (p.flops[j] - p.flops[i] - p.fwd[j] + p.fwd[i]) / M / rate + move
-    w = (p.wgrad[j] - p.wgrad[i]) / M / rate
+    f_fl = p.fwd[j] - p.fwd[i]
+    b_fl = p.flops[j] - p.flops[i] - f_fl
+    fwd = _compute(m, f_fl / M, (p.fwd_bytes[j] - p.fwd_bytes[i]) / M, w_) + move
+    bwd = _compute(m, b_fl / M, (p.bwd_bytes[j] - p.bwd_bytes[i]) / M, w_) + move
+    w = (p.wgrad[j] - p.wgrad[i]) / M / (m.device_flops * w_)
+    params = float(p.params[j] - p.params[i])
+    share = (lay.d - 1) / lay.d * params / m.link_bandwidth
+    if lay.fsdp and lay.d > 1:
+        fwd += share
+        bwd += 2 * share
+    elif w_ > 1:
+        bwd += 2 * share  # ring all-reduce of the gradients
+    fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
         bwd += m.fragment_overhead
     return fwd, bwd + m.fragment_overhead, w
 
 
-def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int) -> float:
+def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int,
+                  shards: int = 1, data: int = 1) -> float:
     """Bytes per device: parameters, gradients and optimizer state (replicated in the
-    stage), plus ``live`` microbatches of residuals."""
-    params = (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
-    return params + (p.residuals[j] - p.residuals[i]) / M * live
+    stage, or split over ``shards`` devices), plus ``live`` microbatches of residuals
+    (their rows split over ``data`` devices)."""
+    params = (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
+    return params + (p.residuals[j] - p.residuals[i]) / M / data * live
 
 
 def best_cut(n: int, S: int, cost: Callable[[int, int], float],
@@ -167,10 +218,11 @@ def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
     return tuple(max(v, 1) for v in live_activations(sched))
 
 
-def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -> Choice | None:
+def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict,
+               fsdp: bool = False) -> Choice | None:
     """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``; an
     interleaved schedule puts ``V`` stages on each of ``P = S / V`` submeshes
-    (:func:`mesh_of`)."""
+    (:func:`mesh_of`); ``fsdp``: each stage's parameters sharded over its devices."""
     algo = get_schedule(name)
     V, split = algo.interleave, algo.splits_backward
     P = S // V
@@ -180,48 +232,55 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict) -
         return None
     cache["applies"] = True  # some candidate suits the schedule; memory decides
     d = m.num_devices // P
-    # times scale by 1/M alike, so without a memory limit the cut depends on S only
-    key = (S, d, split) if m.memory_limit is None else (S, d, split, M, live)
+    lay = Layout(d, data_ways(m, d, M), fsdp)
+    shards = d if fsdp else 1
+    # the cut depends on the microbatches through the data split and the memory limit
+    key = (S, lay, split, M if m.memory_limit is not None or m.batch_rows else None,
+           live if m.memory_limit is not None else None)
     if key not in cache:
         limit = m.memory_limit
 
         def cost(i, j):
-            f, b, _ = _stage_times(p, m, d, M, i, j, split)
+            f, b, _ = _stage_times(p, m, lay, M, i, j, split)
             return f + b
 
         def fits(k, i, j):
             where = live[mesh_of(k, S, P, vs)]
-            return limit is None or _stage_memory(p, m, M, where, i, j) <= limit
+            return limit is None or _stage_memory(p, m, M, where, i, j, shards,
+                                                  lay.data) <= limit
 
         cache[key] = best_cut(p.n, S, cost, fits)
     bounds = cache[key]
-    return None if bounds is None else _predict(p, m, bounds, d, M, name, P, split, vs)
+    return None if bounds is None else _predict(p, m, bounds, lay, M, name, P, split, vs)
 
 
-def _predict(p: _Prefix, m: Machine, bounds, d: int, M: int, name: str, P: int,
+def _predict(p: _Prefix, m: Machine, bounds, lay: Layout, M: int, name: str, P: int,
              split: bool, vs: bool) -> Choice | None:
     """Simulate the cut; None where a submesh's memory breaks the limit."""
     S = len(bounds)
-    times = [_stage_times(p, m, d, M, i, j, split) for i, j in bounds]
+    times = [_stage_times(p, m, lay, M, i, j, split) for i, j in bounds]
     fwd, bwd, w = (tuple(t[k] for t in times) for k in range(3))
-    held = [(p.residuals[j] - p.residuals[i]) // M for i, j in bounds]
+    held = [(p.residuals[j] - p.residuals[i]) // M // lay.data for i, j in bounds]
     pred = simulate_stages(name, fwd, bwd, num_microbatches=M, num_meshes=P,
                            weight_gradient=w, activation_bytes=held)
     peak = pred.peak_activation_bytes or (0,) * P
     mesh = [float(peak[r]) for r in range(P)]
     where = [mesh_of(k, S, P, vs) for k in range(S)]
+    shards = lay.d if lay.fsdp else 1
     for k, (i, j) in enumerate(bounds):
-        mesh[where[k]] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor)
+        mesh[where[k]] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
     if m.memory_limit is not None and max(mesh) > m.memory_limit:
         return None
     return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[r] for r in where),
                   tuple(max(pred.peak_microbatches[r], 1) for r in where),
-                  pred.step_time, S // P, vs)
+                  pred.step_time, S // P, vs, lay.data, lay.fsdp)
 
 
 def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
-           schedules: Sequence[str]) -> Choice:
-    """The fastest feasible plan over the candidates; a clear error when none fits."""
+           schedules: Sequence[str], layouts: Sequence[bool] = (False, True)) -> Choice:
+    """The fastest feasible plan over the candidates; a clear error when none fits.
+    ``layouts``: the parameter layouts tried in each stage (False: replicated, True:
+    sharded over its devices); on a tie the earlier wins."""
     p = _Prefix(costs)
     cache: dict = {}
     best: Choice | None = None
@@ -230,11 +289,14 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
             continue
         for M in microbatches:
             for name in schedules:
-                c = _candidate(p, m, S, M, name, cache)
-                # a part in a billion: equal schedules' float noise is no gain
-                if c is not None and (best is None
-                                      or c.step_time < best.step_time * (1 - 1e-9)):
-                    best = c
+                for fsdp in layouts:
+                    if fsdp and m.num_devices == S:
+                        continue  # one device per stage: nothing to shard over
+                    c = _candidate(p, m, S, M, name, cache, fsdp)
+                    # a part in a billion: equal schedules' float noise is no gain
+                    if c is not None and (best is None
+                                          or c.step_time < best.step_time * (1 - 1e-9)):
+                        best = c
     if best is None:
         if m.memory_limit is None or not cache.get("applies"):
             raise _nothing_applies(stages, microbatches, schedules)

@@ -46,6 +46,7 @@ class UnitCost:
     residual_bytes: int  # forward values the backward reads (held per microbatch)
     wgrad_flops: float = 0.0  # the part of bwd_flops no other unit's backward waits for
     times: tuple[float, float, float] | None = None  # measured fwd, bwd, wgrad seconds
+    fwd_bytes: float = 0.0  # the forward's part of bytes_accessed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,7 +323,7 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
         times = None if timer is None else (timer(fwd), timer(bwd), min(timer(wgrad),
                                                                        timer(bwd)))
         units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k],
-                              min(wf, bf), times))
+                              min(wf, bf), times, fb))
     source = "XLA cost analysis of each unit's equations"
     if timer is not None:
         source = (f"measured time of each unit's equations compiled alone on "

@@ -319,6 +319,7 @@ class MicrobatchOptions:
     custom_schedule: Sequence[Sequence[Any]] | None = None
     reduction: str = "mean"
     remat: Any = None  # True or a jax checkpoint policy: every stage recomputes its forward
+    shard: Any = None  # the planner's batch/parameter sharding of the gradient function
 
     @property
     def active(self) -> bool:
@@ -373,6 +374,10 @@ class MicrobatchOptions:
 
     def wrap(self, grad_fn, batch_avals):
         """``grad_fn(params, batch) -> (loss, grads)`` over microbatches, reduced."""
+        if self.shard is not None:  # the planner's layout
+            grad_fn = self.shard(grad_fn)
+            if self.num_microbatches == 1:  # one microbatch: nothing to order
+                return grad_fn
         return _microbatch.microbatch(grad_fn, dim=0, size=self.size(batch_avals), argnum=1,
                                       schedule=self.schedule, interleave=self.interleave,
                                       num_stages=None if isinstance(self.num_stages, str)
