@@ -54,6 +54,8 @@ def _foreign_meshes(module: ir.Module, own: set[str]) -> dict[str, dict[str, int
         if sym in own:
             continue
         mesh = sdy.MeshAttr(op.attributes["mesh"])
+        if not len(mesh.axes):
+            continue  # a maximal mesh (`device_ids=[0]`: a host callback's device) stays
         out[sym] = {sdy.MeshAxisAttr(a).name: sdy.MeshAxisAttr(a).size for a in mesh.axes}
     return out
 

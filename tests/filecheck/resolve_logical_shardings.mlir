@@ -266,3 +266,16 @@ module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x"], 
     return %0 : tensor<8x8xf32>
   }
 }
+
+// -----
+
+// A maximal mesh (a host callback's device) is no global mesh: it stays.
+// CHECK-LABEL: func.func @maximal
+// CHECK: sdy.sharding = #sdy.sharding_per_value<[<@maximal_mesh_0, []>]>
+module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @maximal_mesh_0 = <[], device_ids=[0]>
+  func.func @maximal(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.tanh %arg0 {mm.task = {name = "t", transpose_count = 0 : i64}, sdy.sharding = #sdy.sharding_per_value<[<@maximal_mesh_0, []>]>} : tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}
