@@ -338,22 +338,10 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     measure these devices, or None for the documented default of their kind);
     ``device_flops``/``link_bandwidth``/``fragment_overhead`` override its figures.
     """
-    if not callable(fun):
-        raise MultimeshTypeError(
-            f"`plan_pipeline` expects the loss function first, got {type(fun).__name__}.")
+    _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_overhead,
+                  optimizer_state_factor, reduction, logical_axes)
     devices = _devices(devices)
     fun = _unjitted(fun)
-    for name, value in (("memory_limit", memory_limit), ("device_flops", device_flops),
-                        ("link_bandwidth", link_bandwidth)):
-        _positive(value, name)
-    _non_negative(fragment_overhead, "fragment_overhead", "seconds per fragment call")
-    _non_negative(optimizer_state_factor, "optimizer_state_factor",
-                  "optimizer state bytes per parameter byte; 2 for Adam")
-    _check_reduction(reduction)
-    if logical_axes:
-        from multimesh.jax._task import Task
-
-        Task(name="plan_pipeline", logical_axes=logical_axes)  # checks the pairs
     rows = _batch_rows(example_args, argnum, dim)
     stages = _stage_counts(num_stages, len(devices))
     mbs = _microbatch_counts(num_microbatches, rows)
@@ -382,6 +370,25 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
         interleave=choice.interleave, reduction=reduction, batch_sharded=choice.data > 1,
         fsdp=choice.fsdp)
+
+
+def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_overhead,
+                  optimizer_state_factor, reduction, logical_axes) -> None:
+    """``plan_pipeline``'s arguments that need no trace, checked before any work."""
+    if not callable(fun):
+        raise MultimeshTypeError(
+            f"`plan_pipeline` expects the loss function first, got {type(fun).__name__}.")
+    for name, value in (("memory_limit", memory_limit), ("device_flops", device_flops),
+                        ("link_bandwidth", link_bandwidth)):
+        _positive(value, name)
+    _non_negative(fragment_overhead, "fragment_overhead", "seconds per fragment call")
+    _non_negative(optimizer_state_factor, "optimizer_state_factor",
+                  "optimizer state bytes per parameter byte; 2 for Adam")
+    _check_reduction(reduction)
+    if logical_axes:
+        from multimesh.jax._task import Task
+
+        Task(name="plan_pipeline", logical_axes=logical_axes)  # checks the pairs
 
 
 def _check_reduction(reduction) -> None:

@@ -259,35 +259,7 @@ class PipelinePlan:
     def as_code(self) -> str:
         """The rules and the microbatch call a user would write by hand, each rule
         under a comment naming its units and devices."""
-        lines = [f"import multimesh.jax as {_ALIAS}", ""]
-        logical = self._logical()
-        for st in self.stages:
-            lg = f", logical_axes={logical!r}" if logical else ""
-            lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
-                      f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
-                      f"{st.positions[-1]})",
-                      f"{_ALIAS}.register_task(",
-                      f"    {_raw(st.matcher)},",
-                      f"    task={_ALIAS}.Task(name={st.task_name!r}, "
-                      f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}, "
-                      f"axis_names=({DATA!r},), axis_sizes=({len(st.positions)},)){lg}))"]
-        argnum, dim, _ = self.batch
-        grad = "jax.value_and_grad(loss)"
-        if self.batch_sharded or self.fsdp:
-            lines += ["", *_shard_code(argnum, dim, self.batch_sharded, self.fsdp,
-                                       len(self.stages[0].devices))]
-            grad = f"sharded({grad})"
-        piped = self.num_microbatches > 1
-        lines += ["", f"# {self.num_microbatches} microbatch(es) of {self.microbatch_size} "
-                      f"rows, {'schedule ' + repr(self.schedule) if piped else 'no pipeline'}"
-                      f", the microbatches' {self.reduction}",
-                  f"step = {_ALIAS}.microbatch({grad}, dim={dim}, "
-                  f"size={self.microbatch_size}, argnum={argnum}, "
-                  + (f"schedule={self.schedule!r}, " if piped else "")
-                  + (f"interleave={self._interleave_option()}, "
-                     if piped and self._interleave_option() else "")
-                  + f"reduction={self.reduction!r})"]
-        return "\n".join(lines) + "\n"
+        return _plan_code(self)
 
     # ------------------------------------------------------------------ reporting
 
@@ -368,6 +340,39 @@ class PipelinePlan:
             row = rows.setdefault(key, [st.index, 0.0, got])
             row[1] += st.predicted_time  # an interleaved submesh runs several stages
         return Comparison(tuple((int(i), float(p), float(m)) for i, p, m in rows.values()))
+
+
+def _plan_code(plan: PipelinePlan) -> str:
+    """:meth:`PipelinePlan.as_code`'s text."""
+    lines = [f"import multimesh.jax as {_ALIAS}", ""]
+    logical = plan._logical()
+    for st in plan.stages:
+        lg = f", logical_axes={logical!r}" if logical else ""
+        lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
+                  f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
+                  f"{st.positions[-1]})",
+                  f"{_ALIAS}.register_task(",
+                  f"    {_raw(st.matcher)},",
+                  f"    task={_ALIAS}.Task(name={st.task_name!r}, "
+                  f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}, "
+                  f"axis_names=({DATA!r},), axis_sizes=({len(st.positions)},)){lg}))"]
+    argnum, dim, _ = plan.batch
+    grad = "jax.value_and_grad(loss)"
+    if plan.batch_sharded or plan.fsdp:
+        lines += ["", *_shard_code(argnum, dim, plan.batch_sharded, plan.fsdp,
+                                   len(plan.stages[0].devices))]
+        grad = f"sharded({grad})"
+    piped = plan.num_microbatches > 1
+    lines += ["", f"# {plan.num_microbatches} microbatch(es) of {plan.microbatch_size} "
+                  f"rows, {'schedule ' + repr(plan.schedule) if piped else 'no pipeline'}"
+                  f", the microbatches' {plan.reduction}",
+              f"step = {_ALIAS}.microbatch({grad}, dim={dim}, "
+              f"size={plan.microbatch_size}, argnum={argnum}, "
+              + (f"schedule={plan.schedule!r}, " if piped else "")
+              + (f"interleave={plan._interleave_option()}, "
+                 if piped and plan._interleave_option() else "")
+              + f"reduction={plan.reduction!r})"]
+    return "\n".join(lines) + "\n"
 
 
 def _json_error(what: str, want: str, got) -> MultimeshValueError:
