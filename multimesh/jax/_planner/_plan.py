@@ -347,15 +347,18 @@ def _plan_code(plan: PipelinePlan) -> str:
     lines = [f"import multimesh.jax as {_ALIAS}", ""]
     logical = plan._logical()
     for st in plan.stages:
-        lg = f", logical_axes={logical!r}" if logical else ""
         lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
                   f"{', '.join(map(str, st.devices))} (positions {st.positions[0]}.."
                   f"{st.positions[-1]})",
                   f"{_ALIAS}.register_task(",
                   f"    {_raw(st.matcher)},",
-                  f"    task={_ALIAS}.Task(name={st.task_name!r}, "
-                  f"mesh={_ALIAS}.TaskMesh(devices={st.positions!r}, "
-                  f"axis_names=({DATA!r},), axis_sizes=({len(st.positions)},)){lg}))"]
+                  f"    task={_ALIAS}.Task(",
+                  f"        name={st.task_name!r},",
+                  f"        mesh={_ALIAS}.TaskMesh(devices={st.positions!r}, "
+                  f"axis_names=({DATA!r},), axis_sizes=({len(st.positions)},)),"]
+        if logical:
+            lines.append(f"        logical_axes={logical!r},")
+        lines[-1] = lines[-1].rstrip(",") + "))"
     argnum, dim, _ = plan.batch
     grad = "jax.value_and_grad(loss)"
     if plan.batch_sharded or plan.fsdp:
