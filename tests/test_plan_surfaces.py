@@ -333,7 +333,7 @@ def test_planner_says_why_it_cannot_place_circular_reversed_backward_one_per_sub
                        match=r"plans schedule 'circular-reversed-backward' with 2 stages per "
                              r"submesh \(round-robin\), so it needs a multiple of 2 stages on "
                              r"at least two submeshes \(4 stages or more\), but the candidates "
-                             r"are \[2\] stage\(s\) \(2 units, 8 devices\)"):
+                             r"are \[1, 2\] stage\(s\) \(2 units, 8 devices\)"):
         mm.plan_pipeline(_loss, *_args(), schedule="circular-reversed-backward")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -55,9 +56,9 @@ def _shard_code(argnum: int, dim: int, rows: bool, fsdp: bool, ways: int) -> lis
     out += ["def sharded(grad_fn):", "    def step(*args):", "        args = list(args)"]
     if rows:
         none = "None, " * dim
-        out.append(f"        args[{argnum}] = {_ALIAS}.with_sharding_constraint(args[{argnum}], "
-                   f"jax.tree.map(lambda x: P({none}{BATCH!r}) if x.ndim > {dim} else P(), "
-                   f"args[{argnum}]))")
+        out += [f"        rows = jax.tree.map(lambda x: P({none}{BATCH!r}) if x.ndim > {dim} "
+                f"else P(), args[{argnum}])",
+                f"        args[{argnum}] = {_ALIAS}.with_sharding_constraint(args[{argnum}], rows)"]
     if fsdp:
         out += [f"        args[0] = {_ALIAS}.with_sharding_constraint(args[0], "
                 f"jax.tree.map(fsdp_spec, args[0]))",
@@ -68,6 +69,7 @@ def _shard_code(argnum: int, dim: int, rows: bool, fsdp: bool, ways: int) -> lis
         out.append("        return grad_fn(*args)")
     out += ["    return step"]
     return out
+
 
 PLAN_FORMAT_VERSION = 2
 """The version of :meth:`PipelinePlan.to_json`'s format (2: ``reduction`` is written;
@@ -220,6 +222,7 @@ class PipelinePlan:
         ways = len(self.stages[0].devices)
         rows, spread = _rows_spec(dim), _fsdp_spec(ways)
 
+        @functools.wraps(fun)  # messages name the user's function, not this wrapper
         def sharded(*args):
             from multimesh.jax._task import with_sharding_constraint as wsc
 
