@@ -679,13 +679,45 @@ def mesh_scope(abstract, concrete=None):
 
     conc = mesh_lib.empty_concrete_mesh if concrete is None else concrete
     abstract = mesh_lib.empty_abstract_mesh if abstract is None else abstract
+    _lenient_use_abstract_mesh(mesh_lib)
     prev_abstract = _config.abstract_mesh_context_manager.swap_local(abstract)
     prev_concrete = _config.device_context.swap_local(conc)
+    _SCOPES.depth += 1
     try:
         yield
     finally:
+        _SCOPES.depth -= 1
         _config.abstract_mesh_context_manager.set_local(prev_abstract)
         _config.device_context.set_local(prev_concrete)
+
+
+class _ScopeDepth(threading.local):
+    depth = 0
+
+
+_SCOPES = _ScopeDepth()
+
+
+def _lenient_use_abstract_mesh(mesh_lib) -> None:
+    """Inside a task's mesh scope, let jax's ``use_abstract_mesh`` enter a value's mesh
+    of another size. jax's rules enter the mesh a value is typed on (batching's
+    ``broadcast``, "delete once jaxpr arguments always have the context mesh"), and a
+    value made by another task is typed on that task's mesh; the size check is a guard
+    for a single-mesh program, which an MPMD trace is not. Outside task scopes the
+    check is jax's own."""
+    cls = mesh_lib.use_abstract_mesh
+    if getattr(cls, "_multimesh_lenient", False):
+        return
+    strict = cls.__enter__
+
+    def enter(self):
+        if _SCOPES.depth:
+            self.prev = _config.abstract_mesh_context_manager.swap_local(self.mesh)
+            return None
+        return strict(self)
+
+    cls.__enter__ = enter
+    cls._multimesh_lenient = True
 
 
 # ----------------------------------------------------------------------------

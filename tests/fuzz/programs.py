@@ -224,7 +224,10 @@ def _gen_mapping(d: Drawer, axis_names) -> tuple[tuple[str, str], ...] | None:
         return ()
     pairs = []
     for _ in range(d.integer(1, 3)):
-        pairs.append((d.choice(LOGICAL_NAMES), d.choice(axis_names)))
+        logical, device = d.choice(LOGICAL_NAMES), d.choice(axis_names)
+        if logical in axis_names and logical != device:
+            continue  # a mesh axis named as another axis's logical name: refused by design
+        pairs.append((logical, device))
     return tuple(pairs)
 
 
