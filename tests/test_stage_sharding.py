@@ -286,13 +286,10 @@ def test_explicit_mode_stages():
         assert {d.id for d in grads[k]["w1"].devices()} == set(range(4 * k, 4 * k + 4))
 
 
-def test_nnx_partition_metadata_shards_each_stage():
-    """NNX state sharded by its partition metadata, the way flax's guide builds it (inside
-    ``nnx.jit`` under ``jax.set_mesh``), with its blocks placed by rules on mesh slices:
-    each stage's parameters and gradients keep the metadata's layout on its devices."""
+def _sharded_nnx_mlp(returns_loss: bool):
+    """An NNX MLP sharded by its partition metadata, built as flax's guide builds it
+    (inside ``nnx.jit``, under the mesh in context); call under ``jax.set_mesh``."""
     from flax import nnx
-
-    from multimesh.jax.flax import mjit
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
@@ -304,7 +301,8 @@ def test_nnx_partition_metadata_shards_each_stage():
 
         def __call__(self, x):
             x = jax.lax.with_sharding_constraint(x, P("data", None))
-            return self.l1(jnp.tanh(self.l0(x)))
+            y = self.l1(jnp.tanh(self.l0(x)))
+            return jnp.mean(y ** 2) if returns_loss else y
 
     @nnx.jit
     def create():
@@ -312,6 +310,18 @@ def test_nnx_partition_metadata_shards_each_stage():
         state = nnx.state(model)
         nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
         return model
+
+    return create()
+
+
+def test_nnx_partition_metadata_shards_each_stage():
+    """NNX state sharded by its partition metadata, the way flax's guide builds it (inside
+    ``nnx.jit`` under ``jax.set_mesh``), with its blocks placed by rules on mesh slices:
+    each stage's parameters and gradients keep the metadata's layout on its devices."""
+    from flax import nnx
+
+    from multimesh.jax.flax import mjit
+
 
     def step(m, x):
         return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
@@ -322,7 +332,7 @@ def test_nnx_partition_metadata_shards_each_stage():
         for k in range(2):
             mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
         with jax.set_mesh(_global_mesh()):
-            model = create()
+            model = _sharded_nnx_mlp(returns_loss=False)
             assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
             loss, grads = mjit(step)(model, x)
             want_loss, want_grads = nnx.jit(step)(model, x)
@@ -428,24 +438,6 @@ def test_nnx_parallelize_step_under_a_global_mesh():
 
     from multimesh.jax.flax import parallelize_step
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs):
-            init = nnx.initializers.normal(0.3)
-            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
-                                 rngs=rngs)
-            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
-                                 rngs=rngs)
-
-        def __call__(self, x):
-            x = jax.lax.with_sharding_constraint(x, P("data", None))
-            return jnp.mean(self.l1(jnp.tanh(self.l0(x))) ** 2)
-
-    @nnx.jit
-    def create():
-        model = MLP(nnx.Rngs(0))
-        state = nnx.state(model)
-        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-        return model
 
     @nnx.jit
     def plain_step(m, opt, x):
@@ -459,7 +451,7 @@ def test_nnx_parallelize_step_under_a_global_mesh():
         for k in range(2):
             mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
         with jax.set_mesh(_global_mesh()):
-            model = create()
+            model = _sharded_nnx_mlp(returns_loss=True)
             ref = nnx.clone(model)
             step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
             loss, state = step(state, x)
