@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multimesh.passes import _contract
 
 import multimesh
 import multimesh.jax as mm
+from multimesh.passes import _contract
 from multimesh.runtime import executor
 
 

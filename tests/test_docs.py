@@ -223,7 +223,7 @@ def test_same_output(expected, got, same):
 
 # ------------------------------------------------------------------ public names only
 
-# A private multimesh name: a dotted path with a `_name` part (`multimesh.jax._mjit`), or
+# A private multimesh name: a dotted path with a `_name` part (`multimesh.jax._stages.mjit`), or
 # an attribute `x._name` of anything that is not jax's own (pages about jaxlib's MPMD
 # partitioner must name its private module).
 _PRIVATE = re.compile(r"\bmultimesh(?:\.\w+)*\._\w+|(?<![\w.])(?!jax\b|jaxlib\b)[\w)\]]+\._[A-Za-z]\w*")
@@ -258,7 +258,7 @@ def test_docs_use_only_public_names(page: Path):
 
 
 def test_private_names_are_found():
-    for code in ("from multimesh.jax._visualize import v", "len(f._cache)",
+    for code in ("from multimesh.jax._analysis.visualize import v", "len(f._cache)",
                  "executor._COMPILE_CACHE", "compiled._exec.process_plan"):
         assert _PRIVATE.search(code), code
     for code in ("import jaxlib._jax", "jax._src", "multimesh.jax.errors", "x.__name__",

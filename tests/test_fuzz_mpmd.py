@@ -170,9 +170,8 @@ def test_generator_microbatch_draws():
 @given(st.data())
 def test_oracle_matches_resolve_logical_spec(data):
     """The generator's reference model of the logical rule agrees with the library's."""
-    from multimesh.passes.logical_axes import resolve_logical_spec
-
     from multimesh._src.errors import LogicalShardingError
+    from multimesh.passes.logical_axes import resolve_logical_spec
 
     d = gen.HypothesisDrawer(data.draw)
     k = d.choice((1, 2, 3, 4, 6, 8))

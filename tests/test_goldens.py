@@ -14,8 +14,8 @@ import pytest
 
 from multimesh._src.mlir import print_module
 from multimesh.jax import TaskMesh, mjit, task
-from multimesh.jax._lowered import _i64
-from multimesh.jax._pipeline_runner import run_pipeline
+from multimesh.jax._stages.lowered import _i64
+from multimesh.jax._stages.pipeline_runner import run_pipeline
 from tests.models import LOGICAL, e1_model, e2_model
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens"

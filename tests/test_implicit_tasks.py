@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from multimesh.passes.match_tasks import find_matches, name_stack, parse_rules, rules_to_json
-from multimesh.passes.pipeline import parse_pipeline
 
 import multimesh.jax as mm
 from multimesh._src.errors import (
@@ -35,6 +33,8 @@ from multimesh._src.errors import (
 from multimesh._src.mlir import make_context, parse_module
 from multimesh.jax import _global_mesh, _implicit_tasks, _registrations
 from multimesh.jax import with_sharding_constraint as wsc
+from multimesh.passes.match_tasks import find_matches, name_stack, parse_rules, rules_to_json
+from multimesh.passes.pipeline import parse_pipeline
 
 
 @pytest.fixture(autouse=True)

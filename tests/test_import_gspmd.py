@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.jax_compat import gspmd_sharding
+from multimesh._src.mlir import ir, parse_module, print_module, sdy, walk
 from multimesh.passes.import_gspmd import (
     GspmdParseError,
     GspmdSharding,
     ImportGspmdPass,
     parse_gspmd_sharding,
 )
-
-from multimesh._src.errors import DiagnosticError
-from multimesh._src.jax_compat import gspmd_sharding
-from multimesh._src.mlir import ir, parse_module, print_module, sdy, walk
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -46,7 +46,7 @@ def _mm_literals(path: pathlib.Path) -> list[str]:
             and id(node) not in docs and node.value.startswith("mm.")]
 
 
-LIBRARY = sorted(p for top in ("multimesh", "mlir_passes")
+LIBRARY = sorted(p for top in ("multimesh",)
                  for p in ROOT.joinpath(top).rglob("*.py") if "__pycache__" not in p.parts)
 
 

@@ -1,7 +1,6 @@
 """The architecture's import rules, checked on the source (docs/architecture.md).
 
-front end (multimesh.jax, multimesh.tools) -> passes (multimesh.passes, folder
-mlir_passes/) -> runtime
+front end (multimesh.jax, multimesh.tools) -> passes (multimesh.passes) -> runtime
 (multimesh.runtime) -> binding surface (multimesh._src). The schedule library
 (multimesh.schedules) sits beside the runtime, below the front end and the passes:
 it imports only multimesh._src and never the MLIR bindings. Imports only point down,
@@ -36,11 +35,9 @@ INTERNALS = re.compile(r"^(jax\._src|jaxlib\._)")
 
 
 def _modules():
-    for path in sorted([*ROOT.joinpath("multimesh").rglob("*.py"),
-                        *ROOT.joinpath("mlir_passes").rglob("*.py")]):
+    for path in sorted(ROOT.joinpath("multimesh").rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
-        parts = ["multimesh", "passes", *rel.parts[1:]] if rel.parts[0] == "mlir_passes" else rel.parts
-        yield ".".join(p for p in parts if p != "__init__"), path
+        yield ".".join(p for p in rel.parts if p != "__init__"), path
 
 
 def _imports(path: pathlib.Path, name: str = ""):
@@ -81,7 +78,7 @@ def test_only_the_binding_surface_imports_mlir(name, path):
 
 
 def _python_files():
-    for top in ("multimesh", "mlir_passes", "tools", "tests", "examples"):
+    for top in ("multimesh", "tools", "tests", "examples"):
         for path in sorted(ROOT.joinpath(top).rglob("*.py")):
             if "__pycache__" not in path.parts:
                 yield path
@@ -113,28 +110,27 @@ def test_only_the_compat_module_imports_jax_internals(path):
 
 def test_no_other_library_file_mentions_jax_internals():
     r"""The acceptance check of issue 15, as written: ``grep -rn "jax._src\|jaxlib\._"
-    multimesh mlir_passes`` finds the compat module only (docstrings included, so no
+    multimesh`` finds the compat module only (docstrings included, so no
     other module even describes an internal as something to reach for)."""
     pattern = re.compile(r"jax._src|jaxlib\._")
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in PY_FILES
-            if p.parts[len(ROOT.parts)] in ("multimesh", "mlir_passes")
+            if p.parts[len(ROOT.parts)] == "multimesh"
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert {h.split(":")[0] for h in hits} <= {"multimesh/_src/jax_compat.py"}, hits
 
 
-@pytest.mark.parametrize("path", PY_FILES, ids=[str(p.relative_to(ROOT)) for p in PY_FILES])
-def test_the_passes_are_imported_under_the_projects_namespace(path):
-    """``mlir_passes/`` is a folder, installed as ``multimesh.passes``; importing it as a
-    top-level ``mlir_passes`` would load every pass twice (two registries)."""
-    for imported, line in _imports(path):
-        assert imported.split(".")[0] != "mlir_passes", (
-            f"{path.relative_to(ROOT)}:{line} imports {imported}; import multimesh.passes")
+def test_the_passes_are_an_ordinary_subpackage():
+    """``multimesh/passes/`` is a plain folder of the package: no import finder, no
+    folder mapped onto another name, so tools and mypy see the front end's door into it."""
+    import sys
 
-
-def test_the_pass_package_is_the_mlir_passes_folder():
     import multimesh.passes
 
-    assert pathlib.Path(multimesh.passes.__file__).resolve() == ROOT / "mlir_passes" / "__init__.py"
+    assert pathlib.Path(multimesh.passes.__file__).resolve() == (
+        ROOT / "multimesh" / "passes" / "__init__.py")
+    assert not ROOT.joinpath("mlir_passes").exists()
+    finders = [f for f in sys.meta_path if type(f).__module__.startswith("multimesh")]
+    assert not finders, finders
 
 
 def import_graph(modules) -> dict[str, dict[str, tuple[pathlib.Path, int]]]:
@@ -232,10 +228,10 @@ def _describe(graph, cycle: list[str]) -> str:
 
 
 def test_no_import_cycle_in_the_library():
-    """The library's modules (multimesh/ and mlir_passes/) import each other in one
+    """The library's modules (multimesh/ and multimesh/passes/) import each other in one
     direction only: no mutual imports, not even hidden in function bodies."""
     graph = import_graph(MODULES)
-    assert {"multimesh.runtime.executor", "multimesh.jax._mjit"} <= set(graph)
+    assert {"multimesh.runtime.executor", "multimesh.jax._stages.mjit"} <= set(graph)
     cycles = import_cycles(graph)
     assert not cycles, "\n".join(_describe(graph, c) for c in cycles)
 

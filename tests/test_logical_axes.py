@@ -7,9 +7,9 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multimesh.passes.logical_axes import resolve_logical_spec, to_partition_spec
 
 from multimesh._src.errors import LogicalShardingError
+from multimesh.passes.logical_axes import resolve_logical_spec, to_partition_spec
 
 
 def P(*dims):

@@ -74,7 +74,7 @@ def test_invalid_utf8_on_stdin_is_an_error_at_the_byte():
 
 
 def test_full_pipeline_on_its_own_output_refuses(tmp_path):
-    from multimesh.jax._pipeline import default_pipeline
+    from multimesh.jax._stages.pipeline import default_pipeline
 
     golden = ROOT / "tests" / "goldens" / "e2_mpmd_autosharding.mlir"
     err = io.StringIO()

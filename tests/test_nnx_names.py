@@ -26,11 +26,11 @@ pytest.importorskip("flax")
 optax = pytest.importorskip("optax")
 
 from flax import nnx  # noqa: E402
-from multimesh.passes.schedules import build_schedule, pipeline_units  # noqa: E402
 
 import multimesh.jax as mm  # noqa: E402
 from multimesh.jax.flax import _nnx_names, parallelize_step  # noqa: E402
 from multimesh.jax.flax import mjit as nnx_mjit  # noqa: E402
+from multimesh.passes.schedules import build_schedule, pipeline_units  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

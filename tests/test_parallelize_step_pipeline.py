@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from multimesh.passes.schedules import build_schedule, pipeline_units
 
 import multimesh.jax as mm
 from multimesh.jax.flax import parallelize_step
+from multimesh.passes.schedules import build_schedule, pipeline_units
 
 
 class Net(nn.Module):

@@ -19,13 +19,13 @@ import random
 import sys
 from pathlib import Path
 
-import multimesh.passes.base as base
 import pytest
-from multimesh.passes import get_all_passes
-from multimesh.passes.pipeline import NativeStep, Pipeline, parse_pipeline
 
+import multimesh.passes.base as base
 from multimesh._src.errors import DiagnosticError, MultimeshError
 from multimesh._src.mlir import ir, make_context, print_module
+from multimesh.passes import get_all_passes
+from multimesh.passes.pipeline import NativeStep, Pipeline, parse_pipeline
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_fuzz_ir as fuzz  # noqa: E402
@@ -180,9 +180,8 @@ def test_a_failing_native_step_is_undone_too():
 
 def test_stages_follow_the_pipeline():
     """stage_of reads each form of docs/ir.md as the default pipeline produces it."""
+    from multimesh.jax._stages.pipeline import default_pipeline
     from multimesh.passes._stages import stage_of
-
-    from multimesh.jax._pipeline import default_pipeline
 
     text = """
     func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {

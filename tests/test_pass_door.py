@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import multimesh.passes
 import pytest
+
+import multimesh.jax as mm
+import multimesh.passes
+from multimesh._src.errors import MultimeshValueError, PipelineError
+from multimesh.jax._stages import pipeline as _pipeline
+from multimesh.jax._trace_notes import TraceNotes
 from multimesh.passes.api import (
     PipelineOptions,
     Rule,
@@ -18,11 +23,6 @@ from multimesh.passes.api import (
     compile_matcher,
 )
 from multimesh.passes.base import ModulePass
-
-import multimesh.jax as mm
-from multimesh._src.errors import MultimeshValueError, PipelineError
-from multimesh.jax import _pipeline
-from multimesh.jax._trace_notes import TraceNotes
 
 HEAD = ("mm-import-gspmd,mm-inline-tasks,mm-assign-tasks{num-devices=8},"
         "mm-resolve-logical-shardings,mm-outline-fragments")

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multimesh.passes.schedules import build_schedule, pipeline_units
 
 import multimesh.jax as mm
+from multimesh.passes.schedules import build_schedule, pipeline_units
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "zero-bubble-h2"]
 

@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multimesh.passes.insert_transfers import InsertTransfersPass
 
 import multimesh.jax as mm
 from multimesh._src.errors import PassFailure
 from multimesh._src.mlir import ir
-from multimesh.jax import _compiled, _lowered, _pipeline_runner
+from multimesh.jax._stages import compiled as _compiled
+from multimesh.jax._stages import lowered as _lowered
+from multimesh.jax._stages import pipeline_runner as _pipeline_runner
+from multimesh.passes.insert_transfers import InsertTransfersPass
 from multimesh.tools import mm_opt
 
 
@@ -210,11 +212,10 @@ def test_crash_after_invalid_ir_names_the_pass_that_broke_it():
     replaying with verification after each pass names the pass that broke the IR."""
     from dataclasses import dataclass
 
-    from multimesh.passes.base import ModulePass
-    from multimesh.passes.pipeline import Pipeline
-
     from multimesh._src.errors import DiagnosticError
     from multimesh._src.mlir import make_context, parse_module
+    from multimesh.passes.base import ModulePass
+    from multimesh.passes.pipeline import Pipeline
 
     @dataclass(frozen=True)
     class Breaks(ModulePass):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from multimesh.passes import get_all_passes, pass_module_name
 from multimesh.passes.base import ModulePass
-
 from tests.tools import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from multimesh._src.errors import DiagnosticError, DiagnosticWarning
+from multimesh._src.mlir import parse_module, print_module
 from multimesh.passes.schedule_fragments import ScheduleFragmentsPass, read_schedule
 from multimesh.passes.schedules import (
     PLACEMENTS,
@@ -28,9 +31,6 @@ from multimesh.passes.schedules import (
     theoretical_bubble,
     units_from_calls,
 )
-
-from multimesh._src.errors import DiagnosticError, DiagnosticWarning
-from multimesh._src.mlir import parse_module, print_module
 from tests.tools import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -511,7 +511,7 @@ def test_text_gantt():
 
 
 def test_visualize_prints_gantt(capsys):
-    from multimesh.jax._visualize import visualize_schedule
+    from multimesh.jax._analysis.visualize import visualize_schedule
 
     s = build_schedule(pipeline_units(2, 2), "1f1b")
     assert visualize_schedule(s) is None
@@ -535,7 +535,7 @@ def test_visualize_prints_gantt(capsys):
 
 def test_visualize_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from multimesh.jax._visualize import visualize_schedule
+    from multimesh.jax._analysis.visualize import visualize_schedule
 
     s = build_schedule(pipeline_units(4, 8, split_backward=True), "zero-bubble-h1",
                        devices=[(0, 1), (2, 3), (4, 5), (6, 7)])
@@ -597,10 +597,9 @@ def test_schedule_names_have_one_source():
     the schedules page."""
     import pathlib
 
+    from multimesh.jax import _microbatch
     from multimesh.passes.schedule_fragments import ScheduleFragmentsPass
     from multimesh.passes.schedules import ALIASES, SPLIT_SCHEDULES
-
-    from multimesh.jax import _microbatch
 
     assert _microbatch.SCHEDULES is SCHEDULES
     assert set(SPLIT_SCHEDULES) <= set(SCHEDULES)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import multimesh.jax as mm
 from multimesh.passes.schedules import (
     PLACEMENTS,
     ScheduleError,
@@ -26,8 +28,6 @@ from multimesh.passes.schedules import (
     theoretical_peak_live,
     v_shape_units,
 )
-
-import multimesh.jax as mm
 
 PLACED = list(PLACEMENTS)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import multimesh.jax as mm
-from multimesh.jax._visualize import _row_label
+from multimesh.jax._analysis.visualize import _row_label
 from multimesh.runtime.trace import write_trace
 from tests.models import tanh_chain
 

@@ -260,11 +260,10 @@ def generate_module(num_ops: int, tasks: int = 4) -> str:
 
 def _p4(num_ops: int, reps: int = 1) -> dict[str, float]:
     """Pass pipeline time / parse+print time, bare and as mjit runs it (median of reps)."""
-    from multimesh.passes.pipeline import parse_pipeline
-
     from multimesh._src.mlir import make_context, parse_module, print_module
-    from multimesh.jax._pipeline import default_pipeline
-    from multimesh.jax._pipeline_runner import run_pipeline
+    from multimesh.jax._stages.pipeline import default_pipeline
+    from multimesh.jax._stages.pipeline_runner import run_pipeline
+    from multimesh.passes.pipeline import parse_pipeline
 
     text = generate_module(num_ops)
     pipeline = default_pipeline(8)
@@ -426,11 +425,11 @@ def _p5(reps: int) -> dict[str, float]:
     """Partitioning time of the same 2 x 4 1F1B step: multimesh's passes / Shardy's."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import sdy_mpmd
-    from multimesh.passes.pipeline import parse_pipeline
 
     from multimesh._src.mlir import ir, make_context, parse_module, py_to_attr
     from multimesh.jax import mjit
-    from multimesh.jax._pipeline_runner import run_pipeline
+    from multimesh.jax._stages.pipeline_runner import run_pipeline
+    from multimesh.passes.pipeline import parse_pipeline
 
     program = sdy_mpmd.TwoStage(4, width=64, batch=16, m1=(("x", 4),), m2=(("x", 4),))
     params, xs = program.args()

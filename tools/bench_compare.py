@@ -27,10 +27,10 @@ assert os.path.realpath(multimesh.__file__).startswith(os.path.realpath(root))
 from multimesh.passes.pipeline import parse_pipeline
 from multimesh._src.mlir import make_context, parse_module
 try:
-    from multimesh.jax._pipeline import default_pipeline
-    from multimesh.jax._pipeline_runner import run_pipeline
+    from multimesh.jax._stages.pipeline import default_pipeline
+    from multimesh.jax._stages.pipeline_runner import run_pipeline
 except ImportError:  # a tree from before _mjit.py was split by concern
-    from multimesh.jax._mjit import default_pipeline, run_pipeline
+    from multimesh.jax._stages.mjit import default_pipeline, run_pipeline
 text = bench.generate_module(int(sys.argv[2]))
 out = {}
 for label, fn in (("Pipeline.run", lambda m: parse_pipeline(default_pipeline(8)).run(m)),

@@ -115,13 +115,12 @@ class DonationError(MultimeshValueError):
 
 
 def _library_roots() -> tuple[str, ...]:
-    """Where multimesh, its passes, jax and flax live (and contextlib, which ``with``
+    """Where multimesh (its passes included), jax and flax live (and contextlib, which ``with``
     blocks and decorators pass through): frames a warning should not point at."""
     import contextlib
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # multimesh/
-    roots = [here + os.sep, os.path.join(os.path.dirname(here), "mlir_passes") + os.sep,
-             os.path.abspath(contextlib.__file__)]
+    roots = [here + os.sep, os.path.abspath(contextlib.__file__)]
     for name in ("jax", "jaxlib", "flax"):
         path = getattr(sys.modules.get(name), "__file__", None)
         if path:

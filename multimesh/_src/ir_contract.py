@@ -179,7 +179,7 @@ Tag = tuple[str, int, int]
 
 
 # ----------------------------------------------------------------------------- checking
-# On ``attr_to_py`` values; the messages follow mm-verify's (mlir_passes/verify.py).
+# On ``attr_to_py`` values; the messages follow mm-verify's (multimesh/passes/verify.py).
 
 
 def fmt(v) -> str:

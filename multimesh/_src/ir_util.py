@@ -2,7 +2,7 @@
 
 Custom-call target lookup and the per-argument attribute arrays of a ``func.func``
 (``arg_attrs`` / ``res_attrs``: one ``DictAttr`` per argument or result). These
-know nothing of multimesh's IR contract (that is ``mlir_passes/_contract.py``).
+know nothing of multimesh's IR contract (that is ``multimesh/passes/_contract.py``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import jax
 
 from multimesh._src.errors import MultimeshValueError
 from multimesh.jax import _contexts
-from multimesh.jax._mjit import mjit
 from multimesh.jax._results import ParallelizeResult
+from multimesh.jax._stages.mjit import mjit
 from multimesh.runtime import distributed
 
 __all__ = ["parallelize"]

@@ -3,7 +3,7 @@
 Shardy's partitioner (jaxlib's ``_sdy_mpmd`` extension) produces MPMD programs that only
 Pathways can compile. ``mm-import-mpmd`` rewrites one into multimesh's MPMD form,
 and the result goes through the same plan and executor as ``mjit``'s programs, so
-the returned object is an :class:`~multimesh.jax._compiled.MpmdCompiled`.
+the returned object is an :class:`~multimesh.jax._stages.compiled.MpmdCompiled`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from multimesh._src.mlir import (
     sdy,
 )
 from multimesh._src.stack import on_big_stack
-from multimesh.jax._call_checks import check_distinct_devices
 from multimesh.jax._checks import few_devices_hint
-from multimesh.jax._compiled import MpmdCompiled
 from multimesh.jax._imported_schedule import recover_schedule
-from multimesh.jax._lowered import MpmdLowered
+from multimesh.jax._stages.call_checks import check_distinct_devices
+from multimesh.jax._stages.compiled import MpmdCompiled
+from multimesh.jax._stages.lowered import MpmdLowered
 from multimesh.passes.api import parse_mesh_tensor, parse_pipeline, read_topology
 
 __all__ = ["compile_mpmd"]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import cast
 
 from multimesh.jax import _task
-from multimesh.jax._mjit import _holds_nnx
+from multimesh.jax._stages.mjit import _holds_nnx
 from multimesh.jax._task import Task, TaskFunction
 
 __all__ = ["task"]

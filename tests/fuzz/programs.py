@@ -25,7 +25,7 @@ towards small, plain programs.
 (``ignore_transforms``), compares outputs (and gradients), checks that every
 output lives on the devices of the task that produced it, and that every
 fragment runs on the devices of its task. Errors are predicted from the
-documented logical-sharding rule (``mlir_passes/logical_axes.py``): a live
+documented logical-sharding rule (``multimesh/passes/logical_axes.py``): a live
 in-task constraint whose shard count does not divide its dimension must raise
 ``LogicalShardingError``; no other program may raise.
 """
@@ -688,7 +688,7 @@ def build(p: ProgramSpec) -> dict:
 
 def expected_resolution(dims: Sequence, shape: Sequence[int], axis_names, axis_sizes,
                         mapping) -> tuple[tuple[str, ...], ...] | str:
-    """Reference model of the documented logical->device rule (mlir_passes/logical_axes.py).
+    """Reference model of the documented logical->device rule (multimesh/passes/logical_axes.py).
 
     Returns the per-dim device axes, or the string ``"nondividing"``. Written
     from the docstring, not the code, so the two can disagree.

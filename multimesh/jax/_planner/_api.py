@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import jax
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax._costs import DeviceModel
+from multimesh.jax._analysis.costs import DeviceModel
 from multimesh.jax._planner._plan import PipelinePlan, Stage
 from multimesh.jax._planner._search import Choice, Costs, Machine, mesh_of, search
 from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher

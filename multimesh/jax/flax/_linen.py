@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _microbatch, _task
-from multimesh.jax._mjit import mjit
 from multimesh.jax._results import ParallelizeStepResult
+from multimesh.jax._stages.mjit import mjit
 from multimesh.jax._task import Task, check_remat, with_sharding_constraint
 from multimesh.jax.flax import _resume
 from multimesh.jax.flax._common import (

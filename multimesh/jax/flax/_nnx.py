@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _multimesh, _task
-from multimesh.jax._inputs import is_physical
 from multimesh.jax._module_names import module_names
+from multimesh.jax._stages.inputs import is_physical
 from multimesh.jax._task import Task, TaskFunction, with_sharding_constraint
 from multimesh.jax.flax._common import is_array, is_dynamic
 from multimesh.jax.flax._nnx_names import same_names

@@ -10,8 +10,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax._mjit import mjit
 from multimesh.jax._results import ParallelizeStepResult
+from multimesh.jax._stages.mjit import mjit
 from multimesh.jax._task import with_sharding_constraint
 from multimesh.jax.flax._common import (
     batch_avals_of,

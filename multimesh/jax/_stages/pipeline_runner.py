@@ -10,7 +10,7 @@ from collections.abc import Callable
 from multimesh._src.errors import DiagnosticError, PassFailure, PipelineError
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, module_bytecode, parse_module, print_module
-from multimesh.jax import _dump
+from multimesh.jax._stages import dump as _dump
 from multimesh.passes.api import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 
 __all__ = ["run_pipeline"]

@@ -146,7 +146,7 @@ def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
     if cost is not None:
         raise MultimeshValueError("Give cost= or costs=, not both.")
     if isinstance(costs, str) and costs == "xla":
-        from multimesh.jax._costs import xla_costs
+        from multimesh.jax._analysis.costs import xla_costs
 
         if isinstance(obj, (Schedule, Mapping)):
             raise MultimeshValueError("costs='xla' needs the compiled program, not its "
@@ -214,7 +214,7 @@ def _check_same_program(memory, obj, sched: Schedule) -> None:
     program = getattr(memory, "program", None)
     other = source is None or source != sched or len(memory.submeshes) != sched.num_meshes
     if not other and program is not None and hasattr(obj, "_lowered"):
-        from multimesh.jax._memory import program_fingerprint
+        from multimesh.jax._analysis.memory import program_fingerprint
 
         other = program_fingerprint(obj) != program
     if other:

@@ -12,12 +12,14 @@ from multimesh._src import callbacks as _callbacks
 from multimesh._src import jax_compat
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import make_context, module_bytecode, parse_module
-from multimesh.jax import _contexts, _fast_path, _inputs
-from multimesh.jax._call_checks import is_key, leaf_name
-from multimesh.jax._compiled import missing_attribute
+from multimesh.jax import _contexts
 from multimesh.jax._implicit_tasks import implicit_task_rules
-from multimesh.jax._lowered import MpmdLowered
-from multimesh.jax._pipeline import program_pipeline, schedule_config_of
+from multimesh.jax._stages import fast_path as _fast_path
+from multimesh.jax._stages import inputs as _inputs
+from multimesh.jax._stages.call_checks import is_key, leaf_name
+from multimesh.jax._stages.compiled import missing_attribute
+from multimesh.jax._stages.lowered import MpmdLowered
+from multimesh.jax._stages.pipeline import program_pipeline, schedule_config_of
 from multimesh.jax._task import warn_renamed_tasks
 from multimesh.jax._trace_notes import TraceNotes
 

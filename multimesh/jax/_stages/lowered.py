@@ -18,10 +18,10 @@ from multimesh._src.ir_contract import (
     TaskMesh,
 )
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
-from multimesh.jax import _fast_path
-from multimesh.jax._call_checks import check_unsupported
-from multimesh.jax._compiled import MpmdCompiled, drop_unused, missing_attribute
-from multimesh.jax._pipeline_runner import run_pipeline
+from multimesh.jax._stages import fast_path as _fast_path
+from multimesh.jax._stages.call_checks import check_unsupported
+from multimesh.jax._stages.compiled import MpmdCompiled, drop_unused, missing_attribute
+from multimesh.jax._stages.pipeline_runner import run_pipeline
 from multimesh.passes.api import Pipeline
 
 __all__ = ["MpmdLowered"]

@@ -21,13 +21,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
-from multimesh.jax import _checks, _contexts, _global_mesh, _inputs, _multimesh, _registrations
-from multimesh.jax._call_checks import abstract_value, check_distinct_devices, check_unsupported
-from multimesh.jax._jit_options import ArgOptions, Bound, resolve_options
+from multimesh.jax import _checks, _contexts, _global_mesh, _multimesh, _registrations
 from multimesh.jax._module_names import module_names
+from multimesh.jax._stages import inputs as _inputs
+from multimesh.jax._stages.call_checks import (
+    abstract_value,
+    check_distinct_devices,
+    check_unsupported,
+)
+from multimesh.jax._stages.options import ArgOptions, Bound, resolve_options
+from multimesh.jax._stages.traced import MpmdTraced
 from multimesh.jax._task import jax_constraint_hint, with_sharding_constraint
 from multimesh.jax._trace_notes import TraceNotes
-from multimesh.jax._traced import MpmdTraced
 
 __all__ = ["mjit"]
 
@@ -104,7 +109,7 @@ class _MJit(ProgramCaches):
         self._cache = LRUCache("multimesh mjit programs")
         self._placed = LRUCache("multimesh mjit programs for committed inputs")
         # Pin committed inputs even where the program constrains them (parallelize's
-        # initial_batch); see multimesh.jax._inputs.
+        # initial_batch); see multimesh.jax._stages.inputs.
         self.pin_committed = False
         # the `with plan:` / `with Context():` blocks this was built in (see _left_blocks)
         self._built_in = [f.context for f in _registrations.entered_frames()[1:]

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from multimesh.jax._call_checks import check_call
+from multimesh.jax._stages.call_checks import check_call
 from multimesh.runtime.memory import SubmeshMemory, handed_over, measure_step
 
 __all__ = ["MemoryProfile", "memory_profile", "stage_tasks", "program_fingerprint"]

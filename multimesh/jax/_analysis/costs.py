@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax._call_checks import check_call
+from multimesh.jax._stages.call_checks import check_call
 from multimesh.runtime.memory import _shard_bytes as shard_bytes
 from multimesh.runtime.plan import Call
 from multimesh.runtime.timing import StepTime, run_timed

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from multimesh._src.errors import MultimeshAttributeError
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import ir, print_module
-from multimesh.jax._call_checks import check_call, leaf_name
+from multimesh.jax._stages.call_checks import check_call, leaf_name
 from multimesh.runtime import Executor, build_plan
 from multimesh.schedules import Schedule
 
@@ -67,7 +67,7 @@ class MpmdCompiled:
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
 
-    fast_path = False  # see FastCompiled (multimesh.jax._fast_path)
+    fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
     _recovered_schedule: Schedule | None = None  # set by compile_mpmd
     out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
 
@@ -124,12 +124,12 @@ class MpmdCompiled:
         """Run one step synchronously, timing every fragment and transfer.
 
         Returns the outputs; with ``trace_path`` also writes a Chrome/Perfetto trace
-        laid out as ``visualize_schedule``'s picture (``multimesh.jax._trace_view``);
+        laid out as ``visualize_schedule``'s picture (``multimesh.jax._analysis.trace_view``);
         a pipelined program's durations per schedule unit are then ``last_profile``
         (a :class:`multimesh.jax.StepProfile`). Blocking after each step makes the
         timeline readable at the cost of overlap, so use it to inspect, not to benchmark.
         """
-        from multimesh.jax._costs import profile_from_times
+        from multimesh.jax._analysis.costs import profile_from_times
         from multimesh.runtime.timing import run_timed
         from multimesh.runtime.trace import TraceRecorder
 
@@ -142,7 +142,7 @@ class MpmdCompiled:
         self.last_profile = None if sched is None else profile_from_times(sched, [times])
         outs = place_outputs(outs, self.out_placements)
         if trace_path is not None:
-            from multimesh.jax._trace_view import write_step_trace
+            from multimesh.jax._analysis.trace_view import write_step_trace
 
             write_step_trace(rec.events, self.plan_data, self.schedule,
                              [d.id for d in self._lowered.devices], trace_path)
@@ -152,15 +152,15 @@ class MpmdCompiled:
     def step_profile(self, *args, steps: int = 3, **kwargs):
         """Run ``steps`` steps, timing every fragment call alone: a
         :class:`multimesh.jax.StepProfile` (costs for ``schedule.simulate``)."""
-        from multimesh.jax._costs import step_profile
+        from multimesh.jax._analysis.costs import step_profile
 
         return step_profile(self, args, kwargs, steps)
 
     def memory_profile(self, *args, **kwargs):
         """Run one step and measure, per submesh, the peak bytes the runtime holds
         (parameters, activations in flight, other values, XLA temporaries) beside
-        the schedule's prediction: a :class:`multimesh.jax._memory.MemoryProfile`."""
-        from multimesh.jax._memory import memory_profile
+        the schedule's prediction: a :class:`multimesh.jax._analysis.memory.MemoryProfile`."""
+        from multimesh.jax._analysis.memory import memory_profile
 
         return memory_profile(self, args, kwargs)
 

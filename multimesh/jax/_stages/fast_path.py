@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
 from multimesh.jax import _contexts
-from multimesh.jax._call_checks import check_call
-from multimesh.jax._compiled import MemoryAnalysis, MpmdCompiled, missing_attribute
+from multimesh.jax._stages.call_checks import check_call
+from multimesh.jax._stages.compiled import MemoryAnalysis, MpmdCompiled, missing_attribute
 from multimesh.jax._trace_notes import TraceNotes
 from multimesh.runtime.steps import layout_sharding
 
@@ -173,7 +173,7 @@ class FastCompiled:
     def memory_profile(self, *args, **kwargs):
         """Refused: a program without tasks has no submeshes to measure."""
         from multimesh._src.errors import MultimeshValueError
-        from multimesh.jax._costs import _NO_TASKS
+        from multimesh.jax._analysis.costs import _NO_TASKS
 
         raise MultimeshValueError(_NO_TASKS)
 
