@@ -405,9 +405,10 @@ def _plain_accumulation(loss, params, n: int):
             jax.tree.map(lambda *g: sum(g), *[g for _, g in parts]))
 
 
+# Each naming (a list of blocks, numbered attributes) with each stage count and
+# schedule once: the other two pairings add no path that these miss.
 @pytest.mark.parametrize("numbered,num_stages,schedule", [
-    (False, 2, "gpipe"), (False, 4, "1f1b"), (True, 2, "1f1b"), (True, 4, "gpipe")],
-    ids=["nnx_list-2-gpipe", "nnx_list-4-1f1b", "numbered-2-1f1b", "numbered-4-gpipe"])
+    (False, 4, "1f1b"), (True, 2, "gpipe")], ids=["nnx_list-4-1f1b", "numbered-2-gpipe"])
 def test_rules_alone_pipeline_an_unmodified_transformer(numbered, num_stages, schedule):
     model = _model(numbered)
     graphdef, params = nnx.split(model)

@@ -761,3 +761,27 @@ def test_v_shape_plan_goes_down_the_submeshes_and_back_and_runs():
         assert sorted(d.id for d in a.devices()) == list(stage.devices)
     np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
     assert sorted(d.id for d in grads["head"].devices()) == [0, 1, 2, 3]
+
+
+def test_planning_a_step_again_reuses_its_unit_costs():
+    """A second plan of the same step (other options) reuses the units' XLA costs;
+    other argument shapes, measured costs and ``clear_caches`` do not."""
+    from multimesh.jax._planner import _api
+
+    def chain(ws, x):
+        for i, w in enumerate(ws):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w)
+        return jnp.mean(x)
+
+    ws = [jnp.eye(16) * 0.5 for _ in range(4)]
+    x = jnp.ones((8, 16))
+    mm.clear_caches()
+    first = mm.plan_pipeline(chain, ws, x, num_stages=2, num_microbatches=2)
+    again = mm.plan_pipeline(chain, ws, x, num_stages=2, num_microbatches=4, fsdp=False)
+    assert _api._PROFILES.cache_info().hits == 1
+    assert first.units == again.units
+    mm.plan_pipeline(chain, ws, jnp.ones((16, 16)), num_stages=2)  # other shapes
+    assert _api._PROFILES.cache_info().misses == 2
+    mm.clear_caches()
+    assert _api._PROFILES.cache_info().currsize == 0

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
+from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
 from multimesh.jax._planner._plan import PipelinePlan, Stage
@@ -296,6 +297,42 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
     return tuple(out)
 
 
+# Unit costs of a step by its function and argument types: planning the same step
+# again with other options (stages, fsdp, a memory limit) reuses them, as jax.jit
+# reuses a trace. XLA's costs depend on nothing else; measured times are not reused.
+_PROFILES = LRUCache("multimesh planner unit costs", max_size=32)
+
+
+def _signature(args) -> tuple | None:
+    """The argument types a profile depends on, or None when a leaf is not an array
+    or a hashable constant (then nothing is reused)."""
+    leaves, tree = jax.tree.flatten(args)
+    sig = []
+    for x in leaves:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            sig.append((tuple(x.shape), str(x.dtype)))
+        elif isinstance(x, bool | int | float | complex | str | None):
+            sig.append((type(x), x))
+        else:
+            return None
+    return tree, tuple(sig)
+
+
+def _measured(fun, args, min_units: int, timer: Timer | None) -> Profile:
+    sig = None if timer is not None else _signature(args)
+    try:
+        key = None if sig is None else (fun, sig, min_units)
+        hash(key)
+    except TypeError:
+        key = None
+    profile = None if key is None else _PROFILES.get(key)
+    if profile is None:
+        profile = measure_units(fun, args, 0, min_units=min_units, timer=timer)
+        if key is not None:
+            _PROFILES[key] = profile
+    return profile
+
+
 def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   num_stages: int | None = None, memory_limit: float | None = None,
                   num_microbatches: int | None = None,
@@ -349,7 +386,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                               link_bandwidth, fragment_overhead, device_model, rows)
     fun, args = _nnx_fun(fun, example_args)
     timer = _timer(costs, devices)
-    profile = measure_units(fun, args, 0, min_units=num_stages or 2, timer=timer)
+    profile = _measured(fun, args, num_stages or 2, timer)
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
