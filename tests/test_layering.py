@@ -272,3 +272,14 @@ def test_the_front_end_enters_the_passes_by_their_door(name, path):
             assert imported == DOOR, (
                 f"{path.relative_to(ROOT)}:{line} imports {imported}; the front end uses "
                 f"{DOOR} (add what it needs there)")
+
+
+def test_the_front_end_is_grouped_in_wings():
+    """``multimesh/jax/`` keeps at most 20 modules at its top level; the rest live in
+    folders by role (``_stages``, ``_analysis``, ``_planner``, ``flax``), so a newcomer
+    knows the room from the folder (docs/architecture.md, "Layers")."""
+    top = sorted(p.name for p in ROOT.joinpath("multimesh", "jax").glob("*.py"))
+    assert len(top) <= 20, top
+    wings = {p.name for p in ROOT.joinpath("multimesh", "jax").iterdir()
+             if p.is_dir() and (p / "__init__.py").is_file()}
+    assert {"_stages", "_analysis", "_planner", "flax"} <= wings, wings
