@@ -307,7 +307,7 @@ def _signature(args) -> tuple | None:
     """The argument types a profile depends on, or None when a leaf is not an array
     or a hashable constant (then nothing is reused)."""
     leaves, tree = jax.tree.flatten(args)
-    sig = []
+    sig: list[tuple] = []
     for x in leaves:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             sig.append((tuple(x.shape), str(x.dtype)))
