@@ -246,7 +246,7 @@ class MpmdCompiled(ProgramStage):
     }
 
 
-def place_outputs(outs: list, placements: dict) -> list:
+def place_outputs(outs: list, placements: Mapping) -> list:
     """Outputs with a physical ``out_shardings`` entry moved onto it."""
     return [jax.device_put(o, placements[i]) if i in placements else o
             for i, o in enumerate(outs)]
