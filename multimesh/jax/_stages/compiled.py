@@ -1,6 +1,5 @@
 """``MpmdCompiled``: a compiled MPMD program (``jax.stages.Compiled`` for MPMD), what it
-offers to inspect (fragments, calls, transfers, cost and memory estimates), and the
-error for what it does not offer."""
+offers to inspect (fragments, calls, transfers, cost and memory estimates)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """``mjit``: options checked once, a program traced per argument types, cached.
 
-The stages live beside it: ``_traced`` (``MpmdTraced``, tracing to lowering),
-``_lowered`` (``MpmdLowered``, the passes), ``_compiled`` (``MpmdCompiled``, the
-runtime); ``_pipeline_runner`` runs the passes with repros, ``_call_checks`` checks
-calls and options, ``_parallelize`` is ``parallelize``.
+The stages live beside it: ``traced`` (``MpmdTraced``, tracing to lowering),
+``lowered`` (``MpmdLowered``, the passes), ``compiled`` (``MpmdCompiled``, the
+runtime), ``stage`` (their ``LoweredProgram`` record and base); ``pipeline_runner``
+runs the passes with repros, ``call_checks`` checks calls and options. Arguments a
+wing's handler claims (NNX objects) go to it (``handlers``).
 """
 
 from __future__ import annotations

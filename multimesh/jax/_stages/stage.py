@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from multimesh._src.errors import MultimeshAttributeError
 from multimesh.passes.api import Pipeline
 
-__all__ = ["LoweredProgram", "RECORD_FIELDS", "ProgramStage", "Stage", "StageWrapper", "missing_attribute"]
+__all__ = ["LoweredProgram", "RECORD_FIELDS", "ProgramStage", "Stage", "StageWrapper", "forward", "missing_attribute"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,6 +74,11 @@ RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(LoweredProgram)) | 
 """The record's names, which ``MpmdLowered`` answers as its own attributes."""
 
 
+def forward(holder: str, name: str, doc: str | None = None) -> Any:
+    """A read-only property: ``self.<holder>.<name>``."""
+    return property(lambda self: getattr(getattr(self, holder), name), doc=doc)
+
+
 class Stage:
     """jax's stage protocol: what jax's stage (``_jax_class``) has and this one does not
     offer raises an error saying why (``_not_offered``)."""
@@ -90,18 +95,10 @@ class ProgramStage(Stage):
 
     record: LoweredProgram
 
-    @property
-    def in_tree(self):
-        """The tree of the dynamic arguments, ``(args, kwargs)``, that calls take."""
-        return self.record.in_tree
-
-    @property
-    def out_tree(self):
-        return self.record.out_tree
-
-    @property
-    def in_avals(self):
-        return self.record.in_avals
+    in_tree = forward("record", "in_tree",
+                      "The tree of the dynamic arguments, ``(args, kwargs)``, that calls take.")
+    out_tree = forward("record", "out_tree", "The tree of the outputs.")
+    in_avals = forward("record", "in_avals", "The dynamic argument leaves' types.")
 
 
 class StageWrapper:

@@ -20,7 +20,7 @@ from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import is_key, leaf_name
 from multimesh.jax._stages.lowered import MpmdLowered, input_text
 from multimesh.jax._stages.pipeline import program_pipeline, schedule_config_of
-from multimesh.jax._stages.stage import LoweredProgram, Stage
+from multimesh.jax._stages.stage import LoweredProgram, Stage, forward
 from multimesh.jax._task import warn_renamed_tasks
 from multimesh.jax._trace_notes import TraceNotes
 
@@ -48,21 +48,13 @@ class MpmdTraced(Stage):
         self.trace_seconds = seconds
         self.out_placements: dict[int, NamedSharding] = {}  # physical out_shardings
 
-    @property
-    def jaxpr(self):
-        return self._traced.jaxpr
-
-    @property
-    def out_info(self):
-        return self._traced.out_info
+    jaxpr = forward("_traced", "jaxpr")
+    out_info = forward("_traced", "out_info")
+    out_avals = forward("_traced", "out_avals")
 
     @property
     def in_avals(self) -> tuple:
         return tuple(self._traced.jaxpr.in_avals)
-
-    @property
-    def out_avals(self):
-        return self._traced.out_avals
 
     @property
     def fun_name(self) -> str:

@@ -671,22 +671,20 @@ class _NnxProgram:
     cell: dict
 
 
-class NnxTraced(StageWrapper):
+class _NnxStage(StageWrapper):
+    """An NNX stage: the MPMD stage it wraps (``inner``) and the NNX program's state."""
+
+    def __init__(self, inner, program: _NnxProgram):
+        self.inner = inner
+        self.nnx = program
+
+
+class NnxTraced(_NnxStage):
     """``mjit(f).trace(...)`` of a function taking NNX objects: ``jaxpr`` (of the pure
     function over the Variables' values), ``out_info``, ``lower()``; the rest is the
     ``MpmdTraced``'s (``inner``: ``in_avals``, ``out_avals``, ``fun_name``, ...)."""
 
-    def __init__(self, traced, program: _NnxProgram):
-        self.inner = traced
-        self.nnx = program
-
-    @property
-    def traced(self):
-        return self.inner
-
-    @property
-    def jaxpr(self):
-        return self.inner.jaxpr
+    traced = property(lambda self: self.inner)
 
     @property
     def out_info(self):
@@ -782,26 +780,17 @@ class _OutSplit:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-class NnxLowered(StageWrapper):
+class NnxLowered(_NnxStage):
     """``mjit(...).lower(...)`` of a function taking NNX objects; the rest is the
-    ``MpmdLowered``'s (``inner``: ``compiler_ir()``, ``in_avals``, ``record``, ...)."""
+    ``MpmdLowered``'s (``inner``: ``as_text()``, ``compiler_ir()``, ``in_avals``, ...)."""
 
-    def __init__(self, lowered, program: _NnxProgram):
-        self.inner = lowered
-        self.nnx = program
-
-    @property
-    def lowered(self):
-        return self.inner
-
-    def as_text(self) -> str:
-        return self.inner.as_text()
+    lowered = property(lambda self: self.inner)
 
     def compile(self, compiler_options=None) -> NnxCompiled:
         return NnxCompiled(self, self.inner.compile(compiler_options))
 
 
-class NnxCompiled(StageWrapper):
+class NnxCompiled(_NnxStage):
     """A compiled MPMD program over NNX objects; call it like the original function.
 
     ``input_shardings`` mirrors ``(args, kwargs)``: each NNX object is replaced
@@ -810,9 +799,11 @@ class NnxCompiled(StageWrapper):
     ``transfers``, ``plan()`` and ``as_text()`` are those of the MPMD program.
     """
 
+    compiled = property(lambda self: self.inner)
+
     def __init__(self, lowered: NnxLowered, compiled):
-        self.inner = compiled
-        self.nnx = program = lowered.nnx
+        super().__init__(compiled, lowered.nnx)
+        program = self.nnx
         (var_sh, dyn_sh), _ = compiled.input_shardings
         self.variable_shardings = self._full_var_list(var_sh)
         self.input_shardings = self._as_user_tree(program.split, self.variable_shardings,
@@ -820,10 +811,6 @@ class NnxCompiled(StageWrapper):
         (ov_sh, od_sh), _upd = compiled.output_shardings
         self.output_shardings = program.cell["out"].treedef.unflatten(
             _out_stand_in(program.cell["out"], ov_sh, od_sh))
-
-    @property
-    def compiled(self):
-        return self.inner
 
     def _full_var_list(self, var_sh):
         split = self.nnx.split
