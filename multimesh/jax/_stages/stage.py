@@ -112,14 +112,12 @@ class StageWrapper:
         return getattr(self.inner, name)
 
 
-def missing_attribute(stage, name: str, like: type | None = None) -> AttributeError:
+def missing_attribute(stage: Stage, name: str) -> AttributeError:
     """The error for a missing attribute: why, for one that jax's stage has (the
-    ``_not_offered`` table of ``like``, by default the stage's own class)."""
+    ``_not_offered`` table of the stage's class)."""
     cls = type(stage).__name__
-    table = like or type(stage)
-    why = table._not_offered.get(name)  # type: ignore[attr-defined]
+    why = stage._not_offered.get(name)
     if why is None or name.startswith("__"):
         return AttributeError(f"{cls!r} object has no attribute {name!r}")
     return MultimeshAttributeError(
-        f"`{cls}.{name}` is not offered, although `{table._jax_class}` has it: "  # type: ignore[attr-defined]
-        f"{why}.")
+        f"`{cls}.{name}` is not offered, although `{stage._jax_class}` has it: {why}.")
