@@ -29,7 +29,7 @@ from multimesh.jax._registrations import register_task as register_task
 from multimesh.jax._registrations import tasks as tasks
 from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
-from multimesh.jax._stages import handlers as _handlers  # noqa: E402 - the wiring below
+from multimesh.jax._stages import handlers as _handlers
 from multimesh.jax._stages.mjit import mjit as mjit
 from multimesh.jax._task import Task as Task
 from multimesh.jax._task import TaskMesh as TaskMesh
