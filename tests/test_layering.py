@@ -283,3 +283,76 @@ def test_the_front_end_is_grouped_in_wings():
     wings = {p.name for p in ROOT.joinpath("multimesh", "jax").iterdir()
              if p.is_dir() and (p / "__init__.py").is_file()}
     assert {"_stages", "_analysis", "_planner", "flax"} <= wings, wings
+
+
+WING = "multimesh.jax.flax"
+ROOT_PACKAGE = "multimesh.jax"  # the composition root: it alone wires the wing's handler
+
+
+def wing_imports(path: pathlib.Path, name: str) -> list[tuple[str, int]]:
+    """What ``path`` imports of the flax wing, at any depth of its code: ``import``
+    statements (``from multimesh.jax import flax`` too) and ``importlib.import_module``
+    or ``__import__`` calls naming it."""
+    found = [(m, line) for m, line in _imports(path, name)
+             if m == WING or m.startswith(WING + ".")]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "multimesh.jax" and \
+                any(a.name == "flax" for a in node.names):
+            found.append((WING, node.lineno))
+        elif isinstance(node, ast.Call) and node.args and \
+                isinstance(node.args[0], ast.Constant) and \
+                isinstance(node.args[0].value, str) and \
+                node.args[0].value.startswith(WING) and \
+                getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                    "import_module", "__import__"):
+            found.append((node.args[0].value, node.lineno))
+    return found
+
+
+@pytest.mark.parametrize(
+    "name,path", [m for m in MODULES if m[0].startswith("multimesh.jax")
+                  and not m[0].startswith(WING) and m[0] != ROOT_PACKAGE],
+    ids=[m for m, _ in MODULES if m.startswith("multimesh.jax")
+         and not m.startswith(WING) and m != ROOT_PACKAGE])
+def test_no_module_imports_up_into_the_flax_wing(name, path):
+    """``multimesh.jax`` reaches the flax wing only through the argument handlers
+    (``_stages/handlers.py``), which ``multimesh/jax/__init__.py`` wires: no other
+    module names the wing, function-local imports included (docs/architecture.md)."""
+    hits = wing_imports(path, name)
+    assert not hits, [f"{path.relative_to(ROOT)}:{line} imports {m}" for m, line in hits]
+
+
+def test_the_wing_import_check_finds_hidden_imports(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text("import importlib\n\ndef f():\n    from multimesh.jax.flax import _nnx\n"
+                    "    from multimesh.jax import flax\n"
+                    "    return importlib.import_module('multimesh.jax.flax._nnx')\n")
+    assert [line for _, line in wing_imports(path, "multimesh.jax.mod")] == [4, 5, 6]
+
+
+def _program_members() -> set[str]:
+    """The part of an ``mjit`` function made for argument handlers."""
+    tree = ast.parse((ROOT / "multimesh/jax/_stages/handlers.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Program")
+    return {n.target.id if isinstance(n, ast.AnnAssign) else n.name for n in cls.body
+            if isinstance(n, ast.FunctionDef) or
+            (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))}
+
+
+@pytest.mark.parametrize("name,path", [m for m in MODULES if m[0].startswith(WING)],
+                         ids=[m for m, _ in MODULES if m.startswith(WING)])
+def test_the_flax_wing_uses_only_the_handler_api_of_mjit(name, path):
+    """The flax wing sees an ``mjit`` function (``owner``, as the handlers hand it)
+    only through ``handlers.Program``: nothing private (no ``owner._cache``)."""
+    allowed = _program_members()
+    assert {"fun", "trace_flat", "compiled_for", "options"} <= allowed
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = node.value
+        if (isinstance(value, ast.Name) and value.id == "owner") or \
+                (isinstance(value, ast.Attribute) and value.attr == "owner"):
+            assert node.attr in allowed, (
+                f"{path.relative_to(ROOT)}:{node.lineno} reads `owner.{node.attr}` of an "
+                f"`mjit` function; the flax wing uses only handlers.Program "
+                f"({sorted(allowed)})")

@@ -302,6 +302,46 @@ def test_mjit_does_not_import_flax():
     assert out.stdout.split() == ["16.0", "False"]
 
 
+def test_mjit_takes_nnx_objects_without_the_flax_wing_imported():
+    """A program that imported ``flax.nnx`` but never ``multimesh.jax.flax``: ``mjit``
+    still takes NNX objects (the composition root's handler loads the wing on demand)
+    and writes their updates back as ``nnx.jit`` does; a linen class given to the core
+    ``task`` is the Flax task there too."""
+    pytest.importorskip("flax")
+    code = textwrap.dedent("""
+        import os, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax.numpy as jnp
+        from flax import nnx
+        import multimesh.jax as mm
+        print("multimesh.jax.flax" in sys.modules)
+        class Counter(nnx.Module):
+            def __init__(self):
+                self.count = nnx.Variable(jnp.zeros(()))
+                self.w = nnx.Param(jnp.arange(4.0))
+        def step(m, x):
+            m.count.value = m.count.value + 1
+            return (m.w.value * x).sum()
+        got_m, want_m = Counter(), Counter()
+        want = nnx.jit(step)(want_m, jnp.ones(4))
+        got = mm.mjit(step)(got_m, jnp.ones(4))
+        print(float(got), float(want), float(got_m.count.value), float(want_m.count.value))
+        print("multimesh.jax.flax" in sys.modules)
+        from flax import linen as nn
+        class Dense(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(2)(x)
+        print(mm.task(Dense, name="d").__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[:3] == ["False", "6.0 6.0 1.0 1.0", "True"], out.stdout
+    assert lines[3].startswith("Task"), out.stdout
+
+
 # --------------------------------------------------------------------------- NNX: one mjit
 
 

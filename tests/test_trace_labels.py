@@ -100,7 +100,7 @@ def test_each_track_runs_its_submeshs_schedule_in_order(tmp, stages, meshes, sch
     tids = {name: tid for tid, name in
             ((e["tid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name")}
     for m, row in enumerate(sched.rows()):
-        ids = ",".join(str(compiled._lowered.devices[p].id) for p in sched.devices[m])
+        ids = ",".join(str(compiled.record.devices[p].id) for p in sched.devices[m])
         mine = sorted((e for e in _slices(events, "fragment")
                        if e["tid"] == tids[f"submesh {m} (devices {ids})"]
                        and e["args"]["microbatch"] is not None), key=lambda e: e["ts"])

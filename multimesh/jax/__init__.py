@@ -29,8 +29,20 @@ from multimesh.jax._registrations import register_task as register_task
 from multimesh.jax._registrations import tasks as tasks
 from multimesh.jax._results import ParallelizeResult as ParallelizeResult
 from multimesh.jax._shardy_mpmd import compile_mpmd as compile_mpmd
+from multimesh.jax._stages import handlers as _handlers
 from multimesh.jax._stages.mjit import mjit as mjit
 from multimesh.jax._task import Task as Task
 from multimesh.jax._task import TaskMesh as TaskMesh
 from multimesh.jax._task import with_sharding_constraint as with_sharding_constraint
 from multimesh.jax._task_dispatch import task as task
+
+
+def _flax_handler() -> _handlers.ArgumentHandler:
+    """The flax wing's handler, imported the first time a question needs it (this
+    package's modules never import the wing; only this composition root names it)."""
+    from multimesh.jax.flax._handler import HANDLER
+
+    return HANDLER
+
+
+_handlers.register(_flax_handler, arguments=("flax.nnx",), tasks=("flax.linen", "flax.nnx"))

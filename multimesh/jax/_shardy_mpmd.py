@@ -34,6 +34,7 @@ from multimesh.jax._imported_schedule import recover_schedule
 from multimesh.jax._stages.call_checks import check_distinct_devices
 from multimesh.jax._stages.compiled import MpmdCompiled
 from multimesh.jax._stages.lowered import MpmdLowered
+from multimesh.jax._stages.stage import LoweredProgram
 from multimesh.passes.api import parse_mesh_tensor, parse_pipeline, read_topology
 
 __all__ = ["compile_mpmd"]
@@ -130,10 +131,10 @@ def _compile(program, meshes, devices, in_tree, out_tree) -> MpmdCompiled:
             f"module takes {n_in}.")
     args_tree = _tree("in_tree", in_tree, n_leaves, "@main argument")
     res_tree = _tree("out_tree", out_tree, n_out, "@main result")
-    lowered = MpmdLowered(
+    lowered = MpmdLowered(LoweredProgram(
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
-        res_tree, kept, parse_pipeline(_PIPELINE), donated_leaves=info.donated,
-        in_avals=info.arg_types if in_avals is None else in_avals)
+        res_tree, tuple(kept), parse_pipeline(_PIPELINE), donated_leaves=tuple(info.donated),
+        in_avals=tuple(info.arg_types if in_avals is None else in_avals)))
     compiled = lowered.compile()
     assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
     compiled._recovered_schedule = recover_schedule(compiled.plan_data, info.counters)

@@ -205,7 +205,7 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
     accessed``) through ``device_model`` (default: :meth:`DeviceModel.for_device` of
     the program's first device)."""
     c = _mpmd(compiled)
-    model = device_model or DeviceModel.for_device(c._lowered.devices[0])
+    model = device_model or DeviceModel.for_device(c.record.devices[0])
     per = c.cost_analysis(by_fragment=True)
     secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
             for name, d in per.items()}
@@ -357,11 +357,11 @@ def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepPro
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise MultimeshValueError(f"step_profile: `steps` must be a positive integer (the "
                                   f"number of steps to time), got {steps!r}.")
-    if steps > 1 and compiled._lowered.donated_leaves:
+    if steps > 1 and compiled.record.donated_leaves:
         raise MultimeshValueError(
             f"steps={steps} reruns the program on the same arguments, but it donates "
             "some of them; profile one step at a time (steps=1) with fresh arguments.")
-    low = compiled._lowered
+    low = compiled.record
     flat = check_call(low.in_tree, low.in_avals, args, kwargs)
     flat = [flat[i] for i in low.dyn_idx]
     if low.key_inputs:

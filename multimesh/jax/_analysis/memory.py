@@ -16,7 +16,7 @@ __all__ = ["MemoryProfile", "memory_profile", "stage_tasks", "program_fingerprin
 
 def program_fingerprint(compiled) -> str:
     """What tells one compiled program from another: its MPMD text and its devices."""
-    ids = ",".join(str(d.id) for d in compiled._lowered.devices)
+    ids = ",".join(str(d.id) for d in compiled.record.devices)
     return hashlib.sha256(f"{ids}\n{compiled.as_text()}".encode()).hexdigest()
 
 
@@ -82,7 +82,7 @@ class MemoryProfile:
 
 def memory_profile(compiled, args, kwargs) -> MemoryProfile:
     """Run one step of ``compiled`` on ``args`` and measure it (see :class:`MemoryProfile`)."""
-    low = compiled._lowered
+    low = compiled.record
     flat = check_call(low.in_tree, low.in_avals, args, kwargs)
     flat = [flat[i] for i in low.dyn_idx]
     if low.key_inputs:

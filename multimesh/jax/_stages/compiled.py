@@ -1,32 +1,30 @@
 """``MpmdCompiled``: a compiled MPMD program (``jax.stages.Compiled`` for MPMD), what it
-offers to inspect (fragments, calls, transfers, cost and memory estimates), and the
-error for what it does not offer."""
+offers to inspect (fragments, calls, transfers, cost and memory estimates)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding
 
-from multimesh._src.errors import MultimeshAttributeError
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import ir, print_module
 from multimesh.jax._stages.call_checks import check_call, leaf_name
+from multimesh.jax._stages.stage import LoweredProgram, ProgramStage
 from multimesh.runtime import Executor, build_plan
 from multimesh.schedules import Schedule
 
-__all__ = ["MpmdCompiled", "MemoryAnalysis", "missing_attribute", "place_outputs",
-           "drop_unused"]
+__all__ = ["MpmdCompiled", "MemoryAnalysis", "place_outputs", "drop_unused"]
 
 
-class MpmdCompiled:
+class MpmdCompiled(ProgramStage):
     """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
 
-    def __init__(self, lowered, module: ir.Module, times: dict | None = None,
+    def __init__(self, record: LoweredProgram, module: ir.Module, times: dict | None = None,
                  pass_times: list | None = None):
-        self._lowered = lowered
+        self.record = lowered = record
         self.pass_times = list(pass_times or [])
         """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
         final verification); ``compile_times["passes"]`` is their total plus parsing."""
@@ -69,17 +67,21 @@ class MpmdCompiled:
 
     fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
     _recovered_schedule: Schedule | None = None  # set by compile_mpmd
-    out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - see MpmdLowered
+
+    @property
+    def out_placements(self) -> Mapping[int, NamedSharding]:
+        """Output leaf -> the physical ``out_shardings`` entry it is moved onto."""
+        return self.record.out_placements
 
     def _arg_name(self, i: int) -> str:
         """``args[0]['w']``: how errors name the executor's argument ``i``."""
-        low = self._lowered
+        low = self.record
         leaves = jax.tree.unflatten(low.in_tree, list(range(low.in_tree.num_leaves)))
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(leaves)[0]]
         return leaf_name(paths[low.dyn_idx[i]])
 
     def __call__(self, *args, **kwargs):
-        low = self._lowered
+        low = self.record
         flat = check_call(low.in_tree, low.in_avals, args, kwargs)
         if not self._all_dynamic:
             flat = [flat[i] for i in low.dyn_idx]
@@ -134,10 +136,11 @@ class MpmdCompiled:
         from multimesh.runtime.trace import TraceRecorder
 
         flat, tree = jax.tree.flatten((args, kwargs))
-        if self._lowered.in_avals is not None:
-            flat = check_call(self._lowered.in_tree, self._lowered.in_avals, args, kwargs)
+        low = self.record
+        if low.in_avals is not None:
+            flat = check_call(low.in_tree, low.in_avals, args, kwargs)
         rec = TraceRecorder()
-        outs, times = run_timed(self._exec, rec, [flat[i] for i in self._lowered.dyn_idx])
+        outs, times = run_timed(self._exec, rec, [flat[i] for i in low.dyn_idx])
         sched = self.schedule
         self.last_profile = None if sched is None else profile_from_times(sched, [times])
         outs = place_outputs(outs, self.out_placements)
@@ -145,9 +148,9 @@ class MpmdCompiled:
             from multimesh.jax._analysis.trace_view import write_step_trace
 
             write_step_trace(rec.events, self.plan_data, self.schedule,
-                             [d.id for d in self._lowered.devices], trace_path)
+                             [d.id for d in low.devices], trace_path)
         self.last_trace = rec
-        return jax.tree.unflatten(self._lowered.out_tree, outs)
+        return jax.tree.unflatten(low.out_tree, outs)
 
     def step_profile(self, *args, steps: int = 3, **kwargs):
         """Run ``steps`` steps, timing every fragment call alone: a
@@ -170,7 +173,7 @@ class MpmdCompiled:
         for f in self.plan_data.fragments.values():
             out.append({"name": f.name, "task": f.task,
                         "direction": "fwd" if f.transpose_count == 0 else "bwd",
-                        "devices": [self._lowered.devices[p].id for p in f.devices],
+                        "devices": [self.record.devices[p].id for p in f.devices],
                         "module": f.text})
         return out
 
@@ -184,7 +187,7 @@ class MpmdCompiled:
             out.append({"fragment": s.fragment, "task": f.task,
                         "direction": "fwd" if f.transpose_count == 0 else "bwd",
                         "microbatch": s.microbatch,
-                        "devices": [self._lowered.devices[p].id
+                        "devices": [self.record.devices[p].id
                                     for p in self.plan_data.call_devices(s)]})
         return out
 
@@ -229,19 +232,6 @@ class MpmdCompiled:
                for name in self.plan_data.fragments}
         return per if by_fragment else MemoryAnalysis.total(per.values())
 
-    @property
-    def in_tree(self):
-        """The tree of the dynamic arguments, ``(args, kwargs)``, that calls take."""
-        return self._lowered.in_tree
-
-    @property
-    def out_tree(self):
-        return self._lowered.out_tree
-
-    @property
-    def in_avals(self):
-        return self._lowered.in_avals
-
     _jax_class = "jax.stages.Compiled"
     _not_offered = {
         "donate_argnums": "see the `mjit` function's `donate_argnums`",
@@ -254,11 +244,8 @@ class MpmdCompiled:
         "call": "call the compiled object itself",
     }
 
-    def __getattr__(self, name):
-        raise missing_attribute(self, name)
 
-
-def place_outputs(outs: list, placements: dict) -> list:
+def place_outputs(outs: list, placements: Mapping) -> list:
     """Outputs with a physical ``out_shardings`` entry moved onto it."""
     return [jax.device_put(o, placements[i]) if i in placements else o
             for i, o in enumerate(outs)]
@@ -307,16 +294,3 @@ class MemoryAnalysis:
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v}" for k, v in self.fields.items())
         return f"MemoryAnalysis({body})"
-
-
-def missing_attribute(stage, name: str, like: type | None = None) -> AttributeError:
-    """The error for a missing attribute: why, for one that jax's stage has (the
-    ``_not_offered`` table of ``like``, by default the stage's own class)."""
-    cls = type(stage).__name__
-    table = like or type(stage)
-    why = table._not_offered.get(name)  # type: ignore[attr-defined]
-    if why is None or name.startswith("__"):
-        return AttributeError(f"{cls!r} object has no attribute {name!r}")
-    return MultimeshAttributeError(
-        f"`{cls}.{name}` is not offered, although `{table._jax_class}` has it: "  # type: ignore[attr-defined]
-        f"{why}.")

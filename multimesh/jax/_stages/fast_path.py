@@ -14,7 +14,10 @@ the program's devices unless the caller pinned them (physical input shardings,
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
 from multimesh.jax import _contexts
 from multimesh.jax._stages.call_checks import check_call
-from multimesh.jax._stages.compiled import MemoryAnalysis, MpmdCompiled, missing_attribute
+from multimesh.jax._stages.compiled import MemoryAnalysis, MpmdCompiled, place_outputs
+from multimesh.jax._stages.stage import LoweredProgram, ProgramStage
 from multimesh.jax._trace_notes import TraceNotes
 from multimesh.runtime.steps import layout_sharding
 
@@ -69,32 +73,29 @@ def _has_task_or_marker(module) -> bool:
     return bool(found)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class FastPath:
-    """What ``MpmdLowered.compile`` needs to build the ``jax.jit`` executable."""
+    """What ``MpmdLowered.compile`` needs, beside its record, to build the ``jax.jit``
+    executable."""
 
-    def __init__(self, jaxpr, in_tree, out_tree, abstract_leaves, pins, devices, donated,
-                 text, default_mesh=None):
-        self.jaxpr = jaxpr  # closed jaxpr over the flat dynamic leaves
-        self.out_tree = out_tree
-        self.in_avals = tuple(jaxpr.in_avals)
-        self.in_tree = in_tree
-        self.abstract_leaves = abstract_leaves
-        self.pins = pins
-        self.devices = tuple(devices)
-        self.donated = tuple(donated)
-        self.text = text
-        self.default_mesh = default_mesh  # (names, sizes) of the program's mesh, if given
+    jaxpr: Any
+    """The closed jaxpr over the flat dynamic leaves."""
+    abstract_leaves: list
+    pins: dict
+    text: str
+    """The program as ``jax.jit`` compiles it (``FastCompiled.as_text``)."""
 
-    def compile(self) -> FastCompiled:
+    def compile(self, rec: LoweredProgram) -> FastCompiled:
+        devices = rec.devices
         if self.pins:  # the pinned inputs' mesh (one, see eligible)
             pos, names, sizes, _ = next(iter(self.pins.values()))
-            mesh = Mesh(np.array([self.devices[p] for p in pos], dtype=object).reshape(sizes),
+            mesh = Mesh(np.array([devices[p] for p in pos], dtype=object).reshape(sizes),
                         names)
         else:
-            names, sizes = self.default_mesh or (("x",), (len(self.devices),))
-            mesh = Mesh(np.array(self.devices, dtype=object).reshape(sizes), names)
+            names, sizes = rec.default_mesh or (("x",), (len(devices),))
+            mesh = Mesh(np.array(devices, dtype=object).reshape(sizes), names)
         replicated = NamedSharding(mesh, PartitionSpec())
-        in_sh = tuple(layout_sharding(self.pins[i], self.devices) if i in self.pins
+        in_sh = tuple(layout_sharding(self.pins[i], devices) if i in self.pins
                       else replicated for i in range(len(self.abstract_leaves)))
         # The program as traced for the MPMD path: no second trace of the user's code.
         flat = jaxpr_as_fun(self.jaxpr)
@@ -103,44 +104,51 @@ class FastPath:
         # implicit task has no logical mapping); otherwise jax propagates from the inputs.
         out_sh = replicated if not self.pins else None
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh,
-                         donate_argnums=self.donated, keep_unused=True)
+                         donate_argnums=rec.donated_leaves, keep_unused=True)
         # (The only logical markers left are those of physical in_shardings; outside
         # mjit's trace they lower to identities.)
         lowered = jitted.lower(*self.abstract_leaves)
-        return FastCompiled(self, lowered.compile(), in_sh)
+        return FastCompiled(rec, self.text, lowered.compile(), in_sh)
 
 
-class FastCompiled:
+class FastCompiled(ProgramStage):
     """A program compiled by ``jax.jit`` on the fast path; used like ``MpmdCompiled``."""
 
     fast_path = True
-    out_placements: dict = {}  # noqa: RUF012 - replaced by MpmdLowered.compile, never mutated
+    _jax_class = MpmdCompiled._jax_class
+    _not_offered = MpmdCompiled._not_offered
 
-    def __init__(self, fast: FastPath, compiled, in_shardings):
-        self._fast = fast
+    def __init__(self, record: LoweredProgram, text: str, compiled, in_shardings):
+        self.record = record
+        self._text = text
         self._compiled = compiled
         self._in_sh = in_shardings
-        self.input_shardings = jax.tree.unflatten(fast.in_tree, list(in_shardings))
-        self.output_shardings = jax.tree.unflatten(fast.out_tree, compiled.output_shardings)
+        self.input_shardings = jax.tree.unflatten(record.in_tree, list(in_shardings))
+        self.output_shardings = jax.tree.unflatten(record.out_tree, compiled.output_shardings)
         self.fragments: list = []
         self.transfers: list = []
         self.schedule = None
 
+    @property
+    def out_placements(self) -> Mapping[int, NamedSharding]:
+        """Output leaf -> the physical ``out_shardings`` entry it is moved onto."""
+        return self.record.out_placements
+
     def __call__(self, *args, **kwargs):
-        leaves = check_call(self._fast.in_tree, self._fast.in_avals, args, kwargs)
+        rec = self.record
+        leaves = check_call(rec.in_tree, rec.in_avals, args, kwargs)
         leaves = [_place(x, sh) for x, sh in zip(leaves, self._in_sh)]
         outs = self._compiled(*leaves)
-        if self.out_placements:  # physical out_shardings (see MpmdLowered)
-            outs = [jax.device_put(o, self.out_placements[i]) if i in self.out_placements
-                    else o for i, o in enumerate(outs)]
-        return jax.tree.unflatten(self._fast.out_tree, outs)
+        if rec.out_placements:  # physical out_shardings (see MpmdLowered)
+            outs = place_outputs(outs, rec.out_placements)
+        return jax.tree.unflatten(rec.out_tree, outs)
 
     def as_text(self) -> str:
         """The program as ``jax.jit`` compiled it (StableHLO before XLA)."""
-        return self._fast.text
+        return self._text
 
     def plan(self) -> str:
-        ids = [d.id for d in self._fast.devices]
+        ids = [d.id for d in self.record.devices]
         return f"multimesh fast path: one jax.jit executable on devices {ids}"
 
     def cost_analysis(self, *, by_fragment: bool = False) -> dict:
@@ -154,21 +162,6 @@ class FastCompiled:
         """XLA's memory estimates of the one executable (see ``cost_analysis``)."""
         stats = self._compiled.memory_analysis()
         return {"main": stats} if by_fragment else MemoryAnalysis.total([stats])
-
-    @property
-    def in_tree(self):
-        return self._fast.in_tree
-
-    @property
-    def out_tree(self):
-        return self._fast.out_tree
-
-    @property
-    def in_avals(self):
-        return self._fast.in_avals
-
-    def __getattr__(self, name):
-        raise missing_attribute(self, name, MpmdCompiled)
 
     def memory_profile(self, *args, **kwargs):
         """Refused: a program without tasks has no submeshes to measure."""
@@ -184,7 +177,7 @@ class FastCompiled:
         from multimesh.runtime.trace import TraceRecorder
 
         rec = TraceRecorder()
-        ids = ",".join(str(d.id) for d in self._fast.devices)
+        ids = ",".join(str(d.id) for d in self.record.devices)
         with rec.span(f"submesh 0 (devices {ids})", "fast_path"):  # as MPMD traces name it
             out = jax.block_until_ready(self(*args, **kwargs))
         if trace_path is not None:

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding
 
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import (
@@ -20,52 +18,37 @@ from multimesh._src.ir_contract import (
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._stages import fast_path as _fast_path
 from multimesh.jax._stages.call_checks import check_unsupported
-from multimesh.jax._stages.compiled import MpmdCompiled, drop_unused, missing_attribute
+from multimesh.jax._stages.compiled import MpmdCompiled, drop_unused
 from multimesh.jax._stages.pipeline_runner import run_pipeline
-from multimesh.passes.api import Pipeline
+from multimesh.jax._stages.stage import (
+    RECORD_FIELDS,
+    LoweredProgram,
+    ProgramStage,
+    missing_attribute,
+)
 
-__all__ = ["MpmdLowered"]
+__all__ = ["MpmdLowered", "input_module", "input_text"]
 
 
-class MpmdLowered:
-    """The traced program before our passes; ``compile()`` runs them."""
+class MpmdLowered(ProgramStage):
+    """The traced program before our passes; ``compile()`` runs them.
 
-    trace_seconds = 0.0
-    """How long tracing and lowering took (the first phase of ``compile_times``)."""
+    ``record`` (a ``LoweredProgram``) is all it knows; its fields read as attributes
+    here too (``pipeline``, ``devices``, ``trace_seconds``, ...)."""
 
-    def __init__(self, text: str | bytes, devices, in_tree, out_tree, dyn_idx,
-                 pipeline: Pipeline,
-                 donated_leaves=(), schedule_config=None, key_inputs=(), key_outputs=(),
-                 in_avals=None, module: ir.Module | None = None, name: str | None = None):
-        # ``text``: the program as MLIR text or bytecode; ``module``: it, already parsed
-        # (the first compile() takes it instead of parsing again).
-        self._program = text
+    def __init__(self, record: LoweredProgram, module: ir.Module | None = None):
+        self.record = record
+        # ``module``: the program, already parsed (the first compile() takes it instead
+        # of parsing again).
         self._parsed = module
-        self.name = name  # the compiled function's name: logs and MULTIMESH_DUMP_IR_TO
-        self.in_avals = tuple(in_avals) if in_avals is not None else None
-        self.key_inputs = tuple(key_inputs)
-        self.key_outputs = tuple(key_outputs)
-        self.schedule_config = schedule_config
-        self.donated_leaves = tuple(donated_leaves)
-        self.devices = tuple(devices)
-        self.in_tree = in_tree
-        self.out_tree = out_tree
-        self.dyn_idx = dyn_idx
-        self.pipeline = pipeline
-
-    @property
-    def label(self) -> str:
-        """How logs name the program: ``mjit(<function name>)``."""
-        return f"mjit({self.name})" if self.name else "mjit"
-
-    _text: str | None = None
+        self._text: str | None = None if record.fast is None else record.fast.text
 
     def as_text(self) -> str:
         """The program as the pass pipeline starts from it: jax's module with the compile
         options on it (``mm.schedule_config``, ``mm.num_devices``; docs/ir.md), so
         ``mm-opt in.mlir -p "<lowered.pipeline>"`` replays ``compile()``."""
         if self._text is None:  # printed once, on demand
-            self._text = print_module(self._input_module(), debug_info=True)
+            self._text = input_text(self.record)
         return self._text
 
     def compiler_ir(self, dialect: str | None = None) -> ir.Module:
@@ -74,14 +57,7 @@ class MpmdLowered:
             raise MultimeshValueError(
                 f"`MpmdLowered.compiler_ir` gives the StableHLO module that the pass "
                 f"pipeline reads; dialect={dialect!r} is not offered (valid: 'stablehlo').")
-        return parse_module(self._program, make_context())
-
-    out_placements: dict[int, NamedSharding] = {}  # noqa: RUF012 - replaced, never mutated
-    """Output leaf -> the physical ``out_shardings`` entry it is moved onto after a run."""
-
-    unused_leaves: frozenset[int] = frozenset()
-    """Argument leaves the program never reads; ``keep_unused=False`` reports None as
-    their input sharding (as ``jax.jit``), and no fragment receives them."""
+        return parse_module(self.record.program, make_context())
 
     _jax_class = "jax.stages.Lowered"
     _not_offered = {
@@ -93,47 +69,49 @@ class MpmdLowered:
     }
 
     def __getattr__(self, name):
+        if name in RECORD_FIELDS:
+            return getattr(self.record, name)
         raise missing_attribute(self, name)
-
-    def _input_module(self) -> ir.Module:
-        """What the pass pipeline starts from: the program plus its compile options."""
-        module = self.compiler_ir()
-        _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
-        return module
-
-    host_callbacks: Sequence[Callable] = ()
-    """The Python callbacks the program calls (jax.debug.print, ...), kept alive here
-    while it may compile (``multimesh._src.callbacks``)."""
-    fast: _fast_path.FastPath | None = None
-    """A FastPath when the program takes enable_fast_path's jax.jit route."""
-    default_mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
-    """(axis names, sizes) of the implicit default task, if not x=N."""
 
     def compile(self, compiler_options=None) -> MpmdCompiled | _fast_path.FastCompiled:
         if compiler_options:
             check_unsupported(None, None, False, compiler_options)
         compiled = self._compile()
-        if self.unused_leaves:
-            drop_unused(compiled, self.unused_leaves)
-        if self.out_placements:
-            compiled.out_placements = self.out_placements
+        rec = self.record
+        if rec.unused_leaves:
+            drop_unused(compiled, rec.unused_leaves)
+        if rec.out_placements:
             leaves = jax.tree.leaves(compiled.output_shardings)
             compiled.output_shardings = jax.tree.unflatten(
-                self.out_tree, [self.out_placements.get(i, sh) for i, sh in enumerate(leaves)])
+                rec.out_tree, [rec.out_placements.get(i, sh) for i, sh in enumerate(leaves)])
         return compiled
 
     def _compile(self) -> MpmdCompiled | _fast_path.FastCompiled:
-        if self.fast is not None:
-            return self.fast.compile()
+        rec = self.record
+        if rec.fast is not None:
+            return rec.fast.compile(rec)
         t0 = time.perf_counter()
         module, self._parsed = self._parsed, None
         if module is None:
-            module = self._input_module()
+            module = input_module(rec)
         else:
-            _annotate(module, self.schedule_config, len(self.devices), self.default_mesh)
-        timings = run_pipeline(module, self.pipeline, source=self._input_module, name=self.name)
-        return MpmdCompiled(self, module, {"trace_lower": self.trace_seconds,
-                                           "passes": time.perf_counter() - t0}, timings)
+            _annotate(module, rec.schedule_config, len(rec.devices), rec.default_mesh)
+        timings = run_pipeline(module, rec.pipeline, source=lambda: input_module(rec),
+                               name=rec.name)
+        return MpmdCompiled(rec, module, {"trace_lower": rec.trace_seconds,
+                                          "passes": time.perf_counter() - t0}, timings)
+
+
+def input_module(rec: LoweredProgram) -> ir.Module:
+    """What the pass pipeline starts from: the program plus its compile options."""
+    module = parse_module(rec.program, make_context())
+    _annotate(module, rec.schedule_config, len(rec.devices), rec.default_mesh)
+    return module
+
+
+def input_text(rec: LoweredProgram) -> str:
+    """``input_module`` printed (``MpmdLowered.as_text``, the fast path's ``as_text``)."""
+    return print_module(input_module(rec), debug_info=True)
 
 
 def _annotate(module: ir.Module, schedule_config, num_devices: int,

@@ -1,15 +1,16 @@
 """``mjit``: options checked once, a program traced per argument types, cached.
 
-The stages live beside it: ``_traced`` (``MpmdTraced``, tracing to lowering),
-``_lowered`` (``MpmdLowered``, the passes), ``_compiled`` (``MpmdCompiled``, the
-runtime); ``_pipeline_runner`` runs the passes with repros, ``_call_checks`` checks
-calls and options, ``_parallelize`` is ``parallelize``.
+The stages live beside it: ``traced`` (``MpmdTraced``, tracing to lowering),
+``lowered`` (``MpmdLowered``, the passes), ``compiled`` (``MpmdCompiled``, the
+runtime), ``stage`` (their ``LoweredProgram`` record and base); ``pipeline_runner``
+runs the passes with repros, ``call_checks`` checks calls and options. Arguments a
+wing's handler claims (NNX objects) go to it (``handlers``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _checks, _contexts, _global_mesh, _multimesh, _registrations
 from multimesh.jax._module_names import module_names
+from multimesh.jax._stages import handlers
 from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import (
     abstract_value,
@@ -37,27 +39,21 @@ from multimesh.jax._trace_notes import TraceNotes
 __all__ = ["mjit"]
 
 
-class _NnxOutput(Exception):  # noqa: N818 - a signal, caught in _MJit.trace
-    """The function returned NNX objects: trace it again the NNX way."""
+class _ClaimedOutput(Exception):  # noqa: N818 - a signal, caught in _MJit._trace
+    """The function returned objects a handler claims (NNX objects): trace it again
+    through that handler."""
+
+    def __init__(self, handler: handlers.ArgumentHandler):
+        super().__init__()
+        self.handler = handler
 
 
-def _holds_nnx(tree) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return False
-    is_node = nnx.graph.is_graph_node
-    return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Handled:
+    """A cache entry: calls with these arguments go through ``handler`` (a function
+    that returns NNX objects although it takes none: the handler compiles it)."""
 
-
-def _nnx_bridge(bound: Bound):
-    """The NNX side of ``mjit`` when ``bound``'s dynamic arguments hold NNX graph
-    objects (modules, optimizers, Variables), else None. Flax is never imported here:
-    an NNX object exists only once the program imported ``flax.nnx`` itself."""
-    if not _holds_nnx((bound.dyn_args, bound.dyn_kwargs)):
-        return None
-    from multimesh.jax.flax import _nnx
-
-    return _nnx
+    handler: handlers.ArgumentHandler
 
 
 _TRANSFORMS = {"DynamicJaxprTracer": "jax.jit (or another trace: jax.eval_shape, lax.scan, "
@@ -131,7 +127,7 @@ class _MJit(ProgramCaches):
         return tuple(global_mesh.devices.flat) if global_mesh is not None \
             else tuple(jax.devices())
 
-    def _program_mesh(self, devices) -> Mesh | None:
+    def program_mesh(self, devices) -> Mesh | None:
         """The mesh the program's devices came from (``mjit(mesh=...)``, the MultiMesh):
         the implicit default task runs on it, named as the caller named it."""
         outer = _global_mesh.active_multimesh() if self.devices is None or \
@@ -147,9 +143,17 @@ class _MJit(ProgramCaches):
         return self._trace(self.options.bind(args, kwargs))
 
     def _trace(self, bound: Bound):
-        nnx = _nnx_bridge(bound)
-        if nnx is not None:
-            return nnx.trace(self, bound)
+        handler = handlers.for_arguments((bound.dyn_args, bound.dyn_kwargs))
+        if handler is not None:
+            return handler.trace(self, bound)
+        try:
+            return self._trace_plain(bound)
+        except _ClaimedOutput as e:
+            return e.handler.trace(self, bound)
+
+    def _trace_plain(self, bound: Bound) -> MpmdTraced:
+        """The trace of arguments no handler claims; raises ``_ClaimedOutput`` when the
+        function returns objects a handler claims."""
         fun, in_sh, out_sh = self.fun, self.in_shardings, self.out_shardings
         placements: dict[int, NamedSharding] = {}
 
@@ -159,25 +163,22 @@ class _MJit(ProgramCaches):
             full, kw = bound.merge(dargs, dkw)
             with jax_constraint_hint("in an `mjit` program"):
                 out = fun(*full, **kw)
-            if _holds_nnx(out):  # new NNX objects: returned as nnx.jit returns them
-                raise _NnxOutput
+            claimed = handlers.for_arguments(out)
+            if claimed is not None:  # new NNX objects: returned as nnx.jit returns them
+                raise _ClaimedOutput(claimed)
             return out if out_sh is None else _constrain_outputs(out, out_sh, placements)
 
         wrapped.__name__ = getattr(fun, "__name__", "fun")  # name stacks read jit(<fun>)
-        try:
-            traced = self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
-                                     bound.donated_flags(), in_sh)
-            traced.out_placements = placements
-            return traced
-        except _NnxOutput:
-            from multimesh.jax.flax import _nnx
-
-            return _nnx.trace(self, bound)
+        traced = self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
+                                 bound.donated_flags(), in_sh)
+        traced.out_placements = placements
+        return traced
 
     def trace_flat(self, fun, dyn_args: tuple, kwargs: dict, donated: Sequence[bool],
                    in_shardings=None) -> MpmdTraced:
         """Trace ``fun`` of dynamic arguments only (statics already bound), under the
-        program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``."""
+        program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``
+        (``handlers.Program``: argument handlers trace through it)."""
         devices = self._devices()
         self._warn_left_blocks()
         t0 = time.perf_counter()
@@ -220,46 +221,58 @@ class _MJit(ProgramCaches):
     def __call__(self, *args, **kwargs):
         _refuse_tracers(self.fun, args, kwargs)
         bound = self.options.bind(args, kwargs)
-        nnx = _nnx_bridge(bound)
-        if nnx is not None:
-            return nnx.call(self, bound)
+        handler = handlers.for_arguments((bound.dyn_args, bound.dyn_kwargs))
+        if handler is not None:
+            return handler.call(self, bound)
         dyn, dkw = bound.dyn_args, bound.dyn_kwargs
         leaves, tree = jax.tree.flatten((dyn, dkw))
-        key = (tree, bound.static_key(),
-               tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
-                      bool(getattr(x, "weak_type", False))) for x in leaves),
-               _multimesh.compile_token(), _contexts.state.fast_path)
+        signature = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
+                                  bool(getattr(x, "weak_type", False))) for x in leaves))
         placed = _inputs.committed_key(leaves)
         if any(p is not None for p in placed):  # committed inputs are physical shardings
-            compiled = self._placed.get((key, placed))
+            key = (self._key(bound, signature), placed)
+            compiled = self._placed.get(key)
             if compiled is None:
-                base = self._cache.get(key)
+                base = self._cache.get(key[0])
                 compiled = base if base is not None and _inputs.fits(base, leaves) \
                     else self._compile(bound)
-                self._placed[(key, placed)] = compiled
+                self._placed[key] = compiled
         else:
-            compiled = self._cache.get(key)
-            if compiled is None:
-                compiled = self._cache[key] = self._compile(bound)
-        if compiled is _RETURNS_NNX:
-            from multimesh.jax.flax import _nnx
-
-            return _nnx.call(self, bound)
+            compiled = self.compiled_for(bound, signature, lambda: self._compile(bound))
+        if isinstance(compiled, _Handled):
+            return compiled.handler.call(self, bound)
         return compiled(*dyn, **dkw)
 
+    @staticmethod
+    def _key(bound: Bound, signature) -> tuple:
+        """The cache key of a program: the dynamic arguments' ``signature`` (structure
+        and types, as the caller reads them), the static arguments, and what else
+        changes the program (``compile_token``, the fast path)."""
+        return (signature, bound.static_key(), _multimesh.compile_token(),
+                _contexts.state.fast_path)
+
+    def compiled_for(self, bound: Bound, signature, build):
+        """The program for ``bound`` and ``signature`` from the cache, else ``build()``,
+        cached (``handlers.Program``: the one cache of plain and handled calls)."""
+        key = self._key(bound, signature)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = build()
+        return compiled
+
     def _compile(self, bound: Bound):
-        """The compiled program, or ``_RETURNS_NNX`` for a function that returns NNX
-        objects although it takes none (the NNX side compiles and caches it)."""
-        traced = self._trace(bound)
-        return traced.lower().compile() if isinstance(traced, MpmdTraced) else _RETURNS_NNX
+        """The compiled program, or a ``_Handled`` for a function that returns objects a
+        handler claims although it takes none (the handler compiles and caches it)."""
+        try:
+            traced = self._trace_plain(bound)
+        except _ClaimedOutput as e:
+            return _Handled(e.handler)
+        return traced.lower().compile()
 
     def clear_cache(self) -> None:
         """Forget the programs compiled for this function (``jax.jit``'s ``clear_cache``)."""
         self._cache.cache_clear()
         self._placed.cache_clear()
-
-
-_RETURNS_NNX = object()
 
 
 def _constrain_outputs(out, shardings, placements: dict):

@@ -3,6 +3,7 @@ registered-task scan, pins physical input shardings and picks the pipeline."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -17,16 +18,16 @@ from multimesh.jax._implicit_tasks import implicit_task_rules
 from multimesh.jax._stages import fast_path as _fast_path
 from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import is_key, leaf_name
-from multimesh.jax._stages.compiled import missing_attribute
-from multimesh.jax._stages.lowered import MpmdLowered
+from multimesh.jax._stages.lowered import MpmdLowered, input_text
 from multimesh.jax._stages.pipeline import program_pipeline, schedule_config_of
+from multimesh.jax._stages.stage import LoweredProgram, Stage, forward
 from multimesh.jax._task import warn_renamed_tasks
 from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["MpmdTraced"]
 
 
-class MpmdTraced:
+class MpmdTraced(Stage):
     """``mjit(f).trace(*args)``: the program as a jaxpr, before lowering.
 
     ``jaxpr`` is over the leaves of the dynamic arguments (static ones are folded in);
@@ -47,21 +48,13 @@ class MpmdTraced:
         self.trace_seconds = seconds
         self.out_placements: dict[int, NamedSharding] = {}  # physical out_shardings
 
-    @property
-    def jaxpr(self):
-        return self._traced.jaxpr
-
-    @property
-    def out_info(self):
-        return self._traced.out_info
+    jaxpr = forward("_traced", "jaxpr")
+    out_info = forward("_traced", "out_info")
+    out_avals = forward("_traced", "out_avals")
 
     @property
     def in_avals(self) -> tuple:
         return tuple(self._traced.jaxpr.in_avals)
-
-    @property
-    def out_avals(self):
-        return self._traced.out_avals
 
     @property
     def fun_name(self) -> str:
@@ -75,9 +68,6 @@ class MpmdTraced:
         "out_tree": "see `lower().out_tree`",
         "donate_argnums": "see the `mjit` function's `donate_argnums`",
     }
-
-    def __getattr__(self, name):
-        raise missing_attribute(self, name)
 
     def lower(self) -> MpmdLowered:
         owner, traced, devices, notes = self._owner, self._traced, self._devices, self._notes
@@ -102,37 +92,29 @@ class MpmdTraced:
                                     notes, devices, owner.pin_committed)
         if changed:  # the program the repro replays is the pinned one
             program = module_bytecode(module)
-        low = MpmdLowered(program, devices, in_tree, lowered.out_tree,
-                          list(range(len(dyn_flat))), donated_leaves=self._donated,
-                          in_avals=traced.jaxpr.in_avals,
-                          schedule_config=schedule_config_of(notes),
-                          pipeline=program_pipeline(len(devices), notes, implicit,
-                                                    _contexts.state.recomputation),
-                          module=module, name=getattr(owner.fun, "__name__", None))
-        _mark_keys(low, dyn_flat, traced.out_info)
-        low.out_placements = dict(self.out_placements)
-        if not owner.keep_unused:
-            low.unused_leaves = frozenset(jax_compat.unused_inputs(traced.jaxpr))
-        mesh = owner._program_mesh(devices)
-        if mesh is not None:
-            low.default_mesh = (tuple(mesh.axis_names), tuple(mesh.devices.shape))
+        mesh = owner.program_mesh(devices)
+        key_in = [is_key(x) for x in dyn_flat]  # typed PRNG keys cross as their raw data
+        key_out = [x.dtype._impl if is_key(x) else None for x in jax.tree.leaves(traced.out_info)]
+        record = LoweredProgram(
+            program, tuple(devices), in_tree, lowered.out_tree, tuple(range(len(dyn_flat))),
+            program_pipeline(len(devices), notes, implicit, _contexts.state.recomputation),
+            donated_leaves=tuple(self._donated), schedule_config=schedule_config_of(notes),
+            key_inputs=tuple(key_in) if any(key_in) else (),
+            key_outputs=tuple(key_out) if any(k is not None for k in key_out) else (),
+            in_avals=tuple(traced.jaxpr.in_avals), name=getattr(owner.fun, "__name__", None),
+            out_placements=dict(self.out_placements),
+            unused_leaves=frozenset() if owner.keep_unused else
+            frozenset(jax_compat.unused_inputs(traced.jaxpr)),
+            default_mesh=None if mesh is None else (tuple(mesh.axis_names),
+                                                    tuple(mesh.devices.shape)),
+            trace_seconds=trace_seconds,
+            host_callbacks=held)  # alive while the program may compile
         # (ordered callbacks: jax.jit runs ordered debug prints on one device only)
         if not ordered and _fast_path.eligible(module, implicit, notes, pins, len(devices)):
-            low.fast = _fast_path.FastPath(traced.jaxpr, in_tree, lowered.out_tree,
-                                           jax.tree.leaves(self._abstract), pins, devices,
-                                           self._donated, low.as_text(), low.default_mesh)
-        low.trace_seconds = trace_seconds
-        low.host_callbacks = held  # alive while the program may compile
-        log_phase(low.label, "traced and lowered", trace_seconds)
-        return low
-
-
-def _mark_keys(low: MpmdLowered, dyn_flat, out_info) -> None:
-    """Typed PRNG keys cross the runtime as their raw data: which leaves are keys."""
-    key_in = [is_key(x) for x in dyn_flat]
-    key_out = [x.dtype._impl if is_key(x) else None for x in jax.tree.leaves(out_info)]
-    low.key_inputs = tuple(key_in) if any(key_in) else ()
-    low.key_outputs = tuple(key_out) if any(k is not None for k in key_out) else ()
+            record = dataclasses.replace(record, fast=_fast_path.FastPath(
+                traced.jaxpr, jax.tree.leaves(self._abstract), pins, input_text(record)))
+        log_phase(record.label, "traced and lowered", trace_seconds)
+        return MpmdLowered(record, module)
 
 
 def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices,

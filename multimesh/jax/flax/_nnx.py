@@ -17,6 +17,7 @@ rejected with an error.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -28,12 +29,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax import _contexts, _multimesh, _task
-from multimesh.jax._module_names import module_names
+from multimesh.jax import _contexts, _task
+from multimesh.jax._stages.call_checks import is_key
+from multimesh.jax._stages.handlers import Program
 from multimesh.jax._stages.inputs import is_physical
+from multimesh.jax._stages.stage import StageWrapper
 from multimesh.jax._task import Task, TaskFunction, with_sharding_constraint
 from multimesh.jax.flax._common import is_array, is_dynamic
-from multimesh.jax.flax._nnx_names import same_names
+from multimesh.jax.flax._nnx_names import module_names, same_names
 
 __all__ = ["TaskModule", "graph_task", "StateSharding", "nnx_shard_axes", "is_nnx_module",
            "var_spec", "trace", "call"]
@@ -51,11 +54,6 @@ def is_nnx_module_class(cls) -> bool:
 
 def _is_node(x) -> bool:
     return nnx.graph.is_graph_node(x)
-
-
-def _is_key(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _is_spec(x) -> bool:
@@ -104,7 +102,7 @@ def _spec_of(s) -> P | None:
 def _aval_sig(x) -> tuple:
     """(shape, dtype, weak type) of an array leaf: what a compiled program is specialised to."""
     return (tuple(int(d) for d in np.shape(x)),
-            str(jax.numpy.result_type(x)) if not _is_key(x) else str(x.dtype),
+            str(jax.numpy.result_type(x)) if not is_key(x) else str(x.dtype),
             bool(getattr(x, "weak_type", False)))
 
 
@@ -532,7 +530,7 @@ def _decode(vals, impls):
 
 
 def _encode(vals):
-    impls = [jax.random.key_impl(v) if _is_key(v) else None for v in vals]
+    impls = [jax.random.key_impl(v) if is_key(v) else None for v in vals]
     data = [jax.random.key_data(v) if i is not None else v for v, i in zip(vals, impls)]
     return data, impls
 
@@ -563,27 +561,23 @@ def _donation(split: _Split, bound) -> tuple[list[bool], list[bool]]:
     return var_flags, [donated(a) for a in dyn_args]
 
 
-def trace(owner, bound) -> NnxTraced:
+def trace(owner: Program, bound) -> NnxTraced:
     """``mjit(f).trace(...)`` when the arguments hold NNX objects (``multimesh.jax``
     calls this): trace the pure function of their Variables, as ``nnx.jit`` does."""
     return _trace(owner, bound, _Split((bound.dyn_args, bound.dyn_kwargs),
                                        allow_abstract=True))
 
 
-def call(owner, bound):
+def call(owner: Program, bound):
     """Call ``mjit(f)`` on arguments holding NNX objects: compile once per structure
     and types, run, and write the changed Variables back into the caller's objects."""
     split = _Split((bound.dyn_args, bound.dyn_kwargs))
-    key = ("nnx", bound.static_key(), split.signature(), _multimesh.compile_token(),
-           _contexts.state.fast_path)
-    compiled = owner._cache.get(key)
-    if compiled is None:
-        compiled = _trace(owner, bound, split).lower().compile()
-        owner._cache[key] = compiled
+    compiled = owner.compiled_for(bound, ("nnx", split.signature()),
+                                  lambda: _trace(owner, bound, split).lower().compile())
     return compiled._run(split)
 
 
-def _trace(owner, bound, split: _Split) -> NnxTraced:
+def _trace(owner: Program, bound, split: _Split) -> NnxTraced:
     fun = owner.fun
     where = f"mjit({getattr(fun, '__name__', 'fun')})"
     var_specs, dyn_specs = _arg_specs(split, owner.in_shardings, where)
@@ -623,10 +617,10 @@ def _trace(owner, bound, split: _Split) -> NnxTraced:
 
     pure.__name__ = getattr(fun, "__name__", "fun")
     traced = owner.trace_flat(pure, (var_vals0, dyn0), {}, [*var_donated, *dyn_donated])
-    return NnxTraced(owner, traced, bound, split, cell)
+    return NnxTraced(traced, _NnxProgram(owner, bound, split, cell))
 
 
-def _check_logical(owner, where: str) -> None:
+def _check_logical(owner: Program, where: str) -> None:
     """For NNX objects, shardings are logical names; a ``NamedSharding`` none of whose
     names a task of the program maps (tasks are traced by now) would silently do
     nothing, so it is an error."""
@@ -665,37 +659,44 @@ def _constrain(vals: list, specs: list) -> list:
     return [v if s is None else with_sharding_constraint(v, s) for v, s in zip(vals, specs)]
 
 
-class NnxTraced:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NnxProgram:
+    """What the NNX stages share beside the MPMD stage they wrap: the ``mjit``
+    function, the arguments it was traced for, their split and what the trace found
+    (``cell``: the changed Variables, the output's split, the key implementations)."""
+
+    owner: Program
+    bound: Any
+    split: _Split
+    cell: dict
+
+
+class _NnxStage(StageWrapper):
+    """An NNX stage: the MPMD stage it wraps (``inner``) and the NNX program's state."""
+
+    def __init__(self, inner, program: _NnxProgram):
+        self.inner = inner
+        self.nnx = program
+
+
+class NnxTraced(_NnxStage):
     """``mjit(f).trace(...)`` of a function taking NNX objects: ``jaxpr`` (of the pure
-    function over the Variables' values), ``out_info``, ``lower()``."""
+    function over the Variables' values), ``out_info``, ``lower()``; the rest is the
+    ``MpmdTraced``'s (``inner``: ``in_avals``, ``out_avals``, ``fun_name``, ...)."""
 
-    def __init__(self, owner, traced, bound, split: _Split, cell: dict):
-        self._owner = owner
-        self.traced = traced
-        self._bound = bound
-        self._split = split
-        self._cell = cell
-
-    @property
-    def jaxpr(self):
-        return self.traced.jaxpr
+    traced = property(lambda self: self.inner)
 
     @property
     def out_info(self):
         """The outputs as ``jax.ShapeDtypeStruct``s (NNX objects returned: abstract)."""
-        (ov, od), _ = self.traced.out_info
-        ov_impls, od_impls, _ = self._cell["impls"]
-        return self._cell["out"].assemble(_abstract_keys(ov, ov_impls),
-                                          _abstract_keys(od, od_impls), self._split.nodes)
+        (ov, od), _ = self.inner.out_info
+        cell = self.nnx.cell
+        ov_impls, od_impls, _ = cell["impls"]
+        return cell["out"].assemble(_abstract_keys(ov, ov_impls),
+                                    _abstract_keys(od, od_impls), self.nnx.split.nodes)
 
     def lower(self) -> NnxLowered:
-        return NnxLowered(self._owner, self.traced.lower(), self._bound, self._split,
-                          self._cell)
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.traced, name)  # in_avals, out_avals, fun_name, ...
+        return NnxLowered(self.inner.lower(), self.nnx)
 
 
 def _abstract_keys(structs, impls) -> list:
@@ -779,29 +780,17 @@ class _OutSplit:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-class NnxLowered:
-    """``mjit(...).lower(...)`` of a function taking NNX objects."""
+class NnxLowered(_NnxStage):
+    """``mjit(...).lower(...)`` of a function taking NNX objects; the rest is the
+    ``MpmdLowered``'s (``inner``: ``as_text()``, ``compiler_ir()``, ``in_avals``, ...)."""
 
-    def __init__(self, owner, lowered, bound, split: _Split, cell: dict):
-        self._owner = owner
-        self.lowered = lowered
-        self._bound = bound
-        self._split = split
-        self._cell = cell
-
-    def as_text(self) -> str:
-        return self.lowered.as_text()
+    lowered = property(lambda self: self.inner)
 
     def compile(self, compiler_options=None) -> NnxCompiled:
-        return NnxCompiled(self, self.lowered.compile(compiler_options))
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.lowered, name)  # compiler_ir(), in_avals, ...
+        return NnxCompiled(self, self.inner.compile(compiler_options))
 
 
-class NnxCompiled:
+class NnxCompiled(_NnxStage):
     """A compiled MPMD program over NNX objects; call it like the original function.
 
     ``input_shardings`` mirrors ``(args, kwargs)``: each NNX object is replaced
@@ -810,19 +799,21 @@ class NnxCompiled:
     ``transfers``, ``plan()`` and ``as_text()`` are those of the MPMD program.
     """
 
+    compiled = property(lambda self: self.inner)
+
     def __init__(self, lowered: NnxLowered, compiled):
-        self._lowered = lowered
-        self.compiled = compiled
-        split = lowered._split
+        super().__init__(compiled, lowered.nnx)
+        program = self.nnx
         (var_sh, dyn_sh), _ = compiled.input_shardings
         self.variable_shardings = self._full_var_list(var_sh)
-        self.input_shardings = self._as_user_tree(split, self.variable_shardings, dyn_sh)
+        self.input_shardings = self._as_user_tree(program.split, self.variable_shardings,
+                                                  dyn_sh)
         (ov_sh, od_sh), _upd = compiled.output_shardings
-        self.output_shardings = lowered._cell["out"].treedef.unflatten(
-            _out_stand_in(lowered._cell["out"], ov_sh, od_sh))
+        self.output_shardings = program.cell["out"].treedef.unflatten(
+            _out_stand_in(program.cell["out"], ov_sh, od_sh))
 
     def _full_var_list(self, var_sh):
-        split = self._lowered._split
+        split = self.nnx.split
         it = iter(var_sh)
         return [next(it) if d else None for d in split.var_dynamic]
 
@@ -835,39 +826,34 @@ class NnxCompiled:
                   for k in split.kinds]
         return jax.tree.unflatten(split.treedef, leaves)
 
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.compiled, name)  # fragments, plan(), memory_analysis(), ...
-
     def _bind(self, args, kwargs) -> tuple[Any, _Split]:
         """The call's arguments: the dynamic ones only (as ``jax.jit``'s compiled
         functions take them; the static ones are those it was lowered for), or all."""
-        old = self._lowered._bound
+        old = self.nnx.bound
         if len(args) == len(old.dyn_args) and set(kwargs) == set(old.dyn_kwargs):
             full, kw = old.merge(args, kwargs)
             args, kwargs = tuple(full), kw
-        bound = self._lowered._owner.options.bind(args, kwargs)
+        bound = self.nnx.owner.options.bind(args, kwargs)
         return bound, _Split((bound.dyn_args, bound.dyn_kwargs))
 
     def __call__(self, *args, **kwargs):
         bound, split = self._bind(args, kwargs)
-        old = self._lowered._bound
+        old = self.nnx.bound
         if bound.static_key() != old.static_key():
             raise MultimeshValueError(
                 f"Compiled function called with static arguments "
                 f"{_static_values(bound)}, but it was compiled for {_static_values(old)}. "
                 f"Lower it again, or call the `mjit` function directly.")
-        if split.signature() != self._lowered._split.signature():
+        if split.signature() != self.nnx.split.signature():
             raise MultimeshValueError(
-                _describe_mismatch(self._lowered._split, split, bound.dyn_positions))
+                _describe_mismatch(self.nnx.split, split, bound.dyn_positions))
         return self._run(split)
 
     def _run(self, split: _Split):
-        cell = self._lowered._cell
+        cell = self.nnx.cell
         var_vals, _ = _encode(split.dynamic_values())
         dyn, _ = _encode(split.dyn)
-        (out_vars, out_dyn), upd = self.compiled(var_vals, dyn)
+        (out_vars, out_dyn), upd = self.inner(var_vals, dyn)
         ov_impls, od_impls, upd_impls = cell["impls"]
         split.write_back(cell["changed"], _decode(upd, upd_impls))
         return cell["out"].assemble(_decode(out_vars, ov_impls), _decode(out_dyn, od_impls),
