@@ -178,7 +178,7 @@ def build_plan(module: ir.Module | str | bytes) -> Plan:
     if isinstance(module, (str, bytes)):
         module = parse_module(module, make_context())
     with module.context:
-        return _Builder(module).build()
+        return _PlanBuilder(module).build()
 
 
 class _LayoutReader:
@@ -209,7 +209,9 @@ class _LayoutReader:
         return devices, names, sizes, _sharding_dims(sharding_attr)
 
 
-class _Builder:
+class _PlanBuilder:
+    """Builds the ``Plan`` of an MPMD-form module: its fragments, calls and transfers."""
+
     def __init__(self, module: ir.Module):
         self.module = module
         self.subs: dict[str, ir.Operation] = {}

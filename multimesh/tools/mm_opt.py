@@ -107,7 +107,7 @@ class Chunk:
 # ----------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
+class _CommandLineParser(argparse.ArgumentParser):
     """argparse, with the registered ``mm-*`` passes appended to ``--help`` and a
     suggestion for a misspelt flag."""
 
@@ -149,7 +149,7 @@ _SWITCHES = (
 
 
 def _make_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = _CommandLineParser(
         prog=PROG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
