@@ -189,19 +189,19 @@ def test_defer_transfers_moves_only_past_calls_that_leave_the_source_alone():
 
     frags = {n: frag(n, d) for n, d in (("a", 0), ("b", 0), ("c", 1), ("d", 1))}
     to1 = ((1,), ("x",), (1,), ((),))
-    make = Call("a", [0], [1], microbatch=0)
+    make = Call("a", args=[0], results=[1], microbatch=0)
     move = Transfer(1, 2, to1)
-    other = Call("c", [5], [6], microbatch=1)  # the receiver's last call before the reader
-    read = Call("d", [2], [3], microbatch=0)
+    other = Call("c", args=[5], results=[6], microbatch=1)  # the receiver's last call before the reader
+    read = Call("d", args=[2], results=[3], microbatch=0)
     steps = [make, move, other, read]
     assert defer_transfers(steps, frags) == [make, other, move, read]
     # a call reading the source in between (it may donate it): the transfer stays
-    keep = Call("b", [1], [4], microbatch=0)
+    keep = Call("b", args=[1], results=[4], microbatch=0)
     steps = [make, move, keep, other, read]
     assert defer_transfers(steps, frags) == steps
     # read first by another transfer: it stays
     hop = Transfer(2, 7, ((0,), ("x",), (1,), ((),)))
-    steps = [make, move, other, hop, Call("a", [7], [8], microbatch=0)]
+    steps = [make, move, other, hop, Call("a", args=[7], results=[8], microbatch=0)]
     assert defer_transfers(steps, frags) == steps
 
 

@@ -612,3 +612,21 @@ def test_schedule_names_have_one_source():
         assert name in option, name
         assert name in (ScheduleFragmentsPass.__doc__ or "") or name == "custom", name
         assert f'"{name}"' in page, name
+
+
+def test_schedules_and_the_runtime_share_one_call_record():
+    """Issue 32: one fragment call is one record (``multimesh._src.calls.Call``): the
+    schedule library links calls by position, the runtime plan by value id, and the
+    front end turns a plan's call into a schedule's with ``dataclasses.replace``."""
+    import dataclasses
+
+    from multimesh._src.calls import Call as Record
+    from multimesh.passes import schedule_fragments
+    from multimesh.runtime import plan
+
+    assert Call is Record and plan.Call is Record and schedule_fragments.Call is Record
+    assert not hasattr(schedule_fragments, "LoopCall")
+    step = Record("f", devices=None, microbatch=1, args=[0], results=[1])
+    unit = dataclasses.replace(step, task="t", devices=(0,), deps=(), args=(), results=())
+    [u], meshes = units_from_calls([unit])
+    assert (u.fragment, u.task, u.kind, u.microbatch, meshes) == ("f", "t", "fwd", 1, [(0,)])

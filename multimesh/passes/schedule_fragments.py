@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
@@ -23,7 +23,7 @@ from . import _contract as c
 from .base import ModulePass
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
-           "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]
+           "read_loop", "loop_calls", "read_schedule", "find_loop"]
 
 SCHEDULE_ATTR = c.SCHEDULE_ATTR
 CONFIG_ATTR = c.SCHEDULE_CONFIG_ATTR
@@ -235,25 +235,12 @@ def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
 
 
 @dataclass(frozen=True)
-class LoopCall:
-    """One fragment call of the loop body, as the schedule sees it."""
-
-    fragment: str
-    task: str
-    transpose_count: int
-    devices: tuple[int, ...]
-    split: str | None
-    deps: tuple[int, ...]  # body calls of the same microbatch it reads
-    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (not its own sums)
-    forward: str | None = None  # the forward task of a backward named apart from it
-
-
-@dataclass(frozen=True)
 class LoopInfo:
     op: ir.Operation
     body: ir.Operation
     num_microbatches: int
-    calls: tuple[LoopCall, ...]
+    calls: tuple[Call, ...]
+    """The body's calls, microbatch None, linked by ``deps`` and ``carried``."""
 
 
 def find_loop(module: ir.Module) -> ir.Operation | None:
@@ -313,10 +300,9 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                 if carry is not None:
                     carried.add(carry)
         info = tasks.get(task[0])
-        out.append(LoopCall(name, task[0], task[1],
-                            c.fragment_info(holder).devices,
-                            split, tuple(sorted(deps)), tuple(sorted(carried)),
-                            info.forward if info is not None else None))
+        out.append(Call(name, task[0], task[1], c.fragment_info(holder).devices, split=split,
+                        deps=tuple(sorted(deps)), carried=tuple(sorted(carried)),
+                        forward=info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
 
 
@@ -395,8 +381,7 @@ def loop_calls(info: LoopInfo) -> list[Call]:
             deps = [m * S + d for d in cl.deps]
             if m > 0:
                 deps += [(m - 1) * S + d for d in cl.carried]
-            out.append(Call(cl.fragment, cl.task, cl.transpose_count, cl.devices, m, cl.split,
-                            tuple(deps), cl.forward))
+            out.append(replace(cl, microbatch=m, deps=tuple(deps), carried=()))
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from multimesh._src.calls import Call
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import (
     DEVICES_ATTR,
@@ -67,16 +68,6 @@ class Transfer:
     src: int
     dst: int
     layout: Layout
-
-
-@dataclass
-class Call:
-    fragment: str
-    args: list[int]
-    results: list[int]
-    devices: tuple[int, ...] | None = None
-    """Where this call runs when not on the fragment's own devices (a moving task)."""
-    microbatch: int | None = None
 
 
 @dataclass
@@ -322,7 +313,8 @@ class _PlanBuilder:
                 if frag.loop_devices is not None:
                     self.moving.add(rid)
                 results.append(rid)
-            self.steps.append(Call(name, args, results, devices, microbatch))
+            self.steps.append(Call(name, devices=devices, microbatch=microbatch, args=args,
+                                   results=results))
         else:
             raise MultimeshValueError(
                 f"Expected only fragment calls, transfers and a microbatch loop in the "
