@@ -198,13 +198,16 @@ def test_the_old_import_path_re_exports_the_library():
 
 
 def test_the_library_is_installed():
-    """pyproject.toml lists the library's packages (every package folder under multimesh/),
+    """pyproject.toml finds the library's packages (every package folder under multimesh/),
     so an installed multimesh has them, not only a source checkout."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
-                 ["tool"]["setuptools"]["packages"])
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    found = set(find_packages(str(ROOT), include=find["include"]))
     folders = {".".join(p.parent.relative_to(ROOT).parts)
                for p in (ROOT / "multimesh").rglob("__init__.py")}
     assert {"multimesh.schedules", "multimesh.schedules.algorithms"} <= folders
-    assert folders <= listed
+    assert folders <= found
