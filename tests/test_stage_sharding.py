@@ -465,3 +465,23 @@ def test_nnx_parallelize_step_under_a_global_mesh():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
         assert {d.id for d in got.devices()} == set(range(4 * k, 4 * k + 4))
         assert _spec(got.sharding, 2) == spec
+
+
+def test_one_sharding_prefix_broadcast_for_constraints_and_in_shardings():
+    """Issue 32: ``with_sharding_constraint``'s ``axis_resources`` and ``mjit``'s
+    ``in_shardings`` spread a prefix over the leaves with one helper."""
+    from multimesh.jax._stages.inputs import leaf_in_shardings
+    from multimesh.jax._task import broadcast_prefix
+
+    tree = {"a": (1, 2), "b": 3, "c": None}
+    spec_a, spec_b = P("x"), P(None, "y")
+    assert broadcast_prefix(spec_a, tree) == [spec_a] * 3
+    assert broadcast_prefix({"a": spec_a, "b": spec_b, "c": None}, tree) == [spec_a, spec_a,
+                                                                           spec_b]
+    with pytest.raises(ValueError):
+        broadcast_prefix({"a": spec_a}, tree)
+    args = (tree, 4)
+    assert leaf_in_shardings(({"a": spec_a, "b": None, "c": None}, spec_b), args, (), 2) == \
+        [spec_a, spec_a, None, spec_b, None, None]
+    assert leaf_in_shardings((spec_a,), args, (), 0) == []  # not one entry per argument
+    assert leaf_in_shardings(({"a": spec_a}, None), args, (), 0) == []  # not a prefix
