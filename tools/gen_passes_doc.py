@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from multimesh.passes import get_all_passes, pass_module_name  # noqa: E402
-from multimesh.passes.base import option_fields  # noqa: E402
+from multimesh.passes.base import option_doc, option_fields  # noqa: E402
 
 DOC = ROOT / "docs" / "passes.md"
 HEADER = """\
@@ -79,7 +79,8 @@ def render_pass(argument: str, cls) -> str:
     fields = option_fields(cls)
     if fields:
         hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
+        docs = {**field_docs(cls),
+                **{f.name: doc for f in fields if (doc := option_doc(f)) is not None}}
         lines += ["| Option | Type | Default | Description |", "|---|---|---|---|"]
         for f in fields:
             name = f.name.replace("_", "-")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
@@ -15,12 +15,14 @@ from multimesh.schedules import (
     ScheduleError,
     build_schedule,
     canonical_schedule_name,
+    describe_schedules,
     get_schedule,
+    schedule_names,
     units_from_calls,
 )
 
 from . import _contract as c
-from .base import ModulePass
+from .base import ModulePass, generated_doc
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
            "read_loop", "loop_calls", "read_schedule", "find_loop"]
@@ -41,6 +43,12 @@ SPLIT_ATTR = c.SPLIT_ATTR
 _SPLITS = ("activation", "weight")
 
 
+def _schedule_doc() -> str:
+    """The ``schedule`` option's description, from the schedule registry."""
+    return (f"{schedule_names()} (or an alias); default: the module's "
+            f"mm.schedule_config, else gpipe.\n{describe_schedules()}")
+
+
 @dataclass(frozen=True)
 class ScheduleFragmentsPass(ModulePass):
     """Decide the order of every (fragment call, microbatch) of the microbatch loop.
@@ -59,26 +67,10 @@ class ScheduleFragmentsPass(ModulePass):
     come from the forward calls: a run of consecutive forward tasks on one submesh
     is one stage, so several stages on one submesh mean interleaving.
 
-    Schedules: ``gpipe`` (fill-drain; aliases ``fill-drain``, ``breadth-first``;
-    ``unrolling=k`` runs the microbatches in groups of ``k``), ``1f1b``
-    (PipeDream-flush, aliases ``wavefront``, ``pipedream-flush``,
-    ``prefetch-wavefront``; Megatron's interleaved 1F1B when submeshes run several
-    stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
-    order with every weight-gradient half moved into idle slots, under 1F1B's peak
-    memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory), seven with a stage-placement rule (docs/schedules.md):
-    ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
-    last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
-    (round-robin stages; every forward, then the backwards in group order or in the
-    mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
-    two microbatch streams, split backwards, at least 2P microbatches),
-    ``zero-bubble-v`` (V-shape stages, the ZB-V schedule of Qi et al.: split backwards,
-    no bubble inside a submesh's span from 2P - 1 microbatches on), ``kimi-k2``
-    (round-robin stages, JaxPP's KimiK2: interleaved 1F1B with one more warm-up
-    forward), and ``custom`` (rows from ``custom-schedule-file``, a
-    JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
-    row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
-    ``[microbatch, name]``, each name once per microbatch).
+    Schedules: every schedule of the registry (``multimesh.schedules``), listed with
+    the ``schedule`` option below; ``custom`` takes its rows from
+    ``custom-schedule-file`` (a JSON list of rows) or from ``custom_schedule`` in
+    ``mm.schedule_config``.
 
     The result is recorded on the loop op as ``mm.schedule = {name = "1f1b", order =
     array<i64: k0, m0, k1, m1, ...>}``: the global dispatch order as (body call,
@@ -99,8 +91,8 @@ class ScheduleFragmentsPass(ModulePass):
     summary = "Order a microbatch loop's fragment calls by a pipeline schedule (GPipe, 1F1B, ...)."
     consumes = ("mpmd",)
 
-    schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    schedule: str | None = field(default=None, metadata=generated_doc(_schedule_doc))
+    """A registered schedule (its description comes from the registry, ``_schedule_doc``)."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None

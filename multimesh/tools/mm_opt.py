@@ -239,7 +239,7 @@ def _list_passes(out) -> None:
     """Each pass, its summary and its options as ``name=<type> (default: value)``."""
     import typing
 
-    from multimesh.passes.base import option_fields
+    from multimesh.passes.base import option_doc, option_fields
 
     for arg, cls, summary in _load_passes():
         out.write(f"  {arg}\n    {summary}\n")
@@ -252,6 +252,9 @@ def _list_passes(out) -> None:
                 else None)
             out.write(f"      {f.name.replace('_', '-')}=<{_type_name(hints[f.name])}> "
                       f"(default: {default!r})\n")
+            doc = option_doc(f)  # made from a registry (the schedules)
+            if doc:
+                out.write("".join(f"        {line}\n" for line in doc.splitlines()))
 
 
 def _type_name(tp) -> str:

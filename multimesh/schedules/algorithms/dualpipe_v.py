@@ -12,6 +12,9 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class DualPipeV(PlacedSchedule):
+    """DeepSeek's DualPipeV: V-shape stages, two microbatch streams, split backwards, at
+    least 2P microbatches."""
+
     name = "dualpipe-v"
     without_split = "DualPipeV's order with every weight gradient in its backward"
     aliases = ("DualPipeV",)

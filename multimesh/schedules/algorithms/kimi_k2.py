@@ -31,6 +31,9 @@ def round_size(P: int, M: int) -> int | None:
 
 @register_schedule
 class KimiK2(PlacedSchedule):
+    """JaxPP's KimiK2: round-robin stages, interleaved 1F1B with one more warm-up
+    forward."""
+
     name = "kimi-k2"
     aliases = ("KimiK2",)
     placement = "round-robin"
