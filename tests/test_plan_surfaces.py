@@ -78,7 +78,7 @@ def test_plan_reduction_sum_accumulates():
     parts = [_loss(ws, x[4 * m:4 * m + 4]) for m in range(2)]
     np.testing.assert_allclose(loss, parts[0] + parts[1], rtol=1e-5)
     assert mm.PipelinePlan.from_json(plan.to_json()).reduction == "sum"
-    with pytest.raises(MultimeshValueError, match=r"reduction='avg' is not a reduction"):
+    with pytest.raises(MultimeshValueError, match=r"reduction must be one of 'sum', 'mean', got 'avg'"):
         mm.plan_pipeline(_loss, ws, x, reduction="avg")
 
 
