@@ -89,9 +89,19 @@ class ScheduleAlgorithm:
                               split_backward=self.splits_backward)
 
     def check(self, prog: Program) -> None:
-        """Raise :class:`ScheduleError` when ``prog`` does not suit this schedule."""
+        """Raise :class:`ScheduleError` when ``prog`` does not suit this schedule: its
+        placement rule, then :meth:`unfit`."""
         if self.placement is not None:
             check_rule(prog, self.name, self.placement)
+        why = self.unfit(prog)
+        if why:
+            raise ScheduleError(why)
+
+    def unfit(self, prog: Program) -> str | None:
+        """Why ``prog`` (its submeshes ``P``, microbatches ``M``) does not suit this
+        schedule beyond its placement, as the error says it; None when it does."""
+        del prog
+        return None
 
     def slot_plans(self, prog: Program, num_stages: int | None,
                    unrolling: int | None) -> list[list[Slot]]:
