@@ -46,6 +46,16 @@ def close(a, b):
 
 def emit(tag, obj):
     print(f"@@{tag} " + json.dumps(obj), flush=True)
+
+@jax.custom_jvp
+def host_sin(x):  # sin on the host, with its derivative on the host too
+    return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+@host_sin.defjvp
+def _(primals, tangents):
+    (x,), (t,) = primals, tangents
+    cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return host_sin(x), cos * t
 """
 
 
@@ -199,16 +209,6 @@ def test_callbacks_under_grad():
     lines, got = _run_child("""
     PRINT = True
     log = []
-
-    @jax.custom_jvp
-    def host_sin(x):
-        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    @host_sin.defjvp
-    def _(primals, tangents):
-        (x,), (t,) = primals, tangents
-        cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-        return host_sin(x), cos * t
 
     def s0(w, x):
         y = host_sin(x @ w)
@@ -471,16 +471,6 @@ def test_callbacks_in_a_microbatched_body_under_grad():
     lines, got = _run_child("""
     log = []
     M, SIZE = 4, 2
-
-    @jax.custom_jvp
-    def host_sin(x):
-        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    @host_sin.defjvp
-    def _(primals, tangents):
-        (x,), (t,) = primals, tangents
-        cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-        return host_sin(x), cos * t
 
     def s0(w, x):
         y = host_sin(x @ w)

@@ -12,6 +12,7 @@ import pytest
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshError
 from multimesh.jax import _contexts, _global_mesh, _multimesh, _registrations
+from tests.models import recomputable_program
 
 
 @pytest.fixture(autouse=True)
@@ -118,16 +119,7 @@ def test_a_program_first_called_under_ignore_transforms_is_not_reused():
 
 
 def test_turning_on_recomputation_after_a_first_call_recompiles():
-    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="r0", mesh=_mesh(0))
-    s1 = mm.task(lambda w, y, m, x: jnp.tanh((y * m + x) @ w), name="r1", mesh=_mesh(1))
-
-    def f(w0, w1, x):
-        m = jnp.tanh(x) * 2.0 + 1.0  # cheap and rooted at a program input
-        return s1(w1, s0(w0, m), m, x)
-
-    w, x = jnp.eye(16) * 0.5, jnp.linspace(0, 1, 128).reshape(8, 16)
-    with mm.ignore_transforms():
-        want = f(w, w, x)
+    f, w, x, want = recomputable_program()
     step = mm.mjit(f)
     transfers = []
     for on in (False, True, False):
