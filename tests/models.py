@@ -1,9 +1,10 @@
-"""The anchor's E1/E2 programs (``spmd-autosharding``, ``mpmd-autosharding``), shared by
-the tests that run them. ``examples/demo.py`` keeps its own copy so that it reads on its
+"""The anchor's E1/E2 programs (``spmd-autosharding``, ``mpmd-autosharding``) and small
+programs several test files run, shared by the tests that run them. ``examples/demo.py`` keeps its own copy so that it reads on its
 own, and tests/test_anchor_tutorials.py keeps the anchor's text verbatim (parity)."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -75,3 +76,52 @@ def tanh_chain(stages: int, meshes: int | None = None):
 
     ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(stages)]
     return loss, ws, per
+
+
+def recomputable_program():
+    """Two tasks on submeshes 0-3 and 4-7 where the second reads a cheap value rooted at
+    a program input (``enable_recomputation`` recomputes it rather than moving it).
+    Returns ``(f, w, x, plain jax's f(w, w, x))``."""
+    def mesh(k):
+        return mm.TaskMesh(devices=range(4 * k, 4 * k + 4), axis_names=("x",), axis_sizes=(4,))
+
+    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="r0", mesh=mesh(0))
+    s1 = mm.task(lambda w, y, m, x: jnp.tanh((y * m + x) @ w), name="r1", mesh=mesh(1))
+
+    def f(w0, w1, x):
+        m = jnp.tanh(x) * 2.0 + 1.0  # cheap and rooted at a program input
+        return s1(w1, s0(w0, m), m, x)
+
+    w, x = jnp.eye(16) * 0.5, jnp.linspace(0, 1, 128).reshape(8, 16)
+    with mm.ignore_transforms():
+        want = f(w, w, x)
+    return f, w, x, want
+
+
+def layer_stack(w, x):
+    """``w[0]``, ``w[1]``, ...: one tanh-matmul layer each (a stage of several layers)."""
+    for i in range(w.shape[0]):
+        x = jnp.tanh(x @ w[i])
+    return x
+
+
+def mean_square_loss(stages):
+    """The loss of ``stages`` (functions of ``(w, x)``) run in order on ``ws[k]``."""
+    def loss(ws, x):
+        for k, stage in enumerate(stages):
+            x = stage(ws[k], x)
+        return (x ** 2).mean()
+    return loss
+
+
+class DenseBlocks(nn.Module):
+    """``layers`` tanh(Dense(16)) blocks named ``block_0``, ``block_1``, ... (the names
+    registered tasks match), then the mean square: a linen model to pipeline."""
+
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
+        return (x ** 2).mean()
