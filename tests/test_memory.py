@@ -18,24 +18,11 @@ import pytest
 import multimesh.jax as mm
 from multimesh.runtime.plan import Call, Transfer
 from multimesh.schedules import build_schedule, format_gantt, pipeline_units
+from tests.models import layer_stack, mean_square_loss
 
 S, L, D, M, B = 4, 2, 16, 8, 4  # submeshes, layers per stage, width, microbatches, rows each
 X = jnp.linspace(-1, 1, B * M * D).reshape(B * M, D)
 WS = [jnp.linspace(-0.3, 0.3, L * D * D).reshape(L, D, D) * (1 + k / 8) for k in range(2 * S)]
-
-
-def _layers(w, x):
-    for i in range(L):
-        x = jnp.tanh(x @ w[i])
-    return x
-
-
-def _loss_of(stages):
-    def loss(ws, x):
-        for k, stage in enumerate(stages):
-            x = stage(ws[k], x)
-        return (x ** 2).mean()
-    return loss
 
 
 V_SHAPED = ("dualpipe-v", "zero-bubble-v")
@@ -57,15 +44,15 @@ def _home(schedule, k) -> int:
 
 def _compile(schedule, remat):
     n = _stages(schedule)
-    stages = [mm.task(_layers, f"s{k}", mesh=mm.TaskMesh(
+    stages = [mm.task(layer_stack, f"s{k}", mesh=mm.TaskMesh(
         devices=range(2 * _home(schedule, k), 2 * _home(schedule, k) + 2))) for k in range(n)]
-    step = mm.microbatch(jax.value_and_grad(_loss_of(stages)), dim=0, size=B, argnum=1,
+    step = mm.microbatch(jax.value_and_grad(mean_square_loss(stages)), dim=0, size=B, argnum=1,
                          schedule=schedule, remat=remat)
     return mm.mjit(step).lower(WS[:n], X).compile()
 
 
 def _reference(n):
-    loss = _loss_of([_layers] * n)
+    loss = mean_square_loss([layer_stack] * n)
     parts = [jax.value_and_grad(loss)(WS[:n], X[B * m:B * m + B]) for m in range(M)]
     return sum(p[0] for p in parts), jax.tree.map(lambda *g: sum(g), *[p[1] for p in parts])
 

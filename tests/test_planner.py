@@ -695,6 +695,25 @@ def test_measured_costs_plan_records_its_source_and_runs():
         mm.plan_pipeline(_scoped, params, x, costs="flops")
 
 
+def _run_planned_scoped(plan, params, x, schedule: str, head: list[int]):
+    """Compile ``_scoped`` under ``plan``, run it, and check values and gradients against
+    plain jax and each stage's gradients on the stage's devices (the head's on ``head``)."""
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
+            params, x).compile()
+    assert compiled.schedule.name == schedule
+    value, grads = compiled(params, x)
+    ref_value, ref_grads = _planned(plan, _scoped, params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
+        assert sorted(d.id for d in a.devices()) == list(stage.devices)
+    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
+    assert sorted(d.id for d in grads["head"].devices()) == head
+    return compiled
+
+
 def test_interleaved_plan_places_stages_round_robin_and_runs():
     from multimesh.jax._planner._search import search
     from multimesh.schedules.costs import simulate_stages
@@ -718,19 +737,7 @@ def test_interleaved_plan_places_stages_round_robin_and_runs():
     assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)] * 2
     assert "interleave=2, reduction='mean')" in plan.as_code()
     assert mm.PipelinePlan.from_json(plan.to_json()) == plan
-    with plan:
-        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
-            params, x).compile()
-    assert compiled.schedule.name == "interleaved-1f1b"
-    value, grads = compiled(params, x)
-    ref_value, ref_grads = _planned(plan, _scoped, params, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
-        assert sorted(d.id for d in a.devices()) == list(stage.devices)
-    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
-    assert sorted(d.id for d in grads["head"].devices()) == [4, 5, 6, 7]
+    compiled = _run_planned_scoped(plan, params, x, "interleaved-1f1b", head=[4, 5, 6, 7])
     # compare: one row per submesh, predicting the sum of its stages
     compiled.profile(params, x)
     rows = plan.compare(compiled).rows
@@ -748,16 +755,4 @@ def test_v_shape_plan_goes_down_the_submeshes_and_back_and_runs():
     assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7),
                                                   (4, 5, 6, 7), (0, 1, 2, 3)]
     assert plan.as_code().endswith("schedule='dualpipe-v', reduction='mean')\n")  # no interleave=
-    with plan:
-        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
-            params, x).compile()
-    assert compiled.schedule.name == "dualpipe-v"
-    value, grads = compiled(params, x)
-    ref_value, ref_grads = _planned(plan, _scoped, params, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
-        assert sorted(d.id for d in a.devices()) == list(stage.devices)
-    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
-    assert sorted(d.id for d in grads["head"].devices()) == [0, 1, 2, 3]
+    _run_planned_scoped(plan, params, x, "dualpipe-v", head=[0, 1, 2, 3])
