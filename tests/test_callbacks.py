@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 import multimesh.jax as mm
+from tests.tools import run_child
 
 _PRELUDE = """
 import json
@@ -62,15 +63,9 @@ def _(primals, tangents):
 def _run_child(body: str) -> tuple[list[str], dict]:
     """Run ``body`` after the prelude in a fresh interpreter; returns its other stdout
     lines (what callbacks printed) and what it emitted, by tag."""
-    code = _PRELUDE + textwrap.dedent(body) + '\nprint("CHILD-OK", flush=True)\n'
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert p.returncode == 0 and "CHILD-OK" in p.stdout, (
-        f"child exited with {p.returncode} (139 or -11: segfault)\n"
-        f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
+    stdout = run_child(_PRELUDE + textwrap.dedent(body))
     lines, emitted = [], {}
-    for line in p.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("@@"):
             tag, _, obj = line[2:].partition(" ")
             emitted[tag] = json.loads(obj)

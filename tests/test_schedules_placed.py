@@ -10,7 +10,6 @@ dispatch in the schedule's order.
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +27,7 @@ from multimesh.passes.schedules import (
     theoretical_peak_live,
     v_shape_units,
 )
+from tests.models import DenseBlocks
 
 PLACED = list(PLACEMENTS)
 
@@ -360,16 +360,6 @@ def test_explicit_tasks(name, P, M):
     _check_dispatch(compiled, name, P, M, V)
 
 
-class Net(nn.Module):
-    layers: int
-
-    @nn.compact
-    def __call__(self, x):
-        for i in range(self.layers):
-            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
-        return (x ** 2).mean()
-
-
 @pytest.mark.parametrize("name,P,M", CASES)
 def test_registered_flax_blocks(name, P, M):
     V = _interleave(name)
@@ -383,7 +373,7 @@ def test_registered_flax_blocks(name, P, M):
         return mm.Task(name=f"{block}_{'bwd' if backprop else 'fwd'}",
                        mesh=mm.TaskMesh(devices=range(per * s, per * s + per)))
 
-    model = Net(layers=P * V)
+    model = DenseBlocks(layers=P * V)
     x = jnp.linspace(-1, 1, 8 * M * 16).reshape(8 * M, 16)
     params = model.init(jax.random.key(0), x[:8])
     parts = [jax.value_and_grad(model.apply)(params, x[8 * m:8 * m + 8]) for m in range(M)]
