@@ -11,12 +11,14 @@ first paragraph, the same words ``mm-opt --list-passes`` and ``microbatch``'s do
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from doc_check import generate  # noqa: E402
 
 from multimesh.schedules import all_schedules  # noqa: E402
 
@@ -53,20 +55,7 @@ def render(current: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the table is stale")
-    args = ap.parse_args(argv)
-    current = DOC.read_text(encoding="utf-8")
-    text = render(current)
-    if args.check:
-        if current != text:
-            print(f"{DOC.relative_to(ROOT)} is stale: run `python tools/gen_schedules_doc.py`",
-                  file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC.relative_to(ROOT)}")
-    return 0
+    return generate(argv, __doc__.splitlines()[0], DOC, render)
 
 
 if __name__ == "__main__":
