@@ -125,14 +125,19 @@ def test_peer_spellings(alias, name):
     assert s.name == name and rows(s) == rows(build_schedule(units, name))
 
 
+def _v_rows(s) -> list[str]:
+    """Each submesh's order of a V-shape schedule on two submeshes, its units labelled
+    ``a`` (the stage on the way down) or ``b`` (on the way back up)."""
+    return [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
+            for r, row in zip(s.labels(), s.rows(), strict=True)]
+
+
 def test_dualpipe_v_follows_the_published_steps():
     # deepseek-ai/DualPipe dualpipev.py, P = 2 and M = 4, written out by hand from its
     # eight steps: a = the submesh's stage on the way down, b = on the way back up; a
     # backward either runs its weight part at once (B W) or defers it to a later W
     s = build_schedule(v_shape_units(2, 4), "dualpipe-v")
-    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
-           for r, row in zip(s.labels(), s.rows(), strict=True)]
-    assert got == [
+    assert _v_rows(s) == [
         "F0a F1a F2a F0b B0b W0b F1b F3a B1b W1b F2b B0a W0a B2b W2b F3b B1a W1a B3b W3b "
         "B2a W2a B3a W3a",
         "F0a F0b F1a F1b F2a B0b W0b F2b B0a W0a F3a B1b W1b F3b B1a W1a B2b W2b B2a W2a "
@@ -154,9 +159,7 @@ def test_zero_bubble_v_follows_the_reference_pattern():
     # triples F B W up, the steady F B W down F B W up, then r pairs B-down B-up, P - r
     # pairs B-down W-down, the weight halves left (up, then down)
     s = build_schedule(v_shape_units(2, 4), "zero-bubble-v")
-    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
-           for r, row in zip(s.labels(), s.rows(), strict=True)]
-    assert got == [
+    assert _v_rows(s) == [
         "F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b "
         "B2a W2a B3a W3a",
         "F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b "
