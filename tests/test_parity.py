@@ -54,6 +54,16 @@ def reference(loss, *args):
         return jax.value_and_grad(loss)(*args)
 
 
+def check_two_halves(value, grads, loss, ws, x):
+    """Value and gradients equal plain jax's; the first weight's gradient on devices 0-3,
+    the second's on 4-7."""
+    ref_value, ref_grads = reference(loss, ws, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r, want in zip(grads, ref_grads, ([0, 1, 2, 3], [4, 5, 6, 7])):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+        assert ids(g) == want
+
+
 # --------------------------------------------------------------------------- 1
 
 
@@ -99,11 +109,7 @@ def test_an_explicit_name_on_two_submeshes_warns_and_runs_as_two_tasks():
                                               r"submeshes .*'blk.1' on device positions "
                                               r"\[4, 5, 6, 7\]"):
         value, grads = mm.mjit(jax.value_and_grad(loss))(ws, x)
-    ref_value, ref_grads = reference(loss, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for g, r, want in zip(grads, ref_grads, ([0, 1, 2, 3], [4, 5, 6, 7])):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-        assert ids(g) == want
+    check_two_halves(value, grads, loss, ws, x)
 
 
 def test_one_name_on_one_submesh_stays_one_task():
@@ -245,11 +251,7 @@ def test_mesh_slice_cuts_jax_current_mesh(how):
         warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:` (jax 0.10)
         with jax.set_mesh(gm) if how == "set_mesh" else gm:
             value, grads = mm.mjit(jax.value_and_grad(_layered))(ws, x)
-    ref_value, ref_grads = reference(_layered, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for g, r, want in zip(grads, ref_grads, ([0, 1, 2, 3], [4, 5, 6, 7])):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-        assert ids(g) == want
+    check_two_halves(value, grads, _layered, ws, x)
 
 
 # --------------------------------------------------------------------------- 6
