@@ -68,6 +68,20 @@ def _global_mesh():
     return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=AUTO3)
 
 
+@contextlib.contextmanager
+def _nnx_layers_as_stages():
+    """Layers ``l0``/``l1`` registered as the global mesh's stages 0/1, under that mesh;
+    the registrations are cleared after."""
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with jax.set_mesh(_global_mesh()):
+            yield
+    finally:
+        mm.clear_tasks()
+
+
 def _stage_mesh(first: int) -> jax.sharding.Mesh:
     devs = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
     return jax.sharding.Mesh(devs, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -331,17 +345,11 @@ def test_nnx_partition_metadata_shards_each_stage():
         return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
 
     x = jax.random.normal(jax.random.key(7), (16, 16))
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            model = _sharded_nnx_mlp(returns_loss=False)
-            assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
-            loss, grads = mjit(step)(model, x)
-            want_loss, want_grads = nnx.jit(step)(model, x)
-    finally:
-        mm.clear_tasks()
+    with _nnx_layers_as_stages():
+        model = _sharded_nnx_mlp(returns_loss=False)
+        assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
+        loss, grads = mjit(step)(model, x)
+        want_loss, want_grads = nnx.jit(step)(model, x)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     for k, spec in ((0, (None, ("model",))), (1, (("model",), None))):
         got = grads[f"l{k}"]["kernel"].get_value()
@@ -450,18 +458,12 @@ def test_nnx_parallelize_step_under_a_global_mesh():
         return loss
 
     x = jax.random.normal(jax.random.key(1), (16, 16))
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            model = _sharded_nnx_mlp(returns_loss=True)
-            ref = nnx.clone(model)
-            step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
-            loss, state = step(state, x)
-            ref_loss = plain_step(ref, nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param), x)
-    finally:
-        mm.clear_tasks()
+    with _nnx_layers_as_stages():
+        model = _sharded_nnx_mlp(returns_loss=True)
+        ref = nnx.clone(model)
+        step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
+        loss, state = step(state, x)
+        ref_loss = plain_step(ref, nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param), x)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for k, spec in ((0, (None, ("model",))), (1, (("model",), None))):
         got = getattr(model, f"l{k}").kernel.get_value()
