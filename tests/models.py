@@ -115,13 +115,22 @@ def mean_square_loss(stages):
 
 
 class DenseBlocks(nn.Module):
-    """``layers`` tanh(Dense(16)) blocks named ``block_0``, ``block_1``, ... (the names
+    """``layers`` tanh(Dense(width)) blocks named ``block_0``, ``block_1``, ... (the names
     registered tasks match), then the mean square: a linen model to pipeline."""
 
-    layers: int
+    layers: int = 2
+    width: int = 16
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.layers):
-            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
+            x = jnp.tanh(nn.Dense(self.width, name=f"block_{i}")(x))
         return (x ** 2).mean()
+
+
+def block_per_submesh(name: str, backprop: bool) -> mm.Task:
+    """A ``register_task`` callback: ``block_i`` runs on devices 4i..4i+3, its forward
+    and backward named ``block_i_fwd`` and ``block_i_bwd``."""
+    i = int(name.split("_")[1])
+    return mm.Task(name=f"{name}_{'bwd' if backprop else 'fwd'}",
+                   mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4)))
