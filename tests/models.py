@@ -26,13 +26,18 @@ def init_params():
     return (jnp.arange(64).reshape(8, 8), jnp.arange(64).reshape(8, 8))
 
 
-def e1_model(params, x):
-    """E1's body: both layers in one function (a task over all devices, or none)."""
+def _two_layers(layer1, layer2, params, x):
+    """E1/E2's body: the inputs, weights and output constrained by logical names."""
     p1, p2 = params
     x = wsc(x, P("batch", None))
     p1 = wsc(p1, P("model", None))
     p2 = wsc(p2, P(None, "model"))
-    return wsc(f(p2, f(p1, x)), P("batch", None))
+    return wsc(layer2(p2, layer1(p1, x)), P("batch", None))
+
+
+def e1_model(params, x):
+    """E1's body: both layers in one function (a task over all devices, or none)."""
+    return _two_layers(f, f, params, x)
 
 
 def e2_model():
@@ -42,11 +47,7 @@ def e2_model():
     layer2 = mm.task(f, name="layer2", mesh=task_mesh.place((4, 5, 6, 7)), logical_axes=LOGICAL)
 
     def model(params, x):
-        p1, p2 = params
-        x = wsc(x, P("batch", None))
-        p1 = wsc(p1, P("model", None))
-        p2 = wsc(p2, P(None, "model"))
-        return wsc(layer2(p2, layer1(p1, x)), P("batch", None))
+        return _two_layers(layer1, layer2, params, x)
 
     return model
 
