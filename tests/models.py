@@ -5,6 +5,7 @@ own, and tests/test_anchor_tutorials.py keeps the anchor's text verbatim (parity
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -135,3 +136,13 @@ def block_per_submesh(name: str, backprop: bool) -> mm.Task:
     i = int(name.split("_")[1])
     return mm.Task(name=f"{name}_{'bwd' if backprop else 'fwd'}",
                    mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4)))
+
+
+def named_tanh_layers(ws, x):
+    """``tanh(x @ ws[0])`` under the named scope ``layer0``, then ``ws[1]`` under
+    ``layer1``: the scopes registered tasks and the planner match."""
+    with jax.named_scope("layer0"):
+        x = jnp.tanh(x @ ws[0])
+    with jax.named_scope("layer1"):
+        x = jnp.tanh(x @ ws[1])
+    return x

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import MeshError, MultimeshWarning, PassFailure
+from tests.models import named_tanh_layers
 
 
 @pytest.fixture(autouse=True)
@@ -229,11 +230,7 @@ def test_a_multimesh_is_a_jax_mesh():
 
 
 def _layered(params, x):
-    with jax.named_scope("layer0"):
-        x = jnp.tanh(x @ params[0])
-    with jax.named_scope("layer1"):
-        x = jnp.tanh(x @ params[1])
-    return jnp.sum(x ** 2)
+    return jnp.sum(named_tanh_layers(params, x) ** 2)
 
 
 @pytest.mark.parametrize("how", ["set_mesh", "with_mesh"])

@@ -17,15 +17,12 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from tests.models import named_tanh_layers
 
 
 def _loss(ws, x):
     """A mean loss over two named layers."""
-    with jax.named_scope("layer0"):
-        x = jnp.tanh(x @ ws[0])
-    with jax.named_scope("layer1"):
-        x = jnp.tanh(x @ ws[1])
-    return jnp.mean(x ** 2)
+    return jnp.mean(named_tanh_layers(ws, x) ** 2)
 
 
 def _args():
