@@ -146,3 +146,13 @@ def named_tanh_layers(ws, x):
     with jax.named_scope("layer1"):
         x = jnp.tanh(x @ ws[1])
     return x
+
+
+def nnx_train_step(model, optimizer, x):
+    """One optimizer step of an NNX model whose call returns its loss (in place, as NNX
+    does); returns the loss."""
+    from flax import nnx
+
+    loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
+    optimizer.update(model, grads)
+    return loss
