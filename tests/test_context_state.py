@@ -12,7 +12,7 @@ import pytest
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshError
 from multimesh.jax import _contexts, _global_mesh, _multimesh, _registrations
-from tests.models import recomputable_program
+from tests.models import named_tanh_layers, recomputable_program
 
 
 @pytest.fixture(autouse=True)
@@ -165,11 +165,7 @@ def test_the_cache_key_holds_every_switch():
 
 def test_a_multimesh_entered_in_another_thread_leaves_this_threads_placement_alone():
     def model(ws, x):
-        with jax.named_scope("layer0"):
-            x = jnp.tanh(x @ ws[0])
-        with jax.named_scope("layer1"):
-            x = jnp.tanh(x @ ws[1])
-        return x.sum()
+        return named_tanh_layers(ws, x).sum()
 
     ws, x = [jnp.eye(16) * 0.5, jnp.eye(16) * 0.25], jnp.linspace(0, 1, 128).reshape(8, 16)
     ref = jax.grad(model)(ws, x)
