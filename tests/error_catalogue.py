@@ -2174,7 +2174,7 @@ def _():
 
 
 @error("plan-unknown-reduction", IMPLICIT, "`plan_pipeline` with an unknown reduction",
-       MultimeshValueError, r"`plan_pipeline`: reduction='avg' is not a reduction",
+       MultimeshValueError, r"`plan_pipeline` reduction must be one of 'sum', 'mean', got 'avg'",
        """A plan's microbatches are averaged (`"mean"`, the default, as `parallelize_step`)
        or summed (`"sum"`).""")
 def _():

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 import multimesh.jax as mm
+from tests.tools import run_child
 
 _PRELUDE = """
 import json
@@ -46,21 +47,25 @@ def close(a, b):
 
 def emit(tag, obj):
     print(f"@@{tag} " + json.dumps(obj), flush=True)
+
+@jax.custom_jvp
+def host_sin(x):  # sin on the host, with its derivative on the host too
+    return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+@host_sin.defjvp
+def _(primals, tangents):
+    (x,), (t,) = primals, tangents
+    cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return host_sin(x), cos * t
 """
 
 
 def _run_child(body: str) -> tuple[list[str], dict]:
     """Run ``body`` after the prelude in a fresh interpreter; returns its other stdout
     lines (what callbacks printed) and what it emitted, by tag."""
-    code = _PRELUDE + textwrap.dedent(body) + '\nprint("CHILD-OK", flush=True)\n'
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert p.returncode == 0 and "CHILD-OK" in p.stdout, (
-        f"child exited with {p.returncode} (139 or -11: segfault)\n"
-        f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
+    stdout = run_child(_PRELUDE + textwrap.dedent(body))
     lines, emitted = [], {}
-    for line in p.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("@@"):
             tag, _, obj = line[2:].partition(" ")
             emitted[tag] = json.loads(obj)
@@ -199,16 +204,6 @@ def test_callbacks_under_grad():
     lines, got = _run_child("""
     PRINT = True
     log = []
-
-    @jax.custom_jvp
-    def host_sin(x):
-        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    @host_sin.defjvp
-    def _(primals, tangents):
-        (x,), (t,) = primals, tangents
-        cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-        return host_sin(x), cos * t
 
     def s0(w, x):
         y = host_sin(x @ w)
@@ -471,16 +466,6 @@ def test_callbacks_in_a_microbatched_body_under_grad():
     lines, got = _run_child("""
     log = []
     M, SIZE = 4, 2
-
-    @jax.custom_jvp
-    def host_sin(x):
-        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    @host_sin.defjvp
-    def _(primals, tangents):
-        (x,), (t,) = primals, tangents
-        cos = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-        return host_sin(x), cos * t
 
     def s0(w, x):
         y = host_sin(x @ w)

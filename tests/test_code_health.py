@@ -84,3 +84,34 @@ def test_the_allow_list_names_classes_that_exist():
         assert name in sizes and why, entry
         lines, methods = sizes[name]
         assert lines > MAX_CLASS_LINES or methods > MAX_METHODS, f"{entry} fits now; drop it"
+
+
+def _class_names(paths, root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+    """Every class name defined in ``paths`` (nested classes included) -> its places."""
+    places: dict[str, list[str]] = {}
+    for path in paths:
+        rel = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                places.setdefault(node.name, []).append(f"{rel}:{node.lineno}")
+    return places
+
+
+def _twice(places: dict[str, list[str]]) -> list[str]:
+    return [f"{name}: {' and '.join(where)}" for name, where in sorted(places.items())
+            if len(where) > 1]
+
+
+def test_no_class_name_is_defined_twice_in_the_library():
+    """One concept, one class (issue 32): a name defined twice in ``multimesh/`` is either
+    one concept modelled twice (share it) or two concepts under one word (name each)."""
+    twice = _twice(_class_names(LIBRARY))
+    assert not twice, "each class name once in multimesh/; found:\n  " + "\n  ".join(twice)
+
+
+def test_the_class_name_check_finds_a_nested_duplicate(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("class Call:\n    pass\n")
+    b.write_text("def f():\n    class Outer:\n        class Call:\n            pass\n")
+    [report] = _twice(_class_names([a, b], tmp_path))
+    assert report == "Call: a.py:1 and b.py:3"

@@ -28,22 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A 4-stage pipeline on 2-device submeshes, 1F1B over 4 microbatches: 13 fragments.
 PROGRAM = """
 import jax, jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
+from tests.models import tanh_chain
 
 def make(stages=4):
-    def mk(k):
-        def body(w, x):
-            return jnp.tanh(mm.with_sharding_constraint(x, P("batch", None)) @ w)
-        mesh = mm.TaskMesh(devices=(2 * k, 2 * k + 1), axis_names=("x",), axis_sizes=(2,))
-        return mm.task(body, name=f"s{k}", mesh=mesh, logical_axes=(("batch", "x"),))
-    tasks = [mk(k) for k in range(stages)]
-
-    def loss(ws, x):
-        for t, w in zip(tasks, ws):
-            x = t(w, x)
-        return (x ** 2).sum()
-    ws = [jnp.eye(16) * 0.5 + 0.01 * k for k in range(stages)]
+    loss, ws, _ = tanh_chain(stages)  # stage k on devices 2k, 2k + 1
     x = jnp.linspace(0, 1, 32 * 16).reshape(32, 16)
     step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule="1f1b")
     return loss, step, ws, x
@@ -185,7 +174,8 @@ _CHILD = PROGRAM + textwrap.dedent("""
 
 def _child(script, cache_dir):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", MULTIMESH_COMPILE_THREADS="2")
+               JAX_PLATFORMS="cpu", MULTIMESH_COMPILE_THREADS="2",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(script), str(cache_dir)], capture_output=True,
                        text=True, env=env, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -12,6 +12,7 @@ import pytest
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshError
 from multimesh.jax import _contexts, _global_mesh, _multimesh, _registrations
+from tests.models import named_tanh_layers, recomputable_program
 
 
 @pytest.fixture(autouse=True)
@@ -118,16 +119,7 @@ def test_a_program_first_called_under_ignore_transforms_is_not_reused():
 
 
 def test_turning_on_recomputation_after_a_first_call_recompiles():
-    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="r0", mesh=_mesh(0))
-    s1 = mm.task(lambda w, y, m, x: jnp.tanh((y * m + x) @ w), name="r1", mesh=_mesh(1))
-
-    def f(w0, w1, x):
-        m = jnp.tanh(x) * 2.0 + 1.0  # cheap and rooted at a program input
-        return s1(w1, s0(w0, m), m, x)
-
-    w, x = jnp.eye(16) * 0.5, jnp.linspace(0, 1, 128).reshape(8, 16)
-    with mm.ignore_transforms():
-        want = f(w, w, x)
+    f, w, x, want = recomputable_program()
     step = mm.mjit(f)
     transfers = []
     for on in (False, True, False):
@@ -173,11 +165,7 @@ def test_the_cache_key_holds_every_switch():
 
 def test_a_multimesh_entered_in_another_thread_leaves_this_threads_placement_alone():
     def model(ws, x):
-        with jax.named_scope("layer0"):
-            x = jnp.tanh(x @ ws[0])
-        with jax.named_scope("layer1"):
-            x = jnp.tanh(x @ ws[1])
-        return x.sum()
+        return named_tanh_layers(ws, x).sum()
 
     ws, x = [jnp.eye(16) * 0.5, jnp.eye(16) * 0.25], jnp.linspace(0, 1, 128).reshape(8, 16)
     ref = jax.grad(model)(ws, x)

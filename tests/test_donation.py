@@ -7,9 +7,6 @@ process: a crash fails the test instead of killing pytest.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -19,6 +16,7 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh._src.errors import DonationError, MultimeshError
+from tests.tools import run_child
 
 _PRELUDE = """
 import os
@@ -61,14 +59,7 @@ def expect(exc, fn, *needles):
 
 
 def _run_child(body: str) -> str:
-    code = _PRELUDE + textwrap.dedent(body) + '\nprint("CHILD-OK")\n'
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert p.returncode == 0 and "CHILD-OK" in p.stdout, (
-        f"child exited with {p.returncode} (139 or -11: segfault)\n"
-        f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
-    return p.stdout
+    return run_child(_PRELUDE + textwrap.dedent(body))
 
 
 def test_calling_again_with_a_donated_input_raises_in_a_child():

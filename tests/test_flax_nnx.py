@@ -25,6 +25,7 @@ from multimesh.jax.flax import (  # noqa: E402
     task,
     with_sharding_constraint,
 )
+from tests.models import nnx_train_step as train_step  # noqa: E402
 
 AXES = (("batch", "x"), ("data", "x"), ("model", "y"))
 
@@ -61,12 +62,6 @@ class MLP(nnx.Module):
         for s in self.stages:
             x = s(x)
         return jnp.mean(x ** 2)
-
-
-def train_step(model, optimizer, x):
-    loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
-    optimizer.update(model, grads)
-    return loss
 
 
 def _flat_values(node):

@@ -21,16 +21,9 @@ from flax.training.train_state import TrainState  # noqa: E402
 
 import multimesh.jax as mm  # noqa: E402
 from multimesh.jax.flax import parallelize_step  # noqa: E402
+from tests.models import DenseBlocks  # noqa: E402
 
 X = jnp.linspace(-1, 1, 8 * 6).reshape(8, 6)
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(2):
-            x = jnp.tanh(nn.Dense(6, name=f"block_{i}")(x))
-        return (x ** 2).mean()
 
 
 def _ids(a):
@@ -45,7 +38,7 @@ def _step(**kw):
 
     with mm.Context() as ctx:
         ctx.register_task(r"(block_\d+)", callback=stage)
-        return parallelize_step(Net(), optax.adam(1e-2), global_batch=X, **kw)
+        return parallelize_step(DenseBlocks(width=6), optax.adam(1e-2), global_batch=X, **kw)
 
 
 def _plain(state: TrainState, steps: int):
@@ -80,7 +73,7 @@ def _placed(state):
 
 def test_train_state_params_are_flax_params():
     step, state, _ = _step()
-    want = Net().init(jax.random.key(42), X)["params"]
+    want = DenseBlocks(width=6).init(jax.random.key(42), X)["params"]
     assert set(state.params) == {"block_0", "block_1"}  # no "params" level
     _close(jax.device_get(state.params), want)
     _placed(state)
@@ -88,7 +81,7 @@ def test_train_state_params_are_flax_params():
     for _ in range(2):
         loss, state = step(state, X)
         losses.append(float(loss))
-    ref = TrainState.create(apply_fn=Net().apply, params=want, tx=optax.adam(1e-2))
+    ref = TrainState.create(apply_fn=DenseBlocks(width=6).apply, params=want, tx=optax.adam(1e-2))
     ref_losses, ref = _plain(ref, 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _close(jax.device_get(state.params), ref.params)
@@ -118,7 +111,7 @@ def _resumed(init_state, steps=1):
 def test_resume_accepts_a_freshly_built_equal_optimizer(trained):
     saved = trained.replace(tx=optax.adam(1e-2))  # the optimizer rebuilt after a restart
     losses, state = _resumed(saved)
-    ref_losses, ref = _plain(TrainState.create(apply_fn=Net().apply, params=trained.params,
+    ref_losses, ref = _plain(TrainState.create(apply_fn=DenseBlocks(width=6).apply, params=trained.params,
                                                tx=optax.adam(1e-2)).replace(
         step=trained.step, opt_state=trained.opt_state), 1)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -144,7 +137,7 @@ def test_resume_from_orbax_raw_restore(trained, tmp_path):
 def test_resume_from_params_or_variables_restarts_the_optimizer(trained):
     for given in (trained.params, {"params": trained.params}):
         losses, state = _resumed(given)
-        fresh = TrainState.create(apply_fn=Net().apply, params=trained.params,
+        fresh = TrainState.create(apply_fn=DenseBlocks(width=6).apply, params=trained.params,
                                   tx=optax.adam(1e-2))
         ref_losses, ref = _plain(fresh, 1)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -20,6 +20,7 @@ from flax import nnx  # noqa: E402
 
 import multimesh.jax as mm  # noqa: E402
 from multimesh.jax import flax as mmf  # noqa: E402
+from tests.models import nnx_train_step  # noqa: E402
 
 X = jnp.linspace(-1.0, 1.0, 32).reshape(8, 4)
 
@@ -50,12 +51,6 @@ class Two(nnx.Module):
         return jnp.mean(x ** 2)
 
 
-def _step(model, opt, x):
-    loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
-    opt.update(model, grads)
-    return loss
-
-
 def test_core_task_of_an_nnx_module_keeps_its_parameters_trained():
     model = Two(nnx.Rngs(0))
     ref = Two(nnx.Rngs(0), tasks=False)
@@ -65,9 +60,9 @@ def test_core_task_of_an_nnx_module_keeps_its_parameters_trained():
     assert isinstance(model.ls[0], Layer) and isinstance(model.ls[0], mmf.TaskModule)
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
-    step = mm.mjit(_step)
+    step = mm.mjit(nnx_train_step)
     losses = [float(step(model, opt, X)) for _ in range(2)]
-    ref_losses = [float(nnx.jit(_step)(ref, ref_opt, X)) for _ in range(2)]
+    ref_losses = [float(nnx.jit(nnx_train_step)(ref, ref_opt, X)) for _ in range(2)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (_, got), (_, exp) in zip(nnx.to_flat_state(nnx.state(model)),
                                   nnx.to_flat_state(nnx.state(ref))):

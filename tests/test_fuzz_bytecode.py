@@ -201,6 +201,16 @@ def run_isolated(cases: list[dict], workdir: Path) -> tuple[list[dict], list[str
     return results, deaths
 
 
+def result_problems(case: dict, r: dict) -> list[str]:
+    """What is wrong with a worker's result ``r`` for ``case`` (``test_fuzz_ir.problems``
+    on the worker's record; a hang is a case past ``HANG_S``)."""
+    from tests.test_fuzz_ir import Case, Result, problems
+
+    return problems(Case(r["id"], case["seed"], (), case["pipeline"], ""),
+                    Result(r["rc"], "", r["stderr"], r["wrote"], None, r["seconds"]),
+                    timeout=HANG_S)
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -213,8 +223,6 @@ def test_bytecode_seeds_and_mutations():
 
 
 def test_mutated_bytecode_never_aborts(tmp_path):
-    from tests.test_fuzz_ir import Case, Result, problems
-
     cases = make_cases(N_CASES, 31)
     assert sum(c["pipeline"] == "compile_mpmd" for c in cases) >= 5
     results, deaths = run_isolated(cases, tmp_path)
@@ -222,9 +230,7 @@ def test_mutated_bytecode_never_aborts(tmp_path):
     outcome = {"clean": 0, "diagnosed": 0}
     for r in results:
         case = cases[r["id"]]
-        found = problems(Case(r["id"], case["seed"], (), case["pipeline"], ""),
-                         Result(r["rc"], "", r["stderr"], r["wrote"], None, r["seconds"]),
-                         timeout=HANG_S)
+        found = result_problems(case, r)
         if found:
             bad.append(f"case {r['id']} from {case['seed']} after {case['mutations']} on "
                        f"{case['pipeline'] or 'parse and print'}: {found}\n"

@@ -35,6 +35,7 @@ from multimesh.jax import _global_mesh, _implicit_tasks, _registrations
 from multimesh.jax import with_sharding_constraint as wsc
 from multimesh.passes.match_tasks import find_matches, name_stack, parse_rules, rules_to_json
 from multimesh.passes.pipeline import parse_pipeline
+from tests.models import f, get_input_batch, init_params
 
 
 @pytest.fixture(autouse=True)
@@ -47,40 +48,26 @@ def _clean_registry():
     assert _global_mesh.active_multimesh() is None
 
 
-def f(param, x):
-    return jnp.einsum("bm,mh->bh", x, param)
-
-
-def get_input_batch():
-    return jnp.arange(64).reshape(8, 8)
-
-
-def init_params():
-    return jnp.arange(64).reshape(8, 8), jnp.arange(64).reshape(8, 8)
-
-
-def model(params, x):
+def _layers(params, x, act=lambda y: y):
+    """E1's two layers under the named scopes ``layer0``/``layer1`` (what registered
+    tasks match), each followed by ``act``."""
     param_1, param_2 = params
     x = wsc(x, P("batch", None))
     param_1 = wsc(param_1, P("model", None))
     param_2 = wsc(param_2, P(None, "model"))
     with jax.named_scope("layer0"):
-        x = f(param_1, x)
+        x = act(f(param_1, x))
     with jax.named_scope("layer1"):
-        x = f(param_2, x)
+        x = act(f(param_2, x))
     return wsc(x, P("batch", None))
 
 
+def model(params, x):
+    return _layers(params, x)
+
+
 def loss(params, x):
-    param_1, param_2 = params
-    x = wsc(x, P("batch", None))
-    param_1 = wsc(param_1, P("model", None))
-    param_2 = wsc(param_2, P(None, "model"))
-    with jax.named_scope("layer0"):
-        x = jnp.tanh(f(param_1, x))
-    with jax.named_scope("layer1"):
-        x = jnp.tanh(f(param_2, x))
-    return (wsc(x, P("batch", None)) ** 2).sum()
+    return (_layers(params, x, jnp.tanh) ** 2).sum()
 
 
 def float_args():

@@ -17,7 +17,7 @@ import pytest
 import multimesh.jax as mm
 from multimesh._src import ir_contract
 from multimesh._src.errors import DiagnosticError, MultimeshError
-from multimesh._src.ir_contract import IRContractError, TaskMesh
+from multimesh._src.ir_contract import IRContractError, MeshRecord
 from multimesh._src.mlir import attr_to_py, make_context
 from multimesh.jax._primitives import TaskInfo
 from multimesh.runtime import build_plan
@@ -73,30 +73,30 @@ def test_every_name_is_distinct_and_prefixed():
 
 
 def test_task_mesh_round_trips_through_an_attribute():
-    mesh = TaskMesh((4, 5, 6, 7), ("x", "y"), (2, 2), (("batch", "x"),), ("_a", "_w"),
+    mesh = MeshRecord((4, 5, 6, 7), ("x", "y"), (2, 2), (("batch", "x"),), ("_a", "_w"),
                     ((4, 5, 6, 7), (0, 1, 2, 3)), "fwd")
     with make_context():
-        assert TaskMesh.from_attr(mesh.to_attr()) == mesh
+        assert MeshRecord.from_attr(mesh.to_attr()) == mesh
 
 
 def test_the_front_ends_task_record_is_a_task_mesh():
-    """One record: the front end's task call is a :class:`TaskMesh` with a tag, and the
+    """One record: the front end's task call is a :class:`MeshRecord` with a tag, and the
     passes read its ``mm.task`` back into the same mesh."""
     info = TaskInfo(name="s0", devices=(0, 1), axis_names=("x",), axis_sizes=(2,),
                     logical_axes=(("batch", "x"),), transpose_count=1)
-    assert isinstance(info, TaskMesh)
+    assert isinstance(info, MeshRecord)
     with make_context():
         d = attr_to_py(info.attribute())
         assert (d["name"], d["transpose_count"]) == ("s0", 1)
-        assert TaskMesh.from_attr(info.attribute()) == TaskMesh(
+        assert MeshRecord.from_attr(info.attribute()) == MeshRecord(
             (0, 1), ("x",), (2,), (("batch", "x"),))
 
 
 def test_a_malformed_task_mesh_is_a_diagnostic():
     with make_context():
-        bad = TaskMesh((0, 1, 2), ("x",), (2,), ()).to_attr()
+        bad = MeshRecord((0, 1, 2), ("x",), (2,), ()).to_attr()
         with pytest.raises(DiagnosticError, match=r"axis_sizes \[2\] multiply to 2 but devices"):
-            TaskMesh.from_attr(bad)
+            MeshRecord.from_attr(bad)
 
 
 def _program_text() -> str:

@@ -18,24 +18,11 @@ import pytest
 import multimesh.jax as mm
 from multimesh.runtime.plan import Call, Transfer
 from multimesh.schedules import build_schedule, format_gantt, pipeline_units
+from tests.models import layer_stack, mean_square_loss
 
 S, L, D, M, B = 4, 2, 16, 8, 4  # submeshes, layers per stage, width, microbatches, rows each
 X = jnp.linspace(-1, 1, B * M * D).reshape(B * M, D)
 WS = [jnp.linspace(-0.3, 0.3, L * D * D).reshape(L, D, D) * (1 + k / 8) for k in range(2 * S)]
-
-
-def _layers(w, x):
-    for i in range(L):
-        x = jnp.tanh(x @ w[i])
-    return x
-
-
-def _loss_of(stages):
-    def loss(ws, x):
-        for k, stage in enumerate(stages):
-            x = stage(ws[k], x)
-        return (x ** 2).mean()
-    return loss
 
 
 V_SHAPED = ("dualpipe-v", "zero-bubble-v")
@@ -57,15 +44,15 @@ def _home(schedule, k) -> int:
 
 def _compile(schedule, remat):
     n = _stages(schedule)
-    stages = [mm.task(_layers, f"s{k}", mesh=mm.TaskMesh(
+    stages = [mm.task(layer_stack, f"s{k}", mesh=mm.TaskMesh(
         devices=range(2 * _home(schedule, k), 2 * _home(schedule, k) + 2))) for k in range(n)]
-    step = mm.microbatch(jax.value_and_grad(_loss_of(stages)), dim=0, size=B, argnum=1,
+    step = mm.microbatch(jax.value_and_grad(mean_square_loss(stages)), dim=0, size=B, argnum=1,
                          schedule=schedule, remat=remat)
     return mm.mjit(step).lower(WS[:n], X).compile()
 
 
 def _reference(n):
-    loss = _loss_of([_layers] * n)
+    loss = mean_square_loss([layer_stack] * n)
     parts = [jax.value_and_grad(loss)(WS[:n], X[B * m:B * m + B]) for m in range(M)]
     return sum(p[0] for p in parts), jax.tree.map(lambda *g: sum(g), *[p[1] for p in parts])
 
@@ -189,19 +176,19 @@ def test_defer_transfers_moves_only_past_calls_that_leave_the_source_alone():
 
     frags = {n: frag(n, d) for n, d in (("a", 0), ("b", 0), ("c", 1), ("d", 1))}
     to1 = ((1,), ("x",), (1,), ((),))
-    make = Call("a", [0], [1], microbatch=0)
+    make = Call("a", args=[0], results=[1], microbatch=0)
     move = Transfer(1, 2, to1)
-    other = Call("c", [5], [6], microbatch=1)  # the receiver's last call before the reader
-    read = Call("d", [2], [3], microbatch=0)
+    other = Call("c", args=[5], results=[6], microbatch=1)  # the receiver's last call before the reader
+    read = Call("d", args=[2], results=[3], microbatch=0)
     steps = [make, move, other, read]
     assert defer_transfers(steps, frags) == [make, other, move, read]
     # a call reading the source in between (it may donate it): the transfer stays
-    keep = Call("b", [1], [4], microbatch=0)
+    keep = Call("b", args=[1], results=[4], microbatch=0)
     steps = [make, move, keep, other, read]
     assert defer_transfers(steps, frags) == steps
     # read first by another transfer: it stays
     hop = Transfer(2, 7, ((0,), ("x",), (1,), ((),)))
-    steps = [make, move, other, hop, Call("a", [7], [8], microbatch=0)]
+    steps = [make, move, other, hop, Call("a", args=[7], results=[8], microbatch=0)]
     assert defer_transfers(steps, frags) == steps
 
 

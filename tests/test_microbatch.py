@@ -48,13 +48,19 @@ def _labels(compiled):
     return compiled.schedule.labels()
 
 
-def test_gpipe_and_1f1b_orders_are_textbook():
+def _four_stage_schedules(*names: str) -> dict:
+    """The compiled schedule of a 4-stage pipeline over 8 microbatches, per schedule name."""
     loss, ws, _ = _pipeline(4)
     x = jnp.ones((64, 16))
-    orders = {}
-    for s in ("gpipe", "1f1b"):
+    out = {}
+    for s in names:
         f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=s)
-        orders[s] = mm.mjit(f).lower(ws, x).compile().schedule
+        out[s] = mm.mjit(f).lower(ws, x).compile().schedule
+    return out
+
+
+def test_gpipe_and_1f1b_orders_are_textbook():
+    orders = _four_stage_schedules("gpipe", "1f1b")
     P_, M = 4, 8
     for row in orders["gpipe"].rows():
         kinds = [(u.kind, u.microbatch) for u in row if not u.free]
@@ -74,24 +80,16 @@ def test_gpipe_and_1f1b_orders_are_textbook():
 
 
 def test_zero_bubble_has_a_smaller_bubble_than_1f1b():
-    loss, ws, _ = _pipeline(4)
-    x = jnp.ones((64, 16))
-    bubbles = {}
-    for s in ("1f1b", "zero-bubble-h1"):
-        f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=s)
-        bubbles[s] = mm.mjit(f).lower(ws, x).compile().schedule.bubble_fraction()
+    bubbles = {s: sched.bubble_fraction()
+               for s, sched in _four_stage_schedules("1f1b", "zero-bubble-h1").items()}
     assert bubbles["zero-bubble-h1"] < bubbles["1f1b"]
     # theory (P-1)/(M+P-1) = 3/11; the input-slicing fragment adds one unit step
     assert bubbles["1f1b"] == pytest.approx(3 / 11, abs=0.02)
 
 
 def test_live_activations_bounds():
-    loss, ws, _ = _pipeline(4)
-    x = jnp.ones((64, 16))
-    live = {}
-    for s in ("gpipe", "1f1b"):
-        f = mm.microbatch(jax.value_and_grad(loss), dim=0, size=8, argnum=1, schedule=s)
-        live[s] = mm.mjit(f).lower(ws, x).compile().schedule.live_activations()
+    live = {s: sched.live_activations()
+            for s, sched in _four_stage_schedules("gpipe", "1f1b").items()}
     assert max(live["1f1b"]) <= 4
     assert max(live["gpipe"]) == 8
 

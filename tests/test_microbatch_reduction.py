@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import operator
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from tests.models import DenseBlocks
 
 
 def _mesh(k: int) -> mm.TaskMesh:
@@ -41,14 +41,6 @@ def _explicit():
 
     ws = [jnp.eye(16) * 0.5 + 0.01 * jnp.arange(16.0), jnp.eye(16) * 0.7]
     return loss, ws, [0, 1]
-
-
-class _Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(2):
-            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
-        return (x ** 2).mean()
 
 
 def _registered_callback(name, backprop):
@@ -95,7 +87,7 @@ def test_mean_is_the_full_batch_mean_with_explicit_tasks(schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble-h2"])
 def test_mean_is_the_full_batch_mean_with_registered_tasks(schedule):
-    model = _Net()
+    model = DenseBlocks()
     x = _batch()
     params = model.init(jax.random.key(0), x[:8])
     step = mm.microbatch(jax.value_and_grad(model.apply), dim=0, size=8, argnum=1,

@@ -190,11 +190,12 @@ def test_allow_unregistered_dialect(tmp_path, capsys):
     assert '"foo.bar"()' in capsys.readouterr().out
 
 
-def test_verify_diagnostics_pass(tmp_path, capsys):
-    text = BAD_TASK.replace(
-        "  %0 = func.call",
-        "  // expected-error@+1 {{axis_sizes [4, 1] multiply to 4 but devices has 3 entries}}\n"
-        "  %0 = func.call")
+@pytest.mark.parametrize("expected", [
+    "expected-error@+1 {{axis_sizes [4, 1] multiply to 4 but devices has 3 entries}}",
+    "expected-error-re@+1 {{axis_sizes [4, 1] multiply to {{[0-9]+}} but}}",  # a regex
+], ids=["text", "regex"])
+def test_verify_diagnostics_pass(tmp_path, expected):
+    text = BAD_TASK.replace("  %0 = func.call", f"  // {expected}\n  %0 = func.call")
     assert main([_write(tmp_path, text), *VERIFY, "--verify-diagnostics"]) == 0
 
 
@@ -215,12 +216,6 @@ def test_verify_diagnostics_expected_but_nothing_happened(tmp_path, capsys):
     assert 'expected error "boom" was not produced' in capsys.readouterr().err
 
 
-def test_verify_diagnostics_regex(tmp_path, capsys):
-    text = BAD_TASK.replace(
-        "  %0 = func.call",
-        "  // expected-error-re@+1 {{axis_sizes [4, 1] multiply to {{[0-9]+}} but}}\n"
-        "  %0 = func.call")
-    assert main([_write(tmp_path, text), *VERIFY, "--verify-diagnostics"]) == 0
 
 
 @pytest.mark.parametrize("where,offset", [("+1", 0), ("below", 0), ("above", 2), ("-1", 2)])

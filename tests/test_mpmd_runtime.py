@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import PassFailure
+from tests.models import recomputable_program
 
 
 def _stage(k: int, width: int = 4):
@@ -150,18 +151,7 @@ def test_unrolled_loop_places_each_task_on_its_submesh():
 
 
 def test_enable_recomputation_removes_a_transfer_and_keeps_numbers():
-    mesh = lambda k: mm.TaskMesh(devices=range(4 * k, 4 * k + 4), axis_names=("x",),  # noqa: E731
-                                 axis_sizes=(4,))
-    s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="r0", mesh=mesh(0))
-    s1 = mm.task(lambda w, y, m, x: jnp.tanh((y * m + x) @ w), name="r1", mesh=mesh(1))
-
-    def f(w0, w1, x):
-        m = jnp.tanh(x) * 2.0 + 1.0  # cheap and rooted at a program input
-        return s1(w1, s0(w0, m), m, x)
-
-    w, x = jnp.eye(16) * 0.5, jnp.linspace(0, 1, 128).reshape(8, 16)
-    with mm.ignore_transforms():
-        want = f(w, w, x)
+    f, w, x, want = recomputable_program()
     counts = {}
     for on in (False, True):
         with mm.enable_recomputation(on):

@@ -182,16 +182,24 @@ def _start_launcher(tmp_path, code: str, *flags: str, n: int = 3):
     return proc, out, _pids(out.read_text())
 
 
+def _signal_launcher(proc, out, *signals) -> tuple[int, float, str]:
+    """Send the launcher ``signals`` (half a second apart) and wait for it: its exit
+    code, the seconds from the first signal to its exit, and what it printed."""
+    start = time.monotonic()
+    for k, sig in enumerate(signals):
+        if k:
+            time.sleep(0.5)
+        proc.send_signal(sig)
+    rc = proc.wait(timeout=300)
+    return rc, time.monotonic() - start, out.read_text()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
                          ids=lambda s: s.name)
 def test_launcher_forwards_signals_and_reaps_every_process(tmp_path, sig):
     proc, out, pids = _start_launcher(tmp_path, SLEEPER)
     assert len(pids) == 6
-    start = time.monotonic()
-    proc.send_signal(sig)
-    rc = proc.wait(timeout=300)
-    elapsed = time.monotonic() - start
-    text = out.read_text()
+    rc, elapsed, text = _signal_launcher(proc, out, sig)
     assert rc == 128 + sig, text
     assert f"got {sig.name}; forwarding it to processes [0, 1, 2]" in text
     assert "SIGKILL" not in text, text  # these workers die of the signal itself
@@ -205,11 +213,7 @@ def test_launcher_forwards_signals_and_reaps_every_process(tmp_path, sig):
 def test_launcher_kills_what_ignores_the_signal_after_the_grace_period(tmp_path):
     code = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
     proc, out, pids = _start_launcher(tmp_path, code, "--grace-period", "1", n=2)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=300)
-    elapsed = time.monotonic() - start
-    text = out.read_text()
+    rc, elapsed, text = _signal_launcher(proc, out, signal.SIGTERM)
     assert rc == 143, text
     assert "processes [0, 1] still run 1 s after SIGTERM; killing them (SIGKILL)" in text
     assert "process 0 exited with code 137 (stopped by the launcher)" in text
@@ -220,13 +224,9 @@ def test_launcher_kills_what_ignores_the_signal_after_the_grace_period(tmp_path)
 def test_a_second_signal_kills_at_once(tmp_path):
     code = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
     proc, out, pids = _start_launcher(tmp_path, code, "--grace-period", "60", n=2)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(timeout=300)
-    assert rc == 143, out.read_text()  # the first signal's code
-    assert time.monotonic() - start < 45, out.read_text()
+    rc, elapsed, text = _signal_launcher(proc, out, signal.SIGTERM, signal.SIGINT)
+    assert rc == 143, text  # the first signal's code
+    assert elapsed < 45, text
     _assert_gone(pids)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,35 +12,21 @@ from flax import nnx
 import multimesh.jax as mm
 from multimesh.jax.flax import parallelize_step
 from multimesh.passes.schedules import build_schedule, pipeline_units
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(2):
-            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
-        return (x ** 2).mean()
-
-
-def _callback(name, backprop):
-    i = int(name.split("_")[1])
-    return mm.Task(name=f"{name}_{'bwd' if backprop else 'fwd'}",
-                   mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4)))
-
+from tests.models import DenseBlocks, block_per_submesh
 
 X = jnp.linspace(-1, 1, 32 * 16).reshape(32, 16)
 
 
 def _step(**kw):
     with mm.Context() as ctx:
-        ctx.register_task(r"(block_\d+)", callback=_callback)
-        return parallelize_step(Net(), optax.sgd(0.1), global_batch=X, **kw)
+        ctx.register_task(r"(block_\d+)", callback=block_per_submesh)
+        return parallelize_step(DenseBlocks(), optax.sgd(0.1), global_batch=X, **kw)
 
 
 def _plain_step(params, reduction="mean", M=4):
     """optax SGD on the mean (or sum) of the per-microbatch value_and_grads, in plain JAX."""
     def loss(p, x):  # flax's layout: the TrainState's params are variables["params"]
-        return Net().apply({"params": p}, x)
+        return DenseBlocks().apply({"params": p}, x)
 
     parts = [jax.value_and_grad(loss)(params, X[8 * m:8 * m + 8]) for m in range(M)]
     k = M if reduction == "mean" else 1
@@ -88,7 +73,7 @@ def test_linen_step_sums_with_microbatch_size():
 
 
 def test_linen_step_resumes_from_given_parameters():
-    variables = Net().init(jax.random.key(7), X[:8])  # e.g. restored from a checkpoint
+    variables = DenseBlocks().init(jax.random.key(7), X[:8])  # e.g. restored from a checkpoint
     params = variables["params"]
     step, state, _ = _step(num_microbatches=4, schedule="1f1b", init_state=variables)
     _assert_close(jax.device_get(state.params), params)
@@ -104,12 +89,12 @@ def test_linen_step_resumes_from_given_parameters():
 def test_linen_step_takes_a_train_state_with_its_own_optimizer_only():
     from flax.training.train_state import TrainState
 
-    params = Net().init(jax.random.key(7), X[:8])["params"]
+    params = DenseBlocks().init(jax.random.key(7), X[:8])["params"]
     tx = optax.sgd(0.1)
-    given = TrainState.create(apply_fn=Net().apply, params=params, tx=tx)
+    given = TrainState.create(apply_fn=DenseBlocks().apply, params=params, tx=tx)
     with mm.Context() as ctx:  # the state's own optimizer: it resumes
-        ctx.register_task(r"(block_\d+)", callback=_callback)
-        step, state, _ = parallelize_step(Net(), tx, global_batch=X, num_microbatches=4,
+        ctx.register_task(r"(block_\d+)", callback=block_per_submesh)
+        step, state, _ = parallelize_step(DenseBlocks(), tx, global_batch=X, num_microbatches=4,
                                           init_state=given)
     loss, new = step(state, X)
     ref_loss, ref_params = _plain_step(params)
@@ -119,7 +104,7 @@ def test_linen_step_takes_a_train_state_with_its_own_optimizer_only():
     with pytest.raises(mm.MultimeshError, match=r"a TrainState with its own optimizer "
                                                 r"\(`init_state.tx`\), and a different "
                                                 r"`optimizer`") as e:
-        parallelize_step(Net(), optax.adam(1e-3), global_batch=X, init_state=given)
+        parallelize_step(DenseBlocks(), optax.adam(1e-3), global_batch=X, init_state=given)
     assert isinstance(e.value, ValueError)
 
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh._src.errors import MeshError, MultimeshWarning, PassFailure
+from tests.models import named_tanh_layers
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +53,16 @@ def weights(n, key=0):
 def reference(loss, *args):
     with mm.ignore_transforms():
         return jax.value_and_grad(loss)(*args)
+
+
+def check_two_halves(value, grads, loss, ws, x):
+    """Value and gradients equal plain jax's; the first weight's gradient on devices 0-3,
+    the second's on 4-7."""
+    ref_value, ref_grads = reference(loss, ws, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r, want in zip(grads, ref_grads, ([0, 1, 2, 3], [4, 5, 6, 7])):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+        assert ids(g) == want
 
 
 # --------------------------------------------------------------------------- 1
@@ -99,11 +110,7 @@ def test_an_explicit_name_on_two_submeshes_warns_and_runs_as_two_tasks():
                                               r"submeshes .*'blk.1' on device positions "
                                               r"\[4, 5, 6, 7\]"):
         value, grads = mm.mjit(jax.value_and_grad(loss))(ws, x)
-    ref_value, ref_grads = reference(loss, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for g, r, want in zip(grads, ref_grads, ([0, 1, 2, 3], [4, 5, 6, 7])):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-        assert ids(g) == want
+    check_two_halves(value, grads, loss, ws, x)
 
 
 def test_one_name_on_one_submesh_stays_one_task():
@@ -223,11 +230,7 @@ def test_a_multimesh_is_a_jax_mesh():
 
 
 def _layered(params, x):
-    with jax.named_scope("layer0"):
-        x = jnp.tanh(x @ params[0])
-    with jax.named_scope("layer1"):
-        x = jnp.tanh(x @ params[1])
-    return jnp.sum(x ** 2)
+    return jnp.sum(named_tanh_layers(params, x) ** 2)
 
 
 @pytest.mark.parametrize("how", ["set_mesh", "with_mesh"])
@@ -245,11 +248,7 @@ def test_mesh_slice_cuts_jax_current_mesh(how):
         warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:` (jax 0.10)
         with jax.set_mesh(gm) if how == "set_mesh" else gm:
             value, grads = mm.mjit(jax.value_and_grad(_layered))(ws, x)
-    ref_value, ref_grads = reference(_layered, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for g, r, want in zip(grads, ref_grads, ([0, 1, 2, 3], [4, 5, 6, 7])):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-        assert ids(g) == want
+    check_two_halves(value, grads, _layered, ws, x)
 
 
 # --------------------------------------------------------------------------- 6

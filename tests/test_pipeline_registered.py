@@ -9,7 +9,6 @@ JAX gradient accumulation over the same microbatches.
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,18 +16,9 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh.passes.schedules import build_schedule, pipeline_units
+from tests.models import DenseBlocks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "zero-bubble-h2"]
-
-
-class Net(nn.Module):
-    layers: int
-
-    @nn.compact
-    def __call__(self, x):
-        for i in range(self.layers):
-            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
-        return (x ** 2).mean()
 
 
 def _placement(stages: int, interleave: int):
@@ -49,7 +39,7 @@ def _placement(stages: int, interleave: int):
 def _compile(schedule, stages, M):
     V = 2 if schedule == "interleaved-1f1b" else 1
     callback, per, stage = _placement(stages, V)
-    model = Net(layers=stages * V)
+    model = DenseBlocks(layers=stages * V)
     x = jnp.linspace(-1, 1, 8 * M * 16).reshape(8 * M, 16)
     params = model.init(jax.random.key(0), x[:8])
 
@@ -122,7 +112,7 @@ def _check_order(sched, schedule, P, M, V):
 
 def test_interleave_on_contiguous_stages_is_rejected():
     callback, _, _ = _placement(2, 1)  # contiguous: one stage per submesh
-    model = Net(layers=2)
+    model = DenseBlocks(layers=2)
     x = jnp.ones((32, 16))
     params = model.init(jax.random.key(0), x[:8])
     step = mm.microbatch(jax.value_and_grad(lambda p, xb: model.apply(p, xb)), dim=0, size=8,
@@ -133,7 +123,7 @@ def test_interleave_on_contiguous_stages_is_rejected():
 
 
 def test_schedule_without_tasks_warns():
-    model = Net(layers=2)
+    model = DenseBlocks(layers=2)
     x = jnp.ones((32, 16))
     params = model.init(jax.random.key(0), x[:8])
     step = mm.microbatch(jax.value_and_grad(lambda p, xb: model.apply(p, xb)), dim=0, size=8,
@@ -147,7 +137,7 @@ def test_schedule_without_tasks_warns():
 
 
 def _two_blocks(x_rows=32):
-    model = Net(layers=2)
+    model = DenseBlocks(layers=2)
     x = jnp.linspace(-1, 1, x_rows * 16).reshape(x_rows, 16)
     params = model.init(jax.random.key(0), x[:8])
 

@@ -17,15 +17,12 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from tests.models import named_tanh_layers
 
 
 def _loss(ws, x):
     """A mean loss over two named layers."""
-    with jax.named_scope("layer0"):
-        x = jnp.tanh(x @ ws[0])
-    with jax.named_scope("layer1"):
-        x = jnp.tanh(x @ ws[1])
-    return jnp.mean(x ** 2)
+    return jnp.mean(named_tanh_layers(ws, x) ** 2)
 
 
 def _args():
@@ -78,7 +75,7 @@ def test_plan_reduction_sum_accumulates():
     parts = [_loss(ws, x[4 * m:4 * m + 4]) for m in range(2)]
     np.testing.assert_allclose(loss, parts[0] + parts[1], rtol=1e-5)
     assert mm.PipelinePlan.from_json(plan.to_json()).reduction == "sum"
-    with pytest.raises(MultimeshValueError, match=r"reduction='avg' is not a reduction"):
+    with pytest.raises(MultimeshValueError, match=r"reduction must be one of 'sum', 'mean', got 'avg'"):
         mm.plan_pipeline(_loss, ws, x, reduction="avg")
 
 
@@ -337,6 +334,16 @@ def test_planner_says_why_it_cannot_place_circular_reversed_backward_one_per_sub
         mm.plan_pipeline(_loss, *_args(), schedule="circular-reversed-backward")
 
 
+def _check_two_device_stages(value, grads, loss, ws, x):
+    """Value and gradients equal plain jax's; stage ``k``'s gradient on devices 2k, 2k+1."""
+    with mm.ignore_transforms():
+        ref, ref_grads = jax.value_and_grad(loss)(ws, x)
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    for k, (g, r) in enumerate(zip(grads, ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]
+
+
 def test_circular_reversed_backward_one_stage_per_submesh_runs_as_documented():
     """GPipe with the backwards in descending order, the full batch's mean."""
     s0 = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0", mesh=mm.TaskMesh(devices=(0, 1)))
@@ -351,12 +358,7 @@ def test_circular_reversed_backward_one_stage_per_submesh_runs_as_documented():
     compiled = mm.mjit(step).lower(ws, x).compile()
     assert compiled.schedule.labels() == [["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0"]] * 2
     value, grads = compiled(ws, x)
-    with mm.ignore_transforms():
-        ref, ref_grads = jax.value_and_grad(loss)(ws, x)
-    np.testing.assert_allclose(value, ref, rtol=1e-5)
-    for k, (g, r) in enumerate(zip(grads, ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
-        assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]
+    _check_two_device_stages(value, grads, loss, ws, x)
 
 
 # --------------------------------------------------------------------------- item 3: with plan:
@@ -411,12 +413,7 @@ def test_remat_accepts_numpy_bools():
     step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1,
                          remat=np.True_, reduction="mean")
     value, grads = mm.mjit(step)(ws, x)
-    with mm.ignore_transforms():
-        ref, ref_grads = jax.value_and_grad(loss)(ws, x)
-    np.testing.assert_allclose(value, ref, rtol=1e-5)
-    for k, (g, r) in enumerate(zip(grads, ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
-        assert sorted(d.id for d in g.devices()) == [2 * k, 2 * k + 1]
+    _check_two_device_stages(value, grads, loss, ws, x)
 
 
 def test_parallelize_step_auto_refuses_a_remat_policy_naming_the_planner():

@@ -449,18 +449,7 @@ def test_named_scope_function_plan_and_run():
     groups = [st.units for st in plan.stages]
     assert _bottleneck(groups, flops) <= 1.05 * _optimum(names, flops, 2)
     assert plan.stages[-1].units == ("head",)  # the head outweighs the layers
-    with plan:
-        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
-            params, x).compile()
-    value, grads = compiled(params, x)
-    ref_value, ref_grads = _planned(plan, _scoped, params, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
-        assert sorted(d.id for d in a.devices()) == list(stage.devices)
-    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
-    assert sorted(d.id for d in grads["head"].devices()) == [4, 5, 6, 7]
+    _run_planned_scoped(plan, params, x, head=[4, 5, 6, 7])
 
 
 def test_a_hundred_units_plan():
@@ -681,9 +670,20 @@ def test_measured_costs_plan_records_its_source_and_runs():
                                                            "head"]
     assert plan.predicted_step_time > 0 and all(st.predicted_time > 0 for st in plan.stages)
     assert mm.PipelinePlan.from_json(plan.to_json()) == plan
+    _run_planned_scoped(plan, params, x)
+    with pytest.raises(mm.errors.MultimeshValueError, match="costs='flops' is not a cost"):
+        mm.plan_pipeline(_scoped, params, x, costs="flops")
+
+
+def _run_planned_scoped(plan, params, x, schedule: str | None = None,
+                        head: list[int] | None = None):
+    """Compile ``_scoped`` under ``plan`` (with ``schedule``, when named), run it, and
+    check values and gradients against plain jax and each layer's gradients on its
+    stage's devices (the head's on ``head``, when named)."""
     with plan:
         compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
             params, x).compile()
+    assert schedule is None or compiled.schedule.name == schedule
     value, grads = compiled(params, x)
     ref_value, ref_grads = _planned(plan, _scoped, params, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
@@ -691,8 +691,9 @@ def test_measured_costs_plan_records_its_source_and_runs():
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
         stage = next(st for st in plan.stages if f"layer{k}" in st.units)
         assert sorted(d.id for d in a.devices()) == list(stage.devices)
-    with pytest.raises(mm.errors.MultimeshValueError, match="costs='flops' is not a cost"):
-        mm.plan_pipeline(_scoped, params, x, costs="flops")
+    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
+    assert head is None or sorted(d.id for d in grads["head"].devices()) == head
+    return compiled
 
 
 def test_interleaved_plan_places_stages_round_robin_and_runs():
@@ -718,19 +719,7 @@ def test_interleaved_plan_places_stages_round_robin_and_runs():
     assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)] * 2
     assert "interleave=2, reduction='mean')" in plan.as_code()
     assert mm.PipelinePlan.from_json(plan.to_json()) == plan
-    with plan:
-        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
-            params, x).compile()
-    assert compiled.schedule.name == "interleaved-1f1b"
-    value, grads = compiled(params, x)
-    ref_value, ref_grads = _planned(plan, _scoped, params, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
-        assert sorted(d.id for d in a.devices()) == list(stage.devices)
-    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
-    assert sorted(d.id for d in grads["head"].devices()) == [4, 5, 6, 7]
+    compiled = _run_planned_scoped(plan, params, x, "interleaved-1f1b", head=[4, 5, 6, 7])
     # compare: one row per submesh, predicting the sum of its stages
     compiled.profile(params, x)
     rows = plan.compare(compiled).rows
@@ -748,19 +737,7 @@ def test_v_shape_plan_goes_down_the_submeshes_and_back_and_runs():
     assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7),
                                                   (4, 5, 6, 7), (0, 1, 2, 3)]
     assert plan.as_code().endswith("schedule='dualpipe-v', reduction='mean')\n")  # no interleave=
-    with plan:
-        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(_scoped))).lower(
-            params, x).compile()
-    assert compiled.schedule.name == "dualpipe-v"
-    value, grads = compiled(params, x)
-    ref_value, ref_grads = _planned(plan, _scoped, params, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k, (a, b) in enumerate(zip(grads["layers"], ref_grads["layers"])):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-        stage = next(st for st in plan.stages if f"layer{k}" in st.units)
-        assert sorted(d.id for d in a.devices()) == list(stage.devices)
-    np.testing.assert_allclose(grads["head"], ref_grads["head"], rtol=2e-4, atol=1e-6)
-    assert sorted(d.id for d in grads["head"].devices()) == [0, 1, 2, 3]
+    _run_planned_scoped(plan, params, x, "dualpipe-v", head=[0, 1, 2, 3])
 
 
 def test_planning_a_step_again_reuses_its_unit_costs():

@@ -7,6 +7,7 @@ import builtins
 import copy
 import inspect
 import re
+import typing
 from pathlib import Path
 
 import jax
@@ -358,6 +359,21 @@ def test_schedule_cost_names_are_public():
     from multimesh.jax._stages.compiled import MpmdCompiled
 
     assert callable(MpmdCompiled.step_profile)
+
+
+def test_both_comparisons_are_public_under_their_own_names():
+    """Issue 32: ``compare_schedules`` answers a ``ScheduleComparison`` (schedules on one
+    program), ``PipelinePlan.compare`` a ``StageComparison`` (predicted vs measured per
+    stage); once two classes both named ``Comparison``."""
+    from multimesh.jax._planner._plan import PipelinePlan
+    from multimesh.schedules.costs import compare
+
+    assert mm.ScheduleComparison.__name__ == "ScheduleComparison"
+    assert mm.StageComparison.__name__ == "StageComparison"
+    assert mm.ScheduleComparison is not mm.StageComparison
+    assert typing.get_type_hints(compare)["return"] is mm.ScheduleComparison
+    assert typing.get_type_hints(mm.compare_schedules)["return"] is mm.ScheduleComparison
+    assert typing.get_type_hints(PipelinePlan.compare)["return"] is mm.StageComparison
 
 
 def test_planner_is_public():

@@ -22,36 +22,23 @@ import pytest
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax.flax import parallelize_step
+from tests.models import layer_stack, mean_square_loss
 
 P, L, D, M = 2, 3, 16, 4  # stages, layers per stage, width, microbatches
 X = jnp.linspace(-1, 1, 8 * M * D).reshape(8 * M, D)
 WS = [jnp.linspace(-0.3, 0.3, L * D * D).reshape(L, D, D) * (k + 1) for k in range(P)]
 
 
-def _layers(w, x):
-    for i in range(L):
-        x = jnp.tanh(x @ w[i])
-    return x
-
-
-def _loss_of(stages):
-    def loss(ws, x):
-        for k in range(P):
-            x = stages[k](ws[k], x)
-        return (x ** 2).mean()
-    return loss
-
-
 def _explicit(schedule, task_remat=None, loop_remat=None):
-    stages = [mm.task(_layers, f"s{k}", mesh=mm.TaskMesh(devices=range(4 * k, 4 * k + 4)),
+    stages = [mm.task(layer_stack, f"s{k}", mesh=mm.TaskMesh(devices=range(4 * k, 4 * k + 4)),
                       remat=task_remat) for k in range(P)]
-    step = mm.microbatch(jax.value_and_grad(_loss_of(stages)), dim=0, size=8, argnum=1,
+    step = mm.microbatch(jax.value_and_grad(mean_square_loss(stages)), dim=0, size=8, argnum=1,
                          schedule=schedule, remat=loop_remat)
     return mm.mjit(step).lower(WS, X).compile()
 
 
 def _reference():
-    loss = _loss_of([_layers] * P)
+    loss = mean_square_loss([layer_stack] * P)
     parts = [jax.value_and_grad(loss)(WS, X[8 * m:8 * m + 8]) for m in range(M)]
     return sum(p[0] for p in parts), jax.tree.map(lambda *g: sum(g), *[p[1] for p in parts])
 
@@ -209,9 +196,9 @@ def test_parallelize_step_remat_matches_plain():
 
 def test_bad_remat_values():
     with pytest.raises(MultimeshTypeError, match="`remat` must be True .* checkpoint policy"):
-        mm.task(_layers, "s", remat="yes")
+        mm.task(layer_stack, "s", remat="yes")
     with pytest.raises(MultimeshTypeError, match="`remat` must be True"):
-        mm.microbatch(_layers, dim=0, size=8, remat=1)
+        mm.microbatch(layer_stack, dim=0, size=8, remat=1)
     with pytest.raises(MultimeshValueError, match="can only be recomputed whole"):
         _registered("1f1b", task_remat=jax.checkpoint_policies.dots_saveable)
     with pytest.raises(MultimeshValueError, match="`remat`"):
@@ -248,9 +235,9 @@ def test_memory_profile_measures_each_schedule():
             profiles[s, None].submeshes[1].peak_activations / 3
     assert "theory" in gpipe.format()
     # a program without a loop: its submeshes, no schedule
-    stages = [mm.task(_layers, f"s{k}", mesh=mm.TaskMesh(devices=range(4 * k, 4 * k + 4)))
+    stages = [mm.task(layer_stack, f"s{k}", mesh=mm.TaskMesh(devices=range(4 * k, 4 * k + 4)))
               for k in range(P)]
-    whole = mm.mjit(jax.value_and_grad(_loss_of(stages))).lower(WS, X).compile()
+    whole = mm.mjit(jax.value_and_grad(mean_square_loss(stages))).lower(WS, X).compile()
     prof = whole.memory_profile(WS, X)
     assert prof.schedule is None
     assert sorted(s.inputs for s in prof.submeshes) == sorted([WS[1].nbytes,

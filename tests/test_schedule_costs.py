@@ -242,27 +242,16 @@ def test_compare_schedules_on_interleaved_stages():
 
 def test_registered_blocks(capsys):
     """Tasks placed by ``register_task`` on Flax blocks: profiled, simulated, compared."""
-    nn = pytest.importorskip("flax.linen")
+    pytest.importorskip("flax.linen")
+    from tests.models import DenseBlocks, block_per_submesh
 
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(2):
-                x = jnp.tanh(nn.Dense(64, name=f"block_{i}")(x))
-            return (x ** 2).mean()
-
-    def place(name, backprop):
-        i = int(name.split("_")[1])
-        return mm.Task(name=f"{name}_{'bwd' if backprop else 'fwd'}",
-                       mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4)))
-
-    model = Net()
+    model = DenseBlocks(width=64)
     x = jnp.linspace(-1, 1, 128 * 64).reshape(128, 64)
     params = model.init(jax.random.key(0), x[:32])
     step = mm.microbatch(jax.value_and_grad(model.apply), dim=0, size=32, argnum=1,
                          schedule="1f1b", reduction="mean")
     with mm.Context() as ctx:
-        ctx.register_task(r"(block_\d+)", callback=place)
+        ctx.register_task(r"(block_\d+)", callback=block_per_submesh)
         compiled = mm.mjit(step).lower(params, x).compile()
     loss, grads = compiled.profile(params, x)
     want_loss, want_grads = jax.value_and_grad(model.apply)(params, x)

@@ -33,6 +33,7 @@ from multimesh.schedules import (
     theoretical_peak_live,
 )
 from multimesh.schedules.plans import Slot, add_backward
+from tests.tools import load_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = [s.name for s in all_schedules()]
@@ -69,11 +70,38 @@ def test_docs_list_exactly_the_registry():
     rows = _docs_table()
     assert list(rows) == NAMES
     for s in all_schedules():
-        module, alias_cell, split, placement = rows[s.name]
+        module, alias_cell, split, placement, *_ = rows[s.name]
         assert module == f"`{type(s).__module__.rsplit('.', 1)[-1]}.py`", s.name
         assert re.findall(r"`([^`]+)`", alias_cell) == list(s.aliases), s.name
         assert split == ("yes" if s.splits_backward else "no"), s.name
         assert placement == (s.placement or "any"), s.name
+
+
+def test_the_registry_table_is_generated_and_current():
+    """docs/schedules.md's table is ``tools/gen_schedules_doc.py``'s, from the registry."""
+    gen = load_tool("gen_schedules_doc")
+    current = (ROOT / "docs" / "schedules.md").read_text()
+    assert current == gen.render(current), \
+        "docs/schedules.md is stale: run `python tools/gen_schedules_doc.py`"
+    for s in all_schedules():
+        assert f"| {gen._cell(s.summary())} |" in current, s.name
+
+
+def test_every_listing_of_the_schedules_comes_from_the_registry(capsys):
+    """Issue 32: a schedule's docstring and options appear in ``mm-opt --list-passes``
+    (the pass's ``schedule`` option), ``microbatch``'s docstring and docs/passes.md, all
+    made from the registry, not written in each place."""
+    import multimesh.jax as mm
+    from multimesh.tools.mm_opt import main
+
+    assert main(["--list-passes"]) == 0
+    listed = capsys.readouterr().out
+    passes_md = (ROOT / "docs" / "passes.md").read_text()
+    for s in all_schedules():
+        assert s.summary() and s.describe() in listed and s.describe() in mm.microbatch.__doc__
+        assert s.describe() in passes_md, s.name
+    assert "takes unrolling" in get_schedule("gpipe").describe()
+    assert "v-shape placement; splits backward" in get_schedule("dualpipe-v").describe()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -161,6 +189,14 @@ def test_a_new_schedule_is_one_class(scratch_registry):
     assert sched.bubble_fraction() == pytest.approx(
         build_schedule(pipeline_units(2, 3), "gpipe").bubble_fraction())
     assert theoretical_bubble("gpipe-lifo", 2, 3) is None  # no closed form stated
+    # its docstring is its entry in every listing (the pass's option, microbatch's doc)
+    assert ("gpipe-lifo (alias LifoGPipe): GPipe whose drain runs the microbatches newest "
+            "first.") in registry.describe_schedules()
+    from multimesh.passes.base import option_doc, option_fields
+    from multimesh.passes.schedule_fragments import ScheduleFragmentsPass
+
+    [schedule] = [f for f in option_fields(ScheduleFragmentsPass) if f.name == "schedule"]
+    assert "gpipe-lifo (alias LifoGPipe)" in option_doc(schedule)
 
 
 @pytest.mark.parametrize("attrs,msg", [
@@ -198,13 +234,15 @@ def test_the_old_import_path_re_exports_the_library():
 
 
 def test_the_library_is_installed():
-    """pyproject.toml lists the library's packages (every package folder under multimesh/),
+    """pyproject.toml finds the library's packages (every package folder under multimesh/),
     so an installed multimesh has them, not only a source checkout."""
     import tomllib
+    from setuptools import find_packages
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
-                 ["tool"]["setuptools"]["packages"])
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    found = set(find_packages(str(ROOT), include=find["include"]))
     folders = {".".join(p.parent.relative_to(ROOT).parts)
                for p in (ROOT / "multimesh").rglob("__init__.py")}
     assert {"multimesh.schedules", "multimesh.schedules.algorithms"} <= folders
-    assert folders <= listed
+    assert folders <= found

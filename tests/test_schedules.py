@@ -593,13 +593,14 @@ def test_p6():
 
 def test_schedule_names_have_one_source():
     """Every place that lists the schedules lists exactly schedules.SCHEDULES and its
-    aliases: the front end's error, microbatch's docstring, the pass option's doc and
-    the schedules page."""
+    aliases: the front end's error, microbatch's docstring and the pass option's doc
+    (both made from the registry), and the schedules page; the pass's docstring points
+    at its option rather than list them again."""
     import pathlib
 
     from multimesh.jax import _microbatch
     from multimesh.passes.schedule_fragments import ScheduleFragmentsPass
-    from multimesh.passes.schedules import ALIASES, SPLIT_SCHEDULES
+    from multimesh.passes.schedules import ALIASES, SPLIT_SCHEDULES, get_schedule
 
     assert _microbatch.SCHEDULES is SCHEDULES
     assert set(SPLIT_SCHEDULES) <= set(SCHEDULES)
@@ -607,8 +608,27 @@ def test_schedule_names_have_one_source():
     passes_md = (pathlib.Path(__file__).parent.parent / "docs" / "passes.md").read_text()
     option = next(ln for ln in passes_md.splitlines() if ln.startswith("| `schedule`"))
     page = (pathlib.Path(__file__).parent.parent / "docs" / "schedules.md").read_text()
+    assert "listed with\n    the ``schedule`` option below" in ScheduleFragmentsPass.__doc__
     for name in SCHEDULES:
-        assert f'"{name}"' in _microbatch.microbatch.__doc__, name
-        assert name in option, name
-        assert name in (ScheduleFragmentsPass.__doc__ or "") or name == "custom", name
+        listed = get_schedule(name).describe()  # "name (traits): summary"
+        assert f"\n    - {listed}\n" in _microbatch.microbatch.__doc__, name
+        assert listed in option, name
         assert f'"{name}"' in page, name
+
+
+def test_schedules_and_the_runtime_share_one_call_record():
+    """Issue 32: one fragment call is one record (``multimesh._src.calls.Call``): the
+    schedule library links calls by position, the runtime plan by value id, and the
+    front end turns a plan's call into a schedule's with ``dataclasses.replace``."""
+    import dataclasses
+
+    from multimesh._src.calls import Call as Record
+    from multimesh.passes import schedule_fragments
+    from multimesh.runtime import plan
+
+    assert Call is Record and plan.Call is Record and schedule_fragments.Call is Record
+    assert not hasattr(schedule_fragments, "LoopCall")
+    step = Record("f", devices=None, microbatch=1, args=[0], results=[1])
+    unit = dataclasses.replace(step, task="t", devices=(0,), deps=(), args=(), results=())
+    [u], meshes = units_from_calls([unit])
+    assert (u.fragment, u.task, u.kind, u.microbatch, meshes) == ("f", "t", "fwd", 1, [(0,)])

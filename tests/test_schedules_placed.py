@@ -10,7 +10,6 @@ dispatch in the schedule's order.
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +27,7 @@ from multimesh.passes.schedules import (
     theoretical_peak_live,
     v_shape_units,
 )
+from tests.models import DenseBlocks
 
 PLACED = list(PLACEMENTS)
 
@@ -125,14 +125,19 @@ def test_peer_spellings(alias, name):
     assert s.name == name and rows(s) == rows(build_schedule(units, name))
 
 
+def _v_rows(s) -> list[str]:
+    """Each submesh's order of a V-shape schedule on two submeshes, its units labelled
+    ``a`` (the stage on the way down) or ``b`` (on the way back up)."""
+    return [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
+            for r, row in zip(s.labels(), s.rows(), strict=True)]
+
+
 def test_dualpipe_v_follows_the_published_steps():
     # deepseek-ai/DualPipe dualpipev.py, P = 2 and M = 4, written out by hand from its
     # eight steps: a = the submesh's stage on the way down, b = on the way back up; a
     # backward either runs its weight part at once (B W) or defers it to a later W
     s = build_schedule(v_shape_units(2, 4), "dualpipe-v")
-    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
-           for r, row in zip(s.labels(), s.rows(), strict=True)]
-    assert got == [
+    assert _v_rows(s) == [
         "F0a F1a F2a F0b B0b W0b F1b F3a B1b W1b F2b B0a W0a B2b W2b F3b B1a W1a B3b W3b "
         "B2a W2a B3a W3a",
         "F0a F0b F1a F1b F2a B0b W0b F2b B0a W0a F3a B1b W1b F3b B1a W1a B2b W2b B2a W2a "
@@ -154,9 +159,7 @@ def test_zero_bubble_v_follows_the_reference_pattern():
     # triples F B W up, the steady F B W down F B W up, then r pairs B-down B-up, P - r
     # pairs B-down W-down, the weight halves left (up, then down)
     s = build_schedule(v_shape_units(2, 4), "zero-bubble-v")
-    got = [" ".join(f"{lab}{'ab'[u.stage >= 2]}" for lab, u in zip(r, row, strict=True))
-           for r, row in zip(s.labels(), s.rows(), strict=True)]
-    assert got == [
+    assert _v_rows(s) == [
         "F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b "
         "B2a W2a B3a W3a",
         "F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b "
@@ -360,16 +363,6 @@ def test_explicit_tasks(name, P, M):
     _check_dispatch(compiled, name, P, M, V)
 
 
-class Net(nn.Module):
-    layers: int
-
-    @nn.compact
-    def __call__(self, x):
-        for i in range(self.layers):
-            x = jnp.tanh(nn.Dense(16, name=f"block_{i}")(x))
-        return (x ** 2).mean()
-
-
 @pytest.mark.parametrize("name,P,M", CASES)
 def test_registered_flax_blocks(name, P, M):
     V = _interleave(name)
@@ -383,7 +376,7 @@ def test_registered_flax_blocks(name, P, M):
         return mm.Task(name=f"{block}_{'bwd' if backprop else 'fwd'}",
                        mesh=mm.TaskMesh(devices=range(per * s, per * s + per)))
 
-    model = Net(layers=P * V)
+    model = DenseBlocks(layers=P * V)
     x = jnp.linspace(-1, 1, 8 * M * 16).reshape(8 * M, 16)
     params = model.init(jax.random.key(0), x[:8])
     parts = [jax.value_and_grad(model.apply)(params, x[8 * m:8 * m + 8]) for m in range(M)]

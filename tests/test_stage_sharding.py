@@ -68,6 +68,20 @@ def _global_mesh():
     return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=AUTO3)
 
 
+@contextlib.contextmanager
+def _nnx_layers_as_stages():
+    """Layers ``l0``/``l1`` registered as the global mesh's stages 0/1, under that mesh;
+    the registrations are cleared after."""
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with jax.set_mesh(_global_mesh()):
+            yield
+    finally:
+        mm.clear_tasks()
+
+
 def _stage_mesh(first: int) -> jax.sharding.Mesh:
     devs = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
     return jax.sharding.Mesh(devs, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -105,6 +119,16 @@ def _spec(sharding, ndim):
         kept = tuple(n for n in names if n is not None and sizes.get(n, 1) > 1)
         return kept or None
     return tuple(keep(e) for e in spec)
+
+
+def _assert_like_jax(got, want) -> None:
+    """``(value, grads, flops)`` of the MPMD program against plain jax's: the same
+    numbers, and no more than 10% more flops per stage device."""
+    (value, grads, flops), (ref_value, ref_grads, ref_flops) = got, want
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
 
 
 def _flops(compiled) -> float:
@@ -242,10 +266,7 @@ def test_registered_stages_shard_as_the_models_rules_say():
         ref = jax.jit(jax.value_and_grad(loss))
         ref_value, ref_grads = ref(params, x)
         ref_flops = _flops(ref.lower(params, x).compile())
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
-    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
+    _assert_like_jax((value, grads, flops), (ref_value, ref_grads, ref_flops))
     for k in range(2):
         kernel = grads["params"][f"b{k}"]["Dense_0"]["kernel"]
         assert {d.id for d in kernel.devices()} == set(range(4 * k, 4 * k + 4))
@@ -278,10 +299,7 @@ def test_explicit_mode_stages():
         ref = jax.jit(jax.value_and_grad(_loss_of([_explicit_block] * 2)))
         ref_value, ref_grads = ref(params, x)
         ref_flops = _flops(ref.lower(params, x).compile())
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
-    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
+    _assert_like_jax((value, grads, flops), (ref_value, ref_grads, ref_flops))
     for k in range(2):
         assert {d.id for d in grads[k]["w1"].devices()} == set(range(4 * k, 4 * k + 4))
 
@@ -327,17 +345,11 @@ def test_nnx_partition_metadata_shards_each_stage():
         return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
 
     x = jax.random.normal(jax.random.key(7), (16, 16))
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            model = _sharded_nnx_mlp(returns_loss=False)
-            assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
-            loss, grads = mjit(step)(model, x)
-            want_loss, want_grads = nnx.jit(step)(model, x)
-    finally:
-        mm.clear_tasks()
+    with _nnx_layers_as_stages():
+        model = _sharded_nnx_mlp(returns_loss=False)
+        assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
+        loss, grads = mjit(step)(model, x)
+        want_loss, want_grads = nnx.jit(step)(model, x)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     for k, spec in ((0, (None, ("model",))), (1, (("model",), None))):
         got = grads[f"l{k}"]["kernel"].get_value()
@@ -446,18 +458,12 @@ def test_nnx_parallelize_step_under_a_global_mesh():
         return loss
 
     x = jax.random.normal(jax.random.key(1), (16, 16))
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            model = _sharded_nnx_mlp(returns_loss=True)
-            ref = nnx.clone(model)
-            step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
-            loss, state = step(state, x)
-            ref_loss = plain_step(ref, nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param), x)
-    finally:
-        mm.clear_tasks()
+    with _nnx_layers_as_stages():
+        model = _sharded_nnx_mlp(returns_loss=True)
+        ref = nnx.clone(model)
+        step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
+        loss, state = step(state, x)
+        ref_loss = plain_step(ref, nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param), x)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for k, spec in ((0, (None, ("model",))), (1, (("model",), None))):
         got = getattr(model, f"l{k}").kernel.get_value()
@@ -465,3 +471,23 @@ def test_nnx_parallelize_step_under_a_global_mesh():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
         assert {d.id for d in got.devices()} == set(range(4 * k, 4 * k + 4))
         assert _spec(got.sharding, 2) == spec
+
+
+def test_one_sharding_prefix_broadcast_for_constraints_and_in_shardings():
+    """Issue 32: ``with_sharding_constraint``'s ``axis_resources`` and ``mjit``'s
+    ``in_shardings`` spread a prefix over the leaves with one helper."""
+    from multimesh.jax._stages.inputs import leaf_in_shardings
+    from multimesh.jax._task import broadcast_prefix
+
+    tree = {"a": (1, 2), "b": 3, "c": None}
+    spec_a, spec_b = P("x"), P(None, "y")
+    assert broadcast_prefix(spec_a, tree) == [spec_a] * 3
+    assert broadcast_prefix({"a": spec_a, "b": spec_b, "c": None}, tree) == [spec_a, spec_a,
+                                                                           spec_b]
+    with pytest.raises(ValueError):
+        broadcast_prefix({"a": spec_a}, tree)
+    args = (tree, 4)
+    assert leaf_in_shardings(({"a": spec_a, "b": None, "c": None}, spec_b), args, (), 2) == \
+        [spec_a, spec_a, None, spec_b, None, None]
+    assert leaf_in_shardings((spec_a,), args, (), 0) == []  # not one entry per argument
+    assert leaf_in_shardings(({"a": spec_a}, None), args, (), 0) == []  # not a prefix

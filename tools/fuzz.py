@@ -137,8 +137,7 @@ def run_ir_attrs(n: int, seed: int, out: str) -> dict:
 def run_bytecode(n: int, seed: int, out: str) -> dict:
     """``n`` mutated bytecode inputs (tests/test_fuzz_bytecode.py), in crash-isolated
     workers; each failing case is written to ``OUT/bytecode/case<N>.mlirbc``."""
-    from tests.test_fuzz_bytecode import HANG_S, make_cases, run_isolated
-    from tests.test_fuzz_ir import Case, Result, problems
+    from tests.test_fuzz_bytecode import make_cases, result_problems, run_isolated
 
     t0 = time.perf_counter()
     cases = make_cases(n, seed)
@@ -149,9 +148,7 @@ def run_bytecode(n: int, seed: int, out: str) -> dict:
     stats = collections.Counter()
     for r in results:
         case = cases[r["id"]]
-        found = problems(Case(r["id"], case["seed"], (), case["pipeline"], ""),
-                         Result(r["rc"], "", r["stderr"], r["wrote"], None, r["seconds"]),
-                         timeout=HANG_S)
+        found = result_problems(case, r)
         if found:
             fails.append({"case": r["id"], "seed": case["seed"], "mutations": case["mutations"],
                           "pipeline": case["pipeline"], "problems": found})

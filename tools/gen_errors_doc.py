@@ -10,7 +10,6 @@ numbers are replaced, so the page does not change from machine to machine.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import inspect
 import os
@@ -22,12 +21,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 # Before jax is imported: the catalogue's programs use 8 CPU devices.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from doc_check import generate  # noqa: E402
 
 DOC = ROOT / "docs" / "errors.md"
 CATALOGUE = ROOT / "tests" / "error_catalogue.py"
@@ -192,21 +194,7 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 if docs/errors.md is not up to date")
-    args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
-        if current != text:
-            print("docs/errors.md is stale: run `python tools/gen_errors_doc.py`",
-                  file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC.relative_to(ROOT)}")
-    return 0
+    return generate(argv, __doc__.split("\n\n")[0], DOC, lambda _current: render())
 
 
 if __name__ == "__main__":

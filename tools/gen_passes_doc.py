@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import sys
@@ -16,9 +15,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from doc_check import generate  # noqa: E402
 
 from multimesh.passes import get_all_passes, pass_module_name  # noqa: E402
-from multimesh.passes.base import option_fields  # noqa: E402
+from multimesh.passes.base import option_doc, option_fields  # noqa: E402
 
 DOC = ROOT / "docs" / "passes.md"
 HEADER = """\
@@ -79,7 +81,8 @@ def render_pass(argument: str, cls) -> str:
     fields = option_fields(cls)
     if fields:
         hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
+        docs = {**field_docs(cls),
+                **{f.name: doc for f in fields if (doc := option_doc(f)) is not None}}
         lines += ["| Option | Type | Default | Description |", "|---|---|---|---|"]
         for f in fields:
             name = f.name.replace("_", "-")
@@ -107,22 +110,10 @@ def render() -> tuple[str, list[str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/passes.md is stale")
-    args = ap.parse_args(argv)
     text, missing = render()
     for m in missing:
         print(f"warning: pass not documented (cannot import) {m}", file=sys.stderr)
-    if args.check:
-        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
-        if current != text:
-            print(f"{DOC.relative_to(ROOT)} is stale: run `python tools/gen_passes_doc.py`",
-                  file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC.relative_to(ROOT)}")
-    return 0
+    return generate(argv, __doc__.splitlines()[0], DOC, lambda _current: text)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ diagnostic-rich helpers live on top, in ``multimesh.passes._contract``), and the
 reads the MPMD form with the readers at the end of this module, checked: a malformed
 module is an :class:`IRContractError` naming the attribute, not a ``KeyError``.
 
-One record describes a task's mesh, :class:`TaskMesh`, read and written by every layer.
+One record describes a task's mesh, :class:`MeshRecord`, read and written by every layer.
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ CALLBACK_KEY = "mm.callback"
 
 
 @dataclass(frozen=True)
-class TaskMesh:
+class MeshRecord:
     """A task's submesh and logical mapping: an ``mm.tasks`` entry, and the mesh half of
     a task call's ``mm.task``. One record for the front end (its task call record
-    extends it), the passes and the runtime."""
+    extends it), the passes and the runtime. Not the public ``multimesh.jax.TaskMesh``
+    (what a user writes, checked and resolved against the program's mesh), which the
+    front end turns into this record when it binds a task."""
 
     devices: tuple[int, ...]
     axis_names: tuple[str, ...]
@@ -105,7 +107,7 @@ class TaskMesh:
     @classmethod
     def from_dict(cls, d, loc: ir.Location | None = None,
                   what: str = f"'{TASK_ATTR}'",
-                  keys: tuple[str, ...] | None = None) -> TaskMesh:
+                  keys: tuple[str, ...] | None = None) -> MeshRecord:
         """Read a task mesh (``attr_to_py`` of an ``mm.task`` / ``mm.tasks`` entry).
 
         Checks it as ``mm-verify`` does (keys present and typed, positive axis sizes
@@ -169,7 +171,7 @@ class TaskMesh:
 
     @classmethod
     def from_attr(cls, attr: ir.Attribute, loc: ir.Location | None = None,
-                  what: str = f"'{TASK_ATTR}'") -> TaskMesh:
+                  what: str = f"'{TASK_ATTR}'") -> MeshRecord:
         """Read and check an ``mm.tasks`` entry or a task call's ``mm.task``."""
         return cls.from_dict(attr_to_py(attr), loc, what)
 

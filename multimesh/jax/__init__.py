@@ -8,6 +8,7 @@ from multimesh._src.errors import MultimeshError as MultimeshError
 from multimesh._src.errors import MultimeshWarning as MultimeshWarning
 from multimesh.jax import errors as errors
 from multimesh.jax._analysis.costs import DeviceModel as DeviceModel
+from multimesh.jax._analysis.costs import ScheduleComparison as ScheduleComparison
 from multimesh.jax._analysis.costs import StepProfile as StepProfile
 from multimesh.jax._analysis.costs import compare_schedules as compare_schedules
 from multimesh.jax._analysis.costs import residual_bytes as residual_bytes
@@ -22,6 +23,7 @@ from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._parallelize import parallelize as parallelize
 from multimesh.jax._planner import PipelinePlan as PipelinePlan
+from multimesh.jax._planner import StageComparison as StageComparison
 from multimesh.jax._planner import plan_pipeline as plan_pipeline
 from multimesh.jax._registrations import Context as Context
 from multimesh.jax._registrations import clear_tasks as clear_tasks

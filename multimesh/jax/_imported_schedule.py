@@ -20,11 +20,11 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 
 from multimesh._src.errors import MultimeshWarning, user_stacklevel
 from multimesh.passes.api import schedule_from_order
 from multimesh.runtime.plan import Call, Plan
-from multimesh.schedules import Call as UnitCall
 from multimesh.schedules import Schedule, units_from_calls
 
 __all__ = ["recover_schedule", "SCHEDULE_NAME"]
@@ -106,8 +106,9 @@ def recover_schedule(plan: Plan, counters: Sequence[int | None] = ()) -> Schedul
     units_in = []
     for c, m, d in zip(calls, mbs, deps):
         frag = plan.fragments[c.fragment]
-        units_in.append(UnitCall(c.fragment, frag.task, frag.transpose_count,
-                                 tuple(plan.call_devices(c)), m, None, d))
+        units_in.append(replace(c, task=frag.task, transpose_count=frag.transpose_count,
+                                devices=tuple(plan.call_devices(c)), microbatch=m, deps=d,
+                                args=(), results=()))
         c.microbatch = m
     units, devices = units_from_calls(units_in)
     return schedule_from_order(SCHEDULE_NAME, units, range(len(units)), devices)

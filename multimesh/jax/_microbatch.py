@@ -47,6 +47,7 @@ from multimesh.schedules import (
     alias_list,
     canonical_schedule_name,
     canonicalize_custom_schedule,
+    describe_schedules,
     get_schedule,
 )
 
@@ -109,13 +110,10 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     averages over its batch). Integer outputs are summed in their own dtype (and
     cannot be averaged); ``bool`` outputs are or-ed (true if any microbatch's is).
     ``fun`` is traced once; the pipeline schedule decides in which order each
-    task's fragment runs for each microbatch: ``"gpipe"`` (default),
-    ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble-h1"``,
-    ``"zero-bubble-h2"``, ``"eager-1f1b"``, ``"interleaved-gpipe"``,
-    ``"gpipe-1f1b-last"``, ``"circular-reversed-backward"``, ``"dualpipe-v"``,
-    ``"zero-bubble-v"``, ``"kimi-k2"`` (these seven check the tasks' stage placement,
-    docs/schedules.md) or ``"custom"`` (with
-    ``custom_schedule``, one row of task names per submesh). ``unrolling=k`` (GPipe only) runs the microbatches
+    task's fragment runs for each microbatch: ``"gpipe"`` (default) or any registered
+    schedule, listed below from the registry (those with a placement rule check the
+    tasks' stage placement, docs/schedules.md), ``"custom"`` with
+    ``custom_schedule``, one row of task names per submesh. ``unrolling=k`` (GPipe only) runs the microbatches
     in groups of ``k``, fill-drain within each group, so at most ``k``
     microbatches' activations are alive at once. ``remat=True`` (or a jax
     checkpoint policy) is the default ``remat`` of every task traced in the loop
@@ -123,7 +121,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     """
     argnum, name = _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling,
                                   schedule, custom_schedule)
-    _check_reduction(reduction)
+    check_reduction(reduction)
     remat = check_remat(remat, "`microbatch`")
 
     def wrapped(*args, **kwargs):
@@ -164,6 +162,11 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
     return wrapped
 
 
+if microbatch.__doc__:  # the schedules, from the registry (not written here: issue 32)
+    microbatch.__doc__ += ("\n    Schedules:\n\n"
+                           + describe_schedules("    - ") + "\n")
+
+
 def _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling, schedule,
                    custom_schedule) -> tuple[int, str | None]:
     """``microbatch``'s arguments checked when it is called, not when the function runs;
@@ -189,10 +192,12 @@ def _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling, sc
     return argnum, name
 
 
-def _check_reduction(reduction) -> None:
+def check_reduction(reduction, who: str = "`microbatch`") -> None:
+    """``reduction`` is one of :data:`REDUCTIONS` (``who`` names the caller: ``microbatch``,
+    ``plan_pipeline``)."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise MultimeshValueError(
-            f"`microbatch` reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got "
+            f"{who} reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got "
             f"{reduction!r}: 'sum' adds the microbatches' outputs (gradient accumulation), "
             f"'mean' averages them (the full batch's mean loss and its gradients).")
 

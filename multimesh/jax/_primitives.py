@@ -31,7 +31,7 @@ from multimesh._src.ir_contract import (
     MICROBATCH_ATTR,
     SUM_TARGET,
     TASK_ATTR,
-    TaskMesh,
+    MeshRecord,
 )
 from multimesh._src.mlir import ir, py_to_attr
 from multimesh._src.mlir import stablehlo as hlo
@@ -41,8 +41,8 @@ __all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logica
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TaskInfo(TaskMesh):
-    """One task call: its name and transpose count beside its :class:`TaskMesh`
+class TaskInfo(MeshRecord):
+    """One task call: its name and transpose count beside its :class:`MeshRecord`
     (hashable, a primitive parameter)."""
 
     name: str
@@ -57,10 +57,10 @@ class TaskInfo(TaskMesh):
     def bumped(self) -> TaskInfo:
         return dataclasses.replace(self, transpose_count=self.transpose_count + 1)
 
-    def mesh(self) -> TaskMesh:
+    def mesh(self) -> MeshRecord:
         """The task's mesh alone, as plain tuples (an ``mm.tasks`` entry)."""
         split = self.split_backprop
-        return TaskMesh(tuple(int(d) for d in self.devices), tuple(self.axis_names),
+        return MeshRecord(tuple(int(d) for d in self.devices), tuple(self.axis_names),
                         tuple(int(s) for s in self.axis_sizes),
                         tuple((a, b) for a, b in self.logical_axes),
                         (split[0], split[1]) if split else None,

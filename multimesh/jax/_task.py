@@ -680,22 +680,30 @@ def with_sharding_constraint(x, axis_resources):
     if st.ignore_transforms or not st.autoshard:
         return _jax_with_sharding_constraint(x, axis_resources)
     leaves, treedef = jax.tree.flatten(x)
-    if isinstance(axis_resources, (PartitionSpec, NamedSharding)) or axis_resources is None:
-        specs = [axis_resources] * len(leaves)
-    else:
-        specs = _broadcast_prefix(axis_resources, x, len(leaves))
+    specs = _broadcast_prefix(axis_resources, x, len(leaves))
     out = [_constrain(leaf, s) for leaf, s in zip(leaves, specs)]
     return jax.tree.unflatten(treedef, out)
 
 
+def is_spec(s) -> bool:
+    """A leaf of a sharding prefix: a ``PartitionSpec``, a ``NamedSharding`` or None."""
+    return s is None or isinstance(s, (PartitionSpec, NamedSharding))
+
+
+def broadcast_prefix(prefix, tree) -> list:
+    """One entry of ``prefix`` per leaf of ``tree``: ``prefix`` is a pytree prefix of
+    ``tree`` whose leaves are specs (:func:`is_spec`), as ``jax.jit``'s shardings are.
+    Raises jax's ``ValueError`` when it is not a prefix; callers say whose argument it was."""
+    if is_spec(prefix):
+        return [prefix] * len(jax.tree.leaves(tree))
+    groups = jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)), prefix, tree,
+                          is_leaf=is_spec)
+    return [s for g in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, list)) for s in g]
+
+
 def _broadcast_prefix(prefix, tree, n):
     try:
-        specs = jax.tree_util.tree_flatten(
-            jax.tree_util.tree_map(
-                lambda s, sub: [s] * len(jax.tree.leaves(sub)), prefix, tree,
-                is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding)) or s is None),
-            is_leaf=lambda s: isinstance(s, list))[0]
-        flat = [s for group in specs for s in group]
+        flat = broadcast_prefix(prefix, tree)
     except ValueError as e:
         raise MultimeshValueError(
             f"axis_resources structure does not match the value's structure: {e}") from None

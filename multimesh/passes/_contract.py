@@ -1,6 +1,6 @@
 """The passes' readers and writers of the IR contract (docs/ir.md).
 
-The names and the :class:`TaskMesh` record are ``multimesh._src.ir_contract``'s, shared
+The names and the task-mesh record (:class:`MeshRecord`) are ``multimesh._src.ir_contract``'s, shared
 with the front end and the runtime; here are the helpers only passes need, each
 checking what it reads and raising a :class:`DiagnosticError` at the op.
 """
@@ -46,8 +46,8 @@ from multimesh._src.ir_contract import (  # noqa: F401  (re-exported for the pas
     TASKS_ATTR,
     TRANSFER_TARGET,
     TRANSPOSE_COUNT,
+    MeshRecord,
     Tag,
-    TaskMesh,
     check_keys,
     check_mesh,
     read_num_devices,
@@ -60,9 +60,6 @@ from multimesh._src.ir_contract import str_list as _str_list
 from multimesh._src.ir_contract import tag_from_dict as _tag_from_dict
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, dict_attr, ir, py_to_attr, sdy
-
-TaskMeshInfo = TaskMesh
-"""The passes' name for :class:`TaskMesh`."""
 
 
 def main_func(module: ir.Module) -> ir.Operation:
@@ -94,10 +91,10 @@ def entry_block(func: ir.Operation) -> ir.Block:
     return func.regions[0].blocks[0]
 
 
-def read_tasks(module: ir.Module, *, strict: bool = False) -> dict[str, TaskMeshInfo]:
+def read_tasks(module: ir.Module, *, strict: bool = False) -> dict[str, MeshRecord]:
     """The module's ``mm.tasks`` table, checked (:class:`DiagnosticError` at the module).
 
-    ``strict``: ``mm-verify``'s reading (see :meth:`TaskMeshInfo.from_dict`'s ``keys``).
+    ``strict``: ``mm-verify``'s reading (see :meth:`MeshRecord.from_dict`'s ``keys``).
     """
     attrs = module.operation.attributes
     if TASKS_ATTR not in attrs:
@@ -109,11 +106,11 @@ def read_tasks(module: ir.Module, *, strict: bool = False) -> dict[str, TaskMesh
     for k, v in table.items():
         if not k:
             raise DiagnosticError(f"'{TASKS_ATTR}' has an entry with an empty task name", loc)
-        out[k] = TaskMeshInfo.from_dict(v, loc, f"'{TASKS_ATTR}' entry \"{k}\"", keys)
+        out[k] = MeshRecord.from_dict(v, loc, f"'{TASKS_ATTR}' entry \"{k}\"", keys)
     return out
 
 
-def write_tasks(module: ir.Module, tasks: dict[str, TaskMeshInfo]) -> None:
+def write_tasks(module: ir.Module, tasks: dict[str, MeshRecord]) -> None:
     with module.context:
         module.operation.attributes[TASKS_ATTR] = dict_attr(
             {k: tasks[k].to_dict() for k in sorted(tasks)})
@@ -163,7 +160,7 @@ def tag_of(op: ir.Operation) -> Tag | None:
     return tag
 
 
-def task_call(call: ir.Operation, *, strict: bool = False) -> tuple[Tag, TaskMeshInfo | None]:
+def task_call(call: ir.Operation, *, strict: bool = False) -> tuple[Tag, MeshRecord | None]:
     """Tag and mesh of a task call's ``mm.task`` (mesh None for a flat ``{name,
     transpose_count}`` reference), checked as ``mm-verify`` does: a
     :class:`DiagnosticError` at the call on the first violation.
@@ -178,7 +175,7 @@ def task_call(call: ir.Operation, *, strict: bool = False) -> tuple[Tag, TaskMes
     tag = _tag_from_dict(d, what, loc)
     if not strict and not any(k in d for k in MESH_KEYS):
         return tag, None
-    return tag, TaskMeshInfo.from_dict(d, loc, what, TASK_CALL_KEYS if strict else None)
+    return tag, MeshRecord.from_dict(d, loc, what, TASK_CALL_KEYS if strict else None)
 
 
 def is_task_reference(op: ir.Operation) -> bool:
@@ -191,7 +188,7 @@ def is_task_reference(op: ir.Operation) -> bool:
     return all(d[i].name in TAG_KEYS for i in range(len(d)))
 
 
-def task_reference(op: ir.Operation, tasks: dict[str, TaskMeshInfo] | None) -> Tag:
+def task_reference(op: ir.Operation, tasks: dict[str, MeshRecord] | None) -> Tag:
     """The tag of an op in flat form, read strictly (``mm-verify``): only
     :data:`TAG_KEYS`, naming an entry of ``tasks`` (the ``mm.tasks`` table, None if
     the module has none); a :class:`DiagnosticError` at the op otherwise."""
@@ -225,7 +222,7 @@ def check_task_calls(root: ir.Operation) -> None:
         task_call(call)
 
 
-def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo:
+def known_task(op: ir.Operation, tasks: dict[str, MeshRecord]) -> MeshRecord:
     """The ``mm.tasks`` entry of a tagged op's task (:class:`DiagnosticError` if none)."""
     tag = tag_of(op)
     if tag is None:
@@ -233,7 +230,7 @@ def known_task(op: ir.Operation, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo
     return _known(op, tag[0], tasks)
 
 
-def _known(op: ir.Operation, name: str, tasks: dict[str, TaskMeshInfo]) -> TaskMeshInfo:
+def _known(op: ir.Operation, name: str, tasks: dict[str, MeshRecord]) -> MeshRecord:
     info = tasks.get(name)
     if info is None:
         known = ta.listing(f'"{k}"' for k in sorted(tasks)) or "none"

@@ -100,7 +100,7 @@ def collect_foreign(module: ir.Module, own_meshes: set[str]) -> list[ForeignShar
 
 
 def check_foreign(items: Iterable[ForeignSharding], module: ir.Module, own_meshes: set[str],
-                  tasks: dict[str, c.TaskMesh]) -> None:
+                  tasks: dict[str, c.MeshRecord]) -> None:
     """Raise at the op for a sharding outside a task, or naming an axis its task lacks."""
     foreign = _foreign_meshes(module, own_meshes)
     for item in items:

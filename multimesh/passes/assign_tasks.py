@@ -63,7 +63,7 @@ class AssignTasksPass(ModulePass):
                 n = self.num_devices or c.num_devices(module) or _num_partitions(module)
                 # A caller may have given mm.default its mesh (the program's own mesh).
                 tasks.setdefault(c.DEFAULT_TASK,
-                                 c.TaskMeshInfo(tuple(range(n)), ("x",), (n,), ()))
+                                 c.MeshRecord(tuple(range(n)), ("x",), (n,), ()))
                 for op in untagged:
                     tag[op] = (c.DEFAULT_TASK, 0, loop[op])
             _write_tags(ops, tag, pretagged, markers)
@@ -71,7 +71,7 @@ class AssignTasksPass(ModulePass):
 
 
 def _given_tags(ops: list[ir.Operation], loop: dict[ir.Operation, int],
-                tasks: dict[str, c.TaskMeshInfo]) -> dict[ir.Operation, c.Tag]:
+                tasks: dict[str, c.MeshRecord]) -> dict[ir.Operation, c.Tag]:
     """The tags ops carry already, or that ops with regions get from their nested ops."""
     tag: dict[ir.Operation, c.Tag] = {}
     for op in ops:

@@ -126,6 +126,19 @@ NOT_AN_OPTION = {"option": False}
 """Field metadata of a pass field that is state given in Python, not a CLI option."""
 
 
+def generated_doc(make_doc) -> dict:
+    """Field metadata of an option whose description is made when asked (``make_doc()``,
+    from a registry), not written beside the field: ``mm-opt --list-passes`` prints it
+    and docs/passes.md shows it in place of an attribute docstring."""
+    return {"doc": make_doc}
+
+
+def option_doc(f: dataclasses.Field) -> str | None:
+    """The generated description of option ``f`` (:func:`generated_doc`), if it has one."""
+    make = f.metadata.get("doc")
+    return make() if make is not None else None
+
+
 def option_fields(cls) -> list[dataclasses.Field]:
     """The fields that are options: spelled in pipelines, listed in docs/passes.md."""
     return [f for f in dataclasses.fields(cls)

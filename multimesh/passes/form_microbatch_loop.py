@@ -72,7 +72,7 @@ class FormMicrobatchLoopPass(ModulePass):
             inloop = _loop_calls(ops, funcs)
             _check_structure(ops, inloop, sums, funcs)
             acc = _plan_accumulators(sums, inloop, funcs)
-            _Builder(module, main, funcs, num).build(ops, inloop, index_ops, sums, acc)
+            _LoopBuilder(module, main, funcs, num).build(ops, inloop, index_ops, sums, acc)
 
 
 def _num_microbatches(sums, index_ops, module) -> int:
@@ -183,7 +183,9 @@ def _invariants(inloop, index_values) -> list[ir.Value]:
     return invariants
 
 
-class _Builder:
+class _LoopBuilder:
+    """Builds the microbatch loop's body function and its calls in ``@main``."""
+
     def __init__(self, module, main, funcs, num):
         self.module = module
         self.main = main

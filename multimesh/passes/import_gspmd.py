@@ -78,7 +78,9 @@ class GspmdSharding:
 # ----------------------------------------------------------------------------- parser
 
 
-class _Parser:
+class _ShardingParser:
+    """Parses one GSPMD sharding string (``HloSharding::ToString``) into a ``GspmdSharding``."""
+
     def __init__(self, text: str):
         self.s = text
         self.i = 0
@@ -255,7 +257,7 @@ def _iota_devices(reshape: list[int], perm: list[int]) -> list[int]:
 
 def parse_gspmd_sharding(text: str) -> GspmdSharding:
     """Parse an ``HloSharding::ToString`` string; raises :class:`GspmdParseError`."""
-    p = _Parser(text)
+    p = _ShardingParser(text)
     result = p.sharding()
     p.ws()
     if p.i != len(text):

@@ -481,13 +481,13 @@ def _call_names(calls) -> set[str]:
 class _Names:
     """Task names, one per distinct (name, mesh, logical mapping) in program order."""
 
-    def __init__(self, tasks: dict[str, c.TaskMeshInfo], taken: set[str]):
+    def __init__(self, tasks: dict[str, c.MeshRecord], taken: set[str]):
         self.tasks = tasks
         self.taken = set(taken) | set(tasks)
-        self.given: dict[tuple[str, c.TaskMeshInfo], str] = {}
+        self.given: dict[tuple[str, c.MeshRecord], str] = {}
 
     def allocate(self, d: dict) -> str:
-        info = c.TaskMeshInfo.from_dict(d)
+        info = c.MeshRecord.from_dict(d)
         key = (d["name"], info)
         name = self.given.get(key)
         if name is None:

@@ -298,7 +298,7 @@ class RuleTask:
     """The task a rule gives its matches: a name (None: the matched name) and a mesh."""
 
     name: str | None
-    mesh: c.TaskMeshInfo
+    mesh: c.MeshRecord
 
     def to_json(self) -> dict:
         """The rules-file form of this task (what :func:`parse_rules` reads back)."""
@@ -372,7 +372,7 @@ def _parse_task(d, where: str) -> RuleTask:
     if isinstance(entry["axis_names"], list):
         entry.setdefault("logical_axes", [[n, n] for n in entry["axis_names"]])
     try:
-        mesh = c.TaskMeshInfo.from_dict(entry, None, "task")
+        mesh = c.MeshRecord.from_dict(entry, None, "task")
     except DiagnosticError as e:
         _fail(where, e.message)
     return RuleTask(name, mesh)
@@ -540,7 +540,7 @@ class MatchTasksPass(ModulePass):
 
 
 def _resolve_hits(module: ir.Module, scan: _Scanner, rules: list[Rule],
-                  tasks: dict[str, c.TaskMeshInfo]) -> dict[Match, str]:
+                  tasks: dict[str, c.MeshRecord]) -> dict[Match, str]:
     """The task name of every match, with the tasks added to ``tasks``; a name given
     two meshes (by two matches, or by a match and the table or an explicit task call)
     is an error at the first op of the match."""
@@ -594,15 +594,15 @@ def _pair_backwards(tasks: dict, names: dict) -> None:
             tasks[n] = dataclasses.replace(tasks[n], forward=f)
 
 
-def _describe(info: c.TaskMeshInfo) -> str:
+def _describe(info: c.MeshRecord) -> str:
     axes = ", ".join(f"{n}={s}" for n, s in zip(info.axis_names, info.axis_sizes, strict=True))
     return (f"devices {list(info.devices)} ({axes}) with logical axes "
             f"{[list(p) for p in info.logical_axes]}")
 
 
-def _explicit_tasks(module: ir.Module) -> dict[str, tuple[c.TaskMeshInfo, str]]:
+def _explicit_tasks(module: ir.Module) -> dict[str, tuple[c.MeshRecord, str]]:
     """Tasks named by explicit task calls (``func.call {mm.task = {..., devices}}``)."""
-    out: dict[str, tuple[c.TaskMeshInfo, str]] = {}
+    out: dict[str, tuple[c.MeshRecord, str]] = {}
     for op in _nested_ops(module.operation):
         if op.name == "func.call" and c.TASK_ATTR in op.attributes:
             (name, _, _), mesh = c.task_call(op)

@@ -410,7 +410,7 @@ def _follow_producers(markers) -> None:
                 m.move_after(owner.operation)
 
 
-def _fragment_func(module, main, name: str, key: c.Tag, task: c.TaskMeshInfo, mesh: str,
+def _fragment_func(module, main, name: str, key: c.Tag, task: c.MeshRecord, mesh: str,
                    ins: list[ir.Value], outs: list[ir.Value]) -> ir.Block:
     """An empty fragment function, tagged with its task, mesh and devices; its body."""
     with ir.InsertionPoint(module.body), main.location:

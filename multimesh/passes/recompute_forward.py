@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from multimesh._src.mlir import ir
 
 from . import _contract as c
+from . import _recompute
 from .base import ModulePass
-from .recompute_transfers import _prune_unused_results, _rewrite
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ class RecomputeForwardPass(ModulePass):
             calls = c.fragment_calls(main)
             by_call = _plans(calls, funcs, set(self.tasks), set(self.inputs_of))
             for call, items in by_call.items():
-                _rewrite(funcs[c.callee_of(call)], call, items)
+                _recompute.rewrite(funcs[c.callee_of(call)], call, items)
             if by_call:
-                _prune_unused_results(module, main, funcs)
+                _recompute.prune_unused_results(module, main, funcs)
 
 
 def _plans(calls: list[ir.Operation], funcs: dict[str, ir.Operation], tasks: set[str],
@@ -62,11 +62,9 @@ def _plans(calls: list[ir.Operation], funcs: dict[str, ir.Operation], tasks: set
     tag = {call: c.tag_of(funcs[c.callee_of(call)]) for call in calls}
     devices = {call: c.fragment_info(funcs[c.callee_of(call)]).devices for call in calls}
     uses: dict[str, int] = {}
-    producer_of: dict = {}
     for call in calls:
         uses[c.callee_of(call)] = uses.get(c.callee_of(call), 0) + 1
-        for j, r in enumerate(call.results):
-            producer_of[r] = (call, j)
+    producer_of = _recompute.producers(calls)
     by_call: dict = {}
     for call in calls:
         t = tag[call]
@@ -99,27 +97,7 @@ def _is_view(op: ir.Operation) -> bool:
     return all(ir.RankedTensorType(r.type).rank == 0 for r in op.results)  # index arithmetic
 
 
-def _slice(pfn: ir.Operation, j: int, views: bool = False):
+def _slice(pfn: ir.Operation, j: int, views: bool = False) -> _recompute.Slice | None:
     """``(ops in order, root, argument indices)``: what computes result ``j`` of ``pfn``
     (None when ``views`` and it computes more than a view of the arguments)."""
-    body = c.entry_block(pfn)
-    ret = list(body.operations)[-1].operation
-    root = ret.operands[j]
-    ops, seen, leaves = [], set(), set()
-    stack = [root]
-    while stack:
-        v = stack.pop()
-        if isinstance(v.owner, ir.Block):
-            leaves.add(ir.BlockArgument(v).arg_number)
-            continue
-        op = v.owner.operation
-        if op in seen:
-            continue
-        if views and not _is_view(op):
-            return None
-        seen.add(op)
-        ops.append(op)
-        stack.extend(op.operands)
-    order = {o: i for i, o in enumerate(o.operation for o in body.operations)}
-    ops.sort(key=lambda o: order[o])
-    return ops, root, sorted(leaves)
+    return _recompute.backward_slice(pfn, j, admit=_is_view if views else None)

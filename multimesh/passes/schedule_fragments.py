@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, PipelineError
@@ -15,15 +15,17 @@ from multimesh.schedules import (
     ScheduleError,
     build_schedule,
     canonical_schedule_name,
+    describe_schedules,
     get_schedule,
+    schedule_names,
     units_from_calls,
 )
 
 from . import _contract as c
-from .base import ModulePass
+from .base import ModulePass, generated_doc
 
 __all__ = ["ScheduleFragmentsPass", "SCHEDULE_ATTR", "CONFIG_ATTR", "SPLIT_ATTR",
-           "LoopCall", "read_loop", "loop_calls", "read_schedule", "find_loop"]
+           "read_loop", "loop_calls", "read_schedule", "find_loop"]
 
 SCHEDULE_ATTR = c.SCHEDULE_ATTR
 CONFIG_ATTR = c.SCHEDULE_CONFIG_ATTR
@@ -39,6 +41,12 @@ CONFIG_SPEC = ta.dict_of(schedule=ta.NAME, num_stages=_COUNT, interleave=_COUNT,
 """``mm.schedule_config``: every key optional (docs/ir.md)."""
 SPLIT_ATTR = c.SPLIT_ATTR
 _SPLITS = ("activation", "weight")
+
+
+def _schedule_doc() -> str:
+    """The ``schedule`` option's description, from the schedule registry."""
+    return (f"{schedule_names()} (or an alias); default: the module's "
+            f"mm.schedule_config, else gpipe.\n{describe_schedules()}")
 
 
 @dataclass(frozen=True)
@@ -59,26 +67,10 @@ class ScheduleFragmentsPass(ModulePass):
     come from the forward calls: a run of consecutive forward tasks on one submesh
     is one stage, so several stages on one submesh mean interleaving.
 
-    Schedules: ``gpipe`` (fill-drain; aliases ``fill-drain``, ``breadth-first``;
-    ``unrolling=k`` runs the microbatches in groups of ``k``), ``1f1b``
-    (PipeDream-flush, aliases ``wavefront``, ``pipedream-flush``,
-    ``prefetch-wavefront``; Megatron's interleaved 1F1B when submeshes run several
-    stages, which ``interleaved-1f1b`` names explicitly), ``zero-bubble-h1`` (1F1B's
-    order with every weight-gradient half moved into idle slots, under 1F1B's peak
-    memory), ``zero-bubble-h2`` (a longer warm-up and weight halves in the bubbles,
-    under twice that memory), seven with a stage-placement rule (docs/schedules.md):
-    ``eager-1f1b`` (1F1B with about twice its warm-up), ``gpipe-1f1b-last`` (GPipe, the
-    last submesh 1F1B), ``interleaved-gpipe`` and ``circular-reversed-backward``
-    (round-robin stages; every forward, then the backwards in group order or in the
-    mirror of the forwards), ``dualpipe-v`` (V-shape stages, DeepSeek's DualPipeV:
-    two microbatch streams, split backwards, at least 2P microbatches),
-    ``zero-bubble-v`` (V-shape stages, the ZB-V schedule of Qi et al.: split backwards,
-    no bubble inside a submesh's span from 2P - 1 microbatches on), ``kimi-k2``
-    (round-robin stages, JaxPP's KimiK2: interleaved 1F1B with one more warm-up
-    forward), and ``custom`` (rows from ``custom-schedule-file``, a
-    JSON list of rows, or from ``custom_schedule`` in ``mm.schedule_config``; one
-    row per submesh, entries ``"task"``, ``"task_bwd"``, ``"task_bwd_w"`` or
-    ``[microbatch, name]``, each name once per microbatch).
+    Schedules: every schedule of the registry (``multimesh.schedules``), listed with
+    the ``schedule`` option below; ``custom`` takes its rows from
+    ``custom-schedule-file`` (a JSON list of rows) or from ``custom_schedule`` in
+    ``mm.schedule_config``.
 
     The result is recorded on the loop op as ``mm.schedule = {name = "1f1b", order =
     array<i64: k0, m0, k1, m1, ...>}``: the global dispatch order as (body call,
@@ -99,8 +91,8 @@ class ScheduleFragmentsPass(ModulePass):
     summary = "Order a microbatch loop's fragment calls by a pipeline schedule (GPipe, 1F1B, ...)."
     consumes = ("mpmd",)
 
-    schedule: str | None = None
-    """gpipe, 1f1b, interleaved-1f1b, zero-bubble-h1, zero-bubble-h2, eager-1f1b, interleaved-gpipe, gpipe-1f1b-last, circular-reversed-backward, dualpipe-v, zero-bubble-v, kimi-k2 or custom (or an alias); default: the module's mm.schedule_config, else gpipe."""
+    schedule: str | None = field(default=None, metadata=generated_doc(_schedule_doc))
+    """A registered schedule (its description comes from the registry, ``_schedule_doc``)."""
     num_stages: int | None = None
     """Pipeline depth for 1F1B's warm-up (default: the number of pipeline submeshes)."""
     interleave: int | None = None
@@ -235,25 +227,12 @@ def _warn_if_not_applied(sched: Schedule, name: str, loc) -> None:
 
 
 @dataclass(frozen=True)
-class LoopCall:
-    """One fragment call of the loop body, as the schedule sees it."""
-
-    fragment: str
-    task: str
-    transpose_count: int
-    devices: tuple[int, ...]
-    split: str | None
-    deps: tuple[int, ...]  # body calls of the same microbatch it reads
-    carried: tuple[int, ...]  # body calls of the previous microbatch it reads (not its own sums)
-    forward: str | None = None  # the forward task of a backward named apart from it
-
-
-@dataclass(frozen=True)
 class LoopInfo:
     op: ir.Operation
     body: ir.Operation
     num_microbatches: int
-    calls: tuple[LoopCall, ...]
+    calls: tuple[Call, ...]
+    """The body's calls, microbatch None, linked by ``deps`` and ``carried``."""
 
 
 def find_loop(module: ir.Module) -> ir.Operation | None:
@@ -313,10 +292,9 @@ def read_loop(module: ir.Module, loop: ir.Operation) -> LoopInfo:
                 if carry is not None:
                     carried.add(carry)
         info = tasks.get(task[0])
-        out.append(LoopCall(name, task[0], task[1],
-                            c.fragment_info(holder).devices,
-                            split, tuple(sorted(deps)), tuple(sorted(carried)),
-                            info.forward if info is not None else None))
+        out.append(Call(name, task[0], task[1], c.fragment_info(holder).devices, split=split,
+                        deps=tuple(sorted(deps)), carried=tuple(sorted(carried)),
+                        forward=info.forward if info is not None else None))
     return LoopInfo(loop, body, int(M), tuple(out))
 
 
@@ -395,8 +373,7 @@ def loop_calls(info: LoopInfo) -> list[Call]:
             deps = [m * S + d for d in cl.deps]
             if m > 0:
                 deps += [(m - 1) * S + d for d in cl.carried]
-            out.append(Call(cl.fragment, cl.task, cl.transpose_count, cl.devices, m, cl.split,
-                            tuple(deps), cl.forward))
+            out.append(replace(cl, microbatch=m, deps=tuple(deps), carried=()))
     return out
 
 

@@ -44,7 +44,7 @@ class VerifyPass(ModulePass):
         c.reject_internal_sdy_ops(mod_op)
         table = (c.read_tasks(module, strict=True) if c.TASKS_ATTR in mod_op.attributes
                  else None)
-        calls: dict[str, tuple[c.TaskMeshInfo, ir.Location]] = {}
+        calls: dict[str, tuple[c.MeshRecord, ir.Location]] = {}
         for op in _all_ops(mod_op):
             if c.is_custom_call(op, c.LOGICAL_TARGET):
                 c.logical_marker_axes(op)
@@ -82,12 +82,12 @@ def _run_mlir_verifier(module: ir.Module) -> None:
         raise DiagnosticError(d.message, d.location, notes) from None
 
 
-def _mesh(info: c.TaskMeshInfo) -> tuple:
+def _mesh(info: c.MeshRecord) -> tuple:
     return (info.devices, info.axis_names, info.axis_sizes, info.logical_axes)
 
 
-def _check_consistent(name: str, mesh: c.TaskMeshInfo, loc, calls: dict,
-                      table: dict[str, c.TaskMeshInfo] | None) -> None:
+def _check_consistent(name: str, mesh: c.MeshRecord, loc, calls: dict,
+                      table: dict[str, c.MeshRecord] | None) -> None:
     """Calls of one task must agree on the mesh, and with ``mm.tasks`` when present."""
     if table is not None and name in table and _mesh(table[name]) != _mesh(mesh):
         raise DiagnosticError(

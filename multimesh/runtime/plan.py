@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from multimesh._src.calls import Call
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import (
     DEVICES_ATTR,
@@ -67,16 +68,6 @@ class Transfer:
     src: int
     dst: int
     layout: Layout
-
-
-@dataclass
-class Call:
-    fragment: str
-    args: list[int]
-    results: list[int]
-    devices: tuple[int, ...] | None = None
-    """Where this call runs when not on the fragment's own devices (a moving task)."""
-    microbatch: int | None = None
 
 
 @dataclass
@@ -178,7 +169,7 @@ def build_plan(module: ir.Module | str | bytes) -> Plan:
     if isinstance(module, (str, bytes)):
         module = parse_module(module, make_context())
     with module.context:
-        return _Builder(module).build()
+        return _PlanBuilder(module).build()
 
 
 class _LayoutReader:
@@ -209,7 +200,9 @@ class _LayoutReader:
         return devices, names, sizes, _sharding_dims(sharding_attr)
 
 
-class _Builder:
+class _PlanBuilder:
+    """Builds the ``Plan`` of an MPMD-form module: its fragments, calls and transfers."""
+
     def __init__(self, module: ir.Module):
         self.module = module
         self.subs: dict[str, ir.Operation] = {}
@@ -320,7 +313,8 @@ class _Builder:
                 if frag.loop_devices is not None:
                     self.moving.add(rid)
                 results.append(rid)
-            self.steps.append(Call(name, args, results, devices, microbatch))
+            self.steps.append(Call(name, devices=devices, microbatch=microbatch, args=args,
+                                   results=results))
         else:
             raise MultimeshValueError(
                 f"Expected only fragment calls, transfers and a microbatch loop in the "

@@ -39,8 +39,10 @@ from .registry import (
     aliases,
     all_schedules,
     canonical_schedule_name,
+    describe_schedules,
     get_schedule,
     register_schedule,
+    schedule_names,
 )
 from .simulator import (
     Schedule,
@@ -58,7 +60,7 @@ __all__ = [
     "live_activations", "live_activation_profile", "theoretical_bubble", "format_gantt",
     "chunk_of", "SPLIT_SCHEDULES", "PLACEMENTS", "check_placement", "theoretical_peak_live",
     "v_shape_units", "CustomSchedule", "ScheduleAlgorithm", "register_schedule", "get_schedule",
-    "all_schedules", "aliases", "algorithms",
+    "all_schedules", "aliases", "algorithms", "schedule_names", "describe_schedules",
 ]
 
 # Snapshots of the registry once the built-in algorithms are registered.

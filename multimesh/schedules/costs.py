@@ -34,7 +34,7 @@ from .simulator import (
 )
 
 __all__ = ["FragmentCosts", "Prediction", "predict", "reshape_units", "simulate_stages",
-           "Comparison", "compare"]
+           "ScheduleComparison", "compare"]
 
 
 # ----------------------------------------------------------------------------- reshaping
@@ -164,7 +164,7 @@ def _check_stages(schedule, forward, backward, weight_gradient, activation_bytes
 
 
 @dataclass
-class Comparison:
+class ScheduleComparison:
     """Every registered schedule on one program: a :class:`Prediction` for each that
     applies (``rows``), and why the others do not (``not_applicable``)."""
 
@@ -223,11 +223,11 @@ class Comparison:
 
 
 def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: float = 0.0,
-            devices: Sequence[Sequence[int]] | None = None) -> Comparison:
+            devices: Sequence[Sequence[int]] | None = None) -> ScheduleComparison:
     """Schedule ``units`` (one program's, in program order) with every registered
     schedule and predict each with ``costs`` (see :func:`predict`)."""
     _, source = as_cost(costs)
-    out = Comparison(source=source)
+    out = ScheduleComparison(source=source)
     prog = Program(units)
     one_stage = all(len(s) <= 1 for s in prog.stages_of)
     for algo in all_schedules():

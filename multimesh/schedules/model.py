@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from multimesh._src.calls import Call
 from multimesh._src.errors import MultimeshValueError
 
 __all__ = ["KINDS", "ScheduleError", "Unit", "Call", "units_from_calls", "pipeline_units",
@@ -62,18 +63,11 @@ class Unit:
         return self.mesh, self.stage, self.microbatch
 
 
-@dataclass(frozen=True)
-class Call:
-    """A fragment call as the pass reads it from ``@main`` (input to :func:`units_from_calls`)."""
-
-    fragment: str
-    task: str
-    transpose_count: int
-    devices: tuple[int, ...]
-    microbatch: int | None = None
-    split: str | None = None  # None | "activation" | "weight"
-    deps: tuple[int, ...] = ()
-    forward: str | None = None  # a backward task's forward, when named apart from it
+def _where(call: Call) -> tuple[int, ...]:
+    """A call's devices: a schedule's calls always name theirs (only a runtime plan
+    leaves a call on its fragment's own devices as None)."""
+    assert call.devices is not None, call
+    return call.devices
 
 
 def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int, ...]]]:
@@ -84,10 +78,10 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
     """
     meshes: list[tuple[int, ...]] = []
     mesh_of: dict[tuple[int, ...], int] = {}
-    for c in calls:
-        if c.devices not in mesh_of:
-            mesh_of[c.devices] = len(meshes)
-            meshes.append(c.devices)
+    for where in map(_where, calls):
+        if where not in mesh_of:
+            mesh_of[where] = len(meshes)
+            meshes.append(where)
     # Stages from the first forward appearance of each task (microbatched calls only).
     stage_of: dict[str, int] = {}
     last_mesh = None
@@ -95,7 +89,7 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
     for c in calls:
         if c.transpose_count != 0 or c.microbatch is None or c.task in stage_of:
             continue
-        m = mesh_of[c.devices]
+        m = mesh_of[_where(c)]
         if m != last_mesh:
             stage += 1
             last_mesh = m
@@ -116,7 +110,7 @@ def units_from_calls(calls: Sequence[Call]) -> tuple[list[Unit], list[tuple[int,
             kind = "other"
         split = kind == "bwd" and (c.split == "activation"
                                    or (c.task, c.microbatch) in weight_split)
-        units.append(Unit(i, mesh_of[c.devices], kind, c.microbatch,
+        units.append(Unit(i, mesh_of[_where(c)], kind, c.microbatch,
                           stage_of.get(c.task) if c.microbatch is not None and i not in combines
                           else None,
                           tuple(sorted(set(c.deps))), c.task, c.fragment, split,
@@ -149,17 +143,17 @@ def _backward_stages(calls: Sequence[Call], stage_of: dict[str, int], mesh_of) -
             stage_of[c.task] = stage_of[c.forward]
     for c in calls:
         if c.transpose_count == 0 and c.task in stage_of:
-            by_mesh.setdefault(c.devices, set()).add(stage_of[c.task])
+            by_mesh.setdefault(_where(c), set()).add(stage_of[c.task])
     for c in calls:
         if c.transpose_count == 0 or c.microbatch is None or c.task in stage_of:
             continue
         read = [stage_of[calls[d].task] for d in c.deps
                 if calls[d].transpose_count == 0 and calls[d].task in stage_of
-                and calls[d].devices == c.devices and calls[d].microbatch == c.microbatch]
+                and _where(calls[d]) == _where(c) and calls[d].microbatch == c.microbatch]
         if read:
             stage_of[c.task] = max(read)
-        elif len(by_mesh.get(c.devices, ())) == 1:
-            stage_of[c.task] = next(iter(by_mesh[c.devices]))
+        elif len(by_mesh.get(_where(c), ())) == 1:
+            stage_of[c.task] = next(iter(by_mesh[_where(c)]))
 
 
 def pipeline_units(P: int, M: int, *, interleave: int = 1,

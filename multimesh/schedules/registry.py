@@ -8,6 +8,8 @@ registry (docs/architecture.md, "Where to change what").
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Sequence
 from typing import ClassVar, TypeVar
 
@@ -18,7 +20,8 @@ from .plans import Slot
 from .simulator import Program, Sim, run_plans, unit_plans
 
 __all__ = ["ScheduleAlgorithm", "register_schedule", "get_schedule", "all_schedules",
-           "canonical_schedule_name", "alias_list", "aliases"]
+           "canonical_schedule_name", "alias_list", "aliases", "schedule_names",
+           "describe_schedules"]
 
 
 class ScheduleAlgorithm:
@@ -48,6 +51,34 @@ class ScheduleAlgorithm:
     without_split: ClassVar[str | None] = None
     """The order it becomes when no backward splits off a weight-gradient half, if any."""
 
+    def summary(self) -> str:
+        """What it does, in a sentence or two: the first paragraph of its class's
+        docstring (else of its module's). The pass's ``schedule`` option, ``microbatch``'s
+        docstring and docs/schedules.md show it."""
+        doc = type(self).__doc__ or sys.modules[type(self).__module__].__doc__ or ""
+        return " ".join(inspect.cleandoc(doc).split("\n\n", 1)[0].split())
+
+    def options(self) -> tuple[str, ...]:
+        """The ``microbatch`` options it takes beyond every schedule's (``interleave``,
+        ``num_stages``)."""
+        return ("unrolling",) if self.takes_unrolling else ()
+
+    def traits(self) -> list[str]:
+        """Its aliases, placement rule, split backward and options, as words."""
+        out = [f"alias{'es' if len(self.aliases) > 1 else ''} {', '.join(self.aliases)}"
+               ] if self.aliases else []
+        if self.placement:
+            out.append(f"{self.placement} placement")
+        if self.splits_backward:
+            out.append("splits backward")
+        out += [f"takes {o}" for o in self.options()]
+        return out
+
+    def describe(self) -> str:
+        """``name (traits): summary``, one line of a listing."""
+        traits = "; ".join(self.traits())
+        return f"{self.name}{f' ({traits})' if traits else ''}: {self.summary()}"
+
     def textbook_units(self, P: int, M: int) -> list[Unit]:
         """The units of the pipeline it is designed for: ``P`` submeshes, ``M``
         microbatches, its placement and :attr:`interleave`, split backwards if it
@@ -58,9 +89,19 @@ class ScheduleAlgorithm:
                               split_backward=self.splits_backward)
 
     def check(self, prog: Program) -> None:
-        """Raise :class:`ScheduleError` when ``prog`` does not suit this schedule."""
+        """Raise :class:`ScheduleError` when ``prog`` does not suit this schedule: its
+        placement rule, then :meth:`unfit`."""
         if self.placement is not None:
             check_rule(prog, self.name, self.placement)
+        why = self.unfit(prog)
+        if why:
+            raise ScheduleError(why)
+
+    def unfit(self, prog: Program) -> str | None:
+        """Why ``prog`` (its submeshes ``P``, microbatches ``M``) does not suit this
+        schedule beyond its placement, as the error says it; None when it does."""
+        del prog
+        return None
 
     def slot_plans(self, prog: Program, num_stages: int | None,
                    unrolling: int | None) -> list[list[Slot]]:
@@ -124,6 +165,18 @@ def alias_list() -> str:
     """``alias = schedule, ...`` in alphabetical order, for error messages."""
     return ", ".join(f"{a} = {t}" for a, t in sorted(aliases().items(),
                                                       key=lambda kv: kv[0].lower()))
+
+
+def schedule_names() -> str:
+    """``gpipe, 1f1b, ... or custom``: every registered name, in registration order."""
+    names = [s.name for s in _REGISTRY.values()]
+    return " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
+
+
+def describe_schedules(indent: str = "") -> str:
+    """One line per registered schedule (:meth:`ScheduleAlgorithm.describe`), for the
+    pass's ``schedule`` option and ``microbatch``'s docstring."""
+    return "\n".join(indent + s.describe() for s in _REGISTRY.values())
 
 
 def get_schedule(name: str) -> ScheduleAlgorithm:

@@ -107,7 +107,7 @@ class Chunk:
 # ----------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
+class _CommandLineParser(argparse.ArgumentParser):
     """argparse, with the registered ``mm-*`` passes appended to ``--help`` and a
     suggestion for a misspelt flag."""
 
@@ -149,7 +149,7 @@ _SWITCHES = (
 
 
 def _make_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = _CommandLineParser(
         prog=PROG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
@@ -239,7 +239,7 @@ def _list_passes(out) -> None:
     """Each pass, its summary and its options as ``name=<type> (default: value)``."""
     import typing
 
-    from multimesh.passes.base import option_fields
+    from multimesh.passes.base import option_doc, option_fields
 
     for arg, cls, summary in _load_passes():
         out.write(f"  {arg}\n    {summary}\n")
@@ -252,6 +252,9 @@ def _list_passes(out) -> None:
                 else None)
             out.write(f"      {f.name.replace('_', '-')}=<{_type_name(hints[f.name])}> "
                       f"(default: {default!r})\n")
+            doc = option_doc(f)  # made from a registry (the schedules)
+            if doc:
+                out.write("".join(f"        {line}\n" for line in doc.splitlines()))
 
 
 def _type_name(tp) -> str:

@@ -25,10 +25,11 @@ from multimesh.runtime.memory import _shard_bytes as shard_bytes
 from multimesh.runtime.plan import Call
 from multimesh.runtime.timing import StepTime, run_timed
 from multimesh.schedules import Schedule
-from multimesh.schedules.costs import Comparison, FragmentCosts, compare
+from multimesh.schedules.costs import FragmentCosts, ScheduleComparison, compare
 from multimesh.schedules.simulator import Timeline
 
 __all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare_schedules",
+           "ScheduleComparison",
            "step_profile", "profile_from_times"]
 
 
@@ -371,7 +372,7 @@ def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepPro
 
 
 def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: float = 0.0,
-                      device_model: DeviceModel | None = None) -> Comparison:
+                      device_model: DeviceModel | None = None) -> ScheduleComparison:
     """Simulate every registered schedule on this program's fragments; a table.
 
     ``costs``: ``"xla"`` (:func:`xla_costs`), ``"unit"``, a :class:`StepProfile`, a

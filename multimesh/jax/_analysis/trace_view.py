@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 
 from multimesh.runtime.plan import Call, Plan
 from multimesh.runtime.trace import Event, write_trace
-from multimesh.schedules import Call as UnitCall
 from multimesh.schedules import Schedule, Unit, units_from_calls
 
 __all__ = ["step_trace", "write_step_trace"]
@@ -33,9 +33,10 @@ def _units(plan: Plan, schedule: Schedule | None
     calls = [(i, s) for i, s in enumerate(plan.steps) if isinstance(s, Call)]
     if schedule is None:
         units, meshes = units_from_calls([
-            UnitCall(s.fragment, plan.fragments[s.fragment].task,
-                     plan.fragments[s.fragment].transpose_count,
-                     tuple(plan.call_devices(s)), 0) for _, s in calls])
+            replace(s, task=plan.fragments[s.fragment].task,
+                    transpose_count=plan.fragments[s.fragment].transpose_count,
+                    devices=tuple(plan.call_devices(s)), microbatch=0, args=(), results=())
+            for _, s in calls])
         return {i: u for (i, _), u in zip(calls, units)}, list(meshes)
     queue: dict[tuple[str, int | None], deque[Unit]] = {}
     for k in schedule.order:

@@ -5,6 +5,6 @@ answer (:class:`PipelinePlan`), :mod:`._api` the entry point (:func:`plan_pipeli
 """
 
 from multimesh.jax._planner._api import plan_pipeline as plan_pipeline
-from multimesh.jax._planner._plan import Comparison as Comparison
 from multimesh.jax._planner._plan import PipelinePlan as PipelinePlan
 from multimesh.jax._planner._plan import Stage as Stage
+from multimesh.jax._planner._plan import StageComparison as StageComparison

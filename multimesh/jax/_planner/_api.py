@@ -421,21 +421,13 @@ def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_over
     _non_negative(fragment_overhead, "fragment_overhead", "seconds per fragment call")
     _non_negative(optimizer_state_factor, "optimizer_state_factor",
                   "optimizer state bytes per parameter byte; 2 for Adam")
-    _check_reduction(reduction)
+    from multimesh.jax._microbatch import check_reduction
+
+    check_reduction(reduction, "`plan_pipeline`")
     if logical_axes:
         from multimesh.jax._task import Task
 
         Task(name="plan_pipeline", logical_axes=logical_axes)  # checks the pairs
-
-
-def _check_reduction(reduction) -> None:
-    from multimesh.jax._microbatch import REDUCTIONS
-
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise MultimeshValueError(
-            f"`plan_pipeline`: reduction={reduction!r} is not a reduction; valid choices "
-            f"are {list(REDUCTIONS)} ('mean': the full batch's loss and gradients for a "
-            f"loss that averages over its batch; 'sum': gradient accumulation).")
 
 
 def _why_one(table: Costs, m: Machine, stages, mbs, schedules, choice: Choice,

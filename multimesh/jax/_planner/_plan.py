@@ -14,7 +14,7 @@ import jax
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
-__all__ = ["PipelinePlan", "Stage", "Comparison"]
+__all__ = ["PipelinePlan", "Stage", "StageComparison"]
 
 # The name the generated code imports multimesh.jax as (the docs' convention).
 _ALIAS = "mm"
@@ -314,7 +314,7 @@ class PipelinePlan:
         version must be this multimesh's (:data:`PLAN_FORMAT_VERSION`)."""
         return cls(**_plan_fields(text))
 
-    def compare(self, profile) -> Comparison:
+    def compare(self, profile) -> StageComparison:
         """Predicted against measured busy time per stage.
 
         ``profile``: a compiled program after ``compiled.profile(...)``, a
@@ -342,7 +342,7 @@ class PipelinePlan:
                     f"compiled under this plan.")
             row = rows.setdefault(key, [st.index, 0.0, got])
             row[1] += st.predicted_time  # an interleaved submesh runs several stages
-        return Comparison(tuple((int(i), float(p), float(m)) for i, p, m in rows.values()))
+        return StageComparison(tuple((int(i), float(p), float(m)) for i, p, m in rows.values()))
 
 
 def _plan_code(plan: PipelinePlan) -> str:
@@ -510,7 +510,7 @@ def _flag(v, what: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Comparison:
+class StageComparison:
     """Per stage: (index, predicted seconds, measured seconds)."""
 
     rows: tuple[tuple[int, float, float], ...]

@@ -32,16 +32,16 @@ from multimesh._src.errors import MeshError
 from multimesh._src.ir_contract import DEVICES_ATTR, LOGICAL_TARGET, SHARDING_ATTR
 from multimesh._src.ir_util import custom_call_target, update_attr_dicts
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
-from multimesh.jax._task import logical_axes_of  # per-dim names; here mesh axis names
+from multimesh.jax._task import (
+    broadcast_prefix,
+    logical_axes_of,  # per-dim names; here mesh axis names
+)
+from multimesh.jax._task import is_spec as _is_spec
 
 __all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits",
            "is_physical"]
 
 Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
-
-
-def _is_spec(s) -> bool:
-    return s is None or isinstance(s, (NamedSharding, PartitionSpec))
 
 
 def is_physical(sharding, mapped: Set[str]) -> bool:
@@ -63,23 +63,15 @@ def leaf_in_shardings(in_shardings, args, static: tuple[int, ...], n_kwargs_leav
     for i, a in enumerate(args):
         if i in static:
             continue
-        n = len(jax.tree.leaves(a))
-        if in_shardings is None or _is_spec(in_shardings):
-            out += [in_shardings] * n
-            continue
-        if not isinstance(in_shardings, (tuple, list)) or len(in_shardings) != len(args):
+        whole = _is_spec(in_shardings)  # one entry for every argument
+        if not whole and (not isinstance(in_shardings, (tuple, list))
+                          or len(in_shardings) != len(args)):
             return []
-        sub = in_shardings[i]
-        if _is_spec(sub):
-            out += [sub] * n
-            continue
         try:
-            groups = jax.tree.map(lambda s, t: [s] * len(jax.tree.leaves(t)), sub, a,
-                                  is_leaf=_is_spec)
+            sub = in_shardings if whole else in_shardings[i]
+            out += broadcast_prefix(sub, a)
         except ValueError:
             return []
-        out += [s for g in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, list))
-                for s in g]
     return out + [None] * n_kwargs_leaves
 
 

@@ -13,7 +13,7 @@ from multimesh._src.ir_contract import (
     NUM_DEVICES_ATTR,
     SCHEDULE_CONFIG_ATTR,
     TASKS_ATTR,
-    TaskMesh,
+    MeshRecord,
 )
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._stages import fast_path as _fast_path
@@ -126,7 +126,7 @@ def _annotate(module: ir.Module, schedule_config, num_devices: int,
             from multimesh._src.mlir import py_to_attr
 
             names, sizes = default_mesh
-            mesh = TaskMesh(tuple(range(num_devices)), tuple(names), tuple(sizes), ())
+            mesh = MeshRecord(tuple(range(num_devices)), tuple(names), tuple(sizes), ())
             module.operation.attributes[TASKS_ATTR] = py_to_attr({DEFAULT_TASK: mesh.to_dict()})
 
 

@@ -11,6 +11,9 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class CircularReversedBackward(PlacedSchedule):
+    """Shardy:MPMD's CircularWithReversedBackward: round-robin stages, every forward,
+    then the backwards in the mirror of the forwards."""
+
     name = "circular-reversed-backward"
     aliases = ("CircularWithReversedBackward",)
     placement = "round-robin"

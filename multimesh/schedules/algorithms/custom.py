@@ -10,6 +10,13 @@ from ..simulator import run_plans
 
 @register_schedule
 class Custom(ScheduleAlgorithm):
+    """Your own order (``custom_schedule``): one row per submesh, entries ``"task"``,
+    ``"task_bwd"``, ``"task_bwd_w"`` or ``[microbatch, name]``, each name once per
+    microbatch."""
+
+    def options(self) -> tuple[str, ...]:
+        return ("custom_schedule",)
+
     name = "custom"
     has_textbook = False
 

@@ -3,7 +3,6 @@ forwards and backwards of two microbatches overlapped in the steady state."""
 
 from __future__ import annotations
 
-from ..model import ScheduleError
 from ..plans import Slot
 from ..registry import register_schedule
 from ..simulator import Program
@@ -12,6 +11,9 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class DualPipeV(PlacedSchedule):
+    """DeepSeek's DualPipeV: V-shape stages, two microbatch streams, split backwards, at
+    least 2P microbatches."""
+
     name = "dualpipe-v"
     without_split = "DualPipeV's order with every weight gradient in its backward"
     aliases = ("DualPipeV",)
@@ -19,13 +21,12 @@ class DualPipeV(PlacedSchedule):
     placement = "v-shape"
     interleave = 2
 
-    def check(self, prog: Program) -> None:
-        super().check(prog)
+    def unfit(self, prog: Program) -> str | None:
         if 2 <= prog.P and prog.M < 2 * prog.P:
-            raise ScheduleError(
-                f"schedule 'dualpipe-v' needs at least 2P = {2 * prog.P} microbatches for "
-                f"{prog.P} pipeline submeshes, but there are {prog.M}; use more microbatches "
-                f"(a smaller microbatch size) or another schedule")
+            return (f"schedule 'dualpipe-v' needs at least 2P = {2 * prog.P} microbatches for "
+                    f"{prog.P} pipeline submeshes, but there are {prog.M}; use more "
+                    f"microbatches (a smaller microbatch size) or another schedule")
+        return None
 
     def mesh_plan(self, prog: Program, chunks: list[int], r: int, P: int,
                   num_stages: int | None) -> list[Slot]:

@@ -10,6 +10,9 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class Eager1F1B(PlacedSchedule):
+    """JaxPP's Eager1F1B: 1F1B with about twice its warm-up (2(P - r) - 1 forwards
+    before the first backward)."""
+
     name = "eager-1f1b"
     aliases = ("Eager1F1B",)
     placement = "contiguous"

@@ -9,6 +9,8 @@ from ..simulator import Program
 
 @register_schedule
 class GPipe(ScheduleAlgorithm):
+    """Fill-drain: every forward, then every backward (in groups of ``unrolling``)."""
+
     name = "gpipe"
     aliases = ("fill-drain", "breadth-first")
     takes_unrolling = True

@@ -10,6 +10,8 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class GPipe1F1BLast(PlacedSchedule):
+    """Shardy:MPMD's GPipeBut1F1BForLastMesh: GPipe, the last submesh 1F1B."""
+
     name = "gpipe-1f1b-last"
     aliases = ("GPipeBut1F1BForLastMesh",)
     placement = "contiguous"

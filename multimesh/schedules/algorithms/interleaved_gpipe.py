@@ -11,6 +11,9 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class InterleavedGPipe(PlacedSchedule):
+    """JaxPP's InterleavedGPipe: round-robin stages, every forward in Megatron's groups,
+    then the backwards in group order."""
+
     name = "interleaved-gpipe"
     without_interleaving = ("GPipe", "gpipe")
     aliases = ("InterleavedGPipe",)

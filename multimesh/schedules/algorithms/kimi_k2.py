@@ -15,7 +15,6 @@ warm-up plus that one forward; backwards are not split.
 
 from __future__ import annotations
 
-from ..model import ScheduleError
 from ..plans import Slot, one_f_one_b_plan
 from ..registry import register_schedule
 from ..simulator import Program
@@ -31,20 +30,21 @@ def round_size(P: int, M: int) -> int | None:
 
 @register_schedule
 class KimiK2(PlacedSchedule):
+    """JaxPP's KimiK2: round-robin stages, interleaved 1F1B with one more warm-up
+    forward."""
+
     name = "kimi-k2"
     aliases = ("KimiK2",)
     placement = "round-robin"
     interleave = 2
 
-    def check(self, prog: Program) -> None:
-        super().check(prog)
+    def unfit(self, prog: Program) -> str | None:
         P, M = max(1, prog.P), prog.M
         if round_size(P, M) is None:
-            rounds = max(1, M // P)
-            raise ScheduleError(
-                f"schedule 'kimi-k2' runs the microbatches in {rounds} rounds for {P} "
-                f"pipeline submeshes, which {M} microbatches do not fill equally; use a "
-                f"multiple of {P} microbatches (or fewer than {2 * P})")
+            return (f"schedule 'kimi-k2' runs the microbatches in {max(1, M // P)} rounds for "
+                    f"{P} pipeline submeshes, which {M} microbatches do not fill equally; use "
+                    f"a multiple of {P} microbatches (or fewer than {2 * P})")
+        return None
 
     def mesh_plan(self, prog: Program, chunks: list[int], r: int, P: int,
                   num_stages: int | None) -> list[Slot]:

@@ -27,6 +27,9 @@ class OneFOneBFamily(ScheduleAlgorithm):
 
 @register_schedule
 class OneFOneB(OneFOneBFamily):
+    """PipeDream-flush: warm-up forwards, then one forward and one backward in turn
+    (Megatron's interleaved 1F1B when submeshes run several stages)."""
+
     name = "1f1b"
     aliases = ("wavefront", "prefetch-wavefront", "pipedream-flush")
 

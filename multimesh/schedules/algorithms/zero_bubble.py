@@ -56,6 +56,9 @@ def _chooser(prog: Program, w_pool: set[int], limit: list[int]):
 
 @register_schedule
 class ZeroBubbleH1(ZeroBubble):
+    """ZB-H1: 1F1B's order with every weight-gradient half moved into idle slots, under
+    1F1B's peak memory."""
+
     name = "zero-bubble-h1"
     aliases = ("zb-h1",)
     without_split = "1F1B's order"
@@ -66,6 +69,9 @@ class ZeroBubbleH1(ZeroBubble):
 
 @register_schedule
 class ZeroBubbleH2(ZeroBubble):
+    """ZB-H2: a longer warm-up and the weight-gradient halves in the bubbles, under
+    twice 1F1B's peak memory."""
+
     name = "zero-bubble-h2"
     aliases = ("zb-h2",)
     h2 = True

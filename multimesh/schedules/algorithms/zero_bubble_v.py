@@ -34,6 +34,9 @@ from ._placed import PlacedSchedule
 
 @register_schedule
 class ZeroBubbleV(PlacedSchedule):
+    """ZB-V of Qi et al.: V-shape stages, split backwards, no bubble inside a submesh's
+    span from 2P - 1 microbatches on."""
+
     name = "zero-bubble-v"
     aliases = ("ZB-V", "ZBV")
     without_split = "ZB-V's order with every weight gradient in its backward"
