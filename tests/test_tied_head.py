@@ -130,3 +130,40 @@ def test_the_step_runs_the_head_where_the_plan_put_it():
         assert devices == list(head_stage.devices), (name, vocab_dots)
     assert sum(n for _, d, n in vocab_dots.values() if d == "bwd") == 2, vocab_dots
     assert sum(n for _, d, n in vocab_dots.values() if d == "fwd") == 1, vocab_dots
+
+
+def test_the_loss_backward_runs_in_the_heads_backward():
+    """The loss's backward (the cotangent of the log-softmax, summed over its two uses,
+    and the scatter of the picked tokens) is backward work of the head: jax traces it in
+    calls of its own (``jit(log_softmax)``), whose ops name only their stack relative
+    to the call. Named by their whole stack, they join the head's backward fragment, on
+    the head's stage; before, they ran on stage 0 in a fragment labelled forward, and
+    their [batch, seq, vocab] results crossed the pipeline."""
+    model = TiedLM(nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, t):
+        return nnx.merge(graph, p, rest)(t)
+
+    plan = mm.plan_pipeline(lambda m, t: m(t), model, TOK, num_stages=4, num_microbatches=2)
+    head = next(st for st in plan.stages if "embed.attend" in st.units)
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(loss))).lower(params, TOK).compile()
+    got_loss, got = compiled(params, TOK)
+    ref_loss, _, ref = _accumulated(TiedLM(nnx.Rngs(0)), TOK, 2)
+    np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    vocab = re.compile(rf"tensor<\d+x\d+x{V}xf32>")  # logits and their cotangents
+    touching = {}
+    for frag in compiled.fragments:
+        ops = [ln.split("=", 1)[1].split()[0] for ln in frag["module"].splitlines()
+               if " = " in ln and "stablehlo." in ln and vocab.search(ln)]
+        if ops:
+            touching[frag["name"]] = (frag["devices"], frag["direction"], ops)
+    for name, (devices, direction, ops) in touching.items():
+        assert devices == list(head.devices), (name, touching)  # no logits cross stages
+        if direction == "fwd":  # the head's forward: no gradient work
+            assert not {"stablehlo.add", "stablehlo.scatter", "\"stablehlo.scatter\"(",
+                        "stablehlo.negate"} & set(ops), (name, ops)
+    assert any(d == "bwd" and "stablehlo.add" in ops for _, d, ops in touching.values())
