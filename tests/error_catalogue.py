@@ -1626,18 +1626,53 @@ def _():
 
 
 @error("kimi-k2-uneven-rounds", SCHEDULES,
-       "Kimi-K2 with microbatches that do not fill its rounds", PassFailure,
-       r"schedule 'kimi-k2' runs the microbatches in 2 rounds for 2 pipeline submeshes, "
-       r"which 5 microbatches do not fill equally; use a multiple of 2 microbatches \(or "
-       r"fewer than 4\)",
+       "Kimi-K2 with microbatches that do not fill its rounds", ScheduleError,
+       r"`microbatch` got 5 microbatch\(es\) for schedule 'kimi-k2', and the traced step's "
+       r"tasks make a pipeline of 2 submeshes \(checked before compiling\): schedule "
+       r"'kimi-k2' runs the microbatches in 2 rounds for 2 pipeline submeshes, which 5 "
+       r"microbatches do not fill equally; use a multiple of 2 microbatches \(or fewer "
+       r"than 4\)",
        """Kimi-K2 (as JaxPP defines it) runs the microbatches in M // P rounds of equal
        size, every stage of a submesh over one round before the next. Use a multiple of P
-       microbatches (or fewer than 2P, one round).""",
-       check=_repro_check("mm-schedule-fragments"))
+       microbatches (or fewer than 2P, one round). The count is checked as soon as the
+       step is traced and its task calls give the pipeline's submeshes, before any pass
+       runs.""")
 def _():
     grad_fn, ws, _ = two_stage()
     x = jnp.ones((20, 16))
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="KimiK2"))(ws, x)
+
+
+def v_shape_four_submeshes():
+    """Eight layers on four submeshes of two devices in a V (layer k and 7 - k together)."""
+    def sub(r):
+        return mm.TaskMesh(devices=range(2 * r, 2 * r + 2), axis_names=("x",), axis_sizes=(2,))
+
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=sub(min(k, 7 - k)))
+              for k in range(8)]
+
+    def loss(ws, x):
+        for f, w in zip(layers, ws):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16)] * 8, jnp.ones((16, 16))
+
+
+@error("dualpipe-v-too-few-microbatches-traced", SCHEDULES,
+       "DualPipeV with fewer than 2P microbatches for the traced pipeline", ScheduleError,
+       r"`microbatch` got 4 microbatch\(es\) for schedule 'dualpipe-v', and the traced "
+       r"step's tasks make a pipeline of 4 submeshes \(checked before compiling\): schedule "
+       r"'dualpipe-v' needs at least 2P = 8 microbatches for 4 pipeline submeshes, but "
+       r"there are 4",
+       """A count that some pipeline would accept (4 microbatches fill DualPipeV on two
+       submeshes) passes the check before tracing; once the step is traced, its task calls
+       give the pipeline's submeshes, and the count is checked against them before any
+       pass runs, not as a pass failure after the compile. Cut the batch into more
+       microbatches, or pick another schedule.""")
+def _():
+    grad_fn, ws, x = v_shape_four_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="dualpipe-v"))(ws, x)
 
 
 @error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
