@@ -3459,3 +3459,120 @@ def validate_catalogue() -> list[str]:
         if not any(e.category == cat for e in ENTRIES):
             problems.append(f"category {cat!r} has no entry")
     return problems
+
+
+# ------------------------------------------- issue 31, item 5: probed as a new user would
+
+
+@error("plan-microbatch-not-callable", IMPLICIT, "`PipelinePlan.microbatch` of something not callable",
+       MultimeshTypeError,
+       r"`PipelinePlan.microbatch` takes the step's gradient function \(such as "
+       r"`jax.value_and_grad\(loss\)`\), got int 3",
+       """`plan.microbatch(grad_fn)` wraps the step's gradient function; it used to return
+       a wrapper that failed only when called. Pass the function, not its result.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    plan.microbatch(3)
+
+
+@error("plan-compare-unreadable-trace", IMPLICIT, "`PipelinePlan.compare` of a trace file that is not there",
+       MultimeshValueError,
+       r"`PipelinePlan.compare` cannot read the trace 'no-such-trace.json' \(No such file or "
+       r"directory\)",
+       """A string is read as the path of the Perfetto JSON that
+       `compiled.profile(..., trace_path=)` wrote; give that path, the loaded dict, or the
+       profiled program or its StepProfile.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    plan.compare("no-such-trace.json")
+
+
+@error("compare-schedules-bad-comm", SCHEDULES, "`compare_schedules` with a negative transfer time",
+       ScheduleError,
+       r"comm \(seconds per transfer between submeshes\) must be a finite number >= 0, "
+       r"got -1",
+       """`comm` is the seconds one transfer between submeshes takes: a finite number, 0 or
+       more. It is checked once; it used to come back as every schedule's reason not to
+       apply, an empty table.""")
+def _():
+    mm.compare_schedules(pipelined(), comm=-1)
+
+
+@error("simulate-cost-not-a-number", SCHEDULES, "A schedule simulated with costs that are not numbers",
+       ScheduleError,
+       r"cost of unit 0 \(s0_fwd on submesh 0\) must be a number of seconds, got str '1'",
+       """A cost function returns each unit's duration as a number (seconds, or units of
+       time); a string used to be read as its number.""")
+def _():
+    pipelined().schedule.simulate(lambda unit: "1")
+
+
+@error("visualize-bad-path", SCHEDULES, "`visualize_schedule` with a path that is not a file name",
+       MultimeshTypeError,
+       r"visualize_schedule's `path` must be a file name \(str or os.PathLike\) or None "
+       r"\(no PNG\), got int 123",
+       """`path` names the PNG to write (`.png` is added when it has no extension); leave
+       it out for the text chart alone.""")
+def _():
+    mm.visualize_schedule(pipelined(), 123, print=False)
+
+
+@error("visualize-missing-directory", SCHEDULES, "`visualize_schedule` into a directory that does not exist",
+       MultimeshValueError,
+       r"visualize_schedule cannot write '/nonexistent-dir/gantt.png': the directory "
+       r"'/nonexistent-dir' does not exist",
+       """The PNG is written into an existing directory; it used to fail inside the image
+       library after the chart was drawn. Create the directory first.""")
+def _():
+    mm.visualize_schedule(pipelined(), "/nonexistent-dir/gantt.png", print=False)
+
+
+@error("visualize-print-not-bool", SCHEDULES, "`visualize_schedule(print=...)` that is not True or False",
+       MultimeshTypeError,
+       r"visualize_schedule's `print` must be True \(print the text chart\) or False, got "
+       r"str 'no'",
+       """`print=False` leaves the text chart out; a string used to be read as True.""")
+def _():
+    mm.visualize_schedule(pipelined(), print="no")
+
+
+def _two_dense():
+    import flax.linen as nn
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.mean(nn.Dense(16, name="l1")(nn.Dense(16, name="l0")(x)) ** 2)
+
+    return Two()
+
+
+@error("parallelize-num-stages-negative", FLAX, "`parallelize_step(num_stages=-1)`",
+       MultimeshValueError,
+       r"parallelize_step `num_stages` must be a positive integer, 'auto' \(the planner "
+       r"chooses, see `multimesh.jax.plan_pipeline`\) or None, got -1",
+       """`num_stages` is checked itself; a negative count used to be blamed on a missing
+       `num_microbatches`.""", requires=("flax", "optax"))
+def _():
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    mmf.parallelize_step(_two_dense(), optax.sgd(0.1), global_batch=jnp.ones((8, 16)),
+                         num_stages=-1)
+
+
+@error("parallelize-auto-microbatch-size-not-dividing", FLAX,
+       "`parallelize_step(num_stages='auto', microbatch_size=...)` that does not divide the batch",
+       MultimeshValueError,
+       r"parallelize_step microbatch_size=3 does not divide the batch of 8 rows",
+       """With `num_stages="auto"` the microbatch size used to be rounded (3 rows of 8 ran
+       as two microbatches of 4) without a word. Give a size that divides the batch, or
+       `num_microbatches=`.""", requires=("flax", "optax"))
+def _():
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    mmf.parallelize_step(_two_dense(), optax.sgd(0.1), global_batch=jnp.ones((8, 16)),
+                         num_stages="auto", microbatch_size=3)

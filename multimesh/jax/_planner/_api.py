@@ -487,6 +487,10 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches
     if given is None and mb.microbatch_size is not None:
+        if rows % mb.microbatch_size:
+            raise MultimeshValueError(
+                f"parallelize_step microbatch_size={mb.microbatch_size} does not divide the "
+                f"batch of {rows} rows; give a size that divides it (or `num_microbatches=`).")
         given = rows // mb.microbatch_size
     plan = plan_pipeline(loss, params, batch_avals, devices=list(mesh.devices.flat),
                          num_microbatches=given, schedule=mb.schedule,

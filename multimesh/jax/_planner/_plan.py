@@ -244,6 +244,10 @@ class PipelinePlan:
         the plan's ``reduction``."""
         from multimesh.jax._microbatch import microbatch
 
+        if not callable(fun):
+            raise MultimeshTypeError(
+                f"`PipelinePlan.microbatch` takes the step's gradient function (such as "
+                f"`jax.value_and_grad(loss)`), got {type(fun).__name__} {fun!r}.")
         argnum, dim, _ = self.batch
         if self.num_microbatches == 1:  # nothing to order or combine: one call of the step
             return self.shard(fun)
@@ -537,8 +541,15 @@ def _events(profile) -> list[tuple[str, str, float, float, str]]:
         return [(str(e[0]), str(e[1]), float(e[2]), float(e[3]),
                  str((e[4] if len(e) == 5 else {}).get("cat", "fragment"))) for e in rec.events]
     if isinstance(rec, (str, os.PathLike)):
-        with open(rec, encoding="utf-8") as f:
-            rec = json.load(f)
+        try:
+            with open(rec, encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, ValueError) as e:
+            raise MultimeshValueError(
+                f"`PipelinePlan.compare` cannot read the trace {os.fspath(rec)!r} "
+                f"({getattr(e, 'strerror', None) or e}): give the path of the Perfetto JSON "
+                f"that `compiled.profile(..., trace_path=)` wrote, the loaded dict, or a "
+                f"profiled program or StepProfile.") from None
     if isinstance(rec, Mapping) and "traceEvents" in rec:
         names = {e["tid"]: e["args"]["name"] for e in rec["traceEvents"]
                  if e.get("name") == "thread_name"}
