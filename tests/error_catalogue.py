@@ -3576,3 +3576,49 @@ def _():
 
     mmf.parallelize_step(_two_dense(), optax.sgd(0.1), global_batch=jnp.ones((8, 16)),
                          num_stages="auto", microbatch_size=3)
+
+
+@error("xla-costs-bad-device-model", SCHEDULES, "`xla_costs` with a device model that is not a DeviceModel",
+       MultimeshTypeError,
+       r"`device_model` must be a multimesh.jax.DeviceModel \(for example "
+       r"DeviceModel.for_device\(jax.devices\(\)\[0\]\), or DeviceModel\(peak_flops=..., "
+       r"memory_bandwidth=...\)\) or None, got str 'gpu'",
+       """A device model turns XLA's flops and bytes into seconds; a name used to fail
+       inside the cost code with an AttributeError.""")
+def _():
+    mm.xla_costs(pipelined(), device_model="gpu")
+
+
+@error("visualize-cost-not-callable", SCHEDULES, "`visualize_schedule(cost=...)` that is not a function",
+       MultimeshTypeError,
+       r"visualize_schedule's `cost` must be a function of a unit \(its duration in units of "
+       r"time\) or None; for seconds per fragment use `costs=`; got int 3",
+       """`cost` maps a unit to its duration; `costs` takes `'xla'`, a StepProfile or a
+       `{fragment: seconds}` mapping.""")
+def _():
+    mm.visualize_schedule(pipelined(), cost=3, print=False)
+
+
+@error("plan-shard-not-callable", IMPLICIT, "`PipelinePlan.shard` of something not callable",
+       MultimeshTypeError,
+       r"`PipelinePlan.shard` takes the step's gradient function \(such as "
+       r"`jax.value_and_grad\(loss\)`\), got int 3",
+       """`plan.shard(grad_fn)` wraps the step's gradient function, as `plan.microbatch`
+       does.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    plan.shard(3)
+
+
+@error("plan-json-overlapping-stages", IMPLICIT, "`PipelinePlan.from_json` with stages that share devices",
+       MultimeshValueError,
+       r"`PipelinePlan.from_json`: the stages' `devices` must be 2 disjoint submesh\(es\) for "
+       r"2 stage\(s\) at interleave=1, got \[\[0, 1, 2, 3\], \[0, 1, 2, 3\]\]",
+       """Stages share a submesh only as the plan's `interleave` says (two stages per
+       submesh for an interleaved or V-shape schedule); other device sets are disjoint.
+       Load the JSON `plan.to_json()` wrote, unedited, or plan again.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    saved = json.loads(plan.to_json())
+    saved["stages"][1]["devices"] = saved["stages"][0]["devices"]
+    mm.PipelinePlan.from_json(json.dumps(saved))

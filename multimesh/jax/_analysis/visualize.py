@@ -93,6 +93,11 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     the theory's bytes.
     """
     _check_output(path, print)
+    if cost is not None and not callable(cost):
+        raise MultimeshTypeError(
+            f"visualize_schedule's `cost` must be a function of a unit (its duration in "
+            f"units of time) or None; for seconds per fragment use `costs=`; got "
+            f"{type(cost).__name__} {cost!r}.")
     tl, label = _timeline(compiled_or_schedule, cost, costs)
     notes = _memory_notes(memory, compiled_or_schedule, tl.schedule)
     lanes = False if memory is None else notes or True
