@@ -167,3 +167,32 @@ def test_the_loss_backward_runs_in_the_heads_backward():
             assert not {"stablehlo.add", "stablehlo.scatter", "\"stablehlo.scatter\"(",
                         "stablehlo.negate"} & set(ops), (name, ops)
     assert any(d == "bwd" and "stablehlo.add" in ops for _, d, ops in touching.values())
+
+
+def test_ops_of_a_plain_call_are_named_by_their_whole_name_stack():
+    """mm-inline-tasks puts the call site's name stack in front of an inlined op's own
+    (as jax names the ops of a call it inlines), so mm-assign-tasks sees that the ops
+    of ``jit(log_softmax)`` called from a backward pass are backward."""
+    from multimesh._src.mlir import make_context, parse_module
+    from multimesh.passes import _contract
+    from multimesh.passes.inline_tasks import InlineTasksPass
+    from multimesh.passes.match_tasks import name_stack
+
+    text = """
+    func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = call @f(%arg0) : (tensor<8xf32>) -> tensor<8xf32> loc("transpose(jvp(LM))/jit(f)")
+      return %0 : tensor<8xf32>
+    }
+    func.func private @f(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = stablehlo.add %arg0, %arg0 : tensor<8xf32> loc("add_any")
+      %1 = stablehlo.negate %0 : tensor<8xf32> loc(unknown)
+      return %1 : tensor<8xf32>
+    }
+    """
+    module = parse_module(text, make_context())
+    InlineTasksPass().apply(module)
+    with module.context:
+        main = _contract.main_func(module)
+        ops = [op.operation for op in _contract.entry_block(main).operations][:-1]
+        assert [name_stack(op.location) for op in ops] == [
+            "transpose(jvp(LM))/jit(f)/add_any", "transpose(jvp(LM))/jit(f)"]
