@@ -3622,3 +3622,32 @@ def _():
     saved = json.loads(plan.to_json())
     saved["stages"][1]["devices"] = saved["stages"][0]["devices"]
     mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-loss-not-scalar", IMPLICIT, "`plan_pipeline` of a function that returns no scalar loss",
+       MultimeshValueError,
+       r"`plan_pipeline` plans the training step of a loss: `fun` must return one "
+       r"floating-point scalar \(the loss it differentiates\), got float32\[8\]",
+       """The planner differentiates the loss to cost each unit's backward; it used to
+       fail in `jax.grad`. Reduce the loss to a scalar (a mean or a sum).""")
+def _():
+    mm.plan_pipeline(lambda ws, x: jnp.tanh(x @ ws[0]).sum(1), *layered_args())
+
+
+@error("plan-batch-not-an-array", IMPLICIT, "`plan_pipeline` with an example batch that is not an array",
+       MultimeshValueError,
+       r"`plan_pipeline` cuts the batch \(argument 1\) along dimension 0, but it has no "
+       r"array with that dimension \(3\)",
+       """The example batch is what the step gets: arrays (or a pytree of them) with the
+       rows along `dim`. A number used to fail with an AttributeError.""")
+def _():
+    mm.plan_pipeline(layered_model, layered_args()[0], 3)
+
+
+@error("plan-fsdp-not-bool", IMPLICIT, "`plan_pipeline(fsdp=...)` that is not True, False or None",
+       MultimeshTypeError,
+       r"`plan_pipeline`: `fsdp` must be True \(shard each stage's parameters over its "
+       r"devices\), False or None \(the planner chooses\), got str 'yes'",
+       """A string used to be read as True.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, fsdp="yes")
