@@ -357,9 +357,10 @@ def _check_traced_count(traced, n: int) -> None:
     name = getattr(cfg, "schedule", None)
     if name is None or name == "custom" or active_registrations():
         return
-    P = len(_task_submeshes(traced, set()))
-    if P < 2:
-        return
+    meshes = [set(m) for m in _task_submeshes(traced, set())]
+    P = len(meshes)
+    if P < 2 or sum(map(len, meshes)) != len(set().union(*meshes)):
+        return  # overlapping submeshes: the pass alone knows the pipeline
     from multimesh.schedules import pipeline_units, v_shape_units
     from multimesh.schedules.simulator import Program
 
