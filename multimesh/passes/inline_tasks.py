@@ -33,7 +33,9 @@ class InlineTasksPass(ModulePass):
 
     Every other ``func.call`` reachable from ``@main`` is inlined: each op that
     comes out of a task call gets the task's tag, ops of plain calls inherit the
-    tag of the call (if the call itself came out of a task), and calls nested in
+    tag of the call (if the call itself came out of a task) and its name stack in
+    front of their own (``transpose(jvp(LM))/jit(log_softmax)/add_any``, as jax names
+    what it inlines, so a later pass reads their direction), and calls nested in
     regions (``stablehlo.while`` bodies) are inlined in place. Ops that come out of
     a microbatch loop body (a call marked ``mm.microbatch = {loop = L, ...}``)
     belong to loop ``L``: tagged ops get ``loop = L`` in their tag, untagged ones
