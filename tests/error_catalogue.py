@@ -3651,3 +3651,15 @@ def _():
        """A string used to be read as True.""")
 def _():
     mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, fsdp="yes")
+
+
+@error("compare-schedules-costs-missing-fragment", SCHEDULES,
+       "`compare_schedules` with costs that name none of the program's fragments",
+       ScheduleError,
+       r"no schedule can be simulated with these costs: no cost for fragment 's0_fwd' "
+       r"\(given costs know: none\)",
+       """GPipe takes any program, so when it cannot be simulated the costs are at fault,
+       and the table would be empty, every schedule listed with the same reason. Give a
+       cost for every fragment (`mm.xla_costs(compiled)`, a StepProfile), or `'unit'`.""")
+def _():
+    mm.compare_schedules(pipelined(), costs={})
