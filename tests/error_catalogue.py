@@ -1626,18 +1626,53 @@ def _():
 
 
 @error("kimi-k2-uneven-rounds", SCHEDULES,
-       "Kimi-K2 with microbatches that do not fill its rounds", PassFailure,
-       r"schedule 'kimi-k2' runs the microbatches in 2 rounds for 2 pipeline submeshes, "
-       r"which 5 microbatches do not fill equally; use a multiple of 2 microbatches \(or "
-       r"fewer than 4\)",
+       "Kimi-K2 with microbatches that do not fill its rounds", ScheduleError,
+       r"`microbatch` got 5 microbatch\(es\) for schedule 'kimi-k2', and the traced step's "
+       r"tasks make a pipeline of 2 submeshes \(checked before compiling\): schedule "
+       r"'kimi-k2' runs the microbatches in 2 rounds for 2 pipeline submeshes, which 5 "
+       r"microbatches do not fill equally; use a multiple of 2 microbatches \(or fewer "
+       r"than 4\)",
        """Kimi-K2 (as JaxPP defines it) runs the microbatches in M // P rounds of equal
        size, every stage of a submesh over one round before the next. Use a multiple of P
-       microbatches (or fewer than 2P, one round).""",
-       check=_repro_check("mm-schedule-fragments"))
+       microbatches (or fewer than 2P, one round). The count is checked as soon as the
+       step is traced and its task calls give the pipeline's submeshes, before any pass
+       runs.""")
 def _():
     grad_fn, ws, _ = two_stage()
     x = jnp.ones((20, 16))
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="KimiK2"))(ws, x)
+
+
+def v_shape_four_submeshes():
+    """Eight layers on four submeshes of two devices in a V (layer k and 7 - k together)."""
+    def sub(r):
+        return mm.TaskMesh(devices=range(2 * r, 2 * r + 2), axis_names=("x",), axis_sizes=(2,))
+
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=sub(min(k, 7 - k)))
+              for k in range(8)]
+
+    def loss(ws, x):
+        for f, w in zip(layers, ws):
+            x = f(w, x)
+        return (x ** 2).sum()
+
+    return jax.value_and_grad(loss), [jnp.eye(16)] * 8, jnp.ones((16, 16))
+
+
+@error("dualpipe-v-too-few-microbatches-traced", SCHEDULES,
+       "DualPipeV with fewer than 2P microbatches for the traced pipeline", ScheduleError,
+       r"`microbatch` got 4 microbatch\(es\) for schedule 'dualpipe-v', and the traced "
+       r"step's tasks make a pipeline of 4 submeshes \(checked before compiling\): schedule "
+       r"'dualpipe-v' needs at least 2P = 8 microbatches for 4 pipeline submeshes, but "
+       r"there are 4",
+       """A count that some pipeline would accept (4 microbatches fill DualPipeV on two
+       submeshes) passes the check before tracing; once the step is traced, its task calls
+       give the pipeline's submeshes, and the count is checked against them before any
+       pass runs, not as a pass failure after the compile. Cut the batch into more
+       microbatches, or pick another schedule.""")
+def _():
+    grad_fn, ws, x = v_shape_four_submeshes()
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=4, argnum=1, schedule="dualpipe-v"))(ws, x)
 
 
 @error("interleave-zero", SCHEDULES, "`interleave=0` (or `num_stages=0`)", MultimeshValueError,
@@ -3424,3 +3459,207 @@ def validate_catalogue() -> list[str]:
         if not any(e.category == cat for e in ENTRIES):
             problems.append(f"category {cat!r} has no entry")
     return problems
+
+
+# ------------------------------------------- issue 31, item 5: probed as a new user would
+
+
+@error("plan-microbatch-not-callable", IMPLICIT, "`PipelinePlan.microbatch` of something not callable",
+       MultimeshTypeError,
+       r"`PipelinePlan.microbatch` takes the step's gradient function \(such as "
+       r"`jax.value_and_grad\(loss\)`\), got int 3",
+       """`plan.microbatch(grad_fn)` wraps the step's gradient function; it used to return
+       a wrapper that failed only when called. Pass the function, not its result.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    plan.microbatch(3)
+
+
+@error("plan-compare-unreadable-trace", IMPLICIT, "`PipelinePlan.compare` of a trace file that is not there",
+       MultimeshValueError,
+       r"`PipelinePlan.compare` cannot read the trace 'no-such-trace.json' \(No such file or "
+       r"directory\)",
+       """A string is read as the path of the Perfetto JSON that
+       `compiled.profile(..., trace_path=)` wrote; give that path, the loaded dict, or the
+       profiled program or its StepProfile.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    plan.compare("no-such-trace.json")
+
+
+@error("compare-schedules-bad-comm", SCHEDULES, "`compare_schedules` with a negative transfer time",
+       ScheduleError,
+       r"comm \(seconds per transfer between submeshes\) must be a finite number >= 0, "
+       r"got -1",
+       """`comm` is the seconds one transfer between submeshes takes: a finite number, 0 or
+       more. It is checked once; it used to come back as every schedule's reason not to
+       apply, an empty table.""")
+def _():
+    mm.compare_schedules(pipelined(), comm=-1)
+
+
+@error("simulate-cost-not-a-number", SCHEDULES, "A schedule simulated with costs that are not numbers",
+       ScheduleError,
+       r"cost of unit 0 \(s0_fwd on submesh 0\) must be a number of seconds, got str '1'",
+       """A cost function returns each unit's duration as a number (seconds, or units of
+       time); a string used to be read as its number.""")
+def _():
+    pipelined().schedule.simulate(lambda unit: "1")
+
+
+@error("visualize-bad-path", SCHEDULES, "`visualize_schedule` with a path that is not a file name",
+       MultimeshTypeError,
+       r"visualize_schedule's `path` must be a file name \(str or os.PathLike\) or None "
+       r"\(no PNG\), got int 123",
+       """`path` names the PNG to write (`.png` is added when it has no extension); leave
+       it out for the text chart alone.""")
+def _():
+    mm.visualize_schedule(pipelined(), 123, print=False)
+
+
+@error("visualize-missing-directory", SCHEDULES, "`visualize_schedule` into a directory that does not exist",
+       MultimeshValueError,
+       r"visualize_schedule cannot write '/nonexistent-dir/gantt.png': the directory "
+       r"'/nonexistent-dir' does not exist",
+       """The PNG is written into an existing directory; it used to fail inside the image
+       library after the chart was drawn. Create the directory first.""")
+def _():
+    mm.visualize_schedule(pipelined(), "/nonexistent-dir/gantt.png", print=False)
+
+
+@error("visualize-print-not-bool", SCHEDULES, "`visualize_schedule(print=...)` that is not True or False",
+       MultimeshTypeError,
+       r"visualize_schedule's `print` must be True \(print the text chart\) or False, got "
+       r"str 'no'",
+       """`print=False` leaves the text chart out; a string used to be read as True.""")
+def _():
+    mm.visualize_schedule(pipelined(), print="no")
+
+
+def _two_dense():
+    import flax.linen as nn
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.mean(nn.Dense(16, name="l1")(nn.Dense(16, name="l0")(x)) ** 2)
+
+    return Two()
+
+
+@error("parallelize-num-stages-negative", FLAX, "`parallelize_step(num_stages=-1)`",
+       MultimeshValueError,
+       r"parallelize_step `num_stages` must be a positive integer, 'auto' \(the planner "
+       r"chooses, see `multimesh.jax.plan_pipeline`\) or None, got -1",
+       """`num_stages` is checked itself; a negative count used to be blamed on a missing
+       `num_microbatches`.""", requires=("flax", "optax"))
+def _():
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    mmf.parallelize_step(_two_dense(), optax.sgd(0.1), global_batch=jnp.ones((8, 16)),
+                         num_stages=-1)
+
+
+@error("parallelize-auto-microbatch-size-not-dividing", FLAX,
+       "`parallelize_step(num_stages='auto', microbatch_size=...)` that does not divide the batch",
+       MultimeshValueError,
+       r"parallelize_step microbatch_size=3 does not divide the batch of 8 rows",
+       """With `num_stages="auto"` the microbatch size used to be rounded (3 rows of 8 ran
+       as two microbatches of 4) without a word. Give a size that divides the batch, or
+       `num_microbatches=`.""", requires=("flax", "optax"))
+def _():
+    import optax
+
+    from multimesh.jax import flax as mmf
+
+    mmf.parallelize_step(_two_dense(), optax.sgd(0.1), global_batch=jnp.ones((8, 16)),
+                         num_stages="auto", microbatch_size=3)
+
+
+@error("xla-costs-bad-device-model", SCHEDULES, "`xla_costs` with a device model that is not a DeviceModel",
+       MultimeshTypeError,
+       r"`device_model` must be a multimesh.jax.DeviceModel \(for example "
+       r"DeviceModel.for_device\(jax.devices\(\)\[0\]\), or DeviceModel\(peak_flops=..., "
+       r"memory_bandwidth=...\)\) or None, got str 'gpu'",
+       """A device model turns XLA's flops and bytes into seconds; a name used to fail
+       inside the cost code with an AttributeError.""")
+def _():
+    mm.xla_costs(pipelined(), device_model="gpu")
+
+
+@error("visualize-cost-not-callable", SCHEDULES, "`visualize_schedule(cost=...)` that is not a function",
+       MultimeshTypeError,
+       r"visualize_schedule's `cost` must be a function of a unit \(its duration in units of "
+       r"time\) or None; for seconds per fragment use `costs=`; got int 3",
+       """`cost` maps a unit to its duration; `costs` takes `'xla'`, a StepProfile or a
+       `{fragment: seconds}` mapping.""")
+def _():
+    mm.visualize_schedule(pipelined(), cost=3, print=False)
+
+
+@error("plan-shard-not-callable", IMPLICIT, "`PipelinePlan.shard` of something not callable",
+       MultimeshTypeError,
+       r"`PipelinePlan.shard` takes the step's gradient function \(such as "
+       r"`jax.value_and_grad\(loss\)`\), got int 3",
+       """`plan.shard(grad_fn)` wraps the step's gradient function, as `plan.microbatch`
+       does.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    plan.shard(3)
+
+
+@error("plan-json-overlapping-stages", IMPLICIT, "`PipelinePlan.from_json` with stages that share devices",
+       MultimeshValueError,
+       r"`PipelinePlan.from_json`: the stages' `devices` must be 2 disjoint submesh\(es\) for "
+       r"2 stage\(s\) at interleave=1, got \[\[0, 1, 2, 3\], \[0, 1, 2, 3\]\]",
+       """Stages share a submesh only as the plan's `interleave` says (two stages per
+       submesh for an interleaved or V-shape schedule); other device sets are disjoint.
+       Load the JSON `plan.to_json()` wrote, unedited, or plan again.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    saved = json.loads(plan.to_json())
+    saved["stages"][1]["devices"] = saved["stages"][0]["devices"]
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-loss-not-scalar", IMPLICIT, "`plan_pipeline` of a function that returns no scalar loss",
+       MultimeshValueError,
+       r"`plan_pipeline` plans the training step of a loss: `fun` must return one "
+       r"floating-point scalar \(the loss it differentiates\), got float32\[8\]",
+       """The planner differentiates the loss to cost each unit's backward; it used to
+       fail in `jax.grad`. Reduce the loss to a scalar (a mean or a sum).""")
+def _():
+    mm.plan_pipeline(lambda ws, x: jnp.tanh(x @ ws[0]).sum(1), *layered_args())
+
+
+@error("plan-batch-not-an-array", IMPLICIT, "`plan_pipeline` with an example batch that is not an array",
+       MultimeshValueError,
+       r"`plan_pipeline` cuts the batch \(argument 1\) along dimension 0, but it has no "
+       r"array with that dimension \(3\)",
+       """The example batch is what the step gets: arrays (or a pytree of them) with the
+       rows along `dim`. A number used to fail with an AttributeError.""")
+def _():
+    mm.plan_pipeline(layered_model, layered_args()[0], 3)
+
+
+@error("plan-fsdp-not-bool", IMPLICIT, "`plan_pipeline(fsdp=...)` that is not True, False or None",
+       MultimeshTypeError,
+       r"`plan_pipeline`: `fsdp` must be True \(shard each stage's parameters over its "
+       r"devices\), False or None \(the planner chooses\), got str 'yes'",
+       """A string used to be read as True.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, fsdp="yes")
+
+
+@error("compare-schedules-costs-missing-fragment", SCHEDULES,
+       "`compare_schedules` with costs that name none of the program's fragments",
+       ScheduleError,
+       r"no schedule can be simulated with these costs: no cost for fragment 's0_fwd' "
+       r"\(given costs know: none\)",
+       """GPipe takes any program, so when it cannot be simulated the costs are at fault,
+       and the table would be empty, every schedule listed with the same reason. Give a
+       cost for every fragment (`mm.xla_costs(compiled)`, a StepProfile), or `'unit'`.""")
+def _():
+    mm.compare_schedules(pipelined(), costs={})

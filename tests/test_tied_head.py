@@ -130,3 +130,69 @@ def test_the_step_runs_the_head_where_the_plan_put_it():
         assert devices == list(head_stage.devices), (name, vocab_dots)
     assert sum(n for _, d, n in vocab_dots.values() if d == "bwd") == 2, vocab_dots
     assert sum(n for _, d, n in vocab_dots.values() if d == "fwd") == 1, vocab_dots
+
+
+def test_the_loss_backward_runs_in_the_heads_backward():
+    """The loss's backward (the cotangent of the log-softmax, summed over its two uses,
+    and the scatter of the picked tokens) is backward work of the head: jax traces it in
+    calls of its own (``jit(log_softmax)``), whose ops name only their stack relative
+    to the call. Named by their whole stack, they join the head's backward fragment, on
+    the head's stage; before, they ran on stage 0 in a fragment labelled forward, and
+    their [batch, seq, vocab] results crossed the pipeline."""
+    model = TiedLM(nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, t):
+        return nnx.merge(graph, p, rest)(t)
+
+    plan = mm.plan_pipeline(lambda m, t: m(t), model, TOK, num_stages=4, num_microbatches=2)
+    head = next(st for st in plan.stages if "embed.attend" in st.units)
+    with plan:
+        compiled = mm.mjit(plan.microbatch(jax.value_and_grad(loss))).lower(params, TOK).compile()
+    got_loss, got = compiled(params, TOK)
+    ref_loss, _, ref = _accumulated(TiedLM(nnx.Rngs(0)), TOK, 2)
+    np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    vocab = re.compile(rf"tensor<\d+x\d+x{V}xf32>")  # logits and their cotangents
+    touching = {}
+    for frag in compiled.fragments:
+        ops = [ln.split("=", 1)[1].split()[0] for ln in frag["module"].splitlines()
+               if " = " in ln and "stablehlo." in ln and vocab.search(ln)]
+        if ops:
+            touching[frag["name"]] = (frag["devices"], frag["direction"], ops)
+    for name, (devices, direction, ops) in touching.items():
+        assert devices == list(head.devices), (name, touching)  # no logits cross stages
+        if direction == "fwd":  # the head's forward: no gradient work
+            assert not {"stablehlo.add", "stablehlo.scatter", "\"stablehlo.scatter\"(",
+                        "stablehlo.negate"} & set(ops), (name, ops)
+    assert any(d == "bwd" and "stablehlo.add" in ops for _, d, ops in touching.values())
+
+
+def test_ops_of_a_plain_call_are_named_by_their_whole_name_stack():
+    """mm-inline-tasks puts the call site's name stack in front of an inlined op's own
+    (as jax names the ops of a call it inlines), so mm-assign-tasks sees that the ops
+    of ``jit(log_softmax)`` called from a backward pass are backward."""
+    from multimesh._src.mlir import make_context, parse_module
+    from multimesh.passes import _contract
+    from multimesh.passes.inline_tasks import InlineTasksPass
+    from multimesh.passes.match_tasks import name_stack
+
+    text = """
+    func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = call @f(%arg0) : (tensor<8xf32>) -> tensor<8xf32> loc("transpose(jvp(LM))/jit(f)")
+      return %0 : tensor<8xf32>
+    }
+    func.func private @f(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+      %0 = stablehlo.add %arg0, %arg0 : tensor<8xf32> loc("add_any")
+      %1 = stablehlo.negate %0 : tensor<8xf32> loc(unknown)
+      return %1 : tensor<8xf32>
+    }
+    """
+    module = parse_module(text, make_context())
+    InlineTasksPass().apply(module)
+    with module.context:
+        main = _contract.main_func(module)
+        ops = [op.operation for op in _contract.entry_block(main).operations][:-1]
+        assert [name_stack(op.location) for op in ops] == [
+            "transpose(jvp(LM))/jit(f)/add_any", "transpose(jvp(LM))/jit(f)"]

@@ -39,6 +39,7 @@ from multimesh._src.errors import (
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._primitives import bind_microbatch
+from multimesh.jax._registrations import active_registrations
 from multimesh.jax._task import check_remat, with_sharding_constraint
 from multimesh.jax._trace_notes import MicrobatchNote
 from multimesh.schedules import (
@@ -338,6 +339,50 @@ def _check_count(name, n: int, num_stages, interleave) -> None:
             f" (checked before tracing): {errors[0]}")
 
 
+def _task_submeshes(jaxpr, found: set) -> set:
+    """The device positions of every task call in ``jaxpr`` (and the jaxprs it holds)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "mm_task":
+            found.add(tuple(eqn.params["info"].devices))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _task_submeshes(inner, found)
+    return found
+
+
+def _check_traced_count(traced, n: int) -> None:
+    """Refuse, once the body is traced and before any pass runs, a number of
+    microbatches the schedule does not accept on the pipeline the body's task calls
+    make (one submesh per device set). Only where every task is a call in the body:
+    registered tasks add submeshes that only the compiled program shows."""
+    note = _contexts.state.trace_notes
+    cfg = note.microbatch if note is not None else None
+    name = getattr(cfg, "schedule", None)
+    if name is None or name == "custom" or active_registrations():
+        return
+    meshes = [set(m) for m in _task_submeshes(traced, set())]
+    P = len(meshes)
+    if P < 2 or sum(map(len, meshes)) != len(set().union(*meshes)):
+        return  # overlapping submeshes: the pass alone knows the pipeline
+    from multimesh.schedules import pipeline_units, v_shape_units
+    from multimesh.schedules.simulator import Program
+
+    algo = get_schedule(name)
+    V = getattr(cfg, "interleave", None) or algo.interleave
+    units = (v_shape_units(P, n, split_backward=algo.splits_backward)
+             if algo.placement == "v-shape"
+             else pipeline_units(P, n, interleave=V, split_backward=algo.splits_backward))
+    try:
+        algo.check(Program(units))
+    except ScheduleError as e:
+        raise ScheduleError(
+            f"`microbatch` got {n} microbatch(es) for schedule {algo.name!r}, and the "
+            f"traced step's tasks make a pipeline of {P} submeshes (checked before "
+            f"compiling): {e}") from None
+
+
 def _is_operand(x) -> bool:
     return isinstance(x, (Tracer, jax.Array, np.ndarray, np.generic))
 
@@ -389,6 +434,7 @@ def _run(fun, args, kwargs, argnum, x, cut, reduction):
         raise
     finally:
         st.microbatch_loop = old
+    _check_traced_count(traced, n)
     out_tree = out_tree_cell[-1]
     # The body as a jaxpr over (*consts, i, *operands).
     jaxpr, consts = jax_compat.separate_consts(ClosedJaxpr(traced, consts))

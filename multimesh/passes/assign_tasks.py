@@ -20,9 +20,10 @@ class AssignTasksPass(ModulePass):
     An op outside every task joins the task whose ops it exchanges the most bytes
     with (operands and users together; a leaf task call counts a value once per op of
     its body that reads it), preferring tasks of its own direction (an op
-    of a backward pass, ``transpose(jvp(...))`` in its name, joins a backward task
-    when it has one as a neighbour), repeated forward and backward until
-    nothing changes; it keeps its own microbatch loop (``mm.loop``, which moves into
+    of a backward pass, ``transpose(jvp(...))`` in its whole name stack, joins a
+    backward task when one reaches it: such ops first spread among backward tasks
+    alone, and only those no backward task reaches then take any neighbour),
+    repeated forward and backward until nothing changes; it keeps its own microbatch loop (``mm.loop``, which moves into
     its tag). The loop markers ``mm.microbatch_index``/``mm.microbatch_sum`` get no
     task. An op whose regions hold tagged ops (a loop around a task)
     takes that task; tasks on different submeshes inside one loop are an error,
@@ -88,24 +89,30 @@ def _given_tags(ops: list[ir.Operation], loop: dict[ir.Operation, int],
 def _spread(module: ir.Module, main: ir.Operation, ops: list[ir.Operation],
             tag: dict[ir.Operation, c.Tag], loop: dict[ir.Operation, int]) -> list[ir.Operation]:
     """Give untagged ops the task of their heaviest tagged neighbour, sweeping forward
-    and backward until nothing changes; returns the ops still untagged."""
+    and backward until nothing changes; returns the ops still untagged.
+
+    Ops of a backward pass first wait for a backward neighbour (the loss's backward
+    joins the backward of the unit it feeds, not a forward task that merely gave it its
+    indices); only what no backward task reaches takes any neighbour afterwards."""
     untagged = [op for op in ops if op not in tag]
     pos = {op: i for i, op in enumerate(ops)}
     top = c.top_finder(main)
     backward = {op: _is_backward(op) for op in untagged}
     reads = _Reads(c.func_by_name(module))
-    changed = True
-    while changed and untagged:
-        changed = False
-        for order in (untagged, list(reversed(untagged))):
-            for op in order:
-                if op in tag:
-                    continue
-                best = _heaviest(op, tag, top, pos, backward.get(op, False), reads)
-                if best is not None:
-                    tag[op] = (best[0], best[1], loop[op])
-                    changed = True
-        untagged = [op for op in untagged if op not in tag]
+    for strict in (True, False):
+        changed = True
+        while changed and untagged:
+            changed = False
+            for order in (untagged, list(reversed(untagged))):
+                for op in order:
+                    if op in tag:
+                        continue
+                    bwd = backward.get(op, False)
+                    best = _heaviest(op, tag, top, pos, bwd, reads, strict=strict and bwd)
+                    if best is not None:
+                        tag[op] = (best[0], best[1], loop[op])
+                        changed = True
+            untagged = [op for op in untagged if op not in tag]
     return untagged
 
 
@@ -156,12 +163,13 @@ class _Reads:
 
 
 def _heaviest(op: ir.Operation, tag, top, pos, backward: bool,
-              reads=lambda user, operand: 1) -> c.Tag | None:
+              reads=lambda user, operand: 1, strict: bool = False) -> c.Tag | None:
     """The neighbouring task with the most bytes; ties go to the earliest neighbour.
 
     Neighbours of the op's own direction win over the others (glue of a backward
     pass joins a backward task, not the forward whose residuals it reads). A leaf
     task call counts once per op of its body that reads the value (``reads``).
+    ``strict``: only neighbours of the op's own direction count (None without one).
     """
     scores: dict[c.Tag, list[int]] = {}
 
@@ -189,6 +197,8 @@ def _heaviest(op: ir.Operation, tag, top, pos, backward: bool,
     if not scores:
         return None
     same = {t: v for t, v in scores.items() if (t[1] > 0) == backward}
+    if strict and not same:
+        return None
     return min((same or scores).items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0]))[0]
 
 

@@ -14,6 +14,7 @@ from multimesh._src.mlir import attr_to_py, func, ir, passmanager, stablehlo
 
 from . import _contract as c
 from .base import ModulePass
+from .match_tasks import name_stack
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,9 @@ class InlineTasksPass(ModulePass):
 
     Every other ``func.call`` reachable from ``@main`` is inlined: each op that
     comes out of a task call gets the task's tag, ops of plain calls inherit the
-    tag of the call (if the call itself came out of a task), and calls nested in
+    tag of the call (if the call itself came out of a task) and its name stack in
+    front of their own (``transpose(jvp(LM))/jit(log_softmax)/add_any``, as jax names
+    what it inlines, so a later pass reads their direction), and calls nested in
     regions (``stablehlo.while`` bodies) are inlined in place. Ops that come out of
     a microbatch loop body (a call marked ``mm.microbatch = {loop = L, ...}``)
     belong to loop ``L``: tagged ops get ``loop = L`` in their tag, untagged ones
@@ -411,15 +414,28 @@ def _inline(call: ir.Operation, funcs, names: _Names, uses, scan: _Scan | None =
         _pin_passthrough(ret_op, blk)
     ops = [o.operation for o in blk.operations]
     ret = ops[-1]
+    # a plain call's ops (not a task's, not the microbatch loop body's) carry its name
+    site = name_stack(call.location) if tag is None and c.microbatch_of(call) is None else None
     for op in ops[:-1]:
         op.move_before(call)
         _retag(op, tag, loop)
+        if site:
+            _prefix_name(op, site)
     for res, val in zip(call.results, ret.operands):
         res.replace_all_uses_with(val)
     call.erase()
     if body is not callee:
         body.erase()
     return moved
+
+
+def _prefix_name(op: ir.Operation, site: str) -> None:
+    """Name an op inlined from a plain call by its whole name stack, the call site's in
+    front of its own (``transpose(jvp(LM))/jit(log_softmax)/add_any``), as jax names the
+    ops of a call it inlines: a callee's ops carry only their stack relative to the call,
+    and ``mm-assign-tasks`` reads an op's direction from its whole stack."""
+    own = name_stack(op.location)
+    op.location = ir.Location.name(f"{site}/{own}" if own else site, childLoc=op.location)
 
 
 def _body_to_inline(callee: ir.Operation, name: str, moved: bool, uses,

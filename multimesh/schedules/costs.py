@@ -29,6 +29,7 @@ from .simulator import (
     Program,
     as_cost,
     bytes_text,
+    check_comm,
     predict,
     time_text,
 )
@@ -227,6 +228,7 @@ def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: flo
     """Schedule ``units`` (one program's, in program order) with every registered
     schedule and predict each with ``costs`` (see :func:`predict`)."""
     _, source = as_cost(costs)
+    check_comm(comm)  # once, not as every schedule's reason not to apply
     out = ScheduleComparison(source=source)
     prog = Program(units)
     one_stage = all(len(s) <= 1 for s in prog.stages_of)
@@ -245,6 +247,9 @@ def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: flo
             out.rows.append(predict(sched, costs, residual_bytes=residual_bytes, comm=comm))
         except ScheduleError as e:
             out.not_applicable[algo.name] = str(e)
+            if algo.name == "gpipe":  # it takes any program: its failure is the input's
+                raise ScheduleError(f"no schedule can be simulated with these costs: {e}") \
+                    from None
     return out
 
 

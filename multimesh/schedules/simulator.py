@@ -256,7 +256,12 @@ class Sim:
     def dispatch(self, i: int, t: float) -> None:
         u = self.prog.units[i]
         self.ready[u.mesh].discard(i)
-        c = float(self.cost(u))
+        raw = self.cost(u)
+        if isinstance(raw, (bool, str, bytes)) or not hasattr(raw, "__float__"):
+            raise ScheduleError(f"cost of unit {i} ({u.fragment or short_label(u)} on "
+                                f"submesh {u.mesh}) must be a number of seconds, got "
+                                f"{type(raw).__name__} {raw!r}")
+        c = float(raw)
         if not 0 < c < math.inf:
             raise ScheduleError(f"cost of unit {i} ({u.fragment or short_label(u)} on "
                                 f"submesh {u.mesh}) must be a positive finite duration, "
@@ -410,13 +415,18 @@ def finish(prog: Program, name: str, sim: Sim,
                     tuple(order), devs)
 
 
+def check_comm(comm) -> None:
+    """``comm``, the seconds per transfer between submeshes: a finite number >= 0."""
+    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0 <= comm < math.inf:
+        raise ScheduleError(f"comm (seconds per transfer between submeshes) must be a "
+                            f"finite number >= 0, got {comm!r}")
+
+
 def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
              comm: float = 0.0) -> Timeline:
     """Run the schedule's per-submesh orders: a unit starts when its submesh is free and
     its inputs are done (``comm`` later when they come from another submesh)."""
-    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0 <= comm < math.inf:
-        raise ScheduleError(f"comm (seconds per transfer between submeshes) must be a "
-                            f"finite number >= 0, got {comm!r}")
+    check_comm(comm)
     prog = Program(schedule.units)
     plans = [list(r) for r in schedule.orders]
     pos = {i: k for row in plans for k, i in enumerate(row)}

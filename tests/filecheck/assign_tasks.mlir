@@ -150,3 +150,24 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
     return %0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// Ops of a backward pass (transpose(jvp(...)) in their name) first spread among
+// backward tasks alone: the negate reads a's forward result (its only tagged
+// neighbour at first) but joins b's backward through the add_any, as the loss's
+// backward joins the head's; before, it took a's forward and ran there as forward.
+// CHECK-LABEL: func.func @main
+// CHECK-NEXT: stablehlo.sine %arg0 {mm.task = {name = "a", transpose_count = 0 : i64}}
+// CHECK-NEXT: stablehlo.negate %{{.*}} {mm.task = {name = "b", transpose_count = 1 : i64}}
+// CHECK-NEXT: stablehlo.add %{{.*}}, %{{.*}} {mm.task = {name = "b", transpose_count = 1 : i64}}
+// CHECK-NEXT: stablehlo.multiply %{{.*}}, %{{.*}} {mm.task = {name = "b", transpose_count = 1 : i64}}
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}, b = {devices = [2, 3], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.sine %arg0 {mm.task = {name = "a", transpose_count = 0 : i64}} : tensor<8xf32>
+    %1 = stablehlo.negate %0 : tensor<8xf32> loc("transpose(jvp(m))/jit(log_softmax)/neg")
+    %2 = stablehlo.add %1, %1 : tensor<8xf32> loc("transpose(jvp(m))/jit(log_softmax)/add_any")
+    %3 = stablehlo.multiply %2, %2 {mm.task = {name = "b", transpose_count = 1 : i64}} : tensor<8xf32>
+    return %3 : tensor<8xf32>
+  }
+}

@@ -206,6 +206,12 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
     accessed``) through ``device_model`` (default: :meth:`DeviceModel.for_device` of
     the program's first device)."""
     c = _mpmd(compiled)
+    if device_model is not None and not isinstance(device_model, DeviceModel):
+        raise MultimeshTypeError(
+            f"`device_model` must be a multimesh.jax.DeviceModel (for example "
+            f"DeviceModel.for_device(jax.devices()[0]), or DeviceModel(peak_flops=..., "
+            f"memory_bandwidth=...)) or None, got {type(device_model).__name__} "
+            f"{device_model!r}.")
     model = device_model or DeviceModel.for_device(c.record.devices[0])
     per = c.cost_analysis(by_fragment=True)
     secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))

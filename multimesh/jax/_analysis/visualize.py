@@ -7,6 +7,8 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, user_stacklevel
 from multimesh._src.ir_contract import SCHEDULE_ATTR
 from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
@@ -90,6 +92,12 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
     step measured beside each lane: the peak activation bytes and microbatches, and
     the theory's bytes.
     """
+    _check_output(path, print)
+    if cost is not None and not callable(cost):
+        raise MultimeshTypeError(
+            f"visualize_schedule's `cost` must be a function of a unit (its duration in "
+            f"units of time) or None; for seconds per fragment use `costs=`; got "
+            f"{type(cost).__name__} {cost!r}.")
     tl, label = _timeline(compiled_or_schedule, cost, costs)
     notes = _memory_notes(memory, compiled_or_schedule, tl.schedule)
     lanes = False if memory is None else notes or True
@@ -119,6 +127,26 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
         out += ".png"
     fig.savefig(out, dpi=100)
     return out
+
+
+def _check_output(path, print) -> None:
+    """``path`` a file name in a directory that exists (or None), ``print`` a bool:
+    refused before anything is drawn."""
+    if not isinstance(print, (bool, np.bool_)):
+        raise MultimeshTypeError(
+            f"visualize_schedule's `print` must be True (print the text chart) or False, "
+            f"got {type(print).__name__} {print!r}.")
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise MultimeshTypeError(
+            f"visualize_schedule's `path` must be a file name (str or os.PathLike) or None "
+            f"(no PNG), got {type(path).__name__} {path!r}.")
+    where = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(where):
+        raise MultimeshValueError(
+            f"visualize_schedule cannot write {os.fspath(path)!r}: the directory {where!r} "
+            f"does not exist. Create it first, or give a path in an existing directory.")
 
 
 def _print_chart(tl: Timeline, label: str, cost, lanes, notes) -> None:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 import jax
+import numpy as np
 
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
@@ -93,12 +94,22 @@ def _unjitted(fun):
     return fun
 
 
+def _fsdp_choices(fsdp) -> tuple[bool, ...]:
+    if fsdp is not None and not isinstance(fsdp, (bool, np.bool_)):
+        raise MultimeshTypeError(
+            f"`plan_pipeline`: `fsdp` must be True (shard each stage's parameters over its "
+            f"devices), False or None (the planner chooses), got {type(fsdp).__name__} "
+            f"{fsdp!r}.")
+    return (False, True) if fsdp is None else (bool(fsdp),)
+
+
 def _batch_rows(args, argnum: int, dim: int) -> int:
     if not -len(args) <= argnum < len(args):
         raise MultimeshValueError(
             f"`plan_pipeline`: `argnum={argnum}` names no example argument; it got "
             f"{len(args)} (the batch is usually argument 1, after the parameters).")
-    rows = {int(x.shape[dim]) for x in jax.tree.leaves(args[argnum]) if len(x.shape) > dim}
+    shapes = [np.shape(x) for x in jax.tree.leaves(args[argnum])]
+    rows = {int(sh[dim]) for sh in shapes if len(sh) > dim}
     if not rows or 0 in rows:
         raise MultimeshValueError(
             f"`plan_pipeline` cuts the batch (argument {argnum}) along dimension {dim}, but "
@@ -390,7 +401,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
-    fsdps = (False, True) if fsdp is None else (bool(fsdp),)
+    fsdps = _fsdp_choices(fsdp)
     choice = search(table, machine, fit, mbs, names, fsdps)
     if choice.num_microbatches == 1:
         notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows, fsdps)
@@ -516,6 +527,10 @@ def plan_step(mb, loss, params, batch_avals, mesh):
     rows = _batch_rows((params, batch_avals), 1, 0)
     given = mb.num_microbatches
     if given is None and mb.microbatch_size is not None:
+        if rows % mb.microbatch_size:
+            raise MultimeshValueError(
+                f"parallelize_step microbatch_size={mb.microbatch_size} does not divide the "
+                f"batch of {rows} rows; give a size that divides it (or `num_microbatches=`).")
         given = rows // mb.microbatch_size
     plan = plan_pipeline(loss, params, batch_avals, devices=list(mesh.devices.flat),
                          num_microbatches=given, schedule=mb.schedule,

@@ -216,6 +216,7 @@ class PipelinePlan:
         """``fun`` (``grad_fn(params, ..., batch, ...)``) with its batch rows pinned to
         each stage's ``data`` axis and, for an fsdp plan, its parameters and returned
         gradients sharded over it (multimesh's logical ``with_sharding_constraint``)."""
+        _check_step_function(fun, "shard")
         argnum, dim, _ = self.batch
         if not (self.batch_sharded or self.fsdp):
             return fun
@@ -244,6 +245,7 @@ class PipelinePlan:
         the plan's ``reduction``."""
         from multimesh.jax._microbatch import microbatch
 
+        _check_step_function(fun, "microbatch")
         argnum, dim, _ = self.batch
         if self.num_microbatches == 1:  # nothing to order or combine: one call of the step
             return self.shard(fun)
@@ -381,6 +383,13 @@ def _plan_code(plan: PipelinePlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_step_function(fun, method: str) -> None:
+    if not callable(fun):
+        raise MultimeshTypeError(
+            f"`PipelinePlan.{method}` takes the step's gradient function (such as "
+            f"`jax.value_and_grad(loss)`), got {type(fun).__name__} {fun!r}.")
+
+
 def _json_error(what: str, want: str, got) -> MultimeshValueError:
     return MultimeshValueError(
         f"`PipelinePlan.from_json`: {what} must be {want}, got {got!r}. Load the JSON "
@@ -482,6 +491,7 @@ def _plan_fields(text) -> dict[str, Any]:
     interleave = _count(d["interleave"], "`interleave`", 1)
     if len(stages) % interleave:
         raise _json_error("`interleave`", f"a divisor of the {len(stages)} stages", interleave)
+    _check_submeshes(stages, interleave)
     if d["reduction"] not in REDUCTIONS:
         raise _json_error("`reduction`", f"one of {list(REDUCTIONS)}", d["reduction"])
     axes = d["logical_axes"]
@@ -501,6 +511,19 @@ def _plan_fields(text) -> dict[str, Any]:
                 interleave=interleave, reduction=d["reduction"],
                 batch_sharded=_flag(d["batch_sharded"], "`batch_sharded`"),
                 fsdp=_flag(d["fsdp"], "`fsdp`"))
+
+
+def _check_submeshes(stages: tuple[Stage, ...], interleave: int) -> None:
+    """Stages share a submesh only as the plan's interleave says: the stages' device
+    sets (and position sets) are equal or disjoint, ``len(stages) / interleave`` of them."""
+    want = len(stages) // interleave
+    for field in ("devices", "positions"):
+        sets = list(dict.fromkeys(frozenset(getattr(st, field)) for st in stages))
+        clash = next(((a, b) for i, a in enumerate(sets) for b in sets[i + 1:] if a & b), None)
+        if clash is not None or len(sets) != want:
+            got = [sorted(getattr(st, field)) for st in stages]
+            raise _json_error(f"the stages' `{field}`", f"{want} disjoint submesh(es) for "
+                              f"{len(stages)} stage(s) at interleave={interleave}", got)
 
 
 def _flag(v, what: str) -> bool:
@@ -537,8 +560,15 @@ def _events(profile) -> list[tuple[str, str, float, float, str]]:
         return [(str(e[0]), str(e[1]), float(e[2]), float(e[3]),
                  str((e[4] if len(e) == 5 else {}).get("cat", "fragment"))) for e in rec.events]
     if isinstance(rec, (str, os.PathLike)):
-        with open(rec, encoding="utf-8") as f:
-            rec = json.load(f)
+        try:
+            with open(rec, encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, ValueError) as e:
+            raise MultimeshValueError(
+                f"`PipelinePlan.compare` cannot read the trace {os.fspath(rec)!r} "
+                f"({getattr(e, 'strerror', None) or e}): give the path of the Perfetto JSON "
+                f"that `compiled.profile(..., trace_path=)` wrote, the loaded dict, or a "
+                f"profiled program or StepProfile.") from None
     if isinstance(rec, Mapping) and "traceEvents" in rec:
         names = {e["tid"]: e["args"]["name"] for e in rec["traceEvents"]
                  if e.get("name") == "thread_name"}

@@ -156,6 +156,13 @@ def _trace(fun, args, params_argnum: int):
     """``value_and_grad(fun)``'s jaxpr, NNX modules named as ``mjit`` names them."""
     roots = [a for a in jax.tree.leaves(args, is_leaf=_is_nnx) if _is_nnx(a)]
     with module_names(*roots):
+        out = jax.eval_shape(fun, *args)
+        if not (hasattr(out, "shape") and out.shape == () and hasattr(out, "dtype")
+                and jax.numpy.issubdtype(out.dtype, jax.numpy.floating)):
+            raise MultimeshValueError(
+                f"`plan_pipeline` plans the training step of a loss: `fun` must return one "
+                f"floating-point scalar (the loss it differentiates), got "
+                f"{jax.tree.map(lambda x: f'{x.dtype}{list(x.shape)}', out)}.")
         return jax.make_jaxpr(jax.value_and_grad(fun, argnums=params_argnum))(*args)
 
 

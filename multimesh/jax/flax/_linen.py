@@ -341,7 +341,9 @@ class MicrobatchOptions:
         check_remat(self.remat, "parallelize_step")
         pipelining = ("schedule", "interleave", "num_stages", "unrolling", "custom_schedule",
                       "remat")
-        if isinstance(self.num_stages, str) and self.num_stages != "auto":
+        ns = self.num_stages
+        if ns is not None and ns != "auto" and (
+                isinstance(ns, (bool, str)) or not isinstance(ns, (int, np.integer)) or ns < 1):
             raise MultimeshValueError(
                 f"parallelize_step `num_stages` must be a positive integer, 'auto' (the "
                 f"planner chooses, see `multimesh.jax.plan_pipeline`) or None, got "
