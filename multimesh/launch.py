@@ -329,7 +329,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _device_flags(flags: str, count: int) -> str:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
-    return f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    return " ".join([*flags.split(), f"--xla_force_host_platform_device_count={count}"])
 
 
 def _forward(stream, out, prefix: str, lock: threading.Lock) -> None:

@@ -250,8 +250,10 @@ def test_launcher_environment_and_prefixes(tmp_path):
             "print('to stderr', file=sys.stderr)\n")
     proc = _run_launcher(tmp_path, code, "-n", "3", "--devices-per-process", "2")
     assert proc.returncode == 0, proc.stderr
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags = " ".join([*kept, "--xla_force_host_platform_device_count=2"])  # the caller's stay
     for k in range(3):
-        assert f"[{k}] {k} 3 --xla_force_host_platform_device_count=2 cpu []" in proc.stdout
+        assert f"[{k}] {k} 3 {flags} cpu []" in proc.stdout, proc.stdout
         assert f"[{k}] to stderr" in proc.stderr
 
 
