@@ -333,7 +333,7 @@ def test_the_wing_import_check_finds_hidden_imports(tmp_path):
 def _program_members() -> set[str]:
     """The part of an ``mjit`` function made for argument handlers."""
     tree = ast.parse((ROOT / "multimesh/jax/_stages/handlers.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Program")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MjitProgram")
     return {n.target.id if isinstance(n, ast.AnnAssign) else n.name for n in cls.body
             if isinstance(n, ast.FunctionDef) or
             (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))}
@@ -343,7 +343,7 @@ def _program_members() -> set[str]:
                          ids=[m for m, _ in MODULES if m.startswith(WING)])
 def test_the_flax_wing_uses_only_the_handler_api_of_mjit(name, path):
     """The flax wing sees an ``mjit`` function (``owner``, as the handlers hand it)
-    only through ``handlers.Program``: nothing private (no ``owner._cache``)."""
+    only through ``handlers.MjitProgram``: nothing private (no ``owner._cache``)."""
     allowed = _program_members()
     assert {"fun", "trace_flat", "compiled_for", "options"} <= allowed
     for node in ast.walk(ast.parse(path.read_text())):
@@ -354,5 +354,5 @@ def test_the_flax_wing_uses_only_the_handler_api_of_mjit(name, path):
                 (isinstance(value, ast.Attribute) and value.attr == "owner"):
             assert node.attr in allowed, (
                 f"{path.relative_to(ROOT)}:{node.lineno} reads `owner.{node.attr}` of an "
-                f"`mjit` function; the flax wing uses only handlers.Program "
+                f"`mjit` function; the flax wing uses only handlers.MjitProgram "
                 f"({sorted(allowed)})")

@@ -241,7 +241,7 @@ def _check_same_program(memory, obj, sched: Schedule) -> None:
     source = getattr(memory, "source", None)
     program = getattr(memory, "program", None)
     other = source is None or source != sched or len(memory.submeshes) != sched.num_meshes
-    if not other and program is not None and hasattr(obj, "_lowered"):
+    if not other and program is not None and hasattr(obj, "record"):
         from multimesh.jax._analysis.memory import program_fingerprint
 
         other = program_fingerprint(obj) != program

@@ -9,7 +9,7 @@ only once the program imported ``flax.nnx`` itself), one for tasks once one of i
 multimesh.jax`` imports no wing, and a wing needs no import by the user: the
 composition root, ``multimesh/jax/__init__.py``, registers the flax wing's handler.
 
-A handler sees an ``mjit`` function only through ``Program``, the part of it made for
+A handler sees an ``mjit`` function only through ``MjitProgram``, the part of it made for
 handlers (the flax wing reads nothing private of it).
 """
 
@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-__all__ = ["Program", "ArgumentHandler", "register", "for_arguments", "for_task",
+__all__ = ["MjitProgram", "ArgumentHandler", "register", "for_arguments", "for_task",
            "may_claim_arguments", "module_names"]
 
 
-class Program(Protocol):
+class MjitProgram(Protocol):
     """What a handler may use of an ``mjit`` function."""
 
     fun: Callable
@@ -51,10 +51,10 @@ class ArgumentHandler(Protocol):
     def claims(self, tree) -> bool:
         """Whether ``tree`` (arguments, or a function's outputs) holds its objects."""
 
-    def trace(self, program: Program, bound: Any) -> Any:
+    def trace(self, program: MjitProgram, bound: Any) -> Any:
         """``program.trace(...)`` for arguments it claims: a stage like ``MpmdTraced``."""
 
-    def call(self, program: Program, bound: Any) -> Any:
+    def call(self, program: MjitProgram, bound: Any) -> Any:
         """Call ``program`` on arguments it claims (compiled via ``compiled_for``)."""
 
     def wraps_task(self, fun) -> bool:

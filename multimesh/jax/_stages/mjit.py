@@ -178,7 +178,7 @@ class _MJit(ProgramCaches):
                    in_shardings=None) -> MpmdTraced:
         """Trace ``fun`` of dynamic arguments only (statics already bound), under the
         program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``
-        (``handlers.Program``: argument handlers trace through it)."""
+        (``handlers.MjitProgram``: argument handlers trace through it)."""
         devices = self._devices()
         self._warn_left_blocks()
         t0 = time.perf_counter()
@@ -253,7 +253,7 @@ class _MJit(ProgramCaches):
 
     def compiled_for(self, bound: Bound, signature, build):
         """The program for ``bound`` and ``signature`` from the cache, else ``build()``,
-        cached (``handlers.Program``: the one cache of plain and handled calls)."""
+        cached (``handlers.MjitProgram``: the one cache of plain and handled calls)."""
         key = self._key(bound, signature)
         compiled = self._cache.get(key)
         if compiled is None:

@@ -3,7 +3,7 @@ base that speaks jax's stage protocol (``jax.stages.Traced``/``Lowered``/``Compi
 
 ``LoweredProgram`` is built once, by ``MpmdTraced.lower`` (or ``compile_mpmd``), and
 never changes: ``MpmdLowered``, ``MpmdCompiled`` and the fast path's ``FastCompiled``
-hold it. ``Stage`` gives every stage (``MpmdTraced`` too) one error for what jax's
+hold it. ``StageBase`` gives every stage (``MpmdTraced`` too) one error for what jax's
 stage has but an MPMD program does not offer (the class's ``_not_offered`` table);
 ``ProgramStage`` adds ``in_tree``/``out_tree``/``in_avals`` from the record; ``StageWrapper`` is the base of a
 stage that wraps another (the NNX ones), answering what it does not define itself from
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from multimesh._src.errors import MultimeshAttributeError
 from multimesh.passes.api import Pipeline
 
-__all__ = ["LoweredProgram", "RECORD_FIELDS", "ProgramStage", "Stage", "StageWrapper", "forward", "missing_attribute"]
+__all__ = ["LoweredProgram", "RECORD_FIELDS", "ProgramStage", "StageBase", "StageWrapper", "forward", "missing_attribute"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ def forward(holder: str, name: str, doc: str | None = None) -> Any:
     return property(lambda self: getattr(getattr(self, holder), name), doc=doc)
 
 
-class Stage:
+class StageBase:
     """jax's stage protocol: what jax's stage (``_jax_class``) has and this one does not
     offer raises an error saying why (``_not_offered``)."""
 
@@ -90,7 +90,7 @@ class Stage:
         raise missing_attribute(self, name)
 
 
-class ProgramStage(Stage):
+class ProgramStage(StageBase):
     """A stage of a lowered program: its ``record``, and the trees and types of calls."""
 
     record: LoweredProgram
@@ -112,7 +112,7 @@ class StageWrapper:
         return getattr(self.inner, name)
 
 
-def missing_attribute(stage: Stage, name: str) -> AttributeError:
+def missing_attribute(stage: StageBase, name: str) -> AttributeError:
     """The error for a missing attribute: why, for one that jax's stage has (the
     ``_not_offered`` table of the stage's class)."""
     cls = type(stage).__name__

@@ -20,14 +20,14 @@ from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import is_key, leaf_name
 from multimesh.jax._stages.lowered import MpmdLowered, input_text
 from multimesh.jax._stages.pipeline import program_pipeline, schedule_config_of
-from multimesh.jax._stages.stage import LoweredProgram, Stage, forward
+from multimesh.jax._stages.stage import LoweredProgram, StageBase, forward
 from multimesh.jax._task import warn_renamed_tasks
 from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["MpmdTraced"]
 
 
-class MpmdTraced(Stage):
+class MpmdTraced(StageBase):
     """``mjit(f).trace(*args)``: the program as a jaxpr, before lowering.
 
     ``jaxpr`` is over the leaves of the dynamic arguments (static ones are folded in);

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _task
 from multimesh.jax._stages.call_checks import is_key
-from multimesh.jax._stages.handlers import Program
+from multimesh.jax._stages.handlers import MjitProgram
 from multimesh.jax._stages.inputs import is_physical
 from multimesh.jax._stages.stage import StageWrapper
 from multimesh.jax._task import Task, TaskFunction, with_sharding_constraint
@@ -561,14 +561,14 @@ def _donation(split: _Split, bound) -> tuple[list[bool], list[bool]]:
     return var_flags, [donated(a) for a in dyn_args]
 
 
-def trace(owner: Program, bound) -> NnxTraced:
+def trace(owner: MjitProgram, bound) -> NnxTraced:
     """``mjit(f).trace(...)`` when the arguments hold NNX objects (``multimesh.jax``
     calls this): trace the pure function of their Variables, as ``nnx.jit`` does."""
     return _trace(owner, bound, _Split((bound.dyn_args, bound.dyn_kwargs),
                                        allow_abstract=True))
 
 
-def call(owner: Program, bound):
+def call(owner: MjitProgram, bound):
     """Call ``mjit(f)`` on arguments holding NNX objects: compile once per structure
     and types, run, and write the changed Variables back into the caller's objects."""
     split = _Split((bound.dyn_args, bound.dyn_kwargs))
@@ -577,7 +577,7 @@ def call(owner: Program, bound):
     return compiled._run(split)
 
 
-def _trace(owner: Program, bound, split: _Split) -> NnxTraced:
+def _trace(owner: MjitProgram, bound, split: _Split) -> NnxTraced:
     fun = owner.fun
     where = f"mjit({getattr(fun, '__name__', 'fun')})"
     var_specs, dyn_specs = _arg_specs(split, owner.in_shardings, where)
@@ -620,7 +620,7 @@ def _trace(owner: Program, bound, split: _Split) -> NnxTraced:
     return NnxTraced(traced, _NnxProgram(owner, bound, split, cell))
 
 
-def _check_logical(owner: Program, where: str) -> None:
+def _check_logical(owner: MjitProgram, where: str) -> None:
     """For NNX objects, shardings are logical names; a ``NamedSharding`` none of whose
     names a task of the program maps (tasks are traced by now) would silently do
     nothing, so it is an error."""
@@ -665,7 +665,7 @@ class _NnxProgram:
     function, the arguments it was traced for, their split and what the trace found
     (``cell``: the changed Variables, the output's split, the key implementations)."""
 
-    owner: Program
+    owner: MjitProgram
     bound: Any
     split: _Split
     cell: dict
