@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
@@ -33,7 +33,7 @@ from multimesh.jax._stages.call_checks import (
 )
 from multimesh.jax._stages.options import ArgOptions, Bound, resolve_options
 from multimesh.jax._stages.traced import MpmdTraced
-from multimesh.jax._task import jax_constraint_hint, with_sharding_constraint
+from multimesh.jax._task import broadcast_prefix, jax_constraint_hint, with_sharding_constraint
 from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["mjit"]
@@ -292,19 +292,12 @@ def _constrain_outputs(out, shardings, placements: dict):
 
 def _leaf_entries(shardings, tree) -> list:
     """One entry of ``shardings`` (a prefix of ``tree``, as for jax.jit) per leaf."""
-    def is_spec(s):
-        return s is None or isinstance(s, (NamedSharding, PartitionSpec))
-
-    if is_spec(shardings):
-        return [shardings] * len(jax.tree.leaves(tree))
     try:
-        groups = jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)), shardings, tree,
-                              is_leaf=is_spec)
+        return broadcast_prefix(shardings, tree)
     except ValueError as e:
         raise MultimeshValueError(
             f"`in_shardings`/`out_shardings` must be a prefix of the arguments/outputs "
             f"(as for jax.jit): {e}") from None
-    return [s for g in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, list)) for s in g]
 
 
 def _constrain_leaf(x, s):
@@ -315,25 +308,9 @@ def _constrain_leaf(x, s):
 
 def _constrain_tree(tree, shardings):
     """Apply ``shardings`` (a prefix of ``tree``, as jit's in_shardings) as logical constraints."""
-    def one(x, s):
-        if isinstance(s, NamedSharding):
-            s = s.spec
-        if s is None:
-            return x
-        return with_sharding_constraint(x, s)
-
-    def is_spec(s):
-        return s is None or isinstance(s, (NamedSharding, PartitionSpec))
-
-    if is_spec(shardings):
-        return jax.tree.map(lambda x: one(x, shardings), tree)
-    try:
-        return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: one(x, s), sub),
-                            shardings, tree, is_leaf=is_spec)
-    except ValueError as e:
-        raise MultimeshValueError(
-            f"`in_shardings`/`out_shardings` must be a prefix of the arguments/outputs "
-            f"(as for jax.jit): {e}") from None
+    leaves, treedef = jax.tree.flatten(tree)
+    entries = _leaf_entries(shardings, tree)
+    return jax.tree.unflatten(treedef, [_constrain_leaf(x, s) for x, s in zip(leaves, entries)])
 
 
 def mjit(fun: Callable | None = None, /, *, in_shardings=None, out_shardings=None,
