@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 import types
+import weakref
 from functools import partial
 
 import jax
@@ -109,14 +111,27 @@ def _lowering(ctx, *args, call_jaxpr, info):
     return out_nodes
 
 
+_SERIALS: dict[int, int] = {}  # id of a live module jax lowers -> its serial number
+_NEXT_SERIAL = itertools.count()
+
+
 def _program_name(ctx) -> str:
-    """The name of the module jax lowers (``jit_loss``), or "" where it has none."""
+    """The name of the module jax lowers (``jit_loss``) and a serial number of its own:
+    a module's id alone is reused once it is freed, and a later program would then pass
+    for one already warned about."""
     module = getattr(ctx.module_context, "module", None)
     try:
         name = str(module.operation.attributes["sym_name"])  # type: ignore[union-attr]
     except (AttributeError, KeyError):
         name = ""
-    return f"{name}@{id(module):x}"
+    key = id(module)
+    if key not in _SERIALS:
+        _SERIALS[key] = next(_NEXT_SERIAL)
+        try:
+            weakref.finalize(module, _SERIALS.pop, key, None)
+        except TypeError:  # not weakly referable: the id stays taken
+            pass
+    return f"{name}#{_SERIALS[key]}"
 
 
 _UNPLACED: set[tuple] = set()  # (task, program) already warned about (see warn_unplaced)
