@@ -10,7 +10,8 @@ from .model import ScheduleError, default_cost
 from .simulator import Program, run_plans, unit_plans
 
 __all__ = ["Slot", "warmup", "groups", "gpipe_plans", "one_f_one_b_plans", "add_backward",
-           "gpipe_plan", "one_f_one_b_plan", "feasible_plans", "megatron_peak"]
+           "gpipe_plan", "one_f_one_b_plan", "feasible_plans", "megatron_peak",
+           "activation_halves", "recomputing_weight_halves"]
 
 Slot = tuple[str, int, int]
 """``(kind, stage, microbatch rank)``: one entry of a submesh's plan."""
@@ -123,3 +124,23 @@ def feasible_plans(prog: Program, num_stages: int | None, with_w: bool = True,
 def megatron_peak(P: int, M: int, V: int) -> int | None:
     """Interleaved 1F1B's peak activations (P dividing M): Megatron's warm-up plus one."""
     return min((V + 1) * P - 1, V * M) if M % P == 0 else None
+
+
+def activation_halves(prog: Program) -> dict[int, int]:
+    """Each weight-gradient part's activation half (the split ``bwd`` of its key)."""
+    act_of = {u.key: u.index for u in prog.units
+              if not u.free and u.kind == "bwd" and u.split}
+    return {u.index: act_of[u.key] for u in prog.units
+            if not u.free and u.kind == "bwd_w" and u.key in act_of}
+
+
+def recomputing_weight_halves(prog: Program) -> dict[int, int]:
+    """The weight halves that read nothing of their activation half (``remat=True``:
+    they recompute from the stage input and the incoming cotangent), to that half.
+
+    Deferred, such a weight half holds its stage input and a cotangent, twice what the
+    microbatch held awaiting its backward, so ZB-H1 and ZB-H2 bound how many wait at
+    once (:mod:`.algorithms.zero_bubble`)."""
+    return {w: b for w, b in activation_halves(prog).items()
+            if b not in prog.units[w].deps}
+
