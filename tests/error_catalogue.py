@@ -3624,6 +3624,21 @@ def _():
     mm.PipelinePlan.from_json(json.dumps(saved))
 
 
+@error("plan-json-devices-not-here", IMPLICIT, "`PipelinePlan.from_json` of a plan made on other devices",
+       MultimeshValueError,
+       r"`PipelinePlan.from_json`: the plan places its stages on devices \[8, 9, 10, 11\], "
+       r"which this process does not have \(its devices are \[0, 1, 2, 3, 4, 5, 6, 7\]\)",
+       """A plan names the device ids it was made for. Loaded in a process without them
+       (a plan saved on a 16-device machine, read on 8), it is refused at load rather than
+       run on whatever devices its positions fall on. Load it where its devices are, or
+       plan again there.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, num_microbatches=2)
+    saved = json.loads(plan.to_json())
+    saved["stages"][1]["devices"] = [8, 9, 10, 11]
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
 @error("plan-loss-not-scalar", IMPLICIT, "`plan_pipeline` of a function that returns no scalar loss",
        MultimeshValueError,
        r"`plan_pipeline` plans the training step of a loss: `fun` must return one "

@@ -129,6 +129,21 @@ def test_plan_from_json_refuses_other_documents(plan):
         mm.PipelinePlan.from_json(json.dumps(d))
 
 
+def test_plan_from_json_refuses_devices_this_process_lacks(plan):
+    """A plan saved on a bigger machine names devices that are not here: said at load,
+    not when its submeshes first run elsewhere."""
+    d = json.loads(plan.to_json())
+    d["stages"][1]["devices"] = [8, 9, 10, 11]
+    with pytest.raises(MultimeshValueError, match=r"places its stages on devices \[8, 9, 10, "
+                                                  r"11\], which this process does not have "
+                                                  r"\(its devices are \[0, 1, 2, 3, 4, 5, 6, 7\]\)"):
+        mm.PipelinePlan.from_json(json.dumps(d))
+    d = json.loads(plan.to_json())
+    d["stages"][1]["positions"] = [8, 9, 10, 11]
+    with pytest.raises(MultimeshValueError, match=r"device position 11, past the 8 devices"):
+        mm.PipelinePlan.from_json(json.dumps(d))
+
+
 # --------------------------------------------------------------------------- item 1: pictures
 
 
@@ -229,6 +244,11 @@ def test_mm_opt_output_honours_the_umask_and_keeps_a_files_mode(tmp_path, capsys
      r"`fragment_overhead` must be a finite number >= 0 \(seconds per fragment call\)"),
     (dict(optimizer_state_factor=-2), MultimeshValueError,
      r"`optimizer_state_factor` must be a finite number >= 0 \(optimizer state bytes"),
+    (dict(logical_axes=3), MultimeshTypeError,
+     r"^`plan_pipeline`: `logical_axes` must be a sequence of \(logical_name, device_axis\) "
+     r"pairs, got int 3\.$"),
+    (dict(logical_axes=[("batch",)]), MultimeshValueError,
+     r"^`plan_pipeline`: `logical_axes` .* \('batch',\) is not such a pair\.$"),
 ])
 def test_planner_refuses_bad_inputs_naming_them(kwargs, exc, match):
     with pytest.raises(exc, match=match):

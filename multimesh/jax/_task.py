@@ -66,7 +66,7 @@ def _who(name: str | None) -> str:
     return f"Task {name!r}" if name is not None else "`Task`"
 
 
-def _check_pairs(value, field: str, who: str) -> tuple[tuple[str, str], ...]:
+def check_pairs(value, field: str, who: str) -> tuple[tuple[str, str], ...]:
     """``logical_axes``/``extra_axes``: a sequence of (logical_name, device_axis) pairs."""
     def is_pair(p):
         return (isinstance(p, (tuple, list)) and len(p) == 2
@@ -262,7 +262,7 @@ class Task:
         for field in ("logical_axes", "extra_axes"):
             pairs = getattr(self, field)
             if pairs is not None:
-                setattr(self, field, _check_pairs(pairs, field, who))
+                setattr(self, field, check_pairs(pairs, field, who))
         self.split_backprop = _check_split_backprop(self.split_backprop, who)
         self.remat = check_remat(self.remat, who)
 

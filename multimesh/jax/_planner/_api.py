@@ -435,10 +435,9 @@ def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_over
     from multimesh.jax._microbatch import check_reduction
 
     check_reduction(reduction, "`plan_pipeline`")
-    if logical_axes:
-        from multimesh.jax._task import Task
+    from multimesh.jax._task import check_pairs
 
-        Task(name="plan_pipeline", logical_axes=logical_axes)  # checks the pairs
+    check_pairs(logical_axes, "logical_axes", "`plan_pipeline`")
 
 
 def _why_one(table: Costs, m: Machine, stages, mbs, schedules, choice: Choice,

@@ -492,6 +492,7 @@ def _plan_fields(text) -> dict[str, Any]:
     if len(stages) % interleave:
         raise _json_error("`interleave`", f"a divisor of the {len(stages)} stages", interleave)
     _check_submeshes(stages, interleave)
+    _check_devices_here(stages)
     if d["reduction"] not in REDUCTIONS:
         raise _json_error("`reduction`", f"one of {list(REDUCTIONS)}", d["reduction"])
     axes = d["logical_axes"]
@@ -524,6 +525,22 @@ def _check_submeshes(stages: tuple[Stage, ...], interleave: int) -> None:
             got = [sorted(getattr(st, field)) for st in stages]
             raise _json_error(f"the stages' `{field}`", f"{want} disjoint submesh(es) for "
                               f"{len(stages)} stage(s) at interleave={interleave}", got)
+
+
+def _check_devices_here(stages: tuple[Stage, ...]) -> None:
+    """A plan runs on the devices it names: each must be one of this process's, and each
+    position a place in a device list this long."""
+    here = sorted(d.id for d in jax.devices())
+    named = sorted({i for st in stages for i in st.devices})
+    missing = [i for i in named if i not in here]
+    far = max(p for st in stages for p in st.positions)
+    if missing or far >= len(here):
+        what = (f"devices {missing}, which this process does not have" if missing
+                else f"device position {far}, past the {len(here)} devices here")
+        raise MultimeshValueError(
+            f"`PipelinePlan.from_json`: the plan places its stages on {what} (its devices "
+            f"are {here}). A plan is made for the devices it runs on: load it where they "
+            f"are, or plan again here with `plan_pipeline`.")
 
 
 def _flag(v, what: str) -> bool:
