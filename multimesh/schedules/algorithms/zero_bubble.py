@@ -32,16 +32,17 @@ class ZeroBubble(ScheduleAlgorithm):
     def simulate(self, prog, *, num_stages=None, unrolling=None, custom=None):
         ref = run_plans(prog, *feasible_plans(prog, num_stages),
                         strict=False, cost=default_cost)
-        limit = [max(ref.peak, default=0) * (2 if self.h2 else 1)] * prog.num_meshes
+        factor = 2 if self.h2 else 1
+        if recomputing_weight_halves(prog):  # each submesh by its own 1F1B count
+            limit = [p * factor for p in ref.peak]
+        else:  # the paper's: 1F1B's peak (the first stage's) everywhere
+            limit = [max(ref.peak, default=0) * factor] * prog.num_meshes
         plans, pos = feasible_plans(prog, num_stages, with_w=False, h2=self.h2)
         w_pool = {u.index for u in prog.units if not u.free and u.kind == "bwd_w"}
         for i in w_pool:
             pos[i] = -1  # scheduled by the chooser, not free
-        act = activation_halves(prog)
-        if recomputing_weight_halves(prog):
-            limit = [p * (2 if self.h2 else 1) for p in ref.peak]
         return run_plans(prog, plans, pos, strict=False, cost=default_cost, name=self.name,
-                         chooser=_chooser(prog, w_pool, limit, act))
+                         chooser=_chooser(prog, w_pool, limit, activation_halves(prog)))
 
     def bubble(self, P: int, M: int, V: int) -> float | None:
         return (P - 1) / (3 * M + P - 1) if V == 1 else None
