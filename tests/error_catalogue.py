@@ -1513,15 +1513,20 @@ def _():
 
 def three_layers_on_two_submeshes():
     """Layers 0 and 2 on positions 0-3, layer 1 on 4-7: stages 0 and 2 share submesh 0."""
-    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k % 2)))
-              for k in range(3)]
+    return tanh_chain([mesh4(4 * (k % 2)) for k in range(3)])
+
+
+def tanh_chain(meshes):
+    """``(grad_fn, ws, x)``: one ``tanh`` layer task per mesh, in order, and a square loss."""
+    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=m)
+              for k, m in enumerate(meshes)]
 
     def loss(ws, x):
         for f, w in zip(layers, ws):
             x = f(w, x)
         return (x ** 2).sum()
 
-    return jax.value_and_grad(loss), [jnp.eye(16)] * 3, jnp.ones((16, 16))
+    return jax.value_and_grad(loss), [jnp.eye(16)] * len(meshes), jnp.ones((16, 16))
 
 
 @error("schedule-needs-contiguous-stages", SCHEDULES,
@@ -1570,15 +1575,7 @@ def _():
 
 def v_shape_two_submeshes():
     """Layers 0 and 3 on positions 0-3, layers 1 and 2 on 4-7 (DualPipeV's placement)."""
-    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=mesh4(4 * (k in (1, 2))))
-              for k in range(4)]
-
-    def loss(ws, x):
-        for f, w in zip(layers, ws):
-            x = f(w, x)
-        return (x ** 2).sum()
-
-    return jax.value_and_grad(loss), [jnp.eye(16)] * 4, jnp.ones((16, 16))
+    return tanh_chain([mesh4(4 * (k in (1, 2))) for k in range(4)])
 
 
 @error("dualpipe-v-too-few-microbatches", SCHEDULES,
@@ -1648,15 +1645,7 @@ def v_shape_four_submeshes():
     def sub(r):
         return mm.TaskMesh(devices=range(2 * r, 2 * r + 2), axis_names=("x",), axis_sizes=(2,))
 
-    layers = [mm.task(lambda w, x: jnp.tanh(x @ w), name=f"l{k}", mesh=sub(min(k, 7 - k)))
-              for k in range(8)]
-
-    def loss(ws, x):
-        for f, w in zip(layers, ws):
-            x = f(w, x)
-        return (x ** 2).sum()
-
-    return jax.value_and_grad(loss), [jnp.eye(16)] * 8, jnp.ones((16, 16))
+    return tanh_chain([sub(min(k, 7 - k)) for k in range(8)])
 
 
 @error("dualpipe-v-too-few-microbatches-traced", SCHEDULES,
