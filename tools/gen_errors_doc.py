@@ -149,9 +149,13 @@ def catalogue_definitions(path: Path = CATALOGUE) -> dict[str, tuple[int, str]]:
                 out[name] = (0, line + (f" as {a.asname}" if a.asname else ""))
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "_":
             out[node.name] = (node.lineno, ast.get_source_segment(source, node))
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
-                and isinstance(node.targets[0], ast.Name):
-            out[node.targets[0].id] = (node.lineno, ast.get_source_segment(source, node))
+        else:
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            for t in targets:  # NAME = ... (a, b = ... defines both)
+                for name in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(name, ast.Name):
+                        out[name.id] = (node.lineno, ast.get_source_segment(source, node))
     return out
 
 
