@@ -180,7 +180,7 @@ def needed(source: str, defs: dict[str, tuple[int, str]], what: str) -> set[str]
 
 def preamble(cat, defs) -> tuple[str, dict[str, list[str]]]:
     """The preamble block (imports, then the helpers the examples use, in the
-    catalogue's order) and, per entry id, the helpers its example uses."""
+    catalogue's order) and, per entry id, the helpers its example calls itself."""
     uses = {e.id: needed(e.source(), defs, f"example {e.id!r}")
             for e in cat.ENTRIES if not e.is_cli}
     names = set().union(*uses.values())
@@ -190,8 +190,9 @@ def preamble(cat, defs) -> tuple[str, dict[str, list[str]]]:
     helpers = sorted((defs[n] for n in names if defs[n][0]), key=lambda d: d[0])
     block = "\n\n".join(_import_sections(imports)) + "\n\n\n" \
         + "\n\n\n".join(src.rstrip() for _, src in helpers)
+    direct = {e.id: free_names(e.source()) for e in cat.ENTRIES if not e.is_cli}
     shown = {i: sorted((n for n in u if defs[n][0]), key=lambda n: defs[n][0])
-             for i, u in uses.items()}
+             for i, u in direct.items()}
     return block, shown
 
 
