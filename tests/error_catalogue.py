@@ -3255,11 +3255,18 @@ cli("cli-bytecode-split-input", "`--split-input-file` on MLIR bytecode",
     input_bytes=b"ML\xefR")
 
 def bytecode(text: str) -> bytes:
-    """``text`` as MLIR bytecode (what ``mm-opt --emit-bytecode`` writes)."""
-    from multimesh._src.mlir import make_context, module_bytecode, parse_module
+    """``text`` as MLIR bytecode: what ``mm-opt in.mlir --emit-bytecode -o out.mlirbc``
+    writes."""
+    import tempfile
 
-    with make_context():
-        return module_bytecode(parse_module(text))
+    from multimesh.tools.mm_opt import main as mm_opt
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, out = Path(tmp, "in.mlir"), Path(tmp, "out.mlirbc")
+        source.write_text(text, encoding="utf-8")
+        if mm_opt([str(source), "--emit-bytecode", "-o", str(out)]) != 0:
+            raise ValueError(f"mm-opt could not write {text!r} as bytecode")
+        return out.read_bytes()
 
 
 cli("cli-bytecode-not-utf8", "MLIR bytecode holding a name that is not UTF-8",

@@ -9,7 +9,10 @@ are strict xfails: fixing the library turns them into failures until the
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,133 @@ def test_errors_doc_up_to_date():
     gen = load_tool("gen_errors_doc")
     current = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
     assert current == gen.render(), "docs/errors.md is stale: run `python tools/gen_errors_doc.py`"
+
+
+# ------------------------------------------------- docs/errors.md's examples, as pasted
+
+
+def test_errors_doc_examples_run_as_pasted():
+    """Every example of docs/errors.md, pasted into a fresh session after the page's
+    preamble, raises the class (and the message) its entry documents.
+
+    One child process runs them all (``tools/check_errors_doc.py``: the preamble once,
+    each example in a copy of its namespace), so the examples share one import of jax
+    and multimesh; it reads only the page, so a new catalogue entry is checked as soon
+    as ``tools/gen_errors_doc.py`` has regenerated it.
+    """
+    for module in ("flax", "optax"):  # the Flax entries' examples import them
+        pytest.importorskip(module)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it asks for 8 devices
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_errors_doc.py")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-20000:] + proc.stdout[-2000:]
+    n_python = sum(1 for e in cat.ENTRIES if not e.is_cli)
+    assert f"{n_python} of {n_python} examples" in proc.stdout, proc.stdout
+
+
+_PAGE = '''\
+## Preamble
+
+```python
+def helper():
+    raise ValueError("from the helper")
+```
+
+### `fine`
+
+**A.** Raised as `ValueError`.
+
+```python
+helper()
+```
+
+```text
+from the helper
+```
+
+### `needs-an-undefined-helper`
+
+**B.** Raised as `ValueError`.
+
+```python
+undefined_helper()
+```
+
+### `wrong-class`
+
+**C.** Raised as `TypeError` (a `MultimeshError` and a `TypeError`).
+
+```python
+helper()
+```
+
+### `a-warning`
+
+**D.** Warned as `UserWarning`.
+
+```python
+import warnings
+warnings.warn("careful")
+```
+
+### `known-issue-silent`
+
+**E.** Should be raised as `ValueError`.
+
+```python
+x = 1
+```
+
+> **Known issue:** it says nothing.
+
+Today it raises no error.
+
+### `other-message`
+
+**F.** Raised as `ValueError`.
+
+```python
+helper()
+```
+
+```text
+from somewhere else
+```
+
+### `cli`
+
+**G.** `mm-opt` exits with status 1.
+
+```console
+$ mm-opt in.mlir
+```
+'''
+
+
+def test_check_errors_doc_finds_what_a_reader_would_hit(tmp_path):
+    """The checker reports an example that needs a name the page does not define, one
+    that raises another class, and one whose message is not the page's; it expects
+    nothing where a known issue says "raises no error", and skips command lines."""
+    checker = load_tool("check_errors_doc")
+    page = tmp_path / "page.md"
+    page.write_text(_PAGE, encoding="utf-8")
+    assert [ex.id for ex in checker.parse(_PAGE).examples] == [
+        "fine", "needs-an-undefined-helper", "wrong-class", "a-warning",
+        "known-issue-silent", "other-message"]
+    failures, ran = checker.check(page)
+    assert ran == 6
+    assert len(failures) == 3, failures
+    assert "(needs-an-undefined-helper)" in failures[0] and "NameError" in failures[0]
+    assert "(wrong-class)" in failures[1] and "should raise TypeError" in failures[1]
+    assert "(other-message)" in failures[2] and "another message" in failures[2]
+
+
+def test_gen_errors_doc_refuses_an_example_that_reads_an_undefined_name():
+    """The generator puts every helper an example uses in the preamble; a name that
+    neither the example nor the catalogue defines stops it, naming both."""
+    gen = load_tool("gen_errors_doc")
+    defs = gen.catalogue_definitions()
+    assert gen.needed("pipelined()", defs, "x") >= {"pipelined", "two_stage", "mesh4", "mm"}
+    with pytest.raises(SystemExit, match="example 'new-entry' reads 'no_such_helper'"):
+        gen.needed("no_such_helper(mesh4())", defs, "example 'new-entry'")

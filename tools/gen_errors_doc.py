@@ -10,13 +10,14 @@ numbers are replaced, so the page does not change from machine to machine.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib.util
 import inspect
 import os
 import re
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,13 +102,128 @@ def error_classes() -> str:
     return "\n".join(lines) + "\n"
 
 
-def helpers(cat) -> str:
-    src = "\n\n\n".join(textwrap.dedent(inspect.getsource(h)).rstrip() for h in cat.HELPERS)
-    prelude = ("import jax\nimport jax.numpy as jnp\nfrom jax import lax\n"
-               "from jax.sharding import Mesh\nfrom jax.sharding import PartitionSpec as P\n\n"
-               "import multimesh.jax as mm\n")
-    return ("## Helpers\n\nThe examples assume these imports and helpers "
-            "(from `tests/error_catalogue.py`):\n\n" + fence(prelude + "\n\n" + src, "python"))
+# The imports every example may use without saying so; the preamble starts with them.
+BASE_IMPORTS = ("import jax", "import jax.numpy as jnp", "from jax import lax",
+                "from jax.sharding import Mesh", "from jax.sharding import PartitionSpec as P",
+                "import multimesh.jax as mm")
+
+
+def _bound_and_used(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """The names ``tree`` binds anywhere (assignments, parameters, imports, defs) and
+    the names it reads."""
+    bound, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return bound, used
+
+
+def free_names(source: str) -> set[str]:
+    """Names ``source`` reads but neither binds nor gets from Python's builtins: what a
+    reader must have defined before pasting it."""
+    bound, used = _bound_and_used(ast.parse(source))
+    return used - bound - set(dir(builtins))
+
+
+def catalogue_definitions(path: Path = CATALOGUE) -> dict[str, tuple[int, str]]:
+    """Top-level name of the catalogue -> (line, source of the statement that defines it):
+    its functions, classes and constants, and one import line per imported name."""
+    source = path.read_text(encoding="utf-8")
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                name = a.asname or a.name.split(".")[0]
+                if isinstance(node, ast.ImportFrom):
+                    line = f"from {node.module} import {a.name}"
+                else:
+                    line = f"import {a.name}"
+                out[name] = (0, line + (f" as {a.asname}" if a.asname else ""))
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "_":
+            out[node.name] = (node.lineno, ast.get_source_segment(source, node))
+        else:
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            for t in targets:  # NAME = ... (a, b = ... defines both)
+                for name in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(name, ast.Name):
+                        out[name.id] = (node.lineno, ast.get_source_segment(source, node))
+    return out
+
+
+def needed(source: str, defs: dict[str, tuple[int, str]], what: str) -> set[str]:
+    """The catalogue names ``source`` needs, with everything they need in turn; an
+    example that reads a name the catalogue does not define cannot run as pasted."""
+    out: set[str] = set()
+    todo = [(what, source)]
+    while todo:
+        who, src = todo.pop()
+        for name in sorted(free_names(src)):
+            if name not in defs:
+                raise SystemExit(f"{who} reads {name!r}, which neither it nor "
+                                 f"tests/error_catalogue.py defines: docs/errors.md could "
+                                 f"not show it as an example that runs as pasted")
+            if name not in out:
+                out.add(name)
+                if defs[name][0]:  # a definition (imports need nothing more)
+                    todo.append((name, defs[name][1]))
+    return out
+
+
+def preamble(cat, defs) -> tuple[str, dict[str, list[str]]]:
+    """The preamble block (imports, then the helpers the examples use, in the
+    catalogue's order) and, per entry id, the helpers its example calls itself."""
+    uses = {e.id: needed(e.source(), defs, f"example {e.id!r}")
+            for e in cat.ENTRIES if not e.is_cli}
+    names = set().union(*uses.values())
+    for h in cat.HELPERS:  # shown even when no example uses them (yet)
+        names |= {h.__name__} | needed(defs[h.__name__][1], defs, h.__name__)
+    imports = set(BASE_IMPORTS) | {defs[n][1] for n in names if not defs[n][0]}
+    helpers = sorted((defs[n] for n in names if defs[n][0]), key=lambda d: d[0])
+    block = "\n\n".join(_import_sections(imports)) + "\n\n\n" \
+        + "\n\n\n".join(src.rstrip() for _, src in helpers)
+    direct = {e.id: free_names(e.source()) for e in cat.ENTRIES if not e.is_cli}
+    shown = {i: sorted((n for n in u if defs[n][0]), key=lambda n: defs[n][0])
+             for i, u in direct.items()}
+    return block, shown
+
+
+def _import_sections(lines: set[str]) -> list[str]:
+    """Import lines as isort groups them: the standard library, others, multimesh."""
+    def group(line: str) -> int:
+        top = line.split()[1].split(".")[0]
+        return 0 if top in sys.stdlib_module_names else 2 if top == "multimesh" else 1
+
+    def key(line: str) -> tuple[bool, str, str]:
+        return (line.startswith("from "), line.split()[1], line)
+
+    merged: dict[str, list[str]] = {}  # from M import a; from M import b -> from M import a, b
+    for line in lines:
+        module, _, name = line.removeprefix("from ").partition(" import ")
+        if line.startswith("from ") and " as " not in line:
+            merged.setdefault(module, []).append(name)
+    lines = {ln for ln in lines if not ln.startswith("from ") or " as " in ln} | {
+        f"from {m} import {', '.join(sorted(names))}" for m, names in merged.items()}
+    return ["\n".join(sorted((ln for ln in lines if group(ln) == g), key=key))
+            for g in (0, 1, 2) if any(group(ln) == g for ln in lines)]
+
+
+def helpers_section(block: str) -> str:
+    return ("## Preamble\n\n"
+            "Every example below runs as pasted into a fresh Python session after this "
+            "preamble (8 CPU devices: set `XLA_FLAGS=--xla_force_host_platform_device_count=8` "
+            "before jax starts), and raises the error it documents; the suite checks that "
+            "(`tools/check_errors_doc.py`). The preamble holds the imports and the small "
+            "programs the examples share (from `tests/error_catalogue.py`), so that each "
+            "example shows only the call that fails:\n\n" + fence(block, "python"))
 
 
 def _class_line(exc: type) -> str:
@@ -122,7 +238,7 @@ def _class_line(exc: type) -> str:
     return f"`{exc.__name__}`"
 
 
-def render_entry(cat, entry, workdir: Path) -> str:
+def render_entry(cat, entry, workdir: Path, uses: list[str] | None = None) -> str:
     out = cat.run(entry, workdir)
     parts = [f"### `{entry.id}`", "", f"**{entry.title}.** "]
     if entry.is_cli:
@@ -153,6 +269,9 @@ def render_entry(cat, entry, workdir: Path) -> str:
             verb = "Should be warned as" if entry.issue and current else "Warned as"
         parts[-1] += f"{verb} {_class_line(entry.exc)}."
         parts.append("")
+        if uses:
+            names = ", ".join(f"`{n}`" for n in uses)
+            parts += [f"With {names} from the [preamble](#preamble):", ""]
         parts.append(fence(entry.source(), "python"))
         message = cat.normalize(out.message)
     if entry.issue:
@@ -182,14 +301,15 @@ def render() -> str:
         out.append(f"- [{c}](#{slug(c)}) ({len(entries)}): {ids}")
     out.append("")
     out.append(error_classes())
-    out.append(helpers(cat))
+    block, uses = preamble(cat, catalogue_definitions())
+    out.append(helpers_section(block))
     with tempfile.TemporaryDirectory(prefix="mm-errors-") as tmp:
         for i, (c, entries) in enumerate(by_cat.items()):
             out.append(f"## {c}\n")
             for j, e in enumerate(entries):
                 workdir = Path(tmp) / f"{i}-{j}"
                 workdir.mkdir()
-                out.append(render_entry(cat, e, workdir))
+                out.append(render_entry(cat, e, workdir, uses.get(e.id)))
     return "\n".join(out).rstrip() + "\n"
 
 
