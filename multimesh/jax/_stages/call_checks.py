@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["check_call", "check_leaf_types", "check_distinct_devices", "check_unsupported",
-           "leaf_name", "is_key", "abstract_value", "typed_sharding"]
+           "leaf_name", "is_key", "abstract_value", "typed_sharding",
+           "typed_specs"]
 
 
 def is_key(x) -> bool:
@@ -83,6 +84,16 @@ def abstract_value(x):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=typed,
                                     weak_type=getattr(x, "weak_type", False))
     return x
+
+
+def typed_specs(leaves) -> tuple | None:
+    """The partition specs of :func:`typed_sharding` per leaf (part of ``mjit``'s cache
+    key: the program is traced with them); None outside explicit mode."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or AxisType.Explicit not in tuple(context.axis_types):
+        return None
+    typed = [typed_sharding(x) for x in leaves]
+    return tuple(None if t is None else t.spec for t in typed)
 
 
 def typed_sharding(x) -> NamedSharding | None:

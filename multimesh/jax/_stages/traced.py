@@ -124,9 +124,11 @@ def explicit_axes(avals) -> tuple[tuple[str, ...], ...]:
     out = []
     for aval in jax.tree.leaves(avals):
         mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-        types = tuple(getattr(mesh, "axis_types", None) or ())
-        out.append(tuple(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
-                   if types else ())
+        if mesh is None or not getattr(mesh, "axis_types", None):
+            out.append(())
+            continue
+        out.append(tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                         if t == AxisType.Explicit))
     return tuple(out) if any(out) else ()
 
 
