@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["check_call", "check_leaf_types", "check_distinct_devices", "check_unsupported",
-           "leaf_name", "is_key", "abstract_value"]
+           "leaf_name", "is_key", "abstract_value", "typed_sharding",
+           "typed_specs"]
 
 
 def is_key(x) -> bool:
@@ -71,12 +74,59 @@ def check_call(in_tree, in_avals, args, kwargs) -> list:
 
 
 def abstract_value(x):
+    """``x`` as the program is traced for: its shape and dtype, and in jax's explicit
+    sharding mode the sharding its type carries (:func:`typed_sharding`); a physical
+    layout is pinned after the trace."""
+    typed = typed_sharding(x)
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=typed)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=typed,
                                     weak_type=getattr(x, "weak_type", False))
     return x
+
+
+def typed_specs(leaves) -> tuple | None:
+    """The partition specs of :func:`typed_sharding` per leaf (part of ``mjit``'s cache
+    key: the program is traced with them); None outside explicit mode."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or AxisType.Explicit not in tuple(context.axis_types):
+        return None
+    typed = [typed_sharding(x) for x in leaves]
+    return tuple(None if t is None else t.spec for t in typed)
+
+
+def typed_sharding(x) -> NamedSharding | None:
+    """The sharding ``x`` carries in its type in jax's explicit sharding mode, over the
+    abstract mesh in context (None: it carries none, or no mesh with explicit axes is
+    in context).
+
+    An array sharded over explicit axes (``jax.sharding.reshard``, NNX's eager
+    sharding) is typed ``float32[16,64@model]``; traced with that type, the backward's
+    cotangents keep it as under ``jax.jit`` (the transpose of a dot types the weight's
+    gradient like the weight). The spec keeps the axes that are explicit both in
+    ``x``'s mesh and, with the same size, in the mesh in context, so an array laid out
+    on one stage's submesh (a previous step's output) types over the program's mesh by
+    axis name."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.spec, P):
+        return None
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or AxisType.Explicit not in tuple(context.axis_types):
+        return None
+    own = dict(zip(sharding.mesh.axis_names, zip(sharding.mesh.axis_sizes,
+                                                   sharding.mesh.axis_types)))
+    outer = dict(zip(context.axis_names, zip(context.axis_sizes, context.axis_types)))
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and own.get(n) is not None
+                     and own[n][1] == AxisType.Explicit and outer.get(n) == own[n])
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    spec = tuple(keep(e) for e in sharding.spec)
+    if all(e is None for e in spec):
+        return None
+    return NamedSharding(context, P(*spec))
 
 
 def check_distinct_devices(devices) -> None:

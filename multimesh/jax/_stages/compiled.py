@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import ir, print_module
@@ -16,7 +16,8 @@ from multimesh.jax._stages.stage import LoweredProgram, ProgramStage
 from multimesh.runtime import Executor, build_plan
 from multimesh.schedules import Schedule
 
-__all__ = ["MpmdCompiled", "MemoryAnalysis", "place_outputs", "drop_unused"]
+__all__ = ["MpmdCompiled", "MemoryAnalysis", "place_outputs", "drop_unused", "explicit_placements",
+           "retype_outputs"]
 
 
 class MpmdCompiled(ProgramStage):
@@ -63,7 +64,10 @@ class MpmdCompiled(ProgramStage):
                 placed[i] = sh
             in_sh = placed
         self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
-        self.output_shardings = jax.tree.unflatten(lowered.out_tree, self._exec.output_shardings)
+        self._retyped = explicit_placements(self._exec.output_shardings,
+                                            lowered.explicit_outputs, lowered.out_placements)
+        out_sh = [self._retyped.get(i, sh) for i, sh in enumerate(self._exec.output_shardings)]
+        self.output_shardings = jax.tree.unflatten(lowered.out_tree, out_sh)
 
     fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
     _recovered_schedule: Schedule | None = None  # set by compile_mpmd
@@ -90,6 +94,8 @@ class MpmdCompiled(ProgramStage):
         outs = self._exec(*flat)
         if self.out_placements:
             outs = place_outputs(outs, self.out_placements)
+        if self._retyped:
+            outs = retype_outputs(outs, self._retyped)
         if low.key_outputs:
             outs = [jax.random.wrap_key_data(o, impl=impl) if impl is not None else o
                     for o, impl in zip(outs, low.key_outputs)]
@@ -143,7 +149,7 @@ class MpmdCompiled(ProgramStage):
         outs, times = run_timed(self._exec, rec, [flat[i] for i in low.dyn_idx])
         sched = self.schedule
         self.last_profile = None if sched is None else profile_from_times(sched, [times])
-        outs = place_outputs(outs, self.out_placements)
+        outs = retype_outputs(place_outputs(outs, self.out_placements), self._retyped)
         if trace_path is not None:
             from multimesh.jax._analysis.trace_view import write_step_trace
 
@@ -249,6 +255,38 @@ def place_outputs(outs: list, placements: Mapping) -> list:
     """Outputs with a physical ``out_shardings`` entry moved onto it."""
     return [jax.device_put(o, placements[i]) if i in placements else o
             for i, o in enumerate(outs)]
+
+
+def explicit_placements(shardings: Sequence, explicit: Sequence[tuple[str, ...]],
+                        placed: Mapping) -> dict[int, NamedSharding]:
+    """Output leaf -> its sharding with the axes ``explicit`` names made ``Explicit``
+    (jax's explicit sharding mode types an output over such a mesh, and a later call
+    reads its type from there); leaves a physical ``out_shardings`` entry places are
+    left to it."""
+    out = {}
+    for i, (sh, names) in enumerate(zip(shardings, explicit or ())):
+        if not names or i in placed or not isinstance(sh, NamedSharding):
+            continue
+        mesh = sh.mesh
+        types = tuple(AxisType.Explicit if n in names else AxisType.Auto
+                      for n in mesh.axis_names)
+        if types != tuple(mesh.axis_types):
+            out[i] = NamedSharding(Mesh(mesh.devices, mesh.axis_names, axis_types=types),
+                                   sh.spec, memory_kind=sh.memory_kind)
+    return out
+
+
+def retype_outputs(outs: list, retyped: Mapping[int, NamedSharding]) -> list:
+    """Outputs given the shardings of :func:`explicit_placements`: the same buffers
+    (the layout is the same), a mesh with ``Explicit`` axes."""
+    if not retyped:
+        return outs
+    outs = list(outs)
+    for i, sh in retyped.items():
+        o = outs[i]
+        outs[i] = jax.make_array_from_single_device_arrays(
+            o.shape, sh, [s.data for s in o.addressable_shards])
+    return outs
 
 
 def drop_unused(compiled, unused: frozenset[int]) -> None:

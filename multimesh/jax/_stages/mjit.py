@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
@@ -30,6 +30,7 @@ from multimesh.jax._stages.call_checks import (
     abstract_value,
     check_distinct_devices,
     check_unsupported,
+    typed_specs,
 )
 from multimesh.jax._stages.options import ArgOptions, Bound, resolve_options
 from multimesh.jax._stages.traced import MpmdTraced
@@ -132,7 +133,7 @@ class _MJit(ProgramCaches):
         the implicit default task runs on it, named as the caller named it."""
         outer = _global_mesh.active_multimesh() if self.devices is None or \
             self.mesh is not None else None
-        for mesh in (self.mesh, outer):
+        for mesh in (self.mesh, outer, _explicit_context_mesh()):
             if mesh is not None and tuple(mesh.devices.flat) == tuple(devices):
                 return getattr(mesh, "global_mesh", mesh)
         return None
@@ -227,7 +228,8 @@ class _MJit(ProgramCaches):
         dyn, dkw = bound.dyn_args, bound.dyn_kwargs
         leaves, tree = jax.tree.flatten((dyn, dkw))
         signature = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
-                                  bool(getattr(x, "weak_type", False))) for x in leaves))
+                                  bool(getattr(x, "weak_type", False))) for x in leaves),
+                     typed_specs(leaves))  # explicit mode: the types' shardings too
         placed = _inputs.committed_key(leaves)
         if any(p is not None for p in placed):  # committed inputs are physical shardings
             key = (self._key(bound, signature), placed)
@@ -273,6 +275,16 @@ class _MJit(ProgramCaches):
         """Forget the programs compiled for this function (``jax.jit``'s ``clear_cache``)."""
         self._cache.cache_clear()
         self._placed.cache_clear()
+
+
+def _explicit_context_mesh() -> Mesh | None:
+    """``jax.set_mesh``'s mesh when it has ``Explicit`` axes: explicit mode types the
+    values outside every task over it too, so the implicit default task runs on it
+    under its axis names (None otherwise)."""
+    mesh = _global_mesh.current_global_mesh()
+    if mesh is None or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    return mesh
 
 
 def _constrain_outputs(out, shardings, placements: dict):

@@ -51,6 +51,10 @@ class LoweredProgram:
     """The compiled function's name: logs and ``MULTIMESH_DUMP_IR_TO``."""
     out_placements: Mapping[int, Any] = dataclasses.field(default_factory=dict)
     """Output leaf -> the physical ``out_shardings`` entry it is moved onto after a run."""
+    explicit_outputs: tuple[tuple[str, ...], ...] = ()
+    """Per output leaf, the mesh axes its type names as explicit (jax's explicit
+    sharding mode: the output comes back on a mesh with those axes ``Explicit``, as
+    from ``jax.jit``); () when no output is typed so."""
     unused_leaves: frozenset[int] = frozenset()
     """Argument leaves the program never reads; ``keep_unused=False`` reports None as
     their input sharding (as ``jax.jit``), and no fragment receives them."""

@@ -7,7 +7,7 @@ import dataclasses
 import time
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
 from multimesh._src import callbacks as _callbacks
 from multimesh._src import jax_compat
@@ -103,6 +103,7 @@ class MpmdTraced(StageBase):
             key_outputs=tuple(key_out) if any(k is not None for k in key_out) else (),
             in_avals=tuple(traced.jaxpr.in_avals), name=getattr(owner.fun, "__name__", None),
             out_placements=dict(self.out_placements),
+            explicit_outputs=explicit_axes(traced.out_avals),
             unused_leaves=frozenset() if owner.keep_unused else
             frozenset(jax_compat.unused_inputs(traced.jaxpr)),
             default_mesh=None if mesh is None else (tuple(mesh.axis_names),
@@ -115,6 +116,20 @@ class MpmdTraced(StageBase):
                 traced.jaxpr, jax.tree.leaves(self._abstract), pins, input_text(record)))
         log_phase(record.label, "traced and lowered", trace_seconds)
         return MpmdLowered(record, module)
+
+
+def explicit_axes(avals) -> tuple[tuple[str, ...], ...]:
+    """Per aval, the axes of its type's mesh that are ``Explicit`` (jax's explicit
+    sharding mode); () when none has any."""
+    out = []
+    for aval in jax.tree.leaves(avals):
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is None or not getattr(mesh, "axis_types", None):
+            out.append(())
+            continue
+        out.append(tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                         if t == AxisType.Explicit))
+    return tuple(out) if any(out) else ()
 
 
 def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices,
