@@ -59,7 +59,12 @@ class _Propagation:
         self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
-        self.pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
+        # A boundary sharding that does not divide its dimension (5 rows over 2 devices)
+        # becomes its longest dividing prefix, as XLA makes jax.jit's own inputs and
+        # outputs: XLA pads only inside a module, never at its arguments or results.
+        self.pm = passmanager.PassManager.parse(
+            "builtin.module(sdy-aggressive-propagate,"
+            "sdy-update-non-divisible-input-output-shardings)")
         self.pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
 
     def run(self) -> None:

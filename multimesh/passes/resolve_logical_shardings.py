@@ -233,8 +233,11 @@ class ResolveLogicalShardingsPass(ModulePass):
             return
         # Phase 1: resolve and check everything (may raise); no IR is modified.
         plan = [_resolve(op, tasks) for op in markers]
+        collectives = None
         if foreign:
-            _localize.check_foreign(foreign, module, own, c.read_tasks(module))
+            records = c.read_tasks(module)
+            _localize.check_foreign(foreign, module, own, records)
+            collectives = _localize.plan_collectives(foreign, module, own, records)
         needed = {task.name: task for _, task, _ in plan}
         needed.update((f.task, tasks[f.task]) for f in foreign if f.task)
         to_create = _meshes_to_create(module, needed, sym_names)
@@ -245,6 +248,8 @@ class ResolveLogicalShardingsPass(ModulePass):
         for op, task, spec in plan:
             _to_constraint(op, sym_names[task.name], spec)
         _localize.rewrite_foreign(foreign, foreign_syms, sym_names)
+        if collectives is not None:
+            collectives.apply()
 
 
 _Spec = tuple[tuple[str, ...], ...]

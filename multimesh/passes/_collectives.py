@@ -1,0 +1,191 @@
+"""The collectives of a ``shard_map`` written for another mesh, renumbered onto its task.
+
+``jax.shard_map`` lowers to ``sdy.manual_computation`` whose collectives (``psum``,
+``all_gather``, ``ppermute``, ...) carry device numbers: ``replica_groups`` and
+``source_target_pairs`` are flat positions in the mesh the ``shard_map`` was traced
+on. Inside a task placed on part of that mesh (a registered stage matched after the
+whole program was traced on the global mesh ``("stage", "data", "model")``), the task's
+fragment is its own SPMD module over the task's devices, numbered ``0..n-1`` in the
+task mesh's order, so each number is translated by axis name: a position becomes its
+coordinates on the traced mesh, and those on the axes the task keeps become its
+position on the task's mesh. Axes the task does not have (a ``mesh_slice``'s sliced
+axis, an axis its ``TaskMesh`` lacks) are dropped from ``manual_axes``; a collective
+running over one of them would need devices outside the task, which is an error at
+the op, naming the axis, the task and why, before XLA sees the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_contract import MeshRecord
+from multimesh._src.mlir import ir, sdy
+
+__all__ = ["Renumbering", "plan_renumbering"]
+
+_GROUP_ATTRS = ("replica_groups", "source_target_pairs")
+_JAX_NAMES = {"stablehlo.all_reduce": "psum", "stablehlo.all_gather": "all_gather",
+              "stablehlo.reduce_scatter": "psum_scatter", "stablehlo.all_to_all": "all_to_all",
+              "stablehlo.collective_permute": "ppermute",
+              "stablehlo.collective_broadcast": "collective_broadcast"}
+
+
+@dataclass
+class Renumbering:
+    """What to write, once every manual computation of the module is checked."""
+
+    edits: list[tuple[ir.Operation, str, Callable[[], ir.Attribute]]] = field(
+        default_factory=list)
+    """(op, attribute, its new value): built when applied, all checks done."""
+
+    def apply(self) -> None:
+        for op, name, value in self.edits:
+            op.attributes[name] = value()
+
+
+@dataclass(frozen=True)
+class _Meshes:
+    """The traced mesh and the task's, by axis name, and the task's name."""
+
+    traced: dict[str, int]
+    task: MeshRecord
+    task_name: str
+
+    @property
+    def kept(self) -> dict[str, int]:
+        sizes = dict(zip(self.task.axis_names, self.task.axis_sizes, strict=True))
+        return {a: s for a, s in sizes.items() if s > 1}
+
+    def dropped(self) -> list[str]:
+        """Axes of the traced mesh the task does not keep (sliced away, or absent)."""
+        sizes = dict(zip(self.task.axis_names, self.task.axis_sizes, strict=True))
+        return [a for a, s in self.traced.items()
+                if s > 1 and sizes.get(a, 1) == 1]
+
+    def why(self, axis: str) -> str:
+        if axis in self.task.axis_names:
+            return "is sliced away (the task is one slice of it)"
+        return "is not an axis of the task's mesh"
+
+
+def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
+                     task_name: str, plan: Renumbering) -> None:
+    """Check the collectives of manual computation ``op`` (traced on a mesh with the
+    axes ``traced``) against ``task``'s mesh; add the rewrites to ``plan``."""
+    meshes = _Meshes(traced, task, task_name)
+    _check_sizes(op, meshes)
+    dropped = set(meshes.dropped())
+    if "manual_axes" in op.attributes:
+        axes = _manual_axes(op)
+        keep = [a for a in axes if a in task.axis_names]
+        if keep != axes:
+            plan.edits.append((op, "manual_axes",
+                               lambda keep=keep: sdy.ManualAxesAttr.get(
+                                   [ir.StringAttr.get(a) for a in keep])))
+    if not traced or _identity(meshes):
+        return
+    extra = [a for a, s in zip(task.axis_names, task.axis_sizes, strict=True)
+             if s > 1 and a not in traced]
+    for coll in _collectives(op):
+        if extra:
+            raise DiagnosticError(
+                f"a `{_jax_name(coll)}` in a `shard_map` of task '{task_name}' was traced "
+                f"on a mesh with the axes {list(traced)}, which lacks the task's mesh axis "
+                f"'{extra[0]}' (size {dict(zip(task.axis_names, task.axis_sizes))[extra[0]]})"
+                f"; its device groups cannot be placed on the task's devices. Trace the "
+                f"`shard_map` on the task's mesh (`mm.task(..., mesh=...)`) or give "
+                f"`shard_map` a mesh with that axis", coll.location)
+        for name in _GROUP_ATTRS:
+            if name in coll.attributes:
+                new = _renumber(coll, name, meshes, dropped)
+                plan.edits.append((coll, name, lambda new=new: ir.DenseIntElementsAttr.get(new)))
+
+
+def _manual_axes(op: ir.Operation) -> list[str]:
+    text = str(op.attributes["manual_axes"])
+    return [t.strip().strip('"') for t in text[text.index("{") + 1:text.rindex("}")].split(",")
+            if t.strip()]
+
+
+def _check_sizes(op: ir.Operation, meshes: _Meshes) -> None:
+    sizes = dict(zip(meshes.task.axis_names, meshes.task.axis_sizes, strict=True))
+    for axis, size in meshes.traced.items():
+        if sizes.get(axis, 1) not in (1, size):
+            raise DiagnosticError(
+                f"a `shard_map` in task '{meshes.task_name}' was traced on a mesh where the "
+                f"axis '{axis}' has size {size}, but the task's mesh gives it size "
+                f"{sizes[axis]}; a `shard_map` inside a task runs on the task's mesh, with "
+                f"the axes {meshes.kept}", op.location)
+
+
+def _identity(meshes: _Meshes) -> bool:
+    """Positions already mean the task's: the same axes, sizes and order."""
+    task = tuple((a, s) for a, s in zip(meshes.task.axis_names, meshes.task.axis_sizes,
+                                        strict=True) if s > 1)
+    return tuple((a, s) for a, s in meshes.traced.items() if s > 1) == task
+
+
+def _collectives(op: ir.Operation) -> list[ir.Operation]:
+    found: list[ir.Operation] = []
+
+    def visit(o):
+        o = o.operation
+        if any(n in o.attributes for n in _GROUP_ATTRS):
+            found.append(o)
+        return ir.WalkResult.ADVANCE
+
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return found
+
+
+def _jax_name(op: ir.Operation) -> str:
+    return _JAX_NAMES.get(op.name, op.name)
+
+
+def _renumber(coll: ir.Operation, name: str, meshes: _Meshes, dropped: set[str]) -> np.ndarray:
+    """The groups (or pairs) of ``coll`` as positions on the task's mesh."""
+    groups = np.asarray(ir.DenseIntElementsAttr(coll.attributes[name]), dtype=np.int64)
+    if groups.size == 0:
+        return groups
+    axes = list(meshes.traced)
+    shape = tuple(meshes.traced.values())
+    if int(groups.max()) >= int(np.prod(shape)):
+        raise DiagnosticError(
+            f"a `{_jax_name(coll)}` in a `shard_map` of task '{meshes.task_name}' names "
+            f"device {int(groups.max())}, outside the {int(np.prod(shape))} devices of the "
+            f"mesh it was traced on", coll.location)
+    coords = np.stack(np.unravel_index(groups, shape), axis=-1)  # (..., members, axes)
+    for d in sorted(dropped, key=axes.index):
+        col = coords[..., axes.index(d)]
+        if (col != col[..., :1]).any():
+            raise _spans(coll, d, meshes)
+    keep = np.all(coords[..., [axes.index(d) for d in dropped]] == 0, axis=(-2, -1)) \
+        if dropped else np.ones(groups.shape[0], dtype=bool)
+    task_shape = tuple(meshes.task.axis_sizes)
+    task_coords = [coords[..., axes.index(a)] if a in meshes.traced and s > 1
+                   else np.zeros(groups.shape, dtype=np.int64)
+                   for a, s in zip(meshes.task.axis_names, task_shape, strict=True)]
+    flat = np.ravel_multi_index(tuple(task_coords), task_shape)
+    return np.ascontiguousarray(flat[keep].astype(np.int64))
+
+
+def _spans(coll: ir.Operation, axis: str, meshes: _Meshes) -> DiagnosticError:
+    kept = list(meshes.kept)
+    return DiagnosticError(
+        f"a `{_jax_name(coll)}` in a `shard_map` of task '{meshes.task_name}' runs over the "
+        f"mesh axis '{axis}', which {meshes.why(axis)}; inside a task a collective runs "
+        f"among the task's devices only (positions {list(meshes.task.devices)}), over the "
+        f"axes {kept}. Run it over those axes, or move the step across '{axis}' out of the "
+        f"task. (A `shard_map` traced on the global mesh is manual over every axis of it; "
+        f"with `check_vma=False` jax's gradient sums over each axis an input is replicated "
+        f"on, '{axis}' included: keep `check_vma=True`, or place the stage with "
+        f"`mm.task(..., mesh_slice=...)`, which traces it on the stage's own mesh)",
+        coll.location)
+
