@@ -16,6 +16,7 @@ the op, naming the axis, the task and why, before XLA sees the module.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -83,9 +84,7 @@ def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
         axes = _manual_axes(op)
         keep = [a for a in axes if a in task.axis_names]
         if keep != axes:
-            plan.edits.append((op, "manual_axes",
-                               lambda keep=keep: sdy.ManualAxesAttr.get(
-                                   [ir.StringAttr.get(a) for a in keep])))
+            plan.edits.append((op, "manual_axes", functools.partial(_manual_axes_attr, keep)))
     if not traced or _identity(meshes):
         return
     extra = [a for a, s in zip(task.axis_names, task.axis_sizes, strict=True)
@@ -102,7 +101,12 @@ def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
         for name in _GROUP_ATTRS:
             if name in coll.attributes:
                 new = _renumber(coll, name, meshes, dropped)
-                plan.edits.append((coll, name, lambda new=new: ir.DenseIntElementsAttr.get(new)))
+                plan.edits.append((coll, name,
+                                   functools.partial(ir.DenseIntElementsAttr.get, new)))
+
+
+def _manual_axes_attr(axes: list[str]) -> ir.Attribute:
+    return sdy.ManualAxesAttr.get([ir.StringAttr.get(a) for a in axes])
 
 
 def _manual_axes(op: ir.Operation) -> list[str]:
@@ -119,7 +123,8 @@ def _check_sizes(op: ir.Operation, meshes: _Meshes) -> None:
                 f"a `shard_map` in task '{meshes.task_name}' was traced on a mesh where the "
                 f"axis '{axis}' has size {size}, but the task's mesh gives it size "
                 f"{sizes[axis]}; a `shard_map` inside a task runs on the task's mesh, with "
-                f"the axes {meshes.kept}", op.location)
+                f"the axes {list(meshes.kept)} (sizes {list(meshes.kept.values())})",
+                op.location)
 
 
 def _identity(meshes: _Meshes) -> bool:

@@ -28,6 +28,9 @@ class PropagateShardingsPass(ModulePass):
     copy. Afterwards every fragment argument and result carries a closed
     ``sdy.sharding``, and every ``@main`` argument carries ``mm.sharding`` and
     ``mm.devices`` (the layout of its first consumer), which is where the program wants its inputs.
+    A boundary sharding that does not divide its dimension (5 rows over 2 devices) takes
+    its longest dividing prefix (``sdy-update-non-divisible-input-output-shardings``), as
+    XLA does for ``jax.jit``'s own arguments and results; inside the fragment XLA pads.
 
     An ``@main`` argument that already carries ``mm.sharding``/``mm.devices`` (a
     physical input sharding the caller gave) keeps them: the program takes that

@@ -205,7 +205,10 @@ class ResolveLogicalShardingsPass(ModulePass):
     sharding on a mesh symbol that is no task's) are moved onto the mesh of the task
     that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
     task's mesh. Naming an axis the task's mesh lacks, or a ``mesh_slice``'s sliced
-    axis, is an error at the op.
+    axis, is an error at the op. A ``shard_map``'s collectives (``replica_groups``,
+    ``source_target_pairs``: flat positions in the mesh it was traced on) are renumbered
+    onto the task's devices by axis name (``_collectives.py``), and axes the task lacks
+    leave its ``manual_axes``; a collective over such an axis is an error at the op.
 
     A logical name that no task of the module maps leaves its dimension unsharded; when
     it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device
