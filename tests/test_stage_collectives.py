@@ -223,3 +223,35 @@ def test_a_shard_map_traced_on_a_mesh_of_other_sizes_is_an_error():
             mm.mjit(_loss_of(_layers(body)))(ws, x)
     finally:
         mm.clear_tasks()
+
+
+def test_axis_index_and_psum_in_a_registered_stage_with_its_axes_reordered():
+    """A registered ``TaskMesh`` stage with the axes ``("model", "data")`` while the
+    ``shard_map`` was traced on ``("stage", "data", "model")``: ``axis_index`` (jax's
+    arithmetic on the device number) and the ``psum`` groups are the task's, by axis
+    name; values, gradients and placement as ``jax.jit``'s on a 2x2 mesh."""
+    def local(w, x):  # this device's column block of the sum, scaled by its data row
+        block = jax.lax.dynamic_slice_in_dim(jax.lax.psum(x @ w, "model"),
+                                             4 * jax.lax.axis_index("model"), 4, axis=1)
+        return block * (1.0 + jax.lax.axis_index("data"))
+
+    def body(w, x):
+        return jnp.tanh(jax.shard_map(local, in_specs=(P("model", None), P("data", "model")),
+                                      out_specs=P("data", "model"))(w, x) / 2)
+
+    ws, x = _inputs()
+    m0 = mm.TaskMesh(devices=(0, 1, 2, 3), axis_names=("model", "data"), axis_sizes=(2, 2))
+    meshes = {"l0": m0, "l1": m0.place((4, 5, 6, 7))}
+    mm.clear_tasks()
+    try:
+        mm.register_task(r"(l\d)", callback=lambda name, bwd: mm.Task(mesh=meshes[name]))
+        with jax.set_mesh(_global_mesh()):
+            value, grads = mm.mjit(jax.value_and_grad(_loss_of(_layers(body))))(ws, x)
+    finally:
+        mm.clear_tasks()
+    ref_value, ref_grads = _reference(body, ws, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in range(2):
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
+                                   rtol=1e-5, atol=1e-6)
+        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))

@@ -8,7 +8,9 @@ whole program was traced on the global mesh ``("stage", "data", "model")``), the
 fragment is its own SPMD module over the task's devices, numbered ``0..n-1`` in the
 task mesh's order, so each number is translated by axis name: a position becomes its
 coordinates on the traced mesh, and those on the axes the task keeps become its
-position on the task's mesh. Axes the task does not have (a ``mesh_slice``'s sliced
+position on the task's mesh. ``partition_id`` (which jax's ``axis_index`` divides by the
+traced mesh's axis sizes) goes the other way: it is read through a table of each task
+device's position in the traced mesh. Axes the task does not have (a ``mesh_slice``'s sliced
 axis, an axis its ``TaskMesh`` lacks) are dropped from ``manual_axes``; a collective
 running over one of them would need devices outside the task, which is an error at
 the op, naming the axis, the task and why, before XLA sees the module.
@@ -24,7 +26,7 @@ import numpy as np
 
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_contract import MeshRecord
-from multimesh._src.mlir import ir, sdy
+from multimesh._src.mlir import ir, sdy, stablehlo
 
 __all__ = ["Renumbering", "plan_renumbering"]
 
@@ -32,7 +34,8 @@ _GROUP_ATTRS = ("replica_groups", "source_target_pairs")
 _JAX_NAMES = {"stablehlo.all_reduce": "psum", "stablehlo.all_gather": "all_gather",
               "stablehlo.reduce_scatter": "psum_scatter", "stablehlo.all_to_all": "all_to_all",
               "stablehlo.collective_permute": "ppermute",
-              "stablehlo.collective_broadcast": "collective_broadcast"}
+              "stablehlo.collective_broadcast": "collective_broadcast",
+              "stablehlo.partition_id": "axis_index"}
 
 
 @dataclass
@@ -43,13 +46,18 @@ class Renumbering:
         default_factory=list)
     """(op, attribute, its new value): built when applied, all checks done."""
 
+    rewrites: list[Callable[[], None]] = field(default_factory=list)
+    """Op rewrites (a ``partition_id`` read through a table), run after the edits."""
+
     def apply(self) -> None:
         for op, name, value in self.edits:
             op.attributes[name] = value()
+        for rewrite in self.rewrites:
+            rewrite()
 
 
 @dataclass(frozen=True)
-class _Meshes:
+class _MeshPair:
     """The traced mesh and the task's, by axis name, and the task's name."""
 
     traced: dict[str, int]
@@ -77,7 +85,7 @@ def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
                      task_name: str, plan: Renumbering) -> None:
     """Check the collectives of manual computation ``op`` (traced on a mesh with the
     axes ``traced``) against ``task``'s mesh; add the rewrites to ``plan``."""
-    meshes = _Meshes(traced, task, task_name)
+    meshes = _MeshPair(traced, task, task_name)
     _check_sizes(op, meshes)
     dropped = set(meshes.dropped())
     if "manual_axes" in op.attributes:
@@ -89,15 +97,19 @@ def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
         return
     extra = [a for a, s in zip(task.axis_names, task.axis_sizes, strict=True)
              if s > 1 and a not in traced]
-    for coll in _collectives(op):
-        if extra:
-            raise DiagnosticError(
-                f"a `{_jax_name(coll)}` in a `shard_map` of task '{task_name}' was traced "
-                f"on a mesh with the axes {list(traced)}, which lacks the task's mesh axis "
-                f"'{extra[0]}' (size {dict(zip(task.axis_names, task.axis_sizes))[extra[0]]})"
-                f"; its device groups cannot be placed on the task's devices. Trace the "
-                f"`shard_map` on the task's mesh (`mm.task(..., mesh=...)`) or give "
-                f"`shard_map` a mesh with that axis", coll.location)
+    numbered = _collectives(op)
+    if extra and numbered:
+        coll = numbered[0]
+        raise DiagnosticError(
+            f"a `{_jax_name(coll)}` in a `shard_map` of task '{task_name}' was traced "
+            f"on a mesh with the axes {list(traced)}, which lacks the task's mesh axis "
+            f"'{extra[0]}'; its device numbers cannot be placed on the task's devices. "
+            f"Trace the `shard_map` on the task's mesh (`mm.task(..., mesh=...)`) or give "
+            f"`shard_map` a mesh with that axis", coll.location)
+    for coll in numbered:
+        if coll.name == "stablehlo.partition_id":
+            plan.rewrites.append(functools.partial(_lookup_partition, coll, _positions(meshes)))
+            continue
         for name in _GROUP_ATTRS:
             if name in coll.attributes:
                 new = _renumber(coll, name, meshes, dropped)
@@ -115,7 +127,7 @@ def _manual_axes(op: ir.Operation) -> list[str]:
             if t.strip()]
 
 
-def _check_sizes(op: ir.Operation, meshes: _Meshes) -> None:
+def _check_sizes(op: ir.Operation, meshes: _MeshPair) -> None:
     sizes = dict(zip(meshes.task.axis_names, meshes.task.axis_sizes, strict=True))
     for axis, size in meshes.traced.items():
         if sizes.get(axis, 1) not in (1, size):
@@ -127,7 +139,7 @@ def _check_sizes(op: ir.Operation, meshes: _Meshes) -> None:
                 op.location)
 
 
-def _identity(meshes: _Meshes) -> bool:
+def _identity(meshes: _MeshPair) -> bool:
     """Positions already mean the task's: the same axes, sizes and order."""
     task = tuple((a, s) for a, s in zip(meshes.task.axis_names, meshes.task.axis_sizes,
                                         strict=True) if s > 1)
@@ -139,7 +151,7 @@ def _collectives(op: ir.Operation) -> list[ir.Operation]:
 
     def visit(o):
         o = o.operation
-        if any(n in o.attributes for n in _GROUP_ATTRS):
+        if o.name == "stablehlo.partition_id" or any(n in o.attributes for n in _GROUP_ATTRS):
             found.append(o)
         return ir.WalkResult.ADVANCE
 
@@ -150,11 +162,36 @@ def _collectives(op: ir.Operation) -> list[ir.Operation]:
     return found
 
 
+def _positions(meshes: _MeshPair) -> np.ndarray:
+    """Per device of the task, its flat position in the traced mesh (coordinate 0 on the
+    axes the task does not keep)."""
+    names, shape = meshes.task.axis_names, tuple(meshes.task.axis_sizes)
+    coords = np.unravel_index(np.arange(int(np.prod(shape))), shape)
+    by_name = dict(zip(names, coords, strict=True))
+    traced = [by_name[a] if a in by_name and a in meshes.kept else np.zeros_like(coords[0])
+              for a in meshes.traced]
+    return np.ravel_multi_index(tuple(traced), tuple(meshes.traced.values())).astype(np.uint32)
+
+
+def _lookup_partition(pid: ir.Operation, table: np.ndarray) -> None:
+    """``partition_id`` (the task's device number) -> its position in the traced mesh,
+    which jax's ``axis_index`` arithmetic (divide, remainder by the traced mesh's axis
+    sizes) was written for."""
+    u32 = ir.IntegerType.get_unsigned(32)
+    with ir.InsertionPoint.after(pid), pid.location:
+        # the stubs do not take an ndarray as the Buffer it is (form_microbatch_loop too)
+        tbl = stablehlo.ConstantOp(ir.DenseElementsAttr.get(  # type: ignore[call-overload]
+            table, type=u32))
+        part = stablehlo.DynamicSliceOp(tbl.result, [pid.result], ir.DenseI64ArrayAttr.get([1]))
+        scalar = stablehlo.ReshapeOp(ir.RankedTensorType.get([], u32), part.result)
+    pid.result.replace_all_uses_except(scalar.result, part.operation)
+
+
 def _jax_name(op: ir.Operation) -> str:
     return _JAX_NAMES.get(op.name, op.name)
 
 
-def _renumber(coll: ir.Operation, name: str, meshes: _Meshes, dropped: set[str]) -> np.ndarray:
+def _renumber(coll: ir.Operation, name: str, meshes: _MeshPair, dropped: set[str]) -> np.ndarray:
     """The groups (or pairs) of ``coll`` as positions on the task's mesh."""
     groups = np.asarray(ir.DenseIntElementsAttr(coll.attributes[name]), dtype=np.int64)
     if groups.size == 0:
@@ -181,7 +218,7 @@ def _renumber(coll: ir.Operation, name: str, meshes: _Meshes, dropped: set[str])
     return np.ascontiguousarray(flat[keep].astype(np.int64))
 
 
-def _spans(coll: ir.Operation, axis: str, meshes: _Meshes) -> DiagnosticError:
+def _spans(coll: ir.Operation, axis: str, meshes: _MeshPair) -> DiagnosticError:
     kept = list(meshes.kept)
     return DiagnosticError(
         f"a `{_jax_name(coll)}` in a `shard_map` of task '{meshes.task_name}' runs over the "
