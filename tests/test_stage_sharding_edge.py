@@ -88,11 +88,26 @@ def _reference(body, x):
         return jax.jit(jax.value_and_grad(_loss_of([body, body])))(x)
 
 
+def _spec(sharding, ndim):
+    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    sizes = dict(sharding.mesh.shape)
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        return tuple(n for n in names if n is not None and sizes.get(n, 1) > 1) or None
+    return tuple(keep(e) for e in spec)
+
+
 def _check(got, want, stage: int) -> None:
+    """Value and gradient as ``jax.jit``'s; the gradient on the stage's devices, laid
+    out as ``jax.jit`` lays it out on the stage's mesh."""
     (value, grad), (ref_value, ref_grad) = got, want
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-5, atol=1e-6)
     assert {d.id for d in grad.devices()} == set(range(4 * stage, 4 * stage + 4))
+    assert _spec(grad.sharding, grad.ndim) == _spec(ref_grad.sharding, ref_grad.ndim), (
+        grad.sharding, ref_grad.sharding)
 
 
 @pytest.mark.parametrize("case", sorted(BODIES))
