@@ -130,14 +130,26 @@ def _reference(body, ws, x):
         return jax.jit(jax.value_and_grad(_loss_of([body, body])))(ws, x)
 
 
+def _flops(compiled) -> float:
+    return float(compiled.cost_analysis()["flops"])
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("coll", sorted(COLLECTIVES))
 def test_shard_map_collectives_in_a_stage(coll, placement):
+    """Values, gradients, their devices and layout, and per-device flops (summed over
+    the fragments) as ``jax.jit``'s on the stage's 2x2 mesh."""
     body = _body(coll)
     ws, x = _inputs()
     with _placed(body, placement) as stages:
-        value, grads = mm.mjit(jax.value_and_grad(_loss_of(stages)))(ws, x)
+        step = mm.mjit(jax.value_and_grad(_loss_of(stages)))
+        value, grads = step(ws, x)
+        flops = _flops(step.lower(ws, x).compile())
     ref_value, ref_grads = _reference(body, ws, x)
+    with jax.set_mesh(_stage_mesh()):
+        ref_flops = _flops(jax.jit(jax.value_and_grad(_loss_of([body, body])))
+                           .lower(ws, x).compile())
+    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k in range(2):
         np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
@@ -250,6 +262,29 @@ def test_axis_index_and_psum_in_a_registered_stage_with_its_axes_reordered():
     finally:
         mm.clear_tasks()
     ref_value, ref_grads = _reference(body, ws, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in range(2):
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
+                                   rtol=1e-5, atol=1e-6)
+        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
+
+
+def test_registered_stage_collectives_under_microbatch():
+    """The registered stages' ``psum`` inside a 1F1B microbatch loop (4 microbatches of
+    4 rows): value and gradients as ``jax.jit``'s on the whole batch."""
+    body = _body("psum")
+    ws, _ = _inputs()
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+
+    def loss(stages):
+        return lambda ws, x: jnp.mean(stages[1](ws[1], stages[0](ws[0], x)) ** 2)
+
+    with _placed(body, "registered-mesh_slice") as stages:
+        step = mm.mjit(mm.microbatch(jax.value_and_grad(loss(stages)), dim=0, size=4,
+                                     argnum=1, schedule="1f1b", reduction="mean"))
+        value, grads = step(ws, x)
+    with jax.set_mesh(_stage_mesh()):
+        ref_value, ref_grads = jax.jit(jax.value_and_grad(loss([body, body])))(ws, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for k in range(2):
         np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
