@@ -19,6 +19,7 @@ the op, naming the axis, the task and why, before XLA sees the module.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ from multimesh._src.mlir import ir, sdy, stablehlo
 __all__ = ["Renumbering", "plan_renumbering"]
 
 _GROUP_ATTRS = ("replica_groups", "source_target_pairs")
+_MESH_AXES = "#stablehlo.replica_group_mesh_axes"
+_AXIS_NAME = re.compile(r'name = "([^"]+)"')
+_MESH_REF = re.compile(r"mesh = @[A-Za-z_][A-Za-z0-9_$.]*")
 _JAX_NAMES = {"stablehlo.all_reduce": "psum", "stablehlo.all_gather": "all_gather",
               "stablehlo.reduce_scatter": "psum_scatter", "stablehlo.all_to_all": "all_to_all",
               "stablehlo.collective_permute": "ppermute",
@@ -82,30 +86,29 @@ class _MeshPair:
 
 
 def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
-                     task_name: str, plan: Renumbering) -> None:
+                     task_name: str, target: str, plan: Renumbering) -> None:
     """Check the collectives of manual computation ``op`` (traced on a mesh with the
-    axes ``traced``) against ``task``'s mesh; add the rewrites to ``plan``."""
+    axes ``traced``) against ``task``'s mesh (symbol ``target``); add the rewrites to
+    ``plan``."""
     meshes = _MeshPair(traced, task, task_name)
     _check_sizes(op, meshes)
     dropped = set(meshes.dropped())
-    if "manual_axes" in op.attributes:
-        axes = _manual_axes(op)
-        keep = [a for a in axes if a in task.axis_names]
-        if keep != axes:
-            plan.edits.append((op, "manual_axes", functools.partial(_manual_axes_attr, keep)))
-    if not traced or _identity(meshes):
+    _plan_manual_axes(op, task, plan)
+    numbered = []
+    for coll in _collectives(op):
+        if not _by_mesh_axes(coll, meshes, dropped, target, plan):
+            numbered.append(coll)
+    if not traced or _identity(meshes) or not numbered:
         return
     extra = [a for a, s in zip(task.axis_names, task.axis_sizes, strict=True)
              if s > 1 and a not in traced]
-    numbered = _collectives(op)
-    if extra and numbered:
-        coll = numbered[0]
+    if extra:
         raise DiagnosticError(
-            f"a `{_jax_name(coll)}` in a `shard_map` of task '{task_name}' was traced "
+            f"a `{_jax_name(numbered[0])}` in a `shard_map` of task '{task_name}' was traced "
             f"on a mesh with the axes {list(traced)}, which lacks the task's mesh axis "
             f"'{extra[0]}'; its device numbers cannot be placed on the task's devices. "
             f"Trace the `shard_map` on the task's mesh (`mm.task(..., mesh=...)`) or give "
-            f"`shard_map` a mesh with that axis", coll.location)
+            f"`shard_map` a mesh with that axis", numbered[0].location)
     for coll in numbered:
         if coll.name == "stablehlo.partition_id":
             plan.rewrites.append(functools.partial(_lookup_partition, coll, _positions(meshes)))
@@ -115,6 +118,38 @@ def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
                 new = _renumber(coll, name, meshes, dropped)
                 plan.edits.append((coll, name,
                                    functools.partial(ir.DenseIntElementsAttr.get, new)))
+
+
+def _by_mesh_axes(coll: ir.Operation, meshes: _MeshPair, dropped: set[str], target: str,
+                  plan: Renumbering) -> bool:
+    """Groups named by mesh axes (jax >= 0.12: ``#stablehlo.replica_group_mesh_axes<mesh
+    = @m, axes = [...]>``) need no numbers, only the task's mesh: retarget them, after
+    checking they name no axis the task drops. False for numbered groups."""
+    found = False
+    for name in _GROUP_ATTRS:
+        if name not in coll.attributes:
+            continue
+        text = str(coll.attributes[name])
+        if not text.startswith(_MESH_AXES):
+            continue
+        found = True
+        for axis in _AXIS_NAME.findall(text):
+            if axis in dropped:
+                raise _spans(coll, axis, meshes)
+        new = _MESH_REF.sub(f"mesh = @{target}", text)
+        plan.edits.append((coll, name, functools.partial(ir.Attribute.parse, new)))
+    return found
+
+
+def _plan_manual_axes(op: ir.Operation, task: MeshRecord, plan: Renumbering) -> None:
+    """Axes the task's mesh lacks leave ``manual_axes`` (a sliced axis, of size 1 there,
+    stays)."""
+    if "manual_axes" not in op.attributes:
+        return
+    axes = _manual_axes(op)
+    keep = [a for a in axes if a in task.axis_names]
+    if keep != axes:
+        plan.edits.append((op, "manual_axes", functools.partial(_manual_axes_attr, keep)))
 
 
 def _manual_axes_attr(axes: list[str]) -> ir.Attribute:

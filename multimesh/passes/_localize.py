@@ -118,7 +118,8 @@ def check_foreign(items: Iterable[ForeignSharding], module: ir.Module, own_meshe
 
 
 def plan_collectives(items: Iterable[ForeignSharding], module: ir.Module, own_meshes: set[str],
-                     tasks: dict[str, c.MeshRecord]) -> _collectives.Renumbering:
+                     tasks: dict[str, c.MeshRecord],
+                     sym_names: dict[str, str]) -> _collectives.Renumbering:
     """Check the collectives of each ``shard_map`` written for another mesh against its
     task's mesh, and plan their renumbering onto the task's devices (``_collectives``)."""
     foreign = _foreign_meshes(module, own_meshes)
@@ -130,7 +131,7 @@ def plan_collectives(items: Iterable[ForeignSharding], module: ir.Module, own_me
         seen.add(item.op)
         refs = [r for r in _REF.findall(item.text) if r in foreign]
         _collectives.plan_renumbering(item.op, foreign[refs[0]], tasks[item.task],
-                                      item.task, plan)
+                                      item.task, sym_names[item.task], plan)
     return plan
 
 

@@ -240,7 +240,7 @@ class ResolveLogicalShardingsPass(ModulePass):
         if foreign:
             records = c.read_tasks(module)
             _localize.check_foreign(foreign, module, own, records)
-            collectives = _localize.plan_collectives(foreign, module, own, records)
+            collectives = _localize.plan_collectives(foreign, module, own, records, sym_names)
         needed = {task.name: task for _, task, _ in plan}
         needed.update((f.task, tasks[f.task]) for f in foreign if f.task)
         to_create = _meshes_to_create(module, needed, sym_names)
