@@ -10,10 +10,12 @@ task mesh's order, so each number is translated by axis name: a position becomes
 coordinates on the traced mesh, and those on the axes the task keeps become its
 position on the task's mesh. ``partition_id`` (which jax's ``axis_index`` divides by the
 traced mesh's axis sizes) goes the other way: it is read through a table of each task
-device's position in the traced mesh. Axes the task does not have (a ``mesh_slice``'s sliced
-axis, an axis its ``TaskMesh`` lacks) are dropped from ``manual_axes``; a collective
-running over one of them would need devices outside the task, which is an error at
-the op, naming the axis, the task and why, before XLA sees the module.
+device's position in the traced mesh. jax >= 0.12 names its groups by mesh axes
+(``#stablehlo.replica_group_mesh_axes``) rather than numbers: those only move onto the
+task's mesh symbol. An axis the task's mesh lacks leaves ``manual_axes`` (a
+``mesh_slice``'s sliced axis stays, with size 1); a collective running over an axis the
+task does not keep (sliced away, or absent) would need devices outside the task, which
+is an error at the op, naming the axis, the task and why, before XLA sees the module.
 """
 
 from __future__ import annotations
