@@ -743,6 +743,57 @@ def _():
         mm.mjit(s0)(jnp.ones(8))
 
 
+@error("shard-map-collective-over-a-sliced-axis", IMPLICIT,
+       "a `shard_map` collective in a registered stage over the axis its `mesh_slice` slices",
+       PassFailure,
+       r"a `psum` in a `shard_map` of task 'layer_0' runs over the mesh axis 'stage', which "
+       r"is sliced away \(the task is one slice of it\); inside a task a collective runs "
+       r"among the task's devices only \(positions \[0, 1, 2, 3\]\), over the axes "
+       r"\['data'\]",
+       """A stage placed by a `register_task` rule is matched after the whole program was
+       traced on the global mesh, so its `shard_map` is manual over every axis of that
+       mesh; its collectives are renumbered onto the stage's own devices, which works
+       for the axes the stage keeps. A collective over the sliced axis (written, or added
+       by jax's gradient under `check_vma=False`) would need the other stages' devices.
+       Reduce over the kept axes, keep `check_vma=True`, or do the cross-stage step
+       outside the stage.""")
+def _():
+    mesh = jax.make_mesh((2, 4), ("stage", "data"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def layer_0(x):
+        with jax.named_scope("layer_0"):
+            return jax.shard_map(lambda x: lax.psum(x, "stage"), in_specs=P("data"),
+                                 out_specs=P("data"))(x)
+
+    with mm.context(), jax.set_mesh(mesh):
+        mm.register_task("layer_0", task=mm.Task(mesh_slice={"stage": 0}))
+        mm.mjit(layer_0)(jnp.ones(8))
+
+
+@error("shard-map-traced-on-other-axis-sizes", IMPLICIT,
+       "a `shard_map` in a registered stage traced on a mesh whose axis sizes differ",
+       PassFailure,
+       r"a `shard_map` in task 'layer_0' was traced on a mesh where the axis 'data' has "
+       r"size 8, but the task's mesh gives it size 4",
+       """A registered stage's `shard_map` is traced on the mesh in context (here all 8
+       devices over `data`) but runs on the stage's mesh (`data=4`), where its per-device
+       shapes would differ. Give the stage a mesh with the same axis sizes, or trace the
+       `shard_map` in an explicit `mm.task(..., mesh=...)`, which traces it on the stage's
+       own mesh.""")
+def _():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def layer_0(x):
+        with jax.named_scope("layer_0"):
+            return jax.shard_map(lambda x: x * 2, in_specs=P("data"), out_specs=P("data"))(x)
+
+    with mm.context(), jax.set_mesh(mesh):
+        mm.register_task("layer_0", task=mm.Task(mesh=mm.TaskMesh(
+            devices=range(4), axis_names=("data",), axis_sizes=(4,))))
+        mm.mjit(layer_0)(jnp.ones(8))
+
+
 @error("multimesh-exit-without-enter", API, "`MultiMesh.__exit__` without `__enter__`",
        MultimeshValueError,
        r"MultiMesh\.__exit__ was called without a matching __enter__ in this thread",

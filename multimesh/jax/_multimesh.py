@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from multimesh._src import jax_compat
 from multimesh._src.errors import MeshError, MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import active_multimesh, slice_devices, stack
@@ -166,5 +167,8 @@ def _global_mesh_of(axis_sizes, axis_names, devices, global_mesh) -> Mesh:
 
 def compile_token() -> tuple:
     """What a compiled program depends on in this thread (for ``mjit``'s cache key):
-    the registered tasks, the active MultiMesh and the context switches."""
-    return (tuple(active_registrations()), active_multimesh(), _contexts.compile_state())
+    the registered tasks, the active MultiMesh, jax's concrete mesh (``jax.set_mesh``,
+    ``with mesh:``: its devices and their order, which a ``mesh_slice`` cuts, as
+    ``jax.jit`` keys it) and the context switches."""
+    return (tuple(active_registrations()), active_multimesh(), jax_compat.concrete_mesh(),
+            _contexts.compile_state())

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir, sdy
 
+from . import _collectives
 from . import _contract as c
 
-__all__ = ["ForeignSharding", "collect_foreign", "rewrite_foreign"]
+__all__ = ["ForeignSharding", "collect_foreign", "plan_collectives", "rewrite_foreign"]
 
 # Attributes that hold an sdy sharding (a TensorSharding or a per-value list of them).
 _SHARDING_ATTRS = ("sharding", "sdy.sharding", "in_shardings", "out_shardings",
@@ -114,6 +115,24 @@ def check_foreign(items: Iterable[ForeignSharding], module: ir.Module, own_meshe
         sizes = dict(zip(task.axis_names, task.axis_sizes, strict=True))
         for ref in set(_REF.findall(item.text)) & set(foreign):
             _check_axes(item, foreign[ref], sizes, task.devices)
+
+
+def plan_collectives(items: Iterable[ForeignSharding], module: ir.Module, own_meshes: set[str],
+                     tasks: dict[str, c.MeshRecord],
+                     sym_names: dict[str, str]) -> _collectives.Renumbering:
+    """Check the collectives of each ``shard_map`` written for another mesh against its
+    task's mesh, and plan their renumbering onto the task's devices (``_collectives``)."""
+    foreign = _foreign_meshes(module, own_meshes)
+    plan = _collectives.Renumbering()
+    seen: set[ir.Operation] = set()
+    for item in items:
+        if item.op.name != "sdy.manual_computation" or item.op in seen or not item.task:
+            continue
+        seen.add(item.op)
+        refs = [r for r in _REF.findall(item.text) if r in foreign]
+        _collectives.plan_renumbering(item.op, foreign[refs[0]], tasks[item.task],
+                                      item.task, sym_names[item.task], plan)
+    return plan
 
 
 def _check_axes(item: ForeignSharding, mesh: dict[str, int], sizes: dict[str, int],

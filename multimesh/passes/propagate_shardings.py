@@ -28,6 +28,9 @@ class PropagateShardingsPass(ModulePass):
     copy. Afterwards every fragment argument and result carries a closed
     ``sdy.sharding``, and every ``@main`` argument carries ``mm.sharding`` and
     ``mm.devices`` (the layout of its first consumer), which is where the program wants its inputs.
+    A boundary sharding that does not divide its dimension (5 rows over 2 devices) takes
+    its longest dividing prefix (``sdy-update-non-divisible-input-output-shardings``), as
+    XLA does for ``jax.jit``'s own arguments and results; inside the fragment XLA pads.
 
     An ``@main`` argument that already carries ``mm.sharding``/``mm.devices`` (a
     physical input sharding the caller gave) keeps them: the program takes that
@@ -59,7 +62,12 @@ class _Propagation:
         self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
-        self.pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
+        # A boundary sharding that does not divide its dimension (5 rows over 2 devices)
+        # becomes its longest dividing prefix, as XLA makes jax.jit's own inputs and
+        # outputs: XLA pads only inside a module, never at its arguments or results.
+        self.pm = passmanager.PassManager.parse(
+            "builtin.module(sdy-aggressive-propagate,"
+            "sdy-update-non-divisible-input-output-shardings)")
         self.pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
 
     def run(self) -> None:

@@ -205,7 +205,10 @@ class ResolveLogicalShardingsPass(ModulePass):
     sharding on a mesh symbol that is no task's) are moved onto the mesh of the task
     that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
     task's mesh. Naming an axis the task's mesh lacks, or a ``mesh_slice``'s sliced
-    axis, is an error at the op.
+    axis, is an error at the op. A ``shard_map``'s collectives (``replica_groups``,
+    ``source_target_pairs``: flat positions in the mesh it was traced on) are renumbered
+    onto the task's devices by axis name (``_collectives.py``), and axes the task lacks
+    leave its ``manual_axes``; a collective over such an axis is an error at the op.
 
     A logical name that no task of the module maps leaves its dimension unsharded; when
     it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device
@@ -233,8 +236,11 @@ class ResolveLogicalShardingsPass(ModulePass):
             return
         # Phase 1: resolve and check everything (may raise); no IR is modified.
         plan = [_resolve(op, tasks) for op in markers]
+        collectives = None
         if foreign:
-            _localize.check_foreign(foreign, module, own, c.read_tasks(module))
+            records = c.read_tasks(module)
+            _localize.check_foreign(foreign, module, own, records)
+            collectives = _localize.plan_collectives(foreign, module, own, records, sym_names)
         needed = {task.name: task for _, task, _ in plan}
         needed.update((f.task, tasks[f.task]) for f in foreign if f.task)
         to_create = _meshes_to_create(module, needed, sym_names)
@@ -245,6 +251,8 @@ class ResolveLogicalShardingsPass(ModulePass):
         for op, task, spec in plan:
             _to_constraint(op, sym_names[task.name], spec)
         _localize.rewrite_foreign(foreign, foreign_syms, sym_names)
+        if collectives is not None:
+            collectives.apply()
 
 
 _Spec = tuple[tuple[str, ...], ...]

@@ -108,3 +108,27 @@ module attributes {mm.tasks = {a = {devices = [0, 1, 2, 3], axis_names = ["x", "
     return %0 : tensor<8x4xf32>
   }
 }
+
+// -----
+
+// A constraint over an axis that does not divide its dimension (5 rows over "x"=2)
+// stays inside the fragment, where XLA pads as for jax.jit; the fragment's arguments
+// and results, which XLA never pads, take the longest dividing prefix (replicated
+// here), and so does the @main argument.
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: (%arg0: tensor<5x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<@mesh_a, [{}, {}]>})
+// CHECK-LABEL: func.func private @a_fwd
+// CHECK-SAME: (%arg0: tensor<5x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{}, {}]>}) -> (tensor<5x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{}, {}]>})
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_a, [{"x"}, {}]>
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  func.func @main(%arg0: tensor<5x4xf32>) -> tensor<5x4xf32> {
+    %0 = call @a_fwd(%arg0) {mm.fragment} : (tensor<5x4xf32>) -> tensor<5x4xf32>
+    return %0 : tensor<5x4xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<5x4xf32>) -> tensor<5x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}} {
+    %0 = sdy.sharding_constraint %arg0 <@mesh_a, [{"x"}, {}]> : tensor<5x4xf32>
+    %1 = stablehlo.sine %0 : tensor<5x4xf32>
+    return %1 : tensor<5x4xf32>
+  }
+}

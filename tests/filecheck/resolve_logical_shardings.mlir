@@ -279,3 +279,87 @@ module attributes {mm.tasks = {t = {devices = [0, 1], axis_names = ["x"], axis_s
     return %0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// A shard_map traced on the global mesh ("stage", "data", "model") inside stage s1:
+// its collectives' device numbers (flat positions in the global mesh) become positions
+// on the task's mesh, by axis name (the sliced "stage", of size 1 there, stays manual).
+// CHECK-LABEL: func.func @shard_map_collectives
+// CHECK: sdy.manual_computation(%arg0) in_shardings=[<@mesh_s1, [{"data"}, {"model"}]>] out_shardings=[<@mesh_s1, [{"data"}, {}]>] manual_axes={"stage", "data", "model"}
+// CHECK: "stablehlo.all_reduce"
+// CHECK-SAME{LITERAL}: replica_groups = dense<[[0, 1], [2, 3]]> : tensor<2x2xi64>
+// CHECK: "stablehlo.all_gather"
+// CHECK-SAME{LITERAL}: replica_groups = dense<[[0, 2], [1, 3]]> : tensor<2x2xi64>
+// CHECK: "stablehlo.collective_permute"
+// CHECK-SAME{LITERAL}: source_target_pairs = dense<[[0, 2], [2, 0], [1, 3], [3, 1]]> : tensor<4x2xi64>
+module attributes {mm.tasks = {s1 = {devices = [4, 5, 6, 7], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+  func.func @shard_map_collectives(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"data"}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {}]>] manual_axes={"stage", "data", "model"} (%x: tensor<2x4xf32>) {
+      %1 = "stablehlo.all_reduce"(%x) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 1], [2, 3], [4, 5], [6, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+      ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+        %s = stablehlo.add %a, %b : tensor<f32>
+        stablehlo.return %s : tensor<f32>
+      }) : (tensor<2x4xf32>) -> tensor<2x4xf32>
+      %2 = "stablehlo.all_gather"(%1) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, replica_groups = dense<[[0, 2], [1, 3], [4, 6], [5, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<2x4xf32>) -> tensor<2x8xf32>
+      %3 = "stablehlo.collective_permute"(%2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<[[0, 2], [2, 0], [1, 3], [3, 1], [4, 6], [6, 4], [5, 7], [7, 5]]> : tensor<8x2xi64>}> : (tensor<2x8xf32>) -> tensor<2x8xf32>
+      sdy.return %3 : tensor<2x8xf32>
+    } {mm.task = {name = "s1", transpose_count = 0 : i64}} : (tensor<4x8xf32>) -> tensor<4x8xf32>
+    return %0 : tensor<4x8xf32>
+  }
+}
+
+// -----
+
+// A collective over the sliced axis would need devices outside the task: an error at
+// the op, naming the axis and the task.
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+  func.func @collective_over_the_sliced_axis(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"data"}, {}]>] out_shardings=[<@mesh, [{"data"}, {}]>] manual_axes={"stage", "data", "model"} (%x: tensor<2x8xf32>) {
+      // expected-error-re@+1 {{a `psum` in a `shard_map` of task 's0' runs over the mesh axis 'stage', which is sliced away (the task is one slice of it); inside a task a collective runs among the task's devices only (positions [0, 1, 2, 3]), over the axes ['data', 'model']{{.*}}}}
+      %1 = "stablehlo.all_reduce"(%x) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+      ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+        %s = stablehlo.add %a, %b : tensor<f32>
+        stablehlo.return %s : tensor<f32>
+      }) : (tensor<2x8xf32>) -> tensor<2x8xf32>
+      sdy.return %1 : tensor<2x8xf32>
+    } {mm.task = {name = "s0", transpose_count = 0 : i64}} : (tensor<4x8xf32>) -> tensor<4x8xf32>
+    return %0 : tensor<4x8xf32>
+  }
+}
+
+// -----
+
+// A task mesh without "stage" and with its axes in another order ("model", "data"):
+// "stage" leaves manual_axes, the groups over "model" become the task's positions
+// (model-major: [[0, 2], [1, 3]]), and partition_id (what jax's axis_index divides
+// by the traced mesh's axis sizes) is read through a table of each device's position
+// in the traced mesh.
+// CHECK-LABEL: func.func @other_axis_order
+// CHECK: manual_axes={"data", "model"}
+// CHECK: %[[PID:.*]] = stablehlo.partition_id : tensor<ui32>
+// CHECK-NEXT: %[[TBL:.*]] = stablehlo.constant dense<[0, 2, 1, 3]> : tensor<4xui32>
+// CHECK-NEXT: %[[AT:.*]] = stablehlo.dynamic_slice %[[TBL]], %[[PID]], sizes = [1]
+// CHECK-NEXT: %[[POS:.*]] = stablehlo.reshape %[[AT]] : (tensor<1xui32>) -> tensor<ui32>
+// CHECK-NEXT: stablehlo.remainder %[[POS]]
+// CHECK: "stablehlo.all_reduce"
+// CHECK-SAME{LITERAL}: replica_groups = dense<[[0, 2], [1, 3]]> : tensor<2x2xi64>
+module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["model", "data"], axis_sizes = [2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+  func.func @other_axis_order(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"data"}, {}]>] out_shardings=[<@mesh, [{"data"}, {}]>] manual_axes={"stage", "data", "model"} (%x: tensor<2x8xf32>) {
+      %c = stablehlo.constant dense<2> : tensor<ui32>
+      %p = stablehlo.partition_id : tensor<ui32>
+      %m = stablehlo.remainder %p, %c : tensor<ui32>
+      %1 = "stablehlo.all_reduce"(%x) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 1], [2, 3], [4, 5], [6, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+      ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+        %s = stablehlo.add %a, %b : tensor<f32>
+        stablehlo.return %s : tensor<f32>
+      }) : (tensor<2x8xf32>) -> tensor<2x8xf32>
+      sdy.return %1 : tensor<2x8xf32>
+    } {mm.task = {name = "t", transpose_count = 0 : i64}} : (tensor<4x8xf32>) -> tensor<4x8xf32>
+    return %0 : tensor<4x8xf32>
+  }
+}
