@@ -140,7 +140,7 @@ class _Times:
     fwd: float
     bwd: float
     elementwise: float
-    tp: float  # one layer's tensor-parallel collectives, forward and backward
+    tp: float  # one of a layer's tensor-parallel collectives (10 forward and backward)
     head: float
     calls: int
 
@@ -155,13 +155,13 @@ def _times(ctx: Context, lay: Layout) -> _Times:
     calls = c.layer_fwd.kernels + c.layer_bwd.kernels
     return _Times(_seconds(dm, c.layer_fwd, k), _seconds(dm, c.layer_bwd, k),
                   dm.seconds(0.0, c.layer_fwd.elementwise_bytes * k) - dm.overhead,
-                  8 * one, head, calls)
+                  one, head, calls)
 
 
 def _layer_time(tm: _Times, recompute: str) -> tuple[float, float]:
     """(compute, tensor-parallel comm) seconds of one layer's forward and backward."""
     extra = {"none": 0.0, "selective": tm.elementwise, "full": tm.fwd}[recompute]
-    return tm.fwd + tm.bwd + extra, tm.tp * (1.5 if recompute == "full" else 1.0)
+    return tm.fwd + tm.bwd + extra, tm.tp * (14 if recompute == "full" else 10)
 
 
 def _stage_memory(ctx: Context, lay: Layout, j: int, layers: int, first: bool, last: bool,
@@ -222,8 +222,8 @@ def _step(ctx: Context, lay: Layout, tm: _Times, chunks, stages) -> Priced:
         if busy > busiest:
             busiest = busy
             params = mem["parameters"]
-            parts = {"compute": M * (layers * compute + last * (tm.head - 2 * tm.tp / 8)),
-                     "tensor": M * (layers * tp + last * 2 * tm.tp / 8),
+            parts = {"compute": M * (layers * compute + last * (tm.head - 2 * tm.tp)),
+                     "tensor": M * (layers * tp + last * 2 * tm.tp),
                      "transfers": transfers, "fsdp": fsdp,
                      "overhead": M * layers * tm.calls * dm.overhead}
     bubble = (theoretical_bubble(lay.schedule, P, M, V) or 0.0) if P > 1 else 0.0
