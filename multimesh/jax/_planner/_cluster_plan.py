@@ -179,12 +179,18 @@ def _distinct(memory) -> list[tuple[str, dict]]:
     return [(str(j), memory[j]) for j in sorted({0, big, P - 1})]
 
 
+_REMAT = {"none": "None", "selective": "jax.checkpoint_policies.dots_saveable",
+          "full": "True"}
+
+
 def _code(plan: ClusterPlan) -> str:
     m, c = plan.model, plan.cluster
     P, D, T, F = plan.pipeline, plan.data, plan.tensor, plan.fsdp
     model = ", ".join(f"{k}={v!r}" for k, v in m.to_dict().items())
     cluster = ", ".join(f"{k}={v!r}" for k, v in c.to_dict().items() if v is not None)
     pins = ", ".join(f"{k}={v!r}" for k, v in plan.pins().items())
+    remat = "(" + ", ".join(_REMAT[r] for r in plan.recompute) + ("," if P == 1 else "") + ")"
+    interleave = f", interleave={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
     return "\n".join([
         f"# {m.name} on {c.devices} x {c.spec.kind}: {plan.layout()}, "
         f"{plan.num_microbatches} microbatches, schedule {plan.schedule!r}",
@@ -195,23 +201,26 @@ def _code(plan: ClusterPlan) -> str:
         f"model = mm.Transformer({model})",
         f"cluster = mm.Cluster({cluster})",
         f"plan = mm.plan_cluster(model, cluster, {pins})",
-        "print(plan)",
         "",
-        f"if len(jax.devices()) == {c.devices}:  # on the cluster itself",
-        f"    grid = np.asarray(jax.devices()).reshape({P}, {D}, {F}, {T})",
-        f"    for stage in range({len(plan.stage_layers)}):  # virtual stage k runs on "
-        f"submesh k % {P}",
-        "        mm.register_task(",
-        "            rf\"stage{stage}(?=[/)]|$)\",",
-        "            task=mm.Task(name=f\"stage{stage}\", mesh=mm.TaskMesh(",
-        f"                devices=tuple(int(d.id) for d in grid[stage % {P}].flat),",
-        f"                axis_names=('data', 'fsdp', 'tensor'), axis_sizes=({D}, {F}, {T})),",
-        "                logical_axes=(('batch', 'data'), ('heads', 'tensor'),",
-        "                              ('mlp', 'tensor'), ('embed', 'fsdp'))))",
-        "    loss = mm.transformer_loss(model, plan.stage_layers)",
-        "    step = mm.microbatch(jax.value_and_grad(loss), dim=0,",
-        f"                         size={plan.microbatch_size}, schedule={plan.schedule!r}"
-        + (f", interleave={plan.virtual_stages})" if plan.virtual_stages > 1 else ")"),
+        "# device positions: pipeline x data x fsdp x tensor (tensor fastest: inside a node)",
+        f"grid = np.arange({c.devices}).reshape({P}, {D}, {F}, {T})",
+        f"remat = {remat}  # per pipeline stage: {', '.join(plan.recompute)}",
+        f"for k in range({len(plan.stage_layers)}):  # virtual stage k runs on submesh k % {P}",
+        "    mm.register_task(",
+        "        rf\"stage{k}(?=[/)]|$)\",",
+        "        task=mm.Task(",
+        "            name=f\"stage{k}\",",
+        f"            mesh=mm.TaskMesh(devices=tuple(grid[k % {P}].flat), "
+        f"axis_names=('data', 'fsdp', 'tensor'), axis_sizes=({D}, {F}, {T})),",
+        "            logical_axes=(('batch', 'data'), ('heads', 'tensor'), ('mlp', 'tensor'),",
+        "                          ('embed', 'fsdp')),",
+        f"            remat=remat[k % {P}]))",
+        "loss = mm.transformer_loss(model, plan.stage_layers)",
+        "step = mm.microbatch(jax.value_and_grad(loss), dim=0, argnum=1, "
+        f"size={plan.microbatch_size * D * F}, schedule={plan.schedule!r}{interleave}, "
+        "reduction='mean')",
+        f"# on the cluster: mm.mjit(step)(params, tokens), params as "
+        f"model.params_shapes() lays them out, tokens [{m.global_batch}, {m.seq}] int32",
         ""])
 
 

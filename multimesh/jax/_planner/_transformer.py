@@ -98,12 +98,12 @@ class Transformer:
         return {"norm": sd((self.d_model,), dtype), "out": sd((self.d_model, self.vocab), dtype)}
 
     def params_shapes(self, dtype=jnp.bfloat16) -> dict:
-        """The whole model's parameters as ``jax.ShapeDtypeStruct`` s (each layer's
-        leaves stacked on a leading ``layers`` axis)."""
-        stack = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.layers, *s.shape), s.dtype),
-                             self.layer_shapes(dtype))
+        """The whole model's parameters as ``jax.ShapeDtypeStruct`` s: ``embed``, a list
+        of ``layers`` (one dict each, so each lives with its pipeline stage) and
+        ``head``."""
         return {"embed": jax.ShapeDtypeStruct((self.vocab, self.d_model), dtype),
-                "layers": stack, "head": self.head_shapes(dtype)}
+                "layers": [self.layer_shapes(dtype) for _ in range(self.layers)],
+                "head": self.head_shapes(dtype)}
 
     def batch_shapes(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.global_batch, self.seq), jnp.int32)
@@ -292,28 +292,53 @@ def layer_costs(model: Transformer, layer: Callable | None = None) -> LayerCosts
     return LayerCosts(lf, lb, hf, hb)
 
 
+_LOGICAL = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", "heads"),
+            "wo": ("heads", "embed"), "w1": ("embed", "mlp"), "w3": ("embed", "mlp"),
+            "w2": ("mlp", "embed")}
+"""Each layer weight's logical axes: ``heads`` and ``mlp`` go to the tensor axis,
+``embed`` to the fsdp axis (the generated program's ``logical_axes``)."""
+
+
+def _constrain_layer(p: dict) -> dict:
+    from jax.sharding import PartitionSpec
+
+    from multimesh.jax._task import with_sharding_constraint
+
+    return {k: with_sharding_constraint(v, PartitionSpec(*_LOGICAL[k])) if k in _LOGICAL else v
+            for k, v in p.items()}
+
+
 def transformer_loss(model: Transformer, stage_layers: tuple[int, ...] | None = None,
                      layer: Callable | None = None) -> Callable:
     """``loss(params, tokens)`` of ``model`` (params as :meth:`Transformer.params_shapes`
     lays them out, tokens ``[batch, seq]`` int32, next-token targets), each virtual
     stage's layers under ``jax.named_scope(f"stage{i}")`` (``stage_layers``: layers per
-    stage, default one stage), the embedding in the first and the head in the last."""
+    stage, default one stage), the embedding in the first and the head in the last.
+    Activations' rows carry the logical name ``batch``; layer weights ``heads``,
+    ``mlp`` and ``embed`` (multimesh's logical ``with_sharding_constraint``: a task's
+    ``logical_axes`` place them; run it as plain JAX under ``mm.ignore_transforms()``)."""
+    from jax.sharding import PartitionSpec
+
+    from multimesh.jax._task import with_sharding_constraint
+
     split = tuple(stage_layers or (model.layers,))
-    if sum(split) != model.layers:
+    if sum(split) != model.layers or any(n < 0 for n in split):
         raise MultimeshValueError(
-            f"`transformer_loss`: stage_layers={split} sum to {sum(split)}, but the model "
-            f"has {model.layers} layers.")
+            f"`transformer_loss`: stage_layers={split} must be non-negative and sum to the "
+            f"model's {model.layers} layers.")
     block = layer or (lambda p, x: llama_layer(p, x, model.heads, model.kv_heads))
+    rows = PartitionSpec("batch")
 
     def loss(params, tokens):
         labels = jnp.roll(tokens, -1, axis=1)
-        i = 0
+        x, i = None, 0
         for k, n in enumerate(split):
             with jax.named_scope(f"stage{k}"):
                 if k == 0:
-                    x = params["embed"][tokens]
+                    x = params["embed"][with_sharding_constraint(tokens, rows)]
                 for _ in range(n):
-                    x = block(jax.tree.map(lambda a, i=i: a[i], params["layers"]), x)
+                    p = _constrain_layer(params["layers"][i])
+                    x = with_sharding_constraint(block(p, x), rows)
                     i += 1
                 if k == len(split) - 1:
                     return llama_head(params["head"], x, labels)
