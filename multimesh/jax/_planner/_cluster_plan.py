@@ -13,8 +13,8 @@ from multimesh.jax._planner._cluster import GB, Cluster
 from multimesh.jax._planner._cluster_search import (
     RECOMPUTE,
     SCHEDULES,
-    Context,
-    Layout,
+    ClusterLayout,
+    PlanContext,
     Priced,
     layouts,
     price,
@@ -85,6 +85,8 @@ class ClusterPlan:
         m, c = self.model, self.cluster
         V = self.virtual_stages
         sched = f"{self.schedule!r}" + (f" with {V} virtual stages per device" if V > 1 else "")
+        if self.pipeline == 1:
+            sched = "none (one stage: the microbatches accumulate gradients)"
         lines = [
             f"ClusterPlan: {m.name} ({m.num_params / 1e9:.1f}B parameters) on {c.describe()}",
             f"layout: {self.layout()} (tensor inside a node, sequence parallel)",
@@ -179,17 +181,12 @@ def _distinct(memory) -> list[tuple[str, dict]]:
     return [(str(j), memory[j]) for j in sorted({0, big, P - 1})]
 
 
-_REMAT = {"none": "None", "selective": "jax.checkpoint_policies.dots_saveable",
-          "full": "True"}
-
-
 def _code(plan: ClusterPlan) -> str:
     m, c = plan.model, plan.cluster
     P, D, T, F = plan.pipeline, plan.data, plan.tensor, plan.fsdp
     model = ", ".join(f"{k}={v!r}" for k, v in m.to_dict().items())
     cluster = ", ".join(f"{k}={v!r}" for k, v in c.to_dict().items() if v is not None)
     pins = ", ".join(f"{k}={v!r}" for k, v in plan.pins().items())
-    remat = "(" + ", ".join(_REMAT[r] for r in plan.recompute) + ("," if P == 1 else "") + ")"
     interleave = f", interleave={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
     return "\n".join([
         f"# {m.name} on {c.devices} x {c.spec.kind}: {plan.layout()}, "
@@ -204,7 +201,10 @@ def _code(plan: ClusterPlan) -> str:
         "",
         "# device positions: pipeline x data x fsdp x tensor (tensor fastest: inside a node)",
         f"grid = np.arange({c.devices}).reshape({P}, {D}, {F}, {T})",
-        f"remat = {remat}  # per pipeline stage: {', '.join(plan.recompute)}",
+        "# recompute per pipeline stage: none, selective (keep the matmuls' outputs), full",
+        "policy = {'none': None, 'selective': jax.checkpoint_policies.dots_saveable, "
+        "'full': True}",
+        "remat = [policy[r] for r in plan.recompute]",
         f"for k in range({len(plan.stage_layers)}):  # virtual stage k runs on submesh k % {P}",
         "    mm.register_task(",
         "        rf\"stage{k}(?=[/)]|$)\",",
@@ -212,7 +212,8 @@ def _code(plan: ClusterPlan) -> str:
         "            name=f\"stage{k}\",",
         f"            mesh=mm.TaskMesh(devices=tuple(grid[k % {P}].flat), "
         f"axis_names=('data', 'fsdp', 'tensor'), axis_sizes=({D}, {F}, {T})),",
-        "            logical_axes=(('batch', 'data'), ('heads', 'tensor'), ('mlp', 'tensor'),",
+        "            logical_axes=(('batch', 'data'), ('batch', 'fsdp'), ('heads', 'tensor'),",
+        "                          ('mlp', 'tensor'),",
         "                          ('embed', 'fsdp')),",
         f"            remat=remat[k % {P}]))",
         "loss = mm.transformer_loss(model, plan.stage_layers)",
@@ -288,7 +289,7 @@ def plan_cluster(model: Transformer, cluster: Cluster, *, tensor: int | None = N
                 virtual_stages=virtual_stages)
     _check_pins(model, cluster, pins, recompute)
     dm = cluster.device_model()
-    ctx = Context(model, cluster, layer_costs(model, layer), dm,
+    ctx = PlanContext(model, cluster, layer_costs(model, layer), dm,
                   memory_fraction * cluster.spec.hbm_bytes)
     best, n = _search(ctx, pins, recompute)
     if best is None:
@@ -296,7 +297,7 @@ def plan_cluster(model: Transformer, cluster: Cluster, *, tensor: int | None = N
     return _plan(ctx, best, n, time.perf_counter() - t0, memory_fraction)
 
 
-def _search(ctx: Context, pins: dict, recompute) -> tuple[Priced | None, int]:
+def _search(ctx: PlanContext, pins: dict, recompute) -> tuple[Priced | None, int]:
     best, n = None, 0
     for lay in layouts(ctx, pins):
         n += 1
@@ -312,7 +313,7 @@ def _key(p: Priced) -> tuple:
 
 
 def _no_fit(model: Transformer, cluster: Cluster, pins: dict, recompute, n: int,
-            ctx: Context) -> str:
+            ctx: PlanContext) -> str:
     fixed = {k: v for k, v in pins.items() if v is not None}
     if recompute is not None:
         fixed["recompute"] = recompute
@@ -331,8 +332,8 @@ def _no_fit(model: Transformer, cluster: Cluster, pins: dict, recompute, n: int,
             f"evenly). Use more devices, a device with more HBM, or fewer pins.")
 
 
-def _plan(ctx: Context, p: Priced, n: int, seconds: float, fraction: float) -> ClusterPlan:
-    lay: Layout = p.layout
+def _plan(ctx: PlanContext, p: Priced, n: int, seconds: float, fraction: float) -> ClusterPlan:
+    lay: ClusterLayout = p.layout
     c = ctx.cluster
     assumptions = {
         "cluster": c.spec.source,

@@ -36,7 +36,7 @@ from multimesh.jax._planner._cluster import Cluster
 from multimesh.jax._planner._transformer import Counts, LayerCosts, Transformer
 from multimesh.schedules import theoretical_bubble, theoretical_peak_live
 
-__all__ = ["Layout", "Priced", "price", "layouts", "RECOMPUTE", "SCHEDULES"]
+__all__ = ["ClusterLayout", "Priced", "price", "layouts", "RECOMPUTE", "SCHEDULES"]
 
 RECOMPUTE = ("none", "selective", "full")
 """Per stage, lightest first: keep every activation; recompute the elementwise ops
@@ -48,7 +48,7 @@ VIRTUAL = (2, 3, 4, 5, 6, 8)
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ClusterLayout:
     pipeline: int
     data: int
     tensor: int
@@ -65,7 +65,7 @@ class Priced:
     memory (bytes: params, grads, optimizer, activations, total), and the step's
     breakdown (seconds)."""
 
-    layout: Layout
+    layout: ClusterLayout
     chunk_layers: tuple[int, ...]
     recompute: tuple[str, ...]
     memory: tuple[dict, ...]
@@ -76,7 +76,7 @@ class Priced:
 
 
 @dataclasses.dataclass(frozen=True)
-class Context:
+class PlanContext:
     model: Transformer
     cluster: Cluster
     costs: LayerCosts
@@ -123,7 +123,7 @@ def _chunks(n: int, layers: int, t_layer: float, t_head: float) -> tuple[int, ..
 
 
 @functools.lru_cache(maxsize=4096)
-def _live(lay: Layout, j: int) -> int:
+def _live(lay: ClusterLayout, j: int) -> int:
     """Chunk activations submesh ``j`` holds at its peak (the schedule library's
     textbook for submesh 0; later submeshes hold fewer by the schedule's warm-up)."""
     P, M, V = lay.pipeline, lay.num_microbatches, lay.virtual_stages
@@ -145,7 +145,7 @@ class _Times:
     calls: int
 
 
-def _times(ctx: Context, lay: Layout) -> _Times:
+def _times(ctx: PlanContext, lay: ClusterLayout) -> _Times:
     m, c, dm, t, b = ctx.model, ctx.costs, ctx.dm, lay.tensor, lay.microbatch_size
     k = b / t
     act = 2.0 * b * m.seq * m.d_model  # bf16 activations of one microbatch
@@ -164,7 +164,7 @@ def _layer_time(tm: _Times, recompute: str) -> tuple[float, float]:
     return tm.fwd + tm.bwd + extra, tm.tp * (14 if recompute == "full" else 10)
 
 
-def _stage_memory(ctx: Context, lay: Layout, j: int, layers: int, first: bool, last: bool,
+def _stage_memory(ctx: PlanContext, lay: ClusterLayout, j: int, layers: int, first: bool, last: bool,
                   recompute: str, chunk: int) -> dict:
     m, t, f, d, b = ctx.model, lay.tensor, lay.fsdp, lay.data, lay.microbatch_size
     params = (layers * m.layer_params + first * m.embed_params + last * m.head_params) / t
@@ -181,7 +181,7 @@ def _stage_memory(ctx: Context, lay: Layout, j: int, layers: int, first: bool, l
     return mem
 
 
-def price(ctx: Context, lay: Layout, recompute: str | None = None) -> Priced | None:
+def price(ctx: PlanContext, lay: ClusterLayout, recompute: str | None = None) -> Priced | None:
     """``lay`` priced, each stage with the lightest recompute that fits (or
     ``recompute``); None when a stage fits with none."""
     m, P, V = ctx.model, lay.pipeline, lay.virtual_stages
@@ -203,7 +203,7 @@ def price(ctx: Context, lay: Layout, recompute: str | None = None) -> Priced | N
     return _step(ctx, lay, tm, chunks, stages)
 
 
-def _step(ctx: Context, lay: Layout, tm: _Times, chunks, stages) -> Priced:
+def _step(ctx: PlanContext, lay: ClusterLayout, tm: _Times, chunks, stages) -> Priced:
     m, dm, P, V, M = ctx.model, ctx.dm, lay.pipeline, lay.virtual_stages, lay.num_microbatches
     t, f, d, b = lay.tensor, lay.fsdp, lay.data, lay.microbatch_size
     act = 2.0 * b * m.seq * m.d_model / t
@@ -252,7 +252,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(ctx: Context, pins: dict) -> Iterator[Layout]:
+def layouts(ctx: PlanContext, pins: dict) -> Iterator[ClusterLayout]:
     """Every layout the search weighs, narrowed by ``pins`` (layout fields fixed by
     the caller)."""
     m, N = ctx.model, ctx.cluster.devices
@@ -270,7 +270,7 @@ def layouts(ctx: Context, pins: dict) -> Iterator[Layout]:
                 yield from _batches(ctx, pins, P, rest // f, t, f)
 
 
-def _batches(ctx: Context, pins: dict, P: int, d: int, t: int, f: int) -> Iterator[Layout]:
+def _batches(ctx: PlanContext, pins: dict, P: int, d: int, t: int, f: int) -> Iterator[ClusterLayout]:
     m = ctx.model
     for b in (1, 2, 4, 8):
         replicas = d * f
@@ -279,7 +279,7 @@ def _batches(ctx: Context, pins: dict, P: int, d: int, t: int, f: int) -> Iterat
         M = m.global_batch // (replicas * b)
         if P == 1:
             if _ok(pins, "schedule", "1f1b") and _ok(pins, "virtual_stages", 1):
-                yield Layout(1, d, t, f, b, M, "1f1b")
+                yield ClusterLayout(1, d, t, f, b, M, "1f1b")
             continue
         for s in SCHEDULES:
             if not _ok(pins, "schedule", s):
@@ -287,7 +287,7 @@ def _batches(ctx: Context, pins: dict, P: int, d: int, t: int, f: int) -> Iterat
             for V in (VIRTUAL if s == "interleaved-1f1b" else (1,)):
                 if (V > 1 and (M % P or P * V > m.layers)) or not _ok(pins, "virtual_stages", V):
                     continue
-                yield Layout(P, d, t, f, b, M, s, V)
+                yield ClusterLayout(P, d, t, f, b, M, s, V)
 
 
 def _ok(pins: dict, name: str, value) -> bool:
