@@ -119,6 +119,24 @@ def test_405b_mfu_within_a_quarter_of_the_paper(plans, devices, published):
     assert abs(plans["405b", devices].mfu / published - 1) <= 0.25
 
 
+@pytest.mark.parametrize("size", ["8b", "405b"])
+def test_one_layers_jaxpr_counts_its_matmuls(size):
+    """Forward: the four projections and the SwiGLU's three matmuls, 2 s x (weights),
+    and the attention core's two s x s products, 4 s^2 h (counted in full); backward
+    twice the forward; the head's logits 2 s h V forward."""
+    from multimesh.jax._planner._transformer import layer_costs
+
+    m = mm.Transformer.llama3(size)
+    c = layer_costs(m)
+    s, h, kv, f = m.seq, m.d_model, m.kv_heads * m.head_dim, m.ffn
+    attention = 4.0 * s * s * h
+    assert c.layer_fwd.flops == 2.0 * s * (2 * h * h + 2 * h * kv + 3 * h * f) + attention
+    assert c.layer_fwd.attention_flops == attention
+    assert c.layer_bwd.flops == 2 * c.layer_fwd.flops
+    assert c.head_fwd.flops == 2.0 * s * h * m.vocab
+    assert c.layer_fwd.kernels == 8  # 7 matmuls and one fused attention core
+
+
 def test_identical_layers_are_costed_once(monkeypatch):
     """One layer's jaxpr (and the head's) is traced, whatever the depth."""
     from multimesh.jax._planner import _transformer

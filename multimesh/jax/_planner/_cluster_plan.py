@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._planner._cluster import GB, Cluster
@@ -261,12 +260,11 @@ def plan_cluster(model: Transformer, cluster: Cluster, *, tensor: int | None = N
                  pipeline: int | None = None, data: int | None = None,
                  fsdp: int | None = None, microbatch_size: int | None = None,
                  schedule: str | None = None, virtual_stages: int | None = None,
-                 recompute: str | None = None, memory_fraction: float = 0.9,
-                 layer: Callable | None = None) -> ClusterPlan:
+                 recompute: str | None = None, memory_fraction: float = 0.9) -> ClusterPlan:
     """The fastest layout of ``model`` on ``cluster`` that fits every device's HBM.
 
-    Nothing is materialised: one layer (``layer(params, x)``, default
-    :func:`llama_layer`) and the head are traced to jaxprs on
+    Nothing is materialised: one layer (:func:`llama_layer`) and the head are traced
+    to jaxprs on
     ``jax.ShapeDtypeStruct`` s and their matmuls counted; every layout
     (pipeline x data x tensor x fsdp, microbatch size, schedule and virtual stages)
     is priced through the cluster's :class:`DeviceModel`, each pipeline stage with
@@ -289,7 +287,7 @@ def plan_cluster(model: Transformer, cluster: Cluster, *, tensor: int | None = N
                 virtual_stages=virtual_stages)
     _check_pins(model, cluster, pins, recompute)
     dm = cluster.device_model()
-    ctx = PlanContext(model, cluster, layer_costs(model, layer), dm,
+    ctx = PlanContext(model, cluster, layer_costs(model), dm,
                   memory_fraction * cluster.spec.hbm_bytes)
     best, n = _search(ctx, pins, recompute)
     if best is None:

@@ -196,7 +196,7 @@ class Counts:
 
     def scale(self, k: float) -> Counts:
         return Counts(self.flops * k, self.attention_flops * k, self.matmul_bytes * k,
-                      self.elementwise_bytes * k, self.kernels)
+                      self.elementwise_bytes * k, round(self.kernels * k))
 
 
 def _nbytes(v) -> float:
@@ -220,6 +220,8 @@ def count(jaxpr, in_attention: bool = False) -> Counts:
     for e in jaxpr.eqns:
         name = e.primitive.name
         inner = [v for v in e.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        if name == "cond":  # the dearest branch
+            inner = [max(e.params["branches"], key=lambda j: count(j, in_attention).flops)]
         if name == "dot_general":
             f = _dot_flops(e)
             io = sum(map(_nbytes, e.invars)) + sum(map(_nbytes, e.outvars))
