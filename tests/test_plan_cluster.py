@@ -272,3 +272,21 @@ def test_device_model_collectives():
 def test_misuse_is_named(make, match):
     with pytest.raises(mm.MultimeshError, match=match):
         make()
+
+
+def test_from_json_refuses_what_plan_cluster_did_not_write(plans):
+    text = plans["8b", 8].to_json()
+    with pytest.raises(mm.MultimeshError, match="this is not JSON"):
+        mm.ClusterPlan.from_json("{")
+    d = json.loads(text)
+    d["format_version"] = 99
+    with pytest.raises(mm.MultimeshError, match="not a version 1 ClusterPlan"):
+        mm.ClusterPlan.from_json(json.dumps(d))
+    d = json.loads(text)
+    d["model"]["experts"] = 8
+    with pytest.raises(mm.MultimeshError, match="other fields than this multimesh's"):
+        mm.ClusterPlan.from_json(json.dumps(d))
+    d = json.loads(text)
+    d["recompute"] = ["some"]
+    with pytest.raises(mm.MultimeshError, match="recompute \\['some'\\] is not one"):
+        mm.ClusterPlan.from_json(json.dumps(d))

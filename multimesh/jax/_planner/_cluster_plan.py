@@ -149,8 +149,13 @@ class ClusterPlan:
                 f"`ClusterPlan.from_json`: the document is not a version "
                 f"{CLUSTER_PLAN_FORMAT_VERSION} ClusterPlan (keys {sorted(names)} and "
                 f"'format_version'). Plan again with `plan_cluster` and save `plan.to_json()`.")
-        d["model"] = Transformer(**d["model"])
-        d["cluster"] = Cluster(**d["cluster"])
+        try:
+            d["model"] = Transformer(**d["model"])
+            d["cluster"] = Cluster(**d["cluster"])
+        except TypeError as e:
+            raise MultimeshValueError(
+                f"`ClusterPlan.from_json`: the plan's model or cluster has other fields than "
+                f"this multimesh's ({e}). Plan again with `plan_cluster`.") from None
         if d["schedule"] not in SCHEDULES or any(r not in RECOMPUTE for r in d["recompute"]):
             raise MultimeshValueError(
                 f"`ClusterPlan.from_json`: schedule {d['schedule']!r} or recompute "
