@@ -9,8 +9,8 @@ kernel's (multimesh/jax/_planner/_cluster.py).
 
     PYTHONPATH=. python tools/bench_planner_scale.py [--markdown]
 
-MFU convention: model flops (forward and backward, no recompute; attention counted
-in full) over step time x devices x dense bf16 peak. Megatron-LM 2021 reports flops
+MFU convention: model flops (forward and backward, no recompute; the causal
+attention's half of its s x s products) over step time x devices x dense bf16 peak. Megatron-LM 2021 reports flops
 *with* full recompute (its eq. 3, 96 B s l h^2 ...), so its published MFU here is its
 figure x 3/4. NVIDIA's H100 Llama 3 recipes are FP8 runs: their layouts are
 compared, their throughput is not (this planner plans bf16).

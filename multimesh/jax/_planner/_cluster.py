@@ -44,8 +44,8 @@ class DeviceSpec:
     source: str
 
 
-_H100_EFF = ("0.75: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 740 of "
-             "989 TFLOP/s in BF16 on H100 SXM5")
+_H100_EFF = ("0.75: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 740 "
+             "TFLOP/s in FP16 on H100 SXM5, whose dense FP16 and BF16 peaks are both 989")
 _A100_EFF = ("0.73: FlashAttention-2 (Dao 2023, arXiv:2307.08691) reaches up to 73% of the "
              "A100's 312 TFLOP/s")
 

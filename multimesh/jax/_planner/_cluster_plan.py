@@ -63,8 +63,9 @@ class ClusterPlan:
 
     @property
     def mfu(self) -> float:
-        """Model flops (the jaxpr's matmuls, forward and backward, full attention
-        counted; no recompute) over the step time and every device's dense bf16 peak."""
+        """Model flops (the jaxpr's matmuls, forward and backward, the causal
+        attention's half of its s x s products; no recompute) over the step time and
+        every device's dense bf16 peak."""
         return self.model_flops / (self.step_time * self.cluster.spec.peak_flops
                                    * self.cluster.devices)
 
@@ -349,8 +350,9 @@ def _plan(ctx: PlanContext, p: Priced, n: int, seconds: float, fraction: float) 
                 "once); tensor parallelism with sequence parallelism, not overlapped; "
                 "pipeline transfers not overlapped; fsdp gathers overlapped per layer; "
                 "data-axis reduce-scatter and all-gather once a step",
-        "mfu": "model flops = the jaxpr's forward and backward matmul flops (full "
-               "attention counted, recompute not) over step x devices x dense bf16 peak",
+        "mfu": "model flops = the jaxpr's forward and backward matmul flops (causal "
+               "attention: half its s x s products; recompute not counted) over step x "
+               "devices x dense bf16 peak",
     }
     return ClusterPlan(
         model=ctx.model, cluster=c, pipeline=lay.pipeline, data=lay.data, tensor=lay.tensor,

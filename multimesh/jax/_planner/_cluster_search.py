@@ -241,8 +241,8 @@ def _step(ctx: PlanContext, lay: ClusterLayout, tm: _Times, chunks, stages) -> P
                  "data-parallel / fsdp communication": data + parts["fsdp"],
                  "per-call overhead": parts["overhead"]}
     c = ctx.costs
-    per_seq = (m.layers * (c.layer_fwd.flops + c.layer_bwd.flops)
-               + c.head_fwd.flops + c.head_bwd.flops)
+    causal = [x.flops - x.attention_flops / 2 for x in (c.layer_fwd, c.layer_bwd)]
+    per_seq = m.layers * sum(causal) + c.head_fwd.flops + c.head_bwd.flops
     return Priced(lay, tuple(chunks), tuple(s[0] for s in stages),
                   tuple(s[1] for s in stages), breakdown, step, per_seq * m.global_batch,
                   bubble)
