@@ -169,6 +169,11 @@ def test_the_plan_prints_round_trips_and_pins(plans):
     assert json.loads(plan.to_json())["cluster"]["kind"] == "h100"
     same = mm.plan_cluster(plan.model, plan.cluster, **plan.pins())
     assert (same.step_time, same.recompute) == (plan.step_time, plan.recompute)
+    step = plan.as_code().split("\nstep = ")[1]
+    assert "schedule='interleaved-1f1b', interleave=8" in step
+    one = plans["8b", 8]  # one stage: its microbatches accumulate, no schedule to name
+    assert one.pipeline == 1 and "schedule=" not in one.as_code().split("\nstep = ")[1]
+    assert "schedule none (one stage" in str(one)
 
 
 def _tiny_params(model):

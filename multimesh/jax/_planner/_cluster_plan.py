@@ -193,6 +193,7 @@ def _code(plan: ClusterPlan) -> str:
     cluster = ", ".join(f"{k}={v!r}" for k, v in c.to_dict().items() if v is not None)
     pins = ", ".join(f"{k}={v!r}" for k, v in plan.pins().items())
     interleave = f", interleave={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+    schedule = f", schedule={plan.schedule!r}" if P > 1 else ""  # one stage: accumulation
     return "\n".join([
         f"# {m.name} on {c.devices} x {c.spec.kind}: {plan.layout()}, "
         f"{plan.num_microbatches} microbatches, schedule {plan.schedule!r}",
@@ -223,7 +224,7 @@ def _code(plan: ClusterPlan) -> str:
         f"            remat=remat[k % {P}]))",
         "loss = mm.transformer_loss(model, plan.stage_layers)",
         "step = mm.microbatch(jax.value_and_grad(loss), dim=0, argnum=1, "
-        f"size={plan.microbatch_size * D * F}, schedule={plan.schedule!r}{interleave}, "
+        f"size={plan.microbatch_size * D * F}{schedule}{interleave}, "
         "reduction='mean')",
         f"# on the cluster: mm.mjit(step)(params, tokens), params as "
         f"model.params_shapes() lays them out, tokens [{m.global_batch}, {m.seq}] int32",
