@@ -90,6 +90,12 @@ def test_llama3_plans_fit_and_agree_with_the_textbook(plans, key):
         assert _megatron_activations(m, "full", b, t) < live / theoretical_peak_live(
             plan.schedule, plan.pipeline, plan.num_microbatches, plan.virtual_stages) \
             < _megatron_activations(m, "none", b, t)
+    # the same layout with full recompute: the textbook's activations too, within 10%
+    full = mm.plan_cluster(plan.model, plan.cluster, recompute="full", **plan.pins())
+    want0 = _expected_stage0(full)
+    assert full.recompute[0] == "full" and full.fits
+    assert abs(full.memory[0]["total"] - want0) <= 0.10 * want0, (full.memory[0], want0)
+    assert full.step_time > plan.step_time or plan.recompute[0] == "full"
     # the step's breakdown adds up to the step, and MFU follows from it
     assert abs(sum(plan.breakdown.values()) - plan.step_time) <= 1e-9 * plan.step_time
     assert 0 < plan.mfu < plan.cluster.spec.compute_efficiency
