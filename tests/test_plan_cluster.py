@@ -280,6 +280,9 @@ def test_device_model_collectives():
     (lambda: mm.plan_cluster(mm.Transformer.llama3("8b"), mm.Cluster("h100", 16), tensor=16),
      r"tensor=16 spans more than a node of 8 devices"),
     (lambda: mm.plan_cluster("llama", mm.Cluster("h100", 8)), r"plans a `multimesh.jax"),
+    (lambda: mm.plan_cluster(mm.Transformer.llama3("8b", global_batch=3),
+                             mm.Cluster("h100", 8), data=2),
+     r"no layout of llama3-8b on 8 devices matches \{'data': 2\}.*global batch \(3\)"),
     (lambda: mm.plan_cluster(mm.Transformer.llama3("8b"), mm.Cluster("h100", 8),
                              schedule="zb"), r"valid: \['gpipe', '1f1b', 'interleaved-1f1b'\]"),
 ])
