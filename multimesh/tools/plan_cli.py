@@ -36,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--devices", type=int, required=True)
     c.add_argument("--devices-per-node", type=int)
     c.add_argument("--hbm-gb", type=float, help="HBM per device, GB")
-    c.add_argument("--link-gbps", type=float, help="GB/s per device inside a node, one way")
-    c.add_argument("--network-gbps", type=float, help="GB/s per device between nodes")
+    c.add_argument("--link-gb-per-s", type=float, help="GB/s per device inside a node, one way")
+    c.add_argument("--network-gb-per-s", type=float, help="GB/s per device between nodes")
     s = p.add_argument_group("pins (fix a choice instead of searching it)")
     for k in _PINS:
         s.add_argument(f"--{k.replace('_', '-')}", type=int)
@@ -77,8 +77,8 @@ def _cluster(args):
     gb = 1e9
     return Cluster(args.device, args.devices, devices_per_node=args.devices_per_node,
                    hbm_bytes=args.hbm_gb * gb if args.hbm_gb else None,
-                   link_bandwidth=args.link_gbps * gb if args.link_gbps else None,
-                   network_bandwidth=args.network_gbps * gb if args.network_gbps else None)
+                   link_bandwidth=args.link_gb_per_s * gb if args.link_gb_per_s else None,
+                   network_bandwidth=args.network_gb_per_s * gb if args.network_gb_per_s else None)
 
 
 def plan_main(argv: Sequence[str]) -> int:
