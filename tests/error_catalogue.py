@@ -2080,6 +2080,61 @@ def _():
                      fsdp=False)
 
 
+@error("cluster-unknown-kind", API, "`Cluster` with a device kind it does not know",
+       MultimeshValueError,
+       r"`Cluster`: unknown device kind 'b300'; known kinds: \['a100-40gb', 'a100-80gb', "
+       r"'h100', 'h200', 'tpu-v5e', 'tpu-v5p'\]",
+       """The cluster planner carries published figures for the kinds it names (the
+       datasheets cited in docs/planning.md). Use one of them, or describe another device
+       with `kind='custom'` and its `peak_flops`, `hbm_bytes`, `hbm_bandwidth`,
+       `link_bandwidth` and `network_bandwidth`.""")
+def _():
+    mm.Cluster("b300", devices=8)
+
+
+@error("cluster-partial-node", API, "`Cluster` whose devices do not fill whole nodes",
+       MultimeshValueError, r"`Cluster`: 12 devices do not fill whole nodes of 8",
+       """A described cluster is whole nodes (8 GPUs for the H100, H200 and A100 kinds):
+       give a multiple of `devices_per_node`, or set `devices_per_node` to the real
+       node size.""")
+def _():
+    mm.Cluster("h100", devices=12)
+
+
+@error("plan-cluster-no-fit", API, "`plan_cluster`: no layout fits the devices' memory",
+       MultimeshValueError,
+       r"`plan_cluster`: none of the \d+ layouts of llama3-405b \(405.9B parameters\) on 8 "
+       r"x h100 fits 72.0 GB per device, even with full recompute",
+       """Every layout was priced, each pipeline stage with full recompute as its last
+       resort, and none fits 90% of a device's HBM. The message says what the weights and
+       Adam state alone need per device (16 bytes per parameter): plan for more devices or
+       a kind with more HBM (`Cluster('h200', ...)`), or remove pins that force a
+       layout.""")
+def _():
+    mm.plan_cluster(mm.Transformer.llama3("405b"), mm.Cluster("h100", devices=8))
+
+
+@error("plan-cluster-tensor-across-nodes", API,
+       "`plan_cluster` pinned to tensor parallelism wider than a node",
+       MultimeshValueError, r"`plan_cluster`: tensor=16 spans more than a node of 8 devices",
+       """Tensor parallelism moves every layer's activations several times a step, which
+       only a node's links (NVLink, ICI) carry fast enough; the planner keeps it inside a
+       node. Pin `tensor` to at most `devices_per_node`, and spread over nodes with
+       `pipeline`, `data` or `fsdp`.""")
+def _():
+    mm.plan_cluster(mm.Transformer.llama3("8b"), mm.Cluster("h100", devices=16), tensor=16)
+
+
+@error("plan-cluster-not-a-transformer", API, "`plan_cluster` given something else to plan",
+       MultimeshTypeError, r"`plan_cluster` plans a `multimesh.jax.Transformer`",
+       """The cluster planner plans a decoder-only transformer described by its shapes:
+       `mm.Transformer(layers=..., d_model=..., heads=..., kv_heads=..., ffn=..., vocab=...,
+       seq=..., global_batch=...)` or `mm.Transformer.llama3('70b')`. To plan your own
+       program on the devices at hand use `plan_pipeline`.""")
+def _():
+    mm.plan_cluster("llama3-70b", mm.Cluster("h100", devices=64))
+
+
 @error("plan-too-few-units", IMPLICIT, "`plan_pipeline` on a program without named parts",
        MultimeshValueError,
        r"`plan_pipeline` found 0 unit\(s\) \(\[\]\) in the step's name stack",

@@ -22,9 +22,14 @@ from multimesh.jax._contexts import ignore_transforms as ignore_transforms
 from multimesh.jax._microbatch import microbatch as microbatch
 from multimesh.jax._multimesh import MultiMesh as MultiMesh
 from multimesh.jax._parallelize import parallelize as parallelize
+from multimesh.jax._planner import Cluster as Cluster
+from multimesh.jax._planner import ClusterPlan as ClusterPlan
 from multimesh.jax._planner import PipelinePlan as PipelinePlan
 from multimesh.jax._planner import StageComparison as StageComparison
+from multimesh.jax._planner import Transformer as Transformer
+from multimesh.jax._planner import plan_cluster as plan_cluster
 from multimesh.jax._planner import plan_pipeline as plan_pipeline
+from multimesh.jax._planner import transformer_loss as transformer_loss
 from multimesh.jax._registrations import Context as Context
 from multimesh.jax._registrations import clear_tasks as clear_tasks
 from multimesh.jax._registrations import register_task as register_task

@@ -55,8 +55,20 @@ class DeviceModel:
     overhead: float = 1e-5
     name: str = "custom"
     link_bandwidth: float = 1e10
+    compute_efficiency: float = 1.0
+    """The fraction of ``peak_flops`` that matmul kernels reach (1: the datasheet's
+    peak; a described cluster's kinds carry a published kernel's fraction)."""
+    network_bandwidth: float | None = None
+    """Bytes per second per device between nodes (None: ``link_bandwidth``)."""
+    devices_per_node: int | None = None
+    """Devices joined by ``link_bandwidth`` (None: every device)."""
 
     def __post_init__(self):
+        if isinstance(self.compute_efficiency, bool) or not isinstance(
+                self.compute_efficiency, (int, float)) or not 0 < self.compute_efficiency <= 1:
+            raise MultimeshValueError(
+                f"DeviceModel: `compute_efficiency` must be a number in (0, 1] (the "
+                f"fraction of peak_flops that matmuls reach), got {self.compute_efficiency!r}.")
         for name in ("peak_flops", "memory_bandwidth", "overhead"):
             v = getattr(self, name)
             low = 0 if name == "overhead" else None
@@ -68,7 +80,8 @@ class DeviceModel:
                     f"{v!r}.")
 
     def seconds(self, flops: float, bytes_accessed: float) -> float:
-        return self.overhead + max(flops / self.peak_flops, bytes_accessed / self.memory_bandwidth)
+        return self.overhead + max(flops / (self.peak_flops * self.compute_efficiency),
+                                   bytes_accessed / self.memory_bandwidth)
 
     def transfer_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` from one device to another."""
@@ -79,10 +92,37 @@ class DeviceModel:
         sends and receives ``2 (n - 1) / n`` of it); 0 on one device."""
         return 2.0 * (devices - 1) / devices * nbytes / self.link_bandwidth if devices > 1 else 0.0
 
+    def collective_seconds(self, op: str, nbytes: float, devices: int,
+                           across_nodes: bool = False) -> float:
+        """Seconds of a ring collective over ``devices`` devices: ``op`` is
+        ``"all-reduce"`` (each device sends ``2 (n - 1) / n`` of ``nbytes``),
+        ``"all-gather"`` or ``"reduce-scatter"`` (``(n - 1) / n`` of the full
+        ``nbytes``). A ring that leaves the node runs at the slower of the link and
+        the network (``network_bandwidth`` per device: one NIC per GPU)."""
+        if op not in _RING_FACTOR:
+            raise MultimeshValueError(
+                f"DeviceModel.collective_seconds: op={op!r} is not a collective; valid: "
+                f"{sorted(_RING_FACTOR)}.")
+        if devices <= 1:
+            return 0.0
+        bw = self.link_bandwidth
+        if across_nodes and self.network_bandwidth is not None:
+            bw = min(bw, self.network_bandwidth)
+        return _RING_FACTOR[op] * (devices - 1) / devices * nbytes / bw
+
+    def crosses_nodes(self, stride: int, size: int) -> bool:
+        """Whether a group of ``size`` devices, ``stride`` apart in device order,
+        spans more than one node."""
+        return self.devices_per_node is not None and stride * size > self.devices_per_node
+
     def describe(self) -> str:
         """One line: the model's name and figures (``plan.assumptions`` shows it)."""
-        return (f"{self.name}: {self.peak_flops:.3g} flop/s, {self.memory_bandwidth:.3g} B/s "
-                f"memory, {self.link_bandwidth:.3g} B/s between devices, "
+        eff = (f" ({self.compute_efficiency:.0%} reached by matmuls)"
+               if self.compute_efficiency != 1 else "")
+        net = (f", {self.network_bandwidth:.3g} B/s per device between nodes of "
+               f"{self.devices_per_node}" if self.network_bandwidth is not None else "")
+        return (f"{self.name}: {self.peak_flops:.3g} flop/s{eff}, {self.memory_bandwidth:.3g} "
+                f"B/s memory, {self.link_bandwidth:.3g} B/s between devices{net}, "
                 f"{self.overhead * 1e6:.3g} us per call")
 
     @classmethod
@@ -112,6 +152,8 @@ class DeviceModel:
             _CALIBRATED[key] = _measure(cls, devices)
         return _CALIBRATED[key]
 
+
+_RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
 
 _DATASHEET = (("h200", 989e12, 4.8e12, 4.5e11), ("h100", 989e12, 3.35e12, 4.5e11),
               ("a100", 312e12, 2.0e12, 3e11), ("v5e", 197e12, 8.19e11, 2e11),

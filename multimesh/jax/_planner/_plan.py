@@ -349,7 +349,7 @@ class PipelinePlan:
 
 def _plan_code(plan: PipelinePlan) -> str:
     """:meth:`PipelinePlan.as_code`'s text."""
-    lines = [f"import multimesh.jax as {_ALIAS}", ""]
+    lines = ["import jax", f"import multimesh.jax as {_ALIAS}", ""]
     logical = plan._logical()
     for st in plan.stages:
         lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
