@@ -819,6 +819,8 @@ def name_scope_hook(enter: Callable[[str], contextlib.AbstractContextManager | N
 
 
 def _wrap_name_scopes() -> None:
+    from typing import Any
+
     from jax._src import source_info_util as siu
 
     cls = siu.ExtendNameStackContextManager
@@ -849,6 +851,6 @@ def _wrap_name_scopes() -> None:
         finally:
             plain_exit(self, *exc)
 
-    setattr(cls, "__enter__", enter)
-    setattr(cls, "__exit__", exit_)
-    setattr(cls, "_multimesh_hooked", True)
+    hooked: Any = cls  # its methods are replaced, which mypy refuses for a class
+    hooked.__enter__, hooked.__exit__ = enter, exit_
+    hooked._multimesh_hooked = True
