@@ -14,6 +14,7 @@ line.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import flax.linen as nn
 import jax
@@ -288,3 +289,97 @@ def test_a_rule_naming_an_axis_the_stage_lacks_is_an_error():
                 r"'\(layers_\\\\d\+\)'\)\) names the mesh axis 'stage' .*which the task's mesh "
                 r"lacks.*\('data', 'model'\).* \(at .*test_registered_taskmesh_rules\.py:\d+\)")):
             mm.mjit(jax.value_and_grad(loss))(params, x)
+
+
+def test_nnx_metadata_over_the_sliced_axis_warns():
+    """NNX metadata ``("stage", None)`` on a kernel of a stage cut by ``mesh_slice``:
+    the stage keeps ``("data", "model")``, so the kernel moves onto it without its
+    ``stage`` sharding. Not silently: a warning names the axis and the task (once), and
+    the values are still plain jax's."""
+    from flax import nnx
+
+    from multimesh.jax.flax import mjit
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.3)
+            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("stage", None)),
+                                 rngs=rngs)
+            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                                 rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.mean(self.l1(jnp.tanh(self.l0(x))) ** 2)
+
+    @nnx.jit
+    def create():
+        model = MLP(nnx.Rngs(0))
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+        return model
+
+    def step(m, x):
+        return nnx.value_and_grad(lambda m: m(x))(m)
+
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with jax.set_mesh(_global_mesh()):
+            model = create()
+            with pytest.warns(mm.errors.DiagnosticWarning) as record:
+                loss, grads = mjit(step)(model, x)
+            want_loss, want_grads = nnx.jit(step)(model, x)
+    finally:
+        mm.clear_tasks()
+    lost = [str(w.message) for w in record if "dropped from its layout" in str(w.message)]
+    assert len(lost) == 1, lost
+    assert re.search(r"is placed sharded over the mesh axis 'stage' .*which task 'l0' that uses "
+                     r"it slices away: inside a task the mesh is the task's mesh, with the axes "
+                     r"\['data', 'model'\]", lost[0]), lost[0]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def _explicit_block(w, x):
+    x = jax.sharding.reshard(x, P("data", None))
+    h = jnp.tanh(x @ w["w1"])
+    return x + h @ w["w2"]
+
+
+def test_explicit_axes_beside_auto_ones_need_no_sliced_axis():
+    """A global mesh of axis types (Explicit, Explicit, Auto), stages cut by
+    ``mesh_slice={"stage": k}``, a body that only does ``reshard(x, P("data", None))``:
+    explicit mode writes "replicated over ``stage``" into each sharding, which names
+    nothing the stage could shard over. It runs (it used to be refused as naming the
+    sliced axis), with plain jax's values and ``jax.jit``'s per-device flops on the
+    stage-shaped mesh."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    params = [{"w1": 0.3 * jax.random.normal(ks[2 * i], (16, 64)),
+               "w2": 0.3 * jax.random.normal(ks[2 * i + 1], (64, 16))} for i in range(2)]
+    x = jax.random.normal(jax.random.key(7), (16, 16))
+    types = (AxisType.Explicit, AxisType.Explicit, AxisType.Auto)
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=types)
+    stages = [mm.task(_explicit_block, name=f"s{k}", mesh_slice={"stage": k}) for k in range(2)]
+
+    def loss_of(blocks):
+        return lambda ps, x: jnp.mean(blocks[1](ps[1], blocks[0](ps[0], x)) ** 2)
+
+    with jax.set_mesh(mesh):
+        step = mm.mjit(jax.value_and_grad(loss_of(stages)))
+        value, grads = step(params, x)
+        flops = _flops(step.lower(params, x).compile())
+    stage = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"),
+                              axis_types=types[1:])
+    with jax.set_mesh(stage):
+        ref = jax.jit(jax.value_and_grad(loss_of([_explicit_block] * 2)))
+        ref_value, ref_grads = ref(params, x)
+        ref_flops = _flops(ref.lower(params, x).compile())
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert flops <= 1.1 * ref_flops, (flops, ref_flops)
+    for k in range(2):
+        assert {d.id for d in grads[k]["w1"].devices()} == set(range(4 * k, 4 * k + 4))

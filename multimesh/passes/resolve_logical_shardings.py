@@ -229,6 +229,8 @@ class ResolveLogicalShardingsPass(ModulePass):
         sym_names = mesh_symbol_names(tasks)
         own = set(sym_names.values())
         foreign = _localize.collect_foreign(module, own) if tasks else []
+        if tasks:
+            _localize.warn_lost_pins(module, c.read_tasks(module))
         if not markers and not foreign:
             return
         # Phase 1: resolve and check everything (may raise); no IR is modified.
@@ -244,7 +246,7 @@ class ResolveLogicalShardingsPass(ModulePass):
         _insert_meshes(module, to_create)
         for op, task, spec in plan:
             _to_constraint(op, sym_names[task.name], spec)
-        _localize.rewrite_foreign(foreign, foreign_syms, sym_names)
+        _localize.rewrite_foreign(foreign, foreign_syms, sym_names, c.read_tasks(module))
 
 
 _Spec = tuple[tuple[str, ...], ...]
