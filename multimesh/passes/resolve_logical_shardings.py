@@ -205,7 +205,10 @@ class ResolveLogicalShardingsPass(ModulePass):
     sharding on a mesh symbol that is no task's) are moved onto the mesh of the task
     that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
     task's mesh. Naming an axis the task's mesh lacks, or a ``mesh_slice``'s sliced
-    axis, is an error at the op.
+    axis, is an error at the op; explicit mode's ``replicated={...}`` over such an axis
+    asks for nothing there and is dropped. A program argument placed sharded over an
+    axis that a task using it slices away or lacks (``@main``'s ``mm.sharding``) warns,
+    once per task, at the task's first op that uses it.
 
     A logical name that no task of the module maps leaves its dimension unsharded; when
     it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device

@@ -54,10 +54,10 @@ class PlacedLogicallyPartitioned(nn.LogicallyPartitioned):
         return NotImplemented
 
     def unbox(self, apply_constraint=True):
-        if not (apply_constraint and _on_own_mesh(self)):
+        if not apply_constraint or self.mesh is None:
             return super().unbox(apply_constraint)
-        return _placed(self.value, self.mesh,
-                       nn.logical_to_mesh_axes(tuple(self.names), self.rules))
+        spec = nn.logical_to_mesh_axes(tuple(self.names), self.rules)
+        return _placed(self, spec, lambda: super(PlacedLogicallyPartitioned, self).unbox())
 
 
 class PlacedPartitioned(nn.Partitioned):
@@ -72,24 +72,24 @@ class PlacedPartitioned(nn.Partitioned):
         return NotImplemented
 
     def unbox(self, apply_constraint=True):
-        if not (apply_constraint and _on_own_mesh(self)):
+        if not apply_constraint or self.mesh is None:
             return super().unbox(apply_constraint)
-        return _placed(self.value, self.mesh, self.get_partition_spec())
+        return _placed(self, self.get_partition_spec(),
+                       lambda: super(PlacedPartitioned, self).unbox())
 
 
-def _on_own_mesh(box) -> bool:
-    return box.mesh is not None and own_mesh(box.value) == box.mesh
-
-
-def _placed(value, mesh, spec):
-    """``value`` placed on ``mesh`` as ``spec`` says, when ``spec`` names axes of it
-    (flax's rules in context); names that are not (multimesh's logical names, which
-    each task's ``logical_axes`` resolved when the step placed the value) leave it
-    where the step placed it, as flax leaves a value with no mesh to constrain on."""
+def _placed(box, spec, constrain):
+    """``box``'s value constrained to ``spec`` on ``box.mesh``: a concrete value on that
+    mesh is placed there (``device_put``), a traced one constrained as flax does
+    (``constrain()``). Names that are no axes of the mesh (multimesh's logical names,
+    which each task's ``logical_axes`` resolved when the step placed the value) leave
+    it where the step placed it, as flax leaves a value with no mesh to constrain on."""
     names = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None}
-    if not names <= set(mesh.axis_names):
-        return value
-    return jax.device_put(value, NamedSharding(mesh, spec))
+    if not names <= set(box.mesh.axis_names):
+        return box.value
+    if own_mesh(box.value) == box.mesh:
+        return jax.device_put(box.value, NamedSharding(box.mesh, spec))
+    return constrain()
 
 
 def name_meshes(tree):
