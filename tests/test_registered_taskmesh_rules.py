@@ -383,3 +383,26 @@ def test_explicit_axes_beside_auto_ones_need_no_sliced_axis():
     assert flops <= 1.1 * ref_flops, (flops, ref_flops)
     for k in range(2):
         assert {d.id for d in grads[k]["w1"].devices()} == set(range(4 * k, 4 * k + 4))
+
+
+def test_a_rule_does_not_reach_inside_an_explicit_task():
+    """A named scope inside an explicit task's body belongs to that task (mm-match-tasks
+    never claims its ops), so a rule matching it does not change the mesh there: the
+    body's ``P("data")`` resolves on the explicit task's ``("data", "model")`` mesh, and
+    the rule, which places nothing, warns so."""
+    m0 = mm.TaskMesh(devices=(0, 1, 2, 3), axis_names=("data", "model"), axis_sizes=(2, 2))
+
+    def body(x):
+        with jax.named_scope("inner"):
+            return jax.lax.with_sharding_constraint(jnp.sin(x), P("data")) * 2
+
+    t = mm.task(body, name="t", mesh=m0)
+    x = jnp.arange(64.0).reshape(8, 8)
+    with mm.Context():
+        mm.register_task("inner", task=mm.Task(mesh=mm.TaskMesh(
+            devices=(4, 5, 6, 7), axis_names=("x",), axis_sizes=(4,))))
+        with pytest.warns(mm.errors.MultimeshWarning, match="'inner' claimed no op"):
+            out = mm.mjit(t)(x)
+    np.testing.assert_allclose(np.asarray(out), np.sin(np.asarray(x)) * 2, rtol=1e-6)
+    assert {d.id for d in out.devices()} == {0, 1, 2, 3}
+    assert _spec(out.sharding, 2) == (("data",), None)

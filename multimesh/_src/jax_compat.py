@@ -51,7 +51,7 @@ __all__ = [
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
     "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
-    "mesh_scope", "name_scope_hook",
+    "mesh_scope", "mesh_scope_depth", "name_scope_hook",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -696,6 +696,11 @@ class _ScopeDepth(threading.local):
 
 
 _SCOPES = _ScopeDepth()
+
+
+def mesh_scope_depth() -> int:
+    """How many :func:`mesh_scope` blocks this thread is in."""
+    return _SCOPES.depth
 
 
 def _lenient_use_abstract_mesh(mesh_lib) -> None:

@@ -64,19 +64,28 @@ class _Scopes:
     def __init__(self, regs: list[Registration]):
         self.regs = regs
         self.owners: list[tuple[int, str] | None] = [None]
+        self.meshes: list[bool] = []  # whether each scope under way entered a task's mesh
+        self.depth = jax_compat.mesh_scope_depth()  # the mesh scopes of the program's own
 
     def enter(self, stack: str) -> contextlib.AbstractContextManager:
         owner = _owner(self.regs, stack)
         body = None
-        if owner is not None and owner != self.owners[-1]:
+        # inside an explicit task's body (a mesh scope not entered here) no rule claims
+        # an op: the task owns them all (mm-match-tasks)
+        explicit = jax_compat.mesh_scope_depth() > self.depth + self._entered()
+        if owner is not None and owner != self.owners[-1] and not explicit:
             body = self._body_of(*owner)
         return self._held(owner, body)
+
+    def _entered(self) -> int:
+        return sum(1 for held in self.meshes if held)
 
     @contextlib.contextmanager
     def _held(self, owner, body) -> Iterator[None]:
         from multimesh.jax._task import jax_constraint_hint
 
         self.owners.append(owner)
+        self.meshes.append(body is not None)
         try:
             if body is None:
                 yield
@@ -87,6 +96,7 @@ class _Scopes:
                     yield
         finally:
             self.owners.pop()
+            self.meshes.pop()
 
     def _body_of(self, index: int, name: str):
         """``(mesh, where, logical mapping)`` of the task's body: the concrete mesh it
