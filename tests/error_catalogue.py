@@ -1887,6 +1887,48 @@ def _():
         mm.mjit(layered_model)(*layered_args())
 
 
+@error("registered-stage-sharding-names-a-missing-axis", IMPLICIT,
+       "A sharding in a registered stage names an axis the stage's mesh lacks", MeshError,
+       r"A sharding inside task 'layer0' \(matched by register_task\('layer0'\)\) names the "
+       r"mesh axis 'data' \(P\('data',\)\), which the task's mesh lacks: inside a task the "
+       r"mesh is the task's mesh, with the axes \('x',\) \(sizes \(4,\)\)\..* \(at "
+       r".*error_catalogue\.py:\d+\)",
+       """Inside a task the mesh is the task's mesh, however the task was made: a named
+       scope (a flax module, a `jax.named_scope` block) that a `register_task` rule claims
+       is traced under the task's mesh, so flax's rules, NNX metadata and
+       `jax.lax.with_sharding_constraint` shard it over the task's own axes. An axis the
+       task's mesh lacks cannot apply there; the error names it, the task, the rule and
+       your line. Shard over the task's axes, or give the task a mesh with that axis.""")
+def _():
+    def f(x):
+        with jax.named_scope("layer0"):
+            return lax.with_sharding_constraint(x, P("data")) * 2
+
+    with mm.Context():
+        mm.register_task("layer0", task=mm.Task(mesh=mesh4()))
+        mm.mjit(f)(jnp.ones(8))
+
+
+@warning("argument-sharded-over-a-sliced-axis", IMPLICIT,
+         "An argument placed sharded over the axis its stage slices away", DiagnosticWarning,
+         r"argument 'dargs\[0\]' is placed sharded over the mesh axis 'stage' \(.*\), which "
+         r"task 's0' "
+         r"that uses it slices away: inside a task the mesh is the task's mesh, with the axes "
+         r"\['x'\] \(device positions \[0, 1, 2, 3\]\), so the value moves onto it with "
+         r"'stage' dropped from its layout",
+         """A value placed over the global mesh's `stage` axis (`device_put`, or NNX
+         partition metadata `("stage", None)`) and used by a stage cut by
+         `mesh_slice={"stage": k}`: the stage is one index of `stage`, so the value moves
+         onto the stage's devices sharded over the axes it keeps only. Leave the sliced
+         axis out of the value's partitioning.""")
+def _():
+    mesh = jax.make_mesh((2, 4), ("stage", "x"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("stage")))
+    s0 = mm.task(lambda w: w * 2, name="s0", mesh_slice={"stage": 0})
+    with jax.set_mesh(mesh):
+        mm.mjit(s0)(w)
+
+
 @error("register-task-invalid-regex", IMPLICIT, "A matcher that is not a regular expression",
        MultimeshValueError,
        r"Task matcher 'layer\(' is not a valid regular expression: missing \), unterminated "
@@ -3514,6 +3556,7 @@ _NORMALIZE = (
      "$MULTIMESH_DUMP_IR_TO/multimesh-rules-HASH.json"),
     # source locations move whenever the file is edited
     (re.compile(r"(\(at [^()\s]+?):\d+:\d+\)"), r"\1:LINE:COL)"),
+    (re.compile(r"(\(at [^()\s]+?\.py):\d+\)"), r"\1:LINE)"),
     (re.compile(r"\b0x[0-9a-f]{6,}\b"), "0x..."),
 )
 

@@ -51,7 +51,7 @@ __all__ = [
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
     "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
-    "mesh_scope",
+    "mesh_scope", "mesh_scope_depth", "name_scope_hook",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -698,6 +698,11 @@ class _ScopeDepth(threading.local):
 _SCOPES = _ScopeDepth()
 
 
+def mesh_scope_depth() -> int:
+    """How many :func:`mesh_scope` blocks this thread is in."""
+    return _SCOPES.depth
+
+
 def _lenient_use_abstract_mesh(mesh_lib) -> None:
     """Inside a task's mesh scope, let jax's ``use_abstract_mesh`` enter a value's mesh
     of another size. jax's rules enter the mesh a value is typed on (batching's
@@ -783,3 +788,74 @@ def staging() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+# ----------------------------------------------------------------------------
+# Named scopes (registered tasks trace under their mesh)
+
+class _NameScopeHooks(threading.local):
+    def __init__(self) -> None:
+        self.hooks: list[Callable[[str], contextlib.AbstractContextManager | None]] = []
+        self.entered: list[tuple[int, contextlib.AbstractContextManager]] = []
+
+
+_NAME_HOOKS = _NameScopeHooks()
+
+
+@contextlib.contextmanager
+def name_scope_hook(enter: Callable[[str], contextlib.AbstractContextManager | None]):
+    """While the block runs, in this thread, ``enter(name_stack)`` is called as each
+    ``jax.named_scope`` (a linen module's call, an NNX module's under multimesh's
+    naming, a user's block) is entered, with the name stack it opens as text
+    (``Model/layers_0``); the context manager it returns, if any, is held until that
+    scope exits.
+
+    jax has no public hook on its name stack; ``jax.named_scope`` enters
+    ``source_info_util.ExtendNameStackContextManager`` (the same class on 0.10 to
+    0.12), whose ``__enter__``/``__exit__`` are wrapped once, here, and call the
+    hooks of the thread that enters them (none: jax's own code alone).
+    """
+    _wrap_name_scopes()
+    _NAME_HOOKS.hooks.append(enter)
+    try:
+        yield
+    finally:
+        _NAME_HOOKS.hooks.pop()
+
+
+def _wrap_name_scopes() -> None:
+    from typing import Any
+
+    from jax._src import source_info_util as siu
+
+    cls = siu.ExtendNameStackContextManager
+    if getattr(cls, "_multimesh_hooked", False):
+        return
+    plain_enter, plain_exit = cls.__enter__, cls.__exit__
+
+    def enter(self):
+        stack = plain_enter(self)
+        hooks = _NAME_HOOKS.hooks
+        if hooks:
+            try:
+                held = hooks[-1](str(stack))
+                if held is not None:
+                    held.__enter__()
+            except BaseException:
+                plain_exit(self, None, None, None)
+                raise
+            if held is not None:
+                _NAME_HOOKS.entered.append((id(self), held))
+        return stack
+
+    def exit_(self, *exc):
+        entered = _NAME_HOOKS.entered
+        try:
+            if entered and entered[-1][0] == id(self):
+                entered.pop()[1].__exit__(*exc)
+        finally:
+            plain_exit(self, *exc)
+
+    hooked: Any = cls  # its methods are replaced, which mypy refuses for a class
+    hooked.__enter__, hooked.__exit__ = enter, exit_
+    hooked._multimesh_hooked = True

@@ -17,6 +17,7 @@ import jax
 
 from multimesh._src.errors import MultimeshValueError, MultimeshWarning
 from multimesh.jax import _contexts
+from multimesh.jax._registered_meshes import registered_task
 from multimesh.jax._registrations import (
     Registration,
     active_registrations,
@@ -112,7 +113,7 @@ def implicit_task_rules(program):
     seen: dict[str, tuple] = {}  # task name -> (TaskInfo, description)
     for hit in hits:
         reg = regs[hit.matcher_index]
-        spec = reg.task_for(hit.name, hit.backprop)
+        spec = registered_task(reg, hit.name, hit.backprop)
         name = spec.name or hit.name
         info = resolve_task_info(spec, name)
         _note_remat(spec, name, reg, hit)

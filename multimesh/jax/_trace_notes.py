@@ -46,4 +46,7 @@ class TraceNotes:
     """Explicit tasks traced under ``jax.checkpoint``."""
     microbatch: MicrobatchNote | None = None
     explicit_task_names: dict[str, list[tuple]] = field(default_factory=dict)
+    registered_tasks: dict[tuple, tuple] = field(default_factory=dict)
+    """``(id(registration), matched name, backprop)``: the registration and its task
+    (a callback is asked once per program, while tracing or lowering)."""
     """Each user-chosen task name: the (devices, axes, sizes, mapping, split) it came with."""

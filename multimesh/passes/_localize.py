@@ -25,13 +25,15 @@ from multimesh._src.mlir import ir, sdy
 from . import _collectives
 from . import _contract as c
 
-__all__ = ["ForeignSharding", "collect_foreign", "plan_collectives", "rewrite_foreign"]
+__all__ = ["ForeignSharding", "collect_foreign", "plan_collectives", "rewrite_foreign",
+           "warn_lost_pins"]
 
 # Attributes that hold an sdy sharding (a TensorSharding or a per-value list of them).
 _SHARDING_ATTRS = ("sharding", "sdy.sharding", "in_shardings", "out_shardings",
                    "out_sharding", "manual_axes")
 _REF = re.compile(r"@([A-Za-z_][A-Za-z0-9_$.]*)")
 _AXIS = re.compile(r'"([^"]+)"(:\((\d+)\)(\d+))?')
+_REPLICATED = re.compile(r',\s*replicated=\{([^}]*)\}')
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,9 @@ def plan_collectives(items: Iterable[ForeignSharding], module: ir.Module, own_me
 def _check_axes(item: ForeignSharding, mesh: dict[str, int], sizes: dict[str, int],
                 devices: tuple[int, ...]) -> None:
     kept = [n for n, s in sizes.items() if s > 1 or mesh.get(n, 1) == 1]
-    for m in _AXIS.finditer(item.text):
+    # ``replicated={"stage"}`` (explicit mode lists the mesh's explicit axes a value is
+    # not sharded over) asks for nothing an axis the task lacks could not give.
+    for m in _AXIS.finditer(_REPLICATED.sub("", item.text)):
         axis, sub = m.group(1), m.group(2)
         if axis not in mesh:
             continue
@@ -167,18 +171,106 @@ def _mesh_text(foreign: dict[str, dict[str, int]], text: str) -> str:
 
 
 def rewrite_foreign(items: Iterable[ForeignSharding], foreign: set[str],
-                    sym_names: dict[str, str]) -> None:
-    """Point every checked sharding at its task's mesh symbol."""
+                    sym_names: dict[str, str], tasks: dict[str, c.MeshRecord]) -> None:
+    """Point every checked sharding at its task's mesh symbol; a ``replicated`` axis
+    the task's mesh lacks (or has one device of) is dropped: nothing to replicate over."""
     for item in items:
         if not item.task:
             continue
         target = sym_names[item.task]
+        task = tasks[item.task]
+        real = {n for n, s in zip(task.axis_names, task.axis_sizes, strict=True) if s > 1}
 
         def swap(m: re.Match, target=target) -> str:
             return "@" + target if m.group(1) in foreign else m.group(0)
 
-        item.op.attributes[item.attr] = ir.Attribute.parse(_REF.sub(swap, item.text))
+        def keep(m: re.Match, real=real) -> str:
+            names = [a for a in re.findall(r'"[^"]+"', m.group(1)) if a.strip('"') in real]
+            return f", replicated={{{', '.join(names)}}}" if names else ""
+
+        text = _REPLICATED.sub(keep, _REF.sub(swap, item.text))
+        item.op.attributes[item.attr] = ir.Attribute.parse(text)
 
 
 def foreign_symbols(module: ir.Module, own: set[str]) -> set[str]:
     return set(_foreign_meshes(module, own))
+
+
+_INLINE_MESH = re.compile(r'mesh<\[([^\]]*)\]')
+
+
+def warn_lost_pins(module: ir.Module, tasks: dict[str, c.MeshRecord]) -> None:
+    """Warn, at the first op of each task that uses it, about a program argument placed
+    sharded over a mesh axis that task slices away or lacks (NNX partition metadata
+    ``("stage", None)``, ``device_put`` over the global mesh): inside the task the
+    value moves onto the task's mesh, and that axis of its layout cannot hold there."""
+    main = c.func_by_name(module).get("main")
+    if main is None or "arg_attrs" not in main.attributes:
+        return  # a module of tests' own functions: no program arguments
+    foreign = _foreign_meshes(module, set())
+    block = c.entry_block(main)
+    pinned: dict[int, tuple[list[str], str, str]] = {}
+    for arg, attrs in zip(block.arguments, ir.ArrayAttr(main.attributes["arg_attrs"])):
+        attrs = ir.DictAttr(attrs)
+        if c.SHARDING_ATTR not in attrs:
+            continue
+        text = str(attrs[c.SHARDING_ATTR])
+        mesh = _pin_mesh(text, foreign)
+        axes = [m.group(1) for m in _AXIS.finditer(_INLINE_MESH.sub("", _REPLICATED.sub("", text)))
+                if mesh.get(m.group(1), 1) > 1]
+        if axes:
+            name = re.search(r'loc\("([^"]*)"', str(arg.location))
+            what = f"argument '{name.group(1)}'" if name else f"argument {arg.arg_number}"
+            pinned[arg.arg_number] = (axes, text, what)
+    if pinned:
+        _warn_uses(main, block, pinned, tasks)
+
+
+def _pin_mesh(text: str, foreign: dict[str, dict[str, int]]) -> dict[str, int]:
+    inline = _INLINE_MESH.search(text)
+    if inline is not None:
+        return {a: int(n) for a, n in re.findall(r'"([^"]+)"=(\d+)', inline.group(1))}
+    for ref in _REF.findall(text):
+        if ref in foreign:
+            return foreign[ref]
+    return {}
+
+
+def _warn_uses(main: ir.Operation, block: ir.Block, pinned: dict, tasks) -> None:
+    """One warning per (argument, task), at the task's first op (program order)."""
+    warned: set[tuple[int, str]] = set()
+    args = [(block.arguments[n], n) for n in pinned]
+
+    def visit(op):
+        op = op.operation
+        for v in op.operands:
+            number = next((n for a, n in args if a == v), None)
+            if number is None:
+                continue
+            task_name = _task_of(op) or ""
+            task = tasks.get(task_name)
+            if task is None or (number, task_name) in warned:
+                continue
+            axes, text, what = pinned[number]
+            sizes = dict(zip(task.axis_names, task.axis_sizes, strict=True))
+            lost = [a for a in axes if sizes.get(a, 1) == 1]
+            if lost:
+                warned.add((number, task_name))
+                found.append((op, what, lost[0], text, task_name, task, sizes))
+        return ir.WalkResult.ADVANCE
+
+    found: list[tuple] = []
+    main.walk(visit, ir.WalkOrder.PRE_ORDER)
+    for item in found:  # after the walk: a warning turned error must not cross its callback
+        _warn_lost(*item)
+
+
+def _warn_lost(op, what: str, axis: str, text: str, task_name: str, task, sizes) -> None:
+    kept = [n for n, s in sizes.items() if s > 1]
+    why = "slices away" if axis in sizes else "does not have"
+    c.warn_at(op.location,
+              f"{what} is placed sharded over the mesh axis '{axis}' ({text}), which task "
+              f"'{task_name}' that uses it {why}: inside a task the mesh is the task's mesh, "
+              f"with the axes {kept} (device positions {list(task.devices)}), so the value "
+              f"moves onto it with '{axis}' dropped from its layout. Partition it over the "
+              f"task's axes only (for NNX metadata or flax rules: leave '{axis}' out)")

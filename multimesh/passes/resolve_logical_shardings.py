@@ -205,10 +205,14 @@ class ResolveLogicalShardingsPass(ModulePass):
     sharding on a mesh symbol that is no task's) are moved onto the mesh of the task
     that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
     task's mesh. Naming an axis the task's mesh lacks, or a ``mesh_slice``'s sliced
-    axis, is an error at the op. A ``shard_map``'s collectives (``replica_groups``,
-    ``source_target_pairs``: flat positions in the mesh it was traced on) are renumbered
-    onto the task's devices by axis name (``_collectives.py``), and axes the task lacks
-    leave its ``manual_axes``; a collective over such an axis is an error at the op.
+    axis, is an error at the op; explicit mode's ``replicated={...}`` over such an axis
+    asks for nothing there and is dropped. A ``shard_map``'s collectives
+    (``replica_groups``, ``source_target_pairs``: flat positions in the mesh it was traced
+    on) are renumbered onto the task's devices by axis name (``_collectives.py``), and
+    axes the task lacks leave its ``manual_axes``; a collective over such an axis is an
+    error at the op. A program argument placed sharded over an axis that a task using it
+    slices away or lacks (``@main``'s ``mm.sharding``) warns, once per task, at the
+    task's first op that uses it.
 
     A logical name that no task of the module maps leaves its dimension unsharded; when
     it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device
@@ -232,6 +236,8 @@ class ResolveLogicalShardingsPass(ModulePass):
         sym_names = mesh_symbol_names(tasks)
         own = set(sym_names.values())
         foreign = _localize.collect_foreign(module, own) if tasks else []
+        if tasks:
+            _localize.warn_lost_pins(module, c.read_tasks(module))
         if not markers and not foreign:
             return
         # Phase 1: resolve and check everything (may raise); no IR is modified.
@@ -250,7 +256,7 @@ class ResolveLogicalShardingsPass(ModulePass):
         _insert_meshes(module, to_create)
         for op, task, spec in plan:
             _to_constraint(op, sym_names[task.name], spec)
-        _localize.rewrite_foreign(foreign, foreign_syms, sym_names)
+        _localize.rewrite_foreign(foreign, foreign_syms, sym_names, c.read_tasks(module))
         if collectives is not None:
             collectives.apply()
 

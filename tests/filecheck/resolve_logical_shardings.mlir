@@ -245,6 +245,40 @@ module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stag
 
 // -----
 
+// Explicit mode lists the explicit axes a value is not sharded over as `replicated`:
+// replicated over the sliced "stage" (one device in the task) or over an axis the
+// task's mesh lacks asks for nothing, so it is dropped, not refused; replicated over
+// an axis the task keeps stays.
+// CHECK-LABEL: func.func @replicated_over_the_sliced_axis
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_s0, [{"data", ?}, {?}]> {mm.task
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_s0, [{"data"}, {}], replicated={"model"}> {mm.task
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_s0, [{"data"}, {}]> {mm.task
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2, "pod"=2]>
+  func.func @replicated_over_the_sliced_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{"data", ?}, {?}], replicated={"stage"}> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %1 = sdy.sharding_constraint %0 <@mesh, [{"data"}, {}], replicated={"stage", "model"}> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {}], replicated={"pod"}> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    return %2 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+// A program argument placed sharded over the axis a task slices away (NNX metadata
+// ("stage", None) on the global mesh) moves onto the task's mesh without it: a warning
+// at the task's first op that uses it, once per task; one over a kept axis is quiet.
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  func.func @main(%arg0: tensor<8x8xf32> {mm.devices = [0, 1, 2, 3, 4, 5, 6, 7], mm.sharding = #sdy.sharding<mesh<["stage"=2, "data"=2, "model"=2]>, [{"stage"}, {}]>} loc("var_vals[1]"), %arg1: tensor<8x8xf32> {mm.devices = [0, 1, 2, 3, 4, 5, 6, 7], mm.sharding = #sdy.sharding<mesh<["stage"=2, "data"=2, "model"=2]>, [{}, {"model"}]>}) -> tensor<8x8xf32> {
+    // expected-warning@+1 {{argument 'var_vals[1]' is placed sharded over the mesh axis 'stage' (#sdy.sharding<mesh<["stage"=2, "data"=2, "model"=2]>, [{"stage"}, {}]>), which task 's0' that uses it slices away: inside a task the mesh is the task's mesh, with the axes ['data', 'model'] (device positions [0, 1, 2, 3]), so the value moves onto it with 'stage' dropped from its layout. Partition it over the task's axes only (for NNX metadata or flax rules: leave 'stage' out)}}
+    %0 = stablehlo.add %arg0, %arg1 {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %1 = stablehlo.multiply %0, %arg0 {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    return %1 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
 // A sharding over the sliced axis, or over an axis the task's mesh lacks, cannot apply
 // inside the task: an error at the op.
 module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {

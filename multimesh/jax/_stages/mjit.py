@@ -24,6 +24,7 @@ from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _checks, _contexts, _global_mesh, _multimesh, _registrations
 from multimesh.jax._module_names import module_names
+from multimesh.jax._registered_meshes import registered_task_meshes
 from multimesh.jax._stages import handlers
 from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import (
@@ -186,7 +187,7 @@ class _MJit(ProgramCaches):
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
         notes = TraceNotes()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
-                _contexts.notes(notes), module_names():
+                _contexts.notes(notes), module_names(), registered_task_meshes():
             traced = jax.jit(fun, keep_unused=True).trace(*abstract[0], **abstract[1])
         return MpmdTraced(self, traced, devices, notes, (tuple(dyn_args), kwargs),
                           abstract, [i for i, d in enumerate(donated) if d], in_shardings,

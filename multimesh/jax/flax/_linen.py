@@ -20,6 +20,7 @@ from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._stages.mjit import mjit
 from multimesh.jax._task import Task, check_remat, with_sharding_constraint
 from multimesh.jax.flax import _resume
+from multimesh.jax.flax._boxes import StepFn, name_meshes
 from multimesh.jax.flax._common import (
     batch_avals_of,
     check_batches,
@@ -92,6 +93,13 @@ def split_static(tree):
 
 def _is_box(x) -> bool:
     return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _values(tree):
+    """``tree`` with each flax partitioning box replaced by its value, unconstrained."""
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False)
+                        if isinstance(x, nn.Partitioned) else x, tree,
+                        is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def _box_spec(box) -> P | None:
@@ -460,9 +468,11 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
-    state = _placed_state(init_fn, init_state, state_sh, key, init_batch)
+    # flax's boxes name the mesh each value lives on (its stage's), in this state and
+    # in each step's: nn.unbox works on them under the global mesh
+    state = name_meshes(_placed_state(init_fn, init_state, state_sh, key, init_batch))
     # The original library's forms: 3 values with global_batch, 4 with local_batch.
-    result = ParallelizeStepResult((compiled, state, mesh, prepare_batch),
+    result = ParallelizeStepResult((StepFn(compiled, state_avals), state, mesh, prepare_batch),
                                    length=3 if global_batch is not None else 4)
     result.plan = plan
     return result
@@ -515,9 +525,14 @@ def _check_collections(variables) -> None:
 
 
 def _loss_of(model):
-    """``loss(params, batch)``: ``model`` applied to ``{"params": params}``."""
+    """``loss(params, batch)``: ``model`` applied to ``{"params": params}``.
+
+    The boxes' values go in unboxed: ``constrain_linen_state`` constrained each to its
+    names already, as logical names each task maps. flax's own unboxing would constrain
+    them again with the names as axes of the mesh in context, which inside a registered
+    task is the task's mesh, where a name its ``logical_axes`` maps is no axis."""
     def loss(params, batch):
-        return model.apply({"params": params}, batch)
+        return model.apply({"params": _values(params)}, batch)
 
     return loss
 
