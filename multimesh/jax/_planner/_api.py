@@ -275,10 +275,14 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
         "link bandwidth": f"{m.link_bandwidth:.3g} B/s between devices; transfers do not "
                           f"overlap compute",
         "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
-        "memory": "parameters x (2 + optimizer_state_factor) per stage (divided over its "
-                  "devices when sharded), plus "
-                  "residuals x the schedule's peak live microbatches (simulated; a split backward "
-                  "holds them until its weight-gradient part ran)"
+        "memory": "per device: parameters x (2 + optimizer_state_factor) per stage "
+                  "(divided over its devices when sharded), plus what each microbatch's "
+                  "forward keeps for its backward (residuals, their rows split over the "
+                  "`data` axis; with fsdp also its shards of the parameters the backward "
+                  "reads) x the schedule's peak live microbatches (simulated; a split "
+                  "backward holds them until its weight-gradient part ran), plus the "
+                  "backward's temporaries (its largest unit's for one microbatch's rows, "
+                  "or the microbatch's gradients twice, whichever is more)"
                   + ("" if memory_limit is None else f"; limit {m.memory_limit:,.0f} B"),
         "microbatch cost": "the batch's cost divided by the number of microbatches",
         "weight gradient": "",
@@ -301,11 +305,16 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
             flops=flops,
             predicted_time=choice.num_microbatches * (choice.fwd_time[k] + choice.bwd_time[k]),
             param_bytes=sum(u.param_bytes for u in profile.units[i:j]),
-            residual_bytes=sum(u.residual_bytes for u in profile.units[i:j])
-            // choice.num_microbatches // choice.data,
+            residual_bytes=_held_bytes(profile.units[i:j], choice, d),
             live_microbatches=choice.live[k], memory_bytes=choice.memory[k],
             device_flops=flops / choice.data))
     return tuple(out)
+
+
+def _held_bytes(units, choice: Choice, d: int) -> int:
+    """What one microbatch keeps per device from its forward for its backward."""
+    rows = sum(u.residual_bytes for u in units) // choice.num_microbatches // choice.data
+    return rows + (sum(u.bwd_param_bytes for u in units) // d if choice.fsdp else 0)
 
 
 # Unit costs of a step by its function and argument types: planning the same step
@@ -499,7 +508,8 @@ def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
                   tuple(x.param_bytes for x in u), tuple(x.residual_bytes for x in u),
                   profile.cut_bytes, tuple(wgrad) if split else None,
                   tuple(x.fwd_bytes for x in u) if priced else None,
-                  tuple(x.bytes_accessed - x.fwd_bytes for x in u) if priced else None)
+                  tuple(x.bytes_accessed - x.fwd_bytes for x in u) if priced else None,
+                  tuple(x.work_bytes for x in u), tuple(x.bwd_param_bytes for x in u))
     return costs, m
 
 
