@@ -2029,6 +2029,33 @@ def _():
                      fsdp=False)
 
 
+@error("plan-unit-not-costed", IMPLICIT, "`plan_pipeline`: a unit that cannot be costed alone",
+       MultimeshValueError,
+       r"`plan_pipeline` cannot cost unit 'odd''s forward: its 1 operation\(s\) "
+       r"\(mm_catalogue_unlowerable\) did not lower on their own",
+       """The planner lowers each unit's forward and backward operations on their own
+       for XLA's cost analysis (with their sharding types, for a model typed over an
+       explicit mesh). An operation that has no lowering, or that XLA refuses alone,
+       stops it; the error names the unit, its operations and XLA's reason. Check that
+       the step lowers under `jax.jit`, name the unit's parts differently, or write the
+       stages' `register_task` rules yourself.""")
+def _():
+    from jax.extend.core import Primitive
+
+    odd = Primitive("mm_catalogue_unlowerable")  # an abstract rule, and no lowering
+    odd.def_abstract_eval(lambda x: x)
+
+    def loss(ws, x):
+        with jax.named_scope("odd"):
+            x = odd.bind(x)
+        for i, w in enumerate(ws):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w)
+        return jnp.mean(x)
+
+    mm.plan_pipeline(loss, [jnp.eye(8)] * 2, jnp.ones((8, 8)), num_stages=2)
+
+
 @error("plan-too-few-units", IMPLICIT, "`plan_pipeline` on a program without named parts",
        MultimeshValueError,
        r"`plan_pipeline` found 0 unit\(s\) \(\[\]\) in the step's name stack",

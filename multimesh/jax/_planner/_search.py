@@ -182,22 +182,30 @@ def _stage_params(p: _Prefix, m: Machine, i: int, j: int, lay: Layout) -> float:
     return (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
 
 
+def _spread(lay: Layout) -> int:
+    """Devices a microbatch's activations are split over: its rows' ``data`` devices,
+    or with ``fsdp`` all ``d`` (where the rows do not divide, the compiled program
+    splits the activations along the dimensions the sharded parameters give them)."""
+    return lay.d if lay.fsdp else lay.data
+
+
 def _held(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
     """Bytes per device one microbatch keeps from its forward for its backward: the
-    residuals, their rows split over ``data`` devices, and with ``fsdp`` the shards of
-    the parameters the backward reads (each microbatch's forward hands its own)."""
-    rows = (p.residuals[j] - p.residuals[i]) / M / lay.data
+    residuals, split over :func:`_spread` devices, and with ``fsdp`` the shards of the
+    parameters the backward reads (each microbatch's forward hands its own)."""
+    rows = (p.residuals[j] - p.residuals[i]) / M / _spread(lay)
     return rows + ((p.bwd_params[j] - p.bwd_params[i]) / lay.d if lay.fsdp else 0.0)
 
 
 def _temporaries(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
     """Bytes per device the stage's backward holds while it runs beside what is live:
-    the largest unit's temporaries for one microbatch's rows on one device, or the
-    microbatch's gradients twice (made, then all-reduced or accumulated), whichever
-    is more."""
-    work = max(p.work[i:j], default=0) / M / lay.data
+    the largest unit's temporaries for one microbatch on one device, or the
+    microbatch's gradients (twice where they are both reduced over the stage's
+    devices and accumulated over microbatches), whichever is more."""
+    work = max(p.work[i:j], default=0) / M / _spread(lay)
     shards = lay.d if lay.fsdp else 1
-    return max(work, 2.0 * (p.params[j] - p.params[i]) / shards)
+    copies = 2.0 if M > 1 and lay.d > 1 else 1.0
+    return max(work, copies * (p.params[j] - p.params[i]) / shards)
 
 
 def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int,

@@ -188,8 +188,10 @@ def _assign(eqns, root, index, n) -> list[tuple[int, bool]]:
     return out
 
 
-def _closed(eqns):
-    """``eqns`` as a closed jaxpr of their own, and the avals of its inputs."""
+def _closed(eqns, typed: bool = False):
+    """``eqns`` as a closed jaxpr of their own, the avals of its inputs and, when
+    ``typed`` and its values are typed over an explicit mesh, that mesh (the avals
+    then keep their sharding types)."""
     defined = {v for e in eqns for v in e.outvars if not isinstance(v, jcore.DropVar)}
     ins: list = []
     for e in eqns:
@@ -201,7 +203,8 @@ def _closed(eqns):
                           tuple(f"in{k}" for k in range(len(ins))),
                           tuple(f"out{k}" for k in range(len(outs))))
     jaxpr = jcore.Jaxpr([], ins, outs, list(eqns), debug_info=dbg)
-    mesh = _typed_mesh(v.aval for v in ins)
+    mesh = _typed_mesh(v.aval for e in eqns for v in (*e.invars, *e.outvars)) \
+        if typed else None
     avals = [_struct(v.aval, mesh) for v in ins]
     return jcore.ClosedJaxpr(jaxpr, []), avals, mesh
 
@@ -228,24 +231,41 @@ def _struct(aval, mesh) -> jax.ShapeDtypeStruct:
 
 
 def _under(mesh):
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    """The context to lower typed operations in: ``mesh``, unless the caller's mesh
+    is already in context."""
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
 
 
 def _cost(eqns, cache: dict, what: str = "a unit") -> tuple[float, float]:
     """XLA's flops and bytes accessed for ``eqns`` lowered as one function."""
     if not eqns:
         return 0.0, 0.0
-    closed, avals, mesh = _closed(eqns)
+    closed, avals, _ = _closed(eqns)
     key = str(closed)
     if key not in cache:
-        try:
-            with _under(mesh):
-                lowered = jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals)
-            info = lowered.cost_analysis() or {}
-        except Exception as e:  # noqa: BLE001 - any failure: say which unit, and why
-            raise _uncostable(what, eqns, e) from e
+        info = _lowered_cost(eqns, closed, avals, what)
         cache[key] = (float(info.get("flops", 0.0)), float(info.get("bytes accessed", 0.0)))
     return cache[key]
+
+
+def _lowered_cost(eqns, closed, avals, what: str) -> dict:
+    """XLA's cost analysis of ``closed`` lowered on ``avals``; where that fails and its
+    values are typed over an explicit mesh, lowered again with the avals keeping their
+    sharding types, under that mesh; a clear error naming ``what`` where neither does."""
+    try:
+        return jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).cost_analysis() or {}
+    except Exception as e:  # noqa: BLE001 - any failure: retry typed, or say which unit
+        first = e
+    closed, avals, mesh = _closed(eqns, typed=True)
+    if mesh is None:
+        raise _uncostable(what, eqns, first) from first
+    try:
+        with _under(mesh):
+            return jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).cost_analysis() or {}
+    except Exception as e:  # noqa: BLE001
+        raise _uncostable(what, eqns, e) from e
 
 
 def _uncostable(what: str, eqns, e: Exception) -> MultimeshValueError:
@@ -272,7 +292,7 @@ class Timer:
     def __call__(self, eqns) -> float:
         if not eqns:
             return 0.0
-        closed, avals, mesh = _closed(eqns)
+        closed, avals, mesh = _closed(eqns, typed=True)
         key = str(closed)
         if key not in self.cache:
             fn = jax.jit(jcore.jaxpr_as_fun(closed))
