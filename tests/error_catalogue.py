@@ -2025,7 +2025,7 @@ def _():
        must hold several and goes over the limit. Allow more stages (leave `num_stages`
        unset) or more microbatches, or raise the limit.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=3000,
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=5000,
                      fsdp=False)
 
 
