@@ -2118,7 +2118,7 @@ def _():
        must hold several and goes over the limit. Allow more stages (leave `num_stages`
        unset) or more microbatches, or raise the limit.""")
 def _():
-    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=3000,
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=1, memory_limit=5000,
                      fsdp=False)
 
 
@@ -2175,6 +2175,31 @@ def _():
        program on the devices at hand use `plan_pipeline`.""")
 def _():
     mm.plan_cluster("llama3-70b", mm.Cluster("h100", devices=64))
+@error("plan-unit-not-costed", IMPLICIT, "`plan_pipeline`: a unit that cannot be costed alone",
+       MultimeshValueError,
+       r"`plan_pipeline` cannot cost unit 'odd''s forward: its 1 operation\(s\) "
+       r"\(mm_catalogue_unlowerable\) did not lower on their own",
+       """The planner lowers each unit's forward and backward operations on their own
+       for XLA's cost analysis (with their sharding types, for a model typed over an
+       explicit mesh). An operation that has no lowering, or that XLA refuses alone,
+       stops it; the error names the unit, its operations and XLA's reason. Check that
+       the step lowers under `jax.jit`, name the unit's parts differently, or write the
+       stages' `register_task` rules yourself.""")
+def _():
+    from jax.extend.core import Primitive
+
+    odd = Primitive("mm_catalogue_unlowerable")  # an abstract rule, and no lowering
+    odd.def_abstract_eval(lambda x: x)
+
+    def loss(ws, x):
+        with jax.named_scope("odd"):
+            x = odd.bind(x)
+        for i, w in enumerate(ws):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w)
+        return jnp.mean(x)
+
+    mm.plan_pipeline(loss, [jnp.eye(8)] * 2, jnp.ones((8, 8)), num_stages=2)
 
 
 @error("plan-too-few-units", IMPLICIT, "`plan_pipeline` on a program without named parts",

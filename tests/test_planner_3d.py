@@ -235,7 +235,10 @@ def test_search_prices_the_data_split_and_fsdp():
     share = 0.75 * 1e8 / 1e10  # (n - 1) / n of the parameters over the link
     assert b4 == pytest.approx(4e-3 + 2 * share)  # ring all-reduce of the gradients
     assert ff == pytest.approx(2e-3 + share) and bf == pytest.approx(4e-3 + 2 * share)
-    assert _search._stage_memory(p, m, 1, 1, 0, 1, 4) == pytest.approx(2e8 / 4)
+    sharded = _search.Layout(4, 4, True)
+    assert _search._stage_params(p, m, 0, 1, sharded) == pytest.approx(2e8 / 4)
+    # plus one microbatch's gradients (sharded) as the backward's temporaries
+    assert _search._stage_memory(p, m, 1, 1, 0, 1, sharded) == pytest.approx(3e8 / 4)
     assert dataclasses.replace(m, batch_rows=6) and _search.data_ways(
         dataclasses.replace(m, batch_rows=6), 4, 1) == 1
 

@@ -275,10 +275,15 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
         "link bandwidth": f"{m.link_bandwidth:.3g} B/s between devices; transfers do not "
                           f"overlap compute",
         "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
-        "memory": "parameters x (2 + optimizer_state_factor) per stage (divided over its "
-                  "devices when sharded), plus "
-                  "residuals x the schedule's peak live microbatches (simulated; a split backward "
-                  "holds them until its weight-gradient part ran)"
+        "memory": "per device: parameters x (2 + optimizer_state_factor) per stage "
+                  "(divided over its devices when sharded), plus what each microbatch's "
+                  "forward keeps for its backward (residuals, their rows split over the "
+                  "`data` axis, or over all the stage's devices with fsdp, which also "
+                  "keeps its shards of the parameters the backward reads) x the schedule's peak live microbatches (simulated; a split "
+                  "backward holds them until its weight-gradient part ran), plus the "
+                  "backward's temporaries (its largest unit's for one microbatch, or the "
+                  "microbatch's gradients, twice where they are reduced and accumulated, "
+                  "whichever is more)"
                   + ("" if memory_limit is None else f"; limit {m.memory_limit:,.0f} B"),
         "microbatch cost": "the batch's cost divided by the number of microbatches",
         "weight gradient": "",
@@ -301,11 +306,17 @@ def _stages(profile: Profile, choice: Choice, devices, m: Machine) -> tuple[Stag
             flops=flops,
             predicted_time=choice.num_microbatches * (choice.fwd_time[k] + choice.bwd_time[k]),
             param_bytes=sum(u.param_bytes for u in profile.units[i:j]),
-            residual_bytes=sum(u.residual_bytes for u in profile.units[i:j])
-            // choice.num_microbatches // choice.data,
+            residual_bytes=_held_bytes(profile.units[i:j], choice, d),
             live_microbatches=choice.live[k], memory_bytes=choice.memory[k],
             device_flops=flops / choice.data))
     return tuple(out)
+
+
+def _held_bytes(units, choice: Choice, d: int) -> int:
+    """What one microbatch keeps per device from its forward for its backward."""
+    spread = d if choice.fsdp else choice.data
+    rows = sum(u.residual_bytes for u in units) // choice.num_microbatches // spread
+    return rows + (sum(u.bwd_param_bytes for u in units) // d if choice.fsdp else 0)
 
 
 # Unit costs of a step by its function and argument types: planning the same step
@@ -402,6 +413,13 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
     fsdps = _fsdp_choices(fsdp)
+    explicit = _explicit_mesh(args)
+    if explicit is not None:
+        fsdps = _explicit_fsdp(fsdp, explicit)
+        notes["work in a stage"] = (
+            f"the model's own shardings (typed over an explicit mesh "
+            f"{dict(zip(*explicit))}), on each stage's share of that mesh; priced as each "
+            f"microbatch's rows split over the stage's devices")
     choice = search(table, machine, fit, mbs, names, fsdps)
     if choice.num_microbatches == 1:
         notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows, fsdps)
@@ -416,8 +434,51 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                     for x in u),
         cut_bytes=profile.cut_bytes, assumptions=notes,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
-        interleave=choice.interleave, reduction=reduction, batch_sharded=choice.data > 1,
-        fsdp=choice.fsdp)
+        interleave=choice.interleave, reduction=reduction,
+        batch_sharded=choice.data > 1 and explicit is None, fsdp=choice.fsdp,
+        mesh_axes=() if explicit is None else _stage_axes(
+            explicit, len(devices) * choice.interleave // choice.num_stages))
+
+
+def _explicit_mesh(args) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The explicit mesh (axis names, sizes) the parameters (argument 0) are typed
+    over (jax's sharding in types), or None."""
+    for leaf in jax.tree.leaves(args[0]):
+        try:
+            mesh = jax.typeof(leaf).sharding.mesh
+        except (AttributeError, TypeError):
+            continue
+        if not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+            return tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+    return None
+
+
+def _explicit_fsdp(fsdp, explicit) -> tuple[bool, ...]:
+    if fsdp:
+        raise MultimeshValueError(
+            f"`plan_pipeline` got fsdp=True, but the parameters are typed over an explicit "
+            f"mesh {dict(zip(*explicit))}: their shardings are the model's own, which the "
+            f"plan keeps on each stage's share of that mesh. Leave `fsdp` unset (or "
+            f"False), and shard the parameters with the model's sharding metadata.")
+    return (False,)
+
+
+def _stage_axes(explicit, d: int) -> tuple[tuple[str, int], ...]:
+    """The explicit mesh's axes over a stage's ``d`` devices: the mesh divided by the
+    number of submeshes, the leading (outer) axes first."""
+    names, sizes = explicit
+    left, out = math.prod(sizes) // d, []
+    for name, size in zip(names, sizes):
+        g = math.gcd(size, left)
+        out.append((name, size // g))
+        left //= g
+    if left != 1 or math.prod(k for _, k in out) != d:
+        raise MultimeshValueError(
+            f"`plan_pipeline`: the parameters are typed over an explicit mesh "
+            f"{dict(zip(names, sizes))} ({math.prod(sizes)} devices), which does not "
+            f"divide into stages of {d} device(s) each; plan on the mesh's devices, with a "
+            f"number of stages that divides its axes.")
+    return tuple(out)
 
 
 def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_overhead,
@@ -499,7 +560,8 @@ def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
                   tuple(x.param_bytes for x in u), tuple(x.residual_bytes for x in u),
                   profile.cut_bytes, tuple(wgrad) if split else None,
                   tuple(x.fwd_bytes for x in u) if priced else None,
-                  tuple(x.bytes_accessed - x.fwd_bytes for x in u) if priced else None)
+                  tuple(x.bytes_accessed - x.fwd_bytes for x in u) if priced else None,
+                  tuple(x.work_bytes for x in u), tuple(x.bwd_param_bytes for x in u))
     return costs, m
 
 

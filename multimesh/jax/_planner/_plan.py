@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -154,6 +155,10 @@ class PipelinePlan:
     """Each microbatch's rows split over every stage's ``data`` axis (its devices)."""
     fsdp: bool = False
     """Parameters (and their gradients) sharded over every stage's ``data`` axis."""
+    mesh_axes: tuple[tuple[str, int], ...] = ()
+    """Each stage's mesh axes, ``(name, size)``, for a model typed over an explicit
+    mesh (jax's sharding in types): its own axes, over fewer devices; empty: the one
+    axis ``data`` over the stage's devices."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -172,13 +177,19 @@ class PipelinePlan:
         own = tuple((n, DATA) for n, on in ((BATCH, self.batch_sharded), (FSDP, self.fsdp)) if on)
         return own + tuple(p for p in self.logical_axes if p not in own)
 
+    def _axes(self, st: Stage) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """A stage's mesh axes: the explicit model's, or ``data`` over its devices."""
+        if self.mesh_axes:
+            return tuple(n for n, _ in self.mesh_axes), tuple(k for _, k in self.mesh_axes)
+        return (DATA,), (len(st.positions),)
+
     def _rules(self):
         from multimesh.jax._task import Task, TaskMesh
 
         logical = self._logical() or None
         for st in self.stages:
-            mesh = TaskMesh(devices=st.positions, axis_names=(DATA,),
-                            axis_sizes=(len(st.positions),))
+            names, sizes = self._axes(st)
+            mesh = TaskMesh(devices=st.positions, axis_names=names, axis_sizes=sizes)
             yield st.matcher, Task(name=st.task_name, mesh=mesh, logical_axes=logical)
 
     def register(self, context=None) -> None:
@@ -293,6 +304,8 @@ class PipelinePlan:
         """Each stage's layout in words: ``data=4`` (rows over 4 devices), ``+fsdp``
         (parameters too), ``replicated`` (one device, or rows that do not divide)."""
         ways = len(self.stages[0].devices)
+        if self.mesh_axes:  # the model's own shardings, on each stage's share of its mesh
+            return "explicit " + ",".join(f"{n}={k}" for n, k in self.mesh_axes)
         if not self.batch_sharded:
             return "replicated" if not self.fsdp else f"fsdp={ways}"
         return f"data={ways}" + ("+fsdp" if self.fsdp else "")
@@ -360,7 +373,7 @@ def _plan_code(plan: PipelinePlan) -> str:
                   f"    task={_ALIAS}.Task(",
                   f"        name={st.task_name!r},",
                   f"        mesh={_ALIAS}.TaskMesh(devices={st.positions!r}, "
-                  f"axis_names=({DATA!r},), axis_sizes=({len(st.positions)},)),"]
+                  f"axis_names={plan._axes(st)[0]!r}, axis_sizes={plan._axes(st)[1]!r}),"]
         if logical:
             lines.append(f"        logical_axes={logical!r},")
         lines[-1] = lines[-1].rstrip(",") + "))"
@@ -461,6 +474,7 @@ def _plan_document(text) -> dict:
             f"{' (a plan written before versions, whose microbatches summed)' if version is None else ''}"
             f". Plan again with `plan_pipeline` and save `plan.to_json()`.")
     names = {f.name for f in dataclasses.fields(PipelinePlan) if not f.name.startswith("_")}
+    d.setdefault("mesh_axes", [])  # a plan written before explicit-mode stages
     if set(d) != names:
         raise _json_error("the plan's keys", f"{sorted(names)} and 'format_version'",
                           sorted(d))
@@ -511,7 +525,20 @@ def _plan_fields(text) -> dict[str, Any]:
                 assumptions=d["assumptions"], logical_axes=tuple(tuple(p) for p in axes),
                 interleave=interleave, reduction=d["reduction"],
                 batch_sharded=_flag(d["batch_sharded"], "`batch_sharded`"),
-                fsdp=_flag(d["fsdp"], "`fsdp`"))
+                fsdp=_flag(d["fsdp"], "`fsdp`"), mesh_axes=_mesh_axes(d["mesh_axes"], stages))
+
+
+def _mesh_axes(v, stages) -> tuple[tuple[str, int], ...]:
+    """The explicit model's stage axes: ``[name, size]`` pairs whose sizes multiply to
+    each stage's devices."""
+    ok = isinstance(v, list) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+        and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] >= 1 for p in v)
+    if not ok or (v and math.prod(p[1] for p in v) != len(stages[0].devices)):
+        raise _json_error("`mesh_axes`", f"a list of [axis name, size] pairs whose sizes "
+                          f"multiply to the {len(stages[0].devices)} devices of a stage, or "
+                          f"[]", v)
+    return tuple((p[0], p[1]) for p in v)
 
 
 def _check_submeshes(stages: tuple[Stage, ...], interleave: int) -> None:

@@ -49,6 +49,11 @@ class Costs:
     bwd_bytes: tuple[float, ...] | None = None
     """Per unit, XLA's bytes accessed by the forward and the backward (None: not
     priced; the roofline then counts flops only)."""
+    work: tuple[int, ...] | None = None
+    """Per unit, the most bytes its backward's temporaries hold at once (whole batch;
+    None: not priced)."""
+    bwd_params: tuple[int, ...] | None = None
+    """Per unit, the parameter bytes its backward reads (None: not priced)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,8 @@ class _Prefix:
         self.residuals = [0, *acc(costs.residuals)]
         self.fwd_bytes = [0.0, *acc(costs.fwd_bytes or [0.0] * len(costs.names))]
         self.bwd_bytes = [0.0, *acc(costs.bwd_bytes or [0.0] * len(costs.names))]
+        self.bwd_params = [0, *acc(costs.bwd_params or [0] * len(costs.names))]
+        self.work = list(costs.work or [0] * len(costs.names))
         self.cuts = costs.cuts
         self.n = len(costs.names)
 
@@ -168,13 +175,47 @@ def _stage_times(p: _Prefix, m: Machine, d: int | Layout, M: int, i: int, j: int
     return fwd, bwd + m.fragment_overhead, w
 
 
+def _stage_params(p: _Prefix, m: Machine, i: int, j: int, lay: Layout) -> float:
+    """Bytes per device of units ``[i, j)``'s parameters, gradients and optimizer state
+    (replicated in the stage, or split over its ``d`` devices with ``fsdp``)."""
+    shards = lay.d if lay.fsdp else 1
+    return (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
+
+
+def _spread(lay: Layout) -> int:
+    """Devices a microbatch's activations are split over: its rows' ``data`` devices,
+    or with ``fsdp`` all ``d`` (where the rows do not divide, the compiled program
+    splits the activations along the dimensions the sharded parameters give them)."""
+    return lay.d if lay.fsdp else lay.data
+
+
+def _held(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
+    """Bytes per device one microbatch keeps from its forward for its backward: the
+    residuals, split over :func:`_spread` devices, and with ``fsdp`` the shards of the
+    parameters the backward reads (each microbatch's forward hands its own)."""
+    rows = (p.residuals[j] - p.residuals[i]) / M / _spread(lay)
+    return rows + ((p.bwd_params[j] - p.bwd_params[i]) / lay.d if lay.fsdp else 0.0)
+
+
+def _temporaries(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
+    """Bytes per device the stage's backward holds while it runs beside what is live:
+    the largest unit's temporaries for one microbatch on one device, or the
+    microbatch's gradients (twice where they are both reduced over the stage's
+    devices and accumulated over microbatches), whichever is more."""
+    work = max(p.work[i:j], default=0) / M / _spread(lay)
+    shards = lay.d if lay.fsdp else 1
+    copies = 2.0 if M > 1 and lay.d > 1 else 1.0
+    return max(work, copies * (p.params[j] - p.params[i]) / shards)
+
+
 def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int,
-                  shards: int = 1, data: int = 1) -> float:
-    """Bytes per device: parameters, gradients and optimizer state (replicated in the
-    stage, or split over ``shards`` devices), plus ``live`` microbatches of residuals
-    (their rows split over ``data`` devices)."""
-    params = (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
-    return params + (p.residuals[j] - p.residuals[i]) / M / data * live
+                  lay: Layout | None = None) -> float:
+    """Bytes per device at the stage's peak: parameters, gradients and optimizer state,
+    ``live`` microbatches of what the forward keeps (:func:`_held`), and the
+    backward's temporaries (:func:`_temporaries`)."""
+    lay = Layout(1, 1) if lay is None else lay
+    return (_stage_params(p, m, i, j, lay) + _held(p, M, i, j, lay) * live
+            + _temporaries(p, M, i, j, lay))
 
 
 def best_cut(n: int, S: int, cost: Callable[[int, int], float],
@@ -233,7 +274,6 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict,
     cache["applies"] = True  # some candidate suits the schedule; memory decides
     d = m.num_devices // P
     lay = Layout(d, data_ways(m, d, M), fsdp)
-    shards = d if fsdp else 1
     # the cut depends on the microbatches through the data split and the memory limit
     key = (S, lay, split, M if m.memory_limit is not None or m.batch_rows else None,
            live if m.memory_limit is not None else None)
@@ -246,8 +286,7 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict,
 
         def fits(k, i, j):
             where = live[mesh_of(k, S, P, vs)]
-            return limit is None or _stage_memory(p, m, M, where, i, j, shards,
-                                                  lay.data) <= limit
+            return limit is None or _stage_memory(p, m, M, where, i, j, lay) <= limit
 
         cache[key] = best_cut(p.n, S, cost, fits)
     bounds = cache[key]
@@ -260,15 +299,17 @@ def _predict(p: _Prefix, m: Machine, bounds, lay: Layout, M: int, name: str, P: 
     S = len(bounds)
     times = [_stage_times(p, m, lay, M, i, j, split) for i, j in bounds]
     fwd, bwd, w = (tuple(t[k] for t in times) for k in range(3))
-    held = [(p.residuals[j] - p.residuals[i]) // M // lay.data for i, j in bounds]
+    held = [int(_held(p, M, i, j, lay)) for i, j in bounds]
     pred = simulate_stages(name, fwd, bwd, num_microbatches=M, num_meshes=P,
                            weight_gradient=w, activation_bytes=held)
     peak = pred.peak_activation_bytes or (0,) * P
     mesh = [float(peak[r]) for r in range(P)]
     where = [mesh_of(k, S, P, vs) for k in range(S)]
-    shards = lay.d if lay.fsdp else 1
+    temp = [0.0] * P  # the temporaries of one backward at a time on a submesh
     for k, (i, j) in enumerate(bounds):
-        mesh[where[k]] += (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
+        mesh[where[k]] += _stage_params(p, m, i, j, lay)
+        temp[where[k]] = max(temp[where[k]], _temporaries(p, M, i, j, lay))
+    mesh = [a + b for a, b in zip(mesh, temp)]
     if m.memory_limit is not None and max(mesh) > m.memory_limit:
         return None
     return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[r] for r in where),
@@ -300,7 +341,7 @@ def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequen
     if best is None:
         if m.memory_limit is None or not cache.get("applies"):
             raise _nothing_applies(stages, microbatches, schedules)
-        raise _no_plan(costs, p, m, stages, microbatches)
+        raise _no_plan(costs, p, m, stages, microbatches, any(layouts))
     return best
 
 
@@ -314,19 +355,26 @@ def _nothing_applies(stages, microbatches, schedules) -> MultimeshValueError:
         f"another schedule.")
 
 
-def _no_plan(costs: Costs, p: _Prefix, m: Machine, stages, microbatches) -> MultimeshValueError:
-    """Why no candidate fits: the unit too big on its own, or the split as a whole."""
-    M = max(microbatches)
-    need = [_stage_memory(p, m, M, 1, k, k + 1) for k in range(p.n)]
+def _no_plan(costs: Costs, p: _Prefix, m: Machine, stages, microbatches,
+             fsdp: bool = False) -> MultimeshValueError:
+    """Why no candidate fits: the unit too big on its own (in the stage layout that
+    needs least: the most devices per stage, sharded where allowed), or the split as a
+    whole."""
+    M, d = max(microbatches), m.num_devices // min(stages)
+    lay = Layout(d, data_ways(m, d, M), fsdp and d > 1)
+    need = [_stage_memory(p, m, M, 1, k, k + 1, lay) for k in range(p.n)]
     worst = max(range(p.n), key=lambda k: need[k])
     limit = m.memory_limit
     if need[worst] > (limit or 0):
         return MultimeshValueError(
             f"`plan_pipeline` found no plan within memory_limit={limit:,.0f} bytes per "
-            f"device: unit {costs.names[worst]!r} alone needs {need[worst]:,.0f} bytes "
-            f"({costs.params[worst]:,} parameter bytes x {2 + m.optimizer_state_factor:g} "
-            f"for the gradient and optimizer state, plus one microbatch of "
-            f"{costs.residuals[worst] / M:,.0f} residual bytes at {M} microbatches). "
+            f"device: unit {costs.names[worst]!r} alone needs {need[worst]:,.0f} bytes per "
+            f"device on a stage of {d} ({costs.params[worst]:,} parameter bytes x "
+            f"{2 + m.optimizer_state_factor:g} for the gradient and optimizer state"
+            f"{f', sharded over {d}' if lay.fsdp else ''}, plus one microbatch of "
+            f"{costs.residuals[worst] / M:,.0f} residual bytes at {M} microbatches"
+            f"{f', its rows split over {lay.data}' if lay.data > 1 else ''}, and its "
+            f"backward's temporaries). "
             f"Raise the limit, shard the unit inside its stage, or split it into smaller "
             f"named parts.")
     return MultimeshValueError(

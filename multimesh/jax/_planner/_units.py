@@ -16,6 +16,7 @@ schedules split it, into the equations the cotangent for the units before it nee
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.extend import core as jcore
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._module_names import module_names
@@ -47,6 +49,8 @@ class UnitCost:
     wgrad_flops: float = 0.0  # the part of bwd_flops no other unit's backward waits for
     times: tuple[float, float, float] | None = None  # measured fwd, bwd, wgrad seconds
     fwd_bytes: float = 0.0  # the forward's part of bytes_accessed
+    work_bytes: int = 0  # the most its backward's own temporaries hold at once
+    bwd_param_bytes: int = 0  # the parameter bytes its backward reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +188,10 @@ def _assign(eqns, root, index, n) -> list[tuple[int, bool]]:
     return out
 
 
-def _closed(eqns):
-    """``eqns`` as a closed jaxpr of their own, and the avals of its inputs."""
+def _closed(eqns, typed: bool = False):
+    """``eqns`` as a closed jaxpr of their own, the avals of its inputs and, when
+    ``typed`` and its values are typed over an explicit mesh, that mesh (the avals
+    then keep their sharding types)."""
     defined = {v for e in eqns for v in e.outvars if not isinstance(v, jcore.DropVar)}
     ins: list = []
     for e in eqns:
@@ -197,20 +203,81 @@ def _closed(eqns):
                           tuple(f"in{k}" for k in range(len(ins))),
                           tuple(f"out{k}" for k in range(len(outs))))
     jaxpr = jcore.Jaxpr([], ins, outs, list(eqns), debug_info=dbg)
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
-    return jcore.ClosedJaxpr(jaxpr, []), avals
+    mesh = _typed_mesh(v.aval for e in eqns for v in (*e.invars, *e.outvars)) \
+        if typed else None
+    avals = [_struct(v.aval, mesh) for v in ins]
+    return jcore.ClosedJaxpr(jaxpr, []), avals, mesh
 
 
-def _cost(eqns, cache: dict) -> tuple[float, float]:
+def _typed_mesh(avals):
+    """The concrete mesh of the first aval typed over an explicit mesh (sharding in
+    types), on the first devices; None when no aval is typed."""
+    for aval in avals:
+        am = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if am is not None and not am.empty and AxisType.Explicit in tuple(am.axis_types):
+            n = int(np.prod(am.axis_sizes))
+            devices = np.asarray(jax.devices()[:n], dtype=object).reshape(am.axis_sizes)
+            return Mesh(devices, am.axis_names, axis_types=am.axis_types)
+    return None
+
+
+def _struct(aval, mesh) -> jax.ShapeDtypeStruct:
+    """``aval`` as an argument type, its sharding type kept on ``mesh`` (explicit mode:
+    the unit's operations are typed by it, so an untyped argument would not match)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if mesh is None or spec is None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _under(mesh):
+    """The context to lower typed operations in: ``mesh``, unless the caller's mesh
+    is already in context."""
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
+
+
+def _cost(eqns, cache: dict, what: str = "a unit") -> tuple[float, float]:
     """XLA's flops and bytes accessed for ``eqns`` lowered as one function."""
     if not eqns:
         return 0.0, 0.0
-    closed, avals = _closed(eqns)
+    closed, avals, _ = _closed(eqns)
     key = str(closed)
     if key not in cache:
-        info = jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).cost_analysis() or {}
+        info = _lowered_cost(eqns, closed, avals, what)
         cache[key] = (float(info.get("flops", 0.0)), float(info.get("bytes accessed", 0.0)))
     return cache[key]
+
+
+def _lowered_cost(eqns, closed, avals, what: str) -> dict:
+    """XLA's cost analysis of ``closed`` lowered on ``avals``; where that fails and its
+    values are typed over an explicit mesh, lowered again with the avals keeping their
+    sharding types, under that mesh; a clear error naming ``what`` where neither does."""
+    try:
+        return jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).cost_analysis() or {}
+    except Exception as e:  # noqa: BLE001 - any failure: retry typed, or say which unit
+        first = e
+    closed, avals, mesh = _closed(eqns, typed=True)
+    if mesh is None:
+        raise _uncostable(what, eqns, first) from first
+    try:
+        with _under(mesh):
+            return jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).cost_analysis() or {}
+    except Exception as e:  # noqa: BLE001
+        raise _uncostable(what, eqns, e) from e
+
+
+def _uncostable(what: str, eqns, e: Exception) -> MultimeshValueError:
+    prims = sorted({str(x.primitive) for x in eqns})
+    why = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+    return MultimeshValueError(
+        f"`plan_pipeline` cannot cost {what}: its {len(eqns)} operation(s) "
+        f"({', '.join(prims[:8])}{', ...' if len(prims) > 8 else ''}) did not lower on "
+        f"their own for XLA's cost analysis ({why}). Run the step under `jax.jit` to see "
+        f"whether it lowers at all; if it does, name the unit's parts differently "
+        f"(`jax.named_scope`) so that this unit's operations stand alone, or pass "
+        f"`num_stages` and write the stages' `register_task` rules yourself.")
 
 
 @dataclasses.dataclass
@@ -225,17 +292,20 @@ class Timer:
     def __call__(self, eqns) -> float:
         if not eqns:
             return 0.0
-        closed, avals = _closed(eqns)
+        closed, avals, mesh = _closed(eqns, typed=True)
         key = str(closed)
         if key not in self.cache:
             fn = jax.jit(jcore.jaxpr_as_fun(closed))
-            args = [jax.device_put(np.zeros(a.shape, a.dtype), self.device) for a in avals]
-            jax.block_until_ready(fn(*args))
-            best = float("inf")
-            for _ in range(self.repeat):
-                t0 = time.perf_counter()
+            args = [jax.device_put(np.zeros(a.shape, a.dtype),
+                                   self.device if a.sharding is None else a.sharding)
+                    for a in avals]
+            with _under(mesh):
                 jax.block_until_ready(fn(*args))
-                best = min(best, time.perf_counter() - t0)
+                best = float("inf")
+                for _ in range(self.repeat):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(*args))
+                    best = min(best, time.perf_counter() - t0)
             self.cache[key] = best
         return self.cache[key]
 
@@ -251,6 +321,42 @@ def _param_bytes(eqns, where, params: set, n: int) -> list[int]:
                 seen.add((v, u))
                 out[u] += _nbytes(v.aval)
     return out
+
+
+def _bwd_param_bytes(eqns, where, params: set, n: int) -> list[int]:
+    """Per unit, the bytes of the parameters its backward reads (what an fsdp stage's
+    backward reads from its forward, sharded: each microbatch keeps its own)."""
+    out = [0] * n
+    seen: set = set()
+    for e, (u, bwd) in zip(eqns, where):
+        for v in e.invars:
+            if bwd and isinstance(v, jcore.Var) and v in params and (v, u) not in seen:
+                seen.add((v, u))
+                out[u] += _nbytes(v.aval)
+    return out
+
+
+def _working_set(eqns) -> int:
+    """The most bytes that values made by ``eqns`` hold at once while they run in
+    order, each from the operation that makes it to the last of them that reads it
+    (a value read only outside them counts while it is made): the temporaries of a
+    unit's backward, which the compiled fragment holds beside its inputs."""
+    last: dict = {}
+    for t, e in enumerate(eqns):
+        for v in e.invars:
+            if isinstance(v, jcore.Var):
+                last[v] = t
+    ends = [0] * (len(eqns) + 1)
+    live = peak = 0
+    for t, e in enumerate(eqns):
+        for v in e.outvars:
+            if not isinstance(v, jcore.DropVar):
+                b = _nbytes(v.aval)
+                live += b
+                ends[max(last.get(v, t), t)] += b
+        peak = max(peak, live)
+        live -= ends[t]
+    return peak
 
 
 def _flows(eqns, where, n: int) -> tuple[list[int], tuple[int, ...]]:
@@ -317,6 +423,7 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
     n_before = sum(len(jax.tree.leaves(a)) for a in args[:params_argnum])
     params = set(closed.jaxpr.invars[n_before:n_before + len(leaves)])
     param_bytes = _param_bytes(eqns, where, params, len(names))
+    bwd_params = _bwd_param_bytes(eqns, where, params, len(names))
     residual, cuts = _flows(eqns, where, len(names))
     cache: dict = {}
     units = []
@@ -324,13 +431,13 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
         fwd = [e for e, (u, b) in zip(eqns, where) if u == k and not b]
         bwd = [e for e, (u, b) in zip(eqns, where) if u == k and b]
         wgrad = _weight_part(eqns, where, k)
-        ff, fb = _cost(fwd, cache)
-        bf, bb = _cost(bwd, cache)
-        wf, _ = _cost(wgrad, cache)
+        ff, fb = _cost(fwd, cache, f"unit {name!r}'s forward")
+        bf, bb = _cost(bwd, cache, f"unit {name!r}'s backward")
+        wf, _ = _cost(wgrad, cache, f"unit {name!r}'s weight gradient")
         times = None if timer is None else (timer(fwd), timer(bwd), min(timer(wgrad),
                                                                        timer(bwd)))
         units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k],
-                              min(wf, bf), times, fb))
+                              min(wf, bf), times, fb, _working_set(bwd), bwd_params[k]))
     source = "XLA cost analysis of each unit's equations"
     if timer is not None:
         source = (f"measured time of each unit's equations compiled alone on "
