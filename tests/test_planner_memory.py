@@ -172,6 +172,12 @@ def _explicit_model():
     return model
 
 
+def _kept(spec, ndim: int) -> tuple:
+    """A spec padded to ``ndim`` entries (names kept as tuples)."""
+    spec = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(e if e is None or isinstance(e, tuple) else (e,) for e in spec)
+
+
 def test_an_explicit_mode_model_plans_and_runs_exact():
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
@@ -202,6 +208,9 @@ def test_an_explicit_mode_model_plans_and_runs_exact():
                 if "blocks" in key else None)
         stage = next((st for st in plan.stages if unit in st.units), plan.stages[-1])
         assert {d.id for d in g.devices()} <= set(stage.devices), (key, stage.devices)
+    # ... in the parameter's typed layout, as jax.jit returns it (issue 37 item 2)
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+        assert _kept(g.sharding.spec, g.ndim) == _kept(p.sharding.spec, p.ndim), (g.sharding, p.sharding)
 
 
 def test_a_unit_that_cannot_be_costed_is_named():
