@@ -10,6 +10,7 @@ from multimesh._src.layouts import translate_dims
 from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
 
 from . import _contract as c
+from ._microbatch_rows import MicrobatchRows
 from .base import ModulePass, verify_each_pass
 
 SHARDING = "sdy.sharding"
@@ -59,6 +60,7 @@ class _Propagation:
         self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
+        self.rows = MicrobatchRows(module, self.main, self.funcs, self.meshes)
         self.pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
         self.pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
 
@@ -98,6 +100,11 @@ class _Propagation:
         mesh_sym, devs = info.mesh, info.devices_attr
         assert mesh_sym is not None  # fragment_info was given the meshes
         hints = self._hints(call, mesh_sym, devs)
+        for split in self.rows.split(call, hints):  # a sharded batch, cut by the loop
+            hints[split.number] = split.layout
+            self.layout[split.value] = (mesh_sym, split.layout, devs)
+            if isinstance(split.source.owner, ir.Block):
+                self.layout.setdefault(split.source, (mesh_sym, split.source_layout, devs))
         done = _propagate(fn, mesh_sym, self.meshes, self.scans[name], hints, self.pm)
         arg_sh = _shardings(done, "arg_attrs", len(call.operands), mesh_sym)
         res_sh = _shardings(done, "res_attrs", len(call.results), mesh_sym)

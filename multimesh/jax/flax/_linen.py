@@ -26,6 +26,7 @@ from multimesh.jax.flax._common import (
     check_optimizer,
     default_mesh,
     is_array,
+    lowering_batch,
     make_prepare_batch,
 )
 from multimesh.runtime import distributed
@@ -456,7 +457,8 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     mb, plan = _auto_stages(mb, _loss_of(model), state_avals.params, batch_avals, mesh)
     step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
     with plan if plan is not None else nullcontext():
-        compiled = mjit(step_fn, mesh=mesh).lower(state_avals, batch_avals).compile()
+        compiled = mjit(step_fn, mesh=mesh).lower(
+            state_avals, lowering_batch(global_batch, batch_avals, replicate_inputs)).compile()
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
