@@ -35,6 +35,14 @@ class PropagateShardingsPass(ModulePass):
     input there. A consumer over the same devices whose mesh can express that layout
     starts from it (so it needs no transfer); other consumers get a transfer from
     ``mm-insert-transfers``.
+
+    A microbatch keeps its batch's layout. A loop fragment slices microbatch ``i`` out
+    of the full batch (``dynamic_slice`` at ``i * size``); when the batch arrives with
+    the cut dimension sharded, that slice would gather it onto every device. So before
+    such a fragment is propagated, the batch is split once per step by a new fragment
+    before the loop, ``@<task>_microbatches``: a reshape to ``(n, size)`` along the cut
+    whose result carries the cut dimension's mesh axes on ``size``, and the loop
+    fragment picks microbatch ``i`` along ``n`` (the rows are the same).
     """
 
     argument = "mm-propagate-shardings"

@@ -422,6 +422,12 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     lets :func:`multimesh.jax.plan_pipeline` choose the stages, their submeshes,
     the microbatches (unless given) and the schedule; ``result.plan`` is its plan.
 
+    ``replicate_inputs=True`` (the default) constrains the batch to be replicated.
+    With ``replicate_inputs=False``, a ``global_batch`` the caller has placed
+    (committed arrays, ``jax.device_put(batch, NamedSharding(mesh, P("data")))`` as
+    flax's lm1b places it) gives the step its batch layout, as ``jax.jit`` takes a
+    committed argument; each microbatch's rows are then split as the batch's are.
+
     Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult` that unpacks as
     ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
     ``(step_fn, state, mesh, prepare_batch)`` for ``local_batch`` (this
