@@ -92,8 +92,9 @@ class MicrobatchRows:
             cut = _cut_of(args[k], index_args)
             if cut is None:
                 continue
-            moved = _moved_layout(hints[k], cut, self.meshes,
-                                  ir.RankedTensorType(args[k].type).shape[cut.dim])
+            moved, dropped = _moved_layout(hints[k], cut, self.meshes)
+            if dropped:
+                _warn_unsplit(call, fn, cut, dropped)
             if moved is not None:
                 with call.location:
                     out.append(self._rewrite(call, fn, k, cut, hints[k], moved))
@@ -222,36 +223,47 @@ def _axis_size(ref, mesh) -> int | None:
     return None
 
 
-def _moved_layout(hint, cut: _Cut, meshes: dict, rows: int) -> ir.Attribute | None:
+def _moved_layout(hint, cut: _Cut, meshes: dict) -> tuple[ir.Attribute | None, list]:
     """``hint`` (the batch's layout) for the split batch ``(..., n, size, ...)``: the cut
-    dimension's axes that divide ``size`` on ``size``, ``n`` whole. None when the cut
-    dimension is not sharded or no axis of it can move."""
+    dimension's axes that divide ``size`` on ``size``, ``n`` whole (None when the cut
+    dimension is not sharded or no axis of it can move); and the ``(axis, size)`` of the
+    cut dimension's axes that cannot move."""
     ts = sdy.TensorShardingAttr(hint)
     if len(ts.unreduced_axes):
-        return None
-    mesh = ts.mesh_or_ref
-    mesh = meshes[mesh.value] if isinstance(mesh, ir.FlatSymbolRefAttr) else mesh
+        return None, []
+    ref = ts.mesh_or_ref
+    assert isinstance(ref, ir.FlatSymbolRefAttr)  # hints name their fragment's mesh
     dims = [sdy.DimensionShardingAttr(d) for d in ts.dimension_shardings]
-    axes = list(dims[cut.dim].axes)
-    keep, product = [], 1
-    for ref in axes:
-        size = _axis_size(ref, mesh)
-        if size is None or cut.size % (product * size):
-            break
-        keep.append(ref)
+    keep, dropped, product = [], [], 1
+    for axis in dims[cut.dim].axes:
+        size = _axis_size(axis, meshes[ref.value])
+        if dropped or size is None or cut.size % (product * size):
+            dropped.append((sdy.AxisRefAttr(axis).name, size))
+            continue
+        keep.append(axis)
         product *= size
     if not keep:
-        return None
+        return None, dropped
 
     def closed(refs):
         return sdy.DimensionShardingAttr.get(list(refs), is_closed=True)
 
     new = ([closed(d.axes) for d in dims[:cut.dim]] + [closed([]), closed(keep)]
            + [closed(d.axes) for d in dims[cut.dim + 1:]])
-    ref = ts.mesh_or_ref
-    sym = ref.value if isinstance(ref, ir.FlatSymbolRefAttr) else None
-    assert sym is not None and rows % cut.size == 0  # hints name their mesh; cut checked
-    return sdy.TensorShardingAttr.get(sym, new, replicated_axes=list(ts.replicated_axes))
+    return sdy.TensorShardingAttr.get(ref.value, new,
+                                      replicated_axes=list(ts.replicated_axes)), dropped
+
+
+def _warn_unsplit(call, fn, cut: _Cut, dropped: list) -> None:
+    """The batch's rows are sharded over axes a microbatch is too small to be split over."""
+    task = c.tag_of(fn)
+    axes = ", ".join(f"'{a}' ({n} devices)" if n else f"'{a}'" for a, n in dropped)
+    c.warn_at(call.location,
+              f"the microbatches of {cut.size} row{'s' * (cut.size != 1)} cannot be split over mesh axes {axes} of "
+              f"task '{task[0] if task else c.callee_of(call)}', which shard the batch's "
+              f"dimension {cut.dim}: every device of those axes runs each microbatch's rows "
+              f"whole, repeating its neighbours' work; choose a microbatch size those axes "
+              f"divide, or shard the batch over fewer devices")
 
 
 def _pick_rows(fn: ir.Operation, k: int, cut: _Cut, split_type) -> None:

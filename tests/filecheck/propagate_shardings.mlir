@@ -155,7 +155,7 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
 // -----
 
 // A microbatch of one row cannot be split over the 2 devices of "x": the fragment
-// keeps slicing the batch as it is (no split fragment).
+// keeps slicing the batch as it is (no split fragment), and the pass says so.
 // CHECK-LABEL: func.func @main
 // CHECK-NOT: @a_microbatches
 // CHECK-LABEL: func.func private @a_fwd
@@ -166,6 +166,7 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
   sdy.mesh @mesh_a = <["x"=2]>
   func.func @main(%arg0: tensor<8x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<mesh<["x"=2]>, [{"x"}, {}]>}) -> tensor<1x4xf32> {
     %0 = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    // expected-warning@+1 {{the microbatches of 1 row cannot be split over mesh axes 'x' (2 devices) of task 'a', which shard the batch's dimension 0}}
     %1 = call @a_fwd(%0, %arg0) {mm.fragment} : (tensor<i32>, tensor<8x4xf32>) -> tensor<1x4xf32>
     %2 = stablehlo.custom_call @mm.microbatch_sum(%1) {mm.microbatch = {loop = 0 : i64, num_microbatches = 8 : i64}} : (tensor<1x4xf32>) -> tensor<1x4xf32>
     return %2 : tensor<1x4xf32>
