@@ -234,7 +234,9 @@ def _moved_layout(hint, cut: _Cut, meshes: dict) -> tuple[ir.Attribute | None, l
     ref = ts.mesh_or_ref
     assert isinstance(ref, ir.FlatSymbolRefAttr)  # hints name their fragment's mesh
     dims = [sdy.DimensionShardingAttr(d) for d in ts.dimension_shardings]
-    keep, dropped, product = [], [], 1
+    keep: list = []
+    dropped: list[tuple[str, int | None]] = []
+    product = 1
     for axis in dims[cut.dim].axes:
         size = _axis_size(axis, meshes[ref.value])
         if dropped or size is None or cut.size % (product * size):
