@@ -60,9 +60,7 @@ class _Cut:
 class MicrobatchRows:
     """The split batches of one run of ``mm-propagate-shardings``, each made once."""
 
-    def __init__(self, module: ir.Module, main: ir.Operation, funcs: dict,
-                 meshes: dict) -> None:
-        self.module = module
+    def __init__(self, main: ir.Operation, funcs: dict, meshes: dict) -> None:
         self.funcs = funcs
         self.meshes = meshes
         ops = [o.operation for o in c.entry_block(main).operations]

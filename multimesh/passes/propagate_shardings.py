@@ -68,7 +68,7 @@ class _Propagation:
         self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
-        self.rows = MicrobatchRows(module, self.main, self.funcs, self.meshes)
+        self.rows = MicrobatchRows(self.main, self.funcs, self.meshes)
         self.pm = passmanager.PassManager.parse("builtin.module(sdy-aggressive-propagate)")
         self.pm.enable_verifier(verify_each_pass())  # the pipeline verifies the result
 
