@@ -21,8 +21,8 @@ exactly as the batch's are, and propagation carries that layout through the stag
 on to the next. Microbatch ``i`` is still rows ``[i * size, (i + 1) * size)``.
 
 Only the axes whose product divides ``size`` move (a prefix of the cut dimension's
-axes, major first); the others are dropped, since a microbatch cannot be split into
-more pieces than it has rows.
+axes, major first); the others are dropped, with a warning: a microbatch cannot be split
+into more pieces than it has rows, so every device of those axes runs it whole.
 """
 
 from __future__ import annotations
