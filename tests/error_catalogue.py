@@ -1200,6 +1200,23 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=3, argnum=1))(ws, x)
 
 
+@warning("microbatch-too-small-to-split", SHAPES,
+         "Microbatches too small to split over the batch's shards", DiagnosticWarning,
+         r"the microbatches of 2 rows cannot be split over mesh axes 'x' \(4 devices\) of "
+         r"task 's0', which shard the batch's dimension 0: every device of those axes runs "
+         r"each microbatch's rows whole",
+         """A batch sharded along the microbatched dimension keeps its layout in each
+         microbatch: its rows are split once per step so that each microbatch's rows are
+         spread as the batch's are (docs/ir.md, "Microbatch loops"). A microbatch of 2 rows
+         cannot be spread over 4 devices, so each device of the axis runs it whole. Choose a
+         microbatch `size` the batch's mesh axes divide, or shard the batch over fewer
+         devices.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    x = jax.device_put(x, NamedSharding(Mesh(np.asarray(jax.devices()[:4]), ("x",)), P("x")))
+    mm.mjit(mm.microbatch(grad_fn, dim=0, size=2, argnum=1)).lower(ws, x).compile()
+
+
 @error("microbatch-unequal-leaves", SHAPES,
        "Microbatched leaves with different batch sizes", MultimeshValueError,
        r"`microbatch`.*(different sizes|same size).*dim 0.*\[4, 6\]",

@@ -10,6 +10,7 @@ from multimesh._src.layouts import translate_dims
 from multimesh._src.mlir import attr_to_py, ir, passmanager, sdy
 
 from . import _contract as c
+from ._microbatch_rows import MicrobatchRows
 from .base import ModulePass, verify_each_pass
 
 SHARDING = "sdy.sharding"
@@ -37,6 +38,14 @@ class PropagateShardingsPass(ModulePass):
     input there. A consumer over the same devices whose mesh can express that layout
     starts from it (so it needs no transfer); other consumers get a transfer from
     ``mm-insert-transfers``.
+
+    A microbatch keeps its batch's layout. A loop fragment slices microbatch ``i`` out
+    of the full batch (``dynamic_slice`` at ``i * size``); when the batch arrives with
+    the cut dimension sharded, that slice would gather it onto every device. So before
+    such a fragment is propagated, the batch is split once per step by a new fragment
+    before the loop, ``@<task>_microbatches``: a reshape to ``(n, size)`` along the cut
+    whose result carries the cut dimension's mesh axes on ``size``, and the loop
+    fragment picks microbatch ``i`` along ``n`` (the rows are the same).
     """
 
     argument = "mm-propagate-shardings"
@@ -62,6 +71,7 @@ class _Propagation:
         self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
+        self.rows = MicrobatchRows(self.main, self.funcs, self.meshes)
         # A boundary sharding that does not divide its dimension (5 rows over 2 devices)
         # becomes its longest dividing prefix, as XLA makes jax.jit's own inputs and
         # outputs: XLA pads only inside a module, never at its arguments or results.
@@ -106,6 +116,11 @@ class _Propagation:
         mesh_sym, devs = info.mesh, info.devices_attr
         assert mesh_sym is not None  # fragment_info was given the meshes
         hints = self._hints(call, mesh_sym, devs)
+        for split in self.rows.split(call, hints):  # a sharded batch, cut by the loop
+            hints[split.number] = split.layout
+            self.layout[split.value] = (mesh_sym, split.layout, devs)
+            if isinstance(split.source.owner, ir.Block):
+                self.layout.setdefault(split.source, (mesh_sym, split.source_layout, devs))
         done = _propagate(fn, mesh_sym, self.meshes, self.scans[name], hints, self.pm)
         arg_sh = _shardings(done, "arg_attrs", len(call.operands), mesh_sym)
         res_sh = _shardings(done, "res_attrs", len(call.results), mesh_sym)

@@ -132,3 +132,75 @@ module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_s
     return %1 : tensor<5x4xf32>
   }
 }
+
+// -----
+
+// A batch whose rows are sharded over "x" (here pinned by the caller), cut by the
+// microbatch loop into 4 microbatches of 2 rows: microbatch %i, rows [2i, 2i + 2), lies
+// on one shard, and slicing it out would gather the batch onto both devices. Instead
+// the batch is split once, before the loop: @a_microbatches reshapes its 8 rows into
+// 4 x 2 with "x" on the 2 rows of each microbatch, and a_fwd picks microbatch %i along
+// the unsharded dimension, so its propagation starts from rows split over "x" and its
+// result keeps them so. The multiply that made the row offset is gone.
+// CHECK-LABEL: func.func @main
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<mesh<["x"=2]>, [{"x"}, {}]>})
+// CHECK: %[[I:.*]] = stablehlo.custom_call @mm.microbatch_index()
+// CHECK-NEXT: %[[S:.*]] = call @a_microbatches(%arg0) {mm.fragment} : (tensor<8x4xf32>) -> tensor<4x2x4xf32>
+// CHECK-NEXT: call @a_fwd(%[[I]], %[[S]]) {mm.fragment}
+// CHECK-LABEL: func.func private @a_microbatches
+// CHECK-SAME: (%arg0: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}) -> (tensor<4x2x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{}, {"x"}, {}]>})
+// CHECK-SAME: attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64}}
+// CHECK-NEXT: stablehlo.reshape %arg0 : (tensor<8x4xf32>) -> tensor<4x2x4xf32>
+// CHECK-LABEL: func.func private @a_fwd
+// CHECK-SAME: %arg1: tensor<4x2x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{}, {"x"}, {}]>}
+// CHECK-SAME: -> (tensor<2x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>})
+// CHECK-NOT: stablehlo.multiply
+// CHECK: stablehlo.dynamic_slice %arg1, %arg0, %{{.*}}, %{{.*}}, sizes = [1, 2, 4]
+// CHECK-NEXT: stablehlo.reshape %{{.*}} : (tensor<1x2x4xf32>) -> tensor<2x4xf32>
+// CHECK-NEXT: stablehlo.sine
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  func.func @main(%arg0: tensor<8x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<mesh<["x"=2]>, [{"x"}, {}]>}) -> tensor<2x4xf32> {
+    %0 = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    %1 = call @a_fwd(%0, %arg0) {mm.fragment} : (tensor<i32>, tensor<8x4xf32>) -> tensor<2x4xf32>
+    %2 = stablehlo.custom_call @mm.microbatch_sum(%1) {mm.microbatch = {loop = 0 : i64, num_microbatches = 4 : i64}} : (tensor<2x4xf32>) -> tensor<2x4xf32>
+    return %2 : tensor<2x4xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<i32>, %arg1: tensor<8x4xf32>) -> tensor<2x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    %c = stablehlo.constant dense<2> : tensor<i32>
+    %0 = stablehlo.multiply %arg0, %c : tensor<i32>
+    %c_0 = stablehlo.constant dense<0> : tensor<i32>
+    %1 = stablehlo.dynamic_slice %arg1, %0, %c_0, sizes = [2, 4] : (tensor<8x4xf32>, tensor<i32>, tensor<i32>) -> tensor<2x4xf32>
+    %2 = stablehlo.sine %1 : tensor<2x4xf32>
+    return %2 : tensor<2x4xf32>
+  }
+}
+
+// -----
+
+// A microbatch of one row cannot be split over the 2 devices of "x": the fragment
+// keeps slicing the batch as it is (no split fragment), and the pass says so.
+// CHECK-LABEL: func.func @main
+// CHECK-NOT: @a_microbatches
+// CHECK-LABEL: func.func private @a_fwd
+// CHECK-SAME: %arg1: tensor<8x4xf32> {sdy.sharding = #sdy.sharding<@mesh_a, [{"x"}, {}]>}
+// CHECK: stablehlo.multiply
+// CHECK: stablehlo.dynamic_slice %arg1, %{{.*}}, %{{.*}}, sizes = [1, 4]
+module attributes {mm.tasks = {a = {devices = [0, 1], axis_names = ["x"], axis_sizes = [2], logical_axes = []}}} {
+  sdy.mesh @mesh_a = <["x"=2]>
+  func.func @main(%arg0: tensor<8x4xf32> {mm.devices = [0, 1], mm.sharding = #sdy.sharding<mesh<["x"=2]>, [{"x"}, {}]>}) -> tensor<1x4xf32> {
+    %0 = stablehlo.custom_call @mm.microbatch_index() {mm.loop = 0 : i64} : () -> tensor<i32>
+    // expected-warning@+1 {{the microbatches of 1 row cannot be split over mesh axes 'x' (2 devices) of task 'a', which shard the batch's dimension 0}}
+    %1 = call @a_fwd(%0, %arg0) {mm.fragment} : (tensor<i32>, tensor<8x4xf32>) -> tensor<1x4xf32>
+    %2 = stablehlo.custom_call @mm.microbatch_sum(%1) {mm.microbatch = {loop = 0 : i64, num_microbatches = 8 : i64}} : (tensor<1x4xf32>) -> tensor<1x4xf32>
+    return %2 : tensor<1x4xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<i32>, %arg1: tensor<8x4xf32>) -> tensor<1x4xf32> attributes {mm.devices = [0, 1], mm.mesh = @mesh_a, mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    %c = stablehlo.constant dense<1> : tensor<i32>
+    %0 = stablehlo.multiply %arg0, %c : tensor<i32>
+    %c_0 = stablehlo.constant dense<0> : tensor<i32>
+    %1 = stablehlo.dynamic_slice %arg1, %0, %c_0, sizes = [1, 4] : (tensor<8x4xf32>, tensor<i32>, tensor<i32>) -> tensor<1x4xf32>
+    %2 = stablehlo.sine %1 : tensor<1x4xf32>
+    return %2 : tensor<1x4xf32>
+  }
+}

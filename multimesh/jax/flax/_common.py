@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.runtime import distributed
 
-__all__ = ["is_array", "is_dynamic", "batch_avals_of", "check_batches", "default_mesh",
-           "make_prepare_batch", "check_optimizer"]
+__all__ = ["is_array", "is_dynamic", "batch_avals_of", "lowering_batch", "check_batches",
+           "default_mesh", "make_prepare_batch", "check_optimizer"]
 
 
 def is_array(x) -> bool:
@@ -41,6 +41,18 @@ def batch_avals_of(global_batch, local_batch):
         return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
 
     return jax.tree.map(one, local_batch)
+
+
+def lowering_batch(global_batch, batch_avals, replicate_inputs: bool):
+    """The batch the step is lowered with: with ``replicate_inputs=False``, each leaf of
+    ``global_batch`` that the caller placed (a committed array, e.g.
+    ``jax.device_put(x, NamedSharding(mesh, P("data")))``) as it is, so the step takes
+    the batch with that layout, as ``jax.jit`` takes a committed argument; else (and for
+    every other leaf) its shape."""
+    if replicate_inputs or global_batch is None:
+        return batch_avals
+    return jax.tree.map(lambda x, aval: x if getattr(x, "_committed", False) else aval,
+                        global_batch, batch_avals)
 
 
 def check_batches(global_batch, local_batch):

@@ -27,6 +27,7 @@ from multimesh.jax.flax._common import (
     check_optimizer,
     default_mesh,
     is_array,
+    lowering_batch,
     make_prepare_batch,
 )
 from multimesh.runtime import distributed
@@ -428,6 +429,8 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     recompute its forward (``microbatch(..., remat=)``). ``num_stages="auto"``
     lets :func:`multimesh.jax.plan_pipeline` choose the stages, their submeshes,
     the microbatches (unless given) and the schedule; ``result.plan`` is its plan.
+    ``replicate_inputs=False`` takes a placed ``global_batch`` (committed arrays) in its
+    layout, as ``jax.jit`` takes a committed argument (and so does each microbatch).
 
     Returns a :class:`~multimesh.jax.flax.ParallelizeStepResult` that unpacks as
     ``(step_fn, state, mesh)`` for ``global_batch`` (jax arrays) or
@@ -463,8 +466,8 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     state_avals = _state_avals(init_fn, key, batch_avals, init_state)
     mb, plan = _auto_stages(mb, _loss_of(model), state_avals.params, batch_avals, mesh)
     step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
-    with plan if plan is not None else nullcontext():
-        compiled = mjit(step_fn, mesh=mesh).lower(state_avals, batch_avals).compile()
+    compiled = _compile(step_fn, mesh, plan, state_avals,
+                        lowering_batch(global_batch, batch_avals, replicate_inputs))
     state_sh, batch_sh = compiled.input_shardings[0]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
     init_batch = global_batch if global_batch is not None else local_batch
@@ -476,6 +479,12 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
                                    length=3 if global_batch is not None else 4)
     result.plan = plan
     return result
+
+
+def _compile(step_fn, mesh, plan, state, batch):
+    """``step_fn`` compiled for ``(state, batch)``, under the plan's rules if there is one."""
+    with plan if plan is not None else nullcontext():
+        return mjit(step_fn, mesh=mesh).lower(state, batch).compile()
 
 
 def _auto_stages(mb: MicrobatchOptions, loss, params, batch_avals, mesh):

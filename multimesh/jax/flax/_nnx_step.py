@@ -18,6 +18,7 @@ from multimesh.jax.flax._common import (
     check_batches,
     check_optimizer,
     default_mesh,
+    lowering_batch,
     make_prepare_batch,
 )
 from multimesh.jax.flax._nnx import var_spec
@@ -133,7 +134,8 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     jitted = mjit(train_step, mesh=mesh,
                   in_shardings=(_state_specs(state), None))
     with plan if plan is not None else contextlib.nullcontext():
-        compiled = jitted.lower(state, batch_avals).compile()
+        compiled = jitted.lower(
+            state, lowering_batch(global_batch, batch_avals, replicate_inputs)).compile()
     compiled.place(state, batch_avals)
     batch_sh = compiled.input_shardings[0][1]
     prepare_batch = make_prepare_batch(batch_sh, batch_avals)
