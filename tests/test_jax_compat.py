@@ -102,23 +102,44 @@ def test_mesh_scope_restores_both_meshes():
     assert jax.sharding.get_abstract_mesh().empty
 
 
+def test_a_microbatch_loop_nobody_reads_is_dropped_by_jaxs_dce():
+    """``register_dce_rule``/``has_effects``: jax's DCE (whose rules take one more
+    argument on 0.12) removes a loop whose outputs are unused and keeps one that is read."""
+    from jax.interpreters import partial_eval as pe
+
+    def f(w, x):
+        s = mm.microbatch(lambda w, x: jnp.sum(x @ w), dim=0, size=2, argnum=1)(w, x)
+        return s, x * 2
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((8, 4)))
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mm_microbatch", "mul"]
+    dropped, used = pe.dce_jaxpr(closed.jaxpr, [False, True])
+    assert [e.primitive.name for e in dropped.eqns] == ["mul"] and used == [False, True]
+    kept, used = pe.dce_jaxpr(closed.jaxpr, [True, False])
+    assert [e.primitive.name for e in kept.eqns] == ["mm_microbatch"] and used == [True, True]
+
+
 # ----------------------------------------------------------------------------
 # The jax-0.12 subset of .ci/run
 
 SUBSET = ROOT / ".ci" / "jax012-tests.txt"
 
 # Each public name of jax_compat, and a file of the subset that reaches it under jax
-# 0.12.0.1, as `tools/jax_compat_coverage.py` measured (docs/testing.md, "jax 0.12").
+# 0.12.0.1, as `tools/jax_compat_coverage.py` measured (files run in-process) (docs/testing.md, "jax 0.12").
 # Names read at import (the primitives' rules, the constants) are reached by every file;
 # the multi-process ones in `python -m multimesh.launch`'s workers.
 REACHED_BY = {
+    # read or called when multimesh is imported: every file
     "JAX_VERSION": "tests/test_jax_compat.py",
     "register_call_primitive": "tests/test_jax_compat.py",
     "def_jit_impl": "tests/test_jax_compat.py",
     "register_dce_rule": "tests/test_jax_compat.py",
     "register_cache": "tests/test_jax_compat.py",
+    "REUSE_INPUT": "tests/test_jax_compat.py",
+    "ALWAYS_COPY": "tests/test_jax_compat.py",
+    "ORDERED_EFFECTS": "tests/test_callbacks.py",  # and used by its ordered callbacks
+    # measured
     "fresh_ir_context": "tests/test_jax_compat.py",
-    "positional_effects": "tests/test_jax_compat.py",
     "lower_call": "tests/test_jax_compat.py",
     "compile_module": "tests/test_jax_compat.py",
     "dispatcher": "tests/test_jax_compat.py",
@@ -129,27 +150,26 @@ REACHED_BY = {
     "many_meshes": "tests/test_jax_compat.py",
     "unused_inputs": "tests/test_jax_compat.py",
     "lowered_callbacks": "tests/test_jax_compat.py",
-    "in_config_of_caller": "tests/test_jax_compat.py",
+    "trace_context": "tests/test_jax_compat.py",
     "persistent_cache_on": "tests/test_jax_compat.py",
     "persistent_cache_hits": "tests/test_jax_compat.py",
+    "has_effects": "tests/test_jax_compat.py",
+    "positional_effects": "tests/test_stage_sharding_microbatch.py",
+    "in_config_of_caller": "tests/test_stage_sharding_microbatch.py",
     "separate_consts": "tests/test_stage_sharding_microbatch.py",
     "batched_copy": "tests/test_stage_sharding_microbatch.py",
     "device_list": "tests/test_stage_sharding_microbatch.py",
     "load_on_devices": "tests/test_stage_sharding_microbatch.py",
-    "REUSE_INPUT": "tests/test_stage_sharding_microbatch.py",
-    "ALWAYS_COPY": "tests/test_stage_sharding_microbatch.py",
     "eqn_effects": "tests/test_microbatch.py",
-    "has_effects": "tests/test_microbatch.py",
-    "staging": "tests/test_callbacks.py",
-    "ORDERED_EFFECTS": "tests/test_callbacks.py",
-    "trace_context": "tests/test_compile.py",
-    "persistent_cache_settings": "tests/test_compile.py",
-    "serialized_executable": "tests/test_compile.py",
+    "staging": "tests/test_microbatch.py",
     "gspmd_sharding": "tests/test_import_gspmd.py",
     "sdy_mpmd_partitioner": "tests/test_shardy_mpmd.py",
-    "distributed_client": "tests/test_multiprocess.py",
-    "cluster_env_base": "tests/test_multiprocess.py",
-    "backends_initialized": "tests/test_multiprocess.py",
+    # in subprocesses: test_compile's second process, the launcher's workers
+    "persistent_cache_settings": "tests/test_compile.py",
+    "serialized_executable": "tests/test_compile.py",
+    "distributed_client": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
+    "cluster_env_base": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
+    "backends_initialized": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
 }
 
 
@@ -162,7 +182,9 @@ def test_the_jax012_subset_reaches_every_shim():
     subset = _subset()
     assert len(subset) == len(set(subset)), subset
     for path in subset:
-        assert (ROOT / path).is_file(), f"{SUBSET.name} names {path}, which does not exist"
+        file, _, test = path.partition("::")
+        assert (ROOT / file).is_file(), f"{SUBSET.name} names {file}, which does not exist"
+        assert not test or f"def {test}(" in (ROOT / file).read_text(), path
     public = set(jax_compat.__all__)
     missing = sorted(public - set(REACHED_BY))
     assert not missing, (f"jax_compat's {missing} are reached by no file of the jax-0.12 "
@@ -175,3 +197,21 @@ def test_the_jax012_subset_reaches_every_shim():
                if not n.startswith("_") and getattr(v, "__module__", None) == jax_compat.__name__
                and callable(v)}
     assert defined <= public, f"public shims not in jax_compat.__all__: {sorted(defined - public)}"
+
+
+def test_the_readme_shows_what_ci_runs():
+    """README "Set-up": its test command is the first one .ci/run runs, and its jax-0.12
+    install and test commands are the ones .ci/run runs after it."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    first = ".venv/bin/python -m pytest -q -x -n 2 --dist loadfile --durations=15"
+    assert f"```bash\n{first}\n```" in readme
+    ci_tests = [ln for ln in ci.splitlines() if " -m pytest " in ln]
+    assert ci_tests[0].startswith(first + " ||"), ci_tests
+    for shared in (".venv-jax012/bin/pip install -e '.[test,flax]' 'jax==0.12.0.1' "
+                   "'jaxlib==0.12.0.1'",
+                   ".venv-jax012/bin/python -m pytest -q -x -n 2 --dist loadfile "
+                   "--durations=15"):
+        assert shared in readme and shared in ci.replace("pip install -q", "pip install"), \
+            shared
+    assert ci_tests[1].startswith(".venv-jax012/bin/python -m pytest"), ci_tests
+    assert ci.index(first) < ci.index(".venv-jax012")
