@@ -137,7 +137,7 @@ REACHED_BY = {
     "register_cache": "tests/test_jax_compat.py",
     "REUSE_INPUT": "tests/test_jax_compat.py",
     "ALWAYS_COPY": "tests/test_jax_compat.py",
-    "ORDERED_EFFECTS": "tests/test_callbacks.py",  # and used by its ordered callbacks
+    "ORDERED_EFFECTS": "tests/test_callbacks.py::test_ordered_callbacks_run_in_program_order",
     # measured
     "fresh_ir_context": "tests/test_jax_compat.py",
     "lower_call": "tests/test_jax_compat.py",
