@@ -24,7 +24,8 @@ import os, sys
 import jax, jaxlib, multimesh, multimesh.passes
 root = sys.argv[1]
 where = os.path.dirname(os.path.dirname(os.path.abspath(multimesh.__file__)))
-passes = os.path.dirname(os.path.dirname(os.path.abspath(multimesh.passes.__file__)))
+passes = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(multimesh.passes.__file__))))  # multimesh/passes/__init__.py
 print(f"python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
       f"multimesh from {where}")
 for what, got in (("multimesh", where), ("multimesh.passes", passes)):

@@ -51,7 +51,8 @@ __all__ = [
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
     "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
-    "mesh_scope", "mesh_scope_depth", "name_scope_hook",
+    "mesh_scope", "mesh_scope_depth", "name_scope_hook", "many_meshes", "backends_initialized",
+    "unused_inputs",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -663,6 +664,24 @@ def concrete_mesh():
     return None
 
 
+def _mesh_contexts() -> tuple:
+    """``(abstract, concrete)``: jax's two thread-local mesh contexts, the ``Config``
+    objects behind ``jax.sharding.use_abstract_mesh`` and ``jax.set_mesh``.
+
+    jax 0.10 and 0.11 keep them in ``jax._src.config`` (``abstract_mesh_context_manager``,
+    default None; ``device_context``, default None); jax 0.12 moved both to
+    ``jax._src.mesh`` (defaults: the empty abstract and the empty concrete mesh). Both
+    are internal; ``get_abstract_mesh``/``get_concrete_mesh`` read them in every version.
+    """
+    from jax._src import mesh as mesh_lib
+
+    found = []
+    for name in ("abstract_mesh_context_manager", "device_context"):
+        ctx = getattr(mesh_lib, name, None)
+        found.append(ctx if ctx is not None else getattr(_config, name))
+    return found[0], found[1]
+
+
 @contextlib.contextmanager
 def mesh_scope(abstract, concrete=None):
     """Trace under a task's mesh inside a program traced under a larger one.
@@ -671,58 +690,122 @@ def mesh_scope(abstract, concrete=None):
     ``jax.set_mesh`` refuses to run under a trace; a task's body is traced inside the
     program's trace, on a submesh, so both contexts (the abstract mesh that
     ``PartitionSpec``s resolve against and the concrete one) are swapped here
-    directly, as those two do. ``concrete`` None leaves no concrete mesh in scope, and
-    ``abstract`` None no mesh at all (the runtime's own programs, which name their mesh,
-    run so whatever mesh the caller entered).
+    directly, as those two do (:func:`_mesh_contexts`: where each jax version keeps
+    them). ``concrete`` None leaves no concrete mesh in scope, and ``abstract`` None no
+    mesh at all (the runtime's own programs, which name their mesh, run so whatever
+    mesh the caller entered). The scope is a :func:`many_meshes` scope too.
     """
     from jax._src import mesh as mesh_lib
 
+    abstract_ctx, concrete_ctx = _mesh_contexts()
     conc = mesh_lib.empty_concrete_mesh if concrete is None else concrete
     abstract = mesh_lib.empty_abstract_mesh if abstract is None else abstract
-    _lenient_use_abstract_mesh(mesh_lib)
-    prev_abstract = _config.abstract_mesh_context_manager.swap_local(abstract)
-    prev_concrete = _config.device_context.swap_local(conc)
-    _SCOPES.depth += 1
-    try:
-        yield
-    finally:
-        _SCOPES.depth -= 1
-        _config.abstract_mesh_context_manager.set_local(prev_abstract)
-        _config.device_context.set_local(prev_concrete)
+    with many_meshes():
+        prev_abstract = abstract_ctx.swap_local(abstract)
+        prev_concrete = concrete_ctx.swap_local(conc)
+        _THREAD.mesh_scopes += 1
+        try:
+            yield
+        finally:
+            _THREAD.mesh_scopes -= 1
+            abstract_ctx.set_local(prev_abstract)
+            concrete_ctx.set_local(prev_concrete)
 
 
-class _ScopeDepth(threading.local):
-    depth = 0
+class _Depth(threading.local):
+    depth = 0  # many_meshes scopes open in this thread
+    mesh_scopes = 0  # mesh_scope blocks open in this thread (a subset of those)
 
 
-_SCOPES = _ScopeDepth()
+_THREAD = _Depth()
 
 
 def mesh_scope_depth() -> int:
-    """How many :func:`mesh_scope` blocks this thread is in."""
-    return _SCOPES.depth
+    """How many :func:`mesh_scope` blocks (task meshes, not whole-program
+    :func:`many_meshes` scopes) this thread is in."""
+    return _THREAD.mesh_scopes
 
 
-def _lenient_use_abstract_mesh(mesh_lib) -> None:
-    """Inside a task's mesh scope, let jax's ``use_abstract_mesh`` enter a value's mesh
-    of another size. jax's rules enter the mesh a value is typed on (batching's
-    ``broadcast``, "delete once jaxpr arguments always have the context mesh"), and a
-    value made by another task is typed on that task's mesh; the size check is a guard
-    for a single-mesh program, which an MPMD trace is not. Outside task scopes the
-    check is jax's own."""
-    cls = mesh_lib.use_abstract_mesh
-    if getattr(cls, "_multimesh_lenient", False):
-        return
-    strict = cls.__enter__
+@contextlib.contextmanager
+def many_meshes():
+    """Trace a program of many meshes (an ``mjit`` trace, a task's body) in this thread:
+    inside, jax's own ``jax.sharding.use_abstract_mesh`` may enter a mesh of another size.
 
-    def enter(self):
-        if _SCOPES.depth:
-            self.prev = _config.abstract_mesh_context_manager.swap_local(self.mesh)
-            return None
-        return strict(self)
+    Why: jax's rules enter the mesh a value is typed on (batching's ``broadcast``,
+    "delete once jaxpr arguments always have the context mesh"; the transpose of
+    ``reshard``, which ``sub``'s JVP inserts between a stage's output and a target read
+    on the global mesh; ``scan``'s and ``lax``'s helpers). In an MPMD program a value
+    made by a task is typed on that task's mesh, of another size than the program's
+    mesh or another task's, and jax's size check (a guard for a single-mesh program)
+    would refuse the program's own values.
 
-    cls.__enter__ = enter
-    cls._multimesh_lenient = True
+    How, and why so: no jax class is patched for good. jax's rules import
+    ``use_abstract_mesh`` by name into a dozen modules, so no single name can be
+    rebound, and its check compares against the thread's current mesh, which a task
+    scope must set. So the class's ``__enter__`` is swapped for a lenient one when the
+    first such scope (in any thread) opens, and put back when the last one closes
+    (a process-wide count under a lock). Outside every scope jax's class is jax's own,
+    and a user's ``jax.sharding.use_abstract_mesh`` refuses to change the mesh's size
+    as jax's does. While a scope is open, the swapped ``__enter__`` runs jax's own in
+    every thread that is not inside one (a thread-local depth), so another thread's
+    program keeps jax's check; inside, it enters as jax's does (``swap_local`` of the
+    abstract mesh; ``__exit__`` unchanged) minus the size check. The class and its
+    ``__enter__``/``__exit__`` pair are the same on jax 0.10.2, 0.11 and 0.12; only the
+    context it swaps moved (:func:`_mesh_contexts`).
+    """
+    with _LENIENT:
+        _THREAD.depth += 1
+        try:
+            yield
+        finally:
+            _THREAD.depth -= 1
+
+
+class _LenientEnter:
+    """The process-wide count of :func:`many_meshes` scopes, which swaps jax's
+    ``use_abstract_mesh.__enter__`` while it is above zero."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._strict: Callable | None = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._open == 0:
+                self._install()
+            self._open += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                self._uninstall()
+
+    def _install(self) -> None:
+        from jax._src import mesh as mesh_lib
+
+        cls = mesh_lib.use_abstract_mesh
+        strict = cls.__dict__["__enter__"]
+        abstract_ctx = _mesh_contexts()[0]
+        self._strict = strict
+
+        def __enter__(self):  # noqa: N807  (jax's method, the lenient way)
+            if _THREAD.depth:
+                self.prev = abstract_ctx.swap_local(self.mesh)
+                return None
+            return strict(self)
+
+        cls.__enter__ = __enter__  # type: ignore[method-assign]
+
+    def _uninstall(self) -> None:
+        from jax._src import mesh as mesh_lib
+
+        mesh_lib.use_abstract_mesh.__enter__ = self._strict  # type: ignore[method-assign,assignment]
+        self._strict = None
+
+
+_LENIENT = _LenientEnter()
 
 
 # ----------------------------------------------------------------------------

@@ -397,7 +397,10 @@ def referenced_meshes(fn: ir.Operation, mesh_names: set[str]) -> list[str]:
     return scan_fragment(fn, mesh_names)[0]
 
 
-_SHARDING_KEYS = ("sharding", "sdy.sharding", "in_shardings", "out_shardings")
+_SHARDING_KEYS = ("sharding", "sdy.sharding", "in_shardings", "out_shardings",
+                  "replica_groups")
+"""Attributes that name meshes. ``replica_groups``: jax >= 0.12 writes a collective's
+groups as mesh axes (``#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, ...>``)."""
 
 
 def scan_fragment(fn: ir.Operation, mesh_names: set[str]) -> tuple[list[str],

@@ -20,6 +20,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _checks, _contexts, _global_mesh, _multimesh, _registrations
@@ -187,7 +188,8 @@ class _MJit(ProgramCaches):
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
         notes = TraceNotes()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
-                _contexts.notes(notes), module_names(), registered_task_meshes():
+                _contexts.notes(notes), module_names(), registered_task_meshes(), \
+                jax_compat.many_meshes():
             traced = jax.jit(fun, keep_unused=True).trace(*abstract[0], **abstract[1])
         return MpmdTraced(self, traced, devices, notes, (tuple(dyn_args), kwargs),
                           abstract, [i for i, d in enumerate(donated) if d], in_shardings,

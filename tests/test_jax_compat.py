@@ -1,0 +1,219 @@
+"""jax's own classes stay jax's (issue 37, item 10), and the jax-0.12 subset that
+``.ci/run`` runs reaches every shim of ``multimesh/_src/jax_compat.py``.
+
+A multimesh trace (``mjit``, a task's body) is a program of many meshes: jax's
+``use_abstract_mesh`` may change the mesh's size there, in that thread only
+(``jax_compat.many_meshes``). Outside, and in other threads meanwhile, it refuses as
+jax's does, and its ``__enter__`` is jax's own function.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import multimesh.jax as mm
+from multimesh._src import jax_compat
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+JAX_ENTER = jax.sharding.use_abstract_mesh.__enter__  # jax's own, as imported
+AUTO = AxisType.Auto
+
+
+def _meshes():
+    big = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AUTO,) * 3)
+    small = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AUTO,) * 2,
+                          devices=jax.devices()[:4])
+    return big.abstract_mesh, small.abstract_mesh
+
+
+def _change_size() -> None:
+    """Enter a 4-device abstract mesh under an 8-device one (jax refuses)."""
+    big, small = _meshes()
+    with jax.sharding.use_abstract_mesh(big):
+        with jax.sharding.use_abstract_mesh(small):
+            assert jax.sharding.get_abstract_mesh() == small
+        assert jax.sharding.get_abstract_mesh() == big
+
+
+def _refused_in_a_thread() -> BaseException | None:
+    box: list[BaseException | None] = [None]
+
+    def run():
+        try:
+            _change_size()
+        except BaseException as e:  # noqa: BLE001 (handed back to the test)
+            box[0] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return box[0]
+
+
+def test_use_abstract_mesh_is_jaxs_own_outside_multimesh_traces():
+    with pytest.raises(ValueError, match="use_abstract_mesh cannot change the size of the mesh"):
+        _change_size()
+    seen = {}
+
+    def body(x):
+        # inside the trace, this thread: the program's meshes may differ in size
+        _change_size()
+        # another thread meanwhile: jax's check, unchanged
+        seen["other thread"] = _refused_in_a_thread()
+        return jnp.sin(x)
+
+    stage = mm.task(body, name="s", mesh=mm.TaskMesh(devices=range(4)))
+    out = mm.mjit(lambda x: stage(x) * 2)(jnp.arange(8.0))
+    np.testing.assert_allclose(out, np.sin(np.arange(8.0)) * 2, rtol=1e-6)
+    assert isinstance(seen["other thread"], ValueError), seen
+    assert "cannot change the size of the mesh" in str(seen["other thread"])
+    # after the program: jax's class as jax defined it, and its check
+    assert jax.sharding.use_abstract_mesh.__enter__ is JAX_ENTER
+    with pytest.raises(ValueError, match="use_abstract_mesh cannot change the size of the mesh"):
+        _change_size()
+
+
+def test_a_failed_trace_leaves_jaxs_class_alone():
+    def body(x):
+        raise RuntimeError("boom in the body")
+
+    stage = mm.task(body, name="s", mesh=mm.TaskMesh(devices=range(4)))
+    with pytest.raises(RuntimeError, match="boom in the body"):
+        mm.mjit(stage)(jnp.arange(8.0))
+    assert jax.sharding.use_abstract_mesh.__enter__ is JAX_ENTER
+    with pytest.raises(ValueError, match="use_abstract_mesh cannot change the size of the mesh"):
+        _change_size()
+
+
+def test_mesh_scope_restores_both_meshes():
+    big, small = _meshes()
+    with jax.sharding.use_abstract_mesh(big):
+        with jax_compat.mesh_scope(small):
+            assert jax.sharding.get_abstract_mesh() == small
+            assert jax_compat.concrete_mesh() is None
+        assert jax.sharding.get_abstract_mesh() == big
+    assert jax.sharding.get_abstract_mesh().empty
+
+
+def test_a_microbatch_loop_nobody_reads_is_dropped_by_jaxs_dce():
+    """``register_dce_rule``/``has_effects``: jax's DCE (whose rules take one more
+    argument on 0.12) removes a loop whose outputs are unused and keeps one that is read."""
+    from jax.interpreters import partial_eval as pe
+
+    def f(w, x):
+        s = mm.microbatch(lambda w, x: jnp.sum(x @ w), dim=0, size=2, argnum=1)(w, x)
+        return s, x * 2
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((8, 4)))
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mm_microbatch", "mul"]
+    dropped, used = pe.dce_jaxpr(closed.jaxpr, [False, True])
+    assert [e.primitive.name for e in dropped.eqns] == ["mul"] and used == [False, True]
+    kept, used = pe.dce_jaxpr(closed.jaxpr, [True, False])
+    assert [e.primitive.name for e in kept.eqns] == ["mm_microbatch"] and used == [True, True]
+
+
+# ----------------------------------------------------------------------------
+# The jax-0.12 subset of .ci/run
+
+SUBSET = ROOT / ".ci" / "jax012-tests.txt"
+
+# Each public name of jax_compat, and a file of the subset that reaches it under jax
+# 0.12.0.1, as `tools/jax_compat_coverage.py` measured (files run in-process) (docs/testing.md, "jax 0.12").
+# Names read at import (the primitives' rules, the constants) are reached by every file;
+# the multi-process ones in `python -m multimesh.launch`'s workers.
+REACHED_BY = {
+    # read or called when multimesh is imported: every file
+    "JAX_VERSION": "tests/test_jax_compat.py",
+    "register_call_primitive": "tests/test_jax_compat.py",
+    "def_jit_impl": "tests/test_jax_compat.py",
+    "register_dce_rule": "tests/test_jax_compat.py",
+    "register_cache": "tests/test_jax_compat.py",
+    "REUSE_INPUT": "tests/test_jax_compat.py",
+    "ALWAYS_COPY": "tests/test_jax_compat.py",
+    "ORDERED_EFFECTS": "tests/test_callbacks.py::test_ordered_callbacks_run_in_program_order",
+    # measured
+    "fresh_ir_context": "tests/test_jax_compat.py",
+    "lower_call": "tests/test_jax_compat.py",
+    "compile_module": "tests/test_jax_compat.py",
+    "dispatcher": "tests/test_jax_compat.py",
+    "shard_args": "tests/test_jax_compat.py",
+    "array_impl_type": "tests/test_jax_compat.py",
+    "concrete_mesh": "tests/test_jax_compat.py",
+    "mesh_scope": "tests/test_jax_compat.py",
+    "many_meshes": "tests/test_jax_compat.py",
+    "unused_inputs": "tests/test_jax_compat.py",
+    "lowered_callbacks": "tests/test_jax_compat.py",
+    "trace_context": "tests/test_jax_compat.py",
+    "persistent_cache_on": "tests/test_jax_compat.py",
+    "persistent_cache_hits": "tests/test_jax_compat.py",
+    "has_effects": "tests/test_jax_compat.py",
+    "positional_effects": "tests/test_stage_sharding_microbatch.py",
+    "in_config_of_caller": "tests/test_stage_sharding_microbatch.py",
+    "separate_consts": "tests/test_stage_sharding_microbatch.py",
+    "batched_copy": "tests/test_stage_sharding_microbatch.py",
+    "device_list": "tests/test_stage_sharding_microbatch.py",
+    "load_on_devices": "tests/test_stage_sharding_microbatch.py",
+    "eqn_effects": "tests/test_microbatch.py",
+    "staging": "tests/test_microbatch.py",
+    "gspmd_sharding": "tests/test_import_gspmd.py",
+    "sdy_mpmd_partitioner": "tests/test_shardy_mpmd.py",
+    # in subprocesses: test_compile's second process, the launcher's workers
+    "persistent_cache_settings": "tests/test_compile.py",
+    "serialized_executable": "tests/test_compile.py",
+    "distributed_client": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
+    "cluster_env_base": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
+    "backends_initialized": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
+    "mesh_scope_depth": "tests/test_registered_taskmesh_rules.py",
+    "name_scope_hook": "tests/test_registered_taskmesh_rules.py",
+}
+
+
+def _subset() -> list[str]:
+    lines = SUBSET.read_text().splitlines()
+    return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
+
+
+def test_the_jax012_subset_reaches_every_shim():
+    subset = _subset()
+    assert len(subset) == len(set(subset)), subset
+    for path in subset:
+        file, _, test = path.partition("::")
+        assert (ROOT / file).is_file(), f"{SUBSET.name} names {file}, which does not exist"
+        assert not test or f"def {test}(" in (ROOT / file).read_text(), path
+    public = set(jax_compat.__all__)
+    missing = sorted(public - set(REACHED_BY))
+    assert not missing, (f"jax_compat's {missing} are reached by no file of the jax-0.12 "
+                         f"subset: measure with tools/jax_compat_coverage.py, add a file to "
+                         f"{SUBSET.name} if needed, and name it in REACHED_BY")
+    assert not set(REACHED_BY) - public, sorted(set(REACHED_BY) - public)
+    outside = sorted({f for f in REACHED_BY.values() if f not in subset})
+    assert not outside, f"REACHED_BY names files {SUBSET.name} does not run: {outside}"
+    defined = {n for n, v in vars(jax_compat).items()
+               if not n.startswith("_") and getattr(v, "__module__", None) == jax_compat.__name__
+               and callable(v)}
+    assert defined <= public, f"public shims not in jax_compat.__all__: {sorted(defined - public)}"
+
+
+def test_the_readme_shows_what_ci_runs():
+    """README "Set-up": its test command is the first one .ci/run runs, and its jax-0.12
+    install and test commands are the ones .ci/run runs after it."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    first = ".venv/bin/python -m pytest -q -x -n 2 --dist loadfile --durations=15"
+    assert f"```bash\n{first}\n```" in readme
+    ci_tests = [ln for ln in ci.splitlines() if " -m pytest " in ln]
+    assert ci_tests[0].startswith(first + " ||"), ci_tests
+    for shared in (".venv-jax012/bin/pip install -e '.[test,flax]' 'jax==0.12.0.1' "
+                   "'jaxlib==0.12.0.1'",
+                   ".venv-jax012/bin/python -m pytest -q -x -n 2 --dist loadfile "
+                   "--durations=15"):
+        assert shared in readme and shared in ci.replace("pip install -q", "pip install"), \
+            shared
+    assert ci_tests[1].startswith(".venv-jax012/bin/python -m pytest"), ci_tests
+    assert ci.index(first) < ci.index(".venv-jax012")
