@@ -100,19 +100,16 @@ def plan_renumbering(op: ir.Operation, traced: dict[str, int], task: MeshRecord,
     for coll in _collectives(op):
         if not _by_mesh_axes(coll, meshes, dropped, target, plan):
             numbered.append(coll)
-    if not traced or _identity(meshes) or not numbered:
+    if not traced or not numbered:
         return
-    extra = [a for a, s in zip(task.axis_names, task.axis_sizes, strict=True)
-             if s > 1 and a not in traced]
-    if extra:
-        raise DiagnosticError(
-            f"a `{_jax_name(numbered[0])}` in a `shard_map` of task '{task_name}' was traced "
-            f"on a mesh with the axes {list(traced)}, which lacks the task's mesh axis "
-            f"'{extra[0]}'; its device numbers cannot be placed on the task's devices. "
-            f"Trace the `shard_map` on the task's mesh (`mm.task(..., mesh=...)`) or give "
-            f"`shard_map` a mesh with that axis", numbered[0].location)
+    identity = _identity(meshes)
+    if identity and not any(_tiled(c, traced) for c in numbered):
+        return
+    _check_task_axes_traced(numbered[0], meshes)
     for coll in numbered:
         if coll.name == "stablehlo.partition_id":
+            if identity:
+                continue
             plan.rewrites.append(functools.partial(_lookup_partition, coll, _positions(meshes)))
             continue
         for name in _GROUP_ATTRS:
@@ -183,6 +180,33 @@ def _identity(meshes: _MeshPair) -> bool:
     return tuple((a, s) for a, s in meshes.traced.items() if s > 1) == task
 
 
+def _check_task_axes_traced(coll: ir.Operation, meshes: _MeshPair) -> None:
+    """Every axis the task keeps is an axis of the mesh the ``shard_map`` was traced on
+    (else its numbers cannot be placed on the task's devices)."""
+    task, traced = meshes.task, meshes.traced
+    extra = [a for a, s in zip(task.axis_names, task.axis_sizes, strict=True)
+             if s > 1 and a not in traced]
+    if extra:
+        raise DiagnosticError(
+            f"a `{_jax_name(coll)}` in a `shard_map` of task '{meshes.task_name}' was traced "
+            f"on a mesh with the axes {list(traced)}, which lacks the task's mesh axis "
+            f"'{extra[0]}'; its device numbers cannot be placed on the task's devices. "
+            f"Trace the `shard_map` on the task's mesh (`mm.task(..., mesh=...)`) or give "
+            f"`shard_map` a mesh with that axis", coll.location)
+
+
+def _tiled(coll: ir.Operation, traced: dict[str, int]) -> bool:
+    """Whether ``coll``'s groups name positions past the traced mesh's devices (jax
+    repeats a smaller mesh's groups over a program of more devices)."""
+    size = int(np.prod(list(traced.values())))
+    for name in _GROUP_ATTRS:
+        if name in coll.attributes:
+            groups = np.asarray(ir.DenseIntElementsAttr(coll.attributes[name]))
+            if groups.size and int(groups.max()) >= size:
+                return True
+    return False
+
+
 def _collectives(op: ir.Operation) -> list[ir.Operation]:
     found: list[ir.Operation] = []
 
@@ -235,11 +259,17 @@ def _renumber(coll: ir.Operation, name: str, meshes: _MeshPair, dropped: set[str
         return groups
     axes = list(meshes.traced)
     shape = tuple(meshes.traced.values())
-    if int(groups.max()) >= int(np.prod(shape)):
+    size = int(np.prod(shape))
+    tiles = groups // size
+    if (tiles != tiles[..., :1]).any():
         raise DiagnosticError(
             f"a `{_jax_name(coll)}` in a `shard_map` of task '{meshes.task_name}' names "
-            f"device {int(groups.max())}, outside the {int(np.prod(shape))} devices of the "
-            f"mesh it was traced on", coll.location)
+            f"device {int(groups.max())}, outside the {size} devices of the mesh it was "
+            f"traced on", coll.location)
+    # A shard_map traced on the task's own mesh inside a program over more devices
+    # (a registered stage, traced under its mesh): jax repeats its groups once per
+    # copy of that mesh in the program's device count; the fragment runs one copy.
+    groups = groups[tiles[..., 0] == 0]
     coords = np.stack(np.unravel_index(groups, shape), axis=-1)  # (..., members, axes)
     for d in sorted(dropped, key=axes.index):
         col = coords[..., axes.index(d)]
