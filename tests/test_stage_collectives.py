@@ -5,11 +5,15 @@ each running a ``shard_map`` over the stage's kept axes with a ``psum``, an
 ``all_gather`` or a ``ppermute``. The stages are placed four ways: registered rules
 (``register_task`` with ``Task(mesh_slice=...)``, and a callback returning
 ``TaskMesh`` tasks), and explicit tasks (``task(..., mesh_slice=...)``,
-``task(..., mesh=TaskMesh(...))``). A registered stage's ``shard_map`` is traced on the
-global mesh, so its collectives name devices of all 8; the fragment is a 4-device
-module, and the device numbers are renumbered onto it. Every case is compared with
-``jax.jit`` of the same program on a 2x2 stage mesh: value and gradients (rtol 1e-5),
-and where each gradient lives and how it is sharded.
+``task(..., mesh=TaskMesh(...))``). Every stage is traced under its own mesh (a
+registered one through the name-scope hook, as an explicit task's body), so its
+``shard_map`` is traced and lowered on the stage's 2x2 mesh; a collective over the
+sliced ``stage`` axis, or a ``shard_map`` naming another mesh, is an error while
+tracing. (The renumbering of ``multimesh/passes/_collectives.py`` remains for a
+``shard_map`` traced on another mesh: a registered stage under ``Explicit`` axes, in
+the error catalogue.) Every case is compared with ``jax.jit`` of the same program on a
+2x2 stage mesh: value and gradients (rtol 1e-5), and where each gradient lives and how
+it is sharded.
 """
 
 from __future__ import annotations
@@ -294,10 +298,12 @@ def test_a_shard_map_naming_a_mesh_of_other_sizes_is_an_error(named):
 
 
 def test_axis_index_and_psum_in_a_registered_stage_with_its_axes_reordered():
-    """A registered ``TaskMesh`` stage with the axes ``("model", "data")`` while the
-    ``shard_map`` was traced on ``("stage", "data", "model")``: ``axis_index`` (jax's
-    arithmetic on the device number) and the ``psum`` groups are the task's, by axis
-    name; values, gradients and placement as ``jax.jit``'s on a 2x2 mesh."""
+    """A registered ``TaskMesh`` stage with the axes ``("model", "data")`` under the
+    program mesh ``("stage", "data", "model")``: its ``shard_map`` is traced and lowered
+    on the stage's mesh, so ``axis_index`` (jax's arithmetic on the device number, which
+    recursed when lowered over the program's concrete mesh) and the ``psum`` groups are
+    the task's, by axis name; values, gradients and placement as ``jax.jit``'s on a 2x2
+    mesh."""
     def local(w, x):  # this device's column block of the sum, scaled by its data row
         block = jax.lax.dynamic_slice_in_dim(jax.lax.psum(x @ w, "model"),
                                              4 * jax.lax.axis_index("model"), 4, axis=1)
