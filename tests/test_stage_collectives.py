@@ -203,6 +203,8 @@ def _over_stage(coll: str):
     def local(w, x):
         if coll == "psum":
             return jax.lax.psum(x @ w, "stage")
+        if coll == "all_gather":  # jax's NameError, where the other two are AssertionErrors
+            return jax.lax.all_gather(x @ w, "stage", axis=0, tiled=True)[:2]
         return jax.lax.ppermute(x @ w, "stage", perm=[(0, 1), (1, 0)])
 
     def body(w, x):
@@ -212,7 +214,7 @@ def _over_stage(coll: str):
 
 
 @pytest.mark.parametrize("placement", ["registered-mesh_slice", "mesh_slice"])
-@pytest.mark.parametrize("coll", ["psum", "ppermute"])
+@pytest.mark.parametrize("coll", ["psum", "ppermute", "all_gather"])
 def test_a_collective_over_the_sliced_axis_is_an_error(coll, placement):
     """A stage's ``shard_map`` is traced on the stage's mesh, which has no ``stage``
     axis; a collective over ``stage`` (under ``jax.jit`` on the global mesh: across the
