@@ -743,28 +743,79 @@ def _():
         mm.mjit(s0)(jnp.ones(8))
 
 
+@error("collective-over-an-axis-the-task-lacks", API,
+       "a collective in a stage over the axis its `mesh_slice` slices",
+       MeshError,
+       r"a `psum` in task 's0' runs over the mesh axis 'stage', which is sliced away \(the "
+       r"task is one slice of it\); inside a task a collective runs among the task's devices "
+       r"only, over the axes \['data'\] of its mesh \(sizes \[4\]\)",
+       """A stage's body (an explicit task's, or a `register_task` stage's under an Auto
+       mesh) is traced on the stage's own mesh, which has no sliced axis; under `jax.jit`
+       on the global mesh the `psum` over `stage` would sum across the stages. jax's own
+       error there is a bare `AssertionError` or "unbound axis name"; multimesh names the
+       axis and the task. Reduce over the axes the stage keeps, or do the cross-stage
+       step outside the stage.""")
+def _():
+    mesh = jax.make_mesh((2, 4), ("stage", "data"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    s0 = mm.task(lambda x: jax.shard_map(lambda x: lax.psum(x, "stage"), in_specs=P("data"),
+                                         out_specs=P("data"))(x),
+                 name="s0", mesh_slice={"stage": 0})
+    with jax.set_mesh(mesh):
+        mm.mjit(s0)(jnp.ones(8))
+
+
+@error("shard-map-names-another-mesh", API,
+       "a `shard_map` in a stage naming a mesh other than the stage's",
+       MeshError,
+       r"a `shard_map` in task 'layer_0' was traced on a mesh where the axis 'data' has "
+       r"size 8, but the task's mesh gives it size 4: inside a task the mesh is the task's "
+       r"mesh",
+       """A stage's body is traced on the stage's own mesh, and jax runs a `shard_map`
+       only on the mesh in context, so one that names another mesh (`mesh=`, here the
+       8-device program mesh) cannot run in the stage. jax's own error there is "The
+       context mesh ... should match the mesh passed to shard_map"; multimesh names the
+       axis and the task. Leave out `mesh=`: the `shard_map` then runs on the stage's
+       mesh.""")
+def _():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def layer_0(x):
+        with jax.named_scope("layer_0"):
+            return jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("data"),
+                                 out_specs=P("data"))(x)
+
+    with mm.context(), jax.set_mesh(mesh):
+        mm.register_task("layer_0", task=mm.Task(mesh=mm.TaskMesh(
+            devices=range(4), axis_names=("data",), axis_sizes=(4,))))
+        mm.mjit(layer_0)(jnp.ones(8))
+
+
 @error("shard-map-collective-over-a-sliced-axis", IMPLICIT,
-       "a `shard_map` collective in a registered stage over the axis its `mesh_slice` slices",
+       "a `shard_map` collective in a registered stage traced on the program's mesh over "
+       "the axis its `mesh_slice` slices",
        PassFailure,
        r"a `psum` in a `shard_map` of task 'layer_0' runs over the mesh axis 'stage', which "
        r"is sliced away \(the task is one slice of it\); inside a task a collective runs "
        r"among the task's devices only \(positions \[0, 1, 2, 3\]\), over the axes "
        r"\['data'\]",
-       """A stage placed by a `register_task` rule is matched after the whole program was
-       traced on the global mesh, so its `shard_map` is manual over every axis of that
-       mesh; its collectives are renumbered onto the stage's own devices, which works
-       for the axes the stage keeps. A collective over the sliced axis (written, or added
-       by jax's gradient under `check_vma=False`) would need the other stages' devices.
-       Reduce over the kept axes, keep `check_vma=True`, or do the cross-stage step
-       outside the stage.""")
+       """Under a mesh of `Explicit` axes a stage placed by a `register_task` rule is
+       traced on the program's mesh (its values' types name that mesh), so its
+       `shard_map` is manual over every axis of it; its collectives are renumbered onto
+       the stage's own devices, which works for the axes the stage keeps. A collective
+       over the sliced axis (written, or added by jax's gradient under
+       `check_vma=False`) would need the other stages' devices. Reduce over the kept
+       axes, keep `check_vma=True`, or do the cross-stage step outside the stage. (Under
+       `Auto` axes the stage is traced on its own mesh, and the error is
+       `collective-over-an-axis-the-task-lacks`.)""")
 def _():
     mesh = jax.make_mesh((2, 4), ("stage", "data"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
 
     def layer_0(x):
         with jax.named_scope("layer_0"):
             return jax.shard_map(lambda x: lax.psum(x, "stage"), in_specs=P("data"),
-                                 out_specs=P("data"))(x)
+                                 out_specs=P("data"))(jax.reshard(x, P("data")))
 
     with mm.context(), jax.set_mesh(mesh):
         mm.register_task("layer_0", task=mm.Task(mesh_slice={"stage": 0}))
@@ -776,17 +827,19 @@ def _():
        PassFailure,
        r"a `shard_map` in task 'layer_0' was traced on a mesh where the axis 'data' has "
        r"size 8, but the task's mesh gives it size 4",
-       """A registered stage's `shard_map` is traced on the mesh in context (here all 8
-       devices over `data`) but runs on the stage's mesh (`data=4`), where its per-device
-       shapes would differ. Give the stage a mesh with the same axis sizes, or trace the
-       `shard_map` in an explicit `mm.task(..., mesh=...)`, which traces it on the stage's
-       own mesh.""")
+       """Under a mesh of `Explicit` axes a registered stage is traced on the program's
+       mesh, so its `shard_map` is traced there (here all 8 devices over `data`) but runs
+       on the stage's mesh (`data=4`), where its per-device shapes would differ. Give the
+       stage a mesh with the same axis sizes, use `Auto` axes (a registered stage is then
+       traced on its own mesh), or trace the `shard_map` in an explicit
+       `mm.task(..., mesh=...)`, which traces it on the stage's own mesh.""")
 def _():
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
     def layer_0(x):
         with jax.named_scope("layer_0"):
-            return jax.shard_map(lambda x: x * 2, in_specs=P("data"), out_specs=P("data"))(x)
+            return jax.shard_map(lambda x: x * 2, in_specs=P("data"),
+                                 out_specs=P("data"))(jax.reshard(x, P("data")))
 
     with mm.context(), jax.set_mesh(mesh):
         mm.register_task("layer_0", task=mm.Task(mesh=mm.TaskMesh(

@@ -172,6 +172,8 @@ REACHED_BY = {
     "backends_initialized": "tests/test_multiprocess.py::test_readme_two_stage_two_processes",
     "mesh_scope_depth": "tests/test_registered_taskmesh_rules.py",
     "name_scope_hook": "tests/test_registered_taskmesh_rules.py",
+    "unbound_collective": "tests/test_stage_collectives.py",
+    "shard_map_mesh_refused": "tests/test_stage_collectives.py",
 }
 
 

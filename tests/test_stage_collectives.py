@@ -5,11 +5,15 @@ each running a ``shard_map`` over the stage's kept axes with a ``psum``, an
 ``all_gather`` or a ``ppermute``. The stages are placed four ways: registered rules
 (``register_task`` with ``Task(mesh_slice=...)``, and a callback returning
 ``TaskMesh`` tasks), and explicit tasks (``task(..., mesh_slice=...)``,
-``task(..., mesh=TaskMesh(...))``). A registered stage's ``shard_map`` is traced on the
-global mesh, so its collectives name devices of all 8; the fragment is a 4-device
-module, and the device numbers are renumbered onto it. Every case is compared with
-``jax.jit`` of the same program on a 2x2 stage mesh: value and gradients (rtol 1e-5),
-and where each gradient lives and how it is sharded.
+``task(..., mesh=TaskMesh(...))``). Every stage is traced under its own mesh (a
+registered one through the name-scope hook, as an explicit task's body), so its
+``shard_map`` is traced and lowered on the stage's 2x2 mesh; a collective over the
+sliced ``stage`` axis, or a ``shard_map`` naming another mesh, is an error while
+tracing. (The renumbering of ``multimesh/passes/_collectives.py`` remains for a
+``shard_map`` traced on another mesh: a registered stage under ``Explicit`` axes, in
+the error catalogue.) Every case is compared with ``jax.jit`` of the same program on a
+2x2 stage mesh: value and gradients (rtol 1e-5), and where each gradient lives and how
+it is sharded.
 """
 
 from __future__ import annotations
@@ -195,53 +199,113 @@ def test_registered_stage_collectives_follow_the_mesh_order():
         assert [d.id for d in grads[k].sharding.mesh.devices.flat] == [d.id for d in want]
 
 
-def _psum_over_stage(w, x):
+def _over_stage(coll: str):
     def local(w, x):
-        return jax.lax.psum(x @ w, "stage")
-    return jax.shard_map(local, in_specs=(P(None, None), P("data", None)),
-                         out_specs=P("data", None))(w, x)
+        if coll == "psum":
+            return jax.lax.psum(x @ w, "stage")
+        if coll == "all_gather":  # jax's NameError, where the other two are AssertionErrors
+            return jax.lax.all_gather(x @ w, "stage", axis=0, tiled=True)[:2]
+        return jax.lax.ppermute(x @ w, "stage", perm=[(0, 1), (1, 0)])
+
+    def body(w, x):
+        return jax.shard_map(local, in_specs=(P(None, None), P("data", None)),
+                             out_specs=P("data", None))(w, x)
+    return body
 
 
-@pytest.mark.parametrize("why", ["psum over stage", "check_vma=False"])
-def test_a_collective_over_the_sliced_axis_is_an_error(why):
-    """A registered stage's ``shard_map`` is traced on the global mesh; a collective over
-    ``stage`` (written, or added by jax's transpose under ``check_vma=False``) needs
-    devices outside the stage: an error before XLA, naming the axis and the task."""
-    body = _psum_over_stage if why == "psum over stage" else _body("psum", check_vma=False)
+@pytest.mark.parametrize("placement", ["registered-mesh_slice", "mesh_slice"])
+@pytest.mark.parametrize("coll", ["psum", "ppermute", "all_gather"])
+def test_a_collective_over_the_sliced_axis_is_an_error(coll, placement):
+    """A stage's ``shard_map`` is traced on the stage's mesh, which has no ``stage``
+    axis; a collective over ``stage`` (under ``jax.jit`` on the global mesh: across the
+    stages) is an error while tracing, naming the collective, the axis and the task,
+    in place of jax's bare ``AssertionError`` or ``NameError``."""
     ws, x = _inputs()
-    with _placed(body, "registered-mesh_slice") as stages, \
-            pytest.raises(mm.errors.PassFailure, match=(
-                r"a `psum` in a `shard_map` of task 'l[01]' runs over the mesh axis "
-                r"'stage', which is sliced away \(the task is one slice of it\); inside a "
-                r"task a collective runs among the task's devices only")):
+    with _placed(_over_stage(coll), placement) as stages, \
+            pytest.raises(mm.errors.MeshError, match=(
+                rf"a `{coll}` in task '[ls]0' runs over the mesh axis 'stage', which is "
+                r"sliced away \(the task is one slice of it\); inside a task a collective "
+                r"runs among the task's devices only, over the axes \['data', 'model'\] of "
+                r"its mesh \(sizes \[2, 2\]\)")):
         mm.mjit(jax.value_and_grad(_loss_of(stages)))(ws, x)
 
 
-def test_a_shard_map_traced_on_a_mesh_of_other_sizes_is_an_error():
-    """A registered ``TaskMesh`` stage with ``data=2`` whose ``shard_map`` was traced on
-    a global mesh with ``data=4``: its local shapes would not fit; an error at the op."""
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "model"),
-                             axis_types=(AUTO,) * 2)
-    body = _body("psum")
+def test_check_vma_false_in_a_registered_stage():
+    """Under ``check_vma=False`` jax's gradient sums the replicated weight over every
+    axis of the mesh the ``shard_map`` was traced on: the stage's, so ``data`` alone,
+    as ``jax.jit`` on the stage's 2x2 mesh."""
+    body = _body("psum", check_vma=False)
     ws, x = _inputs()
+    with _placed(body, "registered-mesh_slice") as stages:
+        value, grads = mm.mjit(jax.value_and_grad(_loss_of(stages)))(ws, x)
+    ref_value, ref_grads = _reference(body, ws, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in range(2):
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
+                                   rtol=1e-5, atol=1e-6)
+        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
+        assert _spec(grads[k].sharding, 2) == _spec(ref_grads[k].sharding, 2)
+
+
+def _wide_mesh() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "model"),
+                             axis_types=(AUTO,) * 2)
+
+
+@contextlib.contextmanager
+def _registered_task_meshes():
     m0, m1 = _task_meshes()
     mm.clear_tasks()
     try:
         mm.register_task("l0", task=mm.Task(mesh=m0))
         mm.register_task("l1", task=mm.Task(mesh=m1))
-        with jax.set_mesh(mesh), pytest.raises(mm.errors.PassFailure, match=(
-                r"a `shard_map` in task 'l[01]' was traced on a mesh where the axis 'data' "
-                r"has size 4, but the task's mesh gives it size 2")):
-            mm.mjit(_loss_of(_layers(body)))(ws, x)
+        with jax.set_mesh(_wide_mesh()):
+            yield _layers
     finally:
         mm.clear_tasks()
 
 
+def test_a_registered_stage_of_other_sizes_traces_on_its_own_mesh():
+    """A registered ``TaskMesh`` stage with ``data=2`` under a program mesh with
+    ``data=4``: its ``shard_map`` (no ``mesh=``) is traced on the stage's mesh, as in an
+    explicit task; values, gradients and their devices as ``jax.jit``'s on 2x2."""
+    body = _body("psum")
+    ws, x = _inputs()
+    with _registered_task_meshes() as layers:
+        value, grads = mm.mjit(jax.value_and_grad(_loss_of(layers(body))))(ws, x)
+    ref_value, ref_grads = _reference(body, ws, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in range(2):
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
+                                   rtol=1e-5, atol=1e-6)
+        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
+        assert _spec(grads[k].sharding, 2) == _spec(ref_grads[k].sharding, 2)
+
+
+@pytest.mark.parametrize("named", ["Mesh", "AbstractMesh"])
+def test_a_shard_map_naming_a_mesh_of_other_sizes_is_an_error(named):
+    """A ``shard_map`` in a registered stage (``data=2``) that names a mesh with
+    ``data=4`` (``mesh=``): its local shapes would not fit the stage; an error while
+    tracing, in place of jax's "The context mesh ... should match"."""
+    in_specs, out_spec, local = COLLECTIVES["psum"]
+    wide = _wide_mesh() if named == "Mesh" else _wide_mesh().abstract_mesh
+
+    def body(w, x):
+        return jax.shard_map(local, mesh=wide, in_specs=in_specs, out_specs=out_spec)(w, x)
+    ws, x = _inputs()
+    with _registered_task_meshes() as layers, pytest.raises(mm.errors.MeshError, match=(
+            r"a `shard_map` in task 'l[01]' was traced on a mesh where the axis 'data' "
+            r"has size 4, but the task's mesh gives it size 2")):
+        mm.mjit(_loss_of(layers(body)))(ws, x)
+
+
 def test_axis_index_and_psum_in_a_registered_stage_with_its_axes_reordered():
-    """A registered ``TaskMesh`` stage with the axes ``("model", "data")`` while the
-    ``shard_map`` was traced on ``("stage", "data", "model")``: ``axis_index`` (jax's
-    arithmetic on the device number) and the ``psum`` groups are the task's, by axis
-    name; values, gradients and placement as ``jax.jit``'s on a 2x2 mesh."""
+    """A registered ``TaskMesh`` stage with the axes ``("model", "data")`` under the
+    program mesh ``("stage", "data", "model")``: its ``shard_map`` is traced and lowered
+    on the stage's mesh, so ``axis_index`` (jax's arithmetic on the device number, which
+    recursed when lowered over the program's concrete mesh) and the ``psum`` groups are
+    the task's, by axis name; values, gradients and placement as ``jax.jit``'s on a 2x2
+    mesh."""
     def local(w, x):  # this device's column block of the sum, scaled by its data row
         block = jax.lax.dynamic_slice_in_dim(jax.lax.psum(x @ w, "model"),
                                              4 * jax.lax.axis_index("model"), 4, axis=1)

@@ -51,7 +51,8 @@ __all__ = [
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
     "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
-    "mesh_scope", "mesh_scope_depth", "name_scope_hook", "many_meshes", "backends_initialized",
+    "mesh_scope", "mesh_scope_depth", "name_scope_hook", "unbound_collective",
+    "shard_map_mesh_refused", "many_meshes", "backends_initialized",
     "unused_inputs",
 ]
 
@@ -680,6 +681,58 @@ def _mesh_contexts() -> tuple:
         ctx = getattr(mesh_lib, name, None)
         found.append(ctx if ctx is not None else getattr(_config, name))
     return found[0], found[1]
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s]+?)\.?(?:\s|$)")
+
+
+def unbound_collective(exc: BaseException) -> tuple[str, tuple[str, ...]] | None:
+    """``(collective, axis names)`` when ``exc`` is jax's refusal of a collective
+    (``psum``, ``all_gather``, ``ppermute``, ``axis_index``...) over axes that no
+    ``shard_map`` in context binds; None for any other error.
+
+    jax says so in two ways, neither public: a ``NameError`` "unbound axis name: x"
+    (the axis read from the message), or, for a ``psum``/``ppermute`` under
+    ``check_vma=True``, a bare ``AssertionError`` in ``core.pvary``, whose frame holds
+    the axes and the mesh in context (0.10 to 0.12). The collective is the outermost
+    frame of ``jax/_src/lax/parallel.py``: the function the user called.
+    """
+    axes: tuple[str, ...] = ()
+    if isinstance(exc, NameError):
+        found = _UNBOUND_AXIS.search(str(exc))
+        axes = (found.group(1),) if found else ()
+    op = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        if op is None and code.co_filename.endswith(("lax/parallel.py", "lax\\parallel.py")):
+            op = code.co_name
+        if isinstance(exc, AssertionError) and code.co_name == "pvary" \
+                and code.co_filename.endswith("core.py") and "cur_mesh" in local:
+            names = local.get("axes", ())
+            names = names if isinstance(names, tuple) else (names,)
+            bound = set(local["cur_mesh"].axis_names or ())
+            axes = tuple(a for a in names if a not in bound)
+        tb = tb.tb_next
+    if not axes or op is None:
+        return None
+    return op.lstrip("_"), axes
+
+
+def shard_map_mesh_refused(exc: BaseException) -> tuple | None:
+    """``(the mesh passed to shard_map, the abstract mesh in context)`` when ``exc`` is
+    jax's refusal of a ``shard_map(..., mesh=)`` whose mesh is not the one in context
+    (a ``ValueError`` from ``_shmap_checks``, whose frame holds both, 0.10 to 0.12);
+    None for any other error."""
+    if not isinstance(exc, ValueError):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "_shmap_checks" and "ctx_mesh" in frame.f_locals:
+            return frame.f_locals["mesh"], frame.f_locals["ctx_mesh"]
+        tb = tb.tb_next
+    return None
 
 
 @contextlib.contextmanager

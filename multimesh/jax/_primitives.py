@@ -85,9 +85,63 @@ def body_scope(params: dict):
     """The mesh a task's body is traced, transformed and lowered under."""
     info = params.get("info")
     mesh = getattr(info, "body_mesh", None)
-    if mesh is None:
+    if mesh is None or info is None:
         return contextlib.nullcontext()
-    return jax_compat.mesh_scope(mesh.abstract_mesh, mesh)
+    return task_mesh_scope(info.name, info.axis_names, mesh)
+
+
+@contextlib.contextmanager
+def task_mesh_scope(name: str, axis_names, mesh: jax.sharding.Mesh):
+    """Trace under task ``name``'s ``mesh``. A collective there over an axis of the
+    task's placement (``axis_names``: a ``mesh_slice``'s sliced axis) or of the program's
+    mesh that ``mesh`` lacks is an error naming the axis and the task: on the program's
+    mesh it would have run across the other tasks' devices."""
+    outer = tuple(jax.sharding.get_abstract_mesh().axis_names or ())
+    try:
+        with jax_compat.mesh_scope(mesh.abstract_mesh, mesh):
+            yield
+    except ValueError as e:
+        refused = jax_compat.shard_map_mesh_refused(e)
+        if refused is None:
+            raise
+        raise _other_mesh_error(name, refused[0], mesh) from e
+    except (NameError, AssertionError) as e:
+        found = jax_compat.unbound_collective(e)
+        axis = next((a for a in found[1] if a not in mesh.axis_names
+                     and (a in axis_names or a in outer)), None) if found else None
+        if found is None or axis is None:
+            raise
+        raise _collective_error(name, found[0], axis, axis in axis_names, mesh) from e
+
+
+def _other_mesh_error(name: str, named, mesh) -> Exception:
+    from multimesh._src.errors import MeshError
+
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    other = [(a, s) for a, s in zip(named.axis_names, named.axis_sizes, strict=True)
+             if a in sizes and sizes[a] != s]
+    what = (f"was traced on a mesh where the axis {other[0][0]!r} has size {other[0][1]}, "
+            f"but the task's mesh gives it size {sizes[other[0][0]]}" if other else
+            f"names the mesh {dict(zip(named.axis_names, named.axis_sizes, strict=True))} "
+            f"(axis types {list(named.axis_types)}), which is not the task's")
+    return MeshError(
+        f"a `shard_map` in task {name!r} {what}: inside a task the mesh is the task's "
+        f"mesh, {sizes} (axis types {list(mesh.axis_types)}). Leave out the `shard_map`'s "
+        f"`mesh=` (it then runs on the task's mesh), or give the task a mesh with those "
+        f"axes and sizes.")
+
+
+def _collective_error(name: str, op: str, axis: str, sliced: bool, mesh) -> Exception:
+    from multimesh._src.errors import MeshError
+
+    why = ("which is sliced away (the task is one slice of it)" if sliced
+           else "which the task's mesh lacks")
+    return MeshError(
+        f"a `{op}` in task {name!r} runs over the mesh axis {axis!r}, {why}; inside a task "
+        f"a collective runs among the task's devices only, over the axes "
+        f"{list(mesh.axis_names)} of its mesh (sizes {list(mesh.axis_sizes)}). Run the "
+        f"collective over those axes, or do the step that needs {axis!r} outside the "
+        f"task.")
 
 
 jax_compat.register_call_primitive(task_p, transposed=lambda p: dict(p, info=p["info"].bumped()),

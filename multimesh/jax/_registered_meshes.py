@@ -82,6 +82,7 @@ class _Scopes:
 
     @contextlib.contextmanager
     def _held(self, owner, body) -> Iterator[None]:
+        from multimesh.jax._primitives import task_mesh_scope
         from multimesh.jax._task import jax_constraint_hint
 
         self.owners.append(owner)
@@ -90,17 +91,19 @@ class _Scopes:
             if body is None:
                 yield
             else:
-                mesh, where, mapping = body
+                mesh, where, mapping, task = body
+                if _contexts.state.trace_notes is not None:
+                    _contexts.state.trace_notes.stage_meshes = True
                 with _at_user_line(), jax_constraint_hint(where, mapping, mesh.abstract_mesh), \
-                        jax_compat.mesh_scope(mesh.abstract_mesh, mesh):
+                        task_mesh_scope(task[0], task[1], mesh):
                     yield
         finally:
             self.owners.pop()
             self.meshes.pop()
 
     def _body_of(self, index: int, name: str):
-        """``(mesh, where, logical mapping)`` of the task's body: the concrete mesh it
-        sees (None: the program's, and then nothing is entered)."""
+        """``(mesh, where, logical mapping, (task name, placement axes))`` of the task's
+        body: the concrete mesh it sees (None: the program's, and nothing is entered)."""
         from multimesh.jax._task import resolve_task_info, task_abstract_mesh, task_body_mesh
 
         reg = self.regs[index]
@@ -113,7 +116,7 @@ class _Scopes:
         if mesh is None:
             return None
         where = f"inside task {task_name!r} (matched by {_matcher(reg)})"
-        return mesh, where, info.logical_axes
+        return mesh, where, info.logical_axes, (task_name, info.axis_names)
 
 
 def _matcher(reg: Registration) -> str:

@@ -46,6 +46,10 @@ class TraceNotes:
     """Explicit tasks traced under ``jax.checkpoint``."""
     microbatch: MicrobatchNote | None = None
     explicit_task_names: dict[str, list[tuple]] = field(default_factory=dict)
+    stage_meshes: bool = False
+    """A registered task's body was traced under its own mesh (``registered_task_meshes``):
+    the program lowers with no concrete mesh in context, so a ``shard_map`` traced there
+    lowers on that mesh (jax would take the devices of the concrete mesh in context)."""
     registered_tasks: dict[tuple, tuple] = field(default_factory=dict)
     """``(id(registration), matched name, backprop)``: the registration and its task
     (a callback is asked once per program, while tracing or lowering)."""

@@ -1,21 +1,28 @@
-"""The collectives of a ``shard_map`` written for another mesh, renumbered onto its task.
+"""The collectives of a ``shard_map`` traced on another mesh, renumbered onto its task.
 
-``jax.shard_map`` lowers to ``sdy.manual_computation`` whose collectives (``psum``,
-``all_gather``, ``ppermute``, ...) carry device numbers: ``replica_groups`` and
-``source_target_pairs`` are flat positions in the mesh the ``shard_map`` was traced
-on. Inside a task placed on part of that mesh (a registered stage matched after the
-whole program was traced on the global mesh ``("stage", "data", "model")``), the task's
-fragment is its own SPMD module over the task's devices, numbered ``0..n-1`` in the
-task mesh's order, so each number is translated by axis name: a position becomes its
-coordinates on the traced mesh, and those on the axes the task keeps become its
-position on the task's mesh. ``partition_id`` (which jax's ``axis_index`` divides by the
-traced mesh's axis sizes) goes the other way: it is read through a table of each task
-device's position in the traced mesh. jax >= 0.12 names its groups by mesh axes
+A stage traced under its own mesh (an explicit task, or a ``register_task`` stage
+under ``Auto`` axes: ``multimesh/jax/_registered_meshes.py``) traces its ``shard_map``
+on the stage's mesh, and jax lowers it there; its groups are the task's already (one
+copy is kept where jax repeats them over a larger program), and a collective over an axis the
+stage lacks is refused while tracing (``multimesh/jax/_primitives.py``). What reaches
+this module is a ``shard_map`` traced on another mesh: a registered stage under
+``Explicit`` axes (its body keeps the program's mesh, ``("stage", "data", "model")``).
+``jax.shard_map`` lowers to
+``sdy.manual_computation`` whose collectives (``psum``, ``all_gather``, ``ppermute``,
+...) carry device numbers: ``replica_groups`` and ``source_target_pairs`` are flat
+positions in the mesh the ``shard_map`` was traced on. The task's fragment is its own
+SPMD module over the task's devices, numbered ``0..n-1`` in the task mesh's order, so
+each number is translated by axis name: a position becomes its coordinates on the
+traced mesh, and those on the axes the task keeps become its position on the task's
+mesh. ``partition_id`` (which jax's ``axis_index`` divides by the traced mesh's axis
+sizes) goes the other way: it is read through a table of each task device's position
+in the traced mesh. jax >= 0.12 names its groups by mesh axes
 (``#stablehlo.replica_group_mesh_axes``) rather than numbers: those only move onto the
 task's mesh symbol. An axis the task's mesh lacks leaves ``manual_axes`` (a
 ``mesh_slice``'s sliced axis stays, with size 1); a collective running over an axis the
-task does not keep (sliced away, or absent) would need devices outside the task, which
-is an error at the op, naming the axis, the task and why, before XLA sees the module.
+task does not keep (sliced away, or absent), or a traced axis size the task's mesh does
+not give, would need devices outside the task or other local shapes: an error at the
+op, naming the axis, the task and why, before XLA sees the module.
 """
 
 from __future__ import annotations

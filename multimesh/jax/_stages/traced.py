@@ -3,6 +3,7 @@ registered-task scan, pins physical input shardings and picks the pipeline."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -74,7 +75,8 @@ class MpmdTraced(StageBase):
         t0 = time.perf_counter()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
                 _contexts.notes(notes):
-            lowered = traced.lower()
+            with _lowering_scope(notes):
+                lowered = traced.lower()
             # jax's module moves into our context as bytecode (no text printed or parsed)
             # and is parsed once: the registered-task scan and compile() share it.
             program = module_bytecode(lowered.compiler_ir("stablehlo"))
@@ -146,3 +148,16 @@ def _pin_inputs(module, in_shardings, dyn_args, kwargs, dyn_flat, notes, devices
     changed = bool(pins or drop)
     _, pins = _inputs.pin_module(module, pins, drop, set() if force else committed)
     return changed, pins
+
+
+
+def _lowering_scope(notes):
+    """No concrete mesh in context while jax lowers a program whose registered tasks were
+    traced under their own meshes (:attr:`TraceNotes.stage_meshes`): jax lowers a
+    ``shard_map`` traced on an abstract mesh on the concrete mesh in context when there
+    is one, so a stage's ``shard_map`` would be partly manual over the program's mesh
+    (its collectives' groups repeated over every device, ``axis_index`` recursing);
+    without one it lowers on the stage's mesh, as an explicit task's does."""
+    if notes is None or not notes.stage_meshes:
+        return contextlib.nullcontext()
+    return jax_compat.mesh_scope(jax.sharding.get_abstract_mesh(), None)
