@@ -81,6 +81,8 @@ def mutate(data: bytes, rng: random.Random, other: bytes) -> tuple[bytes, str]:
         i = at + rng.randrange(n)
         new = rng.choice(_BAD_BYTES) if kind == "name" else rng.choice(b"abmxy019_.")
         return data[:i] + bytes([new]) + data[i + 1:], kind
+    if len(data) <= 4:  # only the magic left (a second mutation after a truncation)
+        return data + bytes([rng.randrange(256)]), "insert"
     i = rng.randrange(4, len(data))
     if kind in ("flip", "name", "rename"):
         return data[:i] + bytes([data[i] ^ rng.randrange(1, 256)]) + data[i + 1:], "flip"
@@ -92,7 +94,7 @@ def mutate(data: bytes, rng: random.Random, other: bytes) -> tuple[bytes, str]:
     if kind == "delete":
         return data[:i] + data[i + rng.randint(1, 8):], kind
     if kind == "splice":
-        j = rng.randrange(4, len(other))
+        j = rng.randrange(4, max(5, len(other)))
         return data[:i] + other[j:j + rng.randint(1, 32)] + data[i + rng.randint(0, 32):], kind
     return data[:i], kind
 
