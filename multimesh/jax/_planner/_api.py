@@ -355,6 +355,19 @@ def _measured(fun, args, min_units: int, timer: Timer | None) -> Profile:
     return profile
 
 
+def _fsdp_options(fsdp, explicit, notes: dict) -> tuple:
+    """The fsdp choices to search: the user's, or for an explicit-mode model (its
+    parameters typed over ``explicit``'s mesh) only what that mesh allows, noted."""
+    choices = _fsdp_choices(fsdp)  # checks its type either way
+    if explicit is None:
+        return choices
+    notes["work in a stage"] = (
+        f"the model's own shardings (typed over an explicit mesh "
+        f"{dict(zip(*explicit))}), on each stage's share of that mesh; priced as each "
+        f"microbatch's rows split over the stage's devices")
+    return _explicit_fsdp(fsdp, explicit)
+
+
 def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   num_stages: int | None = None, memory_limit: float | None = None,
                   num_microbatches: int | None = None,
@@ -412,14 +425,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
-    fsdps = _fsdp_choices(fsdp)
     explicit = _explicit_mesh(args)
-    if explicit is not None:
-        fsdps = _explicit_fsdp(fsdp, explicit)
-        notes["work in a stage"] = (
-            f"the model's own shardings (typed over an explicit mesh "
-            f"{dict(zip(*explicit))}), on each stage's share of that mesh; priced as each "
-            f"microbatch's rows split over the stage's devices")
+    fsdps = _fsdp_options(fsdp, explicit, notes)
     choice = search(table, machine, fit, mbs, names, fsdps)
     if choice.num_microbatches == 1:
         notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows, fsdps)

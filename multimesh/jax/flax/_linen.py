@@ -397,6 +397,15 @@ class MicrobatchOptions:
                                       reduction=self.reduction, remat=self.remat)
 
 
+def _resumed(init_fn, key, batch_avals, init_state, model, optimizer):
+    """``(init_state, state_avals)``: the state to resume from, checked against a fresh
+    one (None: start afresh), and the avals of the step's state."""
+    if init_state is not None:
+        fresh = _state_avals(init_fn, key, batch_avals, None)
+        init_state = _resume.initial_state(init_state, fresh, model, optimizer)
+    return init_state, _state_avals(init_fn, key, batch_avals, init_state)
+
+
 def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=None,
                      local_batch=None, replicate_inputs: bool = True, *,
                      num_microbatches: int | None = None, microbatch_size: int | None = None,
@@ -460,10 +469,7 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     init_fn = functools.partial(_linen_init_state, model, optimizer)
     batch_avals = batch_avals_of(global_batch, local_batch)
     key = jax.random.key(42) if rng is None else rng
-    if init_state is not None:
-        fresh = _state_avals(init_fn, key, batch_avals, None)
-        init_state = _resume.initial_state(init_state, fresh, model, optimizer)
-    state_avals = _state_avals(init_fn, key, batch_avals, init_state)
+    init_state, state_avals = _resumed(init_fn, key, batch_avals, init_state, model, optimizer)
     mb, plan = _auto_stages(mb, _loss_of(model), state_avals.params, batch_avals, mesh)
     step_fn = _linen_step_fn(model, mb, batch_avals, replicate_inputs)
     compiled = _compile(step_fn, mesh, plan, state_avals,
