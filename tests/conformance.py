@@ -43,6 +43,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import flops_of, spec_of
+from tests.real_models import loss_of
 
 BATCH, SIZE = 16, 4
 M = BATCH // SIZE
@@ -82,22 +84,6 @@ DEVIATIONS: dict[str, dict[str, str]] = {
 ``jax.jit``'s; the cell checks it is its parameter's and still differs from jax's."""
 
 CELLS = [(m, p, s) for m in MODELS for p in PLACEMENTS for s in SCHEDULES]
-
-
-def flops_of(compiled) -> float:
-    """``cost_analysis()["flops"]``: per device, every fragment summed for mjit's."""
-    return float(compiled.cost_analysis()["flops"])
-
-
-def spec_of(sharding, ndim: int) -> tuple:
-    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        return tuple(n for n in names if n is not None and sizes.get(n, 1) > 1) or None
-    return tuple(keep(e) for e in spec)
 
 
 # --------------------------------------------------------------------------- models
@@ -196,15 +182,6 @@ def token_batch() -> dict:
 @functools.cache
 def built(model: str, num_stages: int) -> Built:
     return {"linen": _linen, "nnx": _nnx, "explicit": _explicit}[model](num_stages, token_batch())
-
-
-def loss_of(fns):
-    def loss(params, batch):
-        x = batch["inputs"]
-        for f, p in zip(fns, params, strict=True):
-            x = f(p, x, batch["targets"])
-        return x
-    return loss
 
 
 # --------------------------------------------------------------------------- references

@@ -172,6 +172,17 @@ def stage_specs(stages: list[Stage], batch: dict) -> list:
     return out
 
 
+def loss_of(fns):
+    """Stages composed: ``fns[k](params[k], x, targets)`` applied in turn to a
+    ``{"inputs", "targets"}`` batch (the last returns the loss)."""
+    def loss(params, batch):
+        x = batch["inputs"]
+        for f, p in zip(fns, params, strict=True):
+            x = f(p, x, batch["targets"])
+        return x
+    return loss
+
+
 def token_batch(size: int, cfg: LmConfig = LmConfig(), seed: int = 7) -> dict:
     """``size`` sequences of random tokens, the targets the inputs shifted by one."""
     tokens = jax.random.randint(jax.random.key(seed), (size, cfg.length + 1), 0, cfg.vocab)
