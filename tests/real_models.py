@@ -172,6 +172,17 @@ def stage_specs(stages: list[Stage], batch: dict) -> list:
     return out
 
 
+def loss_of(fns):
+    """Stages composed: ``fns[k](params[k], x, targets)`` applied in turn to a
+    ``{"inputs", "targets"}`` batch (the last returns the loss)."""
+    def loss(params, batch):
+        x = batch["inputs"]
+        for f, p in zip(fns, params, strict=True):
+            x = f(p, x, batch["targets"])
+        return x
+    return loss
+
+
 def token_batch(size: int, cfg: LmConfig = LmConfig(), seed: int = 7) -> dict:
     """``size`` sequences of random tokens, the targets the inputs shifted by one."""
     tokens = jax.random.randint(jax.random.key(seed), (size, cfg.length + 1), 0, cfg.vocab)
@@ -195,3 +206,84 @@ class Lm1b(nn.Module):
                       constrain_batch=self.constrain_batch, name=f"stage_{k}")(
                 x, batch["targets"])
         return x
+
+
+# --------------------------------------------------------------------------- NNX
+
+
+def _nnx_init(names: tuple, scale: float = 0.3):
+    """A normal initialiser carrying NNX partition metadata (``nnx.with_partitioning``)
+    over the mesh axes ``names`` (``RULES`` applied by hand: ``model`` for the MLP, the
+    heads and the vocabulary)."""
+    from flax import nnx
+    return nnx.with_partitioning(nnx.initializers.normal(scale), names)
+
+
+def _nnx_classes():
+    from flax import nnx
+
+    class Attention(nnx.Module):
+        def __init__(self, c: LmConfig, rngs):
+            self.qkv = nnx.List([nnx.Einsum("ble,ehd->blhd", (c.embed, c.heads, c.kv), rngs=rngs,
+                                            kernel_init=_nnx_init((None, "model", None)))
+                                 for _ in range(3)])
+            self.out = nnx.Einsum("blhd,hde->ble", (c.heads, c.kv, c.embed), rngs=rngs,
+                                  kernel_init=_nnx_init(("model", None, None)))
+            self.kv = c.kv
+
+        def __call__(self, x):
+            q, k, v = (f(x) for f in self.qkv)
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(self.kv)
+            causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+            weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
+            return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v))
+
+    class Block(nnx.Module):
+        def __init__(self, c: LmConfig, rngs):
+            self.ln_attention = nnx.LayerNorm(c.embed, rngs=rngs)
+            self.attention = Attention(c, rngs)
+            self.ln_mlp = nnx.LayerNorm(c.embed, rngs=rngs)
+            self.wi = nnx.Linear(c.embed, c.mlp, kernel_init=_nnx_init((None, "model")),
+                                 rngs=rngs)
+            self.wo = nnx.Linear(c.mlp, c.embed, kernel_init=_nnx_init(("model", None)),
+                                 rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attention(self.ln_attention(x))
+            return x + self.wo(nnx.relu(self.wi(self.ln_mlp(x))))
+
+    class Stage(nnx.Module):
+        def __init__(self, c: LmConfig, first: bool, last: bool, rngs):
+            if first:
+                self.embed = nnx.Embed(c.vocab, c.embed, rngs=rngs,
+                                       embedding_init=_nnx_init(("model", None), 1.0))
+                self.pos = nnx.Param(0.1 * jax.random.normal(rngs.params(), (c.length, c.embed)))
+            self.block = Block(c, rngs)
+            if last:
+                self.final_norm = nnx.LayerNorm(c.embed, rngs=rngs)
+                self.logits = nnx.Linear(c.embed, c.vocab, kernel_init=_nnx_init((None, "model")),
+                                         use_bias=False, rngs=rngs)
+            self.first, self.last = first, last
+
+        def __call__(self, x, targets):
+            if self.first:
+                x = self.embed(x) + self.pos[...][:x.shape[1]]
+            x = self.block(x)
+            if not self.last:
+                return x
+            logp = jax.nn.log_softmax(self.logits(self.final_norm(x)))
+            return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return Stage
+
+
+def nnx_stage_modules(num_stages: int, cfg: LmConfig = LmConfig(), seed: int = 0) -> list:
+    """lm1b's stages written in NNX, ``num_stages`` of one decoder block each, their
+    parameters sharded by partition metadata (``nnx.with_partitioning``) as flax's NNX
+    guides write them: the embedding ``("model", None)``, the ``q``/``k``/``v`` kernels
+    ``(None, "model", None)``, the output ``("model", None, None)``, the MLP ``(None,
+    "model")``/``("model", None)``, the logits ``(None, "model")``. Each is called as
+    ``(h_or_tokens, targets)`` like :class:`Stage`."""
+    from flax import nnx
+    stage = _nnx_classes()
+    return [stage(cfg, k == 0, k == num_stages - 1, nnx.Rngs(seed + k)) for k in range(num_stages)]

@@ -170,3 +170,21 @@ def batch(seed: int = 0, size: int = 4, length: int = 8):
     """Random tokens and their targets (the tokens shifted by one)."""
     toks = jax.random.randint(jax.random.key(seed), (size, length + 1), 0, VOCAB)
     return toks[:, :-1], toks[:, 1:]
+
+
+class Middle(nnx.Module):
+    """A stage of one block between :class:`First` and :class:`Last`."""
+
+    def __init__(self, shd: Sharding, *, rngs: nnx.Rngs):
+        self.block = Block(shd, rngs=rngs)
+
+    def __call__(self, x):
+        return self.block(x)
+
+
+def stage_modules(num_stages: int, shd: Sharding, seed: int = 0) -> list[nnx.Module]:
+    """The model cut into ``num_stages`` stages: :class:`First`, ``num_stages - 2``
+    :class:`Middle` blocks, :class:`Last` (the loss is the caller's)."""
+    rngs = nnx.Rngs(seed)
+    return ([First(shd, rngs=rngs)] + [Middle(shd, rngs=rngs) for _ in range(num_stages - 2)]
+            + [Last(shd, rngs=rngs)])

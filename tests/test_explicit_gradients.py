@@ -23,6 +23,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import flops_of as _flops
+from tests.layouts import spec_of as _spec
 
 EXPLICIT = AxisType.Explicit
 SPECS = {"w1": P(None, "model"), "w2": P("model", None)}
@@ -32,25 +34,9 @@ def _stage_devices(k: int) -> set[int]:
     return set(range(4 * k, 4 * k + 4))
 
 
-def _spec(sharding, ndim: int) -> tuple:
-    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and sizes.get(n, 1) > 1)
-        return kept or None
-    return tuple(keep(e) for e in spec)
-
-
 def _key(entry):
     """A key path entry's index or key."""
     return getattr(entry, "idx", getattr(entry, "key", None))
-
-
-def _flops(compiled) -> float:
-    return float(compiled.cost_analysis()["flops"])
 
 
 def _meshes(names=("data", "model")):

@@ -31,7 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh.jax.flax import parallelize_step
+from tests.layouts import flops_of as _flops
+from tests.layouts import spec_of as _spec
 from tests.real_models import RULES, Lm1b, init_stages, stage_modules, stage_specs, token_batch
+from tests.real_models import loss_of as _loss_of
 
 BATCH, SIZE = 16, 4
 M = BATCH // SIZE
@@ -54,30 +57,6 @@ def _global_mesh():
 def _stage_mesh(first: int = 0) -> jax.sharding.Mesh:
     devices = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
     return jax.sharding.Mesh(devices, ("data", "model"), axis_types=AUTO[:2])
-
-
-def _loss_of(fns):
-    def loss(params, batch):
-        x = batch["inputs"]
-        for f, p in zip(fns, params, strict=True):
-            x = f(p, x, batch["targets"])
-        return x
-    return loss
-
-
-def _flops(compiled) -> float:
-    return float(compiled.cost_analysis()["flops"])
-
-
-def _spec(sharding, ndim: int) -> tuple:
-    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        return tuple(n for n in names if n is not None and sizes.get(n, 1) > 1) or None
-    return tuple(keep(e) for e in spec)
 
 
 class Reference:

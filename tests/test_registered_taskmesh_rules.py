@@ -25,6 +25,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import flops_of as _flops
+from tests.layouts import spec_of as _spec
 
 RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 AUTO2 = (AxisType.Auto,) * 2
@@ -77,22 +79,6 @@ def _stage_mesh(first: int) -> jax.sharding.Mesh:
 
 def _global_mesh():
     return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=(AxisType.Auto,) * 3)
-
-
-def _flops(compiled) -> float:
-    return float(compiled.cost_analysis()["flops"])
-
-
-def _spec(sharding, ndim):
-    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and sizes.get(n, 1) > 1)
-        return kept or None
-    return tuple(keep(e) for e in spec)
 
 
 def _reference(loss, args):

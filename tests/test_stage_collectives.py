@@ -28,6 +28,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import flops_of as _flops
+from tests.layouts import spec_of as _spec
 
 AUTO = AxisType.Auto
 # (in_specs, out_spec, local body) per collective. The ppermute rotates the rows over
@@ -119,23 +121,9 @@ def _inputs():
     return (w, 0.5 * w), x
 
 
-def _spec(sharding, ndim):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        return tuple(n for n in names if n is not None and sizes.get(n, 1) > 1) or None
-    return tuple(keep(e) for e in spec)
-
-
 def _reference(body, ws, x):
     with jax.set_mesh(_stage_mesh()):
         return jax.jit(jax.value_and_grad(_loss_of([body, body])))(ws, x)
-
-
-def _flops(compiled) -> float:
-    return float(compiled.cost_analysis()["flops"])
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

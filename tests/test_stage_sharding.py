@@ -23,6 +23,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import flops_of as _flops
+from tests.layouts import spec_of as _spec
 
 RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 AUTO3 = (AxisType.Auto,) * 3
@@ -109,18 +111,6 @@ def _loss_of(stages):
     return loss
 
 
-def _spec(sharding, ndim):
-    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and sizes.get(n, 1) > 1)
-        return kept or None
-    return tuple(keep(e) for e in spec)
-
-
 def _assert_like_jax(got, want) -> None:
     """``(value, grads, flops)`` of the MPMD program against plain jax's: the same
     numbers, and no more than 10% more flops per stage device."""
@@ -129,10 +119,6 @@ def _assert_like_jax(got, want) -> None:
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
     assert flops <= 1.1 * ref_flops, (flops, ref_flops)
-
-
-def _flops(compiled) -> float:
-    return float(compiled.cost_analysis()["flops"])
 
 
 def _one_device_flops(loss, params, x) -> float:

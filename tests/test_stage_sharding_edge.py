@@ -27,6 +27,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import spec_of as _spec
 
 AUTO = AxisType.Auto
 wsc = jax.lax.with_sharding_constraint
@@ -86,17 +87,6 @@ def _loss_of(stages):
 def _reference(body, x):
     with jax.set_mesh(_stage_mesh()):
         return jax.jit(jax.value_and_grad(_loss_of([body, body])))(x)
-
-
-def _spec(sharding, ndim):
-    """A sharding's spec over the axes with more than one device, padded to ``ndim``."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
-
-    def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        return tuple(n for n in names if n is not None and sizes.get(n, 1) > 1) or None
-    return tuple(keep(e) for e in spec)
 
 
 def _check(got, want, stage: int) -> None:

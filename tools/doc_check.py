@@ -4,11 +4,20 @@ page, or with ``--check`` exit 1 when it is stale."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def use_cpu_devices(count: int = 8) -> None:
+    """Before jax is imported: ``count`` simulated CPU devices, as the tests have."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def generate(argv, description: str, doc: Path, render: Callable[[str], str]) -> int:

@@ -14,7 +14,6 @@ import ast
 import builtins
 import importlib.util
 import inspect
-import os
 import re
 import sys
 import tempfile
@@ -24,13 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-# Before jax is imported: the catalogue's programs use 8 CPU devices.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from doc_check import generate, use_cpu_devices  # noqa: E402
 
-from doc_check import generate  # noqa: E402
+use_cpu_devices()  # before jax is imported: the catalogue's programs use 8 CPU devices
 
 DOC = ROOT / "docs" / "errors.md"
 CATALOGUE = ROOT / "tests" / "error_catalogue.py"
