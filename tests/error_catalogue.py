@@ -3651,7 +3651,7 @@ _NORMALIZE = (
      "$MULTIMESH_DUMP_IR_TO/multimesh-rules-HASH.json"),
     # source locations move whenever the file is edited
     (re.compile(r"(\(at [^()\s]+?):\d+:\d+\)"), r"\1:LINE:COL)"),
-    (re.compile(r"(\(at [^()\s]+?\.py):\d+\)"), r"\1:LINE)"),
+    (re.compile(r"(\(at [^()\s]+?\.(?:py|md)):\d+\)"), r"\1:LINE)"),
     (re.compile(r"\b0x[0-9a-f]{6,}\b"), "0x..."),
 )
 

@@ -45,7 +45,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _FENCE = re.compile(r"^(`{3,})(\w*)\s*$")
 _CLASS = re.compile(r"(?:Should be )?(?:[Rr]aised|[Ww]arned) as `(\w+)`")
-_AT = re.compile(r"\(at [^()\s]+?:(LINE:COL)\)")
+_AT = re.compile(r"\(at [^()\s]+?:(LINE(?::COL)?)\)")
 _TODAY = re.compile(r"^Today it raises (?:`(\w+)`|(no error))")
 
 
