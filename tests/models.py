@@ -156,3 +156,20 @@ def nnx_train_step(model, optimizer, x):
     loss, grads = nnx.value_and_grad(lambda m: m(x))(model)
     optimizer.update(model, grads)
     return loss
+
+
+LOGICAL_RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
+"""flax's logical rules for :class:`LogicalBlock` on a ``("data", "model")`` mesh."""
+
+
+class LogicalBlock(nn.Module):
+    """An MLP block sharded the flax way: logical partitioning and constraints."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.with_logical_constraint(x, ("batch", "embed"))
+        init = nn.initializers.normal(0.3)
+        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
+        out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+        return x + out

@@ -21,19 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from multimesh.jax.flax import parallelize_step, task
-
-RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.with_logical_constraint(x, ("batch", "embed"))
-        init = nn.initializers.normal(0.3)
-        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
-        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
-        out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
-        return x + out
+from tests.models import LOGICAL_RULES as RULES
+from tests.models import LogicalBlock as Block
 
 
 class Net(nn.Module):

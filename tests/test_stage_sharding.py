@@ -25,22 +25,12 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from tests.layouts import flops_of as _flops
 from tests.layouts import spec_of as _spec
+from tests.models import LOGICAL_RULES as RULES
+from tests.models import LogicalBlock as Block
 
-RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 AUTO3 = (AxisType.Auto,) * 3
 
 
-class Block(nn.Module):
-    """An MLP block sharded the flax way: logical partitioning and constraints."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.with_logical_constraint(x, ("batch", "embed"))
-        init = nn.initializers.normal(0.3)
-        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
-        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
-        out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
-        return x + out
 
 
 def jax_block(w, x):
