@@ -39,6 +39,16 @@ def own_mesh(value):
     return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
+def _same_box(self, other):
+    """Equality as flax's boxes have it: the same class, and the values compared as a
+    tuple (so arrays compare without an elementwise truth value)."""
+    if self is other:
+        return True
+    if other.__class__ is self.__class__:
+        return (self.value,) == (other.value,)
+    return NotImplemented
+
+
 class PlacedLogicallyPartitioned(nn.LogicallyPartitioned):
     """``nn.LogicallyPartitioned`` around a value that lives on ``mesh`` (its stage's).
 
@@ -46,12 +56,7 @@ class PlacedLogicallyPartitioned(nn.LogicallyPartitioned):
     flax's constraint does, without entering the mesh in context, which may be the
     larger global mesh: jax's eager constraint refuses a value on a submesh of it)."""
 
-    def __eq__(self, other):  # as flax's: arrays are compared as a tuple
-        if self is other:
-            return True
-        if other.__class__ is self.__class__:
-            return (self.value,) == (other.value,)
-        return NotImplemented
+    __eq__ = _same_box
 
     def unbox(self, apply_constraint=True):
         if not apply_constraint or self.mesh is None:
@@ -64,12 +69,7 @@ class PlacedPartitioned(nn.Partitioned):
     """``nn.Partitioned`` around a value that lives on ``mesh`` (see
     :class:`PlacedLogicallyPartitioned`)."""
 
-    def __eq__(self, other):
-        if self is other:
-            return True
-        if other.__class__ is self.__class__:
-            return (self.value,) == (other.value,)
-        return NotImplemented
+    __eq__ = _same_box
 
     def unbox(self, apply_constraint=True):
         if not apply_constraint or self.mesh is None:
