@@ -30,7 +30,6 @@ from multimesh._src.mlir import (
 )
 from multimesh._src.stack import on_big_stack
 from multimesh.jax._checks import few_devices_hint
-from multimesh.jax._imported_schedule import recover_schedule
 from multimesh.jax._stages.call_checks import check_distinct_devices
 from multimesh.jax._stages.compiled import MpmdCompiled
 from multimesh.jax._stages.lowered import MpmdLowered
@@ -134,10 +133,10 @@ def _compile(program, meshes, devices, in_tree, out_tree) -> MpmdCompiled:
     lowered = MpmdLowered(LoweredProgram(
         text, devices, jax.tree.structure((jax.tree.unflatten(args_tree, [0] * n_leaves), {})),
         res_tree, tuple(kept), parse_pipeline(_PIPELINE), donated_leaves=tuple(info.donated),
-        in_avals=tuple(info.arg_types if in_avals is None else in_avals)))
+        in_avals=tuple(info.arg_types if in_avals is None else in_avals),
+        call_counters=tuple(info.counters)))  # the schedule is recovered from them
     compiled = lowered.compile()
     assert isinstance(compiled, MpmdCompiled)  # only mjit's lower sets a fast path
-    compiled._recovered_schedule = recover_schedule(compiled.plan_data, info.counters)
     return compiled
 
 

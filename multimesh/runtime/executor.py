@@ -21,15 +21,18 @@ from jax.core import ShapedArray
 
 from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
+from multimesh._src.ir_util import update_attr_dicts
 from multimesh._src.log import compile_log_level, logger
-from multimesh._src.mlir import element_dtype, make_context, parse_module
+from multimesh._src.mlir import element_dtype, ir, make_context, parse_module
 from multimesh.runtime import fragment_store, runahead
 from multimesh.runtime import steps as st
 from multimesh.runtime.distributed import ProcessPlan
 from multimesh.runtime.guards import check_args
+from multimesh.runtime.memory import SubmeshMemory, measure_step
 from multimesh.runtime.parallel import map_ordered
 from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
 from multimesh.runtime.steps import layout_sharding
+from multimesh.runtime.timing import StepTime, run_timed
 from multimesh.runtime.zeros import Zeros
 
 # Compiled fragments by (text, device ids, donors), shared by every program; emptied
@@ -230,9 +233,6 @@ def _stored_entries(leaders: dict[tuple, int], jobs: list[Job], devices: tuple
 
 
 def _mark_donors(module, donors) -> None:
-    from multimesh._src.ir_util import update_attr_dicts
-    from multimesh._src.mlir import ir
-
     with module.context:
         for op in module.body.operations:
             op = op.operation
@@ -281,8 +281,8 @@ class Executor:
         shared = frozenset(i for i, s in enumerate(plan.steps) if isinstance(s, Transfer)
                            and s.src in donated and set(s.layout[0]) & set(layouts[s.src][0]))
         self.transfer_count = sum(1 for s in plan.steps if not isinstance(s, Call))
-        self._steps = _per_step(plan, self.devices, exes, self._skipped_donations, shared,
-                                layouts, self.process_plan)
+        self.steps = _per_step(plan, self.devices, exes, self._skipped_donations, shared,
+                               layouts, self.process_plan)
         """The plan's steps that this process runs, one by one, in plan order (traces,
         memory profiles, and every run under jax.distributed)."""
         self._env_template = self._constants()
@@ -306,7 +306,7 @@ class Executor:
         at most ``limit`` fragment calls of one submesh in flight; None: no bound.
         One process only (several dispatch step by step, in lock step anyway)."""
         self.run_ahead = runahead.check_run_ahead(limit)
-        program = self._program or self._steps
+        program = self._program or self.steps
         if self._program is not None:
             program = runahead.bounded(program, self.plan, limit, self._consumed)
         self._runs = [s.run for s in program]
@@ -389,7 +389,7 @@ class Executor:
             out.append(a)
         return out
 
-    def _start(self, args) -> list:
+    def start(self, args) -> list:
         """The value list of one run, holding its placed inputs (checked first).
 
         Values live in a flat list indexed by value id; a slot is cleared after the
@@ -405,9 +405,10 @@ class Executor:
         return env
 
     def __call__(self, *args):
-        return self._outputs(st.run_program(self._runs, self._start(args)))
+        return self.finish(st.run_program(self._runs, self.start(args)))
 
-    def _outputs(self, env):
+    def finish(self, env) -> list:
+        """The outputs of a run whose value list (:meth:`start`) is ``env``."""
         outs = [env[o] for o in self.plan.outputs]
         if self.process_plan is not None:  # outputs that live on other processes
             outs = self.process_plan.finish(outs, self.output_shardings)
@@ -416,8 +417,18 @@ class Executor:
     def run_traced(self, recorder, *args):
         """Like ``__call__`` but step by step, blocking after every step and recording
         its span on ``recorder`` (:class:`~multimesh.runtime.trace.TraceRecorder`)."""
-        runs = st.traced(self._steps, recorder, self.devices, self.plan)
-        return self._outputs(st.run_program(runs, self._start(args)))
+        runs = st.traced(self.steps, recorder, self.devices, self.plan)
+        return self.finish(st.run_program(runs, self.start(args)))
+
+    def run_timed(self, recorder, args) -> tuple[list, list[StepTime]]:
+        """Like :meth:`run_traced`, and each step's time beside its plan origin
+        (:func:`~.timing.run_timed`): the outputs and the times."""
+        return run_timed(self, recorder, args)
+
+    def measure(self, args) -> list[SubmeshMemory]:
+        """Run one step on ``args``, step by step, and measure the bytes each submesh
+        holds (:func:`~.memory.measure_step`); the outputs are dropped."""
+        return measure_step(self, args)
 
 
 def _per_step(plan: Plan, devices: tuple, exes: dict, skipped: dict, shared: Set[int],

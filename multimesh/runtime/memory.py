@@ -134,7 +134,7 @@ def measure_step(executor, args) -> list[SubmeshMemory]:
     buffer counted once)."""
     plan = executor.plan
     cls, pair, stage_of = _classes(plan)
-    env = executor._start(args)
+    env = executor.start(args)
     # the caller holds its arguments through the step (unless donated): count them
     held = [(v, env[v]) for v in plan.input_ids]
     meter = _Meter(executor, cls, pair, stage_of)
@@ -153,8 +153,8 @@ def measure_step(executor, args) -> list[SubmeshMemory]:
                              {v for v, _ in reading})
         return run
 
-    steps.run_program([metered(s) for s in executor._steps], env)
-    executor._outputs(env)
+    steps.run_program([metered(s) for s in executor.steps], env)
+    executor.finish(env)
     return meter.result(_stages(plan))
 
 

@@ -30,7 +30,7 @@ def run_timed(executor, recorder, args) -> tuple[list, list[StepTime]]:
     """Run one step of ``executor`` on ``args`` (placed as its ``__call__`` takes them),
     recording the trace on ``recorder``; returns the outputs and every step's time."""
     times: list[StepTime] = []
-    runs = st.traced(executor._steps, recorder, executor.devices, executor.plan)
+    runs = st.traced(executor.steps, recorder, executor.devices, executor.plan)
 
     def clocked(step: st.Step, run):
         def timed(env: list) -> None:
@@ -39,6 +39,6 @@ def run_timed(executor, recorder, args) -> tuple[list, list[StepTime]]:
             times.append(StepTime(step.origin, step.cat, start, end))
         return timed
 
-    env = st.run_program([clocked(s, r) for s, r in zip(executor._steps, runs, strict=True)],
-                         executor._start(args))
-    return executor._outputs(env), times
+    env = st.run_program([clocked(s, r) for s, r in zip(executor.steps, runs, strict=True)],
+                         executor.start(args))
+    return executor.finish(env), times

@@ -20,17 +20,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
-from multimesh.jax._stages.call_checks import check_call
 from multimesh.runtime.memory import _shard_bytes as shard_bytes
 from multimesh.runtime.plan import Call
-from multimesh.runtime.timing import StepTime, run_timed
+from multimesh.runtime.timing import StepTime
 from multimesh.schedules import Schedule
 from multimesh.schedules.costs import FragmentCosts, ScheduleComparison, compare
 from multimesh.schedules.simulator import Timeline
 
 __all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare_schedules",
            "ScheduleComparison",
-           "step_profile", "profile_from_times"]
+           "check_step_profile", "profile_from_times", "NO_TASKS"]
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,7 @@ def _measure(cls, devices: list) -> DeviceModel:
                name=f"calibrated on {n} {devices[0].platform} device(s)")
 
 
-_NO_TASKS = (
+NO_TASKS = (
     "This program has no tasks, so multimesh compiled it as one `jax.jit` executable "
     "(the fast path): it has no fragments, submeshes or schedule to cost, profile or "
     "measure. Time it with `compiled.profile(...)`; place work with `task`/"
@@ -239,7 +238,7 @@ def _mpmd(obj):
     """The compiled MPMD program behind ``obj``; a program without tasks is refused."""
     c = _compiled(obj)
     if getattr(c, "fast_path", False):
-        raise MultimeshValueError(_NO_TASKS)
+        raise MultimeshValueError(NO_TASKS)
     return c
 
 
@@ -394,29 +393,22 @@ def _unit_key(t: StepTime) -> tuple[str, int | None] | None:
     return (o.fragment, o.microbatch) if isinstance(o, Call) else None
 
 
-def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepProfile:
-    """Run ``steps`` steps of ``compiled`` (timed, blocking after every dispatch step)."""
-    from multimesh.runtime.trace import TraceRecorder
-
-    sched = compiled.schedule
-    if sched is None:
+def check_step_profile(schedule: Schedule | None, steps, donates: bool) -> Schedule:
+    """The schedule whose units ``compiled.step_profile(..., steps=steps)`` times, once
+    it is known that the program has one and can run ``steps`` steps on one set of
+    arguments (``donates``: it donates some of them)."""
+    if schedule is None:
         raise MultimeshValueError(
             "This program has no pipeline schedule (it is not microbatched: use "
             "multimesh.jax.microbatch), so it has no units to profile.")
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise MultimeshValueError(f"step_profile: `steps` must be a positive integer (the "
                                   f"number of steps to time), got {steps!r}.")
-    if steps > 1 and compiled.record.donated_leaves:
+    if steps > 1 and donates:
         raise MultimeshValueError(
             f"steps={steps} reruns the program on the same arguments, but it donates "
             "some of them; profile one step at a time (steps=1) with fresh arguments.")
-    low = compiled.record
-    flat = check_call(low.in_tree, low.in_avals, args, kwargs)
-    flat = [flat[i] for i in low.dyn_idx]
-    if low.key_inputs:
-        flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
-    runs = [run_timed(compiled._exec, TraceRecorder(), flat)[1] for _ in range(steps)]
-    return profile_from_times(sched, runs)
+    return schedule
 
 
 def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: float = 0.0,

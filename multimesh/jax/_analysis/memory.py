@@ -6,10 +6,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-import jax
-
-from multimesh.jax._stages.call_checks import check_call
-from multimesh.runtime.memory import SubmeshMemory, handed_over, measure_step
+from multimesh.runtime.memory import SubmeshMemory, handed_over
 
 __all__ = ["MemoryProfile", "memory_profile", "stage_tasks", "program_fingerprint"]
 
@@ -80,14 +77,11 @@ class MemoryProfile:
         return self.format()
 
 
-def memory_profile(compiled, args, kwargs) -> MemoryProfile:
-    """Run one step of ``compiled`` on ``args`` and measure it (see :class:`MemoryProfile`)."""
+def memory_profile(compiled, submeshes: list[SubmeshMemory]) -> MemoryProfile:
+    """The :class:`MemoryProfile` of one measured step of ``compiled`` (``submeshes``:
+    the executor's ``measure`` of it) beside its schedule's theory."""
     low = compiled.record
-    flat = check_call(low.in_tree, low.in_avals, args, kwargs)
-    flat = [flat[i] for i in low.dyn_idx]
-    if low.key_inputs:
-        flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
-    measured = {tuple(s.devices): s for s in measure_step(compiled._exec, flat)}
+    measured = {tuple(s.devices): s for s in submeshes}
     sched = compiled.schedule
     if sched is None:
         return MemoryProfile(None, list(measured.values()), [0] * len(measured),

@@ -3,25 +3,35 @@ offers to inspect (fragments, calls, transfers, cost and memory estimates)."""
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping, Sequence
-
-import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
 
 from multimesh._src.log import log_phase
 from multimesh._src.mlir import ir, print_module
-from multimesh.jax._stages.call_checks import check_call, leaf_name
-from multimesh.jax._stages.stage import LoweredProgram, ProgramStage
+from multimesh.jax._analysis.costs import StepProfile, check_step_profile, profile_from_times
+from multimesh.jax._analysis.memory import memory_profile
+from multimesh.jax._analysis.trace_view import write_step_trace
+from multimesh.jax._imported_schedule import recover_schedule
+from multimesh.jax._stages.call_convention import CallConvention
+from multimesh.jax._stages.stage import LoweredProgram, ProgramStage, forward
+from multimesh.passes.api import read_schedule
 from multimesh.runtime import Executor, build_plan
+from multimesh.runtime.plan import Transfer
+from multimesh.runtime.steps import layout_sharding
+from multimesh.runtime.trace import TraceRecorder
 from multimesh.schedules import Schedule
 
-__all__ = ["MpmdCompiled", "MemoryAnalysis", "place_outputs", "drop_unused", "explicit_placements",
-           "retype_outputs"]
+__all__ = ["MpmdCompiled", "MemoryAnalysis"]
 
 
 class MpmdCompiled(ProgramStage):
-    """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
+    """A compiled MPMD program: call it on pytrees; inspect fragments and transfers.
+
+    Every field is set here, from the lowered ``record`` and the module after the
+    passes: the plan, the executor, the calling convention (``convention``) and the
+    shardings it gives the arguments and results."""
+
+    fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
 
     def __init__(self, record: LoweredProgram, module: ir.Module, times: dict | None = None,
                  pass_times: list | None = None):
@@ -32,14 +42,16 @@ class MpmdCompiled(ProgramStage):
         self._module = module
         self._text: str | None = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
-        self.plan_data = build_plan(module)
+        self.plan_data = plan = build_plan(module)
         t1 = time.perf_counter()
         log_phase(lowered.label, "built the runtime plan", t1 - t0,
-                   f"{len(self.plan_data.fragments)} fragments, "
-                   f"{len(self.plan_data.calls())} calls, "
-                   f"{len(self.plan_data.steps) - len(self.plan_data.calls())} transfers")
-        self._exec = Executor(self.plan_data, lowered.devices,
-                              frozenset(lowered.donated_leaves), leaf_name=self._arg_name)
+                   f"{len(plan.fragments)} fragments, {len(plan.calls())} calls, "
+                   f"{len(plan.steps) - len(plan.calls())} transfers")
+        self.convention = CallConvention.for_runtime(
+            lowered, [layout_sharding(lay, lowered.devices) for lay in plan.out_layouts])
+        """How a call's arguments become the executor's inputs, and its outputs results."""
+        self._exec = Executor(plan, lowered.devices, self.convention.donated,
+                              leaf_name=self.convention.arg_name)
         self.compile_times = {**(times or {}), "plan": t1 - t0,
                               "xla": time.perf_counter() - t1}
         """Seconds per phase: ``trace_lower``, ``passes``, ``plan``, ``xla``."""
@@ -55,51 +67,29 @@ class MpmdCompiled(ProgramStage):
                    f"{self._exec.xla_compiles} XLA compilations")
         log_phase(lowered.label, "finished compiling", sum(self.compile_times.values()),
                    ", ".join(f"{k} {v:.3f} s" for k, v in self.compile_times.items()))
-        n_leaves = lowered.in_tree.num_leaves
-        self._all_dynamic = list(lowered.dyn_idx) == list(range(n_leaves))
-        in_sh: Sequence[NamedSharding | None] = self._exec.input_shardings
-        if not self._all_dynamic:  # leaves the program does not take have no sharding
-            placed: list[NamedSharding | None] = [None] * n_leaves
-            for i, sh in zip(lowered.dyn_idx, self._exec.input_shardings):
-                placed[i] = sh
-            in_sh = placed
-        self.input_shardings = jax.tree.unflatten(lowered.in_tree, in_sh)
-        self._retyped = explicit_placements(self._exec.output_shardings,
-                                            lowered.explicit_outputs, lowered.out_placements)
-        out_sh = [self._retyped.get(i, sh) for i, sh in enumerate(self._exec.output_shardings)]
-        self.output_shardings = jax.tree.unflatten(lowered.out_tree, out_sh)
+        self.input_shardings = self.convention.input_shardings(self._exec.input_shardings)
+        self.output_shardings = self.convention.output_shardings(self._exec.output_shardings)
+        # an imported program's schedule is recovered from its call order (numbering
+        # the plan's calls); mjit's is read from the module when first asked for
+        self._recovered = None if lowered.call_counters is None else \
+            recover_schedule(plan, lowered.call_counters)
+        self.last_trace: TraceRecorder | None = None
+        """The trace of the last ``profile`` (None before one)."""
+        self.last_profile: StepProfile | None = None
+        """The last ``profile``'s durations per schedule unit (a ``StepProfile``; None
+        before one, or for a program without a schedule)."""
 
-    fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
-    _recovered_schedule: Schedule | None = None  # set by compile_mpmd
+    out_placements = forward("record", "out_placements",
+                             "Output leaf -> the physical ``out_shardings`` entry it is moved onto.")
 
-    @property
-    def out_placements(self) -> Mapping[int, NamedSharding]:
-        """Output leaf -> the physical ``out_shardings`` entry it is moved onto."""
-        return self.record.out_placements
-
-    def _arg_name(self, i: int) -> str:
-        """``args[0]['w']``: how errors name the executor's argument ``i``."""
-        low = self.record
-        leaves = jax.tree.unflatten(low.in_tree, list(range(low.in_tree.num_leaves)))
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(leaves)[0]]
-        return leaf_name(paths[low.dyn_idx[i]])
+    @functools.cached_property
+    def schedule(self) -> Schedule | None:
+        """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
+        return self._recovered if self._recovered is not None else read_schedule(self._module)
 
     def __call__(self, *args, **kwargs):
-        low = self.record
-        flat = check_call(low.in_tree, low.in_avals, args, kwargs)
-        if not self._all_dynamic:
-            flat = [flat[i] for i in low.dyn_idx]
-        if low.key_inputs:  # typed PRNG keys travel as their raw uint32 data
-            flat = [jax.random.key_data(x) if k else x for x, k in zip(flat, low.key_inputs)]
-        outs = self._exec(*flat)
-        if self.out_placements:
-            outs = place_outputs(outs, self.out_placements)
-        if self._retyped:
-            outs = retype_outputs(outs, self._retyped)
-        if low.key_outputs:
-            outs = [jax.random.wrap_key_data(o, impl=impl) if impl is not None else o
-                    for o, impl in zip(outs, low.key_outputs)]
-        return jax.tree.unflatten(low.out_tree, outs)
+        conv = self.convention
+        return conv.results(self._exec(*conv.inputs(args, kwargs)))
 
     @property
     def run_ahead(self) -> int | None:
@@ -119,15 +109,6 @@ class MpmdCompiled(ProgramStage):
             self._text = print_module(self._module)
         return self._text
 
-    @property
-    def schedule(self):
-        """The pipeline schedule (per-submesh fragment order), or None if not microbatched."""
-        from multimesh.passes.api import read_schedule
-
-        if self._recovered_schedule is not None:  # imported: see _imported_schedule
-            return self._recovered_schedule
-        return read_schedule(self._module)
-
     def profile(self, *args, trace_path=None, **kwargs):
         """Run one step synchronously, timing every fragment and transfer.
 
@@ -137,41 +118,29 @@ class MpmdCompiled(ProgramStage):
         (a :class:`multimesh.jax.StepProfile`). Blocking after each step makes the
         timeline readable at the cost of overlap, so use it to inspect, not to benchmark.
         """
-        from multimesh.jax._analysis.costs import profile_from_times
-        from multimesh.runtime.timing import run_timed
-        from multimesh.runtime.trace import TraceRecorder
-
-        flat, tree = jax.tree.flatten((args, kwargs))
-        low = self.record
-        if low.in_avals is not None:
-            flat = check_call(low.in_tree, low.in_avals, args, kwargs)
-        rec = TraceRecorder()
-        outs, times = run_timed(self._exec, rec, [flat[i] for i in low.dyn_idx])
+        conv, rec = self.convention, TraceRecorder()
+        outs, times = self._exec.run_timed(rec, conv.inputs(args, kwargs))
         sched = self.schedule
         self.last_profile = None if sched is None else profile_from_times(sched, [times])
-        outs = retype_outputs(place_outputs(outs, self.out_placements), self._retyped)
         if trace_path is not None:
-            from multimesh.jax._analysis.trace_view import write_step_trace
-
-            write_step_trace(rec.events, self.plan_data, self.schedule,
-                             [d.id for d in low.devices], trace_path)
+            write_step_trace(rec.events, self.plan_data, sched,
+                             [d.id for d in self.record.devices], trace_path)
         self.last_trace = rec
-        return jax.tree.unflatten(low.out_tree, outs)
+        return conv.results(outs)
 
     def step_profile(self, *args, steps: int = 3, **kwargs):
         """Run ``steps`` steps, timing every fragment call alone: a
         :class:`multimesh.jax.StepProfile` (costs for ``schedule.simulate``)."""
-        from multimesh.jax._analysis.costs import step_profile
-
-        return step_profile(self, args, kwargs, steps)
+        sched = check_step_profile(self.schedule, steps, bool(self.record.donated_leaves))
+        flat = self.convention.inputs(args, kwargs)
+        return profile_from_times(
+            sched, [self._exec.run_timed(TraceRecorder(), flat)[1] for _ in range(steps)])
 
     def memory_profile(self, *args, **kwargs):
         """Run one step and measure, per submesh, the peak bytes the runtime holds
         (parameters, activations in flight, other values, XLA temporaries) beside
         the schedule's prediction: a :class:`multimesh.jax._analysis.memory.MemoryProfile`."""
-        from multimesh.jax._analysis.memory import memory_profile
-
-        return memory_profile(self, args, kwargs)
+        return memory_profile(self, self._exec.measure(self.convention.inputs(args, kwargs)))
 
     @property
     def fragments(self) -> list[dict]:
@@ -209,8 +178,6 @@ class MpmdCompiled(ProgramStage):
 
     @property
     def transfers(self) -> list:
-        from multimesh.runtime.plan import Transfer
-
         return [s for s in self.plan_data.steps if isinstance(s, Transfer)]
 
     def plan(self) -> str:
@@ -249,51 +216,6 @@ class MpmdCompiled(ProgramStage):
         "args_info": "see `input_shardings` and the lowered program's `in_avals`",
         "call": "call the compiled object itself",
     }
-
-
-def place_outputs(outs: list, placements: Mapping) -> list:
-    """Outputs with a physical ``out_shardings`` entry moved onto it."""
-    return [jax.device_put(o, placements[i]) if i in placements else o
-            for i, o in enumerate(outs)]
-
-
-def explicit_placements(shardings: Sequence, explicit: Sequence[tuple[str, ...]],
-                        placed: Mapping) -> dict[int, NamedSharding]:
-    """Output leaf -> its sharding with the axes ``explicit`` names made ``Explicit``
-    (jax's explicit sharding mode types an output over such a mesh, and a later call
-    reads its type from there); leaves a physical ``out_shardings`` entry places are
-    left to it."""
-    out = {}
-    for i, (sh, names) in enumerate(zip(shardings, explicit or ())):
-        if not names or i in placed or not isinstance(sh, NamedSharding):
-            continue
-        mesh = sh.mesh
-        types = tuple(AxisType.Explicit if n in names else AxisType.Auto
-                      for n in mesh.axis_names)
-        if types != tuple(mesh.axis_types):
-            out[i] = NamedSharding(Mesh(mesh.devices, mesh.axis_names, axis_types=types),
-                                   sh.spec, memory_kind=sh.memory_kind)
-    return out
-
-
-def retype_outputs(outs: list, retyped: Mapping[int, NamedSharding]) -> list:
-    """Outputs given the shardings of :func:`explicit_placements`: the same buffers
-    (the layout is the same), a mesh with ``Explicit`` axes."""
-    if not retyped:
-        return outs
-    outs = list(outs)
-    for i, sh in retyped.items():
-        o = outs[i]
-        outs[i] = jax.make_array_from_single_device_arrays(
-            o.shape, sh, [s.data for s in o.addressable_shards])
-    return outs
-
-
-def drop_unused(compiled, unused: frozenset[int]) -> None:
-    """``input_shardings`` with None for the leaves the program never reads."""
-    leaves, tree = jax.tree.flatten(compiled.input_shardings, is_leaf=lambda x: x is None)
-    compiled.input_shardings = jax.tree.unflatten(
-        tree, [None if i in unused else sh for i, sh in enumerate(leaves)])
 
 
 def _cost_dict(exe) -> dict:

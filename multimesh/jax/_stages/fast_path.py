@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -24,13 +23,18 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
+from multimesh._src.ir_util import custom_call_target
+from multimesh._src.mlir import ir
 from multimesh.jax import _contexts
-from multimesh.jax._stages.call_checks import check_call
-from multimesh.jax._stages.compiled import MemoryAnalysis, MpmdCompiled, place_outputs
-from multimesh.jax._stages.stage import LoweredProgram, ProgramStage
+from multimesh.jax._analysis.costs import NO_TASKS
+from multimesh.jax._stages.call_convention import CallConvention
+from multimesh.jax._stages.compiled import MemoryAnalysis, MpmdCompiled
+from multimesh.jax._stages.stage import LoweredProgram, ProgramStage, forward
 from multimesh.jax._trace_notes import TraceNotes
 from multimesh.runtime.steps import layout_sharding
+from multimesh.runtime.trace import TraceRecorder
 
 __all__ = ["eligible", "FastPath", "FastCompiled"]
 
@@ -56,9 +60,6 @@ def eligible(program, implicit, notes: TraceNotes, pins: dict, num_devices: int)
 
 def _has_task_or_marker(module) -> bool:
     """Whether any op carries ``mm.task`` or is a ``@mm.logical_sharding`` marker."""
-    from multimesh._src.ir_util import custom_call_target
-    from multimesh._src.mlir import ir
-
     found = []
 
     def cb(op):
@@ -122,26 +123,22 @@ class FastCompiled(ProgramStage):
         self.record = record
         self._text = text
         self._compiled = compiled
-        self._in_sh = in_shardings
-        self.input_shardings = jax.tree.unflatten(record.in_tree, list(in_shardings))
-        self.output_shardings = jax.tree.unflatten(record.out_tree, compiled.output_shardings)
+        self.convention = CallConvention.for_jit(record, in_shardings, _place)
+        """How a call's arguments become ``jax.jit``'s, and its outputs results."""
+        self.input_shardings = self.convention.input_shardings(in_shardings)
+        self.output_shardings = self.convention.output_shardings(compiled.output_shardings)
         self.fragments: list = []
         self.transfers: list = []
         self.schedule = None
+        self.last_trace: TraceRecorder | None = None
+        """The trace of the last ``profile`` (None before one)."""
 
-    @property
-    def out_placements(self) -> Mapping[int, NamedSharding]:
-        """Output leaf -> the physical ``out_shardings`` entry it is moved onto."""
-        return self.record.out_placements
+    out_placements = forward("record", "out_placements",
+                             "Output leaf -> the physical ``out_shardings`` entry it is moved onto.")
 
     def __call__(self, *args, **kwargs):
-        rec = self.record
-        leaves = check_call(rec.in_tree, rec.in_avals, args, kwargs)
-        leaves = [_place(x, sh) for x, sh in zip(leaves, self._in_sh)]
-        outs = self._compiled(*leaves)
-        if rec.out_placements:  # physical out_shardings (see MpmdLowered)
-            outs = place_outputs(outs, rec.out_placements)
-        return jax.tree.unflatten(rec.out_tree, outs)
+        conv = self.convention
+        return conv.results(self._compiled(*conv.inputs(args, kwargs)))
 
     def as_text(self) -> str:
         """The program as ``jax.jit`` compiled it (StableHLO before XLA)."""
@@ -165,17 +162,12 @@ class FastCompiled(ProgramStage):
 
     def memory_profile(self, *args, **kwargs):
         """Refused: a program without tasks has no submeshes to measure."""
-        from multimesh._src.errors import MultimeshValueError
-        from multimesh.jax._analysis.costs import _NO_TASKS
-
-        raise MultimeshValueError(_NO_TASKS)
+        raise MultimeshValueError(NO_TASKS)
 
     step_profile = memory_profile
 
     def profile(self, *args, trace_path=None, **kwargs):
         """Run once synchronously, as one span (see ``MpmdCompiled.profile``)."""
-        from multimesh.runtime.trace import TraceRecorder
-
         rec = TraceRecorder()
         ids = ",".join(str(d.id) for d in self.record.devices)
         with rec.span(f"submesh 0 (devices {ids})", "fast_path"):  # as MPMD traces name it

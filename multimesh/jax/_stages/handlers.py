@@ -35,7 +35,7 @@ class MjitProgram(Protocol):
     options: Any  # the ArgOptions, whose ``bind`` gives a ``Bound``
 
     def trace_flat(self, fun: Callable, dyn_args: tuple, kwargs: dict, donated,
-                   in_shardings=None) -> Any:
+                   in_shardings=None, out_placements=None) -> Any:
         """Trace ``fun`` of dynamic arguments only (an ``MpmdTraced``), under the
         program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``."""
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import jax
-
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import (
     DEFAULT_TASK,
@@ -15,10 +13,10 @@ from multimesh._src.ir_contract import (
     TASKS_ATTR,
     MeshRecord,
 )
-from multimesh._src.mlir import ir, make_context, parse_module, print_module
+from multimesh._src.mlir import ir, make_context, parse_module, print_module, py_to_attr
 from multimesh.jax._stages import fast_path as _fast_path
 from multimesh.jax._stages.call_checks import check_unsupported
-from multimesh.jax._stages.compiled import MpmdCompiled, drop_unused
+from multimesh.jax._stages.compiled import MpmdCompiled
 from multimesh.jax._stages.pipeline_runner import run_pipeline
 from multimesh.jax._stages.stage import (
     RECORD_FIELDS,
@@ -76,15 +74,7 @@ class MpmdLowered(ProgramStage):
     def compile(self, compiler_options=None) -> MpmdCompiled | _fast_path.FastCompiled:
         if compiler_options:
             check_unsupported(None, None, False, compiler_options)
-        compiled = self._compile()
-        rec = self.record
-        if rec.unused_leaves:
-            drop_unused(compiled, rec.unused_leaves)
-        if rec.out_placements:
-            leaves = jax.tree.leaves(compiled.output_shardings)
-            compiled.output_shardings = jax.tree.unflatten(
-                rec.out_tree, [rec.out_placements.get(i, sh) for i, sh in enumerate(leaves)])
-        return compiled
+        return self._compile()
 
     def _compile(self) -> MpmdCompiled | _fast_path.FastCompiled:
         rec = self.record
@@ -118,13 +108,9 @@ def _annotate(module: ir.Module, schedule_config, num_devices: int,
               default_mesh=None) -> None:
     with module.context:
         if schedule_config:
-            from multimesh._src.mlir import py_to_attr
-
             module.operation.attributes[SCHEDULE_CONFIG_ATTR] = py_to_attr(schedule_config)
         module.operation.attributes[NUM_DEVICES_ATTR] = _i64(module, num_devices)
         if default_mesh is not None:  # mm-assign-tasks keeps this mm.default entry
-            from multimesh._src.mlir import py_to_attr
-
             names, sizes = default_mesh
             mesh = MeshRecord(tuple(range(num_devices)), tuple(names), tuple(sizes), ())
             module.operation.attributes[TASKS_ATTR] = py_to_attr({DEFAULT_TASK: mesh.to_dict()})

@@ -24,7 +24,6 @@ from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _checks, _contexts, _global_mesh, _multimesh, _registrations
-from multimesh.jax._module_names import module_names
 from multimesh.jax._registered_meshes import registered_task_meshes
 from multimesh.jax._stages import handlers
 from multimesh.jax._stages import inputs as _inputs
@@ -172,28 +171,28 @@ class _MJit(ProgramCaches):
             return out if out_sh is None else _constrain_outputs(out, out_sh, placements)
 
         wrapped.__name__ = getattr(fun, "__name__", "fun")  # name stacks read jit(<fun>)
-        traced = self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
-                                 bound.donated_flags(), in_sh)
-        traced.out_placements = placements
-        return traced
+        return self.trace_flat(wrapped, bound.dyn_args, bound.dyn_kwargs,
+                               bound.donated_flags(), in_sh, placements)
 
     def trace_flat(self, fun, dyn_args: tuple, kwargs: dict, donated: Sequence[bool],
-                   in_shardings=None) -> MpmdTraced:
+                   in_shardings=None, out_placements=None) -> MpmdTraced:
         """Trace ``fun`` of dynamic arguments only (statics already bound), under the
         program's contexts; ``donated`` flags each leaf of ``(dyn_args, kwargs)``
-        (``handlers.MjitProgram``: argument handlers trace through it)."""
+        (``handlers.MjitProgram``: argument handlers trace through it).
+        ``out_placements``: filled while ``fun`` is traced, output leaf -> the physical
+        ``out_shardings`` entry it is moved onto after a run."""
         devices = self._devices()
         self._warn_left_blocks()
         t0 = time.perf_counter()
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
         notes = TraceNotes()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
-                _contexts.notes(notes), module_names(), registered_task_meshes(), \
+                _contexts.notes(notes), handlers.module_names(), registered_task_meshes(), \
                 jax_compat.many_meshes():
             traced = jax.jit(fun, keep_unused=True).trace(*abstract[0], **abstract[1])
         return MpmdTraced(self, traced, devices, notes, (tuple(dyn_args), kwargs),
                           abstract, [i for i, d in enumerate(donated) if d], in_shardings,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, dict(out_placements or {}))
 
     def _warn_left_blocks(self) -> None:
         """Warn (once) when the ``with plan:``/``with Context():`` block this function

@@ -64,6 +64,10 @@ class LoweredProgram:
     """A ``FastPath`` when the program takes ``enable_fast_path``'s ``jax.jit`` route."""
     trace_seconds: float = 0.0
     """How long tracing and lowering took (the first phase of ``compile_times``)."""
+    call_counters: tuple | None = None
+    """A program ``compile_mpmd`` imported: per fragment call, the ``call_counter``
+    the partitioner left on it (or None); its schedule is recovered from the call
+    order (``multimesh.jax._imported_schedule``), not read from the module."""
     host_callbacks: Sequence[Callable] = ()
     """The Python callbacks the program calls (jax.debug.print, ...), kept alive here
     while it may compile (``multimesh._src.callbacks``)."""

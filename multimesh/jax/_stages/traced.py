@@ -37,7 +37,8 @@ class MpmdTraced(StageBase):
     """
 
     def __init__(self, owner, traced, devices, notes: TraceNotes, dyn: tuple, abstract,
-                 donated: list[int], in_shardings, seconds: float):
+                 donated: list[int], in_shardings, seconds: float,
+                 out_placements: dict[int, NamedSharding] | None = None):
         self._owner = owner
         self._traced = traced
         self._devices = tuple(devices)
@@ -47,7 +48,8 @@ class MpmdTraced(StageBase):
         self._donated = donated
         self._in_shardings = in_shardings
         self.trace_seconds = seconds
-        self.out_placements: dict[int, NamedSharding] = {}  # physical out_shardings
+        self.out_placements: dict[int, NamedSharding] = dict(out_placements or {})
+        """Output leaf -> the physical ``out_shardings`` entry it is moved onto."""
 
     jaxpr = forward("_traced", "jaxpr")
     out_info = forward("_traced", "out_info")

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _task
 from multimesh.jax._stages.call_checks import is_key
+from multimesh.jax._stages.call_convention import abstract_keys, decode_keys, encode_keys
 from multimesh.jax._stages.handlers import MjitProgram
 from multimesh.jax._stages.inputs import is_physical
 from multimesh.jax._stages.stage import StageWrapper
@@ -524,17 +525,6 @@ def _arg_specs(split: _Split, shardings, where: str):
     return var_specs, dyn_specs
 
 
-def _decode(vals, impls):
-    return [jax.random.wrap_key_data(v, impl=i) if i is not None else v
-            for v, i in zip(vals, impls)]
-
-
-def _encode(vals):
-    impls = [jax.random.key_impl(v) if is_key(v) else None for v in vals]
-    data = [jax.random.key_data(v) if i is not None else v for v, i in zip(vals, impls)]
-    return data, impls
-
-
 def _arg_owners(split: _Split, bound) -> tuple[list, list]:
     """For each graph node and each dynamic leaf of ``split``, the argument it came
     from: an original position (int) or a keyword (str)."""
@@ -584,14 +574,14 @@ def _trace(owner: MjitProgram, bound, split: _Split) -> NnxTraced:
     dyn_idx = [i for i, d in enumerate(split.var_dynamic) if d]
     var_specs_dyn = [var_specs[i] for i in dyn_idx]
     var_donated, dyn_donated = _donation(split, bound)
-    var_vals0, var_impls = _encode(split.dynamic_values())
-    dyn0, dyn_impls = _encode(split.dyn)
+    var_vals0, var_impls = encode_keys(split.dynamic_values())
+    dyn0, dyn_impls = encode_keys(split.dyn)
     cell: dict[str, Any] = {}
     out_shardings = owner.out_shardings
 
     def pure(var_vals, dyn):
-        var_vals = _constrain(_decode(var_vals, var_impls), var_specs_dyn)
-        dyn = _constrain(_decode(dyn, dyn_impls), dyn_specs)
+        var_vals = _constrain(decode_keys(var_vals, var_impls), var_specs_dyn)
+        dyn = _constrain(decode_keys(dyn, dyn_impls), dyn_specs)
         (a, k), nodes = split.rebuild(var_vals, dyn)
         full, kw = bound.merge(a, k)
         with module_names(*nodes):  # modules named from the arguments they sit in
@@ -608,9 +598,9 @@ def _trace(owner: MjitProgram, bound, split: _Split) -> NnxTraced:
         if out_shardings is not None:
             ov_specs, od_specs = out_split.specs(out_shardings, where)
             out_vars, out_dyn = _constrain(out_vars, ov_specs), _constrain(out_dyn, od_specs)
-        out_vars, ov_impls = _encode(out_vars)
-        out_dyn, od_impls = _encode(out_dyn)
-        upd, upd_impls = _encode(upd)
+        out_vars, ov_impls = encode_keys(out_vars)
+        out_dyn, od_impls = encode_keys(out_dyn)
+        upd, upd_impls = encode_keys(upd)
         cell.update(changed=[dyn_idx[j] for j in changed], out=out_split,
                     impls=(ov_impls, od_impls, upd_impls))
         return (out_vars, out_dyn), upd
@@ -692,17 +682,11 @@ class NnxTraced(_NnxStage):
         (ov, od), _ = self.inner.out_info
         cell = self.nnx.cell
         ov_impls, od_impls, _ = cell["impls"]
-        return cell["out"].assemble(_abstract_keys(ov, ov_impls),
-                                    _abstract_keys(od, od_impls), self.nnx.split.nodes)
+        return cell["out"].assemble(abstract_keys(ov, ov_impls),
+                                    abstract_keys(od, od_impls), self.nnx.split.nodes)
 
     def lower(self) -> NnxLowered:
         return NnxLowered(self.inner.lower(), self.nnx)
-
-
-def _abstract_keys(structs, impls) -> list:
-    return [s if i is None else
-            jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=i), s)
-            for s, i in zip(structs, impls)]
 
 
 class _OutSplit:
@@ -851,12 +835,12 @@ class NnxCompiled(_NnxStage):
 
     def _run(self, split: _Split):
         cell = self.nnx.cell
-        var_vals, _ = _encode(split.dynamic_values())
-        dyn, _ = _encode(split.dyn)
+        var_vals, _ = encode_keys(split.dynamic_values())
+        dyn, _ = encode_keys(split.dyn)
         (out_vars, out_dyn), upd = self.inner(var_vals, dyn)
         ov_impls, od_impls, upd_impls = cell["impls"]
-        split.write_back(cell["changed"], _decode(upd, upd_impls))
-        return cell["out"].assemble(_decode(out_vars, ov_impls), _decode(out_dyn, od_impls),
+        split.write_back(cell["changed"], decode_keys(upd, upd_impls))
+        return cell["out"].assemble(decode_keys(out_vars, ov_impls), decode_keys(out_dyn, od_impls),
                                     split.nodes)
 
     def place(self, *args, **kwargs) -> None:
