@@ -240,3 +240,38 @@ def test_the_stage_scan_finds_a_patch(tmp_path):
 def test_a_compiled_stage_has_every_field_when_built(attr):
     compiled = mm.mjit(_noisy).lower(jax.random.key(0), WS, X).compile()
     assert attr in vars(compiled) or hasattr(type(compiled), attr), attr
+
+
+# ------------------------------------------------------------- NNX objects, same door
+
+def test_nnx_profiles_take_the_objects_a_call_takes():
+    """``profile``/``step_profile``/``memory_profile`` of a compiled NNX program take the
+    NNX objects its call takes; ``profile`` writes their updates back (the Rngs' typed
+    key state advances as after a call)."""
+    from flax import nnx
+
+    class Noisy(nnx.Module):
+        def __init__(self, stage):
+            self.w = nnx.Param(jnp.eye(8) * 0.5)
+            self.rngs = nnx.Rngs(0)
+            self.stage = stage
+
+        def __call__(self, x):
+            x = x + 0.01 * self.rngs.default.normal(x.shape)
+            return self.stage(self.w[...], x)
+
+    first = _stage(0)  # one task: a static field of both modules
+    called, profiled = Noisy(first), Noisy(first)
+    plain = Noisy(lambda w, x: jnp.tanh(x @ w))
+    compiled = mm.mjit(lambda m, x: m(x)).lower(called, X).compile()
+    want = plain(X)
+    np.testing.assert_allclose(compiled(called, X), want, rtol=1e-5)
+    np.testing.assert_allclose(compiled.profile(profiled, X), want, rtol=1e-5)
+    assert compiled.last_trace is not None
+    for m in (called, profiled):
+        np.testing.assert_array_equal(jax.random.key_data(m.rngs.default.key[...]),
+                                      jax.random.key_data(plain.rngs.default.key[...]))
+        assert int(m.rngs.default.count[...]) == int(plain.rngs.default.count[...]) == 1
+    mp = compiled.memory_profile(profiled, X)
+    assert [tuple(s.devices) for s in mp.submeshes][0] == (0, 1)
+    assert int(profiled.rngs.default.count[...]) == 1  # a measure writes nothing back

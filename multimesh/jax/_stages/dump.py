@@ -17,6 +17,8 @@ import os
 import re
 import tempfile
 
+from multimesh._src.errors import MultimeshValueError
+
 __all__ = ["dump_root", "program_dir", "repro_path", "repro_dir", "repro_keep", "prune_repros",
            "NoRepro", "REPRO_NAME", "REPRO_DIR_ENV", "REPRO_KEEP_ENV", "DEFAULT_REPRO_KEEP"]
 
@@ -51,8 +53,6 @@ def program_dir(root: str, name: str | None) -> str:
             except FileExistsError:
                 n += 1
     except OSError as e:
-        from multimesh._src.errors import MultimeshValueError
-
         raise MultimeshValueError(
             f"MULTIMESH_DUMP_IR_TO={root!r} names a directory multimesh cannot make or "
             f"write ({e.strerror or e}: {e.filename!r}); set it to a directory you can "

@@ -564,7 +564,7 @@ def call(owner: MjitProgram, bound):
     split = _Split((bound.dyn_args, bound.dyn_kwargs))
     compiled = owner.compiled_for(bound, ("nnx", split.signature()),
                                   lambda: _trace(owner, bound, split).lower().compile())
-    return compiled._run(split)
+    return compiled._run(split, compiled.inner)
 
 
 def _trace(owner: MjitProgram, bound, split: _Split) -> NnxTraced:
@@ -821,6 +821,25 @@ class NnxCompiled(_NnxStage):
         return bound, _Split((bound.dyn_args, bound.dyn_kwargs))
 
     def __call__(self, *args, **kwargs):
+        return self._run(self._split(args, kwargs), self.inner)
+
+    def profile(self, *args, trace_path=None, **kwargs):
+        """``MpmdCompiled.profile`` of a call on NNX objects (their updates written
+        back, as a call writes them)."""
+        return self._run(self._split(args, kwargs),
+                         functools.partial(self.inner.profile, trace_path=trace_path))
+
+    def step_profile(self, *args, steps: int = 3, **kwargs):
+        """``MpmdCompiled.step_profile`` on NNX objects (steps on the same values:
+        nothing is written back)."""
+        return self.inner.step_profile(*self._inputs(self._split(args, kwargs)), steps=steps)
+
+    def memory_profile(self, *args, **kwargs):
+        """``MpmdCompiled.memory_profile`` on NNX objects (nothing is written back)."""
+        return self.inner.memory_profile(*self._inputs(self._split(args, kwargs)))
+
+    def _split(self, args, kwargs) -> _Split:
+        """The call's NNX objects and arrays, checked against those it was compiled for."""
         bound, split = self._bind(args, kwargs)
         old = self.nnx.bound
         if bound.static_key() != old.static_key():
@@ -831,17 +850,22 @@ class NnxCompiled(_NnxStage):
         if split.signature() != self.nnx.split.signature():
             raise MultimeshValueError(
                 _describe_mismatch(self.nnx.split, split, bound.dyn_positions))
-        return self._run(split)
+        return split
 
-    def _run(self, split: _Split):
+    @staticmethod
+    def _inputs(split: _Split) -> tuple[list, list]:
+        """The arguments of the MPMD program inside: Variable values and arrays."""
+        return encode_keys(split.dynamic_values())[0], encode_keys(split.dyn)[0]
+
+    def _run(self, split: _Split, run: Callable):
+        """``run`` (the MPMD program, or its ``profile``) on ``split``'s values; the
+        changed Variables written back, the outputs assembled."""
         cell = self.nnx.cell
-        var_vals, _ = encode_keys(split.dynamic_values())
-        dyn, _ = encode_keys(split.dyn)
-        (out_vars, out_dyn), upd = self.inner(var_vals, dyn)
+        (out_vars, out_dyn), upd = run(*self._inputs(split))
         ov_impls, od_impls, upd_impls = cell["impls"]
         split.write_back(cell["changed"], decode_keys(upd, upd_impls))
-        return cell["out"].assemble(decode_keys(out_vars, ov_impls), decode_keys(out_dyn, od_impls),
-                                    split.nodes)
+        return cell["out"].assemble(decode_keys(out_vars, ov_impls),
+                                    decode_keys(out_dyn, od_impls), split.nodes)
 
     def place(self, *args, **kwargs) -> None:
         """Move the Variables of the NNX objects in ``args`` onto their input shardings."""
