@@ -32,9 +32,11 @@ It behaves like ``torchrun`` (docs/multiprocess.md, "The launcher's guarantees")
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import re
+import runpy
 import selectors
 import signal
 import socket
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["main", "free_port", "LocalCluster"]
@@ -86,17 +89,14 @@ def _report(message: str) -> None:
         pass  # the launcher is gone; its death signal is on the way
 
 
-def _cluster_env():
-    """A jax ``ClusterEnv`` that reads this launcher's variables.
+def _cluster_env(base: type, types: list):
+    """A jax ``ClusterEnv`` (a subclass of ``base``, put first in jax's list of detected
+    ones, ``types``) that reads this launcher's variables.
 
     jax detects ``ClusterEnv`` subclasses when they are defined, so plain
     ``jax.distributed.initialize()`` finds the launcher the way it finds SLURM. It
     is put first, so a launch inside a SLURM allocation still means the local run.
     """
-    from multimesh._src.jax_compat import cluster_env_base
-
-    base, types = cluster_env_base()
-
     class LocalCluster(base):  # type: ignore[valid-type, misc]  # jax's ClusterEnv, found at run time
         name = "multimesh-launch"
 
@@ -157,8 +157,6 @@ def _die_with_launcher() -> None:
         os.set_inheritable(int(fd), False)  # not for this process's own children
     if sys.platform != "linux":
         return
-    import ctypes
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -167,7 +165,7 @@ def _die_with_launcher() -> None:
         os._exit(1)  # the launcher died before the request took effect
 
 
-def _leave(status: int, e: SystemExit | None) -> None:
+def _leave(status: int, e: SystemExit | None, backends_initialized: Callable[[], bool]) -> None:
     """The program ended (``sys.exit`` or its last line) with ``status``. Under
     ``jax.distributed``, Python's exit would wait in jax's shutdown barrier for peers
     that may be waiting for this process; so a failure is reported and the process
@@ -178,8 +176,6 @@ def _leave(status: int, e: SystemExit | None) -> None:
         _report(f"failed {status} sys.exit({e.code!r})")
     if not _joined:
         return
-    from multimesh._src.jax_compat import backends_initialized
-
     if status == 0 and (backends_initialized() or os.environ.get(ENV_NUM_PROCESSES) == "1"):
         return  # a normal end: jax's shutdown barrier meets the peers there
     if status == 0:
@@ -202,11 +198,13 @@ def _child(argv: list[str]) -> None:
     exit handlers run: those wait in ``jax.distributed``'s shutdown barrier for peers
     that wait for this process, so its exit would name it only after a minute or so.
     """
-    import runpy
+    # local: only a launched process imports jax; the launcher itself stays light
+    from multimesh._src import jax_compat
 
     global LocalCluster
     _die_with_launcher()
-    LocalCluster = _cluster_env()
+    LocalCluster = _cluster_env(*jax_compat.cluster_env_base())
+    set_up = jax_compat.backends_initialized
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
@@ -216,7 +214,7 @@ def _child(argv: list[str]) -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
-        _leave(_exit_status(e), e)
+        _leave(_exit_status(e), e, set_up)
         raise
     except BaseException as e:
         _report(f"failed 1 {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
@@ -227,7 +225,7 @@ def _child(argv: list[str]) -> None:
         sys.stderr.flush()
         os._exit(1)  # not into jax's shutdown barrier (see above)
     else:
-        _leave(0, None)
+        _leave(0, None, set_up)
 
 
 # --------------------------------------------------------------------------- arguments

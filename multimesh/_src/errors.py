@@ -7,6 +7,7 @@ about multimesh.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -103,6 +104,7 @@ def _at(location) -> str:
     """`` (at file:line:col)`` for an MLIR location that has one, else ``""``."""
     if location is None:
         return ""
+    # local: the bottom layer; MLIR only when a location is given
     from multimesh._src.mlir import file_line_col
 
     flc = file_line_col(location)
@@ -117,8 +119,6 @@ class DonationError(MultimeshValueError):
 def _library_roots() -> tuple[str, ...]:
     """Where multimesh (its passes included), jax and flax live (and contextlib, which ``with``
     blocks and decorators pass through): frames a warning should not point at."""
-    import contextlib
-
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # multimesh/
     roots = [here + os.sep, os.path.abspath(contextlib.__file__)]
     for name in ("jax", "jaxlib", "flax"):

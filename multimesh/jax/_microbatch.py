@@ -50,7 +50,10 @@ from multimesh.schedules import (
     canonicalize_custom_schedule,
     describe_schedules,
     get_schedule,
+    pipeline_units,
+    v_shape_units,
 )
+from multimesh.schedules.simulator import Program
 
 __all__ = ["microbatch", "SCHEDULES", "REDUCTIONS"]
 
@@ -314,9 +317,6 @@ def _check_count(name, n: int, num_stages, interleave) -> None:
     on no pipeline the program's devices allow (``num_stages``: that one)."""
     if name is None or name == "custom" or _contexts.state.trace_notes is None:
         return
-    from multimesh.schedules import pipeline_units, v_shape_units
-    from multimesh.schedules.simulator import Program
-
     algo = get_schedule(name)
     V = interleave or algo.interleave
     devices = len(_contexts.state.program_devices or ()) or jax.device_count()
@@ -366,9 +366,6 @@ def _check_traced_count(traced, n: int) -> None:
     P = len(meshes)
     if P < 2 or sum(map(len, meshes)) != len(set().union(*meshes)):
         return  # overlapping submeshes: the pass alone knows the pipeline
-    from multimesh.schedules import pipeline_units, v_shape_units
-    from multimesh.schedules.simulator import Program
-
     algo = get_schedule(name)
     V = getattr(cfg, "interleave", None) or algo.interleave
     units = (v_shape_units(P, n, split_backward=algo.splits_backward)

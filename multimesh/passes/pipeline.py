@@ -14,14 +14,17 @@ before it (:meth:`Pipeline.input_of`).
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from multimesh._src.brackets import UnbalancedError, split_top
 from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
+from multimesh._src.mlir import ir, make_context, passmanager, print_module, unchanged_on_error
 
 from .base import VERIFY_EACH_ENV, ModulePass, run_verifier, verify_each_pass
 from .registry import get_all_passes
@@ -171,8 +174,6 @@ class Pipeline:
     def _find_breaker(self, replay: Callable[[], ir.Module], end: int) -> None:
         """Replay the first ``end`` steps verifying after every pass; raises the first
         failure (the pass that produced invalid IR), else returns."""
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             Pipeline(self.steps[:end]).run(replay(), verify_each=True)
@@ -180,8 +181,6 @@ class Pipeline:
     def input_of(self, index: int, replay: Callable[[], ir.Module]) -> ir.Module:
         """The module that step ``index`` received: the input with the steps before it
         run again (passes are deterministic), for a failing step's repro file."""
-        import warnings
-
         module = replay()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -299,8 +298,6 @@ def _join_native(steps: list[Step]) -> list[Step]:
 
 
 def _check_native(step: NativeStep) -> None:
-    from multimesh._src.mlir import make_context
-
     with make_context():
         try:
             passmanager.PassManager.parse(f"builtin.module({step.text})")
@@ -309,8 +306,6 @@ def _check_native(step: NativeStep) -> None:
 
 
 def _native_unknown(text: str, msg: str) -> str:
-    import re
-
     m = re.search(r"'([^']+)' does not refer to a registered pass", msg)
     if m:
         return (f"'{m.group(1)}' does not refer to a registered pass or pass pipeline. "
@@ -325,8 +320,6 @@ COMMON_NATIVE = ("canonicalize", "cse", "symbol-dce", "inline", "sdy-propagation
 
 def did_you_mean(name: str, choices) -> str:
     """`` Did you mean 'x'?`` for the closest of ``choices`` (difflib), else ``""``."""
-    import difflib
-
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
     return f" Did you mean '{close[0]}'?" if close else ""
 

@@ -205,8 +205,8 @@ class CrossTransfer:
     def __init__(self, src_sharding, dst_sharding: NamedSharding, shape, dtype):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.dst = dst_sharding
-        src_devs = list(src_sharding._device_assignment)
-        dst_devs = list(dst_sharding._device_assignment)
+        src_devs = list(jax_compat.device_assignment(src_sharding))
+        dst_devs = list(jax_compat.device_assignment(dst_sharding))
         me = jax.process_index()
         self.on_src = me in _procs(src_devs)
         self.on_dst = me in _procs(dst_devs)

@@ -25,6 +25,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
+from multimesh._src.jax_compat import is_committed
 from multimesh.jax import _contexts
 from multimesh.jax._stages.call_checks import check_call
 from multimesh.jax._stages.compiled import MemoryAnalysis, MpmdCompiled, place_outputs
@@ -188,6 +189,6 @@ class FastCompiled(ProgramStage):
 
 def _place(x, sharding):
     """``x`` on ``sharding`` unless it is there already (jit moves uncommitted values)."""
-    if getattr(x, "_committed", False) and x.sharding != sharding:
+    if is_committed(x) and x.sharding != sharding:
         return jax.device_put(x, sharding)
     return x

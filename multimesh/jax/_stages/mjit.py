@@ -24,7 +24,6 @@ from multimesh._src import jax_compat
 from multimesh._src.caches import LRUCache, ProgramCaches
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
 from multimesh.jax import _checks, _contexts, _global_mesh, _multimesh, _registrations
-from multimesh.jax._module_names import module_names
 from multimesh.jax._registered_meshes import registered_task_meshes
 from multimesh.jax._stages import handlers
 from multimesh.jax._stages import inputs as _inputs
@@ -188,7 +187,7 @@ class _MJit(ProgramCaches):
         abstract = jax.tree.map(abstract_value, (tuple(dyn_args), kwargs))
         notes = TraceNotes()
         with _contexts.program_devices(devices), _contexts.autoshard(True), \
-                _contexts.notes(notes), module_names(), registered_task_meshes(), \
+                _contexts.notes(notes), handlers.module_names(), registered_task_meshes(), \
                 jax_compat.many_meshes():
             traced = jax.jit(fun, keep_unused=True).trace(*abstract[0], **abstract[1])
         return MpmdTraced(self, traced, devices, notes, (tuple(dyn_args), kwargs),
