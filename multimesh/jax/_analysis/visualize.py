@@ -105,7 +105,7 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
         _print_chart(tl, label, cost, lanes, notes)
     if path is None:
         return None
-    try:
+    try:  # local: matplotlib is optional (a PNG only when it is installed)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
@@ -183,6 +183,7 @@ def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
 
 
 def _draw(ax, tl: Timeline, label: str, seconds: bool) -> None:
+    # local: matplotlib is optional (drawn only when visualize_schedule found it)
     from matplotlib.patches import Patch
 
     sched = tl.schedule
