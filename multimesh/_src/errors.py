@@ -69,6 +69,22 @@ class SourceError(DiagnosticError):
         self.line, self.col = line, col
 
 
+class PassStepError(DiagnosticError):
+    """A step of a pass pipeline failed: the pass's own :class:`DiagnosticError`
+    (``error``, also the ``__cause__``; the message, location and notes are its) raised
+    again by the pipeline, which knows the step: the pass's argument (``failed_pass``),
+    its pipeline element with its options (``failed_element``, what a repro replays)
+    and its position in the pipeline (``failed_index``)."""
+
+    def __init__(self, error: DiagnosticError, failed_pass: str, failed_element: str,
+                 failed_index: int):
+        super().__init__(error.message, error.location, error.notes)
+        self.error = error
+        self.failed_pass = failed_pass
+        self.failed_element = failed_element
+        self.failed_index = failed_index
+
+
 class PassFailure(MultimeshValueError):
     """A pass failed while compiling a program; names the pass and a repro."""
 
