@@ -97,7 +97,7 @@ def _cluster_env(base: type, types: list):
     ``jax.distributed.initialize()`` finds the launcher the way it finds SLURM. It
     is put first, so a launch inside a SLURM allocation still means the local run.
     """
-    class LocalCluster(base):  # type: ignore[valid-type, misc]  # jax's ClusterEnv, found at run time
+    class LocalCluster(base):  # jax's ClusterEnv, found at run time
         name = "multimesh-launch"
 
         @classmethod
