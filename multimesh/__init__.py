@@ -15,6 +15,7 @@ def clear_caches() -> None:
     ``mjit`` function compiled; ``jax.clear_caches()`` empties them too. Programs
     you still hold keep working; the next call of an ``mjit`` function compiles again.
     """
+    # local: keeps `import multimesh` light
     from multimesh._src.caches import clear_caches as _clear
 
     _clear()

@@ -32,9 +32,11 @@ It behaves like ``torchrun`` (docs/multiprocess.md, "The launcher's guarantees")
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import re
+import runpy
 import selectors
 import signal
 import socket
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["main", "free_port", "LocalCluster"]
@@ -86,18 +89,15 @@ def _report(message: str) -> None:
         pass  # the launcher is gone; its death signal is on the way
 
 
-def _cluster_env():
-    """A jax ``ClusterEnv`` that reads this launcher's variables.
+def _cluster_env(base: type, types: list):
+    """A jax ``ClusterEnv`` (a subclass of ``base``, put first in jax's list of detected
+    ones, ``types``) that reads this launcher's variables.
 
     jax detects ``ClusterEnv`` subclasses when they are defined, so plain
     ``jax.distributed.initialize()`` finds the launcher the way it finds SLURM. It
     is put first, so a launch inside a SLURM allocation still means the local run.
     """
-    from multimesh._src.jax_compat import cluster_env_base
-
-    base, types = cluster_env_base()
-
-    class LocalCluster(base):  # type: ignore[valid-type, misc]  # jax's ClusterEnv, found at run time
+    class LocalCluster(base):  # jax's ClusterEnv, found at run time
         name = "multimesh-launch"
 
         @classmethod
@@ -157,8 +157,6 @@ def _die_with_launcher() -> None:
         os.set_inheritable(int(fd), False)  # not for this process's own children
     if sys.platform != "linux":
         return
-    import ctypes
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -167,7 +165,7 @@ def _die_with_launcher() -> None:
         os._exit(1)  # the launcher died before the request took effect
 
 
-def _leave(status: int, e: SystemExit | None) -> None:
+def _leave(status: int, e: SystemExit | None, backends_initialized: Callable[[], bool]) -> None:
     """The program ended (``sys.exit`` or its last line) with ``status``. Under
     ``jax.distributed``, Python's exit would wait in jax's shutdown barrier for peers
     that may be waiting for this process; so a failure is reported and the process
@@ -178,8 +176,6 @@ def _leave(status: int, e: SystemExit | None) -> None:
         _report(f"failed {status} sys.exit({e.code!r})")
     if not _joined:
         return
-    from multimesh._src.jax_compat import backends_initialized
-
     if status == 0 and (backends_initialized() or os.environ.get(ENV_NUM_PROCESSES) == "1"):
         return  # a normal end: jax's shutdown barrier meets the peers there
     if status == 0:
@@ -202,11 +198,13 @@ def _child(argv: list[str]) -> None:
     exit handlers run: those wait in ``jax.distributed``'s shutdown barrier for peers
     that wait for this process, so its exit would name it only after a minute or so.
     """
-    import runpy
+    # local: only a launched process imports jax; the launcher itself stays light
+    from multimesh._src import jax_compat
 
     global LocalCluster
     _die_with_launcher()
-    LocalCluster = _cluster_env()
+    LocalCluster = _cluster_env(*jax_compat.cluster_env_base())
+    set_up = jax_compat.backends_initialized
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
@@ -216,7 +214,7 @@ def _child(argv: list[str]) -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
-        _leave(_exit_status(e), e)
+        _leave(_exit_status(e), e, set_up)
         raise
     except BaseException as e:
         _report(f"failed 1 {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
@@ -227,7 +225,7 @@ def _child(argv: list[str]) -> None:
         sys.stderr.flush()
         os._exit(1)  # not into jax's shutdown barrier (see above)
     else:
-        _leave(0, None)
+        _leave(0, None, set_up)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -368,28 +366,25 @@ class _Stop:
     killed: bool = False
 
 
-class _Launch:
-    """Start the processes, watch them, stop them; one instance per launch."""
+class _Processes:
+    """The launched processes: starting each one, and stopping them all (signals, then
+    SIGKILL after the grace period); and the launcher's own output, one line at a time."""
 
     def __init__(self, opts: argparse.Namespace):
         self.opts = opts
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one writer at a time: the launcher or a forwarder
         self.workers: list[_Worker] = []
         self.threads: list[threading.Thread] = []
         self.selector = selectors.DefaultSelector()
-        self.signals: list[int] = []  # received by the launcher, in order
-        self.handled = 0  # how many of them have been acted on
-        self.signalled = False
         self.stop: _Stop | None = None
-        self.first_failure: tuple[int, int] | None = None  # (process, exit code)
-        self.start = time.monotonic()
 
     def say(self, message: str) -> None:
         with self.lock:
             sys.stderr.write(f"multimesh.launch: {message}\n")
             sys.stderr.flush()
 
-    # ---------------------------------------------------------------- starting
+    def running(self) -> list[_Worker]:
+        return [w for w in self.workers if w.exited_at is None]
 
     def spawn(self, k: int) -> None:
         opts, n = self.opts, self.opts.num_processes
@@ -421,127 +416,6 @@ class _Launch:
             t.start()
             self.threads.append(t)
 
-    def on_signal(self, signum, frame) -> None:
-        self.signals.append(signum)
-
-    # ---------------------------------------------------------------- watching
-
-    def running(self) -> list[_Worker]:
-        return [w for w in self.workers if w.exited_at is None]
-
-    def read_reports(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for reports; exits are looked at first (a peer's death
-        makes the survivors' collectives raise: the death is the cause)."""
-        ready = [key.data for key, _ in self.selector.select(timeout)]
-        self.reap()
-        for w in ready:
-            self.drain(w)
-
-    def drain(self, w: _Worker) -> None:
-        """Read what process ``w`` reported since the last look."""
-        while w.status >= 0:
-            try:
-                data = os.read(w.status, 65536)
-            except BlockingIOError:
-                return
-            if not data:
-                self.selector.unregister(w.status)
-                os.close(w.status)
-                w.status = -1
-                return
-            for line in data.decode(errors="replace").splitlines():
-                self.on_report(w, line)
-
-    def on_report(self, w: _Worker, line: str) -> None:
-        if line == "join":
-            w.joined = True
-        elif line == "left-before-topology" and self.stop is None:
-            waiting = [o.k for o in self.running() if o is not w]
-            if waiting:
-                self.say(f"process {w.k} exited with code 0 after joining "
-                         f"jax.distributed.initialize() but before setting up its devices, "
-                         f"which exchanges every process's topology: processes {waiting} "
-                         f"wait for its topology; stopping them.")
-                w.failed = (EXIT_STRANDED, "it left before setting up its devices under "
-                                           "jax.distributed")
-                self.first_failure = (w.k, EXIT_STRANDED)
-                self.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
-        elif line.startswith("failed ") and w.failed is None:
-            code, _, why = line[len("failed "):].partition(" ")
-            w.failed = (int(code) if code.lstrip("-").isdigit() else 1, why)
-            self.failure(w, f"failed ({why})", w.failed[0])
-
-    def reap(self) -> None:
-        for w in self.running():
-            rc = w.proc.poll()
-            if rc is None:
-                continue
-            w.exited_at = time.monotonic()
-            self.drain(w)  # its last words come before its exit code
-            if rc != 0 and w.failed is None:
-                self.failure(w, f"exited with code {_exit_code(rc)}", _exit_code(rc))
-
-    def failure(self, w: _Worker, what: str, code: int) -> None:
-        """Process ``w`` failed: the first failure is the cause; the others stop."""
-        if self.first_failure is not None or self.stop is not None:
-            return
-        self.first_failure = (w.k, code)
-        others = [o.k for o in self.running() if o is not w]
-        if self.opts.no_fail_fast:
-            self.say(f"process {w.k} {what}; the others run on (--no-fail-fast).")
-            return
-        how = f"; stopping processes {others}" if others else ""
-        self.say(f"process {w.k} {what}{how}.")
-        self.begin_stop(code, w.k, signal.SIGTERM)
-
-    def check_early_exits(self) -> None:
-        """A process gone while its peers run: named; stopped if they wait for it."""
-        running = self.running()
-        if self.stop is not None or not running:
-            return
-        now = time.monotonic()
-        waiting = [o.k for o in running if o.joined]
-        for w in self.workers:
-            if w.exited_at is None or w.proc.returncode != 0:
-                continue
-            if not w.joined and waiting:
-                self.say(f"process {w.k} exited with code 0 without joining "
-                         f"jax.distributed.initialize(), which processes {waiting} wait in "
-                         f"for it; stopping them.")
-                w.failed = (EXIT_STRANDED, "it left before joining jax.distributed.initialize()")
-                self.first_failure = (w.k, EXIT_STRANDED)
-                self.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
-                return
-            if not w.noticed and now - w.exited_at >= EARLY_EXIT_NOTICE:
-                w.noticed = True
-                self.say(f"process {w.k} exited with code 0 {now - w.exited_at:.0f} s ago; "
-                         f"processes {[o.k for o in running]} still run. If they wait for it "
-                         f"(jax.distributed, a collective), they wait until jax's own timeouts; "
-                         f"--timeout bounds the run.")
-
-    def check_signals(self) -> None:
-        """Forward the first signal the launcher got; a second one kills at once."""
-        new, self.handled = self.signals[self.handled:], len(self.signals)
-        if not new:
-            return
-        if self.signalled and self.stop is not None:
-            self.stop.kill_at = time.monotonic()
-            return
-        self.signalled = True
-        name = signal.Signals(new[0]).name
-        self.say(f"got {name}; forwarding it to processes {[w.k for w in self.running()]}.")
-        self.begin_stop(128 + new[0], None, new[0])
-        if len(new) > 1:
-            self.stop.kill_at = time.monotonic()  # type: ignore[union-attr]  # just set
-
-    def check_timeout(self) -> None:
-        timeout = self.opts.timeout
-        if timeout is not None and self.stop is None and time.monotonic() - self.start > timeout:
-            self.say(f"timed out after {timeout:g} s; stopping every process.")
-            self.begin_stop(EXIT_TIMEOUT, None, signal.SIGTERM)
-
-    # ---------------------------------------------------------------- stopping
-
     def begin_stop(self, code: int, cause: int | None, signum: int) -> None:
         """Send ``signum`` to every process group but ``cause``'s (it is exiting by
         itself); whatever still runs after the grace period gets SIGKILL. The groups of
@@ -564,49 +438,196 @@ class _Launch:
         for w in late:
             _signal(w, signal.SIGKILL)
 
-    # ---------------------------------------------------------------- the loop
+    def finish(self) -> None:
+        """After the last exit: a stopped run leaves nothing behind, children included;
+        the last output lines are forwarded (for up to 2 s)."""
+        if self.stop is not None:
+            for w in self.workers:
+                _signal(w, signal.SIGKILL)
+        deadline = time.monotonic() + 2
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class _Watch:
+    """What the processes report and how they end: the first failure is the cause, and
+    the others are stopped (unless ``--no-fail-fast``); a process gone while its peers
+    wait for it strands them."""
+
+    def __init__(self, procs: _Processes):
+        self.procs = procs
+        self.first_failure: tuple[int, int] | None = None  # (process, exit code)
+
+    def read_reports(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for reports; exits are looked at first (a peer's death
+        makes the survivors' collectives raise: the death is the cause)."""
+        ready = [key.data for key, _ in self.procs.selector.select(timeout)]
+        self.reap()
+        for w in ready:
+            self.drain(w)
+
+    def drain(self, w: _Worker) -> None:
+        """Read what process ``w`` reported since the last look."""
+        while w.status >= 0:
+            try:
+                data = os.read(w.status, 65536)
+            except BlockingIOError:
+                return
+            if not data:
+                self.procs.selector.unregister(w.status)
+                os.close(w.status)
+                w.status = -1
+                return
+            for line in data.decode(errors="replace").splitlines():
+                self.on_report(w, line)
+
+    def on_report(self, w: _Worker, line: str) -> None:
+        if line == "join":
+            w.joined = True
+        elif line == "left-before-topology" and self.procs.stop is None:
+            waiting = [o.k for o in self.procs.running() if o is not w]
+            if waiting:
+                self.strand(w, f"process {w.k} exited with code 0 after joining "
+                               f"jax.distributed.initialize() but before setting up its "
+                               f"devices, which exchanges every process's topology: processes "
+                               f"{waiting} wait for its topology; stopping them.",
+                            "it left before setting up its devices under jax.distributed")
+        elif line.startswith("failed ") and w.failed is None:
+            code, _, why = line[len("failed "):].partition(" ")
+            w.failed = (int(code) if code.lstrip("-").isdigit() else 1, why)
+            self.failure(w, f"failed ({why})", w.failed[0])
+
+    def strand(self, w: _Worker, message: str, why: str) -> None:
+        """Process ``w`` left while its peers wait for it: it is the cause; stop them."""
+        self.procs.say(message)
+        w.failed = (EXIT_STRANDED, why)
+        self.first_failure = (w.k, EXIT_STRANDED)
+        self.procs.begin_stop(EXIT_STRANDED, w.k, signal.SIGTERM)
+
+    def reap(self) -> None:
+        for w in self.procs.running():
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            w.exited_at = time.monotonic()
+            self.drain(w)  # its last words come before its exit code
+            if rc != 0 and w.failed is None:
+                self.failure(w, f"exited with code {_exit_code(rc)}", _exit_code(rc))
+
+    def failure(self, w: _Worker, what: str, code: int) -> None:
+        """Process ``w`` failed: the first failure is the cause; the others stop."""
+        if self.first_failure is not None or self.procs.stop is not None:
+            return
+        self.first_failure = (w.k, code)
+        others = [o.k for o in self.procs.running() if o is not w]
+        if self.procs.opts.no_fail_fast:
+            self.procs.say(f"process {w.k} {what}; the others run on (--no-fail-fast).")
+            return
+        how = f"; stopping processes {others}" if others else ""
+        self.procs.say(f"process {w.k} {what}{how}.")
+        self.procs.begin_stop(code, w.k, signal.SIGTERM)
+
+    def check_early_exits(self) -> None:
+        """A process gone while its peers run: named; stopped if they wait for it."""
+        running = self.procs.running()
+        if self.procs.stop is not None or not running:
+            return
+        now = time.monotonic()
+        waiting = [o.k for o in running if o.joined]
+        for w in self.procs.workers:
+            if w.exited_at is None or w.proc.returncode != 0:
+                continue
+            if not w.joined and waiting:
+                self.strand(w, f"process {w.k} exited with code 0 without joining "
+                               f"jax.distributed.initialize(), which processes {waiting} wait "
+                               f"in for it; stopping them.",
+                            "it left before joining jax.distributed.initialize()")
+                return
+            if not w.noticed and now - w.exited_at >= EARLY_EXIT_NOTICE:
+                w.noticed = True
+                self.procs.say(
+                    f"process {w.k} exited with code 0 {now - w.exited_at:.0f} s ago; "
+                    f"processes {[o.k for o in running]} still run. If they wait for it "
+                    f"(jax.distributed, a collective), they wait until jax's own timeouts; "
+                    f"--timeout bounds the run.")
+
+
+class _Launch:
+    """One launch: start the processes (:class:`_Processes`), watch them
+    (:class:`_Watch`), act on the launcher's own signals and ``--timeout``, and sum up."""
+
+    def __init__(self, opts: argparse.Namespace):
+        self.opts = opts
+        self.procs = _Processes(opts)
+        self.watch = _Watch(self.procs)
+        self.signals: list[int] = []  # received by the launcher, in order
+        self.handled = 0  # how many of them have been acted on
+        self.signalled = False
+        self.start = time.monotonic()
+
+    def on_signal(self, signum, frame) -> None:
+        self.signals.append(signum)
+
+    def check_signals(self) -> None:
+        """Forward the first signal the launcher got; a second one kills at once."""
+        new, self.handled = self.signals[self.handled:], len(self.signals)
+        if not new:
+            return
+        procs = self.procs
+        if self.signalled and procs.stop is not None:
+            procs.stop.kill_at = time.monotonic()
+            return
+        self.signalled = True
+        name = signal.Signals(new[0]).name
+        procs.say(f"got {name}; forwarding it to processes {[w.k for w in procs.running()]}.")
+        procs.begin_stop(128 + new[0], None, new[0])
+        if len(new) > 1:
+            procs.stop.kill_at = time.monotonic()  # type: ignore[union-attr]  # just set
+
+    def check_timeout(self) -> None:
+        timeout = self.opts.timeout
+        if timeout is not None and self.procs.stop is None and \
+                time.monotonic() - self.start > timeout:
+            self.procs.say(f"timed out after {timeout:g} s; stopping every process.")
+            self.procs.begin_stop(EXIT_TIMEOUT, None, signal.SIGTERM)
 
     def tick(self, timeout: float) -> None:
-        self.read_reports(timeout)
+        self.watch.read_reports(timeout)
         self.check_signals()
         self.check_timeout()
-        self.check_early_exits()
-        self.enforce_grace()
+        self.watch.check_early_exits()
+        self.procs.enforce_grace()
 
     def run(self) -> int:
         for k in range(self.opts.num_processes):
             self.tick(0)
-            if self.stop is not None:
+            if self.procs.stop is not None:
                 break
-            self.spawn(k)
-        while self.running():
+            self.procs.spawn(k)
+        while self.procs.running():
             self.tick(0.05)
-        self.reap()
-        if self.stop is not None:  # a stopped run leaves nothing behind, children included
-            for w in self.workers:
-                _signal(w, signal.SIGKILL)
-        deadline = time.monotonic() + 2
-        for t in self.threads:  # the last output lines
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.watch.reap()
+        self.procs.finish()
         return self.summary()
 
     def summary(self) -> int:
         """Each non-zero exit, the cause last; then the launcher's exit code."""
-        cause = None if self.stop is None else self.stop.cause
-        for w in self.workers:
+        procs = self.procs
+        cause = None if procs.stop is None else procs.stop.cause
+        for w in procs.workers:
             rc = w.proc.returncode
             if rc != 0 and w.k != cause:
-                how = " (stopped by the launcher)" if self.stop is not None else ""
-                self.say(f"process {w.k} exited with code {_exit_code(rc)}{how}")
-        if self.stop is not None and cause is None:
-            return self.stop.code  # a signal or the timeout
-        if self.first_failure is None:
+                how = " (stopped by the launcher)" if procs.stop is not None else ""
+                procs.say(f"process {w.k} exited with code {_exit_code(rc)}{how}")
+        if procs.stop is not None and cause is None:
+            return procs.stop.code  # a signal or the timeout
+        if self.watch.first_failure is None:
             return 0
-        k, code = self.first_failure
-        w = self.workers[k]
+        k, code = self.watch.first_failure
+        w = procs.workers[k]
         why = f" ({w.failed[1]})" if w.failed else ""
-        self.say(f"the cause: process {k}{why}, which exited with code "
-                 f"{_exit_code(w.proc.returncode)}; exit code {code}.")
+        procs.say(f"the cause: process {k}{why}, which exited with code "
+                  f"{_exit_code(w.proc.returncode)}; exit code {code}.")
         return code
 
 

@@ -56,6 +56,7 @@ from multimesh.jax.errors import (
     PassFailure,
     PipelineError,
     ScheduleError,
+    ScheduleTypeError,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1503,7 +1504,7 @@ def _():
 
 
 @error("custom-schedule-with-other-schedule", SCHEDULES,
-       "`custom_schedule` given with a named schedule", MultimeshValueError,
+       "`custom_schedule` given with a named schedule", ScheduleError,
        r"When custom_schedule is provided, schedule must be 'custom' or None, but got '1f1b'",
        """A custom schedule replaces the named ones: drop `schedule=` or set it to
        `"custom"`.""")
@@ -1533,7 +1534,7 @@ def _():
 
 
 @error("custom-schedule-bad-entry", SCHEDULES, "A custom schedule entry of the wrong type",
-       MultimeshTypeError,
+       ScheduleTypeError,
        r"custom_schedule row 0 has entry 3\.5; entries are task names or \(microbatch, task "
        r"name\) pairs",
        """Write a task name (the next microbatch of it) or an explicit
@@ -1594,8 +1595,8 @@ def _():
     mm.mjit(mm.microbatch(grad_fn, dim=0, size=8, argnum=1, custom_schedule=rows))(ws, x)
 
 
-@error("custom-schedule-empty", SCHEDULES, "An empty `custom_schedule`", MultimeshValueError,
-       r"`microbatch` custom_schedule is empty; give one row per submesh, in the order the "
+@error("custom-schedule-empty", SCHEDULES, "An empty `custom_schedule`", ScheduleError,
+       r"custom_schedule is empty; give one row per submesh, in the order the "
        r"program first uses them",
        """Raised by `microbatch` itself. Give one row per submesh, or drop
        `custom_schedule` for a named schedule.""")
@@ -1831,8 +1832,8 @@ def _():
 
 
 @error("custom-schedule-a-string", SCHEDULES, "`custom_schedule` given as a string",
-       MultimeshTypeError,
-       r"`microbatch` custom_schedule must be a list of rows, one per submesh, each a list of "
+       ScheduleTypeError,
+       r"custom_schedule must be a list of rows, one per submesh, each a list of "
        r"task names or \(microbatch, task name\) pairs, got str 's0 s1'",
        """A string used to be read character by character. Give one list per submesh, e.g.
        `[["s0", "s0_bwd"], ["s1", "s1_bwd"]]`.""")

@@ -154,6 +154,9 @@ REACHED_BY = {
     "persistent_cache_on": "tests/test_jax_compat.py",
     "persistent_cache_hits": "tests/test_jax_compat.py",
     "has_effects": "tests/test_jax_compat.py",
+    "device_assignment": "tests/test_jax_compat.py",
+    "is_committed": "tests/test_jax_compat.py",
+    "key_impl": "tests/test_jax_compat.py",
     "positional_effects": "tests/test_stage_sharding_microbatch.py",
     "in_config_of_caller": "tests/test_stage_sharding_microbatch.py",
     "separate_consts": "tests/test_stage_sharding_microbatch.py",
@@ -180,6 +183,24 @@ REACHED_BY = {
 def _subset() -> list[str]:
     lines = SUBSET.read_text().splitlines()
     return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
+
+
+def test_the_private_attribute_shims_agree_with_public_jax():
+    """The shims that read jax's private attributes (``tests/test_layering.py`` keeps
+    every such read here) give what jax's public API shows, in every supported version."""
+    devs = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devs[:4])[::-1].reshape(2, 2), ("a", "b"))
+    s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
+    assert jax_compat.device_assignment(s) == tuple(mesh.devices.flat)  # its order, not ids'
+    x = jnp.arange(4.0)
+    assert not jax_compat.is_committed(x)  # left on jax's default device
+    assert jax_compat.is_committed(jax.device_put(x, devs[1]))
+    assert not jax_compat.is_committed(np.arange(4.0)) and not jax_compat.is_committed(None)
+    key = jax.random.key(3, impl="rbg")
+    impl = jax_compat.key_impl(key.dtype)
+    again = jax.random.wrap_key_data(jax.random.key_data(key), impl=impl)
+    assert again.dtype == key.dtype and jnp.array_equal(jax.random.key_data(again),
+                                                        jax.random.key_data(key))
 
 
 def test_the_jax012_subset_reaches_every_shim():

@@ -43,15 +43,21 @@ def _template(node: ast.expr) -> str:
 
 
 def _source_messages() -> tuple[list[str], list[str]]:
-    """What ``launch.py`` writes (``say``, ``sys.stderr.write``) and the reasons it gives
-    (``why = ...`` and the ``failed`` records of its workers)."""
+    """What ``launch.py`` writes (``say``, on whichever object, ``sys.stderr.write``) and
+    the reasons it gives (``why = ...``, the ``failed`` records of its workers, and
+    ``strand(worker, message, why)``, which says the one and records the other)."""
     tree = ast.parse((ROOT / "multimesh" / "launch.py").read_text(encoding="utf-8"))
     said, reasons = [], []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("self.say", "sys.stderr.write"):
-            t = _template(node.args[0])
+        func = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
+        writes = func == "sys.stderr.write" or func.endswith((".say", ".strand"))
+        text = node.args[1 if func.endswith(".strand") else 0] if writes else None
+        if writes and not isinstance(text, ast.Name):  # a Name: a message passed on
+            t = _template(text)
             if t != "multimesh.launch: {}\n":  # say() itself
                 said.append(t.removeprefix(PREFIX).rstrip("\n"))
+            if func.endswith(".strand"):
+                reasons.append(_template(node.args[2]))
         elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) in ("why", "w.failed"):
             value = node.value.elts[1] if isinstance(node.value, ast.Tuple) else node.value
             if not isinstance(value, (ast.IfExp, ast.Name)):  # passed on, or " (<why>)"

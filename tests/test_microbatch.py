@@ -371,13 +371,13 @@ def test_schedule_aliases(alias, name):
 def test_custom_schedule_is_checked_when_microbatch_is_called():
     """Its form (rows, entries) at ``microbatch(...)``; numpy microbatch numbers are
     ints; the names are the pass's to check (against the program's tasks)."""
-    from multimesh.jax._microbatch import canonicalize_custom
+    from multimesh.schedules import canonicalize_custom_schedule
 
     with pytest.raises(TypeError, match=r"custom_schedule row 1 has entry \('s1', 0\)"):
         mm.microbatch(lambda x: x, dim=0, size=2, custom_schedule=[["s0"], [("s1", 0)]])
-    with pytest.raises(ValueError, match="`microbatch` custom_schedule is empty"):
+    with pytest.raises(ValueError, match="custom_schedule is empty"):
         mm.microbatch(lambda x: x, dim=0, size=2, custom_schedule=[])
-    rows = canonicalize_custom([[(np.int64(1), "a"), "a"], ["b", "b"]], 2)
+    rows = canonicalize_custom_schedule([[(np.int64(1), "a"), "a"], ["b", "b"]], 2)
     assert rows == [[(1, "a"), (0, "a")], [(0, "b"), (1, "b")]]
     assert all(type(mb) is int for row in rows for mb, _ in row)
 

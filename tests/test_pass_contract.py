@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import multimesh.passes.base as base
-from multimesh._src.errors import DiagnosticError, MultimeshError
+from multimesh._src.errors import DiagnosticError, MultimeshError, PassStepError
 from multimesh._src.mlir import ir, make_context, print_module
 from multimesh.passes import get_all_passes
 from multimesh.passes.pipeline import NativeStep, Pipeline, parse_pipeline
@@ -157,7 +157,11 @@ def test_a_pipeline_leaves_the_failing_steps_input():
     with pytest.raises(DiagnosticError, match="mm-insert-transfers expects a module in MPMD") \
             as e:
         parse_pipeline("builtin.module(mm-inline-tasks,mm-insert-transfers)").run(module)
-    assert e.value.failed_pass == "mm-insert-transfers"
+    # raised by the pipeline, typed, with the step; the pass's own error is its cause
+    assert type(e.value) is PassStepError and e.value.__cause__ is e.value.error
+    assert type(e.value.error) is DiagnosticError and e.value.message == e.value.error.message
+    assert (e.value.failed_pass, e.value.failed_element, e.value.failed_index) == (
+        "mm-insert-transfers", "mm-insert-transfers", 1)
     assert _snapshot(module) == _snapshot(flat)
 
 

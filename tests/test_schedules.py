@@ -389,11 +389,12 @@ def test_custom_bare_names_count_microbatches():
     # an extra row is counted before its contents are read
     ([["stage0", "stage0", "stage0_bwd", "stage0_bwd"], ["stage1", "stage1_bwd"] * 2, ["x"]],
      "custom_schedule has 3 rows for 2 submeshes"),
-    ([], "custom_schedule has 0 rows for 2 submeshes"),
+    ([], "custom_schedule is empty; give one row per submesh"),
     ([[(0, "stage0"), (0, "stage0"), "stage0_bwd", "stage0_bwd"], []],
      "task 'stage0' appears twice for microbatch 0 in custom_schedule row 0"),
     ([[(5, "stage0")], []], "microbatch 5 of task 'stage0' is out of range"),
-    ([[3.5], []], "custom_schedule row 0 entry 0 must be a task name or a (microbatch, name)"),
+    ([[3.5], []], "custom_schedule row 0 has entry 3.5; entries are task names or (microbatch, "
+                  "task name) pairs."),
     ("stage0", "custom_schedule must be a list of rows"),
     ([["stage0", "stage0_bwd", "stage0", "stage0_bwd"],
       [(1, "stage1"), (1, "stage1_bwd"), (0, "stage1"), (0, "stage1_bwd")]],
@@ -525,6 +526,39 @@ def test_pass_options_override_config_and_read_custom_file(tmp_path):
         run_pass(text, schedule="custom")
     with pytest.raises(DiagnosticError, match="interleave=2, but submesh 0 runs 1"):
         run_pass(text, interleave=2)
+
+
+def test_one_check_of_a_custom_schedules_form(tmp_path):
+    """``microbatch(custom_schedule=...)`` and the pass's JSON file are checked by one
+    function (``check_custom_rows``): the same rows fail with the same sentence, typed
+    where the failure is known (no message re-wrapped on its way)."""
+    import multimesh.jax as mm
+    from multimesh.schedules import ScheduleTypeError
+
+    text = mpmd_module(pipeline_units(2, 2))
+    path = tmp_path / "custom.json"
+    for rows, cls, message in [
+        ([["stage0"], ["stage1", 3.5]], ScheduleTypeError,
+         "custom_schedule row 1 has entry 3.5; entries are task names or (microbatch, task "
+         "name) pairs."),
+        ([], ScheduleError,
+         "custom_schedule is empty; give one row per submesh, in the order the program "
+         "first uses them, each listing that submesh's tasks once per microbatch. For "
+         "example: [['s0', 's0', 's0_bwd', 's0_bwd'], ['s1', 's1_bwd', 's1', 's1_bwd']] "
+         "for 2 microbatches."),
+    ]:
+        with pytest.raises(cls) as front:
+            mm.microbatch(lambda x: x, dim=0, size=2, custom_schedule=rows)
+        assert type(front.value) is cls and str(front.value) == message
+        path.write_text(json.dumps(rows))
+        with pytest.raises(DiagnosticError) as in_pass:
+            run_pass(text, schedule="custom", custom_schedule_file=str(path))
+        assert in_pass.value.message == message
+    with pytest.raises(ScheduleError) as e:  # needs the microbatch count: when it is known
+        canonicalize_custom_schedule([["a", (2, "a")]], 2)
+    assert type(e.value) is ScheduleError and str(e.value) == (
+        "custom_schedule row 0: microbatch 2 of task 'a' is out of range (there are 2 "
+        "microbatches).")
 
 
 def test_pass_from_pipeline_string():

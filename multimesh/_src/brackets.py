@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 __all__ = ["UnbalancedError", "read_string", "skip_string", "skip_balanced",
            "skip_element", "split_top", "deepest_nesting", "line_col", "ALL_BRACKETS"]
 
@@ -151,8 +153,6 @@ def deepest_nesting(text: str, limit: int) -> tuple[int, int]:
     cannot exceed ``limit`` at all (vectorised: modules can be hundreds of MB)."""
     if sum(text.count(b) for b in "{[(") <= limit:
         return 0, 0
-    import numpy as np
-
     clean = _NOT_BRACKETS.sub(lambda m: " " * len(m.group(0)), text)  # offsets kept
     b = np.frombuffer(clean.encode("utf-32-le"), dtype=np.uint32)
     step = (np.isin(b, (ord("{"), ord("["), ord("("))).astype(np.int32)

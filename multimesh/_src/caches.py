@@ -13,6 +13,8 @@ import threading
 import weakref
 from typing import Any, NamedTuple
 
+import jax
+
 from multimesh._src import jax_compat
 
 __all__ = ["CacheInfo", "CachesInfo", "LRUCache", "ProgramCaches", "WeakKeyCache",
@@ -181,6 +183,4 @@ def clear_caches() -> None:
     Compiled programs you still hold keep working; the next call of an ``mjit``
     function traces and compiles again.
     """
-    import jax
-
     jax.clear_caches()  # clears every registered cache, ours included

@@ -7,6 +7,7 @@ about multimesh.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -68,6 +69,22 @@ class SourceError(DiagnosticError):
         self.line, self.col = line, col
 
 
+class PassStepError(DiagnosticError):
+    """A step of a pass pipeline failed: the pass's own :class:`DiagnosticError`
+    (``error``, also the ``__cause__``; the message, location and notes are its) raised
+    again by the pipeline, which knows the step: the pass's argument (``failed_pass``),
+    its pipeline element with its options (``failed_element``, what a repro replays)
+    and its position in the pipeline (``failed_index``)."""
+
+    def __init__(self, error: DiagnosticError, failed_pass: str, failed_element: str,
+                 failed_index: int):
+        super().__init__(error.message, error.location, error.notes)
+        self.error = error
+        self.failed_pass = failed_pass
+        self.failed_element = failed_element
+        self.failed_index = failed_index
+
+
 class PassFailure(MultimeshValueError):
     """A pass failed while compiling a program; names the pass and a repro."""
 
@@ -103,6 +120,7 @@ def _at(location) -> str:
     """`` (at file:line:col)`` for an MLIR location that has one, else ``""``."""
     if location is None:
         return ""
+    # local: the bottom layer; MLIR only when a location is given
     from multimesh._src.mlir import file_line_col
 
     flc = file_line_col(location)
@@ -117,8 +135,6 @@ class DonationError(MultimeshValueError):
 def _library_roots() -> tuple[str, ...]:
     """Where multimesh (its passes included), jax and flax live (and contextlib, which ``with``
     blocks and decorators pass through): frames a warning should not point at."""
-    import contextlib
-
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # multimesh/
     roots = [here + os.sep, os.path.abspath(contextlib.__file__)]
     for name in ("jax", "jaxlib", "flax"):

@@ -16,27 +16,42 @@ same rules are written out here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import re
+import sys
 import threading
 from collections.abc import Callable, Sequence, Set
 from contextlib import ExitStack
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import jax
+import jaxlib
+import jaxlib._jax
+import numpy as np
 from jax._src import callback as _callback
+from jax._src import clusters as _clusters
+from jax._src import compiler as _compiler
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import debugging as _debugging
 from jax._src import dispatch as _dispatch
+from jax._src import distributed as _distributed
+from jax._src import mesh as _mesh_lib
+from jax._src import source_info_util as _siu
+from jax._src import stages as _stages_lib
 from jax._src import util as _util
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.array import ArrayImpl as _ArrayImpl
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lib import xla_client as _xc
+from jax._src.sharding_impls import GSPMDSharding as _GSPMDSharding
 from jax.extend import linear_util as _lu
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Primitive
@@ -46,7 +61,7 @@ __all__ = [
     "JAX_VERSION", "register_call_primitive", "lower_call", "fresh_ir_context", "def_jit_impl",
     "positional_effects", "register_dce_rule", "eqn_effects", "has_effects",
     "compile_module", "lowered_callbacks", "ORDERED_EFFECTS", "dispatcher", "shard_args",
-    "batched_copy", "device_list",
+    "batched_copy", "device_list", "device_assignment", "is_committed", "key_impl",
     "REUSE_INPUT", "ALWAYS_COPY", "trace_context", "register_cache", "separate_consts", "array_impl_type",
     "gspmd_sharding", "concrete_mesh", "distributed_client", "cluster_env_base", "sdy_mpmd_partitioner",
     "persistent_cache_hits", "in_config_of_caller", "load_on_devices",
@@ -373,8 +388,6 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     :func:`serialized_executable`), loaded onto ``devices`` instead of compiling; the
     rest of jit's path is the same. It raises where the bytes cannot be loaded.
     """
-    from jax._src import stages
-
     # jax only asks whether there are unordered effects (then it keeps runtime tokens)
     unordered: list[_core.Effect] = [_debugging.debug_effect] if host_callbacks else []
     if serialized is not None:
@@ -386,9 +399,9 @@ def compile_module(name: str, module, in_avals, out_avals, in_shardings, out_sha
     finally:
         _loading.blob = None
     _skip_sub_byte_layout_check(exe)
-    args_info: tuple[tuple, dict] = (tuple(stages.ArgInfo(a, False) for a in in_avals), {})
+    args_info: tuple[tuple, dict] = (tuple(_stages_lib.ArgInfo(a, False) for a in in_avals), {})
     out_tree = jax.tree_util.tree_structure([0] * len(out_avals))
-    return stages.Compiled(exe, [], args_info, out_tree)
+    return _stages_lib.Compiled(exe, [], args_info, out_tree)
 
 
 def _from_hlo(name, module, in_avals, out_avals, in_shardings, out_shardings, devices,
@@ -418,8 +431,6 @@ def _install_loader() -> None:
     the call's devices (``Client.deserialize_executable`` with the call's compile
     options, as jax's own cache read does) instead of compiling or reading jax's cache."""
     global _loader_installed
-    from jax._src import compiler as _compiler
-
     with _loader_lock:
         if _loader_installed:
             return
@@ -472,12 +483,6 @@ def load_on_devices(compiled, name: str, in_shardings, out_shardings, devices):
     0.10.2). None where that cannot apply: an executable with host callbacks (their
     pointers are compiled in) or devices of another process.
     """
-    import dataclasses
-
-    import numpy as np
-    from jax._src import compiler as _compiler
-    from jax._src import stages
-
     src = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
     if (src is None or src.host_callbacks or src.keepalive
             or any(d.process_index != jax.process_index() for d in devices)):
@@ -497,7 +502,7 @@ def load_on_devices(compiled, name: str, in_shardings, out_shardings, devices):
     except (TypeError, AttributeError, jax.errors.JaxRuntimeError):
         return None  # another jax's fields, or a backend that cannot: compile instead
     _skip_sub_byte_layout_check(exe)
-    return stages.Compiled(exe, [], compiled.args_info, compiled.out_tree)
+    return _stages_lib.Compiled(exe, [], compiled.args_info, compiled.out_tree)
 
 
 def _skip_sub_byte_layout_check(exe) -> None:
@@ -560,6 +565,27 @@ def device_list(sharding):
     """The device list a sharding holds, in the form :data:`batched_copy` takes
     (``Sharding._internal_device_list``, internal)."""
     return sharding._internal_device_list
+
+
+def device_assignment(sharding) -> tuple:
+    """A sharding's devices in its own order (``Sharding._device_assignment``,
+    internal in every version): the order its shards are laid out in, which the
+    public ``device_set`` does not keep."""
+    return tuple(sharding._device_assignment)
+
+
+def is_committed(x) -> bool:
+    """Whether ``x`` is a ``jax.Array`` committed to its devices (placed by
+    ``jax.device_put`` or a computation, not left to jax's default device):
+    ``ArrayImpl._committed``, internal in every version. False for anything else."""
+    return bool(getattr(x, "_committed", False))
+
+
+def key_impl(dtype):
+    """The PRNG implementation of a typed key's dtype (``key<fry>``), as
+    ``jax.random.wrap_key_data(..., impl=)`` takes it (``dtype._impl``, internal in
+    every version; ``jax.random.key_impl`` needs an array, not a dtype)."""
+    return dtype._impl
 
 
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -639,27 +665,21 @@ def array_impl_type() -> type[jax.Array]:
     """The concrete class of ``jax.Array``, for ``type(x) is ...`` checks on the
     dispatch path (``jax.Array`` is an abstract base, and ``isinstance`` against it
     costs more); internal in every version."""
-    from jax._src.array import ArrayImpl
-
-    return ArrayImpl
+    return _ArrayImpl
 
 
 def gspmd_sharding(devices, hlo_sharding):
     """A ``jax.sharding.Sharding`` for an XLA ``HloSharding`` over ``devices`` (what an
     executable reports it was compiled with). ``GSPMDSharding`` has had no public
     name since ``jax.sharding.GSPMDSharding`` was removed (before 0.10)."""
-    from jax._src.sharding_impls import GSPMDSharding
-
-    return GSPMDSharding(tuple(devices), hlo_sharding)
+    return _GSPMDSharding(tuple(devices), hlo_sharding)
 
 
 def concrete_mesh():
     """The mesh of ``with jax.set_mesh(mesh)`` or else ``with mesh:``, or None, usable
     while tracing. ``jax.sharding.get_mesh`` refuses to run under a trace, and the
     legacy ``with mesh:`` environment has no public reader."""
-    from jax._src import mesh as mesh_lib
-
-    for mesh in (mesh_lib.get_concrete_mesh(), mesh_lib.thread_resources.env.physical_mesh):
+    for mesh in (_mesh_lib.get_concrete_mesh(), _mesh_lib.thread_resources.env.physical_mesh):
         if mesh is not None and not mesh.empty:
             return mesh
     return None
@@ -674,11 +694,9 @@ def _mesh_contexts() -> tuple:
     ``jax._src.mesh`` (defaults: the empty abstract and the empty concrete mesh). Both
     are internal; ``get_abstract_mesh``/``get_concrete_mesh`` read them in every version.
     """
-    from jax._src import mesh as mesh_lib
-
     found = []
     for name in ("abstract_mesh_context_manager", "device_context"):
-        ctx = getattr(mesh_lib, name, None)
+        ctx = getattr(_mesh_lib, name, None)
         found.append(ctx if ctx is not None else getattr(_config, name))
     return found[0], found[1]
 
@@ -748,11 +766,9 @@ def mesh_scope(abstract, concrete=None):
     mesh at all (the runtime's own programs, which name their mesh, run so whatever
     mesh the caller entered). The scope is a :func:`many_meshes` scope too.
     """
-    from jax._src import mesh as mesh_lib
-
     abstract_ctx, concrete_ctx = _mesh_contexts()
-    conc = mesh_lib.empty_concrete_mesh if concrete is None else concrete
-    abstract = mesh_lib.empty_abstract_mesh if abstract is None else abstract
+    conc = _mesh_lib.empty_concrete_mesh if concrete is None else concrete
+    abstract = _mesh_lib.empty_abstract_mesh if abstract is None else abstract
     with many_meshes():
         prev_abstract = abstract_ctx.swap_local(abstract)
         prev_concrete = concrete_ctx.swap_local(conc)
@@ -817,7 +833,6 @@ def many_meshes():
 class _LenientEnter:
     """The process-wide count of :func:`many_meshes` scopes, which swaps jax's
     ``use_abstract_mesh.__enter__`` while it is above zero."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open = 0
@@ -836,9 +851,7 @@ class _LenientEnter:
                 self._uninstall()
 
     def _install(self) -> None:
-        from jax._src import mesh as mesh_lib
-
-        cls = mesh_lib.use_abstract_mesh
+        cls = _mesh_lib.use_abstract_mesh
         strict = cls.__dict__["__enter__"]
         abstract_ctx = _mesh_contexts()[0]
         self._strict = strict
@@ -852,9 +865,7 @@ class _LenientEnter:
         cls.__enter__ = __enter__  # type: ignore[method-assign]
 
     def _uninstall(self) -> None:
-        from jax._src import mesh as mesh_lib
-
-        mesh_lib.use_abstract_mesh.__enter__ = self._strict  # type: ignore[method-assign,assignment]
+        _mesh_lib.use_abstract_mesh.__enter__ = self._strict  # type: ignore[method-assign,assignment]
         self._strict = None
 
 
@@ -867,9 +878,7 @@ _LENIENT = _LenientEnter()
 def distributed_client():
     """The ``jax.distributed`` coordination client of this process, or None (for the
     key-value store the peer watchdog uses); internal in every version."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return _distributed.global_state.client
 
 
 def cluster_env_base() -> tuple[type, list]:
@@ -877,29 +886,20 @@ def cluster_env_base() -> tuple[type, list]:
     its list of detected subclasses, so ``python -m multimesh.launch`` can be found
     by a plain ``jax.distributed.initialize()`` like SLURM is; internal in every
     version."""
-    from jax._src import clusters
-
-    return clusters.ClusterEnv, clusters.ClusterEnv._cluster_types
+    return _clusters.ClusterEnv, _clusters.ClusterEnv._cluster_types
 
 
 def backends_initialized() -> bool:
     """Whether this process has set up its jax backends (``xla_bridge._backends``,
     internal in every version). Under ``jax.distributed`` that set-up exchanges every
     process's device topology, so a process that exits before it strands the others."""
-    from jax._src import xla_bridge
-
-    return bool(getattr(xla_bridge, "_backends", None))
+    return bool(getattr(_xla_bridge, "_backends", None))
 
 
 def sdy_mpmd_partitioner():
     """jaxlib's Shardy:MPMD partitioner extension (``jaxlib._sdy_mpmd``: no public
     name). In jaxlib 0.10 to 0.12 the extension imports ``jax.jaxlib._jax``, which
     these versions install as ``jaxlib._jax`` only, so that name is aliased first."""
-    import sys
-
-    import jaxlib
-    import jaxlib._jax
-
     sys.modules.setdefault("jax.jaxlib", jaxlib)
     sys.modules.setdefault("jax.jaxlib._jax", jaxlib._jax)
     return importlib.import_module("jaxlib._sdy_mpmd")  # an extension module, untyped
@@ -960,11 +960,7 @@ def name_scope_hook(enter: Callable[[str], contextlib.AbstractContextManager | N
 
 
 def _wrap_name_scopes() -> None:
-    from typing import Any
-
-    from jax._src import source_info_util as siu
-
-    cls = siu.ExtendNameStackContextManager
+    cls = _siu.ExtendNameStackContextManager
     if getattr(cls, "_multimesh_hooked", False):
         return
     plain_enter, plain_exit = cls.__enter__, cls.__exit__

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
+
 __all__ = ["logger", "log_compiles", "compile_log_level", "log_phase"]
 
 logger = logging.getLogger("multimesh")
@@ -24,10 +26,8 @@ def log_compiles() -> bool:
     if os.environ.get(ENV, "") not in ("", "0", "false", "False"):
         return True
     try:
-        import jax
-
         return bool(jax.config.jax_log_compiles)  # type: ignore[attr-defined]  # jax sets its flags as dynamic attributes
-    except (ImportError, AttributeError):  # pragma: no cover - jax is a dependency
+    except AttributeError:  # pragma: no cover - a jax without the flag
         return False
 
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
+import os
 import re
+import signal
+import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import ml_dtypes
@@ -54,11 +59,6 @@ def probe_bytecode(data: bytes, patience_s: float = 60.0) -> str | None:
     child that does not come back within ``patience_s`` (a lock another thread held at
     the fork, or a very large module) is killed, and the parent parses as before.
     """
-    import os
-    import signal
-    import time
-    import warnings
-
     if not hasattr(os, "fork"):
         return None
     read, write = os.pipe()
@@ -148,8 +148,6 @@ def print_module(module: ir.Module | ir.Operation, *, debug_info: bool = False,
 
 def module_bytecode(module: ir.Module | ir.Operation) -> bytes:
     """The module as MLIR bytecode (what ``mlir-opt --emit-bytecode`` writes)."""
-    import io
-
     op = module.operation if isinstance(module, ir.Module) else module
     buf = io.BytesIO()
     op.write_bytecode(buf)

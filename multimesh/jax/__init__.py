@@ -47,6 +47,7 @@ from multimesh.jax._task_dispatch import task as task
 def _flax_handler() -> _handlers.ArgumentHandler:
     """The flax wing's handler, imported the first time a question needs it (this
     package's modules never import the wing; only this composition root names it)."""
+    # local: flax is optional; the wing loads when a flax argument or task appears
     from multimesh.jax.flax._handler import HANDLER
 
     return HANDLER

@@ -7,15 +7,13 @@ offending value and what would be valid, where the library used to raise a bare
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import numpy as np
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["is_int", "task_name", "program_devices", "axis_names", "axis_sizes", "argnum",
-           "resolve_argnum", "custom_schedule"]
+           "resolve_argnum"]
 
 
 def is_int(x) -> bool:
@@ -99,38 +97,3 @@ def resolve_argnum(value: int, nargs: int, who: str) -> int:
             f"{who} argnum={value} but the function got {nargs} positional "
             f"argument{'' if nargs == 1 else 's'}{valid}.")
     return value % nargs
-
-
-def custom_schedule(rows) -> None:
-    """``custom_schedule``: a sequence of rows (one per submesh), each a sequence of entries."""
-    if isinstance(rows, str) or not isinstance(rows, Sequence):
-        raise MultimeshTypeError(
-            f"`microbatch` custom_schedule must be a list of rows, one per submesh, each a "
-            f"list of task names or (microbatch, task name) pairs, got "
-            f"{type(rows).__name__} {rows!r}. For example: [['s0', 's0_bwd'], ['s1', "
-            f"'s1_bwd']].")
-    if len(rows) == 0:
-        raise MultimeshValueError(
-            "`microbatch` custom_schedule is empty; give one row per submesh, in the order "
-            "the program first uses them, each listing that submesh's tasks once per "
-            "microbatch. For example: [['s0', 's0', 's0_bwd', 's0_bwd'], ['s1', 's1_bwd', "
-            "'s1', 's1_bwd']] for 2 microbatches.")
-    for r, row in enumerate(rows):
-        if isinstance(row, str) or not isinstance(row, Sequence):
-            raise MultimeshTypeError(
-                f"`microbatch` custom_schedule row {r} must be a list of task names or "
-                f"(microbatch, task name) pairs, got {type(row).__name__} {row!r}"
-                + (f"; a string is not split into names: write {row.split()!r}."
-                   if isinstance(row, str) else "."))
-        for entry in row:
-            if not _schedule_entry(entry):
-                raise MultimeshTypeError(
-                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
-                    f"(microbatch, task name) pairs.")
-
-
-def _schedule_entry(entry) -> bool:
-    """A task name, or a ``(microbatch, task name)`` pair."""
-    return isinstance(entry, str) or (
-        isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], str)
-        and isinstance(entry[0], (int, np.integer)) and not isinstance(entry[0], bool))

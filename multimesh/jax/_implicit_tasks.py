@@ -16,6 +16,7 @@ import warnings
 import jax
 
 from multimesh._src.errors import MultimeshValueError, MultimeshWarning
+from multimesh._src.mlir import make_context, parse_module
 from multimesh.jax import _contexts
 from multimesh.jax._registered_meshes import registered_task
 from multimesh.jax._registrations import (
@@ -24,6 +25,8 @@ from multimesh.jax._registrations import (
     entered_frames,
     user_level,
 )
+from multimesh.jax._task import loop_placement, resolve_task_info
+from multimesh.passes.api import Rule, RuleTask, find_matches
 
 __all__ = ["implicit_task_rules"]
 
@@ -99,10 +102,6 @@ def implicit_task_rules(program):
     regs = active_registrations()
     if not regs or _contexts.state.ignore_transforms:
         return None
-    from multimesh._src.mlir import make_context, parse_module
-    from multimesh.jax._task import loop_placement, resolve_task_info
-    from multimesh.passes.api import Rule, RuleTask, find_matches
-
     module = parse_module(program, make_context()) if isinstance(program, str) else program
     stacks: set[str] = set()
     hits = find_matches(module, [r.regex for r in regs], stacks)

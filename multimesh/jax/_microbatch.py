@@ -48,9 +48,13 @@ from multimesh.schedules import (
     alias_list,
     canonical_schedule_name,
     canonicalize_custom_schedule,
+    check_custom_rows,
     describe_schedules,
     get_schedule,
+    pipeline_units,
+    v_shape_units,
 )
+from multimesh.schedules.simulator import Program
 
 __all__ = ["microbatch", "SCHEDULES", "REDUCTIONS"]
 
@@ -68,14 +72,6 @@ def _check_positive(option: str, value) -> None:
 
 def _schedule_name(schedule, custom_schedule) -> str | None:
     """The canonical schedule name (or None for the default), checked early."""
-    if custom_schedule is not None:
-        if isinstance(custom_schedule, (str, bytes)) or not all(
-                isinstance(row, Sequence) and not isinstance(row, (str, bytes))
-                for row in custom_schedule):
-            raise MultimeshTypeError(
-                f"`microbatch` custom_schedule must be a list of rows (one per submesh), each "
-                f"a list of task names or (microbatch, task name) pairs, got "
-                f"{custom_schedule!r}.")
     if schedule is None and custom_schedule is None:
         return None
     if schedule is not None and not isinstance(schedule, str):
@@ -84,13 +80,13 @@ def _schedule_name(schedule, custom_schedule) -> str | None:
             f"{schedule!r}.")
     try:
         name = canonical_schedule_name(schedule, custom_schedule)
-    except ScheduleError as e:
+    except ScheduleError:
         if schedule is not None and custom_schedule is None:
             aliases = alias_list()
             raise MultimeshValueError(
                 f"Unknown microbatch schedule {schedule!r}; valid schedules are "
                 f"{', '.join(SCHEDULES)} (aliases: {aliases}).") from None
-        raise MultimeshValueError(f"{e}.") from None
+        raise  # a schedule with custom rows: the library's own sentence
     if name == "custom" and custom_schedule is None:
         raise MultimeshValueError("schedule='custom' needs a custom_schedule.")
     return name
@@ -151,7 +147,7 @@ def microbatch(fun: Callable, dim: int, size: int, argnum: int = 0,
             out = fun(*args, **kwargs)
             _check_output_dtypes(out, reduction)
             return out
-        custom = (canonicalize_custom(custom_schedule, n)
+        custom = (canonicalize_custom_schedule(custom_schedule, n)
                   if custom_schedule is not None else None)
         _note_loop(name, n, num_stages, interleave, unrolling, custom)
         _check_count(name, n, num_stages, interleave)
@@ -183,7 +179,7 @@ def _check_options(fun, dim, size, argnum, interleave, num_stages, unrolling, sc
         raise MultimeshTypeError(f"`microbatch` dim must be an integer, got {dim!r}.")
     argnum = _checks.argnum(argnum, "`microbatch`")
     if custom_schedule is not None:
-        _checks.custom_schedule(custom_schedule)
+        check_custom_rows(custom_schedule)  # the form; the rest needs n, then the program
     name = _schedule_name(schedule, custom_schedule)
     if unrolling is not None and name is not None and not get_schedule(name).takes_unrolling:
         raise MultimeshValueError(
@@ -239,19 +235,6 @@ def _constrain_argument(x, arg_shardings):
     if isinstance(arg_shardings, (PartitionSpec, NamedSharding)):
         return jax.tree.map(lambda leaf: with_sharding_constraint(leaf, arg_shardings), x)
     return with_sharding_constraint(x, arg_shardings)
-
-
-def canonicalize_custom(custom_schedule, n: int):
-    """The rows as ``(microbatch, name)`` pairs for ``n`` microbatches. Their form was
-    checked by ``microbatch`` itself (``_checks.custom_schedule``); here what needs
-    ``n`` (microbatch range, repeats), and the pass checks the names against the
-    program."""
-    rows = [[e if isinstance(e, str) else (int(e[0]), e[1]) for e in row]
-            for row in custom_schedule]
-    try:
-        return canonicalize_custom_schedule(rows, n)
-    except ScheduleError as e:
-        raise MultimeshValueError(f"{e}.") from None
 
 
 def _not_the_batch(argnum: int) -> str:
@@ -314,9 +297,6 @@ def _check_count(name, n: int, num_stages, interleave) -> None:
     on no pipeline the program's devices allow (``num_stages``: that one)."""
     if name is None or name == "custom" or _contexts.state.trace_notes is None:
         return
-    from multimesh.schedules import pipeline_units, v_shape_units
-    from multimesh.schedules.simulator import Program
-
     algo = get_schedule(name)
     V = interleave or algo.interleave
     devices = len(_contexts.state.program_devices or ()) or jax.device_count()
@@ -366,9 +346,6 @@ def _check_traced_count(traced, n: int) -> None:
     P = len(meshes)
     if P < 2 or sum(map(len, meshes)) != len(set().union(*meshes)):
         return  # overlapping submeshes: the pass alone knows the pipeline
-    from multimesh.schedules import pipeline_units, v_shape_units
-    from multimesh.schedules.simulator import Program
-
     algo = get_schedule(name)
     V = getattr(cfg, "interleave", None) or algo.interleave
     units = (v_shape_units(P, n, split_backward=algo.splits_backward)

@@ -16,15 +16,20 @@ import itertools
 import os
 import sys
 import types
+import warnings
 import weakref
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun, new_jaxpr_eqn
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 from multimesh._src import jax_compat
+from multimesh._src.errors import MeshError, MultimeshWarning, user_stacklevel
 from multimesh._src.ir_contract import (
     AXES_ATTR,
     INDEX_TARGET,
@@ -37,6 +42,7 @@ from multimesh._src.ir_contract import (
 )
 from multimesh._src.mlir import ir, py_to_attr
 from multimesh._src.mlir import stablehlo as hlo
+from multimesh.jax import _contexts
 
 __all__ = ["TaskInfo", "task_p", "logical_sharding_p", "bind_task", "bind_logical", "body_scope",
            "warn_unplaced"]
@@ -115,8 +121,6 @@ def task_mesh_scope(name: str, axis_names, mesh: jax.sharding.Mesh):
 
 
 def _other_mesh_error(name: str, named, mesh) -> Exception:
-    from multimesh._src.errors import MeshError
-
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     other = [(a, s) for a, s in zip(named.axis_names, named.axis_sizes, strict=True)
              if a in sizes and sizes[a] != s]
@@ -132,8 +136,6 @@ def _other_mesh_error(name: str, named, mesh) -> Exception:
 
 
 def _collective_error(name: str, op: str, axis: str, sliced: bool, mesh) -> Exception:
-    from multimesh._src.errors import MeshError
-
     why = ("which is sliced away (the task is one slice of it)" if sliced
            else "which the task's mesh lacks")
     return MeshError(
@@ -153,8 +155,6 @@ def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
 
 
 def _lowering(ctx, *args, call_jaxpr, info):
-    from multimesh.jax import _contexts
-
     st = _contexts.state
     if not (info.unplaced_ok or st.ignore_transforms or _contexts.traced_by_multimesh()):
         warn_unplaced(info, _program_name(ctx))
@@ -201,10 +201,6 @@ def warn_unplaced(info: TaskInfo, program: str) -> None:
     the primitive's own for an eager call), so each program that runs it unplaced is
     named, and retracing or calling it again is not.
     """
-    import warnings
-
-    from multimesh._src.errors import MultimeshWarning
-
     key = (info.name, info.devices, info.axis_names, info.axis_sizes, program)
     if key in _UNPLACED:
         return
@@ -255,8 +251,6 @@ logical_sharding_p.def_abstract_eval(lambda aval, *, axes: aval)
 
 
 def _logical_lowering(ctx, x, *, axes):
-    from multimesh.jax import _contexts
-
     st = _contexts.state
     if st.program_devices is None:
         # Lowered by plain jax (eager or jax.jit, not mjit): logical
@@ -327,15 +321,11 @@ def _body_outputs(jaxpr, num_consts, operands, i):
 
 
 def _add(a, b):
-    import jax.numpy as jnp
-
     return jnp.add(a, b)  # bool outputs add as logical or, like jnp
 
 
 def unrolled(*operands, jaxpr, num_consts, num_microbatches):
     """The loop as straight-line code: body(i) for every i, summed."""
-    import jax.numpy as jnp
-
     acc = None
     for i in range(num_microbatches):
         outs = _body_outputs(jaxpr, num_consts, operands, jnp.int32(i))
@@ -344,9 +334,6 @@ def unrolled(*operands, jaxpr, num_consts, num_microbatches):
 
 
 def _fori(*operands, jaxpr, num_consts, num_microbatches):
-    import jax.numpy as jnp
-    from jax import lax
-
     def step(i, acc):
         outs = _body_outputs(jaxpr, num_consts, operands, i)
         return [_add(a, o) for a, o in zip(acc, outs)]
@@ -356,11 +343,6 @@ def _fori(*operands, jaxpr, num_consts, num_microbatches):
 
 
 def _warn_unrolled(what: str) -> None:
-    import warnings
-
-    from multimesh._src.errors import MultimeshWarning, user_stacklevel
-    from multimesh.jax import _contexts
-
     notes = _contexts.state.trace_notes
     if notes is not None and notes.microbatch is not None:
         notes.microbatch = None  # no loop left for a schedule to order
@@ -374,8 +356,6 @@ def _warn_unrolled(what: str) -> None:
 
 
 def _mb_jvp(primals, tangents, *, jaxpr, num_consts, num_microbatches):
-    import jax
-
     _warn_unrolled("jax.grad, jax.jvp or jax.linearize")
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     f = partial(unrolled, jaxpr=jaxpr, num_consts=num_consts,
@@ -387,8 +367,6 @@ ad.primitive_jvps[microbatch_p] = _mb_jvp
 
 
 def _mb_batch(vals, dims, *, jaxpr, num_consts, num_microbatches):
-    import jax
-
     _warn_unrolled("jax.vmap")
     f = partial(unrolled, jaxpr=jaxpr, num_consts=num_consts,
                 num_microbatches=num_microbatches)
@@ -421,8 +399,6 @@ jax_compat.register_dce_rule(microbatch_p, _mb_dce)
 
 
 def _mb_lowering(ctx, *operands, jaxpr, num_consts, num_microbatches):
-    from multimesh.jax import _contexts
-
     if _contexts.state.program_devices is None:  # plain jax: an ordinary loop
         return mlir.lower_fun(partial(_fori, jaxpr=jaxpr, num_consts=num_consts,
                                       num_microbatches=num_microbatches),
@@ -449,8 +425,6 @@ def _mb_lowering(ctx, *operands, jaxpr, num_consts, num_microbatches):
 
 
 def np_int32():
-    import numpy as np
-
     return np.dtype(np.int32)
 
 

@@ -27,11 +27,23 @@ forward's constraints.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 
+import jax
+
 from multimesh._src import jax_compat
+from multimesh._src.errors import MeshError
 from multimesh.jax import _contexts
+from multimesh.jax._primitives import task_mesh_scope
 from multimesh.jax._registrations import Registration, active_registrations
+from multimesh.jax._task import (
+    jax_constraint_hint,
+    resolve_task_info,
+    task_abstract_mesh,
+    task_body_mesh,
+)
 
 __all__ = ["registered_task_meshes", "registered_task"]
 
@@ -82,9 +94,6 @@ class _Scopes:
 
     @contextlib.contextmanager
     def _held(self, owner, body) -> Iterator[None]:
-        from multimesh.jax._primitives import task_mesh_scope
-        from multimesh.jax._task import jax_constraint_hint
-
         self.owners.append(owner)
         self.meshes.append(body is not None)
         try:
@@ -104,8 +113,6 @@ class _Scopes:
     def _body_of(self, index: int, name: str):
         """``(mesh, where, logical mapping, (task name, placement axes))`` of the task's
         body: the concrete mesh it sees (None: the program's, and nothing is entered)."""
-        from multimesh.jax._task import resolve_task_info, task_abstract_mesh, task_body_mesh
-
         reg = self.regs[index]
         spec = registered_task(reg, name, False)
         if spec.loop_dependent_mesh_slice is not None:
@@ -126,8 +133,6 @@ def _matcher(reg: Registration) -> str:
 @contextlib.contextmanager
 def _at_user_line() -> Iterator[None]:
     """A :class:`MeshError` raised in the block names the user's line it came from."""
-    from multimesh._src.errors import MeshError
-
     try:
         yield
     except MeshError as e:
@@ -139,11 +144,6 @@ def _at_user_line() -> Iterator[None]:
 
 def _user_line(tb) -> str | None:
     """``file:line`` of the innermost frame of ``tb`` outside multimesh, jax and flax."""
-    import os
-    import sys
-
-    import jax
-
     library = tuple(os.path.dirname(m.__file__) + os.sep
                     for m in (jax, sys.modules.get("flax")) if m is not None and m.__file__)
     library += (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)

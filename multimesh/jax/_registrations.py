@@ -16,8 +16,14 @@ import threading
 import warnings
 from collections.abc import Callable
 
-from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, MultimeshWarning
+from multimesh._src.errors import (
+    MultimeshTypeError,
+    MultimeshValueError,
+    MultimeshWarning,
+    user_stacklevel,
+)
 from multimesh.jax._task import Task
+from multimesh.passes.api import compile_matcher
 
 __all__ = ["Context", "Registration", "register_task", "clear_tasks", "tasks",
            "active_registrations", "entered_frames", "user_level"]
@@ -52,8 +58,6 @@ class Registration:
 
 
 def _make_registration(matcher, callback, task) -> Registration:
-    from multimesh.passes.api import compile_matcher
-
     if not isinstance(matcher, str):
         raise MultimeshTypeError(
             f"A task matcher must be a string (a name or a regular expression), got "
@@ -241,8 +245,6 @@ def _what(reg: Registration) -> str:
 def user_level() -> int:
     """``stacklevel`` of the first frame outside multimesh, jax and flax (for warnings
     issued by this function's caller)."""
-    from multimesh._src.errors import user_stacklevel
-
     return max(1, user_stacklevel() - 1)
 
 

@@ -18,6 +18,8 @@ from multimesh._src.errors import MultimeshTypeError as MultimeshTypeError
 from multimesh._src.errors import MultimeshValueError as MultimeshValueError
 from multimesh._src.errors import MultimeshWarning as MultimeshWarning
 from multimesh._src.errors import PassFailure as PassFailure
+from multimesh._src.errors import PassStepError as PassStepError
 from multimesh._src.errors import PipelineError as PipelineError
 from multimesh._src.errors import SourceError as SourceError
 from multimesh.schedules import ScheduleError as ScheduleError
+from multimesh.schedules import ScheduleTypeError as ScheduleTypeError

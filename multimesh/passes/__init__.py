@@ -18,6 +18,7 @@ def __getattr__(name: str):
     """The front end's door (``multimesh.passes.api``), loaded on first use so that
     importing the registry stays cheap."""
     if name in _DOOR:
+        # local: importing the registry stays cheap; the door loads on first use
         from . import api
 
         return getattr(api, name)

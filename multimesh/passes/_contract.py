@@ -7,12 +7,13 @@ checking what it reads and raising a :class:`DiagnosticError` at the op.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from math import prod
 
 from multimesh._src import ir_attrs as ta
 from multimesh._src.caches import WeakKeyCache
-from multimesh._src.errors import DiagnosticError
+from multimesh._src.errors import DiagnosticError, DiagnosticWarning, user_stacklevel
 from multimesh._src.ir_contract import (  # noqa: F401  (re-exported for the passes)
     AXES_ATTR,
     BODY_ATTR,
@@ -349,10 +350,6 @@ def _check_marker_shape(op: ir.Operation, what: str, loc) -> None:
 
 def warn_at(location, message: str) -> None:
     """A pass warning (``mm-opt`` prints it as ``file:line:col: warning: ...``)."""
-    import warnings
-
-    from multimesh._src.errors import DiagnosticWarning, user_stacklevel
-
     warnings.warn(DiagnosticWarning(message, location), stacklevel=user_stacklevel())
 
 

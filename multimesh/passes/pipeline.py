@@ -14,14 +14,17 @@ before it (:meth:`Pipeline.input_of`).
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from multimesh._src.brackets import UnbalancedError, split_top
-from multimesh._src.errors import DiagnosticError, PipelineError
-from multimesh._src.mlir import ir, passmanager, print_module, unchanged_on_error
+from multimesh._src.errors import DiagnosticError, PassStepError, PipelineError
+from multimesh._src.mlir import ir, make_context, passmanager, print_module, unchanged_on_error
 
 from .base import VERIFY_EACH_ENV, ModulePass, run_verifier, verify_each_pass
 from .registry import get_all_passes
@@ -112,9 +115,10 @@ class Pipeline:
         returning a fresh copy of the input module) is given, the steps are replayed
         with verification after each to name the pass that broke the IR.
 
-        Raises :class:`DiagnosticError` (from a pass) with the failing step's
-        argument attached as ``failed_pass``, its options as ``failed_element`` and
-        its position in :attr:`steps` as ``failed_index``. Without ``replay`` the module
+        Raises :class:`PassStepError` (a :class:`DiagnosticError`) for a pass's
+        failure: the pass's own error with the failing step's argument
+        (``failed_pass``), its options (``failed_element``) and its position in
+        :attr:`steps` (``failed_index``). Without ``replay`` the module
         is then exactly the failing step's input (each step snapshots it first and
         restores it on error); with ``replay`` no snapshots are taken, the module is
         left as the failure left it, and :meth:`input_of` rebuilds the failing step's
@@ -139,9 +143,10 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             step.run(module, verify=verify, snapshot=replay is None)
+        except PassStepError:
+            raise  # a pipeline inside the step named its own failing step
         except DiagnosticError as e:
-            _blame(e, step, index)
-            raise
+            raise _in_step(e, step, index) from e
         except Exception:
             # A pass that crashes may have been handed invalid IR by an earlier one
             # (verified only at the end): name that one if so.
@@ -164,15 +169,12 @@ class Pipeline:
             if replay is not None:
                 self._find_breaker(replay, len(self.steps))
             last = max(i for i, s in enumerate(self.steps) if isinstance(s, ModulePass))
-            _blame(e, self.steps[last], last)
-            raise
+            raise _in_step(e, self.steps[last], last) from e
         return time.perf_counter() - t0
 
     def _find_breaker(self, replay: Callable[[], ir.Module], end: int) -> None:
         """Replay the first ``end`` steps verifying after every pass; raises the first
         failure (the pass that produced invalid IR), else returns."""
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             Pipeline(self.steps[:end]).run(replay(), verify_each=True)
@@ -180,8 +182,6 @@ class Pipeline:
     def input_of(self, index: int, replay: Callable[[], ir.Module]) -> ir.Module:
         """The module that step ``index`` received: the input with the steps before it
         run again (passes are deterministic), for a failing step's repro file."""
-        import warnings
-
         module = replay()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -189,11 +189,10 @@ class Pipeline:
         return module
 
 
-def _blame(e: DiagnosticError, step: Step, index: int) -> None:
-    if getattr(e, "failed_pass", None) is None:
-        e.failed_pass = step.argument  # type: ignore[attr-defined]
-        e.failed_element = step.pipeline_element()  # type: ignore[attr-defined]  # for repros
-        e.failed_index = index  # type: ignore[attr-defined]
+def _in_step(e: DiagnosticError, step: Step, index: int) -> PassStepError:
+    """The failure ``e`` of step ``index`` (``step``) of a pipeline, as the pipeline
+    raises it."""
+    return PassStepError(e, step.argument, step.pipeline_element(), index)
 
 
 def _verify(module: ir.Module, argument: str | None) -> None:
@@ -299,8 +298,6 @@ def _join_native(steps: list[Step]) -> list[Step]:
 
 
 def _check_native(step: NativeStep) -> None:
-    from multimesh._src.mlir import make_context
-
     with make_context():
         try:
             passmanager.PassManager.parse(f"builtin.module({step.text})")
@@ -309,8 +306,6 @@ def _check_native(step: NativeStep) -> None:
 
 
 def _native_unknown(text: str, msg: str) -> str:
-    import re
-
     m = re.search(r"'([^']+)' does not refer to a registered pass", msg)
     if m:
         return (f"'{m.group(1)}' does not refer to a registered pass or pass pipeline. "
@@ -325,8 +320,6 @@ COMMON_NATIVE = ("canonicalize", "cse", "symbol-dce", "inline", "sdy-propagation
 
 def did_you_mean(name: str, choices) -> str:
     """`` Did you mean 'x'?`` for the closest of ``choices`` (difflib), else ``""``."""
-    import difflib
-
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
     return f" Did you mean '{close[0]}'?" if close else ""
 

@@ -15,6 +15,7 @@ from multimesh.schedules import (
     ScheduleError,
     build_schedule,
     canonical_schedule_name,
+    check_custom_rows,
     describe_schedules,
     get_schedule,
     schedule_names,
@@ -160,8 +161,7 @@ class ScheduleFragmentsPass(ModulePass):
                 raise ScheduleError(
                     f"cannot read custom schedule file '{self.custom_schedule_file}': {e}"
                 ) from None
-            custom = ta.read(custom, _ROWS, f"custom schedule file '{self.custom_schedule_file}'",
-                            module.operation.location)
+            check_custom_rows(custom)  # the one check of rows a user wrote (as microbatch's)
         elif self.schedule is None or str(self.schedule).strip().lower() == "custom":
             custom = cfg.get("custom_schedule")
         else:

@@ -34,6 +34,7 @@ stops this process with a message naming the peer that went silent.
 from __future__ import annotations
 
 import atexit
+import enum
 import os
 import sys
 import threading
@@ -53,7 +54,7 @@ from multimesh.runtime.plan import Call, Plan, Transfer
 from multimesh.runtime.steps import layout_sharding
 from multimesh.runtime.steps import move as _move
 
-__all__ = ["ProcessPlan", "CrossTransfer", "cross_move", "fetch", "checkpointable",
+__all__ = ["ProcessPlan", "CrossTransfer", "Route", "transfer_route", "cross_move", "fetch", "checkpointable",
            "one_per_process", "from_process_local", "is_multiprocess", "owner_init",
            "remote_array", "start_watchdog", "peer_timeout", "PEER_TIMEOUT_ENV",
            "EXIT_PEER_LOST"]
@@ -84,6 +85,44 @@ def remote_array(shape, dtype, sharding) -> jax.Array:
 
 def _procs(devices) -> set[int]:
     return {d.process_index for d in devices}
+
+
+class Route(enum.StrEnum):
+    """How this process takes part in moving a value from one device set to another
+    (:func:`transfer_route`, the one place that decides)."""
+
+    SKIP = "skip"
+    """This process holds none of the devices: nothing to do (or an array without
+    shards here)."""
+    LOCAL = "local"
+    """Every device is this process's: an ordinary ``jax.device_put``."""
+    RESHARD = "reshard"
+    """One device set spanning processes: jax's reshard, a collective over it."""
+    PAIRED = "paired"
+    """Two device sets of one size: a union collective, source shard k to destination
+    device k (:class:`CrossTransfer`)."""
+    REPLICATED = "replicated"
+    """Two device sets of other sizes: whole copies sent over a union collective, then
+    sliced on arrival (:class:`CrossTransfer`)."""
+
+
+def transfer_route(src: Sequence, dst: Sequence, *, me: int | None,
+                   named: bool = True) -> Route:
+    """The route of a move from devices ``src`` to devices ``dst`` (each in its sharding's
+    order; anything with a ``process_index``) for process ``me``, or, with ``me`` None,
+    the collective a move across processes takes (the same in every process: never
+    :attr:`Route.SKIP` or :attr:`Route.LOCAL`). ``named``: the destination is a
+    ``NamedSharding``, whose mesh a :attr:`Route.PAIRED` move keeps. ``cross_move``,
+    :class:`ProcessPlan` and :class:`CrossTransfer` all ask here."""
+    if me is not None:
+        procs = _procs(src) | _procs(dst)
+        if me not in procs:
+            return Route.SKIP
+        if procs == {me}:
+            return Route.LOCAL
+    if set(src) == set(dst):
+        return Route.RESHARD
+    return Route.PAIRED if named and len(set(src)) == len(set(dst)) else Route.REPLICATED
 
 
 def _reshard(x: jax.Array, sharding) -> jax.Array:
@@ -205,13 +244,16 @@ class CrossTransfer:
     def __init__(self, src_sharding, dst_sharding: NamedSharding, shape, dtype):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.dst = dst_sharding
-        src_devs = list(src_sharding._device_assignment)
-        dst_devs = list(dst_sharding._device_assignment)
+        src_devs = list(jax_compat.device_assignment(src_sharding))
+        dst_devs = list(jax_compat.device_assignment(dst_sharding))
         me = jax.process_index()
         self.on_src = me in _procs(src_devs)
         self.on_dst = me in _procs(dst_devs)
         ndim = len(self.shape)
-        if len(src_devs) == len(dst_devs) and isinstance(dst_sharding, NamedSharding):
+        named = isinstance(dst_sharding, NamedSharding)
+        route = transfer_route(src_devs, dst_devs, me=None, named=named)  # as every process
+        if route is Route.PAIRED or (route is Route.RESHARD and named):  # shard to shard
+            assert isinstance(dst_sharding, NamedSharding)
             pairs = _pair_up(src_devs, dst_devs)
             self.mid = NamedSharding(
                 Mesh(np.array(pairs, dtype=object).reshape(dst_sharding.mesh.devices.shape),
@@ -303,12 +345,14 @@ def cross_move(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     src = x.sharding
     if src == sharding:
         return x
-    procs = _procs(src.device_set | sharding.device_set)
-    if jax.process_index() not in procs:
+    route = transfer_route(jax_compat.device_assignment(src),
+                           jax_compat.device_assignment(sharding), me=jax.process_index(),
+                           named=isinstance(sharding, NamedSharding))
+    if route is Route.SKIP:
         return remote_array(x.shape, x.dtype, sharding)
-    if len(procs) == 1:  # all in this process
+    if route is Route.LOCAL:
         return _move(x, sharding)
-    if src.device_set == sharding.device_set:
+    if route is Route.RESHARD:
         return _reshard(x, sharding)
     key = (src, sharding, x.shape, x.dtype)
     t = _MOVES.get(key)
@@ -413,7 +457,7 @@ class ProcessPlan:
     """This process's share of a plan: the hooks :class:`~multimesh.runtime.Executor` calls.
 
     * :meth:`owns` — does a submesh hold a device of this process (compile its fragments)?
-    * :meth:`kind` — skip a step, run it as in one process, or move across processes;
+    * :meth:`kind` — run or skip a call; a transfer's :class:`Route`;
     * :meth:`mover` — the collective of a move across processes;
     * :meth:`place_inputs` — arguments onto their input shardings, across processes;
     * :meth:`finish` — outputs this process never held, as arrays without shards here.
@@ -435,35 +479,29 @@ class ProcessPlan:
         return self.owns(self.plan.call_devices(step))
 
     def mover(self, step: Transfer, kind: str) -> Callable:
-        """``fn(x) -> y`` for a transfer that crosses processes (``kind``: a
-        ``reshard`` over one device set spanning processes, or a ``paired`` or
-        ``replicated`` union collective, see :meth:`kind`); a collective that every
-        process owning one of its devices runs."""
+        """``fn(x) -> y`` for a transfer that crosses processes (``kind``, its route:
+        :attr:`Route.RESHARD`, or a :attr:`Route.PAIRED` or :attr:`Route.REPLICATED`
+        union collective); a collective that every process owning one of its devices
+        runs."""
         dst = layout_sharding(step.layout, self.devices)
-        if kind == "reshard":
+        if Route(kind) is Route.RESHARD:
             return lambda x: _reshard(x, dst)
         src = layout_sharding(self.layouts[step.src], self.devices)
         shape, dtype = self.types[step.src]
         return CrossTransfer(src, dst, shape, dtype)
 
     def kind(self, step) -> str:
-        """What this process does for ``step``: run/skip a call; skip, or move a value
-        ``local``-ly, by a ``reshard`` over one device set spanning processes, or by a
-        union collective (``paired`` shard to shard, or ``replicated`` whole copies)."""
+        """What this process does for ``step``: ``"run"`` or ``"skip"`` a call; a
+        transfer's :class:`Route` (:func:`transfer_route`; its destination is a
+        ``NamedSharding``, :func:`~.steps.layout_sharding`)."""
         if isinstance(step, Call):
             return "run" if self.runs(step) else "skip"
         if not isinstance(step, Transfer):
             raise MultimeshValueError(
                 f"Multi-process runs do not support the plan step {type(step).__name__} yet: "
                 f"each process must know which of its devices the step uses.")
-        src_pos, dst_pos = self.layouts[step.src][0], step.layout[0]
-        if not (self.owns(src_pos) or self.owns(dst_pos)):
-            return "skip"
-        if all(self._mine[p] for p in (*src_pos, *dst_pos)):
-            return "local"
-        if set(src_pos) == set(dst_pos):
-            return "reshard"
-        return "paired" if len(set(src_pos)) == len(set(dst_pos)) else "replicated"
+        return transfer_route([self.devices[p] for p in self.layouts[step.src][0]],
+                              [self.devices[p] for p in step.layout[0]], me=self.me)
 
     def describe(self) -> str:
         """The plan as this process runs it: one line per step."""

@@ -26,7 +26,7 @@ from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, ir, make_context, parse_module
 from multimesh.runtime import fragment_store, runahead
 from multimesh.runtime import steps as st
-from multimesh.runtime.distributed import ProcessPlan
+from multimesh.runtime.distributed import ProcessPlan, Route
 from multimesh.runtime.guards import check_args
 from multimesh.runtime.memory import SubmeshMemory, measure_step
 from multimesh.runtime.parallel import map_ordered
@@ -450,7 +450,7 @@ def _per_step(plan: Plan, devices: tuple, exes: dict, skipped: dict, shared: Set
                 out.append(st.Free(free, s))
             continue
         how = st.route(layouts[s.src], s.layout, fresh=i in shared,
-                       local=where in ("run", "local"))
+                       local=where == "run" or where is Route.LOCAL)
         out.append(_transfer_step(how, s, devices, drop, pp, where))
     return out
 

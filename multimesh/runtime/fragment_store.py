@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 
 import jax
+import jaxlib.version as jaxlib_version
 
 from multimesh._src import jax_compat
 
@@ -47,8 +48,6 @@ def _directory() -> Path | None:
 
 def entry_key(shape_key: tuple, device) -> str:
     """The entry's name: a hash of the fragment's shape key and what compiled it."""
-    import jaxlib.version as jaxlib_version
-
     what = (shape_key, jax.__version__, jaxlib_version.__version__, device.platform,
             device.device_kind, getattr(device.client, "platform_version", ""))
     return hashlib.sha256(repr(what).encode("utf-8", "surrogatepass")).hexdigest()

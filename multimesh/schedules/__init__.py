@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from . import algorithms
 from .build import build_schedule, check_placement, theoretical_bubble, theoretical_peak_live
-from .custom import CustomSchedule, canonicalize_custom_schedule
+from .custom import CustomSchedule, canonicalize_custom_schedule, check_custom_rows
 from .gantt import format_gantt
 from .model import (
     KINDS,
     Call,
     ScheduleError,
+    ScheduleTypeError,
     Unit,
     default_cost,
     pipeline_units,
@@ -56,7 +57,7 @@ from .simulator import (
 __all__ = [
     "KINDS", "SCHEDULES", "ALIASES", "alias_list", "ScheduleError", "Unit", "Call", "Schedule",
     "Timeline", "units_from_calls", "pipeline_units", "build_schedule", "canonical_schedule_name",
-    "canonicalize_custom_schedule", "unit_label", "default_cost", "simulate",
+    "canonicalize_custom_schedule", "check_custom_rows", "ScheduleTypeError", "unit_label", "default_cost", "simulate",
     "live_activations", "live_activation_profile", "theoretical_bubble", "format_gantt",
     "chunk_of", "SPLIT_SCHEDULES", "PLACEMENTS", "check_placement", "theoretical_peak_live",
     "v_shape_units", "CustomSchedule", "ScheduleAlgorithm", "register_schedule", "get_schedule",

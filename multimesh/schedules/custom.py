@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model import ScheduleError, unit_label
+from .model import ScheduleError, ScheduleTypeError, unit_label
 from .simulator import Program
 
-__all__ = ["CustomSchedule", "canonicalize_custom_schedule", "custom_plans"]
+__all__ = ["CustomSchedule", "check_custom_rows", "canonicalize_custom_schedule", "custom_plans"]
 
 
 @dataclass(frozen=True)
@@ -39,54 +40,86 @@ class CustomSchedule:
         return [list(r) for r in self.rows]
 
 
+def check_custom_rows(rows) -> None:
+    """The one check of a custom schedule's form, wherever it comes from (``microbatch``'s
+    ``custom_schedule``, when ``microbatch`` is called; the pass's JSON file): a
+    non-empty list of rows, one per submesh, each a list of entries, each a task name
+    or a ``(microbatch, task name)`` pair. What needs the number of microbatches is
+    :func:`canonicalize_custom_schedule`'s; what needs the program, :func:`custom_plans`'.
+    """
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise ScheduleTypeError(
+            f"custom_schedule must be a list of rows, one per submesh, each a list of task "
+            f"names or (microbatch, task name) pairs, got {type(rows).__name__} {rows!r}. "
+            f"For example: [['s0', 's0_bwd'], ['s1', 's1_bwd']].")
+    if len(rows) == 0:
+        raise ScheduleError(
+            "custom_schedule is empty; give one row per submesh, in the order the program "
+            "first uses them, each listing that submesh's tasks once per microbatch. For "
+            "example: [['s0', 's0', 's0_bwd', 's0_bwd'], ['s1', 's1_bwd', 's1', 's1_bwd']] "
+            "for 2 microbatches.")
+    for r, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise ScheduleTypeError(
+                f"custom_schedule row {r} must be a list of task names or (microbatch, task "
+                f"name) pairs, got {type(row).__name__} {row!r}"
+                + (f"; a string is not split into names: write {row.split()!r}."
+                   if isinstance(row, str) else "."))
+        for entry in row:
+            if not _is_entry(entry):
+                raise ScheduleTypeError(
+                    f"custom_schedule row {r} has entry {entry!r}; entries are task names or "
+                    f"(microbatch, task name) pairs.")
+
+
+def _is_entry(entry) -> bool:
+    """A task name, or a ``(microbatch, task name)`` pair (any integer but a bool)."""
+    return isinstance(entry, str) or (
+        isinstance(entry, Sequence) and not isinstance(entry, (str, bytes))
+        and len(entry) == 2 and isinstance(entry[1], str)
+        and isinstance(entry[0], numbers.Integral) and not isinstance(entry[0], bool))
+
+
 def canonicalize_custom_schedule(rows: Sequence[Sequence], num_microbatches: int
                                  ) -> list[list[tuple[int, str]]]:
     """Rows of ``name`` or ``(microbatch, name)`` -> rows of ``(microbatch, name)``.
 
     A bare ``name`` is that name's next microbatch in the row (its 1st occurrence
-    is microbatch 0, ...; the smallest one not yet listed). Checks the form only
-    (types, microbatch range, repeats): whether each name is a task of its row's
-    submesh, and occurs once per microbatch, is checked against the program
-    (:func:`build_schedule`), so a misspelt name is reported as such, not as a count.
+    is microbatch 0, ...; the smallest one not yet listed). Checks the form
+    (:func:`check_custom_rows`), then what needs ``num_microbatches`` (microbatch
+    range, repeats): whether each name is a task of its row's submesh, and occurs once
+    per microbatch, is checked against the program (:func:`build_schedule`), so a
+    misspelt name is reported as such, not as a count.
     """
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise ScheduleError("custom_schedule must be a list of rows (one per submesh), "
-                            f"got {type(rows).__name__}")
+    check_custom_rows(rows)
     return [_canonical_row(r, row, num_microbatches) for r, row in enumerate(rows)]
 
 
 def _canonical_row(r: int, row, num_microbatches: int) -> list[tuple[int, str]]:
-    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-        raise ScheduleError(f"custom_schedule row {r} must be a list of entries, got {row!r}")
     seen: dict[str, set[int]] = {}
     canon = []
-    for k, e in enumerate(row):
-        mb, name = _canonical_entry(r, k, e, seen)
+    for e in row:
+        mb, name = _canonical_entry(e, seen)
         if not 0 <= mb < num_microbatches:
             raise ScheduleError(
                 f"custom_schedule row {r}: microbatch {mb} of task '{name}' is out of "
-                f"range (there are {num_microbatches} microbatches)")
+                f"range (there are {num_microbatches} microbatches).")
         if mb in seen.setdefault(name, set()):
             raise ScheduleError(
-                f"task '{name}' appears twice for microbatch {mb} in custom_schedule row {r}")
+                f"task '{name}' appears twice for microbatch {mb} in custom_schedule row {r}.")
         seen[name].add(mb)
         canon.append((mb, name))
     return canon
 
 
-def _canonical_entry(r: int, k: int, e, seen: dict[str, set[int]]) -> tuple[int, str]:
+def _canonical_entry(e, seen: dict[str, set[int]]) -> tuple[int, str]:
     """``name`` (its next microbatch in the row) or ``(microbatch, name)``."""
     if isinstance(e, str):
         mb = 0
         while mb in seen.get(e, ()):
             mb += 1
         return mb, e
-    if (isinstance(e, Sequence) and len(e) == 2 and isinstance(e[1], str)
-            and isinstance(e[0], int) and not isinstance(e[0], bool)):
-        return int(e[0]), e[1]
-    raise ScheduleError(
-        f"custom_schedule row {r} entry {k} must be a task name or a "
-        f"(microbatch, name) pair, got {e!r}")
+    return int(e[0]), e[1]
 
 
 def custom_plans(prog: Program, custom: Sequence[Sequence] | CustomSchedule

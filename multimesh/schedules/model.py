@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from multimesh._src.calls import Call
-from multimesh._src.errors import MultimeshValueError
+from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
-__all__ = ["KINDS", "ScheduleError", "Unit", "Call", "units_from_calls", "pipeline_units",
+__all__ = ["KINDS", "ScheduleError", "ScheduleTypeError", "Unit", "Call", "units_from_calls", "pipeline_units",
            "v_shape_units", "unit_label", "short_label", "default_cost"]
 
 
@@ -34,6 +34,12 @@ KINDS = ("fwd", "bwd", "bwd_w", "other")
 
 class ScheduleError(MultimeshValueError):
     """A schedule name, option or custom schedule is invalid for the program."""
+
+
+class ScheduleTypeError(MultimeshTypeError, ScheduleError):
+    """A custom schedule, a row or an entry of it is not of the form a schedule takes:
+    a ``TypeError`` first, and a :class:`ScheduleError` (so ``except ScheduleError``
+    catches every schedule failure)."""
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def canonical_schedule_name(name: str | None, custom=None) -> str:
     if custom is not None and name not in (None, "custom"):
         raise ScheduleError(
             f"When custom_schedule is provided, schedule must be 'custom' or None, "
-            f"but got '{name}'")
+            f"but got '{name}'.")
     if name is None:
         return "custom" if custom is not None else "gpipe"
     return get_schedule(name).name

@@ -19,9 +19,14 @@ import sys
 import tempfile
 import time
 import traceback
+import types
+import typing
 import warnings
 from collections.abc import Sequence
 
+import jaxlib.version as jaxlib_version
+
+import multimesh
 from multimesh._src.errors import (
     DiagnosticError,
     DiagnosticWarning,
@@ -37,7 +42,15 @@ from multimesh._src.mlir import (
     print_module,
 )
 from multimesh._src.stack import STACK_BYTES, on_big_stack
-from multimesh.passes.pipeline import COMMON_NATIVE, did_you_mean
+from multimesh.passes import get_all_passes
+from multimesh.passes.base import option_doc, option_fields
+from multimesh.passes.pipeline import (
+    COMMON_NATIVE,
+    VERIFIER,
+    PipelineHooks,
+    did_you_mean,
+    parse_pipeline,
+)
 
 __all__ = ["main"]
 
@@ -197,8 +210,6 @@ def _pass_flags(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[
 
 def _is_pass(name: str) -> bool:
     """Whether ``name`` is a registered multimesh pass or a native one jaxlib knows."""
-    from multimesh.passes.pipeline import parse_pipeline
-
     if not name or not re.fullmatch(r"[\w.-]+", name):
         return False
     if name.startswith("mm-"):
@@ -212,8 +223,6 @@ def _is_pass(name: str) -> bool:
 
 def _load_passes() -> list[tuple[str, type | None, str]]:
     """``[(argument, class or None, summary or load error)]``; never raises."""
-    from multimesh.passes import get_all_passes
-
     out: list[tuple[str, type | None, str]] = []
     for arg, factory in get_all_passes().items():
         try:
@@ -237,10 +246,6 @@ def _passes_help() -> str:
 
 def _list_passes(out) -> None:
     """Each pass, its summary and its options as ``name=<type> (default: value)``."""
-    import typing
-
-    from multimesh.passes.base import option_doc, option_fields
-
     for arg, cls, summary in _load_passes():
         out.write(f"  {arg}\n    {summary}\n")
         if cls is None:
@@ -260,9 +265,6 @@ def _list_passes(out) -> None:
 def _type_name(tp) -> str:
     """An option's type as ``--list-passes`` shows it: ``int``, ``string``, ``int,...``,
     ``int or none``."""
-    import types
-    import typing
-
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
@@ -277,15 +279,7 @@ def _type_name(tp) -> str:
 
 
 def _version() -> str:
-    import multimesh
-
-    try:
-        import jaxlib.version as jv
-
-        jaxlib_version = jv.__version__
-    except Exception:  # pragma: no cover - jaxlib always present
-        jaxlib_version = "unknown"
-    return f"multimesh {multimesh.__version__}\njaxlib {jaxlib_version}\n"
+    return f"multimesh {multimesh.__version__}\njaxlib {jaxlib_version.__version__}\n"
 
 
 # ------------------------------------------------------------------------ driver
@@ -535,8 +529,6 @@ class _Driver:
     def _parse_pipeline(self):
         if self.args.pipeline is None:
             return None
-        from multimesh.passes.pipeline import parse_pipeline
-
         try:
             return parse_pipeline(self.args.pipeline)
         except MultimeshError as e:
@@ -629,8 +621,6 @@ class _Driver:
         return out, warned
 
     def _run_pipeline(self, pipeline, module: ir.Module, replay=None) -> None:
-        from multimesh.passes.pipeline import VERIFIER, PipelineHooks
-
         a = self.args
 
         def before(step, mod):

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from multimesh._src.errors import MultimeshError
+from multimesh.jax import Cluster, Transformer, plan_cluster
 
 PROG = "multimesh"
 _SHAPE = ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab")
@@ -50,8 +51,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model(args):
-    from multimesh.jax import Transformer
-
     extra = {k: getattr(args, k) for k in ("seq", "global_batch") if getattr(args, k)}
     if args.model:
         name = args.model.lower().removeprefix("llama3-").removeprefix("llama-3-")
@@ -72,8 +71,6 @@ def _model(args):
 
 
 def _cluster(args):
-    from multimesh.jax import Cluster
-
     gb = 1e9
     return Cluster(args.device, args.devices, devices_per_node=args.devices_per_node,
                    hbm_bytes=args.hbm_gb * gb if args.hbm_gb else None,
@@ -86,8 +83,6 @@ def plan_main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(list(argv))
     except SystemExit as e:
         return int(e.code or 0)
-    from multimesh.jax import plan_cluster
-
     try:
         model, cluster = _model(args), _cluster(args)
         pins = {k: getattr(args, k) for k in _PINS}

@@ -11,6 +11,10 @@ import numpy as np
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError, user_stacklevel
 from multimesh._src.ir_contract import SCHEDULE_ATTR
+from multimesh._src.mlir import parse_module
+from multimesh.jax._analysis.costs import xla_costs
+from multimesh.jax._analysis.memory import program_fingerprint
+from multimesh.passes.api import read_schedule
 from multimesh.schedules import Schedule, Timeline, Unit, chunk_of, format_gantt, simulate
 from multimesh.schedules.costs import as_cost
 from multimesh.schedules.gantt import format_timeline, memory_lanes
@@ -37,8 +41,6 @@ def as_schedule(obj) -> Schedule:
         raise MultimeshTypeError(
             f"visualize_schedule expects a compiled program, a module or a Schedule, got "
             f"{type(obj).__name__}.")
-    from multimesh.passes.api import read_schedule
-
     s = read_schedule(module)
     if s is None:
         raise MultimeshValueError(_NO_SCHEDULE)
@@ -61,8 +63,6 @@ def _schedule_module(obj):
         return obj if hasattr(obj, "operation") else None
     if SCHEDULE_ATTR not in text:  # cheaper than parsing a large module to find nothing
         raise MultimeshValueError(_NO_SCHEDULE)
-    from multimesh._src.mlir import parse_module
-
     return parse_module(text)
 
 
@@ -105,7 +105,7 @@ def visualize_schedule(compiled_or_schedule, path: str | os.PathLike | None = No
         _print_chart(tl, label, cost, lanes, notes)
     if path is None:
         return None
-    try:
+    try:  # local: matplotlib is optional (a PNG only when it is installed)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
@@ -174,8 +174,6 @@ def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
     if cost is not None:
         raise MultimeshValueError("Give cost= or costs=, not both.")
     if isinstance(costs, str) and costs == "xla":
-        from multimesh.jax._analysis.costs import xla_costs
-
         if isinstance(obj, (Schedule, Mapping)):
             raise MultimeshValueError("costs='xla' needs the compiled program, not its "
                                       "Schedule: pass the compiled program.")
@@ -185,6 +183,7 @@ def _timeline(obj, cost, costs) -> tuple[Timeline, str]:
 
 
 def _draw(ax, tl: Timeline, label: str, seconds: bool) -> None:
+    # local: matplotlib is optional (drawn only when visualize_schedule found it)
     from matplotlib.patches import Patch
 
     sched = tl.schedule
@@ -242,8 +241,6 @@ def _check_same_program(memory, obj, sched: Schedule) -> None:
     program = getattr(memory, "program", None)
     other = source is None or source != sched or len(memory.submeshes) != sched.num_meshes
     if not other and program is not None and hasattr(obj, "record"):
-        from multimesh.jax._analysis.memory import program_fingerprint
-
         other = program_fingerprint(obj) != program
     if other:
         raise MultimeshValueError(

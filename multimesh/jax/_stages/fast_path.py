@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import LOGICAL_TARGET, TASK_ATTR
 from multimesh._src.ir_util import custom_call_target
+from multimesh._src.jax_compat import is_committed
 from multimesh._src.mlir import ir
 from multimesh.jax import _contexts
 from multimesh.jax._analysis.costs import NO_TASKS
@@ -180,6 +181,6 @@ class FastCompiled(ProgramStage):
 
 def _place(x, sharding):
     """``x`` on ``sharding`` unless it is there already (jit moves uncommitted values)."""
-    if getattr(x, "_committed", False) and x.sharding != sharding:
+    if is_committed(x) and x.sharding != sharding:
         return jax.device_put(x, sharding)
     return x

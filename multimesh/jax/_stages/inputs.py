@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from multimesh._src.errors import MeshError
 from multimesh._src.ir_contract import DEVICES_ATTR, LOGICAL_TARGET, SHARDING_ATTR
 from multimesh._src.ir_util import custom_call_target, update_attr_dicts
+from multimesh._src.jax_compat import is_committed
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._task import (
     broadcast_prefix,
@@ -130,7 +131,7 @@ def plan_pins(leaves, specs: list, mapped: set[str], devices: tuple,
                     f"mjit, or use a PartitionSpec of logical names.")
             pins[i] = lay
             drop.add(i)
-        elif spec is None and getattr(x, "_committed", False):
+        elif spec is None and is_committed(x):
             lay = layout_of(getattr(x, "sharding", None), ndim, devices)
             if lay is not None:
                 pins[i] = lay
@@ -189,7 +190,7 @@ def _markers(block) -> list:
 
 def committed_key(leaves) -> tuple:
     """The shardings of committed array leaves (part of ``mjit``'s cache key)."""
-    return tuple(x.sharding if getattr(x, "_committed", False) else None for x in leaves)
+    return tuple(x.sharding if is_committed(x) else None for x in leaves)
 
 
 def fits(compiled, leaves) -> bool:
@@ -199,7 +200,7 @@ def fits(compiled, leaves) -> bool:
     if len(want) != len(leaves):
         return False
     for x, sh in zip(leaves, want):
-        if getattr(x, "_committed", False) and sh is not None:  # None: never read
+        if is_committed(x) and sh is not None:  # None: never read
             have = x.sharding
             if have != sh and not have.is_equivalent_to(sh, len(x.shape)):
                 return False

@@ -7,7 +7,7 @@ import os
 import shlex
 from collections.abc import Callable
 
-from multimesh._src.errors import DiagnosticError, PassFailure, PipelineError
+from multimesh._src.errors import PassFailure, PassStepError, PipelineError
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import file_line_col, ir, module_bytecode, parse_module, print_module
 from multimesh.jax._stages import dump as _dump
@@ -44,7 +44,7 @@ def run_pipeline(module: ir.Module, pipeline: str | Pipeline, name: str | None =
     try:
         timings = pipe.run(module, PipelineHooks(after=watch.after if watch.active else None),
                            replay=source)
-    except DiagnosticError as e:
+    except PassStepError as e:
         raise _pass_failure(pipe, e, where, source) from None
     watch.log_verifier(timings)
     return timings
@@ -78,34 +78,35 @@ class _PassWatch:
             logger.log(self.level, "%s: verified the module in %.4f s", self.label, verify)
 
 
-def _pass_failure(pipe: Pipeline, e: DiagnosticError, where: str | None,
+def _pass_failure(pipe: Pipeline, e: PassStepError, where: str | None,
                   source: Callable[[], ir.Module]) -> PassFailure:
     """The error for a failed pass: its input written as a repro, and the mm-opt line."""
-    failed = getattr(e, "failed_pass", "?")
+    failed = e.failed_pass
     where_loc = file_line_col(e.location)
     loc = f" (at {where_loc[0]}:{where_loc[1]}:{where_loc[2]})" if where_loc else ""
     headline = f"multimesh pass '{failed}' failed: {e.message}{loc}\n"
     try:
         path = _write_repro(pipe, e, where, source)
     except _dump.NoRepro as why:
-        return PassFailure(f"{headline}No repro file was written: {why}.", failed, None, e)
+        return PassFailure(f"{headline}No repro file was written: {why}.", failed, None,
+                           e.error)
     element, note = _replay_element(pipe, e, path)
     if where is None:
         note += (f"\n(repros go to {os.path.dirname(path)}, which keeps the newest "
                  f"{_dump.repro_keep()}; {_dump.REPRO_DIR_ENV} and {_dump.REPRO_KEEP_ENV} "
                  f"change that, {_dump.REPRO_KEEP_ENV}=0 turns them off)")
     repro = f"mm-opt {shlex.quote(path)} -p {shlex.quote('builtin.module(' + element + ')')}"
-    return PassFailure(f"{headline}Reproduce with:\n  {repro}{note}", failed, repro, e)
+    return PassFailure(f"{headline}Reproduce with:\n  {repro}{note}", failed, repro, e.error)
 
 
-def _write_repro(pipe: Pipeline, e: DiagnosticError, where: str | None,
+def _write_repro(pipe: Pipeline, e: PassStepError, where: str | None,
                  source: Callable[[], ir.Module]) -> str:
     """Write the failing pass's input; its path. Outside a dump directory, the repro
     directory keeps only the newest repros (``_dump.prune_repros``)."""
     path = _dump.repro_path(where)
     try:
         with open(path, "w") as f:
-            f.write(_failed_input(pipe, getattr(e, "failed_index", None), source))
+            f.write(_failed_input(pipe, e.failed_index, source))
     except OSError as err:
         raise _dump.NoRepro(f"cannot write {path!r} ({err.strerror or err})") from None
     if where is None:
@@ -113,19 +114,16 @@ def _write_repro(pipe: Pipeline, e: DiagnosticError, where: str | None,
     return path
 
 
-def _replay_element(pipe: Pipeline, e: DiagnosticError, path: str) -> tuple[str, str]:
+def _replay_element(pipe: Pipeline, e: PassStepError, path: str) -> tuple[str, str]:
     """The failing step as ``mm-opt`` replays it on the repro ``path``, and a note.
 
     Its in-memory state (``mm-match-tasks``' rules) is written next to the repro and
     named. If that cannot be done, the pass's failure is still what is raised: the
     note says why the repro line lacks the state.
     """
-    element = getattr(e, "failed_element", getattr(e, "failed_pass", "?"))
-    index = getattr(e, "failed_index", None)
-    if index is None:
-        return element, ""
+    element = e.failed_element
     try:
-        return pipe.steps[index].replay_element(path.removesuffix(".mlir")), ""
+        return pipe.steps[e.failed_index].replay_element(path.removesuffix(".mlir")), ""
     except (PipelineError, OSError) as err:
         return element, f"\n(the repro lacks this pass's in-memory state: {err})"
 

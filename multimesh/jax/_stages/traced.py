@@ -98,7 +98,7 @@ class MpmdTraced(StageBase):
             program = module_bytecode(module)
         mesh = owner.program_mesh(devices)
         key_in = [is_key(x) for x in dyn_flat]  # typed PRNG keys cross as their raw data
-        key_out = [x.dtype._impl if is_key(x) else None for x in jax.tree.leaves(traced.out_info)]
+        key_out = [jax_compat.key_impl(x.dtype) if is_key(x) else None for x in jax.tree.leaves(traced.out_info)]
         record = LoweredProgram(
             program, tuple(devices), in_tree, lowered.out_tree, tuple(range(len(dyn_flat))),
             program_pipeline(len(devices), notes, implicit, _contexts.state.recomputation),

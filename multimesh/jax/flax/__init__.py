@@ -25,10 +25,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "multimesh.jax.flax needs flax; install the extra with `pip install multimesh[flax]`."
     ) from e
 
-from multimesh.jax import mjit as mjit
-from multimesh.jax import mjit as nnx_mjit
-from multimesh.jax import with_sharding_constraint as with_sharding_constraint
 from multimesh.jax._results import ParallelizeStepResult as ParallelizeStepResult
+from multimesh.jax._stages.mjit import mjit as mjit
+from multimesh.jax._stages.mjit import mjit as nnx_mjit
+from multimesh.jax._task import with_sharding_constraint as with_sharding_constraint
 from multimesh.jax.flax._linen import parallelize_step as parallelize_step
 from multimesh.jax.flax._linen import shard_axes as shard_axes
 from multimesh.jax.flax._linen import task as task

@@ -10,6 +10,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh._src.jax_compat import is_committed
 from multimesh.runtime import distributed
 
 __all__ = ["is_array", "is_dynamic", "batch_avals_of", "lowering_batch", "check_batches",
@@ -51,7 +52,7 @@ def lowering_batch(global_batch, batch_avals, replicate_inputs: bool):
     every other leaf) its shape."""
     if replicate_inputs or global_batch is None:
         return batch_avals
-    return jax.tree.map(lambda x, aval: x if getattr(x, "_committed", False) else aval,
+    return jax.tree.map(lambda x, aval: x if is_committed(x) else aval,
                         global_batch, batch_avals)
 
 

@@ -4,12 +4,15 @@ compiled once by ``mjit``; ``step_fn`` updates them in place."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from multimesh._src.errors import MultimeshWarning, user_stacklevel
+from multimesh.jax._planner._api import plan_step
 from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._stages.mjit import mjit
 from multimesh.jax._task import with_sharding_constraint
@@ -43,10 +46,6 @@ def _state_specs(node) -> nnx.State:
 
 
 def _warn_unstepped(model) -> None:
-    import warnings
-
-    from multimesh._src.errors import MultimeshWarning, user_stacklevel
-
     others = nnx.state(model, nnx.Not(nnx.Param))
     if jax.tree.leaves(others):
         warnings.warn(
@@ -104,8 +103,6 @@ def parallelize_step(model: nnx.Module, optimizer, mesh: Mesh | None = None, glo
     batch_avals = batch_avals_of(global_batch, local_batch)
     plan = None
     if microbatching is not None and microbatching.num_stages == "auto":
-        from multimesh.jax._planner._api import plan_step
-
         microbatching, plan = plan_step(microbatching, lambda m, b: m(b), model, batch_avals,
                                         mesh)
     piped = microbatching is not None and microbatching.active
