@@ -31,10 +31,11 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from multimesh._src import jax_compat
 from multimesh.jax._stages.call_checks import check_call, is_key, leaf_name
 from multimesh.jax._stages.stage import LoweredProgram
 
-__all__ = ["CallConvention", "encode_keys", "decode_keys", "abstract_keys"]
+__all__ = ["CallConvention", "encode_keys", "decode_keys", "abstract_keys", "traced_key_impls"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +141,12 @@ def encode_keys(values: Sequence) -> tuple[list, list]:
     impls = [jax.random.key_impl(v) if is_key(v) else None for v in values]
     data = [jax.random.key_data(v) if i is not None else v for v, i in zip(values, impls)]
     return data, impls
+
+
+def traced_key_impls(avals: Sequence) -> list:
+    """Per traced output (``ShapeDtypeStruct`` or aval), its typed key's implementation
+    (None for a value that is no key): what :func:`decode_keys` rewraps at a call."""
+    return [jax_compat.key_impl(a.dtype) if is_key(a) else None for a in avals]
 
 
 def decode_keys(values: Sequence, impls: Sequence) -> list:

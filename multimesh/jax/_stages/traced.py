@@ -19,6 +19,7 @@ from multimesh.jax._implicit_tasks import implicit_task_rules
 from multimesh.jax._stages import fast_path as _fast_path
 from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import is_key, leaf_name
+from multimesh.jax._stages.call_convention import traced_key_impls
 from multimesh.jax._stages.lowered import MpmdLowered, input_text
 from multimesh.jax._stages.pipeline import program_pipeline, schedule_config_of
 from multimesh.jax._stages.stage import LoweredProgram, StageBase, forward
@@ -98,7 +99,7 @@ class MpmdTraced(StageBase):
             program = module_bytecode(module)
         mesh = owner.program_mesh(devices)
         key_in = [is_key(x) for x in dyn_flat]  # typed PRNG keys cross as their raw data
-        key_out = [jax_compat.key_impl(x.dtype) if is_key(x) else None for x in jax.tree.leaves(traced.out_info)]
+        key_out = traced_key_impls(jax.tree.leaves(traced.out_info))
         record = LoweredProgram(
             program, tuple(devices), in_tree, lowered.out_tree, tuple(range(len(dyn_flat))),
             program_pipeline(len(devices), notes, implicit, _contexts.state.recomputation),
