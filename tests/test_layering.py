@@ -396,9 +396,6 @@ PACKAGES = [name for name, path in MODULES if path.name == "__init__.py"]
 @functools.cache
 def _library_graph():
     return import_graph(MODULES)
-PENDING_LOOPS = [  # issue 39, item 1 (one calling convention) breaks it: then drop it here
-    {"multimesh.jax._stages", "multimesh.jax._analysis"},
-]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -409,11 +406,7 @@ def test_no_folder_level_import_loop(package):
     package imports the package's own ``__init__`` (the composition root wires them)."""
     graph = folder_graph(_library_graph(), MODULES, package)
     cycles = import_cycles(graph)
-    left = [c for c in cycles if set(c) not in PENDING_LOOPS]
-    assert not left, "\n".join(_describe(graph, c) for c in left)
-    if cycles:
-        pytest.xfail("pending (issue 39, item 1): " +
-                     "; ".join(_describe(graph, c) for c in cycles))
+    assert not cycles, "\n".join(_describe(graph, c) for c in cycles)
 
 
 def test_the_folder_check_finds_a_loop_between_folders(tmp_path):
