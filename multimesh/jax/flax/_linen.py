@@ -11,15 +11,17 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen as nn
+from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _microbatch, _task
+from multimesh.jax._planner._api import plan_step
 from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._stages.mjit import mjit
 from multimesh.jax._task import Task, check_remat, with_sharding_constraint
-from multimesh.jax.flax import _resume
+from multimesh.jax.flax import _nnx, _nnx_step, _resume
 from multimesh.jax.flax._boxes import StepFn, name_meshes
 from multimesh.jax.flax._common import (
     batch_avals_of,
@@ -153,8 +155,6 @@ def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
         cls = _linen_task_class(type(model), explicit, spec)
         values = {f.name: getattr(model, f.name) for f in _model_fields(type(model))}
         return cls(**values)
-    from multimesh.jax.flax import _nnx
-
     if _nnx.is_nnx_module(model):
         return _nnx.make_task_module(model, explicit, spec)
     if isinstance(model, type) and _nnx.is_nnx_module_class(model):
@@ -448,8 +448,6 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     the global batch arrays); all four are attributes in both forms.
     ``loss, state = step_fn(state, batch)``.
     """
-    from multimesh.jax.flax import _nnx, _nnx_step
-
     mb = MicrobatchOptions(num_microbatches, microbatch_size, schedule, interleave, num_stages,
                            unrolling, custom_schedule, microbatch_reduction, remat)
     mb.check()
@@ -497,15 +495,11 @@ def _auto_stages(mb: MicrobatchOptions, loss, params, batch_avals, mesh):
     """``num_stages="auto"``: the planner's microbatch options and plan, else ``(mb, None)``."""
     if mb.num_stages != "auto":
         return mb, None
-    from multimesh.jax._planner._api import plan_step
-
     return plan_step(mb, loss, params, batch_avals, mesh)
 
 
 def _check_linen_model(model) -> None:
     """``model`` must be a linen module instance (NNX ones were handled before)."""
-    from multimesh.jax.flax import _nnx
-
     if isinstance(model, nn.Module):
         return
     if isinstance(model, type) and (issubclass(model, nn.Module)
@@ -521,8 +515,6 @@ def _check_linen_model(model) -> None:
 def _linen_init_state(model, optimizer, key, batch):
     """A fresh ``TrainState`` as flax builds one: ``params`` is ``model``'s
     ``variables["params"]``, and the optimizer's state is for them."""
-    from flax.training.train_state import TrainState
-
     variables = model.init(key, batch)
     _check_collections(variables)
     return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optimizer)
