@@ -289,21 +289,36 @@ def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
 # --------------------------------------------------------------------------- parallelize_step
 
 
+def logical_pairs(rules) -> tuple[tuple[str, str], ...]:
+    """flax's ``nn.logical_axis_rules``, converted once into a task's rule table:
+    priority-ordered ``(logical, device axis)`` pairs. A rule onto several axes gives one
+    pair per axis; a rule onto ``None`` (replicated) gives none, and, as in flax's
+    ``logical_to_mesh_axes``, hides the name's later rules."""
+    pairs: list[tuple[str, str]] = []
+    replicated: set[str] = set()
+    for logical, axes in rules:
+        if logical in replicated:
+            continue
+        if axes is None:
+            replicated.add(logical)
+            continue
+        for axis in (axes,) if isinstance(axes, str) else tuple(axes):
+            if (logical, axis) not in pairs:
+                pairs.append((logical, axis))
+    return tuple(pairs)
+
+
 def constrain_linen_state(state):
     """Logical constraint on every variable leaf: its partitioning names, else ``P()``.
 
-    Under flax's ``nn.logical_axis_rules`` the names are flax's logical ones: the rules
-    turn them into mesh axis names first, which each task reads as its own axes (a
-    ``mesh_slice`` stage maps the global mesh's axes onto themselves), so a parameter
-    is sharded on its stage as ``jax.jit`` with the same rules shards it.
+    The names are flax's logical ones and go to the IR as they are: each task resolves
+    them through its own rule table, to which :func:`parallelize_step` appends flax's
+    ``nn.logical_axis_rules`` (:func:`logical_pairs`, converted once), so a parameter is
+    sharded on its stage as ``jax.jit`` with the same rules shards it.
     """
-    rules = tuple(nn.get_logical_axis_rules())
-
     def one(x):
         if _is_box(x):
             spec = _box_spec(x)
-            if spec is not None and rules:
-                spec = nn.logical_to_mesh_axes(tuple(spec), rules)
             return x.replace_boxed(with_sharding_constraint(x.unbox(apply_constraint=False),
                                                                spec if spec is not None else P()))
         if hasattr(x, "shape"):
@@ -487,7 +502,8 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
 
 def _compile(step_fn, mesh, plan, state, batch):
     """``step_fn`` compiled for ``(state, batch)``, under the plan's rules if there is one."""
-    with plan if plan is not None else nullcontext():
+    rules = _contexts.logical_rules(logical_pairs(nn.get_logical_axis_rules()))
+    with plan if plan is not None else nullcontext(), rules:
         return mjit(step_fn, mesh=mesh).lower(state, batch).compile()
 
 
