@@ -12,6 +12,7 @@ One record describes a task's mesh, :class:`MeshRecord`, read and written by eve
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from math import prod
@@ -564,3 +565,41 @@ def shardings_in(attr: ir.Attribute) -> list[Sharding]:
 
     map_shardings(attr, collect)
     return found
+
+
+# Two attributes the bindings of jaxlib 0.10.2 build but cannot read (no accessors):
+# read from their text here, and nowhere else.
+
+_MANUAL_AXES = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def manual_axes(attr: ir.Attribute) -> list[str]:
+    """The axis names of a ``#sdy<manual_axes{"a", "b"}>`` (built back with
+    ``sdy.ManualAxesAttr.get``)."""
+    return _MANUAL_AXES.findall(str(attr))
+
+
+@dataclass(frozen=True)
+class MeshAxesGroups:
+    """jax >= 0.12's collective groups named by mesh axes,
+    ``#stablehlo.replica_group_mesh_axes<mesh = @m, axes = [...]>``: its mesh symbol and
+    axis names, and the same groups on another mesh symbol."""
+
+    attr: ir.Attribute
+
+    PREFIX = "#stablehlo.replica_group_mesh_axes"
+    _AXIS = re.compile(r'name = "([^"]+)"')
+    _MESH = re.compile(r"mesh = @[A-Za-z_][A-Za-z0-9_$.]*")
+
+    @classmethod
+    def read(cls, attr: ir.Attribute) -> MeshAxesGroups | None:
+        """The groups, or None for numbered ones (``dense<...>``)."""
+        return cls(attr) if str(attr).startswith(cls.PREFIX) else None
+
+    @property
+    def axes(self) -> list[str]:
+        return self._AXIS.findall(str(self.attr))
+
+    def on_mesh(self, target: str) -> ir.Attribute:
+        """The same groups over the mesh symbol ``target``."""
+        return ir.Attribute.parse(self._MESH.sub(f"mesh = @{target}", str(self.attr)))
