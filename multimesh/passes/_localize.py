@@ -73,42 +73,48 @@ class LocalizeShardings:
         found = self._foreign_attrs(op)
         if not found:
             return None
+        foreign = [(s.mesh, s) for _, _, shardings in found for s in shardings
+                   if isinstance(s.mesh, str) and s.mesh in self.foreign]
         tag = c.owner_tag(op)
         if tag is None and op.name == "func.func":
             return None  # @main's own arguments: the input pins (docs/ir.md §1)
         if tag is None or tag[0] not in self.tasks:
-            ref = next(s.mesh for _, a in found for s in shardings_in(a)
-                       if self._is_foreign(s))
             raise DiagnosticError(
-                f"a sharding on the mesh {self._mesh_text(ref)} is not inside a task, so "
-                f"multimesh cannot tell which submesh it means", op.location)
+                f"a sharding on the mesh {self._mesh_text(foreign[0][0])} is not inside a "
+                f"task, so multimesh cannot tell which submesh it means", op.location)
         name, task = tag[0], self.tasks[tag[0]]
         self.used.add(name)
         manual = op.name == "sdy.manual_computation"
-        for _, a in found:
-            for s in shardings_in(a):
-                if isinstance(s.mesh, str) and s.mesh in self.foreign:
-                    _check_axes(op, s, self.foreign[s.mesh], name, task, manual)
+        for mesh, s in foreign:
+            _check_axes(op, s, self.foreign[mesh], name, task, manual)
         plan = None
         if manual:
-            traced = next(self.foreign[s.mesh] for _, a in found for s in shardings_in(a)
-                          if isinstance(s.mesh, str) and s.mesh in self.foreign)
             plan = _collectives.Renumbering()
-            _collectives.plan_renumbering(op, traced, task, name, self.sym_names[name], plan)
-        return lambda: self._rewrite(op, found, self.sym_names[name], task, plan)
+            _collectives.plan_renumbering(op, self.foreign[foreign[0][0]], task, name,
+                                          self.sym_names[name], plan)
+        edits = [(attr_name, a) for attr_name, a, _ in found]
+        return lambda: self._rewrite(op, edits, self.sym_names[name], task, plan)
 
-    def _foreign_attrs(self, op: ir.Operation) -> list[tuple[str, ir.Attribute]]:
+    def _foreign_attrs(self, op: ir.Operation) -> list[tuple[str, ir.Attribute, list[Sharding]]]:
+        """The attributes of ``op`` holding a sharding on a foreign mesh, with their
+        shardings."""
         attrs = op.attributes
-        names = _FUNC_ATTRS if op.name == "func.func" else _SHARDING_ATTRS
-        return [(n, attrs[n]) for n in names if n in attrs
-                and any(self._is_foreign(s) for s in shardings_in(attrs[n]))]
+        if not len(attrs):
+            return []
+        found = []
+        for n in _FUNC_ATTRS if op.name == "func.func" else _SHARDING_ATTRS:
+            if n in attrs:
+                a = attrs[n]
+                shardings = shardings_in(a)
+                if any(self._is_foreign(s) for s in shardings):
+                    found.append((n, a, shardings))
+        return found
 
     def _is_foreign(self, s: Sharding) -> bool:
         return isinstance(s.mesh, str) and s.mesh in self.foreign
 
-    def _mesh_text(self, ref: str | ir.Attribute) -> str:
-        axes = self.foreign[ref] if isinstance(ref, str) else {}
-        return f"@{ref} <" + ", ".join(f"{a}={s}" for a, s in axes.items()) + ">"
+    def _mesh_text(self, ref: str) -> str:
+        return f"@{ref} <" + ", ".join(f"{a}={s}" for a, s in self.foreign[ref].items()) + ">"
 
     def _rewrite(self, op: ir.Operation, found: list[tuple[str, ir.Attribute]], target: str,
                  task: c.MeshRecord, plan: _collectives.Renumbering | None) -> None:
