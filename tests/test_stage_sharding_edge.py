@@ -199,5 +199,7 @@ def test_a_sharding_over_the_sliced_axis_is_replicated_over_it():
         ref_flops = ref.lower(x).compile().cost_analysis()["flops"]
     _check(got, want, stage=0)
     assert _spec(want[1].sharding, 2) == _spec(got[1].sharding, 2)
-    # per device, both stages' fragments together do what jax.jit does on one stage mesh
-    assert flops == pytest.approx(ref_flops, rel=0.05), (flops, ref_flops)
+    # per device, both stages' fragments together do no more than jax.jit does on one
+    # stage mesh (equal under jax 0.10.2; jax 0.12's jit counts 10% more): a sharding
+    # lost with the size-one axis would replicate the stage's work over "data" (2x)
+    assert flops <= ref_flops * 1.05, (flops, ref_flops)
