@@ -724,26 +724,6 @@ def _():
     mm.mjit(t)(jnp.ones(8))
 
 
-@error("sharding-names-a-sliced-axis", API,
-       "a sharding in a stage names the axis its `mesh_slice` slices",
-       PassFailure,
-       r"a sharding in task 's0' .*names the mesh axis 'stage', which is sliced away \(the "
-       r"task is one slice of it\); inside a task the mesh is the task's mesh, with the axes "
-       r"\['data'\] \(device positions \[0, 1, 2, 3\]\)",
-       """A stage cut from the global mesh by `mesh_slice={"stage": 0}` keeps the other
-       axes with their sizes; the sliced axis is one index there, so a sharding over it
-       (here a `NamedSharding` of the global mesh, written outside the stage's body)
-       cannot apply inside the stage. Shard over the axes the stage keeps.""")
-def _():
-    mesh = jax.make_mesh((2, 4), ("stage", "data"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    over_stage = NamedSharding(mesh, P("stage"))
-    s0 = mm.task(lambda x: lax.with_sharding_constraint(x, over_stage) * 2, name="s0",
-                 mesh_slice={"stage": 0})
-    with jax.set_mesh(mesh):
-        mm.mjit(s0)(jnp.ones(8))
-
-
 @error("collective-over-an-axis-the-task-lacks", API,
        "a collective in a stage over the axis its `mesh_slice` slices",
        MeshError,

@@ -220,3 +220,36 @@ def test_properties(problem, data):
         assert _run(spec, shape, names, sizes, dup) == result
     # An empty mapping never shards and never fails.
     assert _run(spec, shape, names, sizes, []) == tuple(() for _ in shape)
+
+
+FLAX_RULES = (("batch", "data"), ("embed", None), ("embed", "model"), ("mlp", "model"),
+              ("heads", ("model", "data")), ("kv", "data"), ("kv", "model"))
+
+
+def test_flax_rules_become_one_rule_table():
+    """flax's ``nn.logical_axis_rules``, converted once (``multimesh.jax.flax``): a rule
+    onto several axes gives a pair per axis, one onto ``None`` gives none and hides the
+    name's later rules, as flax's resolution does."""
+    from multimesh.jax.flax._linen import logical_pairs
+
+    assert logical_pairs(FLAX_RULES) == (
+        ("batch", "data"), ("mlp", "model"), ("heads", "model"), ("heads", "data"),
+        ("kv", "data"), ("kv", "model"))
+
+
+@pytest.mark.parametrize("names", [("batch", "mlp"), ("embed", "mlp"), ("mlp", "batch"),
+                                   ("kv", "mlp"), ("batch", "kv"), ("mlp", "kv"), ("embed", None)])
+def test_the_converted_table_resolves_as_flax_does(names):
+    """On a ``data=2, model=4`` mesh, each task resolving flax's names through the table
+    gives flax's own ``logical_to_mesh_axes`` (shapes large enough that no axis
+    over-shards; multiple axes on one dimension in mesh order)."""
+    from flax import linen as nn
+
+    from multimesh.jax.flax._linen import logical_pairs
+
+    mesh_names, sizes = ("data", "model"), (2, 4)
+    got = resolve([[] if n is None else [n] for n in names], (64, 64), mesh_names, sizes,
+                  logical_pairs(FLAX_RULES))
+    want = tuple(nn.logical_to_mesh_axes(names, FLAX_RULES))
+    assert to_partition_spec(got) == tuple(
+        tuple(sorted(w, key=mesh_names.index)) if isinstance(w, tuple) else w for w in want)

@@ -12,12 +12,14 @@ One record describes a task's mesh, :class:`MeshRecord`, read and written by eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from math import prod
 
 from multimesh._src import ir_attrs as ta
 from multimesh._src.errors import DiagnosticError, IRContractError
-from multimesh._src.mlir import attr_to_py, ir, py_to_attr
+from multimesh._src.mlir import attr_to_py, ir, py_to_attr, sdy
 
 PREFIX = "mm."
 """Every name of the contract starts with it (``mm-extract-fragments`` and the runtime
@@ -427,3 +429,177 @@ def read_loop_header(loop: ir.Operation) -> LoopHeader:
         n = attr_to_py(sched).get("name")
         name = n if isinstance(n, str) else None
     return LoopHeader(ir.FlatSymbolRefAttr(body).value, num, name, order)
+
+
+# ----------------------------------------------------------------------------- shardings
+# One typed view of an ``sdy`` sharding, read and built through the bindings' attribute
+# API (never by editing printed text): the passes that move shardings between meshes
+# rewrite these fields and build the attribute back.
+
+
+@dataclass(frozen=True)
+class AxisRef:
+    """One axis of a sharding: ``"x"``, or the sub-axis ``"x":(pre_size)size``."""
+
+    name: str
+    sub: ir.Attribute | None = None
+    """The ``#sdy<sub_axis_info>``, None for the whole axis."""
+
+    def to_attr(self) -> ir.Attribute:
+        return sdy.AxisRefAttr.get(self.name, self.sub)
+
+    @classmethod
+    def from_attr(cls, a: ir.Attribute) -> AxisRef:
+        ref = sdy.AxisRefAttr(a)
+        return cls(ref.name, ref.sub_axis_info)
+
+
+@dataclass(frozen=True)
+class DimSharding:
+    """The axes one dimension is sharded over (``{"x", ?}p1``: open, priority 1)."""
+
+    axes: tuple[AxisRef, ...]
+    closed: bool
+    priority: int | None = None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A ``#sdy.sharding``: its mesh (a symbol name, or an inline ``#sdy.mesh``), one
+    :class:`DimSharding` per dimension, and the ``replicated``/``unreduced`` axes."""
+
+    mesh: str | ir.Attribute
+    dims: tuple[DimSharding, ...]
+    replicated: tuple[AxisRef, ...] = ()
+    unreduced: tuple[AxisRef, ...] = ()
+
+    @classmethod
+    def from_attr(cls, a: ir.Attribute) -> Sharding:
+        ts = sdy.TensorShardingAttr(a)
+        ref = ts.mesh_or_ref
+        mesh = ir.FlatSymbolRefAttr(ref).value if isinstance(ref, ir.FlatSymbolRefAttr) else ref
+        dims = []
+        for d in ts.dimension_shardings:
+            d = sdy.DimensionShardingAttr(d)
+            dims.append(DimSharding(tuple(AxisRef.from_attr(x) for x in d.axes),
+                                    bool(d.is_closed), d.priority))
+        return cls(mesh, tuple(dims), tuple(AxisRef.from_attr(x) for x in ts.replicated_axes),
+                   tuple(AxisRef.from_attr(x) for x in ts.unreduced_axes))
+
+    def to_attr(self) -> ir.Attribute:
+        dims = [sdy.DimensionShardingAttr.get([x.to_attr() for x in d.axes], d.closed,
+                                              d.priority) for d in self.dims]
+        return sdy.TensorShardingAttr.get(self.mesh, dims,
+                                          [x.to_attr() for x in self.replicated],
+                                          [x.to_attr() for x in self.unreduced])
+
+    @property
+    def mesh_axes(self) -> dict[str, int] | None:
+        """``{axis: size}`` of an inline mesh; None for a mesh symbol."""
+        return None if isinstance(self.mesh, str) else mesh_axes(self.mesh)
+
+    def axes(self) -> list[AxisRef]:
+        """Every axis the sharding names, dimensions first (``replicated`` and
+        ``unreduced`` after)."""
+        return [x for d in self.dims for x in d.axes] + [*self.replicated, *self.unreduced]
+
+    def keep_axes(self, keep: Callable[[AxisRef], bool]) -> Sharding:
+        """The sharding without the axes ``keep`` refuses (on every dimension and in
+        ``replicated``/``unreduced``)."""
+        return replace(self, dims=tuple(replace(d, axes=tuple(x for x in d.axes if keep(x)))
+                                        for d in self.dims),
+                       replicated=tuple(x for x in self.replicated if keep(x)),
+                       unreduced=tuple(x for x in self.unreduced if keep(x)))
+
+
+def mesh_axes(mesh: ir.Attribute) -> dict[str, int]:
+    """``{axis: size}`` of a ``#sdy.mesh`` attribute, in the mesh's order."""
+    return {sdy.MeshAxisAttr(a).name: sdy.MeshAxisAttr(a).size for a in sdy.MeshAttr(mesh).axes}
+
+
+def map_shardings(attr: ir.Attribute,
+                  fn: Callable[[Sharding], Sharding | None]) -> ir.Attribute | None:
+    """``attr`` with ``fn`` applied to every ``#sdy.sharding`` it holds, or None when
+    ``fn`` changed none (``fn`` returns None for "unchanged").
+
+    ``attr`` is a sharding, a per-value list of them (an op's results, a
+    ``manual_computation``'s ``in_shardings``), or a function's ``arg_attrs`` /
+    ``res_attrs`` (a list of dictionaries whose values may be shardings); anything
+    else holds none.
+    """
+    if sdy.TensorShardingAttr.isinstance(attr):
+        changed = fn(Sharding.from_attr(attr))
+        return None if changed is None else changed.to_attr()
+    if sdy.TensorShardingPerValueAttr.isinstance(attr):
+        items = list(sdy.TensorShardingPerValueAttr(attr).shardings)
+        out = [map_shardings(a, fn) for a in items]
+        if all(o is None for o in out):
+            return None
+        return sdy.TensorShardingPerValueAttr.get([_either(o, a) for o, a in zip(out, items)])
+    if isinstance(attr, ir.ArrayAttr):
+        items = list(ir.ArrayAttr(attr))
+        out = [map_shardings(a, fn) for a in items]
+        if all(o is None for o in out):
+            return None
+        return ir.ArrayAttr.get([_either(o, a) for o, a in zip(out, items)])
+    if isinstance(attr, ir.DictAttr):
+        d = ir.DictAttr(attr)
+        entries = {d[i].name: d[i].attr for i in range(len(d))}
+        new = {k: map_shardings(v, fn) for k, v in entries.items()}
+        if all(v is None for v in new.values()):
+            return None
+        return ir.DictAttr.get({k: _either(new[k], v) for k, v in entries.items()})
+    return None
+
+
+def _either(new: ir.Attribute | None, old: ir.Attribute) -> ir.Attribute:
+    return old if new is None else new
+
+
+def shardings_in(attr: ir.Attribute) -> list[Sharding]:
+    """Every ``#sdy.sharding`` that ``attr`` holds (see :func:`map_shardings`)."""
+    found: list[Sharding] = []
+
+    def collect(s: Sharding) -> None:
+        found.append(s)
+
+    map_shardings(attr, collect)
+    return found
+
+
+# Two attributes the bindings of jaxlib 0.10.2 build but cannot read (no accessors):
+# read from their text here, and nowhere else.
+
+_MANUAL_AXES = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def manual_axes(attr: ir.Attribute) -> list[str]:
+    """The axis names of a ``#sdy<manual_axes{"a", "b"}>`` (built back with
+    ``sdy.ManualAxesAttr.get``)."""
+    return _MANUAL_AXES.findall(str(attr))
+
+
+@dataclass(frozen=True)
+class MeshAxesGroups:
+    """jax >= 0.12's collective groups named by mesh axes,
+    ``#stablehlo.replica_group_mesh_axes<mesh = @m, axes = [...]>``: its mesh symbol and
+    axis names, and the same groups on another mesh symbol."""
+
+    attr: ir.Attribute
+
+    PREFIX = "#stablehlo.replica_group_mesh_axes"
+    _AXIS = re.compile(r'name = "([^"]+)"')
+    _MESH = re.compile(r"mesh = @[A-Za-z_][A-Za-z0-9_$.]*")
+
+    @classmethod
+    def read(cls, attr: ir.Attribute) -> MeshAxesGroups | None:
+        """The groups, or None for numbered ones (``dense<...>``)."""
+        return cls(attr) if str(attr).startswith(cls.PREFIX) else None
+
+    @property
+    def axes(self) -> list[str]:
+        return self._AXIS.findall(str(self.attr))
+
+    def on_mesh(self, target: str) -> ir.Attribute:
+        """The same groups over the mesh symbol ``target``."""
+        return ir.Attribute.parse(self._MESH.sub(f"mesh = @{target}", str(self.attr)))

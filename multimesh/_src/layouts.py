@@ -11,6 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+Placement = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
+"""Where an array lives and how it is split: ``(devices, axis_names, axis_sizes, dims)``,
+the devices in row-major order over the mesh and, per dimension, the mesh axes it is
+split over (the runtime's plan and the front end's input pins use it). Not the
+planner's ``Layout`` (a stage's parallel layout)."""
+
 
 def layout_key(devices: Sequence[int], axis_names: Sequence[str], axis_sizes: Sequence[int],
                dims: Sequence[Sequence[str]]) -> tuple:

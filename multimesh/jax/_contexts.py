@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["autoshard", "ignore_transforms", "enable_fast_path", "enable_recomputation",
            "context", "state", "program_devices", "push", "pop", "compile_state",
-           "internal_trace", "traced_by_multimesh"]
+           "internal_trace", "traced_by_multimesh", "logical_rules"]
 
 
 class _State(threading.local):
@@ -33,6 +33,7 @@ class _State(threading.local):
         self.microbatch_loop = None  # number of microbatches while a loop body is traced
         self.trace_notes: TraceNotes | None = None  # filled while mjit traces
         self.internal_trace = False  # multimesh traces tasks outside mjit on purpose
+        self.logical_rules: tuple[tuple[str, str], ...] = ()  # appended to every task's table
         self.overrides: list[list] = []  # [token, name, value to restore], oldest first
 
 
@@ -87,7 +88,7 @@ def compile_state() -> tuple:
     """
     st = state
     return (st.ignore_transforms, st.recomputation, st.fast_path, st.autoshard,
-            st.program_devices, st.microbatch_loop, jax_compat.trace_context())
+            st.program_devices, st.microbatch_loop, st.logical_rules, jax_compat.trace_context())
 
 
 def autoshard(autoshard: bool | None = True):
@@ -97,6 +98,15 @@ def autoshard(autoshard: bool | None = True):
     axis names that each task resolves through its ``logical_axes`` mapping.
     """
     return _set("autoshard", None if autoshard is None else bool(autoshard))
+
+
+def logical_rules(pairs: tuple[tuple[str, str], ...]):
+    """Opens a context where every task bound (or resolved while lowering) appends
+    ``pairs``, priority-ordered ``(logical, device axis)`` pairs, to its own
+    ``logical_axes``: one rule table per task, whatever wrote the rules (flax's
+    ``nn.logical_axis_rules``, converted once by ``multimesh.jax.flax``). A pair naming
+    a device axis the task's mesh lacks maps nothing in that task."""
+    return _set("logical_rules", tuple(pairs))
 
 
 def ignore_transforms(ignore: bool | None = True):

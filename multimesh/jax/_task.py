@@ -334,6 +334,8 @@ def resolve_task_info(spec: Task, name: str) -> TaskInfo:
     # task uses its logical name (one map shared by submeshes of different shapes):
     # mm-resolve-logical-shardings reports it there.
     mapping = mapping + tuple(spec.extra_axes or ())
+    mapping = mapping + tuple(p for p in _contexts.state.logical_rules
+                              if p[1] in names and p not in mapping)
     _check_reused_axis_names(name, mapping, names)
     if _contexts.state.trace_notes is not None:  # which in_shardings names are logical
         _contexts.state.trace_notes.logical_names.update(logical for logical, _ in mapping)

@@ -28,22 +28,18 @@ op, naming the axis, the task and why, before XLA sees the module.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from multimesh._src.errors import DiagnosticError
-from multimesh._src.ir_contract import MeshRecord
+from multimesh._src.ir_contract import MeshAxesGroups, MeshRecord, manual_axes
 from multimesh._src.mlir import ir, sdy, stablehlo
 
 __all__ = ["Renumbering", "plan_renumbering"]
 
 _GROUP_ATTRS = ("replica_groups", "source_target_pairs")
-_MESH_AXES = "#stablehlo.replica_group_mesh_axes"
-_AXIS_NAME = re.compile(r'name = "([^"]+)"')
-_MESH_REF = re.compile(r"mesh = @[A-Za-z_][A-Za-z0-9_$.]*")
 _JAX_NAMES = {"stablehlo.all_reduce": "psum", "stablehlo.all_gather": "all_gather",
               "stablehlo.reduce_scatter": "psum_scatter", "stablehlo.all_to_all": "all_to_all",
               "stablehlo.collective_permute": "ppermute",
@@ -135,15 +131,14 @@ def _by_mesh_axes(coll: ir.Operation, meshes: _MeshPair, dropped: set[str], targ
     for name in _GROUP_ATTRS:
         if name not in coll.attributes:
             continue
-        text = str(coll.attributes[name])
-        if not text.startswith(_MESH_AXES):
+        groups = MeshAxesGroups.read(coll.attributes[name])
+        if groups is None:
             continue
         found = True
-        for axis in _AXIS_NAME.findall(text):
+        for axis in groups.axes:
             if axis in dropped:
                 raise _spans(coll, axis, meshes)
-        new = _MESH_REF.sub(f"mesh = @{target}", text)
-        plan.edits.append((coll, name, functools.partial(ir.Attribute.parse, new)))
+        plan.edits.append((coll, name, functools.partial(groups.on_mesh, target)))
     return found
 
 
@@ -163,9 +158,7 @@ def _manual_axes_attr(axes: list[str]) -> ir.Attribute:
 
 
 def _manual_axes(op: ir.Operation) -> list[str]:
-    text = str(op.attributes["manual_axes"])
-    return [t.strip().strip('"') for t in text[text.index("{") + 1:text.rindex("}")].split(",")
-            if t.strip()]
+    return manual_axes(op.attributes["manual_axes"])
 
 
 def _check_sizes(op: ir.Operation, meshes: _MeshPair) -> None:

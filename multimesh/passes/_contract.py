@@ -161,6 +161,22 @@ def tag_of(op: ir.Operation) -> Tag | None:
     return tag
 
 
+def owner_tag(op: ir.Operation) -> Tag | None:
+    """The :data:`Tag` of the task that owns ``op``: its own ``mm.task``, else that of
+    the nearest enclosing tagged op (an op in a ``stablehlo.while`` body or another
+    region, or in the body function of a leaf task call, which carries the call's tag);
+    None when nothing up to the module is tagged. The one reader of "whose op is this"
+    (a malformed tag is a :class:`DiagnosticError` there, as for :func:`tag_of`)."""
+    cur: ir.Operation | None = op
+    while cur is not None and cur.name != "builtin.module":
+        tag = tag_of(cur)
+        if tag is not None:
+            return tag
+        parent = cur.parent
+        cur = parent.operation if parent is not None else None
+    return None
+
+
 def task_call(call: ir.Operation, *, strict: bool = False) -> tuple[Tag, MeshRecord | None]:
     """Tag and mesh of a task call's ``mm.task`` (mesh None for a flat ``{name,
     transpose_count}`` reference), checked as ``mm-verify`` does: a

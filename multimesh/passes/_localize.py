@@ -8,45 +8,41 @@ under). Inside a task the mesh is the task's mesh: every such sharding is rewrit
 onto ``@mesh_<task>`` by axis name, so a constraint over ``"data"`` on the global mesh
 ``("stage", "data", "model")`` shards over the task's ``"data"`` on its own devices.
 
-A sliced axis (``mesh_slice={"stage": k}`` leaves it with size 1) and any axis the
-task's mesh lacks cannot carry a sharding inside the task: naming one is an error at
-the op, with its source line, before XLA sees the module.
+**Size-one axes.** An axis that the task's mesh has with size 1 (the axis a
+``mesh_slice={"stage": k}`` slices, or a size-1 axis of a ``TaskMesh``) splits nothing
+there: it is dropped from the sharding, which leaves the dimension replicated over it
+(as MaxText drops size-one mesh axes, ``remove_size_one_mesh_axis``). An axis the task's
+mesh lacks is an error at the op, with its source line, before XLA sees the module:
+it is a typo or a sharding meant for another stage. A ``shard_map`` whose operands are
+split over a sliced axis is refused too: its body was traced with that split.
+
+:class:`LocalizeShardings` is the rewrite pattern (``_patterns.py``) that
+``mm-resolve-logical-shardings`` runs over every op; the attributes are read and
+rebuilt through the typed view of ``multimesh._src.ir_contract`` (:class:`Sharding`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from multimesh._src.errors import DiagnosticError
+from multimesh._src.ir_contract import AxisRef, Sharding, map_shardings, mesh_axes, shardings_in
 from multimesh._src.mlir import ir, sdy
 
 from . import _collectives
 from . import _contract as c
+from ._patterns import Rewrite, ops_under
 
-__all__ = ["ForeignSharding", "collect_foreign", "plan_collectives", "rewrite_foreign",
-           "warn_lost_pins"]
+__all__ = ["LocalizeShardings", "foreign_meshes", "warn_lost_pins"]
 
-# Attributes that hold an sdy sharding (a TensorSharding or a per-value list of them).
 _SHARDING_ATTRS = ("sharding", "sdy.sharding", "in_shardings", "out_shardings",
-                   "out_sharding", "manual_axes")
-_REF = re.compile(r"@([A-Za-z_][A-Za-z0-9_$.]*)")
-_AXIS = re.compile(r'"([^"]+)"(:\((\d+)\)(\d+))?')
-_REPLICATED = re.compile(r',\s*replicated=\{([^}]*)\}')
+                   "out_sharding")
+"""Attributes of an op that hold an sdy sharding (or a per-value list of them)."""
+_FUNC_ATTRS = ("arg_attrs", "res_attrs")
 
 
-@dataclass(frozen=True)
-class ForeignSharding:
-    """One attribute (of an op, or of a function's arguments/results) to rewrite."""
-
-    op: ir.Operation
-    attr: str          # attribute name on ``op``
-    task: str          # the task whose mesh it moves to
-    text: str          # the attribute's text
-
-
-def _foreign_meshes(module: ir.Module, own: set[str]) -> dict[str, dict[str, int]]:
+def foreign_meshes(module: ir.Module, own: set[str]) -> dict[str, dict[str, int]]:
     """``{symbol: {axis: size}}`` of every ``sdy.mesh`` that is not a task's mesh."""
     out: dict[str, dict[str, int]] = {}
     for view in module.body.operations:
@@ -56,147 +52,140 @@ def _foreign_meshes(module: ir.Module, own: set[str]) -> dict[str, dict[str, int
         sym = ir.StringAttr(op.attributes["sym_name"]).value
         if sym in own:
             continue
-        mesh = sdy.MeshAttr(op.attributes["mesh"])
-        if not len(mesh.axes):
-            continue  # a maximal mesh (`device_ids=[0]`: a host callback's device) stays
-        out[sym] = {sdy.MeshAxisAttr(a).name: sdy.MeshAxisAttr(a).size for a in mesh.axes}
+        axes = mesh_axes(op.attributes["mesh"])
+        if axes:  # a maximal mesh (`device_ids=[0]`: a host callback's device) stays
+            out[sym] = axes
     return out
 
 
-def _task_of(op: ir.Operation) -> str | None:
-    """The ``mm.task`` name of ``op`` or of the nearest enclosing op (a leaf task call's
-    body function carries its call's tag)."""
-    cur: ir.Operation | None = op
-    while cur is not None and cur.name != "builtin.module":
-        if c.TASK_ATTR in cur.attributes:
-            tag = c.attr_to_py(cur.attributes[c.TASK_ATTR])
-            if isinstance(tag, dict) and isinstance(tag.get("name"), str):
-                return tag["name"]
+@dataclass(frozen=True)
+class LocalizeShardings:
+    """The pattern: an op (or a task's body function) holding a sharding on a mesh
+    that is no task's is checked against its task's mesh and rewritten onto it."""
+
+    foreign: dict[str, dict[str, int]]
+    tasks: dict[str, c.MeshRecord]
+    sym_names: dict[str, str]
+    used: set[str] = field(default_factory=set)
+    """The tasks whose meshes the matched ops move onto."""
+
+    def match(self, op: ir.Operation) -> Rewrite | None:
+        found = self._foreign_attrs(op)
+        if not found:
             return None
-        parent = cur.parent
-        cur = parent.operation if parent is not None else None
-    return None
-
-
-def collect_foreign(module: ir.Module, own_meshes: set[str]) -> list[ForeignSharding]:
-    """Every sharding attribute that names a mesh other than a task's (no IR change)."""
-    foreign = _foreign_meshes(module, own_meshes)
-    if not foreign:
-        return []
-    found: list[ForeignSharding] = []
-
-    def visit(op):
-        op = op.operation
-        names = (("arg_attrs", "res_attrs") if op.name == "func.func" else _SHARDING_ATTRS)
-        for name in names:
-            if name not in op.attributes:
-                continue
-            text = str(op.attributes[name])
-            if any(ref in foreign for ref in _REF.findall(text)):
-                found.append(ForeignSharding(op, name, _task_of(op) or "", text))
-        return ir.WalkResult.ADVANCE
-
-    for view in module.body.operations:
-        if view.operation.name == "func.func":
-            view.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return found
-
-
-def check_foreign(items: Iterable[ForeignSharding], module: ir.Module, own_meshes: set[str],
-                  tasks: dict[str, c.MeshRecord]) -> None:
-    """Raise at the op for a sharding outside a task, or naming an axis its task lacks."""
-    foreign = _foreign_meshes(module, own_meshes)
-    for item in items:
-        if item.op.name == "func.func" and not item.task:
-            continue  # @main's own arguments: the input pins (docs/ir.md §1)
-        if item.task not in tasks:
+        foreign = [(s.mesh, s) for _, _, shardings in found for s in shardings
+                   if isinstance(s.mesh, str) and s.mesh in self.foreign]
+        tag = c.owner_tag(op)
+        if tag is None and op.name == "func.func":
+            return None  # @main's own arguments: the input pins (docs/ir.md §1)
+        if tag is None or tag[0] not in self.tasks:
             raise DiagnosticError(
-                f"a sharding on the mesh {_mesh_text(foreign, item.text)} is not inside a "
-                f"task, so multimesh cannot tell which submesh it means", item.op.location)
-        task = tasks[item.task]
+                f"a sharding on the mesh {self._mesh_text(foreign[0][0])} is not inside a "
+                f"task, so multimesh cannot tell which submesh it means", op.location)
+        name, task = tag[0], self.tasks[tag[0]]
+        self.used.add(name)
+        manual = op.name == "sdy.manual_computation"
+        for mesh, s in foreign:
+            _check_axes(op, s, self.foreign[mesh], name, task, manual)
+        plan = None
+        if manual:
+            plan = _collectives.Renumbering()
+            _collectives.plan_renumbering(op, self.foreign[foreign[0][0]], task, name,
+                                          self.sym_names[name], plan)
+        edits = [(attr_name, a) for attr_name, a, _ in found]
+        return lambda: self._rewrite(op, edits, self.sym_names[name], task, plan)
+
+    def _foreign_attrs(self, op: ir.Operation) -> list[tuple[str, ir.Attribute, list[Sharding]]]:
+        """The attributes of ``op`` holding a sharding on a foreign mesh, with their
+        shardings."""
+        attrs = op.attributes
+        if not len(attrs):
+            return []
+        found = []
+        for n in _FUNC_ATTRS if op.name == "func.func" else _SHARDING_ATTRS:
+            if n in attrs:
+                a = attrs[n]
+                shardings = shardings_in(a)
+                if any(self._is_foreign(s) for s in shardings):
+                    found.append((n, a, shardings))
+        return found
+
+    def _is_foreign(self, s: Sharding) -> bool:
+        return isinstance(s.mesh, str) and s.mesh in self.foreign
+
+    def _mesh_text(self, ref: str) -> str:
+        return f"@{ref} <" + ", ".join(f"{a}={s}" for a, s in self.foreign[ref].items()) + ">"
+
+    def _rewrite(self, op: ir.Operation, found: list[tuple[str, ir.Attribute]], target: str,
+                 task: c.MeshRecord, plan: _collectives.Renumbering | None) -> None:
         sizes = dict(zip(task.axis_names, task.axis_sizes, strict=True))
-        for ref in set(_REF.findall(item.text)) & set(foreign):
-            _check_axes(item, foreign[ref], sizes, task.devices)
+
+        def moved(s: Sharding) -> Sharding | None:
+            if not self._is_foreign(s):
+                return None
+            return on_task_mesh(s, target, sizes)
+
+        for attr_name, a in found:
+            new = map_shardings(a, moved)
+            if new is not None:
+                op.attributes[attr_name] = new
+        if plan is not None:
+            plan.apply()
 
 
-def plan_collectives(items: Iterable[ForeignSharding], module: ir.Module, own_meshes: set[str],
-                     tasks: dict[str, c.MeshRecord],
-                     sym_names: dict[str, str]) -> _collectives.Renumbering:
-    """Check the collectives of each ``shard_map`` written for another mesh against its
-    task's mesh, and plan their renumbering onto the task's devices (``_collectives``)."""
-    foreign = _foreign_meshes(module, own_meshes)
-    plan = _collectives.Renumbering()
-    seen: set[ir.Operation] = set()
-    for item in items:
-        if item.op.name != "sdy.manual_computation" or item.op in seen or not item.task:
-            continue
-        seen.add(item.op)
-        refs = [r for r in _REF.findall(item.text) if r in foreign]
-        _collectives.plan_renumbering(item.op, foreign[refs[0]], tasks[item.task],
-                                      item.task, sym_names[item.task], plan)
-    return plan
+def on_task_mesh(s: Sharding, target: str, sizes: dict[str, int]) -> Sharding:
+    """``s`` on the task's mesh symbol ``target`` (the task's axis sizes ``sizes``):
+    every axis the task's mesh has with size 1, or lacks, is dropped (it splits nothing
+    there; one it lacks on a dimension was refused before, one in ``replicated`` asks
+    for nothing)."""
+    return Sharding(target, s.dims, s.replicated, s.unreduced).keep_axes(
+        lambda x: sizes.get(x.name, 1) > 1)
 
 
-def _check_axes(item: ForeignSharding, mesh: dict[str, int], sizes: dict[str, int],
-                devices: tuple[int, ...]) -> None:
-    kept = [n for n, s in sizes.items() if s > 1 or mesh.get(n, 1) == 1]
-    # ``replicated={"stage"}`` (explicit mode lists the mesh's explicit axes a value is
-    # not sharded over) asks for nothing an axis the task lacks could not give.
-    for m in _AXIS.finditer(_REPLICATED.sub("", item.text)):
-        axis, sub = m.group(1), m.group(2)
+def _axis_text(x: AxisRef) -> str:
+    if x.sub is None:
+        return f'"{x.name}"'
+    sub = sdy.SubAxisInfoAttr(x.sub)
+    return f'"{x.name}":({sub.pre_size}){sub.size}'
+
+
+def _check_axes(op: ir.Operation, s: Sharding, mesh: dict[str, int], task_name: str,
+                task: c.MeshRecord, manual: bool) -> None:
+    """An axis on a dimension (or ``unreduced``) must be one the task's mesh has: with
+    the size it had, or with size 1 (dropped). ``replicated={"stage"}`` (explicit mode
+    lists the mesh's explicit axes a value is not sharded over) asks for nothing an
+    axis the task lacks could not give. A ``shard_map`` (``manual``) may not split an
+    operand over an axis the task keeps only one index of."""
+    sizes = dict(zip(task.axis_names, task.axis_sizes, strict=True))
+    for x in [*(x for d in s.dims for x in d.axes), *s.unreduced]:
+        axis = x.name
         if axis not in mesh:
             continue
         if axis in sizes and (sizes[axis] > 1 or mesh[axis] == 1):
-            if sub and sizes[axis] != mesh[axis]:
+            if x.sub is not None and sizes[axis] != mesh[axis]:
                 raise DiagnosticError(
-                    f"a sharding in task '{item.task}' names part of the "
-                    f"axis '{axis}' ({m.group(0)}), which has size {mesh[axis]} in the mesh "
-                    f"it was written for but {sizes[axis]} in the task's mesh; shard over "
-                    f"the whole axis", item.op.location)
+                    f"a sharding in task '{task_name}' names part of the "
+                    f"axis '{axis}' ({_axis_text(x)}), which has size {mesh[axis]} in the "
+                    f"mesh it was written for but {sizes[axis]} in the task's mesh; shard "
+                    f"over the whole axis", op.location)
             continue
+        if axis in sizes and not manual:
+            continue  # a size-one axis of the task's mesh: dropped, replicated over it
+        kept = [n for n, size in sizes.items() if size > 1 or mesh.get(n, 1) == 1]
         why = ("is sliced away (the task is one slice of it)" if axis in sizes
                else "is not an axis of the task's mesh")
         raise DiagnosticError(
-            f"a sharding in task '{item.task}' names the mesh axis "
+            f"a sharding in task '{task_name}' names the mesh axis "
             f"'{axis}', which {why}; inside a task the mesh is the task's mesh, with the "
-            f"axes {kept} (device positions {list(devices)}). Shard over those axes "
-            f"only, or give the task a mesh with an axis '{axis}'", item.op.location)
+            f"axes {kept} (device positions {list(task.devices)}). Shard over those axes "
+            f"only, or give the task a mesh with an axis '{axis}'", op.location)
 
 
-def _mesh_text(foreign: dict[str, dict[str, int]], text: str) -> str:
-    for ref in _REF.findall(text):
-        if ref in foreign:
-            return "@" + ref + " <" + ", ".join(f"{a}={s}" for a, s in foreign[ref].items()) + ">"
-    return "?"
+# ----------------------------------------------------------------------------- input pins
 
-
-def rewrite_foreign(items: Iterable[ForeignSharding], foreign: set[str],
-                    sym_names: dict[str, str], tasks: dict[str, c.MeshRecord]) -> None:
-    """Point every checked sharding at its task's mesh symbol; a ``replicated`` axis
-    the task's mesh lacks (or has one device of) is dropped: nothing to replicate over."""
-    for item in items:
-        if not item.task:
-            continue
-        target = sym_names[item.task]
-        task = tasks[item.task]
-        real = {n for n, s in zip(task.axis_names, task.axis_sizes, strict=True) if s > 1}
-
-        def swap(m: re.Match, target=target) -> str:
-            return "@" + target if m.group(1) in foreign else m.group(0)
-
-        def keep(m: re.Match, real=real) -> str:
-            names = [a for a in re.findall(r'"[^"]+"', m.group(1)) if a.strip('"') in real]
-            return f", replicated={{{', '.join(names)}}}" if names else ""
-
-        text = _REPLICATED.sub(keep, _REF.sub(swap, item.text))
-        item.op.attributes[item.attr] = ir.Attribute.parse(text)
-
-
-def foreign_symbols(module: ir.Module, own: set[str]) -> set[str]:
-    return set(_foreign_meshes(module, own))
-
-
-_INLINE_MESH = re.compile(r'mesh<\[([^\]]*)\]')
+_ARG_NAME = re.compile(r'loc\("([^"]*)"')
+"""The name jax gives an argument, in its location (locations have no structured
+accessors in the bindings)."""
 
 
 def warn_lost_pins(module: ir.Module, tasks: dict[str, c.MeshRecord]) -> None:
@@ -207,47 +196,37 @@ def warn_lost_pins(module: ir.Module, tasks: dict[str, c.MeshRecord]) -> None:
     main = c.func_by_name(module).get("main")
     if main is None or "arg_attrs" not in main.attributes:
         return  # a module of tests' own functions: no program arguments
-    foreign = _foreign_meshes(module, set())
+    foreign = foreign_meshes(module, set())
     block = c.entry_block(main)
     pinned: dict[int, tuple[list[str], str, str]] = {}
     for arg, attrs in zip(block.arguments, ir.ArrayAttr(main.attributes["arg_attrs"])):
         attrs = ir.DictAttr(attrs)
-        if c.SHARDING_ATTR not in attrs:
+        if c.SHARDING_ATTR not in attrs or not sdy.TensorShardingAttr.isinstance(
+                attrs[c.SHARDING_ATTR]):
             continue
-        text = str(attrs[c.SHARDING_ATTR])
-        mesh = _pin_mesh(text, foreign)
-        axes = [m.group(1) for m in _AXIS.finditer(_INLINE_MESH.sub("", _REPLICATED.sub("", text)))
-                if mesh.get(m.group(1), 1) > 1]
+        s = Sharding.from_attr(attrs[c.SHARDING_ATTR])
+        mesh = foreign.get(s.mesh, {}) if isinstance(s.mesh, str) else mesh_axes(s.mesh)
+        axes = [x.name for d in s.dims for x in d.axes] + [x.name for x in s.unreduced]
+        axes = [a for a in axes if mesh.get(a, 1) > 1]
         if axes:
-            name = re.search(r'loc\("([^"]*)"', str(arg.location))
+            name = _ARG_NAME.search(str(arg.location))
             what = f"argument '{name.group(1)}'" if name else f"argument {arg.arg_number}"
-            pinned[arg.arg_number] = (axes, text, what)
+            pinned[arg.arg_number] = (axes, str(attrs[c.SHARDING_ATTR]), what)
     if pinned:
         _warn_uses(main, block, pinned, tasks)
-
-
-def _pin_mesh(text: str, foreign: dict[str, dict[str, int]]) -> dict[str, int]:
-    inline = _INLINE_MESH.search(text)
-    if inline is not None:
-        return {a: int(n) for a, n in re.findall(r'"([^"]+)"=(\d+)', inline.group(1))}
-    for ref in _REF.findall(text):
-        if ref in foreign:
-            return foreign[ref]
-    return {}
 
 
 def _warn_uses(main: ir.Operation, block: ir.Block, pinned: dict, tasks) -> None:
     """One warning per (argument, task), at the task's first op (program order)."""
     warned: set[tuple[int, str]] = set()
     args = [(block.arguments[n], n) for n in pinned]
-
-    def visit(op):
-        op = op.operation
+    for op in ops_under(main):
         for v in op.operands:
             number = next((n for a, n in args if a == v), None)
             if number is None:
                 continue
-            task_name = _task_of(op) or ""
+            tag = c.owner_tag(op)
+            task_name = tag[0] if tag is not None else ""
             task = tasks.get(task_name)
             if task is None or (number, task_name) in warned:
                 continue
@@ -256,13 +235,7 @@ def _warn_uses(main: ir.Operation, block: ir.Block, pinned: dict, tasks) -> None
             lost = [a for a in axes if sizes.get(a, 1) == 1]
             if lost:
                 warned.add((number, task_name))
-                found.append((op, what, lost[0], text, task_name, task, sizes))
-        return ir.WalkResult.ADVANCE
-
-    found: list[tuple] = []
-    main.walk(visit, ir.WalkOrder.PRE_ORDER)
-    for item in found:  # after the walk: a warning turned error must not cross its callback
-        _warn_lost(*item)
+                _warn_lost(op, what, lost[0], text, task_name, task, sizes)
 
 
 def _warn_lost(op, what: str, axis: str, text: str, task_name: str, task, sizes) -> None:

@@ -18,6 +18,13 @@ priority-ordered ``(logical, device)`` mapping:
 4. Several device axes on one dim are listed in mesh-axis order.
 5. Each dim's shard count (the product of its axes' sizes) must divide the
    dim's size, else an error naming the shape, the dim and the axes.
+
+A device axis of size 1 may be assigned (it never over-shards); the pass drops it
+when it writes the sharding on the task's mesh, as it drops a size-one axis from any
+sharding there (``_localize.on_task_mesh``): it splits nothing. One rule table per
+task: the task's own pairs, its ``extra_axes``, then any rules converted for the whole
+program (flax's ``nn.logical_axis_rules`` under ``parallelize_step``,
+``multimesh.jax.flax._linen.logical_pairs``).
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ class PropagateShardingsPass(ModulePass):
             _Propagation(module).run()
 
 
-# where a value is laid out: (mesh symbol, sharding attr, devices attr)
-_Layout = tuple[str, ir.Attribute, ir.Attribute]
+_Placed = tuple[str, ir.Attribute, ir.Attribute]
+"""Where a value lives, as the IR says it: (mesh symbol, sharding attr, devices attr)."""
 
 
 class _Propagation:
@@ -68,7 +68,7 @@ class _Propagation:
         self.main = c.main_func(module)
         self.funcs = c.func_by_name(module)
         self.meshes = mesh_attrs(module)
-        self.layout: dict[ir.Value, _Layout] = {}  # as laid out where the value lives
+        self.layout: dict[ir.Value, _Placed] = {}  # as laid out where the value lives
         self.pinned = _pinned_args(self.main, self.meshes)  # inputs the caller placed
         self.calls = c.fragment_calls(self.main)
         self.rows = MicrobatchRows(self.main, self.funcs, self.meshes)

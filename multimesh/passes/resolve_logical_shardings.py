@@ -1,4 +1,4 @@
-"""``mm-resolve-logical-shardings``: logical sharding markers -> ``sdy.sharding_constraint``.
+"""``mm-resolve-logical-shardings``: every sharding annotation onto its task's mesh.
 
 Consumes the flat form (docs/ir.md §2), produces the resolved form (§3).
 """
@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from multimesh._src.errors import DiagnosticError, LogicalShardingError
+from multimesh._src.ir_contract import AxisRef, DimSharding, Sharding
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import attr_to_py, ir, sdy
 
 from . import _contract as c
 from . import _localize
+from ._patterns import Rewrite, match_ops
 from .base import ModulePass
 from .logical_axes import resolve_logical_spec
 
@@ -70,24 +72,6 @@ def _read_tasks(module: ir.Module) -> dict[str, _Task] | None:
             for name, info in c.read_tasks(module).items()}
 
 
-def _task_name_of(op: ir.Operation) -> str | None:
-    """The marker's own ``mm.task`` name, else the nearest enclosing op's."""
-    cur: ir.Operation | None = op
-    while cur is not None:
-        if c.TASK_ATTR in cur.attributes:
-            tag = attr_to_py(cur.attributes[c.TASK_ATTR])
-            if isinstance(tag, dict) and isinstance(tag.get("name"), str):
-                return tag["name"]
-            raise DiagnosticError(
-                "malformed mm.task attribute: expected {name = \"...\", transpose_count = N}",
-                cur.location)
-        parent = cur.parent
-        cur = parent.operation if parent is not None else None
-        if cur is not None and cur.name == "builtin.module":
-            break
-    return None
-
-
 _DIM_RE = re.compile(r"^Cannot shard dimension (\d+) ")
 
 
@@ -126,10 +110,10 @@ def _marker_axes(op: ir.Operation) -> list[list[str]]:
     return axes
 
 
-def _markers_in_program_order(module: ir.Module) -> list[ir.Operation]:
-    """Every marker of the module, those in a called function at the call (depth first
-    from ``@main``, so the body of a leaf task call comes where it would be inlined),
-    then those of functions no call reaches and of any other top-level op."""
+def _ops_in_program_order(module: ir.Module) -> list[ir.Operation]:
+    """Every op of the module, those of a called function at the call (depth first from
+    ``@main``, so the body of a leaf task call comes where it would be inlined), then
+    those of functions no call reaches and of any other top-level op."""
     order = _ProgramOrder(c.func_by_name(module))
     if "main" in order.funcs:
         order.expand("main")
@@ -142,15 +126,12 @@ def _markers_in_program_order(module: ir.Module) -> list[ir.Operation]:
 
 
 def _scan(root: ir.Operation) -> list[ir.Operation | str]:
-    """The markers and the callees of calls under ``root``, in walk order."""
+    """The ops under ``root`` in walk order, each call followed by its callee's name."""
     items: list[ir.Operation | str] = []
 
     def cb(op):
-        name = op.name
-        if name == "stablehlo.custom_call":
-            if _is_marker(op):
-                items.append(op.operation)
-        elif name == "func.call":
+        items.append(op.operation)
+        if op.name == "func.call":
             items.append(c.callee_of(op))
         return ir.WalkResult.ADVANCE
 
@@ -159,7 +140,7 @@ def _scan(root: ir.Operation) -> list[ir.Operation | str]:
 
 
 class _ProgramOrder:
-    """Markers collected depth first through calls, each function once."""
+    """Ops collected depth first through calls, each function once."""
 
     def __init__(self, funcs: dict[str, ir.Operation]) -> None:
         self.funcs = funcs
@@ -201,18 +182,28 @@ class ResolveLogicalShardingsPass(ModulePass):
     every marker is resolved before the IR is touched.
 
     Shardings written for another mesh (``jax.lax.with_sharding_constraint`` under
-    ``jax.set_mesh``, flax's rules, explicit-mode types, ``shard_map``: an ``sdy``
-    sharding on a mesh symbol that is no task's) are moved onto the mesh of the task
-    that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
-    task's mesh. Naming an axis the task's mesh lacks, or a ``mesh_slice``'s sliced
-    axis, is an error at the op; explicit mode's ``replicated={...}`` over such an axis
-    asks for nothing there and is dropped. A ``shard_map``'s collectives
+    ``jax.set_mesh``, flax's rules, NNX metadata, explicit-mode types, ``shard_map``: an
+    ``sdy`` sharding on a mesh symbol that is no task's) are moved onto the mesh of the
+    task that owns the op, by axis name (``_localize.py``): inside a task the mesh is the
+    task's mesh. An axis the task's mesh has with size 1 (a ``mesh_slice``'s sliced axis)
+    splits nothing there and is dropped, in a logical sharding too, leaving the dimension
+    replicated over it; naming an axis the task's mesh lacks is an error at the op, and
+    so is a ``shard_map`` splitting an operand over a sliced axis. Explicit mode's
+    ``replicated={...}`` over an axis the task lacks asks for nothing there and is
+    dropped. A ``shard_map``'s collectives
     (``replica_groups``, ``source_target_pairs``: flat positions in the mesh it was traced
     on) are renumbered onto the task's devices by axis name (``_collectives.py``), and
     axes the task lacks leave its ``manual_axes``; a collective over such an axis is an
     error at the op. A program argument placed sharded over an axis that a task using it
     slices away or lacks (``@main``'s ``mm.sharding``) warns, once per task, at the
     task's first op that uses it.
+
+    One pass, not two: a logical marker and a sharding written for another mesh are the
+    same annotation (shard this value over these names), read against the same task
+    table and written onto the same ``@mesh_<task>``; the pass runs its two rewrite
+    patterns (``_patterns.py``) over every op in one walk, checking all of them before
+    the first edit, so the IR never holds a half-localized program and no later pass
+    sees a sharding on a mesh that is no task's.
 
     A logical name that no task of the module maps leaves its dimension unsharded; when
     it looks like a mistake (a near miss of a mapped name, a mesh axis name, the device
@@ -231,37 +222,54 @@ class ResolveLogicalShardingsPass(ModulePass):
             self._apply(module)
 
     def _apply(self, module: ir.Module) -> None:
-        markers = _markers_in_program_order(module)
         tasks = _read_tasks(module) or {}
+        records = c.read_tasks(module)
         sym_names = mesh_symbol_names(tasks)
         own = set(sym_names.values())
-        foreign = _localize.collect_foreign(module, own) if tasks else []
         if tasks:
-            _localize.warn_lost_pins(module, c.read_tasks(module))
-        if not markers and not foreign:
-            return
-        # Phase 1: resolve and check everything (may raise); no IR is modified.
-        plan = [_resolve(op, tasks) for op in markers]
-        collectives = None
+            _localize.warn_lost_pins(module, records)
+        markers = _LogicalMarkers(tasks, sym_names)
+        patterns: list = [markers]
+        foreign = _localize.foreign_meshes(module, own) if tasks else {}
         if foreign:
-            records = c.read_tasks(module)
-            _localize.check_foreign(foreign, module, own, records)
-            collectives = _localize.plan_collectives(foreign, module, own, records, sym_names)
-        needed = {task.name: task for _, task, _ in plan}
-        needed.update((f.task, tasks[f.task]) for f in foreign if f.task)
+            patterns.append(_localize.LocalizeShardings(foreign, records, sym_names))
+        # Phase 1: match (resolve and check) every op; may raise, no IR is modified.
+        rewrites = match_ops(_ops_in_program_order(module), patterns)
+        if not rewrites:
+            return
+        needed = {task.name: task for _, task, _ in markers.plan}
+        needed.update((name, tasks[name]) for name in _localize_tasks(patterns))
         to_create = _meshes_to_create(module, needed, sym_names)
-        _warn_unmapped_names(plan, tasks)
+        _warn_unmapped_names(markers.plan, tasks)
         # Phase 2: rewrite.
-        foreign_syms = _localize.foreign_symbols(module, own)
         _insert_meshes(module, to_create)
-        for op, task, spec in plan:
-            _to_constraint(op, sym_names[task.name], spec)
-        _localize.rewrite_foreign(foreign, foreign_syms, sym_names, c.read_tasks(module))
-        if collectives is not None:
-            collectives.apply()
+        for rewrite in rewrites:
+            rewrite()
+
+
+def _localize_tasks(patterns: list) -> set[str]:
+    return {name for p in patterns if isinstance(p, _localize.LocalizeShardings)
+            for name in p.used}
 
 
 _Spec = tuple[tuple[str, ...], ...]
+
+
+class _LogicalMarkers:
+    """The pattern: an ``mm.logical_sharding`` marker, resolved through its task's
+    rule table, becomes a constraint on the task's mesh."""
+
+    def __init__(self, tasks: dict[str, _Task], sym_names: dict[str, str]) -> None:
+        self.tasks = tasks
+        self.sym_names = sym_names
+        self.plan: list[tuple[ir.Operation, _Task, _Spec]] = []
+
+    def match(self, op: ir.Operation) -> Rewrite | None:
+        if op.name != "stablehlo.custom_call" or not _is_marker(op):
+            return None
+        op, task, spec = _resolve(op, self.tasks)
+        self.plan.append((op, task, spec))
+        return lambda: _to_constraint(op, self.sym_names[task.name], task, spec)
 
 
 def _resolve(op: ir.Operation, tasks: dict[str, _Task]) -> tuple[ir.Operation, _Task, _Spec]:
@@ -271,10 +279,11 @@ def _resolve(op: ir.Operation, tasks: dict[str, _Task]) -> tuple[ir.Operation, _
         raise DiagnosticError(
             f"logical sharding marker must have exactly one operand and one result, "
             f"got {len(op.operands)} and {len(op.results)}", loc)
-    name = _task_name_of(op)
-    if name is None:
+    tag = c.owner_tag(op)
+    if tag is None:
         raise DiagnosticError(
             "logical sharding marker is not assigned to a task; run mm-assign-tasks first", loc)
+    name = tag[0]
     if name not in tasks:
         known = ", ".join(f"'{t}'" for t in sorted(tasks)) or "none"
         raise DiagnosticError(
@@ -398,12 +407,14 @@ def _insert_meshes(module: ir.Module, to_create: list[tuple[str, ir.Attribute]])
         sdy.MeshOp(sym, mesh, ip=ip)
 
 
-def _to_constraint(op: ir.Operation, mesh_sym: str, spec: _Spec) -> None:
-    """Replace the marker by ``sdy.sharding_constraint``, keeping its ``mm.task`` tag."""
+def _to_constraint(op: ir.Operation, mesh_sym: str, task: _Task, spec: _Spec) -> None:
+    """Replace the marker by ``sdy.sharding_constraint``, keeping its ``mm.task`` tag.
+    The sharding is built as a localized one is (:func:`_localize.on_task_mesh`): an
+    axis of size 1 in the task's mesh is dropped."""
     operand = op.operands[0]
-    dims = [sdy.DimensionShardingAttr.get([sdy.AxisRefAttr.get(a) for a in axes],
-                                          is_closed=True) for axes in spec]
-    sharding = sdy.TensorShardingAttr.get(mesh_sym, dims)
+    dims = tuple(DimSharding(tuple(AxisRef(a) for a in axes), closed=True) for axes in spec)
+    sizes = dict(zip(task.axis_names, task.axis_sizes, strict=True))
+    sharding = _localize.on_task_mesh(Sharding(mesh_sym, dims), mesh_sym, sizes).to_attr()
     new = sdy.ShardingConstraintOp(operand, sharding, results=[operand.type],
                                    loc=op.location, ip=ir.InsertionPoint(op))
     if c.TASK_ATTR in op.attributes:

@@ -15,6 +15,7 @@ from multimesh._src.ir_contract import LOGICAL_TARGET, PREFIX, TRANSFER_TARGET
 from multimesh._src.ir_util import custom_call_target
 from multimesh._src.mlir import ir
 
+from ._patterns import Rewrite, ops_under, rewrite_ops
 from .base import ModulePass
 
 __all__ = ["StripMarkersPass"]
@@ -39,34 +40,37 @@ class StripMarkersPass(ModulePass):
                "`mm.transfer` by their operand.")
 
     def apply(self, module: ir.Module) -> None:
-        ops: list[ir.Operation] = []
-
-        def collect(op):
-            ops.append(op.operation)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(collect, ir.WalkOrder.PRE_ORDER)
         with module.context:
-            self._rewrite(ops)
+            rewrite_ops(ops_under(module.operation), (_Markers(), _Attributes()))
 
-    def _rewrite(self, ops: list[ir.Operation]) -> None:
-        flags = [op.name == "stablehlo.custom_call" and custom_call_target(op) in _MARKERS for op in ops]
-        markers = [op for op, m in zip(ops, flags) if m]
-        for op in markers:  # every check before the first edit
-            if len(op.operands) != 1 or len(op.results) != 1:
-                raise DiagnosticError(
-                    f"'{custom_call_target(op)}' must have exactly one operand and one result, got "
-                    f"{len(op.operands)} and {len(op.results)}", op.location)
-            if op.operands[0].type != op.results[0].type:
-                raise DiagnosticError(
-                    f"'{custom_call_target(op)}' result type {op.results[0].type} differs from operand "
-                    f"type {op.operands[0].type}", op.location)
-        for op, m in zip(ops, flags):
-            if not m:
-                _strip_attrs(op)
-        for op in markers:
-            op.results[0].replace_all_uses_with(op.operands[0])
-            op.erase()
+
+class _Markers:
+    """The pattern: an identity marker is replaced by its operand (checked first)."""
+
+    def match(self, op: ir.Operation) -> Rewrite | None:
+        if op.name != "stablehlo.custom_call" or custom_call_target(op) not in _MARKERS:
+            return None
+        if len(op.operands) != 1 or len(op.results) != 1:
+            raise DiagnosticError(
+                f"'{custom_call_target(op)}' must have exactly one operand and one result, got "
+                f"{len(op.operands)} and {len(op.results)}", op.location)
+        if op.operands[0].type != op.results[0].type:
+            raise DiagnosticError(
+                f"'{custom_call_target(op)}' result type {op.results[0].type} differs from operand "
+                f"type {op.operands[0].type}", op.location)
+        return lambda: _erase_marker(op)
+
+
+class _Attributes:
+    """The pattern: any other op loses its ``mm.*`` attributes."""
+
+    def match(self, op: ir.Operation) -> Rewrite | None:
+        return lambda: _strip_attrs(op)
+
+
+def _erase_marker(op: ir.Operation) -> None:
+    op.results[0].replace_all_uses_with(op.operands[0])
+    op.erase()
 
 
 def _strip_attrs(op: ir.Operation) -> None:

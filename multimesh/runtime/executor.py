@@ -22,6 +22,7 @@ from jax.core import ShapedArray
 from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
 from multimesh._src.ir_util import update_attr_dicts
+from multimesh._src.layouts import Placement
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, ir, make_context, parse_module
 from multimesh.runtime import fragment_store, runahead
@@ -30,7 +31,7 @@ from multimesh.runtime.distributed import ProcessPlan, Route
 from multimesh.runtime.guards import check_args
 from multimesh.runtime.memory import SubmeshMemory, measure_step
 from multimesh.runtime.parallel import map_ordered
-from multimesh.runtime.plan import Call, Fragment, Layout, Plan, Transfer, moved
+from multimesh.runtime.plan import Call, Fragment, Plan, Transfer, moved
 from multimesh.runtime.steps import layout_sharding
 from multimesh.runtime.timing import StepTime, run_timed
 from multimesh.runtime.zeros import Zeros
@@ -87,7 +88,7 @@ def _shape_key(frag: Fragment, donors: tuple[int, ...]) -> tuple:
         text = re.sub(re.escape("@" + name) + r'(?![\w$.-])', f"@mm.mesh{i}", text)
     home = frag.devices
 
-    def rel(lay: Layout) -> tuple:
+    def rel(lay: Placement) -> tuple:
         return (tuple(home.index(p) if p in home else -1 - p for p in lay[0]), *lay[1:])
     return (text, donors, len(home), tuple(map(rel, frag.in_layouts)),
             tuple(map(rel, frag.out_layouts)))
@@ -432,7 +433,7 @@ class Executor:
 
 
 def _per_step(plan: Plan, devices: tuple, exes: dict, skipped: dict, shared: Set[int],
-              layouts: dict[int, Layout], pp: ProcessPlan | None) -> list[st.Step]:
+              layouts: dict[int, Placement], pp: ProcessPlan | None) -> list[st.Step]:
     """The plan's steps this process runs, in plan order, one step each (a call with
     a skipped donation is followed by its :class:`~.steps.Free`)."""
     outputs = set(plan.outputs)
@@ -466,7 +467,7 @@ def _transfer_step(how: str, s: Transfer, devices: tuple, drop, pp: ProcessPlan 
 
 
 def _program(plan: Plan, devices: tuple, exes: dict, skipped: dict, consumed: dict,
-             shared: Set[int], layouts: dict[int, Layout]) -> list[st.Step]:
+             shared: Set[int], layouts: dict[int, Placement]) -> list[st.Step]:
     """The steps of one run in one process, batched, for :meth:`Executor.__call__`.
 
     Calls keep the plan's order. A transfer may go anywhere between its place in
@@ -502,7 +503,7 @@ def _program(plan: Plan, devices: tuple, exes: dict, skipped: dict, consumed: di
     return program
 
 
-def _batch(plan: Plan, item: list[int], devices: tuple, layouts: dict[int, Layout],
+def _batch(plan: Plan, item: list[int], devices: tuple, layouts: dict[int, Placement],
            shared: Set[int]) -> list[st.Step]:
     """One batch of transfers as steps: the plain copies share one batched copy, the
     rest go one by one."""

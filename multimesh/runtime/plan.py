@@ -33,11 +33,8 @@ from multimesh._src.ir_contract import (
     read_placement,
 )
 from multimesh._src.ir_util import custom_call_target
-from multimesh._src.layouts import layout_key
+from multimesh._src.layouts import Placement, layout_key
 from multimesh._src.mlir import attr_to_py, ir, make_context, parse_module, print_module, sdy
-
-Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
-"""(device positions, mesh axis names, mesh axis sizes, per-dim axes)."""
 
 FRAGMENT_CALL = FRAGMENT_CALL_TARGET
 TRANSFER = TRANSFER_TARGET
@@ -53,8 +50,8 @@ class Fragment:
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
     text: str
-    in_layouts: list[Layout]
-    out_layouts: list[Layout]
+    in_layouts: list[Placement]
+    out_layouts: list[Placement]
     in_types: list[tuple[tuple[int, ...], str]]
     out_types: list[tuple[tuple[int, ...], str]]
     loop_devices: tuple[tuple[int, ...], ...] | None = None
@@ -67,7 +64,7 @@ class Fragment:
 class Transfer:
     src: int
     dst: int
-    layout: Layout
+    layout: Placement
 
 
 @dataclass
@@ -75,16 +72,16 @@ class Plan:
     num_devices: int
     fragments: dict[str, Fragment]
     steps: list  # Call | Transfer, in dispatch order
-    inputs: list[Layout]
+    inputs: list[Placement]
     input_ids: list[int]
     outputs: list[int]
-    out_layouts: list[Layout]
+    out_layouts: list[Placement]
     last_use: dict[int, int] = field(default_factory=dict)
-    constants: dict[int, tuple[int, Layout]] = field(default_factory=dict)
+    constants: dict[int, tuple[int, Placement]] = field(default_factory=dict)
     """Value id -> (int32 value, layout): the microbatch index where a fragment reads it."""
     num_microbatches: int | None = None
     schedule_name: str | None = None
-    zeros: dict[int, tuple[tuple[tuple[int, ...], str], Layout]] = field(default_factory=dict)
+    zeros: dict[int, tuple[tuple[tuple[int, ...], str], Placement]] = field(default_factory=dict)
     """Value id -> ((shape, dtype), layout): zeros the runtime makes at the start of each
     run, in place of a fragment that only returns zeros (a loop's running sums start
     from them, see :func:`_trivial`)."""
@@ -113,9 +110,9 @@ class Plan:
         """Every fragment call of one run, in dispatch order."""
         return [s for s in self.steps if isinstance(s, Call)]
 
-    def value_layouts(self) -> dict[int, Layout]:
+    def value_layouts(self) -> dict[int, Placement]:
         """Where every value of one run lives (value id -> layout)."""
-        out: dict[int, Layout] = dict(zip(self.input_ids, self.inputs))
+        out: dict[int, Placement] = dict(zip(self.input_ids, self.inputs))
         out.update({vid: lay for vid, (_, lay) in self.constants.items()})
         out.update({vid: lay for vid, (_, lay) in self.zeros.items()})
         for s in self.steps:
@@ -153,11 +150,11 @@ def _type_info(t) -> tuple[tuple[int, ...], str]:
     return tuple(rt.shape), str(rt.element_type)
 
 
-def same_layout(a: Layout, b: Layout) -> bool:
+def same_layout(a: Placement, b: Placement) -> bool:
     return a == b or layout_key(*a) == layout_key(*b)
 
 
-def moved(layout: Layout, home: tuple[int, ...], devices: tuple[int, ...]) -> Layout:
+def moved(layout: Placement, home: tuple[int, ...], devices: tuple[int, ...]) -> Placement:
     """``layout`` of a fragment on ``home`` devices, for the fragment run on ``devices``."""
     where = dict(zip(home, devices))
     return (tuple(where.get(p, p) for p in layout[0]),) + layout[1:]
@@ -180,14 +177,14 @@ class _LayoutReader:
         self.module = module
         self._cache: dict = {}
 
-    def __call__(self, devices_attr, sharding_attr) -> Layout:
+    def __call__(self, devices_attr, sharding_attr) -> Placement:
         key = (devices_attr, sharding_attr)
         lay = self._cache.get(key)
         if lay is None:
             lay = self._cache[key] = self._read(devices_attr, sharding_attr)
         return lay
 
-    def _read(self, devices_attr, sharding_attr) -> Layout:
+    def _read(self, devices_attr, sharding_attr) -> Placement:
         devices = tuple(attr_to_py(devices_attr))
         ts = sdy.TensorShardingAttr(sharding_attr)
         mesh_ref = ts.mesh_or_ref
@@ -224,10 +221,10 @@ class _PlanBuilder:
         self.num_devices: int = read_num_devices(module, default=1) or 1
         self.fragments: dict[str, Fragment] = {}
         self.steps: list = []
-        self.layout_of: dict[int, Layout] = {}
+        self.layout_of: dict[int, Placement] = {}
         self.moving: set[int] = set()  # values made by (or for) a task that moves
-        self.constants: dict[int, tuple[int, Layout]] = {}
-        self.zeros: dict[int, tuple[tuple[tuple[int, ...], str], Layout]] = {}
+        self.constants: dict[int, tuple[int, Placement]] = {}
+        self.zeros: dict[int, tuple[tuple[tuple[int, ...], str], Placement]] = {}
         self._trivial: dict[str, tuple[str, list[int]] | None] = {}
         self.const_ids: dict[tuple, int] = {}
         self.next_id = 0
@@ -235,7 +232,7 @@ class _PlanBuilder:
         self.schedule_name: str | None = None
         self._layout = _LayoutReader(module)
 
-    def new_id(self, layout: Layout | None) -> int:
+    def new_id(self, layout: Placement | None) -> int:
         i = self.next_id
         self.next_id += 1
         if layout is not None:
@@ -246,7 +243,7 @@ class _PlanBuilder:
         block = self.main.regions[0].blocks[0]
         arg_attrs = _attr_list(self.main, "arg_attrs", len(block.arguments))
         ids: dict[ir.Value, int] = {}
-        inputs: list[Layout] = []
+        inputs: list[Placement] = []
         for a, d in zip(block.arguments, arg_attrs):
             rank = len(ir.RankedTensorType(a.type).shape)
             if d is not None and SHARDING_ATTR in d and DEVICES_ATTR in d:
@@ -372,7 +369,7 @@ class _PlanBuilder:
             f"Fragment '{name}' argument #{k} is laid out as {have} but the fragment wants "
             f"{want}; the module is missing an mm.transfer (run mm-insert-transfers).")
 
-    def _index(self, want: Layout) -> int:
+    def _index(self, want: Placement) -> int:
         mb = self._microbatch
         key = (mb, layout_key(*want))
         vid = self.const_ids.get(key)

@@ -18,14 +18,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src import jax_compat
-from multimesh.runtime.plan import Call, Layout, Transfer
+from multimesh._src.layouts import Placement
+from multimesh.runtime.plan import Call, Transfer
 
 __all__ = ["Step", "FragmentCall", "BatchedCopy", "Move", "FreshCopy", "CrossProcess",
            "Free", "route", "run_program", "traced", "layout_sharding", "move", "copy",
            "PLAIN_COPY", "MOVE", "FRESH_COPY", "CROSS_PROCESS"]
 
 
-def layout_sharding(layout: Layout, devices: tuple) -> NamedSharding:
+def layout_sharding(layout: Placement, devices: tuple) -> NamedSharding:
     pos, names, sizes, dims = layout
     mesh = Mesh(np.array([devices[p] for p in pos], dtype=object).reshape(sizes), names)
     spec = PartitionSpec(*[None if not d else (d[0] if len(d) == 1 else d) for d in dims])
@@ -63,7 +64,7 @@ PLAIN_COPY, MOVE, FRESH_COPY, CROSS_PROCESS = "plain copy", "move", "fresh copy"
 """How a value moves between submeshes (:func:`route`)."""
 
 
-def route(src: Layout | None, dst: Layout, *, fresh: bool = False,
+def route(src: Placement | None, dst: Placement, *, fresh: bool = False,
           local: bool = True) -> str:
     """How a transfer from layout ``src`` to ``dst`` runs: the one place that decides.
 

@@ -279,19 +279,58 @@ module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stag
 
 // -----
 
-// A sharding over the sliced axis, or over an axis the task's mesh lacks, cannot apply
-// inside the task: an error at the op.
-module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+// A size-one axis of the task's mesh splits nothing there: a sharding over the sliced
+// "stage" (size 1 in the task's mesh) drops it, on a dimension, beside another axis,
+// in `unreduced` and in a logical sharding mapped onto it, so the dimension is
+// replicated over it (as MaxText drops size-one mesh axes).
+// CHECK: sdy.mesh @mesh_s0 = <["stage"=1, "data"=2, "model"=2]>
+// CHECK-LABEL: func.func @size_one_axis
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_s0, [{}, {}]> {mm.task
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_s0, [{"data"}, {}]> {mm.task
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_s0, [{}, {"model"}]> {mm.task
+// CHECK-NEXT: sdy.sharding_constraint %{{.*}} <@mesh_s0, [{"data"}, {}]> {mm.task
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = [["layers", "stage"], ["batch", "data"]]}}} {
   sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
-  func.func @sliced_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
-    // expected-error@+1 {{a sharding in task 's0' names the mesh axis 'stage', which is sliced away (the task is one slice of it); inside a task the mesh is the task's mesh, with the axes ['data', 'model'] (device positions [0, 1, 2, 3]). Shard over those axes only, or give the task a mesh with an axis 'stage'}}
+  func.func @size_one_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
     %0 = sdy.sharding_constraint %arg0 <@mesh, [{"stage"}, {}]> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %1 = sdy.sharding_constraint %0 <@mesh, [{"stage", "data"}, {}]> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %2 = sdy.sharding_constraint %1 <@mesh, [{}, {"model"}], unreduced={"stage"}> {mm.task = {name = "s0", transpose_count = 0 : i64}} : tensor<8x8xf32>
+    %3 = stablehlo.custom_call @mm.logical_sharding(%2) {mm.axes = [["layers", "batch"], []], mm.task = {name = "s0", transpose_count = 0 : i64}} : (tensor<8x8xf32>) -> tensor<8x8xf32>
+    return %3 : tensor<8x8xf32>
+  }
+}
+
+// -----
+
+// A `TaskMesh` axis of size 1 is dropped the same way.
+// CHECK-LABEL: func.func @size_one_task_mesh_axis
+// CHECK-NEXT: sdy.sharding_constraint %arg0 <@mesh_t, [{"x"}, {}]> {mm.task
+module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x", "pod"], axis_sizes = [4, 1], logical_axes = []}}} {
+  sdy.mesh @mesh = <["x"=4, "pod"=2]>
+  func.func @size_one_task_mesh_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{"x", "pod"}, {}]> {mm.task = {name = "t", transpose_count = 0 : i64}} : tensor<8x8xf32>
     return %0 : tensor<8x8xf32>
   }
 }
 
 // -----
 
+// A `shard_map` splitting an operand over the sliced axis was traced with that split
+// (its body sees half the rows): it cannot run on one slice, an error at the op.
+module attributes {mm.tasks = {s0 = {devices = [0, 1, 2, 3], axis_names = ["stage", "data", "model"], axis_sizes = [1, 2, 2], logical_axes = []}}} {
+  sdy.mesh @mesh = <["stage"=2, "data"=2, "model"=2]>
+  func.func @shard_map_over_the_sliced_axis(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    // expected-error@+1 {{a sharding in task 's0' names the mesh axis 'stage', which is sliced away (the task is one slice of it); inside a task the mesh is the task's mesh, with the axes ['data', 'model'] (device positions [0, 1, 2, 3]). Shard over those axes only, or give the task a mesh with an axis 'stage'}}
+    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"stage"}, {}]>] out_shardings=[<@mesh, [{"stage"}, {}]>] manual_axes={"stage", "data", "model"} (%x: tensor<2x8xf32>) {
+      sdy.return %x : tensor<2x8xf32>
+    } {mm.task = {name = "s0", transpose_count = 0 : i64}} : (tensor<4x8xf32>) -> tensor<4x8xf32>
+    return %0 : tensor<4x8xf32>
+  }
+}
+
+// -----
+
+// An axis the task's mesh lacks cannot apply inside the task: an error at the op.
 module attributes {mm.tasks = {t = {devices = [0, 1, 2, 3], axis_names = ["x"], axis_sizes = [4], logical_axes = []}}} {
   sdy.mesh @mesh = <["fsdp"=2, "tp"=4]>
   func.func @missing_axis(%arg0: tensor<8x8xf32>) -> tensor<8x8xf32> {

@@ -32,6 +32,7 @@ from multimesh._src.errors import MeshError
 from multimesh._src.ir_contract import DEVICES_ATTR, LOGICAL_TARGET, SHARDING_ATTR
 from multimesh._src.ir_util import custom_call_target, update_attr_dicts
 from multimesh._src.jax_compat import is_committed
+from multimesh._src.layouts import Placement
 from multimesh._src.mlir import ir, make_context, parse_module, print_module
 from multimesh.jax._task import (
     broadcast_prefix,
@@ -41,8 +42,6 @@ from multimesh.jax._task import is_spec as _is_spec
 
 __all__ = ["leaf_in_shardings", "plan_pins", "pin_module", "committed_key", "fits",
            "is_physical"]
-
-Layout = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
 
 
 def is_physical(sharding, mapped: Set[str]) -> bool:
@@ -86,7 +85,7 @@ def _names(spec: PartitionSpec) -> set[str]:
     return out
 
 
-def layout_of(sharding, ndim: int, devices: tuple) -> Layout | None:
+def layout_of(sharding, ndim: int, devices: tuple) -> Placement | None:
     """``sharding`` as a layout over positions in ``devices``; None if it is not a
     concrete ``NamedSharding``/``SingleDeviceSharding`` or uses other devices."""
     index = {d: i for i, d in enumerate(devices)}
@@ -105,13 +104,13 @@ def layout_of(sharding, ndim: int, devices: tuple) -> Layout | None:
 
 
 def plan_pins(leaves, specs: list, mapped: set[str], devices: tuple,
-              paths: list[str]) -> tuple[dict[int, Layout], set[int], set[int]]:
+              paths: list[str]) -> tuple[dict[int, Placement], set[int], set[int]]:
     """Which dynamic leaves are pinned where: ``({leaf: layout}, {leaves whose logical
     marker from in_shardings is to be dropped}, {leaves pinned because committed})``.
 
     ``mapped`` is every logical name some task of the program maps.
     """
-    pins: dict[int, Layout] = {}
+    pins: dict[int, Placement] = {}
     drop: set[int] = set()
     committed: set[int] = set()
     for i, x in enumerate(leaves):
@@ -139,15 +138,15 @@ def plan_pins(leaves, specs: list, mapped: set[str], devices: tuple,
     return pins, drop, committed
 
 
-def _sharding_attr(lay: Layout) -> ir.Attribute:
+def _sharding_attr(lay: Placement) -> ir.Attribute:
     _, names, sizes, dims = lay
     mesh = ", ".join(f'"{n}"={s}' for n, s in zip(names, sizes))
     body = ", ".join("{" + ", ".join(f'"{a}"' for a in axes) + "}" for axes in dims)
     return ir.Attribute.parse(f"#sdy.sharding<mesh<[{mesh}]>, [{body}]>")
 
 
-def pin_module(text: str | ir.Module, pins: dict[int, Layout], drop: Set[int],
-               soft: Set[int] = frozenset()) -> tuple[str | ir.Module, dict[int, Layout]]:
+def pin_module(text: str | ir.Module, pins: dict[int, Placement], drop: Set[int],
+               soft: Set[int] = frozenset()) -> tuple[str | ir.Module, dict[int, Placement]]:
     """``text`` (or a parsed module, edited in place) with pinned ``@main`` arguments and
     the dropped input markers removed, and the pins kept. A ``soft`` pin (a committed input) gives way to a logical
     constraint the program puts on that argument."""

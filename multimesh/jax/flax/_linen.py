@@ -11,15 +11,17 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen as nn
+from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax import _contexts, _microbatch, _task
+from multimesh.jax._planner._api import plan_step
 from multimesh.jax._results import ParallelizeStepResult
 from multimesh.jax._stages.mjit import mjit
 from multimesh.jax._task import Task, check_remat, with_sharding_constraint
-from multimesh.jax.flax import _resume
+from multimesh.jax.flax import _nnx, _nnx_step, _resume
 from multimesh.jax.flax._boxes import StepFn, name_meshes
 from multimesh.jax.flax._common import (
     batch_avals_of,
@@ -153,8 +155,6 @@ def task(model, name: str | None = None, *, task: Task | None = None, **kwargs):
         cls = _linen_task_class(type(model), explicit, spec)
         values = {f.name: getattr(model, f.name) for f in _model_fields(type(model))}
         return cls(**values)
-    from multimesh.jax.flax import _nnx
-
     if _nnx.is_nnx_module(model):
         return _nnx.make_task_module(model, explicit, spec)
     if isinstance(model, type) and _nnx.is_nnx_module_class(model):
@@ -289,21 +289,36 @@ def _inner_param_specs(self, inner, stash, args, kwargs) -> list[P | None]:
 # --------------------------------------------------------------------------- parallelize_step
 
 
+def logical_pairs(rules) -> tuple[tuple[str, str], ...]:
+    """flax's ``nn.logical_axis_rules``, converted once into a task's rule table:
+    priority-ordered ``(logical, device axis)`` pairs. A rule onto several axes gives one
+    pair per axis; a rule onto ``None`` (replicated) gives none, and, as in flax's
+    ``logical_to_mesh_axes``, hides the name's later rules."""
+    pairs: list[tuple[str, str]] = []
+    replicated: set[str] = set()
+    for logical, axes in rules:
+        if logical in replicated:
+            continue
+        if axes is None:
+            replicated.add(logical)
+            continue
+        for axis in (axes,) if isinstance(axes, str) else tuple(axes):
+            if (logical, axis) not in pairs:
+                pairs.append((logical, axis))
+    return tuple(pairs)
+
+
 def constrain_linen_state(state):
     """Logical constraint on every variable leaf: its partitioning names, else ``P()``.
 
-    Under flax's ``nn.logical_axis_rules`` the names are flax's logical ones: the rules
-    turn them into mesh axis names first, which each task reads as its own axes (a
-    ``mesh_slice`` stage maps the global mesh's axes onto themselves), so a parameter
-    is sharded on its stage as ``jax.jit`` with the same rules shards it.
+    The names are flax's logical ones and go to the IR as they are: each task resolves
+    them through its own rule table, to which :func:`parallelize_step` appends flax's
+    ``nn.logical_axis_rules`` (:func:`logical_pairs`, converted once), so a parameter is
+    sharded on its stage as ``jax.jit`` with the same rules shards it.
     """
-    rules = tuple(nn.get_logical_axis_rules())
-
     def one(x):
         if _is_box(x):
             spec = _box_spec(x)
-            if spec is not None and rules:
-                spec = nn.logical_to_mesh_axes(tuple(spec), rules)
             return x.replace_boxed(with_sharding_constraint(x.unbox(apply_constraint=False),
                                                                spec if spec is not None else P()))
         if hasattr(x, "shape"):
@@ -448,8 +463,6 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
     the global batch arrays); all four are attributes in both forms.
     ``loss, state = step_fn(state, batch)``.
     """
-    from multimesh.jax.flax import _nnx, _nnx_step
-
     mb = MicrobatchOptions(num_microbatches, microbatch_size, schedule, interleave, num_stages,
                            unrolling, custom_schedule, microbatch_reduction, remat)
     mb.check()
@@ -489,7 +502,8 @@ def parallelize_step(model, optimizer, mesh: Mesh | None = None, global_batch=No
 
 def _compile(step_fn, mesh, plan, state, batch):
     """``step_fn`` compiled for ``(state, batch)``, under the plan's rules if there is one."""
-    with plan if plan is not None else nullcontext():
+    rules = _contexts.logical_rules(logical_pairs(nn.get_logical_axis_rules()))
+    with plan if plan is not None else nullcontext(), rules:
         return mjit(step_fn, mesh=mesh).lower(state, batch).compile()
 
 
@@ -497,15 +511,11 @@ def _auto_stages(mb: MicrobatchOptions, loss, params, batch_avals, mesh):
     """``num_stages="auto"``: the planner's microbatch options and plan, else ``(mb, None)``."""
     if mb.num_stages != "auto":
         return mb, None
-    from multimesh.jax._planner._api import plan_step
-
     return plan_step(mb, loss, params, batch_avals, mesh)
 
 
 def _check_linen_model(model) -> None:
     """``model`` must be a linen module instance (NNX ones were handled before)."""
-    from multimesh.jax.flax import _nnx
-
     if isinstance(model, nn.Module):
         return
     if isinstance(model, type) and (issubclass(model, nn.Module)
@@ -521,8 +531,6 @@ def _check_linen_model(model) -> None:
 def _linen_init_state(model, optimizer, key, batch):
     """A fresh ``TrainState`` as flax builds one: ``params`` is ``model``'s
     ``variables["params"]``, and the optimizer's state is for them."""
-    from flax.training.train_state import TrainState
-
     variables = model.init(key, batch)
     _check_collections(variables)
     return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optimizer)
