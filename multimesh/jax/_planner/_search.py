@@ -171,7 +171,7 @@ def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
         fwd += gather
         bwd += gather + dm.collective_seconds("reduce-scatter", params, lay.d)
     elif w_ > 1:
-        bwd += dm.collective_seconds("all-reduce", params, lay.d)
+        bwd += dm.all_reduce_seconds(params, lay.d)  # the gradients, ring
     fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
