@@ -302,7 +302,7 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
     per = c.cost_analysis(by_fragment=True)
     secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
             + sum(model.collective_seconds(op, n, k) for op, n, k in
-                  fragment_collectives(c._exec.exes[name].as_text()))
+                  fragment_collectives(c.as_text(name)))
             for name, d in per.items()}
     return FragmentCosts(secs, "xla")
 

@@ -103,8 +103,11 @@ class MpmdCompiled(ProgramStage):
     def run_ahead(self, limit: int | None) -> None:
         self._exec.set_run_ahead(limit)
 
-    def as_text(self) -> str:
-        """The program after the full pass pipeline (MPMD form)."""
+    def as_text(self, fragment: str | None = None) -> str:
+        """The program after the full pass pipeline (MPMD form); with ``fragment``, that
+        fragment's program as XLA compiled it (optimized HLO: the collectives it runs)."""
+        if fragment is not None:
+            return self._exec.exes[fragment].as_text()
         if self._text is None:
             self._text = print_module(self._module)
         return self._text
