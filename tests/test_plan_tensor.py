@@ -245,3 +245,70 @@ def test_tensor_misuse(tp, tensor, exc, match):
     loss, params, x = tp
     with pytest.raises(exc, match=match):
         mm.plan_pipeline(loss, params, x, num_stages=2, tensor=tensor)
+
+
+def test_nnx_partition_metadata_plans_a_model_axis():
+    """NNX parameters sharded by their metadata (built as flax's guide builds them,
+    under a mesh with a ``model`` axis): the planner costs the units with them placed
+    so, chooses a ``model`` axis, and the step's gradients come back in ``nnx.jit``'s
+    layout on each stage's devices, its per-device flops as predicted."""
+    from flax import nnx
+
+    from multimesh.jax.flax import mjit
+
+    init = nnx.initializers.normal(0.1)
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.l0 = nnx.Linear(WIDTH, HIDDEN, rngs=rngs,
+                                 kernel_init=nnx.with_partitioning(init, (None, "model")))
+            self.l1 = nnx.Linear(HIDDEN, WIDTH, rngs=rngs,
+                                 kernel_init=nnx.with_partitioning(init, ("model", None)))
+
+        def __call__(self, x):
+            return x + self.l1(jnp.tanh(self.l0(x)))
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Mlp(rngs) for _ in range(4)])
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return jnp.mean(x ** 2)
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4), ("data", "model"),
+                             axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        @nnx.jit
+        def create():
+            m = Stack(nnx.Rngs(0))
+            state = nnx.state(m)
+            nnx.update(m, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+            return m
+
+        model = create()
+    x = jax.random.normal(jax.random.key(1), (ROWS, WIDTH))
+
+    def loss(m, x):
+        return m(x)
+
+    def step(m, x):
+        return nnx.value_and_grad(loss)(m, x)
+
+    plan = mm.plan_pipeline(loss, model, x, num_stages=2, num_microbatches=1)
+    assert plan.tensor == 4 and plan.layout() == "model=4"
+    with plan:
+        value, grads = mjit(step)(model, x)
+    with jax.set_mesh(mesh):
+        want_value, want_grads = nnx.jit(step)(model, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for k in range(4):
+        st = plan.stages[k // 2]
+        for name in ("l0", "l1"):
+            got = grads["blocks"][k][name]["kernel"].get_value()
+            want = want_grads["blocks"][k][name]["kernel"].get_value()
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+            assert {d.id for d in got.devices()} == set(st.devices)
+            assert spec_of(got.sharding, 2) == spec_of(want.sharding, 2)
+            assert got.addressable_shards[0].data.size == got.size // 4

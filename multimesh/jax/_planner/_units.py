@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._module_names import module_names
@@ -558,13 +558,19 @@ def model_mesh(devices, size: int) -> Mesh:
     return Mesh(grid, ("data", MODEL), axis_types=(AxisType.Auto,) * 2)
 
 
-def _compiled_cost(eqns, mesh, size: int, cache: dict, what: str):
+def _compiled_cost(eqns, mesh, size: int, cache: dict, what: str, placed: dict):
     """Per-device flops, bytes accessed and collectives of ``eqns`` compiled on
-    ``mesh``, and the devices each of their values (in order) is split over."""
+    ``mesh``, and the devices each of their values (in order) is split over;
+    ``placed``: the specs of the inputs that arrive sharded (parameters placed over a
+    ``model`` axis, NNX's metadata)."""
     if not eqns:
         return 0.0, 0.0, (), ()
     closed, avals, _ = _closed(eqns)
-    key = (size, str(closed))
+    specs = tuple(placed.get(v) for v in closed.jaxpr.invars)
+    avals = [a if p is None else jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                      sharding=NamedSharding(mesh, p))
+             for a, p in zip(avals, specs)]
+    key = (size, str(closed), specs)
     if key not in cache:
         try:
             with jax.set_mesh(mesh):
@@ -578,6 +584,23 @@ def _compiled_cost(eqns, mesh, size: int, cache: dict, what: str):
                       tuple(_split(s, shape) for s, shape in zip(
                           jax.tree.leaves(compiled.output_shardings), outs)))
     return cache[key]
+
+
+def _placed(invars, leaves) -> dict:
+    """The parameters placed over a ``model`` axis (NNX's metadata, arrays placed by
+    hand): their specs, kept to ``data`` and ``model``."""
+    out = {}
+    for v, x in zip(invars, leaves):
+        sharding = getattr(x, "sharding", None)
+        if _names_model(sharding):
+            out[v] = PartitionSpec(*(_kept(e) for e in sharding.spec))
+    return out
+
+
+def _kept(entry):
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
+                  if n in ("data", MODEL))
+    return None if not names else names[0] if len(names) == 1 else names
 
 
 def _split(sharding, shape) -> int:
@@ -632,6 +655,7 @@ def measure_tensor(fun, args: Sequence, profile: Profile, size: int, devices,
     eqns, names = closed.jaxpr.eqns, [u.name for u in profile.units]
     where = _assign(eqns, profile.root, {n: k for k, n in enumerate(names)}, len(names))
     cache = {} if cache is None else cache
+    placed = _placed(closed.jaxpr.invars, jax.tree.leaves(args[0]))
     rows: list[tuple] = []
     split: dict = {}  # each value's devices, as a unit compiled with its backward puts it
     for k, name in enumerate(names):
@@ -640,7 +664,7 @@ def measure_tensor(fun, args: Sequence, profile: Profile, size: int, devices,
         # the unit compiled whole, forward and backward: the residuals its backward
         # reads keep the layout its forward's constraints give them (compiled apart,
         # they would come whole); split as the unsharded unit's flops split
-        fb = _compiled_cost(fwd + bwd, mesh, size, cache, f"unit {name!r}")
+        fb = _compiled_cost(fwd + bwd, mesh, size, cache, f"unit {name!r}", placed)
         split.update(zip(_closed(fwd + bwd)[0].jaxpr.outvars, fb[3]))
         one = profile.units[k]
         total = one.fwd_flops + one.bwd_flops
