@@ -591,9 +591,9 @@ def _placed(invars, leaves) -> dict:
     hand): their specs, kept to ``data`` and ``model``."""
     out = {}
     for v, x in zip(invars, leaves):
-        sharding = getattr(x, "sharding", None)
-        if _names_model(sharding):
-            out[v] = PartitionSpec(*(_kept(e) for e in sharding.spec))
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        if spec is not None and _names_model(x.sharding):
+            out[v] = PartitionSpec(*(_kept(e) for e in spec))
     return out
 
 
