@@ -312,3 +312,21 @@ def test_nnx_partition_metadata_plans_a_model_axis():
             assert {d.id for d in got.devices()} == set(st.devices)
             assert spec_of(got.sharding, 2) == spec_of(want.sharding, 2)
             assert got.addressable_shards[0].data.size == got.size // 4
+
+
+def test_the_model_axis_stays_inside_a_node_unless_asked(tp):
+    """Nodes of 2 devices joined by a slow network: ``model`` groups of 4 would cross
+    it, so only 1 and 2 are weighed; ``tensor=4`` asks for it anyway."""
+    import dataclasses
+
+    loss, params, x = tp
+    nodes = dataclasses.replace(mm.DeviceModel.for_device(jax.devices()[0]),
+                                devices_per_node=2, network_bandwidth=1e8)
+    with nn.logical_axis_rules(RULES):
+        plan = mm.plan_pipeline(loss, params, x, num_stages=2, num_microbatches=1,
+                                device_model=nodes)
+        asked = mm.plan_pipeline(loss, params, x, num_stages=2, num_microbatches=1,
+                                 device_model=nodes, tensor=4)
+    assert plan.tensor in (1, 2) and "of size 1 or 2 weighed" in plan.assumptions[
+        "tensor parallelism"]
+    assert asked.tensor == 4
