@@ -2195,7 +2195,7 @@ def _():
 @error("cluster-unknown-kind", API, "`Cluster` with a device kind it does not know",
        MultimeshValueError,
        r"`Cluster`: unknown device kind 'b300'; known kinds: \['a100-40gb', 'a100-80gb', "
-       r"'h100', 'h200', 'tpu-v5e', 'tpu-v5p'\]",
+       r"'h100', 'h200', 'tpu-v4', 'tpu-v5e', 'tpu-v5p'\]",
        """The cluster planner carries published figures for the kinds it names (the
        datasheets cited in docs/planning.md). Use one of them, or describe another device
        with `kind='custom'` and its `peak_flops`, `hbm_bytes`, `hbm_bandwidth`,

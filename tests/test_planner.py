@@ -573,13 +573,15 @@ def test_the_planner_models_every_contiguous_schedule():
 
 
 def _search_costs(n=8, wgrad=None):
-    from multimesh.jax._planner._search import Costs, Machine
+    from multimesh.jax._analysis.costs import DeviceModel
+    from multimesh.jax._planner._search import Costs, Limits
 
     fwd = tuple(float(1e9 * (1 + (k % 3))) for k in range(n))
     costs = Costs(tuple(f"u{k}" for k in range(n)), fwd, tuple(2 * f for f in fwd),
                   (1000,) * n, (4000,) * n, (100,) * (n - 1), wgrad)
-    machine = Machine(num_devices=4, device_flops=1e12, link_bandwidth=1e10,
-                      fragment_overhead=1e-5, memory_limit=None, optimizer_state_factor=0.0)
+    machine = Limits(DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, overhead=1e-5,
+                                 link_bandwidth=1e10),
+                     num_devices=4, memory_limit=None, optimizer_state_factor=0.0)
     return costs, machine
 
 

@@ -148,9 +148,10 @@ def test_one_stage_wins_when_the_link_is_fast_and_loses_when_slow():
     costs = _search.Costs(("a", "b"), (1e9, 1e9), (2e9, 2e9), (10**6, 10**6), (0, 0), (10**3,))
 
     def machine(link):
-        return _search.Machine(num_devices=8, device_flops=1e12, link_bandwidth=link,
-                               fragment_overhead=1e-5, memory_limit=None,
-                               optimizer_state_factor=0.0, batch_rows=64)
+        dm = mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, overhead=1e-5,
+                            link_bandwidth=link)
+        return _search.Limits(dm, num_devices=8, memory_limit=None,
+                              optimizer_state_factor=0.0, batch_rows=64)
 
     fast = _search.search(costs, machine(1e12), [1, 2], [1, 2, 4], ("gpipe", "1f1b"))
     assert fast.num_stages == 1 and fast.data == 8
@@ -226,8 +227,9 @@ def test_calibration_is_measured_once_per_device_kind(lm):
 
 def test_search_prices_the_data_split_and_fsdp():
     p = _search._Prefix(_search.Costs(("a",), (8e9,), (16e9,), (10**8,), (0,), ()))
-    m = _search.Machine(num_devices=4, device_flops=1e12, link_bandwidth=1e10,
-                        fragment_overhead=0.0, memory_limit=None, optimizer_state_factor=0.0)
+    m = _search.Limits(mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, overhead=0.0,
+                                      link_bandwidth=1e10),
+                       num_devices=4, memory_limit=None, optimizer_state_factor=0.0)
     f1, b1, _ = _search._stage_times(p, m, _search.Layout(4, 1), 1, 0, 1)
     f4, b4, _ = _search._stage_times(p, m, _search.Layout(4, 4), 1, 0, 1)
     ff, bf, _ = _search._stage_times(p, m, _search.Layout(4, 4, True), 1, 0, 1)

@@ -24,6 +24,7 @@ from .build import build_schedule
 from .model import ScheduleError, Unit, pipeline_units, v_shape_units
 from .registry import all_schedules, get_schedule
 from .simulator import (
+    Comm,
     FragmentCosts,
     Prediction,
     Program,
@@ -103,7 +104,7 @@ def simulate_stages(schedule: str, forward: Sequence[float], backward: Sequence[
                     num_microbatches: int, num_meshes: int | None = None,
                     weight_gradient: Sequence[float] | None = None,
                     activation_bytes: Sequence[int] | None = None,
-                    comm: float = 0.0) -> Prediction:
+                    comm: Comm = 0.0) -> Prediction:
     """Predict a textbook pipeline from per-stage numbers (the planner's question).
 
     ``forward[s]``/``backward[s]``: seconds of stage ``s``'s forward and whole
@@ -223,10 +224,12 @@ class ScheduleComparison:
         return self.format()
 
 
-def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: float = 0.0,
+def compare(units: Sequence[Unit], costs=None, *, residual_bytes=None, comm: Comm = 0.0,
             devices: Sequence[Sequence[int]] | None = None) -> ScheduleComparison:
     """Schedule ``units`` (one program's, in program order) with every registered
-    schedule and predict each with ``costs`` (see :func:`predict`)."""
+    schedule and predict each with ``costs`` (see :func:`predict`); ``comm``: seconds
+    per transfer, or a function of the sending and receiving units
+    (``multimesh.jax.compare_schedules`` prices their bytes with its device model)."""
     _, source = as_cost(costs)
     check_comm(comm)  # once, not as every schedule's reason not to apply
     out = ScheduleComparison(source=source)

@@ -19,7 +19,12 @@ from .model import KINDS, ScheduleError, Unit, default_cost, short_label, unit_l
 
 __all__ = ["Schedule", "Timeline", "Program", "Sim", "unit_plans", "run_plans", "finish",
            "simulate", "live_activation_profile", "live_activations", "chunk_of",
-           "FragmentCosts", "as_cost", "Prediction", "predict", "time_text", "bytes_text"]
+           "FragmentCosts", "as_cost", "Prediction", "predict", "time_text", "bytes_text",
+           "Comm"]
+
+Comm = float | Callable[[Unit, Unit], float]
+"""Seconds per transfer between submeshes: one figure, or a function of the sending
+and the receiving unit (what their edge moves, priced by the caller's hardware model)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class Schedule:
         return [[short_label(u) for u in row] for row in self.rows()]
 
     def timeline(self, cost: Callable[[Unit], float] | None = None,
-                 comm: float = 0.0) -> Timeline:
+                 comm: Comm = 0.0) -> Timeline:
         return simulate(self, cost=cost, comm=comm)
 
     def bubble_fraction(self, cost: Callable[[Unit], float] | None = None) -> float:
@@ -58,7 +63,7 @@ class Schedule:
     def live_activations(self) -> list[int]:
         return live_activations(self)
 
-    def simulate(self, costs=None, *, residual_bytes=None, comm: float = 0.0):
+    def simulate(self, costs=None, *, residual_bytes=None, comm: Comm = 0.0):
         """Predicted step time, bubble and peak memory per submesh under ``costs``:
         a :class:`~multimesh.schedules.costs.Prediction` (see :func:`.costs.predict`)."""
         return predict(self, costs, residual_bytes=residual_bytes, comm=comm)
@@ -225,7 +230,7 @@ def unit_plans(prog: Program, slot_plans) -> tuple[list[list[int]], dict[int, in
 class Sim:
     """Event simulator: each idle submesh asks ``choose`` for a unit among its ready ones."""
 
-    def __init__(self, prog: Program, cost: Callable[[Unit], float], comm: float = 0.0):
+    def __init__(self, prog: Program, cost: Callable[[Unit], float], comm: Comm = 0.0):
         self.prog = prog
         self.cost = cost
         self.comm = comm
@@ -332,11 +337,17 @@ class Sim:
             for j in self.users[i]:
                 self.left[j] -= 1
                 if self.left[j] == 0:
-                    avail = max(self._end(d) + (self.comm if units[d].mesh != units[j].mesh
-                                                else 0.0)
+                    avail = max(self._end(d) + self._sent(units[d], units[j])
                                 for d in set(units[j].deps))
                     heapq.heappush(self.pending, (avail, j))
         return finished
+
+    def _sent(self, src: Unit, dst: Unit) -> float:
+        """Seconds from ``src``'s end until ``dst`` has its result: none on the same
+        submesh, else ``comm`` (seconds, or ``comm(src, dst)``)."""
+        if src.mesh == dst.mesh:
+            return 0.0
+        return float(self.comm(src, dst)) if callable(self.comm) else self.comm
 
     def times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Start and end of every unit, once all have run."""
@@ -352,7 +363,7 @@ class Sim:
 
 
 def run_plans(prog: Program, plans: list[list[int]], pos: dict[int, int], *,
-               strict: bool, cost, comm: float = 0.0, name: str = "",
+               strict: bool, cost, comm: Comm = 0.0, name: str = "",
                chooser=None) -> Sim:
     sim = Sim(prog, cost, comm)
     heads = [0] * prog.num_meshes
@@ -416,16 +427,22 @@ def finish(prog: Program, name: str, sim: Sim,
 
 
 def check_comm(comm) -> None:
-    """``comm``, the seconds per transfer between submeshes: a finite number >= 0."""
+    """``comm``, the seconds per transfer between submeshes: a finite number >= 0, or
+    a function of the two units (a hardware model's price of the bytes they move)."""
+    if callable(comm):
+        return
     if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0 <= comm < math.inf:
         raise ScheduleError(f"comm (seconds per transfer between submeshes) must be a "
                             f"finite number >= 0, got {comm!r}")
 
 
 def simulate(schedule: Schedule, *, cost: Callable[[Unit], float] | None = None,
-             comm: float = 0.0) -> Timeline:
+             comm: Comm = 0.0) -> Timeline:
     """Run the schedule's per-submesh orders: a unit starts when its submesh is free and
-    its inputs are done (``comm`` later when they come from another submesh)."""
+    its inputs are done (``comm`` later when they come from another submesh: seconds
+    per transfer, or ``comm(src_unit, dst_unit)``, the seconds of what that edge
+    moves; ``multimesh.jax.compare_schedules`` passes ``DeviceModel.transfer_seconds``
+    of its bytes. The simulator has no hardware model of its own)."""
     check_comm(comm)
     prog = Program(schedule.units)
     plans = [list(r) for r in schedule.orders]
@@ -586,7 +603,7 @@ class Prediction:
 
 
 def predict(schedule: Schedule, costs=None, *, residual_bytes=None,
-            comm: float = 0.0) -> Prediction:
+            comm: Comm = 0.0) -> Prediction:
     """Simulate ``schedule``'s order with ``costs`` (see :func:`as_cost`), ``comm``
     seconds per transfer between submeshes. ``residual_bytes``: ``{forward fragment:
     bytes one call keeps for its backward}``, a measured memory profile (its

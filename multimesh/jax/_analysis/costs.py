@@ -9,6 +9,8 @@ through a roofline :class:`DeviceModel` (:func:`xla_costs`), and real steps
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax._analysis.devices import DEVICE_KINDS, DeviceSpec, kind_of_device
 from multimesh.jax._stages.call_checks import check_call
 from multimesh.runtime.memory import _shard_bytes as shard_bytes
 from multimesh.runtime.plan import Call
@@ -29,6 +32,7 @@ from multimesh.schedules.costs import FragmentCosts, ScheduleComparison, compare
 from multimesh.schedules.simulator import Timeline
 
 __all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare_schedules",
+           "edge_bytes", "transfer_costs", "fragment_collectives",
            "ScheduleComparison",
            "step_profile", "profile_from_times"]
 
@@ -39,9 +43,12 @@ class DeviceModel:
     :func:`xla_costs`, :func:`compare_schedules` and the schedule simulator price
     work with it.
 
-    One fragment call takes ``overhead + max(flops / peak_flops, bytes /
-    memory_bandwidth)`` seconds (per device; XLA's counts are per device); moving
-    ``n`` bytes between devices takes ``n / link_bandwidth`` seconds.
+    One fragment call takes ``overhead + max(flops / (peak_flops x
+    compute_efficiency), bytes / memory_bandwidth)`` seconds (per device; XLA's
+    counts are per device: :meth:`roofline_seconds`); moving ``n`` bytes between
+    devices takes ``n / link_bandwidth`` seconds (:meth:`transfer_seconds`), and a
+    collective its ring's share of that (:meth:`collective_seconds`). Nothing else
+    in multimesh prices work (tests/test_one_cost_model.py checks).
 
     :meth:`for_device` gives the documented defaults: datasheet peaks by device kind
     (which real kernels reach only in part, so they rank plans rather than time
@@ -79,36 +86,51 @@ class DeviceModel:
                     f"{'>= 0 (seconds per call)' if low == 0 else '> 0 (per second)'}, got "
                     f"{v!r}.")
 
+    def roofline_seconds(self, flops: float, bytes_accessed: float) -> float:
+        """THE roofline: seconds of ``flops`` and ``bytes_accessed`` on one device,
+        without the per-call overhead (``max(flops / (peak_flops x
+        compute_efficiency), bytes / memory_bandwidth)``). Every prediction's compute
+        comes from here."""
+        return max(flops / (self.peak_flops * self.compute_efficiency),
+                   bytes_accessed / self.memory_bandwidth)
+
     def seconds(self, flops: float, bytes_accessed: float) -> float:
-        return self.overhead + max(flops / (self.peak_flops * self.compute_efficiency),
-                                   bytes_accessed / self.memory_bandwidth)
+        """Seconds of one fragment call: ``overhead`` + :meth:`roofline_seconds`."""
+        return self.overhead + self.roofline_seconds(flops, bytes_accessed)
 
-    def transfer_seconds(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` from one device to another."""
-        return nbytes / self.link_bandwidth
+    def bandwidth(self, across_nodes: bool = False) -> float:
+        """Bytes per second one device sends: ``link_bandwidth``, or the slower of it
+        and ``network_bandwidth`` (one NIC per device) when leaving the node."""
+        if across_nodes and self.network_bandwidth is not None:
+            return min(self.link_bandwidth, self.network_bandwidth)
+        return self.link_bandwidth
 
-    def all_reduce_seconds(self, nbytes: float, devices: int) -> float:
-        """Seconds of a ring all-reduce of ``nbytes`` over ``devices`` devices (each
-        sends and receives ``2 (n - 1) / n`` of it); 0 on one device."""
-        return 2.0 * (devices - 1) / devices * nbytes / self.link_bandwidth if devices > 1 else 0.0
+    def transfer_seconds(self, nbytes: float, across_nodes: bool = False) -> float:
+        """THE transfer cost: seconds to move ``nbytes`` (what one device receives)
+        from one device to another, over the link or, ``across_nodes``, the network."""
+        return nbytes / self.bandwidth(across_nodes)
+
+    def all_reduce_seconds(self, nbytes: float, devices: int,
+                           across_nodes: bool = False) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over ``devices`` devices:
+        :meth:`collective_seconds` ``("all-reduce", ...)``."""
+        return self.collective_seconds("all-reduce", nbytes, devices, across_nodes)
 
     def collective_seconds(self, op: str, nbytes: float, devices: int,
                            across_nodes: bool = False) -> float:
-        """Seconds of a ring collective over ``devices`` devices: ``op`` is
-        ``"all-reduce"`` (each device sends ``2 (n - 1) / n`` of ``nbytes``),
-        ``"all-gather"`` or ``"reduce-scatter"`` (``(n - 1) / n`` of the full
-        ``nbytes``). A ring that leaves the node runs at the slower of the link and
-        the network (``network_bandwidth`` per device: one NIC per GPU)."""
+        """THE collective model: seconds of a ring collective over ``devices``
+        devices: ``op`` is ``"all-reduce"`` (each device sends ``2 (n - 1) / n`` of
+        ``nbytes``), ``"all-gather"`` or ``"reduce-scatter"`` (``(n - 1) / n`` of the
+        full ``nbytes``), each step a :meth:`transfer_seconds`. A ring that leaves the
+        node runs at the slower of the link and the network."""
         if op not in _RING_FACTOR:
             raise MultimeshValueError(
                 f"DeviceModel.collective_seconds: op={op!r} is not a collective; valid: "
                 f"{sorted(_RING_FACTOR)}.")
         if devices <= 1:
             return 0.0
-        bw = self.link_bandwidth
-        if across_nodes and self.network_bandwidth is not None:
-            bw = min(bw, self.network_bandwidth)
-        return _RING_FACTOR[op] * (devices - 1) / devices * nbytes / bw
+        return self.transfer_seconds(_RING_FACTOR[op] * (devices - 1) / devices * nbytes,
+                                     across_nodes)
 
     def crosses_nodes(self, stride: int, size: int) -> bool:
         """Whether a group of ``size`` devices, ``stride`` apart in device order,
@@ -126,15 +148,25 @@ class DeviceModel:
                 f"{self.overhead * 1e6:.3g} us per call")
 
     @classmethod
+    def from_spec(cls, spec: DeviceSpec, overhead: float = 1e-5) -> DeviceModel:
+        """The model of a datasheet entry (:data:`DEVICE_KINDS`): its peak, the
+        fraction a published kernel reaches, HBM bandwidth, link and network."""
+        return cls(spec.peak_flops, spec.hbm_bandwidth, overhead=overhead, name=spec.kind,
+                   link_bandwidth=spec.link_bandwidth,
+                   compute_efficiency=spec.compute_efficiency,
+                   network_bandwidth=spec.network_bandwidth,
+                   devices_per_node=spec.devices_per_node)
+
+    @classmethod
     def for_device(cls, device) -> DeviceModel:
-        """The documented defaults by ``device.device_kind``: datasheet numbers (dense
-        bf16 peak; HBM bandwidth; NVLink or ICI between devices) with 10 us per call,
-        else a CPU guess of 100 GFLOP/s, 20 GB/s memory, 10 GB/s between devices and
-        100 us per call."""
-        kind = str(getattr(device, "device_kind", "")).lower()
-        for key, flops, bw, link in _DATASHEET:
-            if key in kind:
-                return cls(flops, bw, name=key, link_bandwidth=link)
+        """The documented defaults by ``device.device_kind``: the datasheet entry of
+        its kind (:data:`DEVICE_KINDS`, the one table ``Cluster`` reads too: dense
+        bf16 peak at a published kernel's efficiency, HBM bandwidth, NVLink or ICI
+        between devices) with 10 us per call, else a CPU guess of 100 GFLOP/s,
+        20 GB/s memory, 10 GB/s between devices and 100 us per call."""
+        kind = kind_of_device(str(getattr(device, "device_kind", "")))
+        if kind is not None:
+            return cls.from_spec(DEVICE_KINDS[kind])
         return cls(1e11, 2e10, overhead=1e-4, name="cpu guess", link_bandwidth=1e10)
 
     @classmethod
@@ -153,30 +185,36 @@ class DeviceModel:
         return _CALIBRATED[key]
 
 
-_RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
+_RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
 
-_DATASHEET = (("h200", 989e12, 4.8e12, 4.5e11), ("h100", 989e12, 3.35e12, 4.5e11),
-              ("a100", 312e12, 2.0e12, 3e11), ("v5e", 197e12, 8.19e11, 2e11),
-              ("v5p", 459e12, 2.76e12, 6e11), ("v4", 275e12, 1.2e12, 3e11))
 _CALIBRATED: dict[tuple, DeviceModel] = {}
 
 
-def _best(fn, *args, repeat: int = 5) -> float:
-    """The best of ``repeat`` timed runs of ``fn(*args)`` after one warm-up."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeat):
+CALIBRATION_ROUNDS = 7
+"""Rounds of :meth:`DeviceModel.calibrate`: each times every figure once, in turn."""
+
+
+def _timed(fn, *args, calls: int = 1) -> float:
+    """Median seconds of ``calls`` runs of ``fn(*args)``, each blocked on."""
+    times = []
+    for _ in range(calls):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-def _step_flops(mesh, rows, n: int, overhead: float) -> float:
-    """Achieved flop/s per device of a small layer's training step (two matmuls, a
-    GELU and a softmax, forward and backward), its rows split over every device: the
-    mix of matmuls and small ops a model's fragments run, rather than one large
-    matmul's peak."""
+def _probes(devices: list) -> dict:
+    """The calibration's programs, compiled and warmed up: name -> (fn, args, calls).
+    ``step``: a small layer's training step (two matmuls, a GELU and a softmax,
+    forward and backward; the mix of matmuls and small ops a model's fragments run,
+    rather than one large matmul's peak), its rows split over every device;
+    ``scale``: an elementwise op over 4 MiB per device; ``copy``: 4 MiB from one
+    device to another; ``call``: one tiny call (the dispatch)."""
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices), ("d",))
+    rows = NamedSharding(mesh, PartitionSpec("d"))
+
     def loss(w, x):
         h = jax.nn.gelu(x @ w[0])
         return jnp.mean(jax.nn.log_softmax(h @ w[1]))
@@ -185,35 +223,40 @@ def _step_flops(mesh, rows, n: int, overhead: float) -> float:
                         np.full((256, 128), 0.01, np.float32)),
                        NamedSharding(mesh, PartitionSpec()))
     x = jax.device_put(np.ones((64 * n, 128), np.float32), rows)
-    step = jax.jit(jax.value_and_grad(loss))
-    flops = float((step.lower(w, x).compile().cost_analysis() or {}).get("flops", 0.0))
-    t = _best(step, w, x, repeat=3)
-    return flops / max(t - overhead, t / 2)
+    probes: dict[str, tuple] = {"call": (jax.jit(lambda v: v + 1.0),
+                       (jax.device_put(np.ones((n,), np.float32), rows),), 5),
+              "step": (jax.jit(jax.value_and_grad(loss)), (w, x), 3),
+              "scale": (jax.jit(lambda v: v * 2.0),
+                        (jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows),), 3)}
+    if n > 1:
+        one = jax.device_put(np.ones(2 ** 20, np.float32), devices[0])
+        probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 3)
+    for fn, args, _ in probes.values():
+        jax.block_until_ready(fn(*args))
+    return probes
 
 
-def _measure(cls, devices: list) -> DeviceModel:
-    """:meth:`DeviceModel.calibrate`'s measurements (a run's dispatch is taken off
-    the matmul's and the elementwise op's times)."""
+def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceModel:
+    """:meth:`DeviceModel.calibrate`'s measurements: ``rounds`` rounds, each timing
+    every probe (:func:`_probes`) a few calls in turn, so a burst of load on a
+    shared machine touches every figure alike; each figure is the median over the
+    rounds, not the best (one lucky run is no figure to plan with). A run's dispatch
+    (the tiny call's median) is taken off the step's and the elementwise op's."""
     n = len(devices)
-    mesh = Mesh(np.asarray(devices), ("d",))
-    rows = NamedSharding(mesh, PartitionSpec("d"))
-    tiny = jax.device_put(np.ones((n,), np.float32), rows)
-    step = jax.jit(lambda x: x + 1.0)
-    jax.block_until_ready(step(tiny))
-    calls = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(tiny))
-        calls.append(time.perf_counter() - t0)
-    overhead = statistics.median(calls)
-    flops = _step_flops(mesh, rows, n, overhead)
-    big = jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows)  # 4 MiB per device
-    t = _best(jax.jit(lambda x: x * 2.0), big)
-    memory = 8 * 2 ** 20 / max(t - overhead, t / 2)
-    one = jax.device_put(np.ones(2 ** 20, np.float32), devices[0])  # 4 MiB
-    link = (4 * 2 ** 20 / _best(lambda x: jax.device_put(x, devices[1]), one)
-            if n > 1 else 1e10)
-    return cls(flops, memory, overhead=overhead, link_bandwidth=link,
+    probes = _probes(devices)
+    step_fn, step_args, _ = probes["step"]
+    flops = float((step_fn.lower(*step_args).compile().cost_analysis() or {}).get(
+        "flops", 0.0))
+    seen: dict[str, list[float]] = {k: [] for k in probes}
+    for _ in range(rounds):
+        for name, (fn, args, calls) in probes.items():
+            seen[name].append(_timed(fn, *args, calls=calls))
+    t = {k: statistics.median(v) for k, v in seen.items()}
+    overhead = t["call"]
+    achieved = flops / max(t["step"] - overhead, t["step"] / 2)
+    memory = 8 * 2 ** 20 / max(t["scale"] - overhead, t["scale"] / 2)  # read + write
+    link = 4 * 2 ** 20 / t["copy"] if n > 1 else 1e10
+    return cls(achieved, memory, overhead=overhead, link_bandwidth=link,
                name=f"calibrated on {n} {devices[0].platform} device(s)")
 
 
@@ -244,9 +287,11 @@ def _mpmd(obj):
 
 
 def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCosts:
-    """Seconds per fragment call from XLA's cost analysis (``flops``, ``bytes
-    accessed``) through ``device_model`` (default: :meth:`DeviceModel.for_device` of
-    the program's first device)."""
+    """Seconds per fragment call: XLA's cost analysis (``flops``, ``bytes accessed``)
+    through ``device_model`` (default: :meth:`DeviceModel.for_device` of the
+    program's first device), plus the collectives the fragment's compiled program runs
+    (:func:`fragment_collectives`, each :meth:`DeviceModel.collective_seconds`; not
+    overlapped with its compute)."""
     c = _mpmd(compiled)
     if device_model is not None and not isinstance(device_model, DeviceModel):
         raise MultimeshTypeError(
@@ -257,8 +302,66 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
     model = device_model or DeviceModel.for_device(c.record.devices[0])
     per = c.cost_analysis(by_fragment=True)
     secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
+            + sum(model.collective_seconds(op, n, k) for op, n, k in
+                  fragment_collectives(c._exec.exes[name].as_text()))
             for name, d in per.items()}
     return FragmentCosts(secs, "xla")
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>\([^=]*?\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<start>-start)?\((?P<rest>.*)$")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _type_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        bits = 8 if dtype == "pred" else int((re.search(r"\d+", dtype) or [8])[0])
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def _group_size(rest: str) -> int:
+    """Devices in each of a collective's groups, from its ``replica_groups``: a mesh
+    and axes (``mesh['x'=4,'y'=2] {'x'}``), an iota (``[2,4]<=[8]``) or a list
+    (``{{0,1,2,3},...}``); collective-permute: 2."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", rest)
+    if m:
+        return len(m.group(1).split(","))
+    return 2
+
+
+def fragment_collectives(hlo_text: str) -> list[tuple[str, int, int]]:
+    """The collectives a compiled fragment runs, from its optimized HLO text:
+    ``(op, bytes, devices)`` per instruction, ``bytes`` the full buffer
+    (:meth:`DeviceModel.collective_seconds`' ``nbytes``: an all-reduce's, an
+    all-gather's result, a reduce-scatter's operand, an all-to-all's buffer); a
+    collective-permute is one transfer (an ``all-to-all`` of 2)."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m is None:
+            continue
+        op, kind = m.group("op"), m.group("type")
+        if m.group("start") and op == "all-gather":  # (operand, result): the result
+            kind = _ARRAY.findall(kind)[-1][0] + "[" + _ARRAY.findall(kind)[-1][1] + "]"
+        n, k = _type_bytes(kind), _group_size(m.group("rest"))
+        if op == "reduce-scatter":
+            n *= k
+        if op == "collective-permute":
+            op, n, k = "all-to-all", 2 * n, 2
+        if k > 1:
+            out.append((op, n, k))
+    return out
 
 
 def residual_bytes(compiled) -> dict[str, int]:
@@ -419,7 +522,8 @@ def step_profile(compiled, args: tuple, kwargs: dict, steps: int = 3) -> StepPro
     return profile_from_times(sched, runs)
 
 
-def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: float = 0.0,
+def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan",
+                      comm: float | None = None,
                       device_model: DeviceModel | None = None) -> ScheduleComparison:
     """Simulate every registered schedule on this program's fragments; a table.
 
@@ -427,7 +531,10 @@ def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: 
     ``{fragment: seconds}`` mapping or a :class:`FragmentCosts`. ``memory``:
     ``"plan"`` (:func:`residual_bytes`), None, or a ``memory_profile()`` result
     (its measured residual bytes per stage). Schedules that do not fit the program's
-    stage placement are listed with the reason. ``comm``: seconds per transfer.
+    stage placement are listed with the reason. ``comm``: None (default) prices each
+    transfer between submeshes by the bytes the program moves on that edge, through
+    ``device_model`` (:meth:`DeviceModel.transfer_seconds`; free with ``"unit"``
+    costs), or a number of seconds per transfer.
     """
     c = _compiled(compiled_or_lowered)
     sched = c.schedule
@@ -435,9 +542,65 @@ def compare_schedules(compiled_or_lowered, costs="xla", *, memory="plan", comm: 
         raise MultimeshValueError(
             "compare_schedules needs a pipelined program, but this one has no schedule "
             "(it is not microbatched: use multimesh.jax.microbatch).")
-    return compare(sched.units, _costs_of(c, costs, device_model),
-                   residual_bytes=_memory_of(c, sched, memory), comm=comm,
-                   devices=sched.devices)
+    fragment_costs = _costs_of(c, costs, device_model)
+    if comm is None:
+        comm = 0.0 if fragment_costs is None else transfer_costs(c, device_model)
+    return compare(sched.units, fragment_costs, residual_bytes=_memory_of(c, sched, memory),
+                   comm=comm, devices=sched.devices)
+
+
+def edge_bytes(compiled) -> dict[tuple[str, str], int]:
+    """``(sending fragment, receiving fragment) -> bytes`` one receiving device gets
+    in one call's transfers from that fragment (the most over its microbatches),
+    sized by the destination layouts."""
+    plan = _mpmd(compiled).plan_data
+    made: dict[int, tuple[str, tuple]] = {}  # value -> (fragment, (shape, dtype))
+    moved: dict[int, tuple[int, object]] = {}  # transferred value -> (source, layout)
+    for s in plan.steps:
+        if isinstance(s, Call):
+            for r, t in zip(s.results, plan.fragments[s.fragment].out_types):
+                made[r] = (s.fragment, t)
+        else:
+            moved[s.dst] = (s.src, s.layout)
+    out: dict[tuple[str, str], int] = {}
+    for s in plan.calls():
+        got: dict[str, int] = {}
+        for a in s.args:
+            if a not in moved:
+                continue
+            src, lay = moved[a]
+            while src in moved:
+                src = moved[src][0]
+            if src in made:
+                frag, (shape, dtype) = made[src]
+                got[frag] = got.get(frag, 0) + shard_bytes(shape, dtype, lay)
+        for frag, n in got.items():
+            key = (frag, s.fragment)
+            out[key] = max(out.get(key, 0), n)
+    return out
+
+
+def transfer_costs(compiled, device_model: DeviceModel | None = None):
+    """The simulator's ``comm``: seconds of what one unit sends another on a different
+    submesh, :meth:`DeviceModel.transfer_seconds` of :func:`edge_bytes` (across
+    nodes where the two submeshes' devices are in different nodes)."""
+    c = _mpmd(compiled)
+    dm = device_model or DeviceModel.for_device(c.record.devices[0])
+    sizes = edge_bytes(c)
+    devices = c.schedule.devices
+
+    def parts(name: str) -> list[str]:  # "f|dx" and "f+g" name their fragments
+        return [p.split("|")[0] for p in name.split("+")]
+
+    def node(mesh: int) -> set[int]:
+        per = dm.devices_per_node
+        return {d // per for d in devices[mesh]} if per and devices else set()
+
+    def comm(src, dst) -> float:
+        n = sum(sizes.get((a, b), 0) for a in parts(src.fragment) for b in parts(dst.fragment))
+        return dm.transfer_seconds(n, node(src.mesh) != node(dst.mesh))
+
+    return comm
 
 
 def _costs_of(c, costs, device_model):

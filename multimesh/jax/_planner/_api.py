@@ -15,7 +15,7 @@ from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
 from multimesh.jax._planner._plan import PipelinePlan, Stage
-from multimesh.jax._planner._search import Choice, Costs, Machine, mesh_of, search
+from multimesh.jax._planner._search import Choice, Costs, Limits, mesh_of, search
 from multimesh.jax._planner._tensor import (
     TensorTables,
     check_axes,
@@ -251,18 +251,22 @@ def _device_model(device_model, devices) -> DeviceModel:
 
 
 def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_bandwidth,
-             fragment_overhead, device_model=None, rows=None) -> tuple[Machine, dict]:
+             fragment_overhead, device_model=None, rows=None) -> tuple[Limits, dict]:
+    """The plan's limits, holding the one hardware model (``device_flops``,
+    ``link_bandwidth`` and ``fragment_overhead``, where given, replace its figures:
+    given flop/s are what the work reaches, so at an efficiency of 1)."""
     model = _device_model(device_model, devices)
-    m = Machine(
-        num_devices=len(devices),
-        device_flops=float(model.peak_flops if device_flops is None else device_flops),
-        link_bandwidth=float(model.link_bandwidth if link_bandwidth is None
-                             else link_bandwidth),
-        fragment_overhead=float(fragment_overhead if fragment_overhead is not None
-                                else model.overhead),
-        memory_limit=None if memory_limit is None else float(memory_limit),
-        optimizer_state_factor=float(optimizer_state_factor),
-        memory_bandwidth=float(model.memory_bandwidth), batch_rows=rows)
+    figures: dict = {}
+    if device_flops is not None:
+        figures.update(peak_flops=float(device_flops), compute_efficiency=1.0)
+    if link_bandwidth is not None:
+        figures.update(link_bandwidth=float(link_bandwidth))
+    if fragment_overhead is not None:
+        figures.update(overhead=float(fragment_overhead))
+    dm = dataclasses.replace(model, **figures) if figures else model
+    m = Limits(dm, num_devices=len(devices),
+               memory_limit=None if memory_limit is None else float(memory_limit),
+               optimizer_state_factor=float(optimizer_state_factor), batch_rows=rows)
     given = [n for n, v in (("device_flops", device_flops), ("link_bandwidth", link_bandwidth),
                             ("fragment_overhead", fragment_overhead)) if v is not None]
     notes = {
@@ -271,7 +275,8 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
                         + (f" ({', '.join(given)} given)" if given else "")
                         + ("" if model.name.startswith("calibrated") else
                            " (device_model='calibrate' measures the devices)"),
-        "device flops": f"{m.device_flops:.3g} flop/s per {devices[0].platform} device; "
+        "device flops": f"{dm.peak_flops * dm.compute_efficiency:.3g} flop/s per "
+                        f"{devices[0].platform} device; "
                         f"a fragment takes overhead + max(flops / flop/s, bytes / "
                         f"memory bandwidth)",
         "work in a stage": "each microbatch's rows split over the stage's `data` axis "
@@ -279,7 +284,7 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
                            "whole and every device runs all the work); the gradients "
                            "all-reduced over it, or with parameters sharded over it "
                            "(fsdp) all-gathered in each call and reduce-scattered",
-        "link bandwidth": f"{m.link_bandwidth:.3g} B/s between devices; transfers do not "
+        "link bandwidth": f"{dm.link_bandwidth:.3g} B/s between devices; transfers do not "
                           f"overlap compute",
         "fragment overhead": f"{m.fragment_overhead:.3g} s per fragment call",
         "memory": "per device: parameters x (2 + optimizer_state_factor) per stage "
@@ -298,7 +303,7 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
     return m, notes
 
 
-def _stages(profile: Profile, choice: Choice, devices, m: Machine,
+def _stages(profile: Profile, choice: Choice, devices, m: Limits,
             tables: TensorTables | None = None, reduction: str = "mean") -> tuple[Stage, ...]:
     """The plan's stages; ``tables``: per ``model`` axis size, each unit's flops and
     parameter elements per device (data parallelism aside)."""
@@ -462,7 +467,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
-    explicit, fsdps, tables = _options(fun, args, profile, table, devices, device_model,
+    explicit, fsdps, tables = _options(fun, args, profile, table, devices, machine.model,
                                        fit, tensor, fsdp, logical_axes, notes)
     choice = search(table, machine, fit, mbs, names, fsdps,
                     None if tables is None else tables.costs)
@@ -495,19 +500,19 @@ def _unit_rows(profile: Profile) -> tuple[dict, ...]:
                  for x in profile.units)
 
 
-def _options(fun, args, profile, table, devices, device_model, stages, tensor, fsdp,
+def _options(fun, args, profile, table, devices, model, stages, tensor, fsdp,
              logical_axes, notes) -> tuple:
     """The layouts inside a stage to search: the explicit mesh the parameters are typed
     over (or None), the fsdp choices, and the tensor-parallel tables (or None)."""
     explicit = _explicit_mesh(args)
     fsdps = _fsdp_options(fsdp, explicit, notes)
-    tables = _tensor_options(fun, args, profile, table, devices, device_model, stages,
+    tables = _tensor_options(fun, args, profile, table, devices, model, stages,
                              tensor, notes, explicit)
     check_axes(logical_axes, tables, explicit)
     return explicit, fsdps, tables
 
 
-def _tensor_options(fun, args, profile, table, devices, device_model, stages, tensor,
+def _tensor_options(fun, args, profile, table, devices, model: DeviceModel, stages, tensor,
                     notes, explicit) -> TensorTables | None:
     """Per ``model`` axis size, the units' costs (None: the model names no ``model``
     axis, or is typed over an explicit mesh, whose own axes the plan keeps)."""
@@ -518,7 +523,6 @@ def _tensor_options(fun, args, profile, table, devices, device_model, stages, te
                 f"explicit mesh {dict(zip(*explicit))}: the plan keeps the model's own "
                 f"axes on each stage's share of that mesh. Leave `tensor` unset.")
         return None
-    model = _device_model(device_model, devices)
     sizes = tensor_sizes(tensor, len(devices), len(devices) // min(stages), model)
     key = _profile_key(fun, args, 0)
     return tensor_tables(fun, args, profile, table, devices, model, sizes, tensor, notes,
@@ -592,7 +596,7 @@ def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_over
     check_pairs(logical_axes, "logical_axes", "`plan_pipeline`")
 
 
-def _why_one(table: Costs, m: Machine, stages, mbs, schedules, choice: Choice,
+def _why_one(table: Costs, m: Limits, stages, mbs, schedules, choice: Choice,
              rows: int, fsdps: tuple[bool, ...], tables: TensorTables | None = None) -> str:
     """Why the plan runs the batch as one microbatch (no pipelining)."""
     if mbs == [1]:
@@ -621,7 +625,7 @@ def _timer(costs: str, devices) -> Timer | None:
     return Timer(devices[0]) if costs == "profile" else None
 
 
-def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
+def _costs(profile: Profile, m: Limits, notes: dict) -> tuple[Costs, Limits]:
     """The search's per-unit figures: XLA flops at the nominal rate, or measured
     seconds (then the rate is one "flop" per second)."""
     u = profile.units
@@ -639,7 +643,9 @@ def _costs(profile: Profile, m: Machine, notes: dict) -> tuple[Costs, Machine]:
     timed = [x.times for x in u if x.times is not None]
     if len(timed) == len(u):
         fwd, bwd, wgrad = ([t[k] for t in timed] for k in range(3))
-        m = dataclasses.replace(m, device_flops=1.0, memory_bandwidth=None)
+        # measured seconds as "flops" at one per second (no bytes: they are timed in)
+        m = dataclasses.replace(m, model=dataclasses.replace(
+            m.model, peak_flops=1.0, compute_efficiency=1.0))
         notes["device flops"] = ("unused: unit costs are measured seconds on one device, "
                                  "divided over a stage's devices")
         if split:

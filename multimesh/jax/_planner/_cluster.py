@@ -1,7 +1,8 @@
 """A cluster described, not attached: device kind, count, nodes and links.
 
-:data:`DEVICE_KINDS` carries each known kind's published figures (docs/planning.md
-cites every one); :class:`Cluster` names a kind and a count and may override any
+:data:`DEVICE_KINDS` (the one datasheet, :mod:`multimesh.jax._analysis.devices`,
+which ``DeviceModel.for_device`` reads too) carries each known kind's published
+figures (docs/planning.md cites every one); :class:`Cluster` names a kind and a count and may override any
 figure. :meth:`Cluster.device_model` prices work through the one hardware model,
 :class:`~multimesh.jax.DeviceModel`.
 """
@@ -14,66 +15,12 @@ import numbers
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
+from multimesh.jax._analysis.devices import ALIASES, DEVICE_KINDS, DeviceSpec
 
 __all__ = ["Cluster", "DeviceSpec", "DEVICE_KINDS"]
 
 GB = 1e9
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator kind's published figures.
-
-    ``peak_flops``: dense bf16 flop/s; ``hbm_bytes`` and ``hbm_bandwidth``: its
-    memory; ``link_bandwidth``: bytes/s one device sends inside a node (NVLink, ICI),
-    one direction; ``network_bandwidth``: bytes/s per device between nodes;
-    ``devices_per_node``: devices a node (an NVLink domain, a TPU slice's ICI)
-    joins; ``compute_efficiency``: the fraction of peak a published matmul-bound
-    kernel reaches on it (1.0 where none is published: then the plan is optimistic
-    and says so); ``source``: where the figures come from.
-    """
-
-    kind: str
-    peak_flops: float
-    hbm_bytes: float
-    hbm_bandwidth: float
-    link_bandwidth: float
-    network_bandwidth: float
-    devices_per_node: int
-    compute_efficiency: float
-    source: str
-
-
-_H100_EFF = ("0.75: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 740 "
-             "TFLOP/s in FP16 on H100 SXM5, whose dense FP16 and BF16 peaks are both 989")
-_A100_EFF = ("0.73: FlashAttention-2 (Dao 2023, arXiv:2307.08691) reaches up to 73% of the "
-             "A100's 312 TFLOP/s")
-
-DEVICE_KINDS: dict[str, DeviceSpec] = {s.kind: s for s in (
-    DeviceSpec("h100", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, 8, 0.75,
-               "NVIDIA H100 SXM5 datasheet; NVLink 4 900 GB/s (450 each way); ConnectX-7 "
-               f"400 Gb/s per GPU (DGX H100); efficiency {_H100_EFF}"),
-    DeviceSpec("h200", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, 8, 0.75,
-               "NVIDIA H200 SXM datasheet; NVLink 4 900 GB/s; 400 Gb/s per GPU; "
-               f"efficiency {_H100_EFF} (same Hopper SM)"),
-    DeviceSpec("a100-80gb", 312e12, 80 * GB, 2.039e12, 300 * GB, 25 * GB, 8, 0.73,
-               "NVIDIA A100 SXM4 80 GB datasheet; NVLink 3 600 GB/s (300 each way); "
-               f"HDR 200 Gb/s per GPU (DGX A100); efficiency {_A100_EFF}"),
-    DeviceSpec("a100-40gb", 312e12, 40 * GB, 1.555e12, 300 * GB, 25 * GB, 8, 0.73,
-               "NVIDIA A100 SXM4 40 GB datasheet; NVLink 3 600 GB/s; HDR 200 Gb/s per GPU; "
-               f"efficiency {_A100_EFF}"),
-    DeviceSpec("tpu-v5p", 459e12, 95 * GB, 2.765e12, 600 * GB, 25 * GB, 8960, 1.0,
-               "Google Cloud TPU v5p page: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, ICI "
-               "4,800 Gb/s per chip, pods of 8,960 chips; DCN per chip not published "
-               "(25 GB/s assumed); no published kernel efficiency (1.0)"),
-    DeviceSpec("tpu-v5e", 197e12, 16 * GB, 819e9, 200 * GB, 25 * GB, 256, 1.0,
-               "Google Cloud TPU v5e page: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI "
-               "1,600 Gb/s per chip, pods of 256 chips; DCN per chip not published "
-               "(25 GB/s assumed); no published kernel efficiency (1.0)"),
-)}
-
-_ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100", "h200-sxm": "h200",
-            "v5p": "tpu-v5p", "v5e": "tpu-v5e", "tpu-v5-lite": "tpu-v5e"}
+_ALIASES = ALIASES
 
 
 def device_spec(kind: str) -> DeviceSpec:
@@ -172,12 +119,7 @@ class Cluster:
 
     def device_model(self) -> DeviceModel:
         """The :class:`DeviceModel` that prices this cluster's work."""
-        s = self.spec
-        return DeviceModel(peak_flops=s.peak_flops, memory_bandwidth=s.hbm_bandwidth,
-                           overhead=1e-5, name=s.kind, link_bandwidth=s.link_bandwidth,
-                           compute_efficiency=s.compute_efficiency,
-                           network_bandwidth=s.network_bandwidth,
-                           devices_per_node=s.devices_per_node)
+        return DeviceModel.from_spec(self.spec)
 
     def describe(self) -> str:
         s = self.spec

@@ -88,8 +88,8 @@ def _seconds(dm: DeviceModel, c: Counts, k: float) -> float:
     """Seconds of ``c`` scaled by ``k`` (matmuls: roofline; elementwise: bytes), no
     per-call overhead; the causal attention core runs half its counted flops."""
     flops = (c.flops - c.attention_flops / 2) * k
-    matmul = dm.seconds(flops, c.matmul_bytes * k) - dm.overhead
-    return matmul + dm.seconds(0.0, c.elementwise_bytes * k) - dm.overhead
+    return (dm.roofline_seconds(flops, c.matmul_bytes * k)
+            + dm.roofline_seconds(0.0, c.elementwise_bytes * k))
 
 
 def act_bytes(m: Transformer, recompute: str, b: int, t: int) -> float:
@@ -154,7 +154,7 @@ def _times(ctx: PlanContext, lay: ClusterLayout) -> _Times:
     head = _seconds(dm, c.head_fwd, k) + _seconds(dm, c.head_bwd, k) + 2 * one
     calls = c.layer_fwd.kernels + c.layer_bwd.kernels
     return _Times(_seconds(dm, c.layer_fwd, k), _seconds(dm, c.layer_bwd, k),
-                  dm.seconds(0.0, c.layer_fwd.elementwise_bytes * k) - dm.overhead,
+                  dm.roofline_seconds(0.0, c.layer_fwd.elementwise_bytes * k),
                   one, head, calls)
 
 
@@ -207,8 +207,7 @@ def _step(ctx: PlanContext, lay: ClusterLayout, tm: _Times, chunks, stages) -> P
     m, dm, P, V, M = ctx.model, ctx.dm, lay.pipeline, lay.virtual_stages, lay.num_microbatches
     t, f, d, b = lay.tensor, lay.fsdp, lay.data, lay.microbatch_size
     act = 2.0 * b * m.seq * m.d_model / t
-    hop = act / (min(dm.link_bandwidth, dm.network_bandwidth or dm.link_bandwidth)
-                 if dm.crosses_nodes(1, t * f * d) else dm.link_bandwidth)
+    hop = dm.transfer_seconds(act, dm.crosses_nodes(1, t * f * d))
     transfers = 2 * V * M * hop if P > 1 else 0.0
     layer_bytes = 2.0 * m.layer_params / t
     fsdp_one = (2 * dm.collective_seconds("all-gather", layer_bytes, f, dm.crosses_nodes(t, f))
@@ -232,7 +231,7 @@ def _step(ctx: PlanContext, lay: ClusterLayout, tm: _Times, chunks, stages) -> P
     across = dm.crosses_nodes(t * f, d)
     data = (dm.collective_seconds("reduce-scatter", grads, d, across)
             + dm.collective_seconds("all-gather", grads, d, across))
-    update = dm.seconds(0.0, 2 * STEP_BYTES_PER_PARAM * params / (f * d)) - dm.overhead
+    update = dm.roofline_seconds(0.0, 2 * STEP_BYTES_PER_PARAM * params / (f * d))
     step = pipe + data + update
     breakdown = {"compute": parts["compute"] + update,
                  "tensor-parallel communication": parts["tensor"],

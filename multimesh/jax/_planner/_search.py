@@ -1,4 +1,4 @@
-"""The planner's search: contiguous stage cuts, microbatches and schedule (no jax).
+"""The planner's search: contiguous stage cuts, microbatches and schedule.
 
 For each number of stages ``S`` (dividing the devices evenly, ``d = N / S`` each),
 dynamic programming over the units' prefix sums finds the contiguous cut whose
@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh.jax._analysis.costs import DeviceModel
 from multimesh.schedules import (
     ScheduleError,
     build_schedule,
@@ -29,7 +30,7 @@ from multimesh.schedules import (
 )
 from multimesh.schedules.costs import simulate_stages
 
-__all__ = ["Costs", "Machine", "Choice", "Layout", "search", "best_cut", "mesh_of", "data_ways"]
+__all__ = ["Costs", "Limits", "Choice", "Layout", "search", "best_cut", "mesh_of", "data_ways"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +62,21 @@ class Costs:
 
 
 @dataclasses.dataclass(frozen=True)
-class Machine:
-    """The hardware model and the limits the plan must respect."""
+class Limits:
+    """What a plan must respect, and the one hardware model that prices it: every
+    second below comes from ``model`` (:class:`~multimesh.jax.DeviceModel`: its
+    roofline, transfer and collective costs); nothing here is a second model."""
 
+    model: DeviceModel
     num_devices: int
-    device_flops: float  # flop/s of one device
-    link_bandwidth: float  # bytes/s between two submeshes
-    fragment_overhead: float  # seconds per fragment call (launch, dispatch)
     memory_limit: float | None  # bytes per device
     optimizer_state_factor: float  # optimizer state bytes per parameter byte
-    memory_bandwidth: float | None = None  # bytes/s of one device (None: flops only)
     batch_rows: int | None = None  # the example batch's rows (None: always divisible)
+
+    @property
+    def fragment_overhead(self) -> float:
+        """Seconds per fragment call (the model's ``overhead``)."""
+        return self.model.overhead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,21 +151,19 @@ class Layout:
         return self.d // self.model
 
 
-def data_ways(m: Machine, d: int, M: int) -> int:
+def data_ways(m: Limits, d: int, M: int) -> int:
     """Devices a stage of ``d`` splits each of ``M`` microbatches' rows over."""
     rows = m.batch_rows
     return d if rows is None or (rows // M) % d == 0 else 1
 
 
-def _compute(m: Machine, flops: float, nbytes: float, ways: int) -> float:
-    """Roofline seconds of work divided over ``ways`` devices (no call overhead)."""
-    t = flops / (m.device_flops * ways)
-    if m.memory_bandwidth:
-        t = max(t, nbytes / (m.memory_bandwidth * ways))
-    return t
+def _compute(m: Limits, flops: float, nbytes: float, ways: int) -> float:
+    """The model's roofline seconds of work divided over ``ways`` devices (no call
+    overhead)."""
+    return m.model.roofline_seconds(flops / ways, nbytes / ways)
 
 
-def _stage_times(p: _Prefix, m: Machine, d: int | Layout, M: int, i: int, j: int,
+def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
                  split: bool = False) -> tuple[float, float, float]:
     """Forward, whole backward and weight-gradient seconds of units ``[i, j)`` for one
     microbatch; ``split``: the weight-gradient part is a fragment call of its own.
@@ -168,23 +171,24 @@ def _stage_times(p: _Prefix, m: Machine, d: int | Layout, M: int, i: int, j: int
     backward; sharded parameters (``fsdp``) an all-gather to the forward, and an
     all-gather and a reduce-scatter to the backward, instead."""
     lay = d if isinstance(d, Layout) else Layout(d, d)
-    w_ = lay.data
-    move = (p.cut(i) + p.cut(j)) / M / m.link_bandwidth
+    w_, dm = lay.data, m.model
+    # what one device receives: its share of the microbatch's activations
+    move = dm.transfer_seconds((p.cut(i) + p.cut(j)) / M / _spread(lay))
     f_fl = p.fwd[j] - p.fwd[i]
     b_fl = p.flops[j] - p.flops[i] - f_fl
     fwd = _compute(m, f_fl / M, (p.fwd_bytes[j] - p.fwd_bytes[i]) / M, w_) + move
     bwd = _compute(m, b_fl / M, (p.bwd_bytes[j] - p.bwd_bytes[i]) / M, w_) + move
     fwd += (p.comm_fwd[j] - p.comm_fwd[i]) / M / w_  # tensor-parallel collectives
     bwd += (p.comm_bwd[j] - p.comm_bwd[i]) / M / w_
-    w = (p.wgrad[j] - p.wgrad[i]) / M / (m.device_flops * w_)
+    w = _compute(m, (p.wgrad[j] - p.wgrad[i]) / M, 0.0, w_)
     params = float(p.params[j] - p.params[i])
-    r = lay.replicas
-    share = (r - 1) / r * params / m.link_bandwidth
+    r = lay.replicas  # the data axis: with a model axis, each device's shard of it
     if lay.fsdp and r > 1:
-        fwd += share
-        bwd += 2 * share
+        gather = dm.collective_seconds("all-gather", params, r)
+        fwd += gather
+        bwd += gather + dm.collective_seconds("reduce-scatter", params, r)
     elif w_ > 1:
-        bwd += 2 * share  # ring all-reduce of the gradients
+        bwd += dm.collective_seconds("all-reduce", params, r)
     fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
@@ -192,7 +196,7 @@ def _stage_times(p: _Prefix, m: Machine, d: int | Layout, M: int, i: int, j: int
     return fwd, bwd + m.fragment_overhead, w
 
 
-def _stage_params(p: _Prefix, m: Machine, i: int, j: int, lay: Layout) -> float:
+def _stage_params(p: _Prefix, m: Limits, i: int, j: int, lay: Layout) -> float:
     """Bytes per device of units ``[i, j)``'s parameters, gradients and optimizer state
     (replicated in the stage, or split over its ``d`` devices with ``fsdp``)."""
     shards = lay.replicas if lay.fsdp else 1
@@ -225,7 +229,7 @@ def _temporaries(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
     return max(work, copies * (p.params[j] - p.params[i]) / shards)
 
 
-def _stage_memory(p: _Prefix, m: Machine, M: int, live: int, i: int, j: int,
+def _stage_memory(p: _Prefix, m: Limits, M: int, live: int, i: int, j: int,
                   lay: Layout | None = None) -> float:
     """Bytes per device at the stage's peak: parameters, gradients and optimizer state,
     ``live`` microbatches of what the forward keeps (:func:`_held`), and the
@@ -276,7 +280,7 @@ def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
     return tuple(max(v, 1) for v in live_activations(sched))
 
 
-def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict,
+def _candidate(p: _Prefix, m: Limits, S: int, M: int, name: str, cache: dict,
                fsdp: bool = False, model: int | None = None) -> Choice | None:
     """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``; an
     interleaved schedule puts ``V`` stages on each of ``P = S / V`` submeshes
@@ -316,7 +320,7 @@ def _candidate(p: _Prefix, m: Machine, S: int, M: int, name: str, cache: dict,
     return None if bounds is None else _predict(p, m, bounds, lay, M, name, P, split, vs)
 
 
-def _predict(p: _Prefix, m: Machine, bounds, lay: Layout, M: int, name: str, P: int,
+def _predict(p: _Prefix, m: Limits, bounds, lay: Layout, M: int, name: str, P: int,
              split: bool, vs: bool) -> Choice | None:
     """Simulate the cut; None where a submesh's memory breaks the limit."""
     S = len(bounds)
@@ -340,7 +344,7 @@ def _predict(p: _Prefix, m: Machine, bounds, lay: Layout, M: int, name: str, P: 
                   pred.step_time, S // P, vs, lay.data, lay.fsdp, lay.model)
 
 
-def search(costs: Costs, m: Machine, stages: Sequence[int], microbatches: Sequence[int],
+def search(costs: Costs, m: Limits, stages: Sequence[int], microbatches: Sequence[int],
            schedules: Sequence[str], layouts: Sequence[bool] = (False, True),
            tensor: Mapping[int, Costs] | None = None) -> Choice:
     """The fastest feasible plan over the candidates; a clear error when none fits.
@@ -386,7 +390,7 @@ def _nothing_applies(stages, microbatches, schedules) -> MultimeshValueError:
         f"another schedule.")
 
 
-def _no_plan(costs: Costs, p: _Prefix, m: Machine, stages, microbatches,
+def _no_plan(costs: Costs, p: _Prefix, m: Limits, stages, microbatches,
              fsdp: bool = False, model: int = 1) -> MultimeshValueError:
     """Why no candidate fits: the unit too big on its own (in the stage layout that
     needs least: the most devices per stage, sharded where allowed), or the split as a
