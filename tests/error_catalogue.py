@@ -2451,6 +2451,22 @@ def _():
     mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, tensor="2")
 
 
+@error("plan-tensor-explicit-model", IMPLICIT,
+       "`plan_pipeline` asked for a `model` axis on a model typed over an explicit mesh",
+       MultimeshValueError,
+       r"`plan_pipeline` got tensor=2, but the parameters are typed over an explicit mesh "
+       r"\{'fsdp': 8\}: the plan keeps the model's own axes",
+       """A model typed over an explicit mesh (jax's sharding in types) keeps its own
+       shardings: each stage gets that mesh's axes over its share of the devices, so
+       the planner adds no `model` axis. Leave `tensor` unset; shard over a tensor axis
+       of the model's own mesh instead.""")
+def _():
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        ws = [jax.device_put(jnp.eye(16), P("fsdp")) for _ in range(2)]
+        mm.plan_pipeline(layered_model, ws, jnp.ones((8, 16)), num_stages=2, tensor=2)
+
+
 @error("plan-tensor-nothing-names-model", IMPLICIT,
        "`plan_pipeline` asked for tensor parallelism a model does not name",
        MultimeshValueError,
