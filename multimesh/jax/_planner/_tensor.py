@@ -42,6 +42,7 @@ class TensorTables:
     flops: dict[int, tuple[float, ...]]
     counts: dict[int, tuple[int, ...]]  # each unit's parameter elements per device
 
+
 _TABLES = LRUCache("multimesh planner tensor-parallel unit costs", max_size=32)
 
 
@@ -86,7 +87,9 @@ def check_tensor(tensor, n_devices: int, stage_devices: int) -> None:
 
 
 def _units_at(fun, args, profile: Profile, t: int, devices, key) -> TensorUnits | None:
-    k = None if key is None else (*key, t)
+    """The units of ``profile`` costed at ``model`` size ``t``; reused for the same
+    step, argument types, flax rules and units (as the profile itself is)."""
+    k = None if key is None else (*key, tuple(u.name for u in profile.units), t)
     got = None if k is None else _TABLES.get(k)
     if got is None:
         got = (measure_tensor(fun, args, profile, t, devices) or False)
