@@ -385,6 +385,10 @@ def _layout_text(plan: PipelinePlan) -> str:
 def _plan_code(plan: PipelinePlan) -> str:
     """:meth:`PipelinePlan.as_code`'s text."""
     lines = ["import jax", f"import multimesh.jax as {_ALIAS}", ""]
+    if plan.tensor is not None:
+        lines += [f"# each stage's {MODEL!r} axis splits what the model's own shardings put "
+                  f"on it: compile", "# under the same flax rules (or NNX metadata) "
+                  "it was planned with", ""]
     logical = plan._logical()
     for st in plan.stages:
         lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
