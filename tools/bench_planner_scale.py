@@ -5,7 +5,9 @@ published layout and efficiency, the planner's own choice on the same described
 cluster (layout, predicted MFU, time to plan), and the planner's prediction for the
 published layout itself (pinned). Nothing here is fitted to these rows: the device
 model's figures are the datasheets' and its one efficiency factor is a published
-kernel's (multimesh/jax/_planner/_cluster.py).
+kernel's (multimesh/jax/_analysis/devices.py); gradients are reduced in fp32, as
+Megatron-LM and the Llama 3 paper do (GRAD_REDUCE_BYTES in
+multimesh/jax/_planner/_cluster_search.py).
 
     PYTHONPATH=. python tools/bench_planner_scale.py [--markdown]
 

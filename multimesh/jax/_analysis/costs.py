@@ -190,7 +190,7 @@ _RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "al
 _CALIBRATED: dict[tuple, DeviceModel] = {}
 
 
-CALIBRATION_ROUNDS = 7
+CALIBRATION_ROUNDS = 9
 """Rounds of :meth:`DeviceModel.calibrate`: each times every figure once, in turn."""
 
 
@@ -209,7 +209,7 @@ def _probes(devices: list) -> dict:
     ``step``: a small layer's training step (two matmuls, a GELU and a softmax,
     forward and backward; the mix of matmuls and small ops a model's fragments run,
     rather than one large matmul's peak), its rows split over every device;
-    ``scale``: an elementwise op over 4 MiB per device; ``copy``: 4 MiB from one
+    ``scale``: an elementwise op over 4 MiB per device; ``copy``: 16 MiB from one
     device to another; ``call``: one tiny call (the dispatch)."""
     n = len(devices)
     mesh = Mesh(np.asarray(devices), ("d",))
@@ -224,13 +224,13 @@ def _probes(devices: list) -> dict:
                        NamedSharding(mesh, PartitionSpec()))
     x = jax.device_put(np.ones((64 * n, 128), np.float32), rows)
     probes: dict[str, tuple] = {"call": (jax.jit(lambda v: v + 1.0),
-                       (jax.device_put(np.ones((n,), np.float32), rows),), 5),
+                       (jax.device_put(np.ones((n,), np.float32), rows),), 15),
               "step": (jax.jit(jax.value_and_grad(loss)), (w, x), 3),
               "scale": (jax.jit(lambda v: v * 2.0),
-                        (jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows),), 3)}
+                        (jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows),), 5)}
     if n > 1:
-        one = jax.device_put(np.ones(2 ** 20, np.float32), devices[0])
-        probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 3)
+        one = jax.device_put(np.ones(4 * 2 ** 20, np.float32), devices[0])  # 16 MiB
+        probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 5)
     for fn, args, _ in probes.values():
         jax.block_until_ready(fn(*args))
     return probes
@@ -255,7 +255,7 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     overhead = t["call"]
     achieved = flops / max(t["step"] - overhead, t["step"] / 2)
     memory = 8 * 2 ** 20 / max(t["scale"] - overhead, t["scale"] / 2)  # read + write
-    link = 4 * 2 ** 20 / t["copy"] if n > 1 else 1e10
+    link = 16 * 2 ** 20 / t["copy"] if n > 1 else 1e10
     return cls(achieved, memory, overhead=overhead, link_bandwidth=link,
                name=f"calibrated on {n} {devices[0].platform} device(s)")
 

@@ -21,7 +21,8 @@ microbatches come from the schedule library's theory. The accounting, stated onc
   forward and 4 backward (8 more with full recompute), not overlapped; pipeline
   transfers not overlapped; fsdp's per-layer gathers overlapped with that layer's
   compute; the data axis's gradient reduce-scatter and weight all-gather once a step,
-  not overlapped.
+  not overlapped; gradients are reduced in fp32 (:data:`GRAD_REDUCE_BYTES`), the
+  weights gathered in bf16.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ RECOMPUTE = ("none", "selective", "full")
 run its forward again."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 STEP_BYTES_PER_PARAM = 16  # bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m, v 8
+GRAD_REDUCE_BYTES = 4.0
+"""Bytes per parameter of a gradient reduction (data-parallel and fsdp
+reduce-scatters): fp32. Megatron-LM's megatron/training/arguments.py: "bfloat16
+requires gradient accumulation and all-reduce to be done in fp32" (it sets
+accumulate_allreduce_grads_in_fp32 for bf16); the Llama 3 paper (arXiv:2407.21783,
+section 3.3.2, numerical stability): "reduce-scatter gradients in FP32 across data
+parallel workers in FSDP". The weights' all-gathers stay bf16 (2 B)."""
 VIRTUAL = (2, 3, 4, 5, 6, 8)
 
 
@@ -209,9 +217,10 @@ def _step(ctx: PlanContext, lay: ClusterLayout, tm: _Times, chunks, stages) -> P
     act = 2.0 * b * m.seq * m.d_model / t
     hop = dm.transfer_seconds(act, dm.crosses_nodes(1, t * f * d))
     transfers = 2 * V * M * hop if P > 1 else 0.0
-    layer_bytes = 2.0 * m.layer_params / t
-    fsdp_one = (2 * dm.collective_seconds("all-gather", layer_bytes, f, dm.crosses_nodes(t, f))
-                + dm.collective_seconds("reduce-scatter", layer_bytes, f,
+    layer_params = m.layer_params / t
+    fsdp_one = (2 * dm.collective_seconds("all-gather", 2.0 * layer_params, f,
+                                          dm.crosses_nodes(t, f))
+                + dm.collective_seconds("reduce-scatter", GRAD_REDUCE_BYTES * layer_params, f,
                                         dm.crosses_nodes(t, f)))
     busiest, parts = -1.0, {}
     for rec, mem, layers, last in stages:
@@ -227,10 +236,9 @@ def _step(ctx: PlanContext, lay: ClusterLayout, tm: _Times, chunks, stages) -> P
                      "overhead": M * layers * tm.calls * dm.overhead}
     bubble = (theoretical_bubble(lay.schedule, P, M, V) or 0.0) if P > 1 else 0.0
     pipe = (busiest + parts["overhead"]) / (1.0 - bubble)
-    grads = 2.0 * params / f
     across = dm.crosses_nodes(t * f, d)
-    data = (dm.collective_seconds("reduce-scatter", grads, d, across)
-            + dm.collective_seconds("all-gather", grads, d, across))
+    data = (dm.collective_seconds("reduce-scatter", GRAD_REDUCE_BYTES * params / f, d, across)
+            + dm.collective_seconds("all-gather", 2.0 * params / f, d, across))
     update = dm.roofline_seconds(0.0, 2 * STEP_BYTES_PER_PARAM * params / (f * d))
     step = pipe + data + update
     breakdown = {"compute": parts["compute"] + update,

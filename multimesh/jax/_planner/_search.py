@@ -188,7 +188,7 @@ def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
         fwd += gather
         bwd += gather + dm.collective_seconds("reduce-scatter", params, r)
     elif w_ > 1:
-        bwd += dm.collective_seconds("all-reduce", params, r)
+        bwd += dm.all_reduce_seconds(params, r)  # the gradients, ring
     fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
