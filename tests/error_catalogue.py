@@ -2367,6 +2367,100 @@ def _():
     mm.PipelinePlan.from_json(json.dumps(saved))
 
 
+@error("plan-json-unequal-stages", IMPLICIT,
+       "`PipelinePlan.from_json` with stages of different sizes", MultimeshValueError,
+       r"`PipelinePlan.from_json`: the stages have 3 and 5 devices; every stage of a plan "
+       r"has the same number",
+       """Every stage of a plan has as many devices, over the same mesh axes (`data`, and
+       `model` for a tensor-parallel plan), so that the plan's logical axes and layout
+       hold on each. Keep the stages' device lists equal in size, or plan again.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    saved = json.loads(plan.to_json())
+    saved["stages"][0]["devices"] = saved["stages"][0]["positions"] = [0, 1, 2]
+    saved["stages"][1]["devices"] = saved["stages"][1]["positions"] = [3, 4, 5, 6, 7]
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-logical-axis-not-on-stages", IMPLICIT,
+       "`plan_pipeline` mapping a logical axis onto a mesh axis its stages lack",
+       MultimeshValueError,
+       r"`plan_pipeline`: logical_axes maps 'mlp' onto the mesh axis 'model', but each "
+       r"stage's submesh has only the axes \('data',\); stages get a 'model' axis only "
+       r"where the model's own shardings name it",
+       """A plan's stages have the axis `data`, and `model` where the model's own
+       shardings (flax's logical rules in context, NNX partition metadata, jax sharding
+       constraints) name it; a model typed over an explicit mesh has that mesh's axes.
+       Map logical axes onto those, or annotate the model so that it names `model`.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), logical_axes=(("mlp", "model"),))
+
+
+@error("plan-json-logical-axis-not-on-stages", IMPLICIT,
+       "A plan's JSON edited to map a logical axis onto a mesh axis its stages lack",
+       MultimeshValueError,
+       r"PipelinePlan: logical_axes maps 'mlp' onto the mesh axis 'model', but the plan's "
+       r"stages have only the axes \('data',\)",
+       """The same check as `plan_pipeline`'s, on a plan read back (or built with
+       `dataclasses.replace`): each logical axis maps onto one of the stages' axes.""")
+def _():
+    plan = mm.plan_pipeline(layered_model, *layered_args(), num_stages=2)
+    saved = json.loads(plan.to_json())
+    saved["logical_axes"] = [["mlp", "model"]]
+    mm.PipelinePlan.from_json(json.dumps(saved))
+
+
+@error("plan-tensor-not-a-divisor", IMPLICIT,
+       "`plan_pipeline` with a `tensor` size that does not divide a stage",
+       MultimeshValueError,
+       r"`plan_pipeline`: tensor=3 does not divide the 4 devices of a stage \(8 devices in "
+       r"all\); choose one of \[1, 2, 4\]",
+       """`tensor` is the size of each stage's `model` axis, which the stage's devices
+       must divide (the rest form its `data` axis). Give a divisor, or None (the
+       planner chooses).""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, tensor=3)
+
+
+@error("plan-tensor-not-an-integer", IMPLICIT, "`plan_pipeline` with a `tensor` that is no size",
+       MultimeshTypeError,
+       r"`plan_pipeline`: `tensor` must be the size of each stage's `model` axis \(an "
+       r"integer\) or None \(the planner chooses\), got str '2'",
+       """`tensor=` takes the size of each stage's `model` axis: an integer dividing a
+       stage's devices, or None for the planner's choice.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, tensor="2")
+
+
+@error("plan-tensor-explicit-model", IMPLICIT,
+       "`plan_pipeline` asked for a `model` axis on a model typed over an explicit mesh",
+       MultimeshValueError,
+       r"`plan_pipeline` got tensor=2, but the parameters are typed over an explicit mesh "
+       r"\{'fsdp': 8\}: the plan keeps the model's own axes",
+       """A model typed over an explicit mesh (jax's sharding in types) keeps its own
+       shardings: each stage gets that mesh's axes over its share of the devices, so
+       the planner adds no `model` axis. Leave `tensor` unset; shard over a tensor axis
+       of the model's own mesh instead.""")
+def _():
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        ws = [jax.device_put(jnp.eye(16), P("fsdp")) for _ in range(2)]
+        mm.plan_pipeline(layered_model, ws, jnp.ones((8, 16)), num_stages=2, tensor=2)
+
+
+@error("plan-tensor-nothing-names-model", IMPLICIT,
+       "`plan_pipeline` asked for tensor parallelism a model does not name",
+       MultimeshValueError,
+       r"`plan_pipeline` got tensor=2, but no sharding in the step names the mesh axis "
+       r"'model'",
+       """The planner shards the dimensions the model's own shardings put on `model`
+       (flax's logical rules in context, NNX partition metadata, jax sharding
+       constraints); it does not choose them. Annotate the model, or leave `tensor`
+       unset.""")
+def _():
+    mm.plan_pipeline(layered_model, *layered_args(), num_stages=2, tensor=2)
+
+
 @error("plan-devices-not-devices", IMPLICIT, "`plan_pipeline` given device positions",
        MultimeshTypeError,
        r"`plan_pipeline`: `devices` must be jax devices \(e.g. `jax.devices\(\)\[4:\]`\), got 0 "

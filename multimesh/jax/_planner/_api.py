@@ -16,6 +16,13 @@ from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
 from multimesh.jax._planner._plan import PipelinePlan, Stage
 from multimesh.jax._planner._search import Choice, Costs, Limits, mesh_of, search
+from multimesh.jax._planner._tensor import (
+    TensorTables,
+    check_axes,
+    check_tensor,
+    tensor_sizes,
+    tensor_tables,
+)
 from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher
 from multimesh.schedules import ScheduleError, all_schedules, get_schedule
 
@@ -296,7 +303,10 @@ def _machine(devices, memory_limit, optimizer_state_factor, device_flops, link_b
     return m, notes
 
 
-def _stages(profile: Profile, choice: Choice, devices, m: Limits) -> tuple[Stage, ...]:
+def _stages(profile: Profile, choice: Choice, devices, m: Limits,
+            tables: TensorTables | None = None, reduction: str = "mean") -> tuple[Stage, ...]:
+    """The plan's stages; ``tables``: per ``model`` axis size, each unit's flops and
+    parameter elements per device (data parallelism aside)."""
     P = choice.num_stages // choice.interleave
     d = m.num_devices // P
     out = []
@@ -305,6 +315,10 @@ def _stages(profile: Profile, choice: Choice, devices, m: Limits) -> tuple[Stage
         r = mesh_of(k, choice.num_stages, P, choice.v_shape)
         pos = tuple(range(r * d, r * d + d))
         flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units[i:j])
+        t = choice.model
+        per_device = flops if t == 1 else sum(tables.flops[t][i:j])  # type: ignore[union-attr]
+        count = (sum(u.param_count for u in profile.units[i:j]) if t == 1
+                 else sum(tables.counts[t][i:j]))  # type: ignore[union-attr]
         out.append(Stage(
             index=k, units=names, devices=tuple(int(devices[p].id) for p in pos), positions=pos,
             matcher=unit_matcher(profile.root, names),
@@ -313,8 +327,19 @@ def _stages(profile: Profile, choice: Choice, devices, m: Limits) -> tuple[Stage
             param_bytes=sum(u.param_bytes for u in profile.units[i:j]),
             residual_bytes=_held_bytes(profile.units[i:j], choice, d),
             live_microbatches=choice.live[k], memory_bytes=choice.memory[k],
-            device_flops=flops / choice.data))
+            device_flops=per_device / choice.data + _accumulation(
+                choice, count // (d if choice.fsdp else 1), reduction)))
     return tuple(out)
+
+
+def _accumulation(choice: Choice, count: int, reduction: str) -> float:
+    """Flops per device of combining the microbatches' gradients (``count`` elements
+    per device): each microbatch's added into the sum (from zeros), and with
+    ``mean`` divided by the number of microbatches first; none for one microbatch (no loop)."""
+    M = choice.num_microbatches
+    if M == 1:
+        return 0.0
+    return float(count * M * (2 if reduction == "mean" else 1))
 
 
 def _held_bytes(units, choice: Choice, d: int) -> int:
@@ -345,13 +370,19 @@ def _signature(args) -> tuple | None:
     return tree, tuple(sig)
 
 
-def _measured(fun, args, min_units: int, timer: Timer | None) -> Profile:
-    sig = None if timer is not None else _signature(args)
+def _profile_key(fun, args, min_units: int) -> tuple | None:
+    """What XLA's costs of ``fun`` on ``args`` depend on, or None (then not reused)."""
+    sig = _signature(args)
     try:
         key = None if sig is None else (fun, sig, min_units)
         hash(key)
     except TypeError:
         key = None
+    return key
+
+
+def _measured(fun, args, min_units: int, timer: Timer | None) -> Profile:
+    key = None if timer is not None else _profile_key(fun, args, min_units)
     profile = None if key is None else _PROFILES.get(key)
     if profile is None:
         profile = measure_units(fun, args, 0, min_units=min_units, timer=timer)
@@ -382,7 +413,8 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
                   fragment_overhead: float | None = None,
                   logical_axes: Sequence[tuple[str, str]] = (),
                   costs: str = "xla", device_model=None,
-                  fsdp: bool | None = None, reduction: str = "mean") -> PipelinePlan:
+                  fsdp: bool | None = None, reduction: str = "mean",
+                  tensor: int | None = None) -> PipelinePlan:
     """Choose pipeline stages, submeshes, microbatches and schedule for ``fun``.
 
     ``fun(params, batch, ...)`` returns the scalar loss (``params`` may be an NNX
@@ -414,6 +446,10 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     hardware model (a :class:`~multimesh.jax.DeviceModel`, ``"calibrate"`` to
     measure these devices, or None for the documented default of their kind);
     ``device_flops``/``link_bandwidth``/``fragment_overhead`` override its figures.
+
+    Where the model's shardings name a ``model`` axis (flax's logical rules in context,
+    NNX metadata, jax constraints), each submesh is ``(data, model)``: ``model`` over
+    ``tensor`` neighbouring devices (inside a node), chosen where None.
     """
     _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_overhead,
                   optimizer_state_factor, reduction, logical_axes)
@@ -422,6 +458,7 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     rows = _batch_rows(example_args, argnum, dim)
     stages = _stage_counts(num_stages, len(devices))
     mbs = _microbatch_counts(num_microbatches, rows)
+    check_tensor(tensor, len(devices), len(devices) // min(stages))
     machine, notes = _machine(devices, memory_limit, optimizer_state_factor, device_flops,
                               link_bandwidth, fragment_overhead, device_model, rows)
     fun, args = _nnx_fun(fun, example_args)
@@ -430,26 +467,72 @@ def plan_pipeline(fun, *example_args, devices: Sequence | None = None,
     table, machine = _costs(profile, machine, notes)
     fit, names = _fitting(stages, table.names, num_stages), _schedules(schedule)
     _check_placeable(names, fit, len(devices), len(table.names))
-    explicit = _explicit_mesh(args)
-    fsdps = _fsdp_options(fsdp, explicit, notes)
-    choice = search(table, machine, fit, mbs, names, fsdps)
+    explicit, fsdps, tables = _options(fun, args, profile, table, devices, machine.model,
+                                       fit, tensor, fsdp, logical_axes, notes)
+    choice = search(table, machine, fit, mbs, names, fsdps,
+                    None if tables is None else tables.costs)
     if choice.num_microbatches == 1:
-        notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows, fsdps)
-    u = profile.units
+        notes["microbatches"] = _why_one(table, machine, fit, mbs, names, choice, rows, fsdps,
+                                         tables)
     return PipelinePlan(
-        stages=_stages(profile, choice, devices, machine),
+        stages=_stages(profile, choice, devices, machine, tables, reduction),
         num_microbatches=choice.num_microbatches, schedule=choice.schedule,
         predicted_step_time=choice.step_time, batch=(argnum, dim, rows),
-        units=tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
-                     "wgrad_flops": x.wgrad_flops, "bytes_accessed": x.bytes_accessed,
-                     "param_bytes": x.param_bytes, "residual_bytes": x.residual_bytes}
-                    for x in u),
-        cut_bytes=profile.cut_bytes, assumptions=notes,
+        units=_unit_rows(profile), cut_bytes=profile.cut_bytes, assumptions=notes,
         logical_axes=tuple((str(a), str(b)) for a, b in logical_axes),
         interleave=choice.interleave, reduction=reduction,
         batch_sharded=choice.data > 1 and explicit is None, fsdp=choice.fsdp,
-        mesh_axes=() if explicit is None else _stage_axes(
-            explicit, len(devices) * choice.interleave // choice.num_stages))
+        mesh_axes=_explicit_axes(explicit, len(devices), choice),
+        tensor=None if tables is None else choice.model)
+
+
+def _explicit_axes(explicit, n_devices: int, choice: Choice) -> tuple:
+    """Each stage's axes of the explicit mesh the parameters are typed over (or none)."""
+    if explicit is None:
+        return ()
+    return _stage_axes(explicit, n_devices * choice.interleave // choice.num_stages)
+
+
+def _unit_rows(profile: Profile) -> tuple[dict, ...]:
+    return tuple({"name": x.name, "fwd_flops": x.fwd_flops, "bwd_flops": x.bwd_flops,
+                  "wgrad_flops": x.wgrad_flops, "bytes_accessed": x.bytes_accessed,
+                  "param_bytes": x.param_bytes, "residual_bytes": x.residual_bytes}
+                 for x in profile.units)
+
+
+def _options(fun, args, profile, table, devices, model, stages, tensor, fsdp,
+             logical_axes, notes) -> tuple:
+    """The layouts inside a stage to search: the explicit mesh the parameters are typed
+    over (or None), the fsdp choices, and the tensor-parallel tables (or None)."""
+    explicit = _explicit_mesh(args)
+    fsdps = _fsdp_options(fsdp, explicit, notes)
+    tables = _tensor_options(fun, args, profile, table, devices, model, stages,
+                             tensor, notes, explicit)
+    check_axes(logical_axes, tables, explicit)
+    return explicit, fsdps, tables
+
+
+def _tensor_options(fun, args, profile, table, devices, model: DeviceModel, stages, tensor,
+                    notes, explicit) -> TensorTables | None:
+    """Per ``model`` axis size, the units' costs (None: the model names no ``model``
+    axis, or is typed over an explicit mesh, whose own axes the plan keeps)."""
+    if explicit is not None:
+        if tensor is not None:
+            raise MultimeshValueError(
+                f"`plan_pipeline` got tensor={tensor}, but the parameters are typed over an "
+                f"explicit mesh {dict(zip(*explicit))}: the plan keeps the model's own "
+                f"axes on each stage's share of that mesh. Leave `tensor` unset.")
+        return None
+    sizes = tensor_sizes(tensor, len(devices), len(devices) // min(stages), model)
+    key = _profile_key(fun, args, 0)
+    return tensor_tables(fun, args, profile, table, devices, model, sizes, tensor, notes,
+                         None if key is None else (*key, _rules_key()))
+
+
+def _rules_key():
+    from multimesh.jax._planner._tensor import _rules
+
+    return _rules()
 
 
 def _explicit_mesh(args) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
@@ -514,13 +597,14 @@ def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_over
 
 
 def _why_one(table: Costs, m: Limits, stages, mbs, schedules, choice: Choice,
-             rows: int, fsdps: tuple[bool, ...]) -> str:
+             rows: int, fsdps: tuple[bool, ...], tables: TensorTables | None = None) -> str:
     """Why the plan runs the batch as one microbatch (no pipelining)."""
     if mbs == [1]:
         return ("one, as asked (num_microbatches=1)" if rows > 1
                 else "one: the example batch has one row")
     try:
-        other = search(table, m, stages, [k for k in mbs if k > 1], schedules, fsdps)
+        other = search(table, m, stages, [k for k in mbs if k > 1], schedules, fsdps,
+                       None if tables is None else tables.costs)
     except MultimeshValueError:
         return ("one: no plan with more microbatches fits (memory limit or schedule); "
                 "the stages run one after the other, without a pipeline")

@@ -19,7 +19,8 @@ __all__ = ["PipelinePlan", "Stage", "StageComparison"]
 
 # The name the generated code imports multimesh.jax as (the docs' convention).
 _ALIAS = "mm"
-DATA = "data"  # each stage's one mesh axis
+DATA = "data"  # each stage's mesh axis for the batch rows (and fsdp's shards)
+MODEL = "model"  # each stage's tensor-parallel axis, where the model names one
 BATCH = "batch"  # the logical name of the batch rows, mapped onto DATA
 FSDP = "fsdp"  # the logical name of a parameter's sharded dimension, mapped onto DATA
 
@@ -159,7 +160,13 @@ class PipelinePlan:
     """Each stage's mesh axes, ``(name, size)``, for a model typed over an explicit
     mesh (jax's sharding in types): its own axes, over fewer devices; empty: the one
     axis ``data`` over the stage's devices."""
+    tensor: int | None = None
+    """Each stage's ``model`` axis size (tensor parallelism), beside ``data`` over the
+    rest; None: the model's shardings name no ``model`` axis, so the stages have none."""
     _contexts: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self):
+        _check_layout(self)
 
     @property
     def num_stages(self) -> int:
@@ -178,10 +185,16 @@ class PipelinePlan:
         return own + tuple(p for p in self.logical_axes if p not in own)
 
     def _axes(self, st: Stage) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """A stage's mesh axes: the explicit model's, or ``data`` over its devices."""
+        """A stage's mesh axes: the explicit model's, or ``data`` over its devices
+        (and ``model`` over ``tensor`` of them, the minor axis: neighbours)."""
         if self.mesh_axes:
             return tuple(n for n, _ in self.mesh_axes), tuple(k for _, k in self.mesh_axes)
+        if self.tensor is not None:
+            return (DATA, MODEL), (len(st.positions) // self.tensor, self.tensor)
         return (DATA,), (len(st.positions),)
+
+    def _data_ways(self) -> int:  # a stage's ``data`` axis: its rows' and fsdp's split
+        return len(self.stages[0].devices) // (self.tensor or 1)
 
     def _rules(self):
         from multimesh.jax._task import Task, TaskMesh
@@ -231,8 +244,7 @@ class PipelinePlan:
         argnum, dim, _ = self.batch
         if not (self.batch_sharded or self.fsdp):
             return fun
-        ways = len(self.stages[0].devices)
-        rows, spread = _rows_spec(dim), _fsdp_spec(ways)
+        rows, spread = _rows_spec(dim), _fsdp_spec(self._data_ways())
 
         @functools.wraps(fun)  # messages name the user's function, not this wrapper
         def sharded(*args):
@@ -302,13 +314,9 @@ class PipelinePlan:
 
     def layout(self) -> str:
         """Each stage's layout in words: ``data=4`` (rows over 4 devices), ``+fsdp``
-        (parameters too), ``replicated`` (one device, or rows that do not divide)."""
-        ways = len(self.stages[0].devices)
-        if self.mesh_axes:  # the model's own shardings, on each stage's share of its mesh
-            return "explicit " + ",".join(f"{n}={k}" for n, k in self.mesh_axes)
-        if not self.batch_sharded:
-            return "replicated" if not self.fsdp else f"fsdp={ways}"
-        return f"data={ways}" + ("+fsdp" if self.fsdp else "")
+        (parameters too), ``replicated`` (one device, or rows that do not divide),
+        ``model=2`` (tensor parallelism over 2 devices, beside the rest)."""
+        return _layout_text(self)
 
     def __repr__(self) -> str:
         return (f"PipelinePlan(stages={[list(s.units) for s in self.stages]}, "
@@ -360,9 +368,27 @@ class PipelinePlan:
         return StageComparison(tuple((int(i), float(p), float(m)) for i, p, m in rows.values()))
 
 
+def _layout_text(plan: PipelinePlan) -> str:
+    """:meth:`PipelinePlan.layout`'s text."""
+    ways = plan._data_ways()
+    if plan.mesh_axes:  # the model's own shardings, on each stage's share of its mesh
+        return "explicit " + ",".join(f"{n}={k}" for n, k in plan.mesh_axes)
+    if not plan.batch_sharded:
+        out = "replicated" if not plan.fsdp else f"fsdp={ways}"
+    else:
+        out = f"data={ways}" + ("+fsdp" if plan.fsdp else "")
+    if plan.tensor is None:
+        return out
+    return f"model={plan.tensor}" if out == "replicated" else f"{out},model={plan.tensor}"
+
+
 def _plan_code(plan: PipelinePlan) -> str:
     """:meth:`PipelinePlan.as_code`'s text."""
     lines = ["import jax", f"import multimesh.jax as {_ALIAS}", ""]
+    if plan.tensor is not None:
+        lines += [f"# each stage's {MODEL!r} axis splits what the model's own shardings put "
+                  f"on it: compile", "# under the same flax rules (or NNX metadata) "
+                  "it was planned with", ""]
     logical = plan._logical()
     for st in plan.stages:
         lines += [f"# stage {st.index}: {', '.join(st.units)} on devices "
@@ -381,7 +407,7 @@ def _plan_code(plan: PipelinePlan) -> str:
     grad = "jax.value_and_grad(loss)"
     if plan.batch_sharded or plan.fsdp:
         lines += ["", *_shard_code(argnum, dim, plan.batch_sharded, plan.fsdp,
-                                   len(plan.stages[0].devices))]
+                                   plan._data_ways())]
         grad = f"sharded({grad})"
     piped = plan.num_microbatches > 1
     lines += ["", f"# {plan.num_microbatches} microbatch(es) of {plan.microbatch_size} "
@@ -475,6 +501,7 @@ def _plan_document(text) -> dict:
             f". Plan again with `plan_pipeline` and save `plan.to_json()`.")
     names = {f.name for f in dataclasses.fields(PipelinePlan) if not f.name.startswith("_")}
     d.setdefault("mesh_axes", [])  # a plan written before explicit-mode stages
+    d.setdefault("tensor", None)  # a plan written before tensor parallelism
     if set(d) != names:
         raise _json_error("the plan's keys", f"{sorted(names)} and 'format_version'",
                           sorted(d))
@@ -506,6 +533,7 @@ def _plan_fields(text) -> dict[str, Any]:
     if len(stages) % interleave:
         raise _json_error("`interleave`", f"a divisor of the {len(stages)} stages", interleave)
     _check_submeshes(stages, interleave)
+    _equal_stages(stages, "`PipelinePlan.from_json`")
     _check_devices_here(stages)
     if d["reduction"] not in REDUCTIONS:
         raise _json_error("`reduction`", f"one of {list(REDUCTIONS)}", d["reduction"])
@@ -525,7 +553,53 @@ def _plan_fields(text) -> dict[str, Any]:
                 assumptions=d["assumptions"], logical_axes=tuple(tuple(p) for p in axes),
                 interleave=interleave, reduction=d["reduction"],
                 batch_sharded=_flag(d["batch_sharded"], "`batch_sharded`"),
-                fsdp=_flag(d["fsdp"], "`fsdp`"), mesh_axes=_mesh_axes(d["mesh_axes"], stages))
+                fsdp=_flag(d["fsdp"], "`fsdp`"), mesh_axes=_mesh_axes(d["mesh_axes"], stages),
+                tensor=_tensor(d["tensor"], stages))
+
+
+def _tensor(v, stages) -> int | None:
+    """The ``model`` axis size: null, or a positive integer dividing a stage's devices."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1
+                          or len(stages[0].devices) % v):
+        raise _json_error("`tensor`", f"null (no `model` axis) or a divisor of the "
+                          f"{len(stages[0].devices)} devices of a stage", v)
+    return v
+
+
+def _equal_stages(stages, who: str) -> None:
+    """Every stage has as many devices: the plan's submeshes share their axes."""
+    sizes = [len(st.devices) for st in stages]
+    if len(set(sizes)) > 1:
+        raise MultimeshValueError(
+            f"{who}: the stages have {', '.join(map(str, sizes[:-1]))} and {sizes[-1]} "
+            f"devices; every stage of a plan has the same number, over the same mesh axes "
+            f"(a plan edited by hand, e.g. in its JSON, must keep them equal). Plan again "
+            f"with `plan_pipeline`.")
+
+
+def _check_layout(plan: PipelinePlan) -> None:
+    """Every stage has as many devices (its submesh's axes are the plan's), and every
+    logical axis the plan maps names one of those axes."""
+    if not plan.stages:
+        return
+    _equal_stages(plan.stages, "PipelinePlan")
+    sizes = [len(st.devices) for st in plan.stages]
+    names, axes = plan._axes(plan.stages[0])
+    if plan.tensor is not None and not plan.mesh_axes and sizes[0] % plan.tensor:
+        raise MultimeshValueError(
+            f"PipelinePlan: tensor={plan.tensor} does not divide the {sizes[0]} devices of a "
+            f"stage; the `model` axis must divide them.")
+    bad = [(n, a) for n, a in plan.logical_axes if a not in names]
+    if bad:
+        n, a = bad[0]
+        why = ("the planner gives stages a `model` axis only where the model's own "
+               "shardings name it (flax's logical rules, NNX partition metadata, jax "
+               "sharding constraints)" if a == MODEL and plan.tensor is None and not plan.mesh_axes
+               else "a logical axis maps onto one of the stage's mesh axes")
+        raise MultimeshValueError(
+            f"PipelinePlan: logical_axes maps {n!r} onto the mesh axis {a!r}, but the plan's "
+            f"stages have only the axes {names} (sizes {axes}); {why}. Map it onto one of "
+            f"{list(names)}, or drop the pair.")
 
 
 def _mesh_axes(v, stages) -> tuple[tuple[str, int], ...]:

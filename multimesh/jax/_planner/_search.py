@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
@@ -55,6 +55,10 @@ class Costs:
     None: not priced)."""
     bwd_params: tuple[int, ...] | None = None
     """Per unit, the parameter bytes its backward reads (None: not priced)."""
+    comm_fwd: tuple[float, ...] | None = None
+    comm_bwd: tuple[float, ...] | None = None
+    """Per unit, seconds of the tensor-parallel collectives its forward and backward
+    run (whole batch, one data replica; None: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +97,7 @@ class Choice:
     v_shape: bool = False
     data: int = 1  # devices each microbatch's rows split over in a stage (1: replicated)
     fsdp: bool = False  # parameters sharded over the stage's devices (ZeRO-3)
+    model: int = 1  # the size of each stage's tensor-parallel ``model`` axis
 
 
 def mesh_of(k: int, S: int, P: int, v_shape: bool = False) -> int:
@@ -118,6 +123,8 @@ class _Prefix:
         self.bwd_bytes = [0.0, *acc(costs.bwd_bytes or [0.0] * len(costs.names))]
         self.bwd_params = [0, *acc(costs.bwd_params or [0] * len(costs.names))]
         self.work = list(costs.work or [0] * len(costs.names))
+        self.comm_fwd = [0.0, *acc(costs.comm_fwd or [0.0] * len(costs.names))]
+        self.comm_bwd = [0.0, *acc(costs.comm_bwd or [0.0] * len(costs.names))]
         self.cuts = costs.cuts
         self.n = len(costs.names)
 
@@ -128,13 +135,20 @@ class _Prefix:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a stage uses its ``d`` devices: each microbatch's rows split over ``data``
-    of them (``d``, or 1 where the rows do not divide), parameters replicated or
-    sharded over them (``fsdp``)."""
+    """How a stage uses its ``d`` devices: ``model`` of them (neighbours) split the
+    model's tensor-parallel dimensions, the ``d / model`` groups of them each
+    microbatch's rows (``data``; 1 where the rows do not divide), parameters
+    replicated or sharded over those groups (``fsdp``)."""
 
     d: int
     data: int
     fsdp: bool = False
+    model: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """The devices of the stage's ``data`` axis (fsdp's and the all-reduce's)."""
+        return self.d // self.model
 
 
 def data_ways(m: Limits, d: int, M: int) -> int:
@@ -164,14 +178,17 @@ def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
     b_fl = p.flops[j] - p.flops[i] - f_fl
     fwd = _compute(m, f_fl / M, (p.fwd_bytes[j] - p.fwd_bytes[i]) / M, w_) + move
     bwd = _compute(m, b_fl / M, (p.bwd_bytes[j] - p.bwd_bytes[i]) / M, w_) + move
+    fwd += (p.comm_fwd[j] - p.comm_fwd[i]) / M / w_  # tensor-parallel collectives
+    bwd += (p.comm_bwd[j] - p.comm_bwd[i]) / M / w_
     w = _compute(m, (p.wgrad[j] - p.wgrad[i]) / M, 0.0, w_)
     params = float(p.params[j] - p.params[i])
-    if lay.fsdp and lay.d > 1:
-        gather = dm.collective_seconds("all-gather", params, lay.d)
+    r = lay.replicas  # the data axis: with a model axis, each device's shard of it
+    if lay.fsdp and r > 1:
+        gather = dm.collective_seconds("all-gather", params, r)
         fwd += gather
-        bwd += gather + dm.collective_seconds("reduce-scatter", params, lay.d)
+        bwd += gather + dm.collective_seconds("reduce-scatter", params, r)
     elif w_ > 1:
-        bwd += dm.all_reduce_seconds(params, lay.d)  # the gradients, ring
+        bwd += dm.all_reduce_seconds(params, r)  # the gradients, ring
     fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
@@ -182,7 +199,7 @@ def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
 def _stage_params(p: _Prefix, m: Limits, i: int, j: int, lay: Layout) -> float:
     """Bytes per device of units ``[i, j)``'s parameters, gradients and optimizer state
     (replicated in the stage, or split over its ``d`` devices with ``fsdp``)."""
-    shards = lay.d if lay.fsdp else 1
+    shards = lay.replicas if lay.fsdp else 1
     return (p.params[j] - p.params[i]) * (2.0 + m.optimizer_state_factor) / shards
 
 
@@ -190,7 +207,7 @@ def _spread(lay: Layout) -> int:
     """Devices a microbatch's activations are split over: its rows' ``data`` devices,
     or with ``fsdp`` all ``d`` (where the rows do not divide, the compiled program
     splits the activations along the dimensions the sharded parameters give them)."""
-    return lay.d if lay.fsdp else lay.data
+    return lay.replicas if lay.fsdp else lay.data
 
 
 def _held(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
@@ -198,7 +215,7 @@ def _held(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
     residuals, split over :func:`_spread` devices, and with ``fsdp`` the shards of the
     parameters the backward reads (each microbatch's forward hands its own)."""
     rows = (p.residuals[j] - p.residuals[i]) / M / _spread(lay)
-    return rows + ((p.bwd_params[j] - p.bwd_params[i]) / lay.d if lay.fsdp else 0.0)
+    return rows + ((p.bwd_params[j] - p.bwd_params[i]) / lay.replicas if lay.fsdp else 0.0)
 
 
 def _temporaries(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
@@ -207,8 +224,8 @@ def _temporaries(p: _Prefix, M: int, i: int, j: int, lay: Layout) -> float:
     microbatch's gradients (twice where they are both reduced over the stage's
     devices and accumulated over microbatches), whichever is more."""
     work = max(p.work[i:j], default=0) / M / _spread(lay)
-    shards = lay.d if lay.fsdp else 1
-    copies = 2.0 if M > 1 and lay.d > 1 else 1.0
+    shards = lay.replicas if lay.fsdp else 1
+    copies = 2.0 if M > 1 and lay.replicas > 1 else 1.0
     return max(work, copies * (p.params[j] - p.params[i]) / shards)
 
 
@@ -264,10 +281,13 @@ def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
 
 
 def _candidate(p: _Prefix, m: Limits, S: int, M: int, name: str, cache: dict,
-               fsdp: bool = False) -> Choice | None:
+               fsdp: bool = False, model: int | None = None) -> Choice | None:
     """The best cut for ``S`` stages, ``M`` microbatches and schedule ``name``; an
     interleaved schedule puts ``V`` stages on each of ``P = S / V`` submeshes
-    (:func:`mesh_of`); ``fsdp``: each stage's parameters sharded over its devices."""
+    (:func:`mesh_of`); ``fsdp``: each stage's parameters sharded over its devices;
+    ``model``: its tensor-parallel axis (``p`` holds the units' costs at that size;
+    None: it has none), where the model's own constraints put the rows on ``data``,
+    so that rows which do not divide it are no candidate."""
     algo = get_schedule(name)
     V, split = algo.interleave, algo.splits_backward
     P = S // V
@@ -277,7 +297,10 @@ def _candidate(p: _Prefix, m: Limits, S: int, M: int, name: str, cache: dict,
         return None
     cache["applies"] = True  # some candidate suits the schedule; memory decides
     d = m.num_devices // P
-    lay = Layout(d, data_ways(m, d, M), fsdp)
+    t = model or 1
+    if d % t or (model is not None and d // t > 1 and data_ways(m, d // t, M) == 1):
+        return None
+    lay = Layout(d, data_ways(m, d // t, M), fsdp, t)
     # the cut depends on the microbatches through the data split and the memory limit
     key = (S, lay, split, M if m.memory_limit is not None or m.batch_rows else None,
            live if m.memory_limit is not None else None)
@@ -318,15 +341,20 @@ def _predict(p: _Prefix, m: Limits, bounds, lay: Layout, M: int, name: str, P: i
         return None
     return Choice(S, bounds, M, name, fwd, bwd, w, tuple(mesh[r] for r in where),
                   tuple(max(pred.peak_microbatches[r], 1) for r in where),
-                  pred.step_time, S // P, vs, lay.data, lay.fsdp)
+                  pred.step_time, S // P, vs, lay.data, lay.fsdp, lay.model)
 
 
 def search(costs: Costs, m: Limits, stages: Sequence[int], microbatches: Sequence[int],
-           schedules: Sequence[str], layouts: Sequence[bool] = (False, True)) -> Choice:
+           schedules: Sequence[str], layouts: Sequence[bool] = (False, True),
+           tensor: Mapping[int, Costs] | None = None) -> Choice:
     """The fastest feasible plan over the candidates; a clear error when none fits.
     ``layouts``: the parameter layouts tried in each stage (False: replicated, True:
-    sharded over its devices); on a tie the earlier wins."""
-    p = _Prefix(costs)
+    sharded over its devices); ``tensor``: per ``model`` axis size, the units' costs
+    at that size (None: ``{1: costs}``, no tensor parallelism; fsdp is not combined
+    with a ``model`` axis); on a tie the earlier wins."""
+    tables = {1: costs} if tensor is None else dict(tensor)
+    prefixes = {t: _Prefix(c) for t, c in sorted(tables.items())}
+    p = next(iter(prefixes.values()))
     cache: dict = {}
     best: Choice | None = None
     for S in stages:
@@ -334,10 +362,11 @@ def search(costs: Costs, m: Limits, stages: Sequence[int], microbatches: Sequenc
             continue
         for M in microbatches:
             for name in schedules:
-                for fsdp in layouts:
-                    if fsdp and m.num_devices == S:
-                        continue  # one device per stage: nothing to shard over
-                    c = _candidate(p, m, S, M, name, cache, fsdp)
+                for (t, pt), fsdp in itertools.product(prefixes.items(), layouts):
+                    if fsdp and (m.num_devices == S or t > 1):
+                        continue  # nothing to shard over, or the model axis shards
+                    c = _candidate(pt, m, S, M, name, cache, fsdp,
+                                   None if tensor is None else t)
                     # a part in a billion: equal schedules' float noise is no gain
                     if c is not None and (best is None
                                           or c.step_time < best.step_time * (1 - 1e-9)):
@@ -345,7 +374,9 @@ def search(costs: Costs, m: Limits, stages: Sequence[int], microbatches: Sequenc
     if best is None:
         if m.memory_limit is None or not cache.get("applies"):
             raise _nothing_applies(stages, microbatches, schedules)
-        raise _no_plan(costs, p, m, stages, microbatches, any(layouts))
+        t = max(tables)
+        raise _no_plan(tables[t], prefixes[t], m, stages, microbatches,
+                       any(layouts) and t == 1, t)
     return best
 
 
@@ -360,12 +391,12 @@ def _nothing_applies(stages, microbatches, schedules) -> MultimeshValueError:
 
 
 def _no_plan(costs: Costs, p: _Prefix, m: Limits, stages, microbatches,
-             fsdp: bool = False) -> MultimeshValueError:
+             fsdp: bool = False, model: int = 1) -> MultimeshValueError:
     """Why no candidate fits: the unit too big on its own (in the stage layout that
     needs least: the most devices per stage, sharded where allowed), or the split as a
     whole."""
     M, d = max(microbatches), m.num_devices // min(stages)
-    lay = Layout(d, data_ways(m, d, M), fsdp and d > 1)
+    lay = Layout(d, data_ways(m, d // model, M), fsdp and d > 1, model)
     need = [_stage_memory(p, m, M, 1, k, k + 1, lay) for k in range(p.n)]
     worst = max(range(p.n), key=lambda k: need[k])
     limit = m.memory_limit
@@ -375,7 +406,9 @@ def _no_plan(costs: Costs, p: _Prefix, m: Limits, stages, microbatches,
             f"device: unit {costs.names[worst]!r} alone needs {need[worst]:,.0f} bytes per "
             f"device on a stage of {d} ({costs.params[worst]:,} parameter bytes x "
             f"{2 + m.optimizer_state_factor:g} for the gradient and optimizer state"
-            f"{f', sharded over {d}' if lay.fsdp else ''}, plus one microbatch of "
+            f"{f', sharded over {d}' if lay.fsdp else ''}"
+            f"{f', its model-sharded parameters split over {model}' if model > 1 else ''}"
+            f", plus one microbatch of "
             f"{costs.residuals[worst] / M:,.0f} residual bytes at {M} microbatches"
             f"{f', its rows split over {lay.data}' if lay.data > 1 else ''}, and its "
             f"backward's temporaries). "

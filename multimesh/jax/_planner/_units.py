@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._module_names import module_names
@@ -51,6 +51,7 @@ class UnitCost:
     fwd_bytes: float = 0.0  # the forward's part of bytes_accessed
     work_bytes: int = 0  # the most its backward's own temporaries hold at once
     bwd_param_bytes: int = 0  # the parameter bytes its backward reads
+    param_count: int = 0  # the parameter elements its forward reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,17 +311,23 @@ class Timer:
         return self.cache[key]
 
 
-def _param_bytes(eqns, where, params: set, n: int) -> list[int]:
+def _param_bytes(eqns, where, params: set, n: int, size=None) -> list[int]:
     """Per unit, the bytes of the parameters its forward reads (a shared one counts
-    in every unit that reads it: each stage holds its own copy)."""
+    in every unit that reads it: each stage holds its own copy); ``size``: another
+    measure of each (its elements)."""
+    size = _nbytes if size is None else size
     out = [0] * n
     seen: set = set()
     for e, (u, bwd) in zip(eqns, where):
         for v in e.invars:
             if not bwd and isinstance(v, jcore.Var) and v in params and (v, u) not in seen:
                 seen.add((v, u))
-                out[u] += _nbytes(v.aval)
+                out[u] += size(v.aval)
     return out
+
+
+def _count(aval) -> int:
+    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
 
 
 def _bwd_param_bytes(eqns, where, params: set, n: int) -> list[int]:
@@ -423,6 +430,7 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
     n_before = sum(len(jax.tree.leaves(a)) for a in args[:params_argnum])
     params = set(closed.jaxpr.invars[n_before:n_before + len(leaves)])
     param_bytes = _param_bytes(eqns, where, params, len(names))
+    param_count = _param_bytes(eqns, where, params, len(names), _count)
     bwd_params = _bwd_param_bytes(eqns, where, params, len(names))
     residual, cuts = _flows(eqns, where, len(names))
     cache: dict = {}
@@ -437,10 +445,240 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
         times = None if timer is None else (timer(fwd), timer(bwd), min(timer(wgrad),
                                                                        timer(bwd)))
         units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k],
-                              min(wf, bf), times, fb, _working_set(bwd), bwd_params[k]))
+                              min(wf, bf), times, fb, _working_set(bwd), bwd_params[k],
+                              param_count[k]))
     source = "XLA cost analysis of each unit's equations"
     if timer is not None:
         source = (f"measured time of each unit's equations compiled alone on "
                   f"{timer.device} (best of {timer.repeat} runs after a warm-up, zero "
                   f"inputs); flops from XLA cost analysis")
     return Profile(root, tuple(units), cuts, source)
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+MODEL = "model"
+"""The mesh axis a model's tensor-parallel dimensions shard over (flax's rules map its
+logical names onto it; NNX metadata and jax's constraints name it)."""
+
+_HLO_COLLECTIVE = re.compile(
+    r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)(?:-start)?\(")
+_HLO_ARRAY = re.compile(r"\b(pred|[sufc]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_HLO_BYTES = {"pred": 1, "bf16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorUnits:
+    """Per unit, what one device runs with the model's ``model``-annotated dimensions
+    sharded over a ``model`` axis of ``size`` devices (the whole example batch on
+    that axis alone), from XLA's cost analysis of the unit compiled on such a mesh;
+    and the collectives that compiled program runs, ``(op, bytes)`` per unit (their
+    time split as the work between forward and backward)."""
+
+    size: int
+    fwd_flops: tuple[float, ...]
+    bwd_flops: tuple[float, ...]
+    wgrad_flops: tuple[float, ...]
+    fwd_bytes: tuple[float, ...]
+    bwd_bytes: tuple[float, ...]
+    param_bytes: tuple[int, ...]  # per device: the sharded parameters divided
+    bwd_param_bytes: tuple[int, ...]
+    param_count: tuple[int, ...]  # per device, the parameter elements (so divided)
+    collectives: tuple[tuple[tuple[str, float], ...], ...]  # forward and backward
+    fwd_share: tuple[float, ...]  # the forward's part of each unit's work
+
+
+def _hlo_bytes(text: str) -> float:
+    total = 0.0
+    for dtype, dims in _HLO_ARRAY.findall(text):
+        width = _HLO_BYTES.get(dtype) or max(int(re.sub(r"\D", "", dtype) or 8) // 8, 1)
+        total += width * float(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def hlo_collectives(hlo: str, size: int) -> tuple[tuple[str, float], ...]:
+    """The collectives of a compiled module's text, as ``DeviceModel.collective_seconds``
+    takes them: ``(op, bytes of the full array)`` (a reduce-scatter's result is one of
+    ``size`` shards; an all-to-all or a permute moves about its result, priced as an
+    all-gather of it)."""
+    out = []
+    for line in hlo.splitlines():
+        m = _HLO_COLLECTIVE.search(line)
+        if m is None or "-done(" in line:
+            continue
+        op, nbytes = m.group(2), _hlo_bytes(m.group(1))
+        if op == "reduce-scatter":
+            nbytes *= size
+        elif op not in ("all-reduce", "all-gather"):
+            op = "all-gather"
+        out.append((op, nbytes))
+    return tuple(out)
+
+
+def _names_model(sharding) -> bool:
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return False
+    return any(MODEL in (e if isinstance(e, tuple) else (e,)) for e in spec)
+
+
+def _sub_jaxprs(e):
+    for v in e.params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, jcore.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jcore.Jaxpr):
+                yield x
+
+
+def names_model_axis(jaxpr) -> bool:
+    """Whether a sharding constraint in ``jaxpr`` (or below) names the ``model`` axis."""
+    for e in jaxpr.eqns:
+        if str(e.primitive) == "sharding_constraint" and _names_model(e.params.get("sharding")):
+            return True
+        if any(names_model_axis(j) for j in _sub_jaxprs(e)):
+            return True
+    return False
+
+
+def names_model(fun, args: Sequence, devices) -> bool:
+    """Whether the step's shardings name the ``model`` axis: traced under a mesh that
+    has one (flax's rules and NNX metadata then resolve onto it), or its parameters
+    placed over one."""
+    if any(_names_model(getattr(x, "sharding", None)) for x in jax.tree.leaves(args[0])):
+        return True
+    with jax.set_mesh(model_mesh(devices, 1)):
+        return names_model_axis(_trace(fun, tuple(args), 0).jaxpr)
+
+
+def model_mesh(devices, size: int) -> Mesh:
+    """The mesh a unit is costed on: ``data`` of one device, ``model`` of ``size``."""
+    grid = np.asarray(list(devices)[:size], dtype=object).reshape(1, size)
+    return Mesh(grid, ("data", MODEL), axis_types=(AxisType.Auto,) * 2)
+
+
+def _compiled_cost(eqns, mesh, size: int, cache: dict, what: str, placed: dict):
+    """Per-device flops, bytes accessed and collectives of ``eqns`` compiled on
+    ``mesh``, and the devices each of their values (in order) is split over;
+    ``placed``: the specs of the inputs that arrive sharded (parameters placed over a
+    ``model`` axis, NNX's metadata)."""
+    if not eqns:
+        return 0.0, 0.0, (), ()
+    closed, avals, _ = _closed(eqns)
+    specs = tuple(placed.get(v) for v in closed.jaxpr.invars)
+    avals = [a if p is None else jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                      sharding=NamedSharding(mesh, p))
+             for a, p in zip(avals, specs)]
+    key = (size, str(closed), specs)
+    if key not in cache:
+        try:
+            with jax.set_mesh(mesh):
+                compiled = jax.jit(jcore.jaxpr_as_fun(closed)).lower(*avals).compile()
+        except Exception as e:  # noqa: BLE001 - any failure: say which unit
+            raise _uncostable(what, eqns, e) from e
+        info = compiled.cost_analysis() or {}
+        outs = [v.aval.shape for v in closed.jaxpr.outvars]
+        cache[key] = (float(info.get("flops", 0.0)), float(info.get("bytes accessed", 0.0)),
+                      hlo_collectives(compiled.as_text() or "", size),
+                      tuple(_split(s, shape) for s, shape in zip(
+                          jax.tree.leaves(compiled.output_shardings), outs)))
+    return cache[key]
+
+
+def _placed(invars, leaves) -> dict:
+    """The parameters placed over a ``model`` axis (NNX's metadata, arrays placed by
+    hand): their specs, kept to ``data`` and ``model``."""
+    out = {}
+    for v, x in zip(invars, leaves):
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        if spec is not None and _names_model(x.sharding):
+            out[v] = PartitionSpec(*(_kept(e) for e in spec))
+    return out
+
+
+def _kept(entry):
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
+                  if n in ("data", MODEL))
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _split(sharding, shape) -> int:
+    """The devices a value of ``shape`` placed by ``sharding`` is split over."""
+    if not shape:
+        return 1
+    whole = int(np.prod(shape, dtype=np.int64))
+    return max(whole // max(int(np.prod(sharding.shard_shape(shape), dtype=np.int64)), 1), 1)
+
+
+def _less(ops: tuple, minus: tuple) -> tuple:
+    """``ops`` without one of each of ``minus`` (a multiset difference, in order)."""
+    left = list(minus)
+    out = []
+    for op in ops:
+        if op in left:
+            left.remove(op)
+        else:
+            out.append(op)
+    return tuple(out)
+
+
+def _sharded_bytes(eqns, where, params: dict, n: int, bwd: bool,
+                   size=_nbytes) -> tuple[int, ...]:
+    """Per unit, the bytes (``size``) per device of the parameters its forward (or
+    backward) reads, each divided over the devices its gradient is split over."""
+    out = [0] * n
+    seen: set = set()
+    for e, (u, b) in zip(eqns, where):
+        for v in e.invars:
+            if b == bwd and isinstance(v, jcore.Var) and v in params and (v, u) not in seen:
+                seen.add((v, u))
+                out[u] += size(v.aval) // params[v]
+    return tuple(out)
+
+
+def measure_tensor(fun, args: Sequence, profile: Profile, size: int, devices,
+                   cache: dict | None = None) -> TensorUnits | None:
+    """``profile``'s units costed with the model's ``model``-annotated dimensions
+    sharded over ``size`` devices: the step traced under a ``(data=1, model=size)``
+    mesh (flax's rules and NNX metadata then name ``model``), each unit's forward,
+    forward and backward compiled together on it, its figures split between them as
+    the unsharded unit's flops split. Each parameter is divided over the devices its
+    gradient is split over there. None when no
+    sharding in the step names ``model`` (nothing to shard)."""
+    mesh = model_mesh(devices, size)
+    with jax.set_mesh(mesh):
+        closed = _trace(fun, tuple(args), 0)
+    if not names_model_axis(closed.jaxpr) and not any(
+            _names_model(getattr(x, "sharding", None)) for x in jax.tree.leaves(args[0])):
+        return None
+    eqns, names = closed.jaxpr.eqns, [u.name for u in profile.units]
+    where = _assign(eqns, profile.root, {n: k for k, n in enumerate(names)}, len(names))
+    cache = {} if cache is None else cache
+    placed = _placed(closed.jaxpr.invars, jax.tree.leaves(args[0]))
+    rows: list[tuple] = []
+    split: dict = {}  # each value's devices, as a unit compiled with its backward puts it
+    for k, name in enumerate(names):
+        fwd = [e for e, (u, b) in zip(eqns, where) if u == k and not b]
+        bwd = [e for e, (u, b) in zip(eqns, where) if u == k and b]
+        # the unit compiled whole, forward and backward: the residuals its backward
+        # reads keep the layout its forward's constraints give them (compiled apart,
+        # they would come whole); split as the unsharded unit's flops split
+        fb = _compiled_cost(fwd + bwd, mesh, size, cache, f"unit {name!r}", placed)
+        split.update(zip(_closed(fwd + bwd)[0].jaxpr.outvars, fb[3]))
+        one = profile.units[k]
+        total = one.fwd_flops + one.bwd_flops
+        share = one.fwd_flops / total if total else 0.5
+        wshare = one.wgrad_flops / total if total else 0.0
+        rows.append((fb[0] * share, fb[0] * (1 - share), fb[0] * wshare, fb[1] * share,
+                     fb[1] * (1 - share), fb[2], share))
+    n = len(jax.tree.leaves(args[0]))
+    grads = closed.jaxpr.outvars[1:1 + n]  # value_and_grad: the loss, then the gradients
+    params = {p: split.get(g, 1) if isinstance(g, jcore.Var) else 1
+              for p, g in zip(closed.jaxpr.invars[:n], grads)}
+    f, b, w, fb_, bb, ops, shares = (tuple(c) for c in zip(*rows))
+    n_units = len(names)
+    return TensorUnits(size, f, b, w, fb_, bb,
+                       _sharded_bytes(eqns, where, params, n_units, False),
+                       _sharded_bytes(eqns, where, params, n_units, True),
+                       _sharded_bytes(eqns, where, params, n_units, False, _count), ops, shares)
