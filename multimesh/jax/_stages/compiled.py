@@ -107,7 +107,7 @@ class MpmdCompiled(ProgramStage):
         """The program after the full pass pipeline (MPMD form); with ``fragment``, that
         fragment's program as XLA compiled it (optimized HLO: the collectives it runs)."""
         if fragment is not None:
-            return self._exec.exes[fragment].as_text()
+            return self._exec.exes[fragment].as_text() or ""
         if self._text is None:
             self._text = print_module(self._module)
         return self._text
