@@ -444,14 +444,6 @@ def test_the_folder_check_finds_a_loop_between_folders(tmp_path):
 # --------------------------------------------------------------------------- local imports
 
 LOCAL_IMPORT_CAP = 20
-OTHERS_PENDING = (  # files whose local imports issue 39's other items move: then drop them
-    "multimesh/jax/_stages/", "multimesh/jax/_planner/", "multimesh/jax/_analysis/costs.py",
-    "multimesh/jax/_analysis/memory.py", "multimesh/runtime/executor.py",
-    "multimesh/jax/flax/_linen.py", "multimesh/passes/_localize.py",
-    "multimesh/passes/resolve_logical_shardings.py", "multimesh/passes/logical_axes.py",
-)
-
-
 def local_imports(path: pathlib.Path) -> list[tuple[int, bool]]:
     """``(line, explained)`` for each import statement inside a function of ``path``;
     explained: a ``# local: why`` comment on its line or on the line above it (above
@@ -477,10 +469,6 @@ def test_function_local_imports_are_few():
     sees them; at most 20 are deferred into a function, each for a reason it names."""
     counts = {str(p.relative_to(ROOT)): len(local_imports(p)) for p in LIBRARY}
     total = sum(counts.values())
-    pending = sum(n for f, n in counts.items() if f.startswith(OTHERS_PENDING))
-    if total > LOCAL_IMPORT_CAP and total - pending <= LOCAL_IMPORT_CAP:
-        pytest.xfail(f"{total} function-local imports, {pending} of them in files issue 39's "
-                     f"other items change: {sorted(f for f in counts if f.startswith(OTHERS_PENDING) and counts[f])}")
     assert total <= LOCAL_IMPORT_CAP, {f: n for f, n in sorted(counts.items()) if n}
 
 
@@ -490,8 +478,6 @@ def test_a_function_local_import_says_why(path):
     dependency, a light package kept light, a process that must not load jax)."""
     rel = str(path.relative_to(ROOT))
     silent = [line for line, explained in local_imports(path) if not explained]
-    if silent and rel.startswith(OTHERS_PENDING):
-        pytest.xfail(f"pending (issue 39's other items): {rel} lines {silent}")
     assert not silent, f"{rel}: function-local imports without `# local: why` at lines {silent}"
 
 

@@ -14,16 +14,20 @@ import numpy as np
 from multimesh._src.caches import LRUCache
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
+from multimesh.jax._implicit_tasks import _policy_name
+from multimesh.jax._microbatch import check_reduction
 from multimesh.jax._planner._plan import PipelinePlan, Stage
 from multimesh.jax._planner._search import Choice, Costs, Limits, mesh_of, search
 from multimesh.jax._planner._tensor import (
     TensorTables,
+    _rules,
     check_axes,
     check_tensor,
     tensor_sizes,
     tensor_tables,
 )
 from multimesh.jax._planner._units import Profile, Timer, measure_units, unit_matcher
+from multimesh.jax._task import check_pairs
 from multimesh.schedules import ScheduleError, all_schedules, get_schedule
 
 __all__ = ["plan_pipeline"]
@@ -225,7 +229,7 @@ def _nnx_fun(fun, args):
     """An NNX model (argument 0) becomes its parameter state, merged back inside ``fun``."""
     if "flax.nnx" not in sys.modules or not args:
         return fun, args
-    from flax import nnx
+    from flax import nnx  # local: flax is optional (an NNX model means it is loaded)
 
     if not isinstance(args[0], nnx.Module):
         return fun, args
@@ -530,8 +534,6 @@ def _tensor_options(fun, args, profile, table, devices, model: DeviceModel, stag
 
 
 def _rules_key():
-    from multimesh.jax._planner._tensor import _rules
-
     return _rules()
 
 
@@ -588,11 +590,7 @@ def _check_inputs(fun, memory_limit, device_flops, link_bandwidth, fragment_over
     _non_negative(fragment_overhead, "fragment_overhead", "seconds per fragment call")
     _non_negative(optimizer_state_factor, "optimizer_state_factor",
                   "optimizer state bytes per parameter byte; 2 for Adam")
-    from multimesh.jax._microbatch import check_reduction
-
     check_reduction(reduction, "`plan_pipeline`")
-    from multimesh.jax._task import check_pairs
-
     check_pairs(logical_axes, "logical_axes", "`plan_pipeline`")
 
 
@@ -675,8 +673,6 @@ def plan_step(mb, loss, params, batch_avals, mesh):
             f"schedule for that placement, so it cannot honour them. Drop them, or plan with `plan_pipeline` and "
             f"write the schedule yourself.")
     if mb.remat is not None and not isinstance(mb.remat, bool):
-        from multimesh.jax._implicit_tasks import _policy_name
-
         raise MultimeshValueError(
             f"parallelize_step got num_stages='auto' and the checkpoint policy "
             f"remat={_policy_name(mb.remat)}: the planner's stages are `register_task` "

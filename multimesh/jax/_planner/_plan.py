@@ -12,8 +12,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
+from multimesh.jax import _registrations
+from multimesh.jax._microbatch import REDUCTIONS, microbatch
+from multimesh.jax._registrations import Context
+from multimesh.jax._task import Task, TaskMesh
+from multimesh.jax._task import with_sharding_constraint as wsc
+from multimesh.schedules import ScheduleError, get_schedule
 
 __all__ = ["PipelinePlan", "Stage", "StageComparison"]
 
@@ -27,16 +34,12 @@ FSDP = "fsdp"  # the logical name of a parameter's sharded dimension, mapped ont
 
 def _rows_spec(dim: int) -> Callable:
     """Per leaf: the spec putting dimension ``dim`` (the rows) on ``batch``."""
-    from jax.sharding import PartitionSpec
-
     return lambda x: PartitionSpec(*([None] * dim), BATCH) if len(x.shape) > dim \
         else PartitionSpec()
 
 
 def _fsdp_spec(ways: int) -> Callable:
     """Per leaf: the spec sharding its largest dimension that ``ways`` divides."""
-    from jax.sharding import PartitionSpec
-
     def spec(x):
         dims = [k for k, n in enumerate(x.shape) if n % ways == 0 and n >= ways]
         if ways < 2 or not dims:
@@ -197,8 +200,6 @@ class PipelinePlan:
         return len(self.stages[0].devices) // (self.tensor or 1)
 
     def _rules(self):
-        from multimesh.jax._task import Task, TaskMesh
-
         logical = self._logical() or None
         for st in self.stages:
             names, sizes = self._axes(st)
@@ -207,8 +208,6 @@ class PipelinePlan:
 
     def register(self, context=None) -> None:
         """Register the plan's rules in ``context`` (default: the module-level one)."""
-        from multimesh.jax import _registrations
-
         for matcher, task in self._rules():
             if context is None:
                 _registrations.register_task(matcher, task=task)
@@ -221,8 +220,6 @@ class PipelinePlan:
         self.register()
 
     def __enter__(self) -> PipelinePlan:
-        from multimesh.jax._registrations import Context
-
         ctx = Context()
         self.register(ctx)
         ctx.__enter__()
@@ -248,8 +245,6 @@ class PipelinePlan:
 
         @functools.wraps(fun)  # messages name the user's function, not this wrapper
         def sharded(*args):
-            from multimesh.jax._task import with_sharding_constraint as wsc
-
             given = list(args)
             if self.batch_sharded:
                 given[argnum] = wsc(given[argnum], jax.tree.map(rows, given[argnum]))
@@ -266,8 +261,6 @@ class PipelinePlan:
         """``fun`` (a gradient function) over the plan's microbatches and schedule, its
         batch (and parameters) sharded as :meth:`shard` says and its outputs combined by
         the plan's ``reduction``."""
-        from multimesh.jax._microbatch import microbatch
-
         _check_step_function(fun, "microbatch")
         argnum, dim, _ = self.batch
         if self.num_microbatches == 1:  # nothing to order or combine: one call of the step
@@ -279,8 +272,6 @@ class PipelinePlan:
     def _interleave_option(self) -> int | None:
         """``microbatch``'s ``interleave``: round-robin plans only (a V-shape schedule
         knows its two stages per submesh)."""
-        from multimesh.schedules import get_schedule
-
         v_shape = get_schedule(self.schedule).placement == "v-shape"
         return self.interleave if self.interleave > 1 and not v_shape else None
 
@@ -510,9 +501,6 @@ def _plan_document(text) -> dict:
 
 def _plan_fields(text) -> dict[str, Any]:
     """``PipelinePlan``'s constructor arguments from its JSON, every field checked."""
-    from multimesh.jax._microbatch import REDUCTIONS
-    from multimesh.schedules import ScheduleError, get_schedule
-
     d = _plan_document(text)
     if not isinstance(d["stages"], list) or not d["stages"]:
         raise _json_error("`stages`", "a non-empty list", d["stages"])

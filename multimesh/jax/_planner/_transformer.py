@@ -19,8 +19,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from multimesh._src.errors import MultimeshValueError
+from multimesh.jax._task import with_sharding_constraint
 
 __all__ = ["Transformer", "llama_layer", "llama_head", "count", "Counts", "layer_costs"]
 
@@ -302,10 +304,6 @@ _LOGICAL = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", 
 
 
 def _constrain_layer(p: dict) -> dict:
-    from jax.sharding import PartitionSpec
-
-    from multimesh.jax._task import with_sharding_constraint
-
     return {k: with_sharding_constraint(v, PartitionSpec(*_LOGICAL[k])) if k in _LOGICAL else v
             for k, v in p.items()}
 
@@ -319,10 +317,6 @@ def transformer_loss(model: Transformer, stage_layers: tuple[int, ...] | None = 
     Activations' rows carry the logical name ``batch``; layer weights ``heads``,
     ``mlp`` and ``embed`` (multimesh's logical ``with_sharding_constraint``: a task's
     ``logical_axes`` place them; run it as plain JAX under ``mm.ignore_transforms()``)."""
-    from jax.sharding import PartitionSpec
-
-    from multimesh.jax._task import with_sharding_constraint
-
     split = tuple(stage_layers or (model.layers,))
     if sum(split) != model.layers or any(n < 0 for n in split):
         raise MultimeshValueError(
