@@ -1,0 +1,194 @@
+"""The pass pipeline's result on disk, beside jax's persistent compilation cache (issue 40).
+
+With jax's persistent cache on (``jax_compilation_cache_dir``), a restarted process
+loads every fragment's executable from it, yet tracing, lowering and the pass pipeline
+ran again. This cache keeps the pass pipeline's result (the MPMD module the runtime
+plan is built from) in ``<jax_compilation_cache_dir>/multimesh-passes/``, so that a
+later process with the same program skips the passes.
+
+An entry's key is what jax keys its own entries with, and what the passes read: a hash
+of the lowered program (its bytecode, inputs pinned), the pass pipeline (every pass's
+options and the registered-task rules it holds in memory), the microbatch schedule,
+the program's devices (ids, platform, kind) and default mesh, and the versions of
+multimesh (its source files' hash), jax and jaxlib. A changed program or option is a
+different entry (a miss). Entries are written atomically and checked when read (a
+header and a hash of their contents): a damaged or unreadable entry is ignored with a
+``MultimeshWarning`` and the passes run again (the entry is then rewritten).
+
+Off unless jax's persistent cache is on with a local directory; off for programs
+that call back into Python (``jax.debug.print``, ...: jax does not cache those
+either), while ``MULTIMESH_DUMP_IR_TO`` dumps the passes, and with
+``MULTIMESH_PIPELINE_CACHE=0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import warnings
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from multimesh._src import jax_compat
+from multimesh._src.errors import MultimeshWarning
+from multimesh._src.mlir import ir, make_context, module_bytecode, parse_module
+from multimesh.jax._registrations import user_level
+from multimesh.jax._stages.stage import LoweredProgram
+
+__all__ = ["ENV", "HIT", "MISS", "OFF", "DAMAGED", "load_or_run", "counts", "directory"]
+
+ENV = "MULTIMESH_PIPELINE_CACHE"
+"""``0`` turns the cache off."""
+
+HIT, MISS, OFF, DAMAGED = "hit", "miss", "off", "damaged"
+"""What happened to a program (``MpmdCompiled.pipeline_cache``): its passes' result was
+read from the cache; not there (the passes ran, the entry was written); the cache is
+off; an entry was there but damaged (warned; the passes ran, the entry rewritten)."""
+
+_MAGIC = b"MMPASSES1\n"
+_counts = {HIT: 0, MISS: 0, DAMAGED: 0, "writes": 0, "pipeline_runs": 0}
+_lock = threading.Lock()
+
+
+def counts() -> dict[str, int]:
+    """This process's hits, misses, damaged entries, writes and pass-pipeline runs."""
+    with _lock:
+        return dict(_counts)
+
+
+def _count(what: str) -> None:
+    with _lock:
+        _counts[what] += 1
+
+
+def directory() -> Path | None:
+    """Where entries live, or None when the cache is off."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if os.environ.get("MULTIMESH_DUMP_IR_TO") or not jax_compat.persistent_cache_on():
+        return None
+    root, _ = jax_compat.persistent_cache_settings()
+    if "://" in root:  # gs://, ...: jax's own entries only
+        return None
+    return Path(root) / "multimesh-passes"
+
+
+@functools.cache
+def _source_hash() -> str:
+    """A hash of multimesh's own source files: the passes that wrote an entry."""
+    root = Path(__file__).resolve().parents[2]  # the multimesh package
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _pipeline_text(pipeline) -> str:
+    """The pipeline's text with what its passes hold in memory (registered-task rules)."""
+    from multimesh.passes.match_tasks import rules_to_json
+
+    parts = [str(pipeline)]
+    for step in pipeline.steps:
+        table = getattr(step, "rule_table", ())
+        if table:
+            parts.append(json.dumps(rules_to_json(table), sort_keys=True))
+    return "\n".join(parts)
+
+
+def entry_key(rec: LoweredProgram) -> str:
+    """The entry's name: a hash of everything the pass pipeline's result depends on."""
+    import jaxlib.version as jaxlib_version
+
+    from multimesh import __version__
+
+    program = rec.program if isinstance(rec.program, bytes) else rec.program.encode()
+    what = repr((
+        _pipeline_text(rec.pipeline), json.dumps(rec.schedule_config, sort_keys=True),
+        [(d.id, d.platform, d.device_kind, d.process_index) for d in rec.devices],
+        rec.default_mesh, __version__, _source_hash(), jax.__version__,
+        jaxlib_version.__version__)).encode("utf-8", "surrogatepass")
+    h = hashlib.sha256(what)
+    h.update(hashlib.sha256(program).digest())
+    return h.hexdigest()
+
+
+def _read(path: Path) -> bytes | None:
+    """The module bytecode stored at ``path``; None when there is no entry; raises
+    ``ValueError`` for a damaged one."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"it cannot be read ({e})") from None
+    head = len(_MAGIC) + 32
+    if len(data) < head or not data.startswith(_MAGIC):
+        raise ValueError(f"its header is not a multimesh pass-cache entry's ({len(data)} bytes)")
+    digest, body = data[len(_MAGIC):head], data[head:]
+    if hashlib.sha256(body).digest() != digest:
+        raise ValueError("its contents do not match their hash (truncated or changed)")
+    try:
+        return zlib.decompress(body)
+    except zlib.error as e:
+        raise ValueError(f"it cannot be decompressed ({e})") from None
+
+
+def _write(path: Path, bytecode: bytes) -> None:
+    """Store ``bytecode`` at ``path`` atomically; failures are ignored (no entry)."""
+    if jax.process_index() != 0:
+        return
+    body = zlib.compress(bytecode, 1)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".entry-", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return
+    _count("writes")
+
+
+def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
+                ) -> tuple[ir.Module, list, str]:
+    """The pass pipeline's result for ``rec``: ``(module, pass timings, what happened)``.
+
+    ``run()`` runs the passes (returning the module and their timings); it is called
+    unless the cache holds a sound entry for ``rec``, which is then written."""
+    d = directory()
+    if d is None or rec.host_callbacks:
+        _count("pipeline_runs")
+        module, timings = run()
+        return module, timings, OFF
+    path = d / entry_key(rec)
+    status = MISS
+    try:
+        data = _read(path)
+        if data is not None:
+            module = parse_module(data, make_context())
+            _count(HIT)
+            return module, [], HIT
+    except ValueError as e:
+        status = DAMAGED
+        warnings.warn(
+            f"multimesh's cache of the pass pipeline has a damaged entry for "
+            f"{rec.label}: {path} ({e}). It is ignored: the passes run again and the "
+            f"entry is rewritten.", MultimeshWarning, stacklevel=user_level())
+    _count(status)
+    _count("pipeline_runs")
+    module, timings = run()
+    _write(path, module_bytecode(module))
+    return module, timings, status
