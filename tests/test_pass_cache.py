@@ -86,32 +86,37 @@ def test_a_second_process_skips_the_passes_damaged_entries_warn_changed_options_
     cache = tmp_path / "cache"
     first = _child(script, cache)
     assert first["status"] == disk_cache.MISS and first["counts"]["pipeline_runs"] == 1
-    assert first["counts"]["writes"] == 1 and first["xla"] > 0 and not first["warnings"]
-    entries = sorted((cache / "multimesh-passes").iterdir())
-    assert len(entries) == 1
+    assert first["counts"]["lowering_skipped"] == 0
+    assert first["counts"]["writes"] == 2 and first["xla"] > 0 and not first["warnings"]
+    # two entries: the lowered program by its trace, the passes' result by the program
+    entries = sorted((cache / "multimesh-passes").iterdir(), key=lambda p: p.name)
+    assert len(entries) == 2 and entries[1].name.startswith("trace-")
     second = _child(script, cache)
-    assert second["status"] == disk_cache.HIT
+    assert second["status"] == disk_cache.HIT and second["counts"]["lowering_skipped"] == 1
     assert second["counts"]["pipeline_runs"] == 0 and second["counts"]["writes"] == 0
     assert second["xla"] == 0  # every fragment from jax's persistent cache
     for k in _SAME:
         assert second[k] == first[k], k
     assert first["devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    # a damaged entry: warned, ignored, the program recompiled and the entry rewritten
-    data = entries[0].read_bytes()
-    entries[0].write_bytes(data[:len(data) // 2])
+    # damaged entries: warned, ignored, the program lowered and its passes run again,
+    # the entries rewritten
+    data = [e.read_bytes() for e in entries]
+    for e, d in zip(entries, data):
+        e.write_bytes(d[:len(d) // 2])
     damaged = _child(script, cache)
     assert damaged["status"] == disk_cache.DAMAGED
-    assert damaged["counts"]["pipeline_runs"] == 1 and damaged["counts"]["writes"] == 1
-    assert len(damaged["warnings"]) == 1 and "damaged entry" in damaged["warnings"][0], \
-        damaged["warnings"]
-    assert str(entries[0]) in damaged["warnings"][0]
+    assert damaged["counts"]["pipeline_runs"] == 1 and damaged["counts"]["writes"] == 2
+    assert damaged["counts"]["lowering_skipped"] == 0
+    assert len(damaged["warnings"]) == 2, damaged["warnings"]
+    for e, w in zip(entries[::-1], damaged["warnings"]):  # the lowering's first
+        assert "damaged entry" in w and str(e) in w and "truncated or changed" in w
     for k in _SAME:
         assert damaged[k] == first[k], k
-    assert entries[0].read_bytes() == data  # rewritten, as the first process wrote it
+    assert [e.read_bytes() for e in entries] == data  # as the first process wrote them
     # another schedule: another program for the passes (a miss, a second entry)
     other = _child(script, cache, "gpipe")
     assert other["status"] == disk_cache.MISS and other["counts"]["pipeline_runs"] == 1
-    assert len(list((cache / "multimesh-passes").iterdir())) == 2
+    assert len(list((cache / "multimesh-passes").iterdir())) == 4
     assert other["calls"] != first["calls"]
     for a, b in zip(other["grads"], first["grads"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5)
@@ -189,9 +194,11 @@ def test_a_damaged_entry_warns_in_process(persistent_cache):
         messages.append([str(w.message) for w in caught
                          if issubclass(w.category, mm.errors.MultimeshWarning)])
         if damage:
-            (entry,) = (persistent_cache / "multimesh-passes").iterdir()
+            (entry,) = [e for e in (persistent_cache / "multimesh-passes").iterdir()
+                        if not e.name.startswith("trace-")]
             entry.write_bytes(b"MMPASSES1\n" + b"\0" * 40)
     assert statuses == [disk_cache.MISS, disk_cache.DAMAGED, disk_cache.HIT]
+    assert disk_cache.counts()["lowering_skipped"] >= 2  # the trace's entry was sound
     assert messages[0] == messages[2] == []
     assert len(messages[1]) == 1 and "damaged entry" in messages[1][0]
     assert "do not match their hash" in messages[1][0]

@@ -70,6 +70,9 @@ class MpmdCompiled(ProgramStage):
         self.output_shardings = jax.tree.unflatten(lowered.out_tree, out_sh)
 
     fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
+    pipeline_cache = "off"
+    """Whether the pass pipeline's result came from the disk cache beside jax's persistent
+    cache: ``"hit"``, ``"miss"``, ``"damaged"`` or ``"off"`` (``disk_cache``, issue 40)."""
     _recovered_schedule: Schedule | None = None  # set by compile_mpmd
 
     @property

@@ -24,6 +24,7 @@ either), while ``MULTIMESH_DUMP_IR_TO`` dumps the passes, and with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshWarning
@@ -43,7 +45,8 @@ from multimesh._src.mlir import ir, make_context, module_bytecode, parse_module
 from multimesh.jax._registrations import user_level
 from multimesh.jax._stages.stage import LoweredProgram
 
-__all__ = ["ENV", "HIT", "MISS", "OFF", "DAMAGED", "load_or_run", "counts", "directory"]
+__all__ = ["ENV", "HIT", "MISS", "OFF", "DAMAGED", "load_or_run", "counts", "directory", "trace_key",
+           "read_program", "write_program", "entry_key"]
 
 ENV = "MULTIMESH_PIPELINE_CACHE"
 """``0`` turns the cache off."""
@@ -54,7 +57,8 @@ read from the cache; not there (the passes ran, the entry was written); the cach
 off; an entry was there but damaged (warned; the passes ran, the entry rewritten)."""
 
 _MAGIC = b"MMPASSES1\n"
-_counts = {HIT: 0, MISS: 0, DAMAGED: 0, "writes": 0, "pipeline_runs": 0}
+_counts = {HIT: 0, MISS: 0, DAMAGED: 0, "writes": 0, "pipeline_runs": 0,
+           "lowering_skipped": 0}
 _lock = threading.Lock()
 
 
@@ -106,16 +110,11 @@ def _pipeline_text(pipeline) -> str:
 
 def entry_key(rec: LoweredProgram) -> str:
     """The entry's name: a hash of everything the pass pipeline's result depends on."""
-    import jaxlib.version as jaxlib_version
-
-    from multimesh import __version__
-
     program = rec.program if isinstance(rec.program, bytes) else rec.program.encode()
     what = repr((
         _pipeline_text(rec.pipeline), json.dumps(rec.schedule_config, sort_keys=True),
         [(d.id, d.platform, d.device_kind, d.process_index) for d in rec.devices],
-        rec.default_mesh, __version__, _source_hash(), jax.__version__,
-        jaxlib_version.__version__)).encode("utf-8", "surrogatepass")
+        rec.default_mesh, _versions())).encode("utf-8", "surrogatepass")
     h = hashlib.sha256(what)
     h.update(hashlib.sha256(program).digest())
     return h.hexdigest()
@@ -192,3 +191,127 @@ def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
     module, timings = run()
     _write(path, module_bytecode(module))
     return module, timings, status
+
+
+# --------------------------------------------------------------------------- the trace key
+# A hit of the key below skips jax's lowering too: the entry holds the lowered program
+# (inputs pinned), whose own key then finds the passes' result above.
+
+
+def _canon(obj, depth: int = 0):
+    """A process-independent form of ``obj`` (sets sorted, shardings by device ids); an
+    object printed by address raises ``ValueError`` (no key: not cached)."""
+    if depth > 20:
+        raise ValueError("too deep")
+    if isinstance(obj, jax.sharding.Sharding):
+        return _canon_sharding(obj)
+    if isinstance(obj, (set, frozenset)):
+        return ("set", sorted(repr(_canon(x, depth + 1)) for x in obj))
+    if isinstance(obj, dict):
+        return ("dict", sorted((repr(_canon(k, depth + 1)), _canon(v, depth + 1))
+                               for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return [_canon(x, depth + 1) for x in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj).__name__, [(f.name, _canon(getattr(obj, f.name), depth + 1))
+                                     for f in dataclasses.fields(obj)])
+    text = repr(obj)
+    if " at 0x" not in text:
+        return text
+    fields = getattr(obj, "__dict__", None)  # jax's AxisEnv in its trace context, ...
+    if fields is None and hasattr(type(obj), "__slots__"):
+        fields = {k: getattr(obj, k) for k in type(obj).__slots__
+                  if not k.startswith("__") and hasattr(obj, k)}
+    if fields is None:
+        raise ValueError(f"{type(obj).__name__} has no stable form")
+    return (type(obj).__qualname__, _canon(fields, depth + 1))
+
+
+def _canon_sharding(obj: jax.sharding.Sharding) -> tuple:
+    """A sharding by its devices' ids (``NamedSharding``'s repr leaves them out)."""
+    from jax.sharding import NamedSharding
+
+    if isinstance(obj, NamedSharding):
+        m = obj.mesh
+        return ("NamedSharding", tuple(int(i) for i in m.device_ids.flat),
+                tuple(m.axis_names), tuple(m.devices.shape), repr(tuple(m.axis_types)),
+                repr(obj.spec), obj.memory_kind)
+    return (type(obj).__name__, sorted(getattr(d, "id", -1) for d in obj.device_set),
+            repr(obj))
+
+
+def trace_key(traced) -> str | None:
+    """The key of ``traced``'s lowered program from its trace alone (None: not cached).
+
+    Everything the lowering and the input pinning read: the jaxpr as jax prints it
+    (with its effects; not its source lines: the stored program keeps the locations of
+    the process that wrote it), its constants' bytes, the
+    argument and output trees, the donations, the program's devices and mesh, the
+    ``in_shardings`` and committed inputs' shardings, what tracing noted, ``mjit``'s
+    switches and jax's trace context, and the versions. Programs with registered
+    tasks (their rules read the lowered program) are keyed by the lowered program only.
+    """
+    from multimesh.jax import _contexts
+    from multimesh.jax._registrations import active_registrations
+    from multimesh.jax._stages import inputs as _inputs
+
+    if directory() is None or active_registrations() or _contexts.state.ignore_transforms:
+        return None
+    jaxpr = traced._traced.jaxpr
+    text = jaxpr.pretty_print(print_effects=True)  # jax's own printing (~1/5 of lowering)
+    if " at 0x" in text:  # a parameter printed by address: no stable key
+        return None
+    owner, devices = traced._owner, traced._devices
+    mesh = owner.program_mesh(devices)
+    dyn_flat = jax.tree.leaves(traced._dyn)
+    try:
+        parts = _canon((
+            str(jax.tree.structure(traced._dyn)), str(traced._traced.out_tree),
+            list(traced._donated), [(d.id, d.platform, d.device_kind, d.process_index)
+                                    for d in devices],
+            None if mesh is None else (tuple(mesh.axis_names), tuple(mesh.devices.shape),
+                                       tuple(int(i) for i in mesh.device_ids.flat)),
+            traced._in_shardings, _inputs.committed_key(dyn_flat), owner.pin_committed,
+            traced._notes, _contexts.compile_state(), _versions()))
+    except ValueError:
+        return None
+    h = hashlib.sha256(text.encode("utf-8", "surrogatepass"))
+    h.update(repr(parts).encode("utf-8", "surrogatepass"))
+    for c in jaxpr.consts:
+        h.update(repr((getattr(c, "shape", ()), str(getattr(c, "dtype", type(c))))).encode())
+        h.update(np.asarray(c).tobytes())
+    return "trace-" + h.hexdigest()
+
+
+def _versions() -> tuple:
+    import jaxlib.version as jaxlib_version
+
+    from multimesh import __version__
+
+    return (__version__, _source_hash(), jax.__version__, jaxlib_version.__version__)
+
+
+def read_program(key: str | None) -> bytes | None:
+    """The lowered program stored under the trace ``key``, or None (a damaged entry
+    warns, and is ignored)."""
+    d = directory()
+    if key is None or d is None:
+        return None
+    try:
+        data = _read(d / key)
+    except ValueError as e:
+        warnings.warn(
+            f"multimesh's cache of lowered programs has a damaged entry: {d / key} ({e}). "
+            f"It is ignored: the program is lowered again and the entry rewritten.",
+            MultimeshWarning, stacklevel=user_level())
+        return None
+    if data is not None:
+        _count("lowering_skipped")
+    return data
+
+
+def write_program(key: str | None, program: bytes) -> None:
+    """Store the lowered ``program`` under the trace ``key``."""
+    d = directory()
+    if key is not None and d is not None:
+        _write(d / key, program)
