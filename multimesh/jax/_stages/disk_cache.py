@@ -98,13 +98,11 @@ def _source_hash() -> str:
 
 def _pipeline_text(pipeline) -> str:
     """The pipeline's text with what its passes hold in memory (registered-task rules)."""
-    from multimesh.passes.match_tasks import rules_to_json
-
     parts = [str(pipeline)]
     for step in pipeline.steps:
         table = getattr(step, "rule_table", ())
-        if table:
-            parts.append(json.dumps(rules_to_json(table), sort_keys=True))
+        if table:  # mm-match-tasks' rules (dataclasses of names, regexes, meshes)
+            parts.append(repr(_canon(table)))
     return "\n".join(parts)
 
 
@@ -168,11 +166,15 @@ def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
     ``run()`` runs the passes (returning the module and their timings); it is called
     unless the cache holds a sound entry for ``rec``, which is then written."""
     d = directory()
-    if d is None or rec.host_callbacks:
+    try:
+        key = None if d is None or rec.host_callbacks else entry_key(rec)
+    except ValueError:  # a pass holds something with no stable form: not cached
+        key = None
+    if d is None or key is None:
         _count("pipeline_runs")
         module, timings = run()
         return module, timings, OFF
-    path = d / entry_key(rec)
+    path = d / key
     status = MISS
     try:
         data = _read(path)
