@@ -159,6 +159,16 @@ def _write(path: Path, bytecode: bytes) -> None:
     _count("writes")
 
 
+def _warn_damaged(what: str, label: str, path: Path, why: ValueError, instead: str) -> None:
+    warnings.warn(
+        f"multimesh's disk cache of {what} has a damaged entry for {label} in "
+        f"{path.parent}: {why}. It is "
+        f"ignored ({instead}, and the entry is rewritten). If this repeats, another "
+        f"process may be writing that directory with another multimesh, or the disk is "
+        f"failing; deleting the directory is safe.", MultimeshWarning,
+        stacklevel=user_level())
+
+
 def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
                 ) -> tuple[ir.Module, list, str]:
     """The pass pipeline's result for ``rec``: ``(module, pass timings, what happened)``.
@@ -184,10 +194,8 @@ def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
             return module, [], HIT
     except ValueError as e:
         status = DAMAGED
-        warnings.warn(
-            f"multimesh's cache of the pass pipeline has a damaged entry for "
-            f"{rec.label}: {path} ({e}). It is ignored: the passes run again and the "
-            f"entry is rewritten.", MultimeshWarning, stacklevel=user_level())
+        _warn_damaged("the pass pipeline's results", rec.label, path, e,
+                      "the passes run again")
     _count(status)
     _count("pipeline_runs")
     module, timings = run()
@@ -293,19 +301,16 @@ def _versions() -> tuple:
     return (__version__, _source_hash(), jax.__version__, jaxlib_version.__version__)
 
 
-def read_program(key: str | None) -> bytes | None:
+def read_program(key: str | None, label: str) -> bytes | None:
     """The lowered program stored under the trace ``key``, or None (a damaged entry
-    warns, and is ignored)."""
+    warns, naming the program ``label``, and is ignored)."""
     d = directory()
     if key is None or d is None:
         return None
     try:
         data = _read(d / key)
     except ValueError as e:
-        warnings.warn(
-            f"multimesh's cache of lowered programs has a damaged entry: {d / key} ({e}). "
-            f"It is ignored: the program is lowered again and the entry rewritten.",
-            MultimeshWarning, stacklevel=user_level())
+        _warn_damaged("lowered programs", label, d / key, e, "the program is lowered again")
         return None
     if data is not None:
         _count("lowering_skipped")

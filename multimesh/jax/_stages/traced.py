@@ -78,7 +78,7 @@ class MpmdTraced(StageBase):
         dyn_flat, in_tree = jax.tree.flatten((dyn_args, kwargs))
         # a restarted process: the lowered program from multimesh's disk cache (issue 40)
         key = _disk_cache.trace_key(self)
-        program = _disk_cache.read_program(key)
+        program = _disk_cache.read_program(key, f"mjit({self.fun_name})")
         module, implicit, held, ordered = None, None, (), False
         pins: dict = {}
         if program is None:
