@@ -205,3 +205,25 @@ def test_a_damaged_entry_warns_in_process(persistent_cache):
     assert messages[0] == messages[2] == []
     assert len(messages[1]) == 1 and "damaged entry" in messages[1][0]
     assert "do not match their hash" in messages[1][0]
+
+
+def test_the_trace_key_reads_constants_shardings_and_donations(persistent_cache):
+    """A program that closes over other constant values, takes its input committed
+    elsewhere or donates it is another lowered program: another trace key."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    t = mm.task(lambda w, x: jnp.tanh(x @ w), name="s0",
+                mesh=mm.TaskMesh(devices=range(4), axis_names=("x",), axis_sizes=(4,)))
+
+    def key(const, x, **kw):
+        f = mm.mjit(lambda w, x: t(w, x) + const, **kw)
+        return disk_cache.trace_key(f.trace(jnp.eye(8), x))
+
+    x = jnp.ones((8, 8))
+    placed = jax.device_put(x, NamedSharding(jax.make_mesh((8,), ("d",)), P("d")))
+    keys = [key(np.ones(8, np.float32), x) for _ in range(2)]
+    assert keys[0] is not None and keys[0] == keys[1]
+    others = [key(np.full(8, 2.0, np.float32), x), key(np.ones(8, np.float32), placed),
+              key(np.ones(8, np.float32), x, donate_argnums=1)]
+    assert len({keys[0], *others}) == 4
