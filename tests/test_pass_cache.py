@@ -87,13 +87,15 @@ def test_a_second_process_skips_the_passes_damaged_entries_warn_changed_options_
     first = _child(script, cache)
     assert first["status"] == disk_cache.MISS and first["counts"]["pipeline_runs"] == 1
     assert first["counts"]["lowering_skipped"] == 0
-    assert first["counts"]["writes"] == 2 and first["xla"] > 0 and not first["warnings"]
-    # two entries: the lowered program by its trace, the passes' result by the program
+    assert first["counts"]["writes"] == 3 and first["xla"] > 0 and not first["warnings"]
+    # the lowered program by its trace; the passes' result by the program, its plan
     entries = sorted((cache / "multimesh-passes").iterdir(), key=lambda p: p.name)
-    assert len(entries) == 2 and entries[1].name.startswith("trace-")
+    assert len(entries) == 3 and entries[1].name == entries[0].name + ".plan"
+    assert entries[2].name.startswith("trace-")
     second = _child(script, cache)
     assert second["status"] == disk_cache.HIT and second["counts"]["lowering_skipped"] == 1
     assert second["counts"]["pipeline_runs"] == 0 and second["counts"]["writes"] == 0
+    assert second["counts"]["plans_read"] == 1 and first["counts"]["plans_read"] == 0
     assert second["xla"] == 0  # every fragment from jax's persistent cache
     for k in _SAME:
         assert second[k] == first[k], k
@@ -105,7 +107,7 @@ def test_a_second_process_skips_the_passes_damaged_entries_warn_changed_options_
         e.write_bytes(d[:len(d) // 2])
     damaged = _child(script, cache)
     assert damaged["status"] == disk_cache.DAMAGED
-    assert damaged["counts"]["pipeline_runs"] == 1 and damaged["counts"]["writes"] == 2
+    assert damaged["counts"]["pipeline_runs"] == 1 and damaged["counts"]["writes"] == 3
     assert damaged["counts"]["lowering_skipped"] == 0
     assert len(damaged["warnings"]) == 2, damaged["warnings"]
     for w, what in zip(damaged["warnings"], ("lowered programs", "pass pipeline's")):
@@ -119,7 +121,7 @@ def test_a_second_process_skips_the_passes_damaged_entries_warn_changed_options_
     # another schedule: another program for the passes (a miss, a second entry)
     other = _child(script, cache, "gpipe")
     assert other["status"] == disk_cache.MISS and other["counts"]["pipeline_runs"] == 1
-    assert len(list((cache / "multimesh-passes").iterdir())) == 4
+    assert len(list((cache / "multimesh-passes").iterdir())) == 6
     assert other["calls"] != first["calls"]
     for a, b in zip(other["grads"], first["grads"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5)
@@ -198,7 +200,7 @@ def test_a_damaged_entry_warns_in_process(persistent_cache):
                          if issubclass(w.category, mm.errors.MultimeshWarning)])
         if damage:
             (entry,) = [e for e in (persistent_cache / "multimesh-passes").iterdir()
-                        if not e.name.startswith("trace-")]
+                        if not e.name.startswith("trace-") and e.suffix != ".plan"]
             entry.write_bytes(b"MMPASSES1\n" + b"\0" * 40)
     assert statuses == [disk_cache.MISS, disk_cache.DAMAGED, disk_cache.HIT]
     assert disk_cache.counts()["lowering_skipped"] >= 2  # the trace's entry was sound

@@ -24,7 +24,7 @@ class MpmdCompiled(ProgramStage):
     """A compiled MPMD program: call it on pytrees; inspect fragments and transfers."""
 
     def __init__(self, record: LoweredProgram, module: ir.Module, times: dict | None = None,
-                 pass_times: list | None = None):
+                 pass_times: list | None = None, plan=None):
         self.record = lowered = record
         self.pass_times = list(pass_times or [])
         """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
@@ -32,7 +32,8 @@ class MpmdCompiled(ProgramStage):
         self._module = module
         self._text: str | None = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
-        self.plan_data = build_plan(module)
+        # ``plan``: the plan of ``module`` read from the disk cache (issue 40)
+        self.plan_data = plan if plan is not None else build_plan(module)
         t1 = time.perf_counter()
         log_phase(lowered.label, "built the runtime plan", t1 - t0,
                    f"{len(self.plan_data.fragments)} fragments, "

@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 import tempfile
 import threading
 import warnings
@@ -58,7 +59,7 @@ off; an entry was there but damaged (warned; the passes ran, the entry rewritten
 
 _MAGIC = b"MMPASSES1\n"
 _counts = {HIT: 0, MISS: 0, DAMAGED: 0, "writes": 0, "pipeline_runs": 0,
-           "lowering_skipped": 0}
+           "lowering_skipped": 0, "plans_read": 0}
 _lock = threading.Lock()
 
 
@@ -169,21 +170,53 @@ def _warn_damaged(what: str, label: str, path: Path, why: ValueError, instead: s
         stacklevel=user_level())
 
 
+def _key_of(rec: LoweredProgram) -> str | None:
+    """``rec``'s entry name, or None when it is not cached."""
+    if directory() is None or rec.host_callbacks:
+        return None
+    try:
+        return entry_key(rec)
+    except ValueError:  # a pass holds something with no stable form: not cached
+        return None
+
+
+def write_plan(rec: LoweredProgram, plan) -> None:
+    """Store the runtime plan built from ``rec``'s pass result (beside that entry)."""
+    key, d = _key_of(rec), directory()
+    if key is None or d is None or not (d / key).exists():
+        return
+    try:
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - a plan that does not pickle: built each time
+        return
+    _write(d / f"{key}.plan", data)
+
+
+def _read_plan(path: Path):
+    """The plan stored at ``path``, or None (missing or damaged: it is rebuilt)."""
+    try:
+        data = _read(path)
+        plan = None if data is None else pickle.loads(data)
+    except Exception:  # noqa: BLE001 - anything unreadable: the plan is rebuilt
+        return None
+    if plan is not None:
+        _count("plans_read")
+    return plan
+
+
 def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
-                ) -> tuple[ir.Module, list, str]:
-    """The pass pipeline's result for ``rec``: ``(module, pass timings, what happened)``.
+                ) -> tuple[ir.Module, list, str, object]:
+    """The pass pipeline's result for ``rec``: ``(module, pass timings, what happened,
+    the runtime plan or None)``.
 
     ``run()`` runs the passes (returning the module and their timings); it is called
-    unless the cache holds a sound entry for ``rec``, which is then written."""
-    d = directory()
-    try:
-        key = None if d is None or rec.host_callbacks else entry_key(rec)
-    except ValueError:  # a pass holds something with no stable form: not cached
-        key = None
+    unless the cache holds a sound entry for ``rec``, which is then written. The plan
+    is the one stored beside a hit (:func:`write_plan`), if any."""
+    key, d = _key_of(rec), directory()
     if d is None or key is None:
         _count("pipeline_runs")
         module, timings = run()
-        return module, timings, OFF
+        return module, timings, OFF, None
     path = d / key
     status = MISS
     try:
@@ -191,7 +224,7 @@ def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
         if data is not None:
             module = parse_module(data, make_context())
             _count(HIT)
-            return module, [], HIT
+            return module, [], HIT, _read_plan(d / f"{key}.plan")
     except ValueError as e:
         status = DAMAGED
         _warn_damaged("the pass pipeline's results", rec.label, path, e,
@@ -200,7 +233,7 @@ def load_or_run(rec: LoweredProgram, run: Callable[[], tuple[ir.Module, list]]
     _count("pipeline_runs")
     module, timings = run()
     _write(path, module_bytecode(module))
-    return module, timings, status
+    return module, timings, status, None
 
 
 # --------------------------------------------------------------------------- the trace key

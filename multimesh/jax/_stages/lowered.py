@@ -103,10 +103,13 @@ class MpmdLowered(ProgramStage):
                                    name=rec.name)
             return module, timings
 
-        result, timings, cached = _disk_cache.load_or_run(rec, run)  # issue 40
+        result, timings, cached, plan = _disk_cache.load_or_run(rec, run)  # issue 40
         compiled = MpmdCompiled(rec, result, {"trace_lower": rec.trace_seconds,
-                                              "passes": time.perf_counter() - t0}, timings)
+                                              "passes": time.perf_counter() - t0}, timings,
+                                plan=plan)
         compiled.pipeline_cache = cached
+        if plan is None:
+            _disk_cache.write_plan(rec, compiled.plan_data)
         return compiled
 
 
