@@ -2537,6 +2537,43 @@ def _():
     f(*layered_args())
 
 
+@warning("pass-cache-damaged-entry", API,
+         "A damaged entry in the disk cache beside jax's persistent cache", MultimeshWarning,
+         r"multimesh's disk cache of lowered programs has a damaged entry for mjit\(loss\) "
+         r"in /tmp/multimesh-example-cache/multimesh-passes: its header "
+         r"is not a multimesh pass-cache entry's \(7 bytes\)\. It is ignored \(the program "
+         r"is lowered again, and the entry is rewritten\)",
+         """With jax's persistent cache on, multimesh keeps each program's lowering and
+         its pass pipeline's result in `<jax_compilation_cache_dir>/multimesh-passes/`
+         (docs/performance.md, "Warm restarts"). An entry that cannot be read, or whose
+         contents do not match their hash (a truncated write, a disk error, another
+         tool), is ignored and rewritten: the program compiles as if it were not there,
+         and the values are unchanged. Deleting the directory is safe;
+         `MULTIMESH_PIPELINE_CACHE=0` turns the cache off.""")
+def _():
+    import os
+    import pathlib
+    import shutil
+
+    from jax.experimental.compilation_cache import compilation_cache
+    os.environ.pop("MULTIMESH_DUMP_IR_TO", None)  # the cache is off while passes are dumped
+    grad_fn, ws, x = two_stage()
+    before = jax.config.jax_compilation_cache_dir
+    d = pathlib.Path("/tmp/multimesh-example-cache")
+    shutil.rmtree(d, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    try:
+        for _ in range(2):  # a first compile writes the entries, then they break
+            mm.clear_caches()
+            mm.mjit(grad_fn).lower(ws, x).compile()
+            for entry in (d / "multimesh-passes").iterdir():
+                entry.write_bytes(b"damaged")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @error("remat-policy-factory", API, "`remat=` given a policy factory, uncalled",
        MultimeshTypeError,
        r"`remat` got `jax.checkpoint_policies.save_only_these_names` itself, which makes a "

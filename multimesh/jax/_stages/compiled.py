@@ -34,15 +34,20 @@ class MpmdCompiled(ProgramStage):
     fast_path = False  # see FastCompiled (multimesh.jax._stages.fast_path)
 
     def __init__(self, record: LoweredProgram, module: ir.Module, times: dict | None = None,
-                 pass_times: list | None = None):
+                 pass_times: list | None = None, plan=None, pipeline_cache: str = "off"):
         self.record = lowered = record
+        self.pipeline_cache = pipeline_cache
+        """Whether the pass pipeline's result came from the disk cache beside jax's
+        persistent cache: ``"hit"``, ``"miss"``, ``"damaged"`` or ``"off"``
+        (``disk_cache``, issue 40)."""
         self.pass_times = list(pass_times or [])
         """``[(pass, seconds)]`` of the pass pipeline, in order (``"(verifier)"``: the
         final verification); ``compile_times["passes"]`` is their total plus parsing."""
         self._module = module
         self._text: str | None = None  # printed on demand: printing a big module costs as much as parsing
         t0 = time.perf_counter()
-        self.plan_data = plan = build_plan(module)
+        # ``plan``: the plan of ``module`` read from the disk cache (issue 40)
+        self.plan_data = plan = plan if plan is not None else build_plan(module)
         t1 = time.perf_counter()
         log_phase(lowered.label, "built the runtime plan", t1 - t0,
                    f"{len(plan.fragments)} fragments, {len(plan.calls())} calls, "

@@ -14,6 +14,7 @@ from multimesh._src.ir_contract import (
     MeshRecord,
 )
 from multimesh._src.mlir import ir, make_context, parse_module, print_module, py_to_attr
+from multimesh.jax._stages import disk_cache as _disk_cache
 from multimesh.jax._stages import fast_path as _fast_path
 from multimesh.jax._stages.call_checks import check_unsupported
 from multimesh.jax._stages.compiled import MpmdCompiled
@@ -81,15 +82,24 @@ class MpmdLowered(ProgramStage):
         if rec.fast is not None:
             return rec.fast.compile(rec)
         t0 = time.perf_counter()
-        module, self._parsed = self._parsed, None
-        if module is None:
-            module = input_module(rec)
-        else:
-            _annotate(module, rec.schedule_config, len(rec.devices), rec.default_mesh)
-        timings = run_pipeline(module, rec.pipeline, source=lambda: input_module(rec),
-                               name=rec.name)
-        return MpmdCompiled(rec, module, {"trace_lower": rec.trace_seconds,
-                                          "passes": time.perf_counter() - t0}, timings)
+
+        def run():
+            module, self._parsed = self._parsed, None
+            if module is None:
+                module = input_module(rec)
+            else:
+                _annotate(module, rec.schedule_config, len(rec.devices), rec.default_mesh)
+            timings = run_pipeline(module, rec.pipeline, source=lambda: input_module(rec),
+                                   name=rec.name)
+            return module, timings
+
+        result, timings, cached, plan = _disk_cache.load_or_run(rec, run)  # issue 40
+        compiled = MpmdCompiled(rec, result, {"trace_lower": rec.trace_seconds,
+                                              "passes": time.perf_counter() - t0}, timings,
+                                plan=plan, pipeline_cache=cached)
+        if plan is None:
+            _disk_cache.write_plan(rec, compiled.plan_data)
+        return compiled
 
 
 def input_module(rec: LoweredProgram) -> ir.Module:

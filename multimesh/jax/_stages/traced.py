@@ -16,6 +16,7 @@ from multimesh._src.log import log_phase
 from multimesh._src.mlir import make_context, module_bytecode, parse_module
 from multimesh.jax import _contexts
 from multimesh.jax._implicit_tasks import implicit_task_rules
+from multimesh.jax._stages import disk_cache as _disk_cache
 from multimesh.jax._stages import fast_path as _fast_path
 from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.call_checks import is_key, leaf_name
@@ -76,32 +77,28 @@ class MpmdTraced(StageBase):
     def lower(self) -> MpmdLowered:
         owner, traced, devices, notes = self._owner, self._traced, self._devices, self._notes
         t0 = time.perf_counter()
-        with _contexts.program_devices(devices), _contexts.autoshard(True), \
-                _contexts.notes(notes):
-            with _lowering_scope(notes):
-                lowered = traced.lower()
-            # jax's module moves into our context as bytecode (no text printed or parsed)
-            # and is parsed once: the registered-task scan and compile() share it.
-            program = module_bytecode(lowered.compiler_ir("stablehlo"))
-            module = parse_module(program, make_context())
-            host_callbacks, ordered = jax_compat.lowered_callbacks(lowered)
-            held = _callbacks.adopt(module, host_callbacks)
-            if held:  # the callbacks' numbers are in the program now
-                program = module_bytecode(module)
-            implicit = implicit_task_rules(module)  # registered tasks, in memory
-        trace_seconds = self.trace_seconds + time.perf_counter() - t0
-        warn_renamed_tasks(notes)
         dyn_args, kwargs = self._dyn
         dyn_flat, in_tree = jax.tree.flatten((dyn_args, kwargs))
-        changed, pins = _pin_inputs(module, self._in_shardings, dyn_args, kwargs, dyn_flat,
-                                    notes, devices, owner.pin_committed)
-        if changed:  # the program the repro replays is the pinned one
-            program = module_bytecode(module)
+        # a restarted process: the lowered program from multimesh's disk cache (issue 40)
+        key = _disk_cache.trace_key(self)
+        program = _disk_cache.read_program(key, f"mjit({self.fun_name})")
+        module, implicit, held, ordered = None, None, (), False
+        pins: dict = {}
+        if program is None:
+            with _contexts.program_devices(devices), _contexts.autoshard(True), \
+                    _contexts.notes(notes):
+                program, module, implicit, held, ordered = self._lower_module()
+            changed, pins = _pin_inputs(module, self._in_shardings, dyn_args, kwargs,
+                                        dyn_flat, notes, devices, owner.pin_committed)
+            if changed:  # the program the repro replays is the pinned one
+                program = module_bytecode(module)
+        trace_seconds = self.trace_seconds + time.perf_counter() - t0
+        warn_renamed_tasks(notes)
         mesh = owner.program_mesh(devices)
         key_in = [is_key(x) for x in dyn_flat]  # typed PRNG keys cross as their raw data
         key_out = traced_key_impls(jax.tree.leaves(traced.out_info))
         record = LoweredProgram(
-            program, tuple(devices), in_tree, lowered.out_tree, tuple(range(len(dyn_flat))),
+            program, tuple(devices), in_tree, traced.out_tree, tuple(range(len(dyn_flat))),
             program_pipeline(len(devices), notes, implicit, _contexts.state.recomputation),
             donated_leaves=tuple(self._donated), schedule_config=schedule_config_of(notes),
             key_inputs=tuple(key_in) if any(key_in) else (),
@@ -116,11 +113,31 @@ class MpmdTraced(StageBase):
             trace_seconds=trace_seconds,
             host_callbacks=held)  # alive while the program may compile
         # (ordered callbacks: jax.jit runs ordered debug prints on one device only)
-        if not ordered and _fast_path.eligible(module, implicit, notes, pins, len(devices)):
+        if module is not None and not ordered and _fast_path.eligible(
+                module, implicit, notes, pins, len(devices)):
             record = dataclasses.replace(record, fast=_fast_path.FastPath(
                 traced.jaxpr, jax.tree.leaves(self._abstract), pins, input_text(record)))
-        log_phase(record.label, "traced and lowered", trace_seconds)
+        elif module is not None and not held:
+            _disk_cache.write_program(key, program)
+        log_phase(record.label, "traced and lowered" if module is not None else
+                  "traced (the lowered program read from the disk cache)", trace_seconds)
         return MpmdLowered(record, module)
+
+    def _lower_module(self):
+        """jax's lowering, in our context: ``(program bytecode, module, registered-task
+        rules, host callbacks held, whether they are ordered)``."""
+        with _lowering_scope(self._notes):
+            lowered = self._traced.lower()
+        # jax's module moves into our context as bytecode (no text printed or parsed)
+        # and is parsed once: the registered-task scan and compile() share it.
+        program = module_bytecode(lowered.compiler_ir("stablehlo"))
+        module = parse_module(program, make_context())
+        host_callbacks, ordered = jax_compat.lowered_callbacks(lowered)
+        held = _callbacks.adopt(module, host_callbacks)
+        if held:  # the callbacks' numbers are in the program now
+            program = module_bytecode(module)
+        implicit = implicit_task_rules(module)  # registered tasks, in memory
+        return program, module, implicit, held, ordered
 
 
 def explicit_axes(avals) -> tuple[tuple[str, ...], ...]:
