@@ -38,12 +38,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jaxlib.version as jaxlib_version
 import numpy as np
+from jax.sharding import NamedSharding
 
 from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshWarning
 from multimesh._src.mlir import ir, make_context, module_bytecode, parse_module
-from multimesh.jax._registrations import user_level
+from multimesh.jax import _contexts
+from multimesh.jax._registrations import active_registrations, user_level
+from multimesh.jax._stages import inputs as _inputs
 from multimesh.jax._stages.stage import LoweredProgram
 
 __all__ = ["ENV", "HIT", "MISS", "OFF", "DAMAGED", "load_or_run", "counts", "directory", "trace_key",
@@ -272,8 +276,6 @@ def _canon(obj, depth: int = 0):
 
 def _canon_sharding(obj: jax.sharding.Sharding) -> tuple:
     """A sharding by its devices' ids (``NamedSharding``'s repr leaves them out)."""
-    from jax.sharding import NamedSharding
-
     if isinstance(obj, NamedSharding):
         m = obj.mesh
         return ("NamedSharding", tuple(int(i) for i in m.device_ids.flat),
@@ -294,10 +296,6 @@ def trace_key(traced) -> str | None:
     switches and jax's trace context, and the versions. Programs with registered
     tasks (their rules read the lowered program) are keyed by the lowered program only.
     """
-    from multimesh.jax import _contexts
-    from multimesh.jax._registrations import active_registrations
-    from multimesh.jax._stages import inputs as _inputs
-
     if directory() is None or active_registrations() or _contexts.state.ignore_transforms:
         return None
     jaxpr = traced._traced.jaxpr
@@ -327,11 +325,8 @@ def trace_key(traced) -> str | None:
 
 
 def _versions() -> tuple:
-    import jaxlib.version as jaxlib_version
-
-    from multimesh import __version__
-
-    return (__version__, _source_hash(), jax.__version__, jaxlib_version.__version__)
+    """multimesh by its source (a hash of its files: an edit is a new version), jax, jaxlib."""
+    return (_source_hash(), jax.__version__, jaxlib_version.__version__)
 
 
 def read_program(key: str | None, label: str) -> bytes | None:
