@@ -189,7 +189,7 @@ _RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "al
 _CALIBRATED: dict[tuple, DeviceModel] = {}
 
 
-CALIBRATION_ROUNDS = 9
+CALIBRATION_ROUNDS = 15
 """Rounds of :meth:`DeviceModel.calibrate`: each times every figure once, in turn."""
 
 
@@ -223,13 +223,13 @@ def _probes(devices: list) -> dict:
                        NamedSharding(mesh, PartitionSpec()))
     x = jax.device_put(np.ones((64 * n, 128), np.float32), rows)
     probes: dict[str, tuple] = {"call": (jax.jit(lambda v: v + 1.0),
-                       (jax.device_put(np.ones((n,), np.float32), rows),), 15),
+                       (jax.device_put(np.ones((n,), np.float32), rows),), 31),
               "step": (jax.jit(jax.value_and_grad(loss)), (w, x), 3),
               "scale": (jax.jit(lambda v: v * 2.0),
                         (jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows),), 5)}
     if n > 1:
         one = jax.device_put(np.ones(4 * 2 ** 20, np.float32), devices[0])  # 16 MiB
-        probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 5)
+        probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 9)
     for fn, args, _ in probes.values():
         jax.block_until_ready(fn(*args))
     return probes
