@@ -387,10 +387,10 @@ def _timed_dispatch(ex, flat) -> tuple[float, float]:
 
     from multimesh.runtime.steps import FragmentCall, Free
 
-    env = ex._start(flat)  # placed inputs and the run's zeros, as a call makes them
+    env = ex.start(flat)  # placed inputs and the run's zeros, as a call makes them
     tc = tt = 0.0
     clock = time.perf_counter
-    for step in ex._program:
+    for step in ex.program:
         t0 = clock()
         step.run(env)
         dt = clock() - t0

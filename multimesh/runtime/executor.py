@@ -302,6 +302,12 @@ class Executor:
             if self._program is not None else self.transfer_count)
         """Batched copy calls per run (each moves one or more arrays)."""
 
+    @property
+    def program(self) -> list:
+        """What one run dispatches, in order: in one process the precomputed program
+        (plain copies batched), else :attr:`steps` (benchmarks time it step by step)."""
+        return self._program if self._program is not None else self.steps
+
     def set_run_ahead(self, limit: int | None) -> None:
         """Bound how far the host dispatches ahead of the devices (:mod:`.runahead`):
         at most ``limit`` fragment calls of one submesh in flight; None: no bound.
