@@ -147,7 +147,7 @@ def _floors() -> dict[str, set[str]]:
     rows = {}
     for _, row in _table_rows(DOC.read_text()):
         cells = [c.strip() for c in row.strip("|").split("|")]
-        if len(cells) == 3 and cells[0].isdigit():
+        if len(cells) == 3 and cells[0].isdigit() and re.fullmatch(r"`multimesh[\w.]*`", cells[1]):
             (package,) = re.findall(r"`([^`]+)`", cells[1])
             rows[package] = set(re.findall(r"`([^`]+)`", cells[2]))
     return rows
