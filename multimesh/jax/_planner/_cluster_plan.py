@@ -27,24 +27,17 @@ _PINS = ("tensor", "pipeline", "data", "fsdp", "microbatch_size", "schedule",
          "virtual_stages")
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterPlan:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterPlan(ClusterLayout):
     """A layout for ``model`` on ``cluster``: pipeline x data x tensor x fsdp, the
     microbatches and schedule, recompute per pipeline stage, per-device memory
     against HBM, and the predicted step with its breakdown. ``print(plan)`` shows
     it; :meth:`as_code` is a program for that cluster; :meth:`to_json` /
-    :meth:`from_json` round-trip it."""
+    :meth:`from_json` round-trip it. The layout's fields are :class:`ClusterLayout`'s,
+    the search's candidate, so a plan is the candidate it chose plus what was priced."""
 
     model: Transformer
     cluster: Cluster
-    pipeline: int
-    data: int
-    tensor: int
-    fsdp: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int
     stage_layers: tuple[int, ...]
     """Layers per virtual stage, in pipeline order (the last also runs the head)."""
     recompute: tuple[str, ...]
