@@ -15,6 +15,7 @@ from multimesh._src.errors import DiagnosticError
 from multimesh._src.mlir import ir
 
 from . import _contract as c
+from ._patterns import ops_under
 from .base import ModulePass
 
 __all__ = ["VerifyPass"]
@@ -45,7 +46,7 @@ class VerifyPass(ModulePass):
         table = (c.read_tasks(module, strict=True) if c.TASKS_ATTR in mod_op.attributes
                  else None)
         calls: dict[str, tuple[c.MeshRecord, ir.Location]] = {}
-        for op in _all_ops(mod_op):
+        for op in ops_under(mod_op):
             if c.is_custom_call(op, c.LOGICAL_TARGET):
                 c.logical_marker_axes(op)
             if c.TASK_ATTR not in op.attributes or op == mod_op:
@@ -56,19 +57,6 @@ class VerifyPass(ModulePass):
                 _check_consistent(name, mesh, op.location, calls, table)
             else:
                 c.task_reference(op, table)
-
-
-def _all_ops(root: ir.Operation) -> list[ir.Operation]:
-    """Every op under ``root`` (itself included), collected first: exceptions raised
-    inside a walk callback would reach us as ``RuntimeError``."""
-    ops: list[ir.Operation] = []
-
-    def collect(op):
-        ops.append(op.operation)
-        return ir.WalkResult.ADVANCE
-
-    root.walk(collect, ir.WalkOrder.PRE_ORDER)
-    return ops
 
 
 def _run_mlir_verifier(module: ir.Module) -> None:
