@@ -56,6 +56,15 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
+def _mean_square_of(fns):
+    """The loss ``(x * x).mean()`` of ``x`` taken through ``fns[k](params[k], x)`` in turn."""
+    def loss(params, x):
+        for f, p in zip(fns, params):
+            x = f(p, x)
+        return (x * x).mean()
+    return loss
+
+
 def _mlp_program(stages: int, width: int, batch: int, layers: int):
     import jax
     import jax.numpy as jnp
@@ -75,16 +84,12 @@ def _mlp_program(stages: int, width: int, batch: int, layers: int):
                                 axis_sizes=(per,)), logical_axes=(("batch", "x"),))
              for k in range(stages)]
 
-    def loss(params, x):
-        for t, ws in zip(tasks, params):
-            x = t(ws, x)
-        return (x * x).mean()
+    def plain_stage(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
 
-    def plain_loss(params, x):
-        for ws in params:
-            for w in ws:
-                x = jnp.tanh(x @ w)
-        return (x * x).mean()
+    loss, plain_loss = _mean_square_of(tasks), _mean_square_of([plain_stage] * stages)
 
     key = jax.random.key(0)
     params = [[jax.random.normal(jax.random.fold_in(key, 10 * k + i), (width, width)) / width**0.5
@@ -313,15 +318,7 @@ def _p11(reps: int) -> dict[str, float]:
     tasks = [mm.task(stage, name=f"s{k}", mesh=mm.TaskMesh(devices=(k,), axis_names=("x",),
                                                            axis_sizes=(1,))) for k in range(S)]
 
-    def loss(ws, x):
-        for t, w in zip(tasks, ws):
-            x = t(w, x)
-        return (x * x).mean()
-
-    def plain_loss(ws, x):
-        for w in ws:
-            x = jnp.tanh(x @ w)
-        return (x * x).mean()
+    loss, plain_loss = _mean_square_of(tasks), _mean_square_of([stage] * S)
 
     def loop_math(ws, x):  # the same math as a microbatch loop, one jit on one device
         vg = jax.value_and_grad(plain_loss)
