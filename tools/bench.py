@@ -56,6 +56,15 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
+def _seconds(fn, *args) -> float:
+    """Wall seconds of one call ``fn(*args)``, blocked on."""
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
 def _mean_square_of(fns):
     """The loss ``(x * x).mean()`` of ``x`` taken through ``fns[k](params[k], x)`` in turn."""
     def loss(params, x):
@@ -118,12 +127,8 @@ def _p1(stages: int, reps: int) -> float:
     jax.block_until_ready(theirs(ps, xs))
     a, b = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(ours(px, xx))
-        a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        jax.block_until_ready(theirs(ps, xs))
-        b.append(time.perf_counter() - t0)
+        a.append(_seconds(ours, px, xx))
+        b.append(_seconds(theirs, ps, xs))
     return statistics.median(a) / statistics.median(b)
 
 
@@ -350,12 +355,8 @@ def _p11(reps: int) -> dict[str, float]:
     detail = getattr(ex, "_program", None) is not None  # (an older tree: step times only)
     a, b, calls_s, copies_s, bare_s = [], [], [], [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(ours(wsp, xp))
-        a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        jax.block_until_ready(theirs(ws0, x0))
-        b.append(time.perf_counter() - t0)
+        a.append(_seconds(ours, wsp, xp))
+        b.append(_seconds(theirs, ws0, x0))
         tc, tt = _timed_dispatch(ex, flat) if detail else (float("nan"),) * 2
         calls_s.append(tc)
         copies_s.append(tt)
