@@ -54,6 +54,7 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.models
 
 
 def _seconds(fn, *args) -> float:
@@ -63,15 +64,6 @@ def _seconds(fn, *args) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - t0
-
-
-def _mean_square_of(fns):
-    """The loss ``(x * x).mean()`` of ``x`` taken through ``fns[k](params[k], x)`` in turn."""
-    def loss(params, x):
-        for f, p in zip(fns, params):
-            x = f(p, x)
-        return (x * x).mean()
-    return loss
 
 
 def _mlp_program(stages: int, width: int, batch: int, layers: int):
@@ -98,7 +90,9 @@ def _mlp_program(stages: int, width: int, batch: int, layers: int):
             x = jnp.tanh(x @ w)
         return x
 
-    loss, plain_loss = _mean_square_of(tasks), _mean_square_of([plain_stage] * stages)
+    from tests.models import mean_square_loss
+
+    loss, plain_loss = mean_square_loss(tasks), mean_square_loss([plain_stage] * stages)
 
     key = jax.random.key(0)
     params = [[jax.random.normal(jax.random.fold_in(key, 10 * k + i), (width, width)) / width**0.5
@@ -323,7 +317,9 @@ def _p11(reps: int) -> dict[str, float]:
     tasks = [mm.task(stage, name=f"s{k}", mesh=mm.TaskMesh(devices=(k,), axis_names=("x",),
                                                            axis_sizes=(1,))) for k in range(S)]
 
-    loss, plain_loss = _mean_square_of(tasks), _mean_square_of([stage] * S)
+    from tests.models import mean_square_loss
+
+    loss, plain_loss = mean_square_loss(tasks), mean_square_loss([stage] * S)
 
     def loop_math(ws, x):  # the same math as a microbatch loop, one jit on one device
         vg = jax.value_and_grad(plain_loss)
