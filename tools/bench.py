@@ -54,6 +54,16 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.models
+
+
+def _seconds(fn, *args) -> float:
+    """Wall seconds of one call ``fn(*args)``, blocked on."""
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
 
 
 def _mlp_program(stages: int, width: int, batch: int, layers: int):
@@ -75,16 +85,14 @@ def _mlp_program(stages: int, width: int, batch: int, layers: int):
                                 axis_sizes=(per,)), logical_axes=(("batch", "x"),))
              for k in range(stages)]
 
-    def loss(params, x):
-        for t, ws in zip(tasks, params):
-            x = t(ws, x)
-        return (x * x).mean()
+    def plain_stage(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
 
-    def plain_loss(params, x):
-        for ws in params:
-            for w in ws:
-                x = jnp.tanh(x @ w)
-        return (x * x).mean()
+    from tests.models import mean_square_loss
+
+    loss, plain_loss = mean_square_loss(tasks), mean_square_loss([plain_stage] * stages)
 
     key = jax.random.key(0)
     params = [[jax.random.normal(jax.random.fold_in(key, 10 * k + i), (width, width)) / width**0.5
@@ -113,12 +121,8 @@ def _p1(stages: int, reps: int) -> float:
     jax.block_until_ready(theirs(ps, xs))
     a, b = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(ours(px, xx))
-        a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        jax.block_until_ready(theirs(ps, xs))
-        b.append(time.perf_counter() - t0)
+        a.append(_seconds(ours, px, xx))
+        b.append(_seconds(theirs, ps, xs))
     return statistics.median(a) / statistics.median(b)
 
 
@@ -313,15 +317,9 @@ def _p11(reps: int) -> dict[str, float]:
     tasks = [mm.task(stage, name=f"s{k}", mesh=mm.TaskMesh(devices=(k,), axis_names=("x",),
                                                            axis_sizes=(1,))) for k in range(S)]
 
-    def loss(ws, x):
-        for t, w in zip(tasks, ws):
-            x = t(w, x)
-        return (x * x).mean()
+    from tests.models import mean_square_loss
 
-    def plain_loss(ws, x):
-        for w in ws:
-            x = jnp.tanh(x @ w)
-        return (x * x).mean()
+    loss, plain_loss = mean_square_loss(tasks), mean_square_loss([stage] * S)
 
     def loop_math(ws, x):  # the same math as a microbatch loop, one jit on one device
         vg = jax.value_and_grad(plain_loss)
@@ -353,12 +351,8 @@ def _p11(reps: int) -> dict[str, float]:
     detail = getattr(ex, "_program", None) is not None  # (an older tree: step times only)
     a, b, calls_s, copies_s, bare_s = [], [], [], [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(ours(wsp, xp))
-        a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        jax.block_until_ready(theirs(ws0, x0))
-        b.append(time.perf_counter() - t0)
+        a.append(_seconds(ours, wsp, xp))
+        b.append(_seconds(theirs, ws0, x0))
         tc, tt = _timed_dispatch(ex, flat) if detail else (float("nan"),) * 2
         calls_s.append(tc)
         copies_s.append(tt)

@@ -40,6 +40,8 @@ import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools._common import write_json  # noqa: E402
 
 VOCAB, D, SEQ, BLOCKS, SUBMESHES, M, MB_SIZE = 8192, 128, 64, 8, 4, 8, 2
 
@@ -339,9 +341,7 @@ def main(argv=None) -> int:
               f"{first:6.2f} s, second {second:6.2f} s ({second / first:4.2f}x); sources "
               f"{pc['first process']['sources']} then {pc['second process']['sources']}")
         res[f"{sched} persistent"] = pc
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
     return 0
 
 

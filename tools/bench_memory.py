@@ -31,28 +31,12 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools._common import pipelined_transformer, write_json  # noqa: E402
 
 D, HEADS, BLOCKS, SUBMESHES, BATCH, M = 128, 4, 8, 4, 256, 8
 SCHEDULES = ["gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2", "interleaved-1f1b"]
 REAL_SCHEDULES = ["gpipe", "1f1b", "zero-bubble-h1", "dualpipe-v"]
 V_SHAPED = ("dualpipe-v", "zero-bubble-v")
-
-
-def _block(p, x):
-    import jax
-    import jax.numpy as jnp
-
-    def norm(h):
-        mu = h.mean(-1, keepdims=True)
-        return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-6)
-
-    h = norm(x)
-    q, k, v = (jnp.einsum("bsd,de->bse", h, p[n]).reshape(*h.shape[:2], HEADS, -1)
-               for n in ("wq", "wk", "wv"))
-    att = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k) / (D // HEADS) ** 0.5, -1)
-    o = jnp.einsum("bhqk,bkhe->bqhe", att, v).reshape(x.shape)
-    x = x + o @ p["wo"]
-    return x + jax.nn.gelu(norm(x) @ p["w1"]) @ p["w2"]
 
 
 def _home(k: int, stages: int, v_shape: bool = False) -> int:
@@ -64,36 +48,12 @@ def _home(k: int, stages: int, v_shape: bool = False) -> int:
 
 def _model(stages: int, v_shape: bool = False):
     """(loss, params) with ``stages`` stage tasks, stage k on submesh :func:`_home`."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    import multimesh.jax as mm
-
-    def stage(ps, x):
-        x = mm.with_sharding_constraint(x, P("batch", None, None))
-        for p in ps:
-            x = _block(p, x)
-        return x
-
     per = 8 // SUBMESHES
-    tasks = [mm.task(stage, name=f"stage{k}",
-                     mesh=mm.TaskMesh(devices=range(per * _home(k, stages, v_shape),
-                                                    per * _home(k, stages, v_shape) + per)),
-                     logical_axes=(("batch", "x"),)) for k in range(stages)]
 
-    def loss(params, x):
-        for t, ps in zip(tasks, params):
-            x = t(ps, x)
-        return (x ** 2).mean()
+    def devices(k):
+        return range(per * _home(k, stages, v_shape), per * _home(k, stages, v_shape) + per)
 
-    key = jax.random.key(0)
-    shapes = {"wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D), "w1": (D, 4 * D),
-              "w2": (4 * D, D)}
-    blocks = BLOCKS // stages
-    params = [[{n: jax.random.normal(jax.random.fold_in(key, 100 * s + 10 * i + j), sh) / D
-                for j, (n, sh) in enumerate(shapes.items())} for i in range(blocks)]
-              for s in range(stages)]
-    return loss, params
+    return pipelined_transformer(stages, BLOCKS // stages, D, HEADS, devices)
 
 
 def _recomputed(compiled) -> int:
@@ -288,9 +248,7 @@ def main(argv=None) -> int:
               f"{SUBMESHES} submeshes x 2 devices, M={M}; RSS above the compiled state, "
               "all 8 devices", flush=True)
         results = real_peaks(schedules, args.seq, args.reps, args.run_ahead.split(","))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        write_json(args.json, results, indent=1)
         return 0
     print(f"transformer: {BLOCKS} blocks, d={D}, batch {BATCH} x {args.seq} tokens, "
           f"{SUBMESHES} submeshes x 2 devices, M={M}", flush=True)
@@ -301,9 +259,7 @@ def main(argv=None) -> int:
             results.append(r)
         plain, rem = results[-2], results[-1]
         print(f"    remat step time {rem['step_s'] / plain['step_s']:.2f}x", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results, indent=1)
     return 0
 
 

@@ -19,61 +19,24 @@ whole compile at M=16 is within 1.3x of the jax.jit + scan compile.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools._common import pipelined_transformer, write_json  # noqa: E402
 
 D, SEQ, LAYERS, STAGES, MB_SIZE = 256, 128, 8, 2, 2
 
 
 def _model():
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    import multimesh.jax as mm
-
-    def layer(p, x):
-        def norm(h):
-            mu = h.mean(-1, keepdims=True)
-            return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-6)
-
-        h = norm(x)
-        heads = 4
-        q, k, v = (jnp.einsum("bsd,de->bse", h, p[n]).reshape(*h.shape[:2], heads, -1)
-                   for n in ("wq", "wk", "wv"))
-        att = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k) / (D // heads) ** 0.5, -1)
-        o = jnp.einsum("bhqk,bkhe->bqhe", att, v).reshape(x.shape)
-        x = x + o @ p["wo"]
-        return x + jax.nn.gelu(norm(x) @ p["w1"]) @ p["w2"]
-
-    def stage(ps, x):
-        x = mm.with_sharding_constraint(x, P("batch", None, None))
-        for p in ps:
-            x = layer(p, x)
-        return x
-
+    """(loss, params): ``STAGES`` stage tasks of ``LAYERS`` blocks, stage k on devices
+    ``[4k, 4k + 4)``."""
     per = 8 // STAGES
-    tasks = [mm.task(stage, name=f"stage{k}",
-                     mesh=mm.TaskMesh(devices=range(per * k, per * k + per)),
-                     logical_axes=(("batch", "x"),)) for k in range(STAGES)]
-
-    def loss(params, x):
-        for t, ps in zip(tasks, params):
-            x = t(ps, x)
-        return (x ** 2).mean()
-
-    key = jax.random.key(0)
-    shapes = {"wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D), "w1": (D, 4 * D),
-              "w2": (4 * D, D)}
-    params = [[{n: jax.random.normal(jax.random.fold_in(key, 100 * s + 10 * i + j), sh) / D
-                for j, (n, sh) in enumerate(shapes.items())} for i in range(LAYERS)]
-              for s in range(STAGES)]
-    return loss, params
+    return pipelined_transformer(STAGES, LAYERS, D, 4,
+                                 lambda k: range(per * k, per * k + per))
 
 
 def _clear():
@@ -208,9 +171,7 @@ def main(argv=None) -> int:
                     help="where the time of one compile (M=16) goes, phase by phase")
     args = ap.parse_args(argv)
     res = where() if args.where else P8(reps=1 if args.quick else 3)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
     return 0
 
 

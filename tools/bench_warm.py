@@ -33,12 +33,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tools._common import write_json  # noqa: E402
+
 LAYERS, SUBMESHES, BATCH, M = 8, 4, 16, 8
 
 
 def model(schedule: str):
     """``(stages, params, batch, schedule name, submesh of stage k)``."""
-    sys.path.insert(0, str(ROOT))
     from tests.real_models import LmConfig, Stage, init_stages, token_batch
 
     cfg = LmConfig(vocab=8192, embed=64, heads=4, kv=16, mlp=128, length=32)
@@ -49,15 +51,6 @@ def model(schedule: str):
     params = init_stages(stages, batch)
     name = "interleaved-1f1b" if schedule == "interleaved" else "1f1b"
     return stages, params, batch, name, (lambda k: k % SUBMESHES)
-
-
-def _loss(fns):
-    def loss(params, batch):
-        x = batch["inputs"]
-        for f, p in zip(fns, params, strict=True):
-            x = f(p, x, batch["targets"])
-        return x
-    return loss
 
 
 def _train(grad_fn):
@@ -79,14 +72,14 @@ def ours(schedule: str) -> dict:
     from jax.sharding import AxisType
 
     import multimesh.jax as mm
-    from tests.real_models import RULES
+    from tests.real_models import RULES, loss_of
 
     stages, params, batch, name, submesh = model(schedule)
     mesh = jax.make_mesh((SUBMESHES, 2, 1), ("stage", "data", "model"),
                          axis_types=(AxisType.Auto,) * 3)
     tasks = [mm.task(s.apply, name=f"s{k}", mesh_slice={"stage": submesh(k)})
              for k, s in enumerate(stages)]
-    grad = mm.microbatch(jax.value_and_grad(_loss(tasks)), dim=0, size=BATCH // M,
+    grad = mm.microbatch(jax.value_and_grad(loss_of(tasks)), dim=0, size=BATCH // M,
                          argnum=1, schedule=name, reduction="mean")
     opt, step = _train(grad)
     state = opt.init(params)
@@ -116,7 +109,9 @@ def jit_scan(schedule: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     stages, params, batch, _, _ = model(schedule)
-    vg = jax.value_and_grad(_loss([s.apply for s in stages]))
+    from tests.real_models import loss_of
+
+    vg = jax.value_and_grad(loss_of([s.apply for s in stages]))
 
     def grad(params, batch):
         xs = jax.tree.map(lambda a: a.reshape(M, BATCH // M, *a.shape[1:]), batch)
@@ -224,9 +219,7 @@ def main(argv=None) -> int:
         r = run(sched, args.reps, env)
         _print(r)
         out.append(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
     return 0
 
 
