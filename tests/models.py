@@ -275,3 +275,27 @@ def sliced_stages(prefix: str = "l", *, rules=None):
             yield
     finally:
         mm.clear_tasks()
+
+
+def jit_reference(loss, params, x, rules=LOGICAL_RULES):
+    """Plain ``jax.jit`` of ``value_and_grad(loss)`` with flax's logical ``rules`` on one
+    stage-shaped 2x2 mesh (devices 0-3): ``(value, grads, flops)``."""
+    from tests.layouts import flops_of, stage_mesh
+
+    with nn.logical_axis_rules(rules), jax.set_mesh(stage_mesh(0)):
+        ref = jax.jit(jax.value_and_grad(loss))
+        value, grads = ref(params, x)
+        return value, grads, flops_of(ref.lower(params, x).compile())
+
+
+class SlicedBlocks(nn.Module):
+    """Two :class:`LogicalBlock` s as tasks ``s0``/``s1`` on the stage slices 0/1 of the
+    global mesh (``multimesh.jax.flax.task``); its call returns the mean square."""
+
+    @nn.compact
+    def __call__(self, x):
+        from multimesh.jax.flax import task
+
+        x = task(LogicalBlock, name="s0", mesh_slice={"stage": 0})()(x)
+        x = task(LogicalBlock, name="s1", mesh_slice={"stage": 1})()(x)
+        return jnp.mean(x ** 2)

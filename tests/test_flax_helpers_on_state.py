@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -20,19 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh.jax.flax import parallelize_step, task
+from multimesh.jax.flax import parallelize_step
 from tests.layouts import global_mesh as _global_mesh
 from tests.models import LOGICAL_RULES as RULES
-from tests.models import LogicalBlock as Block
+from tests.models import SlicedBlocks as Net
 from tests.models import nnx_mlp, sliced_stages
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = task(Block, name="s0", mesh_slice={"stage": 0})()(x)
-        x = task(Block, name="s1", mesh_slice={"stage": 1})()(x)
-        return jnp.mean(x ** 2)
 
 
 def _kernels(params):

@@ -872,6 +872,15 @@ func.func private @body(%arg0: tensor<8xf32>) -> tensor<8xf32> {{
 """
 
 
+def _task_call(name: str | None = '"t"', sizes: str = "[2]", logical_axes: bool = True) -> str:
+    """``_TASK_CALL`` with a task named ``name`` (none: no name) on devices [0, 1], axis
+    ``x`` of sizes ``sizes``, and ``logical_axes = []`` unless told not to."""
+    attrs = ([f"name = {name}"] if name is not None else []) + [
+        "transpose_count = 0 : i64", "devices = [0, 1]", 'axis_names = ["x"]',
+        f"axis_sizes = {sizes}"] + (["logical_axes = []"] if logical_axes else [])
+    return _TASK_CALL.format(task=", ".join(attrs))
+
+
 def _mm_opt(tmp_path, text: str, pipeline: str) -> Result:
     case = Case(0, "regression", (), pipeline, text)
     return run_in_process(case, str(tmp_path))
@@ -890,22 +899,19 @@ def _assert_rejected(case_text: str, r: Result, message: str):
 
 def test_verify_accepts_task_call_without_logical_axes(tmp_path):
     """mm-verify treats logical_axes as optional on a task call (docs/ir.md section 1)."""
-    text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2]')
+    text = _task_call(logical_axes=False)
     r = _mm_opt(tmp_path, text, "builtin.module(mm-verify)")
     assert r.rc == 0, r.stderr
 
 
 def test_regression_inline_tasks_missing_logical_axes(tmp_path):
     """Found by IR fuzzing (KeyError 'logical_axes'), fixed: logical_axes is optional."""
-    text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2]')
+    text = _task_call(logical_axes=False)
     _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"))
 
 
 def test_regression_inline_tasks_missing_name(tmp_path):
-    text = _TASK_CALL.format(task='transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2]')
+    text = _task_call(name=None, logical_axes=False)
     _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"),
                      "'mm.task' is missing 'name'")
 
@@ -937,24 +943,21 @@ def test_regression_assign_tag_without_transpose_count(tmp_path):
 
 
 def test_regression_negative_axis_size_gives_unparseable_output(tmp_path):
-    text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [-1], logical_axes = []')
+    text = _task_call(sizes="[-1]")
     r = _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks,mm-outline-fragments)")
     _assert_clean(text, r)
     assert r.rc == 1 and "axis_sizes" in r.stderr
 
 
 def test_regression_empty_task_name(tmp_path):
-    text = _TASK_CALL.format(task='name = "", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2], logical_axes = []')
+    text = _task_call(name='""')
     _assert_rejected(text, _mm_opt(tmp_path, text,
                                 "builtin.module(mm-inline-tasks,mm-assign-tasks{num-devices=8})"),
                      "'mm.task' name must not be empty")
 
 
 def test_regression_empty_task_name_output_reparses(tmp_path):
-    text = _TASK_CALL.format(task='name = "", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2], logical_axes = []')
+    text = _task_call(name='""')
     _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"),
                      "'mm.task' name must not be empty")
 

@@ -31,7 +31,7 @@ from tests.layouts import spec_of as _spec
 from tests.layouts import stage_mesh as _stage_mesh
 from tests.models import LOGICAL_RULES as RULES
 from tests.models import LogicalBlock as Block
-from tests.models import nnx_mlp, nnx_sharded, sliced_stages
+from tests.models import jit_reference, nnx_mlp, nnx_sharded, sliced_stages
 
 AUTO2 = (AxisType.Auto,) * 2
 
@@ -66,10 +66,7 @@ def _registered(pattern=r"(layers_\d+)"):
 def _reference(loss, args):
     """Plain ``jax.jit`` of the step with the same rules on one stage-shaped 2x2 mesh:
     ``(value, grads, flops)``, and the flops of one device."""
-    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
-        ref = jax.jit(jax.value_and_grad(loss))
-        value, grads = ref(*args)
-        flops = _flops(ref.lower(*args).compile())
+    value, grads, flops = jit_reference(loss, *args)
     one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"),
                             axis_types=AUTO2)
     with nn.logical_axis_rules(RULES), jax.set_mesh(one):

@@ -29,7 +29,7 @@ from tests.layouts import spec_of as _spec
 from tests.layouts import stage_mesh as _stage_mesh
 from tests.models import LOGICAL_RULES as RULES
 from tests.models import LogicalBlock as Block
-from tests.models import nnx_mlp, sliced_stages
+from tests.models import jit_reference, nnx_mlp, sliced_stages
 
 AUTO3 = (AxisType.Auto,) * 3
 
@@ -110,10 +110,7 @@ def test_each_stage_is_sharded_as_the_model_says(model, placement):
         value, grads = step(params, x)
         flops = _flops(step.lower(params, x).compile())
     # The reference: plain jax, with the same rules, on one stage-shaped 2x2 mesh.
-    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
-        ref_step = jax.jit(jax.value_and_grad(plain))
-        ref_value, ref_grads = ref_step(params, x)
-        ref_flops = _flops(ref_step.lower(params, x).compile())
+    ref_value, ref_grads, ref_flops = jit_reference(plain, params, x)
     one_device = _one_device_flops(plain, params, x)
 
     np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
@@ -212,10 +209,7 @@ def test_registered_stages_shard_as_the_models_rules_say():
         step = mm.mjit(jax.value_and_grad(loss))
         value, grads = step(params, x)
         flops = _flops(step.lower(params, x).compile())
-    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
-        ref = jax.jit(jax.value_and_grad(loss))
-        ref_value, ref_grads = ref(params, x)
-        ref_flops = _flops(ref.lower(params, x).compile())
+    ref_value, ref_grads, ref_flops = jit_reference(loss, params, x)
     _assert_like_jax((value, grads, flops), (ref_value, ref_grads, ref_flops))
     for k in range(2):
         kernel = grads["params"][f"b{k}"]["Dense_0"]["kernel"]
@@ -332,14 +326,8 @@ def test_parallelize_step_under_a_global_mesh_and_flax_rules():
     are plain optax's; each kernel lives on its stage, sharded by the rules."""
     import optax
 
-    from multimesh.jax.flax import parallelize_step, task
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = task(Block, name="s0", mesh_slice={"stage": 0})()(x)
-            x = task(Block, name="s1", mesh_slice={"stage": 1})()(x)
-            return jnp.mean(x ** 2)
+    from multimesh.jax.flax import parallelize_step
+    from tests.models import SlicedBlocks as Net
 
     x = jax.random.normal(jax.random.key(1), (16, 16))
     with _context("mesh_slice"):
