@@ -4,6 +4,8 @@ own, and tests/test_anchor_tutorials.py keeps the anchor's text verbatim (parity
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -165,11 +167,135 @@ LOGICAL_RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 class LogicalBlock(nn.Module):
     """An MLP block sharded the flax way: logical partitioning and constraints."""
 
+    hidden: int = 64
+
     @nn.compact
     def __call__(self, x):
         x = nn.with_logical_constraint(x, ("batch", "embed"))
         init = nn.initializers.normal(0.3)
-        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        h = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
         h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
         out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
         return x + out
+
+
+def nnx_sharded(make):
+    """The NNX model ``make(nnx.Rngs(0))`` built as flax's guide builds it: inside
+    ``nnx.jit``, its state constrained to its partition metadata (call under
+    ``jax.set_mesh``)."""
+    from flax import nnx
+
+    @nnx.jit
+    def create():
+        model = make(nnx.Rngs(0))
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+        return model
+
+    return create()
+
+
+def nnx_mlp(l0_axes, l1_axes, *, constrain_input: bool = False, returns_loss: bool = True):
+    """An NNX MLP 16 -> 64 -> 16 (``l0``, ``l1``) whose kernels carry the partition
+    metadata ``l0_axes`` and ``l1_axes``, built by :func:`nnx_sharded` (call under
+    ``jax.set_mesh``). Its call returns the mean square of its output (its loss) or,
+    with ``returns_loss=False``, the output; ``constrain_input`` shards its input
+    ``P("data", None)`` first."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.3)
+            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, l0_axes),
+                                 rngs=rngs)
+            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, l1_axes),
+                                 rngs=rngs)
+
+        def __call__(self, x):
+            if constrain_input:
+                x = jax.lax.with_sharding_constraint(x, P("data", None))
+            y = self.l1(jnp.tanh(self.l0(x)))
+            return jnp.mean(y ** 2) if returns_loss else y
+
+    return nnx_sharded(MLP)
+
+
+class AttentionBlock(nn.Module):
+    """A pre-norm transformer block of width ``d``: 2-head self-attention, then an MLP
+    ``mlp`` wide."""
+
+    d: int = 32
+    mlp: int = 128
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=self.d)(nn.LayerNorm()(x))
+        x = x + h
+        return x + nn.Dense(self.d)(nn.relu(nn.Dense(self.mlp)(nn.LayerNorm()(x))))
+
+
+class TinyLM(nn.Module):
+    """An unmodified transformer LM (no logical axis, no sharding annotation): an
+    embedding ``embed``, ``n`` :class:`AttentionBlock` s ``layers_i`` and a ``vocab``-wide
+    head ``head``; its call returns the mean cross-entropy of ``tok`` against itself."""
+
+    vocab: int
+    n: int = 4
+    d: int = 32
+    mlp: int = 128
+
+    @nn.compact
+    def __call__(self, tok):
+        x = nn.Embed(self.vocab, self.d, name="embed")(tok)
+        for i in range(self.n):
+            x = AttentionBlock(self.d, self.mlp, name=f"layers_{i}")(x)
+        logits = nn.Dense(self.vocab, name="head")(nn.LayerNorm()(x))
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tok[..., None], -1))
+
+
+def lm_tokens(rows: int, tokens: int, vocab: int) -> jax.Array:
+    """A ``rows`` x ``tokens`` batch of token ids below ``vocab``."""
+    return (jnp.arange(rows * tokens).reshape(rows, tokens) * 7 + 3) % vocab
+
+
+@contextlib.contextmanager
+def sliced_stages(prefix: str = "l", *, rules=None):
+    """``{prefix}0``/``{prefix}1`` registered as the stages 0/1 of
+    :func:`tests.layouts.global_mesh` (mesh slices), under that mesh (and flax's logical
+    ``rules`` when given); the registrations are cleared after."""
+    from tests.layouts import global_mesh
+
+    mm.clear_tasks()
+    try:
+        for k in range(2):
+            mm.register_task(f"{prefix}{k}", task=mm.Task(mesh_slice={"stage": k}))
+        with jax.set_mesh(global_mesh()), contextlib.ExitStack() as stack:
+            if rules is not None:
+                stack.enter_context(nn.logical_axis_rules(rules))
+            yield
+    finally:
+        mm.clear_tasks()
+
+
+def jit_reference(loss, params, x, rules=LOGICAL_RULES):
+    """Plain ``jax.jit`` of ``value_and_grad(loss)`` with flax's logical ``rules`` on one
+    stage-shaped 2x2 mesh (devices 0-3): ``(value, grads, flops)``."""
+    from tests.layouts import flops_of, stage_mesh
+
+    with nn.logical_axis_rules(rules), jax.set_mesh(stage_mesh(0)):
+        ref = jax.jit(jax.value_and_grad(loss))
+        value, grads = ref(params, x)
+        return value, grads, flops_of(ref.lower(params, x).compile())
+
+
+class SlicedBlocks(nn.Module):
+    """Two :class:`LogicalBlock` s as tasks ``s0``/``s1`` on the stage slices 0/1 of the
+    global mesh (``multimesh.jax.flax.task``); its call returns the mean square."""
+
+    @nn.compact
+    def __call__(self, x):
+        from multimesh.jax.flax import task
+
+        x = task(LogicalBlock, name="s0", mesh_slice={"stage": 0})()(x)
+        x = task(LogicalBlock, name="s1", mesh_slice={"stage": 1})()(x)
+        return jnp.mean(x ** 2)

@@ -12,29 +12,18 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-from multimesh.jax.flax import parallelize_step, task
+from multimesh.jax.flax import parallelize_step
+from tests.layouts import global_mesh as _global_mesh
 from tests.models import LOGICAL_RULES as RULES
-from tests.models import LogicalBlock as Block
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = task(Block, name="s0", mesh_slice={"stage": 0})()(x)
-        x = task(Block, name="s1", mesh_slice={"stage": 1})()(x)
-        return jnp.mean(x ** 2)
-
-
-def _global_mesh():
-    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=(AxisType.Auto,) * 3)
+from tests.models import SlicedBlocks as Net
+from tests.models import nnx_mlp, sliced_stages
 
 
 def _kernels(params):
@@ -131,36 +120,12 @@ def test_nnx_get_partition_spec_on_the_state():
     metadata's specs, and each kernel lives on its stage sharded by them."""
     from flax import nnx
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs):
-            init = nnx.initializers.normal(0.3)
-            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
-                                 rngs=rngs)
-            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
-                                 rngs=rngs)
-
-        def __call__(self, x):
-            return jnp.mean(self.l1(jnp.tanh(self.l0(x))) ** 2)
-
-    @nnx.jit
-    def create():
-        model = MLP(nnx.Rngs(0))
-        state = nnx.state(model)
-        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-        return model
-
     x = jax.random.normal(jax.random.key(1), (16, 16))
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            model = create()
-            step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
-            _, state = step(state, x)
-            specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
-    finally:
-        mm.clear_tasks()
+    with sliced_stages():
+        model = nnx_mlp((None, "model"), ("model", None))
+        step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)
+        _, state = step(state, x)
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     for k, spec in ((0, P(None, "model")), (1, P("model", None))):
         assert specs[f"l{k}"]["kernel"].get_value() == spec
         kernel = getattr(model, f"l{k}").kernel.get_value()

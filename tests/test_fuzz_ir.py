@@ -117,6 +117,9 @@ _ATTR_NAMES = ("mm.task", "mm.tasks", "mm.fragment", "mm.devices", "mm.mesh", "m
                "axis_names", "axis_sizes", "logical_axes", "name", "callee", "mm.num_devices")
 
 
+_TOKEN = re.compile(r"\S+")
+
+
 def _code_lines(lines):
     return [i for i, ln in enumerate(lines) if ln.strip() and not ln.lstrip().startswith("//")]
 
@@ -171,40 +174,39 @@ def _m_replace_one_ssa_use(text, rng):
     return text[: m.start()] + new + text[m.end():]
 
 
-def _m_corrupt_number(text, rng):
-    ms = list(_INT.finditer(text))
+def _replace_one(text, rng, pattern, new):
+    """Replace one match of ``pattern`` (picked by ``rng``) by ``new(match, matches)``."""
+    ms = list(pattern.finditer(text))
     if not ms:
         return text
     m = rng.choice(ms)
-    return text[: m.start()] + rng.choice(_NUMS) + text[m.end():]
+    return text[: m.start()] + new(m, ms) + text[m.end():]
+
+
+def _m_corrupt_number(text, rng):
+    return _replace_one(text, rng, _INT, lambda m, ms: rng.choice(_NUMS))
 
 
 def _m_corrupt_string(text, rng):
-    ms = list(_STR.finditer(text))
-    if not ms:
-        return text
-    m = rng.choice(ms)
-    pool = list(_STRS) + [x.group(0) for x in ms]
-    return text[: m.start()] + rng.choice(pool) + text[m.end():]
+    return _replace_one(text, rng, _STR,
+                        lambda m, ms: rng.choice(list(_STRS) + [x.group(0) for x in ms]))
 
 
-def _m_corrupt_type(text, rng):
-    ms = list(_TENSOR.finditer(text))
-    if not ms:
-        return text
-    m = rng.choice(ms)
+def _other_type(m, rng):
     dims = [d for d in m.group(1).split("x") if d]
     r = rng.randint(0, 3)
     if r == 0:
-        new = f"tensor<{'x'.join(dims + [''])}{rng.choice(('i32', 'f64', 'i1', 'bf16'))}>"
-    elif r == 1 and dims:
-        new = f"tensor<{'x'.join(dims[::-1] + [''])}{m.group(2)}>"
-    elif r == 2 and dims:
+        return f"tensor<{'x'.join(dims + [''])}{rng.choice(('i32', 'f64', 'i1', 'bf16'))}>"
+    if r == 1 and dims:
+        return f"tensor<{'x'.join(dims[::-1] + [''])}{m.group(2)}>"
+    if r == 2 and dims:
         dims[rng.randrange(len(dims))] = rng.choice(("1", "3", "16", "0", "?"))
-        new = f"tensor<{'x'.join(dims + [''])}{m.group(2)}>"
-    else:
-        new = f"tensor<{m.group(2)}>"
-    return text[: m.start()] + new + text[m.end():]
+        return f"tensor<{'x'.join(dims + [''])}{m.group(2)}>"
+    return f"tensor<{m.group(2)}>"
+
+
+def _m_corrupt_type(text, rng):
+    return _replace_one(text, rng, _TENSOR, lambda m, ms: _other_type(m, rng))
 
 
 def _m_delete_dict_entry(text, rng):
@@ -232,11 +234,7 @@ def _m_rename_attr(text, rng):
 
 
 def _m_delete_token(text, rng):
-    ms = list(re.finditer(r"\S+", text))
-    if not ms:
-        return text
-    m = rng.choice(ms)
-    return text[: m.start()] + text[m.end():]
+    return _replace_one(text, rng, _TOKEN, lambda m, ms: "")
 
 
 def _m_insert_junk(text, rng):
@@ -764,6 +762,24 @@ def _watched(case: Case, workdir: str) -> Result:
         faulthandler.cancel_dump_traceback_later()
 
 
+def _assert_none_bad(bad: list[str], cases: list[Case]) -> None:
+    assert not bad, f"{len(bad)} of {len(cases)} mutated inputs misbehaved:\n\n" + \
+        "\n\n".join(bad[:5])
+
+
+def _run_isolated(cases: list[Case], label: str) -> dict:
+    """Run ``cases`` in the crash-isolated worker, print the tally and assert that none
+    misbehaved; returns the outcome counts."""
+    runner = IsolatedRunner()
+    try:
+        bad, outcome = _tally(cases, runner.run)
+    finally:
+        runner.close()
+    print(f"{label}: {len(cases)} inputs, {outcome}, worker restarts {runner.restarts}")
+    _assert_none_bad(bad, cases)
+    return outcome
+
+
 def test_mutated_inputs_in_process(tmp_path):
     """N_IN_PROCESS mutated inputs on pipelines without native Shardy passes.
 
@@ -788,8 +804,7 @@ def test_mutated_inputs_in_process(tmp_path):
         runner.close()
     print(f"IR fuzzing without Shardy: {len(cases)} inputs ({counts}), {outcome}, "
           f"worker restarts {runner.restarts}")
-    assert not bad, f"{len(bad)} of {len(cases)} mutated inputs misbehaved:\n\n" + \
-        "\n\n".join(bad[:5])
+    _assert_none_bad(bad, cases)
     assert outcome["diagnosed"] > len(cases) // 3, outcome
 
 
@@ -800,15 +815,7 @@ def test_mutated_inputs_isolated():
     cases += [Case(len(cases) + i, f"probe:{name}", ("probe",),
                    "builtin.module(mm-propagate-shardings)", text)
               for i, (name, text) in enumerate(sdy_probes().items())]
-    runner = IsolatedRunner()
-    try:
-        bad, outcome = _tally(cases, runner.run)
-    finally:
-        runner.close()
-    print(f"isolated IR fuzzing: {len(cases)} inputs, {outcome}, "
-          f"worker restarts {runner.restarts}")
-    assert not bad, f"{len(bad)} of {len(cases)} mutated inputs misbehaved:\n\n" + \
-        "\n\n".join(bad[:5])
+    _run_isolated(cases, "isolated IR fuzzing")
 
 
 N_ATTRS = int(os.environ.get("MULTIMESH_FUZZ_IR_ATTRS", "200"))
@@ -820,15 +827,7 @@ def test_attribute_types_and_values_isolated():
     runs the long profile (docs/testing.md)."""
     cases = make_attr_cases(N_ATTRS, 5, compile_share=0.05)
     assert any(c.pipeline == COMPILE_MPMD for c in cases)
-    runner = IsolatedRunner()
-    try:
-        bad, outcome = _tally(cases, runner.run)
-    finally:
-        runner.close()
-    print(f"attribute fuzzing: {len(cases)} inputs, {outcome}, "
-          f"worker restarts {runner.restarts}")
-    assert not bad, f"{len(bad)} of {len(cases)} mutated inputs misbehaved:\n\n" + \
-        "\n\n".join(bad[:5])
+    outcome = _run_isolated(cases, "attribute fuzzing")
     assert outcome["diagnosed"] > len(cases) // 4, outcome
 
 
@@ -873,6 +872,15 @@ func.func private @body(%arg0: tensor<8xf32>) -> tensor<8xf32> {{
 """
 
 
+def _task_call(name: str | None = '"t"', sizes: str = "[2]", logical_axes: bool = True) -> str:
+    """``_TASK_CALL`` with a task named ``name`` (none: no name) on devices [0, 1], axis
+    ``x`` of sizes ``sizes``, and ``logical_axes = []`` unless told not to."""
+    attrs = ([f"name = {name}"] if name is not None else []) + [
+        "transpose_count = 0 : i64", "devices = [0, 1]", 'axis_names = ["x"]',
+        f"axis_sizes = {sizes}"] + (["logical_axes = []"] if logical_axes else [])
+    return _TASK_CALL.format(task=", ".join(attrs))
+
+
 def _mm_opt(tmp_path, text: str, pipeline: str) -> Result:
     case = Case(0, "regression", (), pipeline, text)
     return run_in_process(case, str(tmp_path))
@@ -891,22 +899,19 @@ def _assert_rejected(case_text: str, r: Result, message: str):
 
 def test_verify_accepts_task_call_without_logical_axes(tmp_path):
     """mm-verify treats logical_axes as optional on a task call (docs/ir.md section 1)."""
-    text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2]')
+    text = _task_call(logical_axes=False)
     r = _mm_opt(tmp_path, text, "builtin.module(mm-verify)")
     assert r.rc == 0, r.stderr
 
 
 def test_regression_inline_tasks_missing_logical_axes(tmp_path):
     """Found by IR fuzzing (KeyError 'logical_axes'), fixed: logical_axes is optional."""
-    text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2]')
+    text = _task_call(logical_axes=False)
     _assert_clean(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"))
 
 
 def test_regression_inline_tasks_missing_name(tmp_path):
-    text = _TASK_CALL.format(task='transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2]')
+    text = _task_call(name=None, logical_axes=False)
     _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"),
                      "'mm.task' is missing 'name'")
 
@@ -938,24 +943,21 @@ def test_regression_assign_tag_without_transpose_count(tmp_path):
 
 
 def test_regression_negative_axis_size_gives_unparseable_output(tmp_path):
-    text = _TASK_CALL.format(task='name = "t", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [-1], logical_axes = []')
+    text = _task_call(sizes="[-1]")
     r = _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks,mm-outline-fragments)")
     _assert_clean(text, r)
     assert r.rc == 1 and "axis_sizes" in r.stderr
 
 
 def test_regression_empty_task_name(tmp_path):
-    text = _TASK_CALL.format(task='name = "", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2], logical_axes = []')
+    text = _task_call(name='""')
     _assert_rejected(text, _mm_opt(tmp_path, text,
                                 "builtin.module(mm-inline-tasks,mm-assign-tasks{num-devices=8})"),
                      "'mm.task' name must not be empty")
 
 
 def test_regression_empty_task_name_output_reparses(tmp_path):
-    text = _TASK_CALL.format(task='name = "", transpose_count = 0 : i64, devices = [0, 1], '
-                                  'axis_names = ["x"], axis_sizes = [2], logical_axes = []')
+    text = _task_call(name='""')
     _assert_rejected(text, _mm_opt(tmp_path, text, "builtin.module(mm-inline-tasks)"),
                      "'mm.task' name must not be empty")
 

@@ -32,7 +32,9 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from multimesh.jax.flax import parallelize_step
 from tests.layouts import flops_of as _flops
+from tests.layouts import global_mesh as _global_mesh
 from tests.layouts import spec_of as _spec
+from tests.layouts import stage_mesh as _stage_mesh
 from tests.real_models import RULES, Lm1b, init_stages, stage_modules, stage_specs, token_batch
 from tests.real_models import loss_of as _loss_of
 
@@ -48,15 +50,6 @@ PLACEMENTS = {
     "interleaved-1f1b": (4, lambda k: k % 2),
     "dualpipe-v": (4, lambda k: k if k < 2 else 3 - k),
 }
-
-
-def _global_mesh():
-    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=AUTO)
-
-
-def _stage_mesh(first: int = 0) -> jax.sharding.Mesh:
-    devices = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
-    return jax.sharding.Mesh(devices, ("data", "model"), axis_types=AUTO[:2])
 
 
 class Reference:

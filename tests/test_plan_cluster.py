@@ -238,12 +238,7 @@ def test_as_code_runs_here_and_matches_plain_jax():
 
 def test_pipeline_plan_code_imports_jax():
     """``exec(PipelinePlan.as_code())`` needs only the loss (it imported nothing before)."""
-    def layered_model(ws, x):
-        with jax.named_scope("layer0"):
-            x = jnp.tanh(x @ ws[0])
-        with jax.named_scope("layer1"):
-            x = jnp.tanh(x @ ws[1])
-        return x.sum()
+    from tests.error_catalogue import layered_model
 
     plan = mm.plan_pipeline(layered_model, [jnp.eye(16), jnp.eye(16)], jnp.ones((8, 16)),
                             num_stages=2, num_microbatches=2)

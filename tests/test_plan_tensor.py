@@ -25,6 +25,8 @@ from jax.sharding import AxisType
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from tests.layouts import spec_of
+from tests.layouts import work_per_device as _work
+from tests.models import nnx_sharded
 
 RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 ROWS, WIDTH, HIDDEN = 8, 16, 512  # big weights, a small batch: tensor parallelism pays
@@ -80,17 +82,6 @@ def tp():
 @pytest.fixture(scope="module")
 def plain():
     return _model(annotate=False)
-
-
-def _work(compiled) -> dict[int, float]:
-    """Per device position: the flops it runs in one step (each call of each fragment)."""
-    per = compiled.cost_analysis(by_fragment=True)
-    pd = compiled.plan_data
-    out: dict[int, float] = {}
-    for call in pd.calls():
-        for dev in pd.call_devices(call):
-            out[dev] = out.get(dev, 0.0) + float(per[call.fragment].get("flops", 0.0))
-    return out
 
 
 def _stage_mesh(plan):
@@ -280,14 +271,7 @@ def test_nnx_partition_metadata_plans_a_model_axis():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4), ("data", "model"),
                              axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
-        @nnx.jit
-        def create():
-            m = Stack(nnx.Rngs(0))
-            state = nnx.state(m)
-            nnx.update(m, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-            return m
-
-        model = create()
+        model = nnx_sharded(Stack)
     x = jax.random.normal(jax.random.key(1), (ROWS, WIDTH))
 
     def loss(m, x):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,36 +21,16 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh.jax._planner import _search
+from tests.layouts import work_per_device as _work
+from tests.models import TinyLM, lm_tokens
 
 D, MLP, TOKENS, ROWS, VOCAB = 32, 128, 16, 16, 1024
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(nn.LayerNorm()(x))
-        x = x + h
-        return x + nn.Dense(D)(nn.relu(nn.Dense(MLP)(nn.LayerNorm()(x))))
-
-
-class LM(nn.Module):
-    """An unmodified transformer LM: no logical axis, no sharding annotation."""
-
-    n: int = 4
-
-    @nn.compact
-    def __call__(self, tok):
-        x = nn.Embed(VOCAB, D, name="embed")(tok)
-        for i in range(self.n):
-            x = Block(name=f"layers_{i}")(x)
-        logits = nn.Dense(VOCAB, name="head")(nn.LayerNorm()(x))
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tok[..., None], -1))
-
-
 @pytest.fixture(scope="module")
 def lm():
-    model = LM()
-    tok = (jnp.arange(ROWS * TOKENS).reshape(ROWS, TOKENS) * 7 + 3) % VOCAB
+    model = TinyLM(VOCAB, n=4, d=D, mlp=MLP)
+    tok = lm_tokens(ROWS, TOKENS, VOCAB)
     params = model.init(jax.random.key(0), tok)
     one = jax.jit(jax.value_and_grad(model.apply)).lower(params, tok).compile()
     return model, params, tok, float(one.cost_analysis()["flops"])
@@ -61,17 +40,6 @@ def _compile(plan, model, params, tok):
     with plan:
         return mm.mjit(plan.microbatch(jax.value_and_grad(model.apply))).lower(
             params, tok).compile()
-
-
-def _work(compiled) -> dict[int, float]:
-    """Per device position: flops it runs in one step (each call of each fragment)."""
-    per = compiled.cost_analysis(by_fragment=True)
-    pd = compiled.plan_data
-    out: dict[int, float] = {}
-    for call in pd.calls():
-        for dev in pd.call_devices(call):
-            out[dev] = out.get(dev, 0.0) + float(per[call.fragment].get("flops", 0.0))
-    return out
 
 
 def _check_values(compiled, plan, model, params, tok):

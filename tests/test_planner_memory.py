@@ -13,7 +13,6 @@ in types, NNX parameters with ``fsdp``/``tp`` metadata) plans and runs like plai
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,34 +22,16 @@ from jax.sharding import AxisType, reshard
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.models import TinyLM, lm_tokens
 
 D, TOKENS, ROWS, VOCAB = 32, 8, 8, 4096
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(nn.LayerNorm()(x))
-        x = x + h
-        return x + nn.Dense(D)(nn.relu(nn.Dense(4 * D)(nn.LayerNorm()(x))))
-
-
-class LM(nn.Module):
-    """lm1b's shape in small, with a big vocabulary: the head's logits matter."""
-
-    @nn.compact
-    def __call__(self, tok):
-        x = nn.Embed(VOCAB, D, name="embed")(tok)
-        for i in range(2):
-            x = Block(name=f"layers_{i}")(x)
-        logits = nn.Dense(VOCAB, name="head")(nn.LayerNorm()(x))
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tok[..., None], -1))
-
-
 @pytest.fixture(scope="module")
 def lm():
-    model = LM()
-    tok = (jnp.arange(ROWS * TOKENS).reshape(ROWS, TOKENS) * 7 + 3) % VOCAB
+    # lm1b's shape in small, with a big vocabulary: the head's logits matter
+    model = TinyLM(VOCAB, n=2, d=D, mlp=4 * D)
+    tok = lm_tokens(ROWS, TOKENS, VOCAB)
     return model, model.init(jax.random.key(0), tok), tok
 
 
@@ -214,19 +195,10 @@ def test_an_explicit_mode_model_plans_and_runs_exact():
 
 
 def test_a_unit_that_cannot_be_costed_is_named():
-    from jax.extend.core import Primitive
+    """The catalogue's program (a unit ``odd`` whose primitive has no lowering)."""
+    from tests import error_catalogue as cat
 
-    odd = Primitive("mm_test_unlowerable")  # an abstract rule, no lowering
-    odd.def_abstract_eval(lambda x: x)
-
-    def loss(ws, x):
-        with jax.named_scope("odd"):
-            x = odd.bind(x)
-        for i, w in enumerate(ws):
-            with jax.named_scope(f"layer{i}"):
-                x = jnp.tanh(x @ w)
-        return jnp.mean(x)
-
+    trigger = next(e.trigger for e in cat.ENTRIES if e.id == "plan-unit-not-costed")
     with pytest.raises(mm.errors.MultimeshValueError,
-                       match=r"cannot cost unit 'odd''s forward: .*mm_test_unlowerable"):
-        mm.plan_pipeline(loss, [jnp.eye(8)] * 2, jnp.ones((8, 8)), num_stages=2)
+                       match=r"cannot cost unit 'odd''s forward: .*mm_catalogue_unlowerable"):
+        trigger()

@@ -26,23 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from tests.layouts import flops_of as _flops
+from tests.layouts import global_mesh as _global_mesh
 from tests.layouts import spec_of as _spec
+from tests.layouts import stage_mesh as _stage_mesh
+from tests.models import LOGICAL_RULES as RULES
+from tests.models import LogicalBlock as Block
+from tests.models import jit_reference, nnx_mlp, nnx_sharded, sliced_stages
 
-RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 AUTO2 = (AxisType.Auto,) * 2
-
-
-class Block(nn.Module):
-    """An MLP block sharded the flax way: logical partitioning and constraints."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.with_logical_constraint(x, ("batch", "embed"))
-        init = nn.initializers.normal(0.3)
-        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
-        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
-        out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
-        return x + out
 
 
 class Net(nn.Module):
@@ -72,22 +63,10 @@ def _registered(pattern=r"(layers_\d+)"):
         mm.clear_tasks()
 
 
-def _stage_mesh(first: int) -> jax.sharding.Mesh:
-    devs = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
-    return jax.sharding.Mesh(devs, ("data", "model"), axis_types=AUTO2)
-
-
-def _global_mesh():
-    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=(AxisType.Auto,) * 3)
-
-
 def _reference(loss, args):
     """Plain ``jax.jit`` of the step with the same rules on one stage-shaped 2x2 mesh:
     ``(value, grads, flops)``, and the flops of one device."""
-    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
-        ref = jax.jit(jax.value_and_grad(loss))
-        value, grads = ref(*args)
-        flops = _flops(ref.lower(*args).compile())
+    value, grads, flops = jit_reference(loss, *args)
     one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"),
                             axis_types=AUTO2)
     with nn.logical_axis_rules(RULES), jax.set_mesh(one):
@@ -216,15 +195,8 @@ def _nnx_model():
         def __call__(self, x):
             return jnp.mean(self.layers_1(self.layers_0(x)) ** 2)
 
-    @nnx.jit
-    def create():
-        model = NNet(nnx.Rngs(0))
-        state = nnx.state(model)
-        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-        return model
-
     with jax.set_mesh(_stage_mesh(0)):
-        return create()
+        return nnx_sharded(NNet)
 
 
 def test_nnx_metadata_shards_registered_taskmesh_stages():
@@ -261,7 +233,7 @@ def test_nnx_metadata_shards_registered_taskmesh_stages():
 def test_a_rule_naming_an_axis_the_stage_lacks_is_an_error():
     """A linen rule mapping ``mlp`` onto ``stage``, in a registered stage whose TaskMesh
     has only ``("data", "model")``: an error naming the axis, the task, the matcher and
-    the model's line, not a silently replicated stage."""
+    the model's line (the block's, in tests/models.py), not a silently replicated stage."""
     model = Net()
     x = jax.random.normal(jax.random.key(7), (16, 16))
     params = nn.unbox(model.init(jax.random.key(0), x))
@@ -273,7 +245,7 @@ def test_a_rule_naming_an_axis_the_stage_lacks_is_an_error():
         with pytest.raises(mm.errors.MeshError, match=(
                 r"A sharding inside task 'layers_0' \(matched by register_task\("
                 r"'\(layers_\\\\d\+\)'\)\) names the mesh axis 'stage' .*which the task's mesh "
-                r"lacks.*\('data', 'model'\).* \(at .*test_registered_taskmesh_rules\.py:\d+\)")):
+                r"lacks.*\('data', 'model'\).* \(at .*tests/models\.py:\d+\)")):
             mm.mjit(jax.value_and_grad(loss))(params, x)
 
 
@@ -286,39 +258,15 @@ def test_nnx_metadata_over_the_sliced_axis_warns():
 
     from multimesh.jax.flax import mjit
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs):
-            init = nnx.initializers.normal(0.3)
-            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("stage", None)),
-                                 rngs=rngs)
-            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
-                                 rngs=rngs)
-
-        def __call__(self, x):
-            return jnp.mean(self.l1(jnp.tanh(self.l0(x))) ** 2)
-
-    @nnx.jit
-    def create():
-        model = MLP(nnx.Rngs(0))
-        state = nnx.state(model)
-        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-        return model
-
     def step(m, x):
         return nnx.value_and_grad(lambda m: m(x))(m)
 
     x = jax.random.normal(jax.random.key(7), (16, 16))
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            model = create()
-            with pytest.warns(mm.errors.DiagnosticWarning) as record:
-                loss, grads = mjit(step)(model, x)
-            want_loss, want_grads = nnx.jit(step)(model, x)
-    finally:
-        mm.clear_tasks()
+    with sliced_stages():
+        model = nnx_mlp(("stage", None), ("model", None))
+        with pytest.warns(mm.errors.DiagnosticWarning) as record:
+            loss, grads = mjit(step)(model, x)
+        want_loss, want_grads = nnx.jit(step)(model, x)
     lost = [str(w.message) for w in record if "dropped from its layout" in str(w.message)]
     assert len(lost) == 1, lost
     assert re.search(r"is placed sharded over the mesh axis 'stage' .*which task 'l0' that uses "

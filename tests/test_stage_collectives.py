@@ -29,7 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from tests.layouts import flops_of as _flops
+from tests.layouts import global_mesh as _global_mesh
 from tests.layouts import spec_of as _spec
+from tests.layouts import stage_mesh as _stage_mesh
 
 AUTO = AxisType.Auto
 # (in_specs, out_spec, local body) per collective. The ppermute rotates the rows over
@@ -45,17 +47,6 @@ COLLECTIVES = {
                                                perm=[(i, (i + 1) % 4) for i in range(4)])),
 }
 PLACEMENTS = ["registered-mesh_slice", "registered-TaskMesh", "mesh_slice", "TaskMesh"]
-
-
-def _global_mesh(reverse: bool = False) -> jax.sharding.Mesh:
-    devs = jax.devices()[::-1] if reverse else jax.devices()
-    return jax.sharding.Mesh(np.asarray(devs).reshape(2, 2, 2), ("stage", "data", "model"),
-                             axis_types=(AUTO,) * 3)
-
-
-def _stage_mesh() -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"),
-                             axis_types=(AUTO,) * 2)
 
 
 def _body(coll: str, check_vma: bool = True):
@@ -126,6 +117,20 @@ def _reference(body, ws, x):
         return jax.jit(jax.value_and_grad(_loss_of([body, body])))(ws, x)
 
 
+def _assert_as_jax(got, ref, *, devices: bool = True, layout: bool = True):
+    """``got = (value, grads)`` equal ``jax.jit``'s ``ref``; with ``devices``, stage k's
+    gradient lives on devices 4k..4k+3; with ``layout``, it is split as ``ref``'s."""
+    (value, grads), (ref_value, ref_grads) = got, ref
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in range(2):
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
+                                   rtol=1e-5, atol=1e-6)
+        if devices:
+            assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
+        if layout:
+            assert _spec(grads[k].sharding, 2) == _spec(ref_grads[k].sharding, 2)
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("coll", sorted(COLLECTIVES))
 def test_shard_map_collectives_in_a_stage(coll, placement):
@@ -142,12 +147,7 @@ def test_shard_map_collectives_in_a_stage(coll, placement):
         ref_flops = _flops(jax.jit(jax.value_and_grad(_loss_of([body, body])))
                            .lower(ws, x).compile())
     assert flops <= 1.1 * ref_flops, (flops, ref_flops)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k in range(2):
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
-                                   rtol=1e-5, atol=1e-6)
-        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
-        assert _spec(grads[k].sharding, 2) == _spec(ref_grads[k].sharding, 2)
+    _assert_as_jax((value, grads), (ref_value, ref_grads))
 
 
 def test_the_ppermute_case_tells_a_rotation_from_none():
@@ -179,10 +179,8 @@ def test_registered_stage_collectives_follow_the_mesh_order():
     finally:
         mm.clear_tasks()
     ref_value, ref_grads = _reference(body, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    _assert_as_jax((value, grads), (ref_value, ref_grads), devices=False, layout=False)
     for k in range(2):
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
-                                   rtol=1e-5, atol=1e-6)
         want = _global_mesh(reverse=True).devices[k].flatten().tolist()
         assert [d.id for d in grads[k].sharding.mesh.devices.flat] == [d.id for d in want]
 
@@ -227,12 +225,7 @@ def test_check_vma_false_in_a_registered_stage():
     with _placed(body, "registered-mesh_slice") as stages:
         value, grads = mm.mjit(jax.value_and_grad(_loss_of(stages)))(ws, x)
     ref_value, ref_grads = _reference(body, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k in range(2):
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
-                                   rtol=1e-5, atol=1e-6)
-        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
-        assert _spec(grads[k].sharding, 2) == _spec(ref_grads[k].sharding, 2)
+    _assert_as_jax((value, grads), (ref_value, ref_grads))
 
 
 def _wide_mesh() -> jax.sharding.Mesh:
@@ -262,12 +255,7 @@ def test_a_registered_stage_of_other_sizes_traces_on_its_own_mesh():
     with _registered_task_meshes() as layers:
         value, grads = mm.mjit(jax.value_and_grad(_loss_of(layers(body))))(ws, x)
     ref_value, ref_grads = _reference(body, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k in range(2):
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
-                                   rtol=1e-5, atol=1e-6)
-        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
-        assert _spec(grads[k].sharding, 2) == _spec(ref_grads[k].sharding, 2)
+    _assert_as_jax((value, grads), (ref_value, ref_grads))
 
 
 @pytest.mark.parametrize("named", ["Mesh", "AbstractMesh"])
@@ -314,11 +302,7 @@ def test_axis_index_and_psum_in_a_registered_stage_with_its_axes_reordered():
     finally:
         mm.clear_tasks()
     ref_value, ref_grads = _reference(body, ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k in range(2):
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
-                                   rtol=1e-5, atol=1e-6)
-        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
+    _assert_as_jax((value, grads), (ref_value, ref_grads), layout=False)
 
 
 def test_registered_stage_collectives_under_microbatch():
@@ -337,8 +321,4 @@ def test_registered_stage_collectives_under_microbatch():
         value, grads = step(ws, x)
     with jax.set_mesh(_stage_mesh()):
         ref_value, ref_grads = jax.jit(jax.value_and_grad(loss([body, body])))(ws, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for k in range(2):
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]),
-                                   rtol=1e-5, atol=1e-6)
-        assert {d.id for d in grads[k].devices()} == set(range(4 * k, 4 * k + 4))
+    _assert_as_jax((value, grads), (ref_value, ref_grads), layout=False)

@@ -24,9 +24,12 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
 from tests.layouts import flops_of as _flops
+from tests.layouts import global_mesh as _global_mesh
 from tests.layouts import spec_of as _spec
+from tests.layouts import stage_mesh as _stage_mesh
 from tests.models import LOGICAL_RULES as RULES
 from tests.models import LogicalBlock as Block
+from tests.models import jit_reference, nnx_mlp, sliced_stages
 
 AUTO3 = (AxisType.Auto,) * 3
 
@@ -54,29 +57,6 @@ def _jax_params():
 
 
 MODELS = {"linen-rules": _linen_params, "jax-constraint": _jax_params}
-
-
-def _global_mesh():
-    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=AUTO3)
-
-
-@contextlib.contextmanager
-def _nnx_layers_as_stages():
-    """Layers ``l0``/``l1`` registered as the global mesh's stages 0/1, under that mesh;
-    the registrations are cleared after."""
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"l{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with jax.set_mesh(_global_mesh()):
-            yield
-    finally:
-        mm.clear_tasks()
-
-
-def _stage_mesh(first: int) -> jax.sharding.Mesh:
-    devs = np.asarray(jax.devices()[first:first + 4]).reshape(2, 2)
-    return jax.sharding.Mesh(devs, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
 def _stages(apply, placement):
@@ -130,10 +110,7 @@ def test_each_stage_is_sharded_as_the_model_says(model, placement):
         value, grads = step(params, x)
         flops = _flops(step.lower(params, x).compile())
     # The reference: plain jax, with the same rules, on one stage-shaped 2x2 mesh.
-    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
-        ref_step = jax.jit(jax.value_and_grad(plain))
-        ref_value, ref_grads = ref_step(params, x)
-        ref_flops = _flops(ref_step.lower(params, x).compile())
+    ref_value, ref_grads, ref_flops = jit_reference(plain, params, x)
     one_device = _one_device_flops(plain, params, x)
 
     np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
@@ -228,20 +205,11 @@ def test_registered_stages_shard_as_the_models_rules_say():
     def loss(p, x):
         return jnp.mean(model.apply(p, x) ** 2)
 
-    mm.clear_tasks()
-    try:
-        for k in range(2):
-            mm.register_task(f"b{k}", task=mm.Task(mesh_slice={"stage": k}))
-        with _context("mesh_slice"):
-            step = mm.mjit(jax.value_and_grad(loss))
-            value, grads = step(params, x)
-            flops = _flops(step.lower(params, x).compile())
-    finally:
-        mm.clear_tasks()
-    with nn.logical_axis_rules(RULES), jax.set_mesh(_stage_mesh(0)):
-        ref = jax.jit(jax.value_and_grad(loss))
-        ref_value, ref_grads = ref(params, x)
-        ref_flops = _flops(ref.lower(params, x).compile())
+    with sliced_stages("b", rules=RULES):
+        step = mm.mjit(jax.value_and_grad(loss))
+        value, grads = step(params, x)
+        flops = _flops(step.lower(params, x).compile())
+    ref_value, ref_grads, ref_flops = jit_reference(loss, params, x)
     _assert_like_jax((value, grads, flops), (ref_value, ref_grads, ref_flops))
     for k in range(2):
         kernel = grads["params"][f"b{k}"]["Dense_0"]["kernel"]
@@ -283,29 +251,8 @@ def test_explicit_mode_stages():
 def _sharded_nnx_mlp(returns_loss: bool):
     """An NNX MLP sharded by its partition metadata, built as flax's guide builds it
     (inside ``nnx.jit``, under the mesh in context); call under ``jax.set_mesh``."""
-    from flax import nnx
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs):
-            init = nnx.initializers.normal(0.3)
-            self.l0 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
-                                 rngs=rngs)
-            self.l1 = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", None)),
-                                 rngs=rngs)
-
-        def __call__(self, x):
-            x = jax.lax.with_sharding_constraint(x, P("data", None))
-            y = self.l1(jnp.tanh(self.l0(x)))
-            return jnp.mean(y ** 2) if returns_loss else y
-
-    @nnx.jit
-    def create():
-        model = MLP(nnx.Rngs(0))
-        state = nnx.state(model)
-        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-        return model
-
-    return create()
+    return nnx_mlp((None, "model"), ("model", None), constrain_input=True,
+                   returns_loss=returns_loss)
 
 
 def test_nnx_partition_metadata_shards_each_stage():
@@ -321,7 +268,7 @@ def test_nnx_partition_metadata_shards_each_stage():
         return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
 
     x = jax.random.normal(jax.random.key(7), (16, 16))
-    with _nnx_layers_as_stages():
+    with sliced_stages():
         model = _sharded_nnx_mlp(returns_loss=False)
         assert _spec(model.l0.kernel.get_value().sharding, 2) == (None, ("model",))
         loss, grads = mjit(step)(model, x)
@@ -379,14 +326,8 @@ def test_parallelize_step_under_a_global_mesh_and_flax_rules():
     are plain optax's; each kernel lives on its stage, sharded by the rules."""
     import optax
 
-    from multimesh.jax.flax import parallelize_step, task
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = task(Block, name="s0", mesh_slice={"stage": 0})()(x)
-            x = task(Block, name="s1", mesh_slice={"stage": 1})()(x)
-            return jnp.mean(x ** 2)
+    from multimesh.jax.flax import parallelize_step
+    from tests.models import SlicedBlocks as Net
 
     x = jax.random.normal(jax.random.key(1), (16, 16))
     with _context("mesh_slice"):
@@ -434,7 +375,7 @@ def test_nnx_parallelize_step_under_a_global_mesh():
         return loss
 
     x = jax.random.normal(jax.random.key(1), (16, 16))
-    with _nnx_layers_as_stages():
+    with sliced_stages():
         model = _sharded_nnx_mlp(returns_loss=True)
         ref = nnx.clone(model)
         step, state, _ = parallelize_step(model, optax.sgd(0.1), global_batch=x)

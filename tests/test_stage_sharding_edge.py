@@ -27,21 +27,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
+from tests.layouts import global_mesh as _global_mesh
 from tests.layouts import spec_of as _spec
+from tests.layouts import stage_mesh as _stage_mesh
 
 AUTO = AxisType.Auto
 wsc = jax.lax.with_sharding_constraint
-
-
-def _global_mesh(reverse: bool = False) -> jax.sharding.Mesh:
-    devs = jax.devices()[::-1] if reverse else jax.devices()
-    return jax.sharding.Mesh(np.asarray(devs).reshape(2, 2, 2), ("stage", "data", "model"),
-                             axis_types=(AUTO,) * 3)
-
-
-def _stage_mesh() -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"),
-                             axis_types=(AUTO,) * 2)
 
 
 def _uneven(x):

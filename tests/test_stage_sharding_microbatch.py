@@ -26,22 +26,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
-
-RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
-
-
-class Block(nn.Module):
-    """The tutorial's block, smaller."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.with_logical_constraint(x, ("batch", "embed"))
-        init = nn.initializers.normal(0.3)
-        h = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
-        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
-        out = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
-        return x + out
-
+from tests.models import LOGICAL_RULES as RULES
+from tests.models import LogicalBlock
 
 # schedule -> (stages, the submesh of stage k)
 SCHEDULES = {
@@ -69,7 +55,7 @@ def _spec(spec, ndim):
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_tutorial_setup_pipelines_under_microbatch(schedule):
     n, submesh = SCHEDULES[schedule]
-    block = Block()
+    block = LogicalBlock(hidden=32)  # the tutorial's block, smaller
     x = jax.random.normal(jax.random.key(1), (32, 16))
     y = jax.random.normal(jax.random.key(2), (32, 16))
     params = tuple(nn.unbox(block.init(jax.random.key(k), x)) for k in range(n))

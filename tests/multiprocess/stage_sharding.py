@@ -18,21 +18,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import multimesh.jax as mm  # noqa: E402
+from tests.models import LOGICAL_RULES as RULES  # noqa: E402
+from tests.models import LogicalBlock  # noqa: E402
 
-RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.with_logical_constraint(x, ("batch", "embed"))
-        init = nn.initializers.normal(0.3)
-        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
-        h = nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp"))
-        return x + nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
-
-
-block = Block()
+block = LogicalBlock()
 x = jnp.linspace(-1.0, 1.0, 16 * 16).reshape(16, 16)
 params = tuple(nn.unbox(block.init(jax.random.key(k), x)) for k in (0, 1))
 devices = np.asarray(jax.devices()).reshape(2, 2, 2)  # stage k = process k's devices
