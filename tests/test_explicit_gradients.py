@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh.jax as mm
 from tests.layouts import flops_of as _flops
 from tests.layouts import spec_of as _spec
+from tests.models import nnx_train_step
 
 EXPLICIT = AxisType.Explicit
 SPECS = {"w1": P(None, "model"), "w2": P("model", None)}
@@ -271,11 +272,7 @@ def test_nnx_eager_sharding_through_parallelize_step():
 
     from multimesh.jax.flax import parallelize_step
 
-    @nnx.jit
-    def plain_step(m, opt, x):
-        loss, grads = nnx.value_and_grad(lambda m: m(x))(m)
-        opt.update(m, grads)
-        return loss
+    plain_step = nnx.jit(nnx_train_step)
 
     x = jax.random.normal(jax.random.key(7), (16, 16))
     mesh, stage_mesh = _meshes()

@@ -29,7 +29,7 @@ from tests.layouts import spec_of as _spec
 from tests.layouts import stage_mesh as _stage_mesh
 from tests.models import LOGICAL_RULES as RULES
 from tests.models import LogicalBlock as Block
-from tests.models import jit_reference, nnx_mlp, sliced_stages
+from tests.models import jit_reference, nnx_mlp, nnx_train_step, sliced_stages
 
 AUTO3 = (AxisType.Auto,) * 3
 
@@ -368,11 +368,7 @@ def test_nnx_parallelize_step_under_a_global_mesh():
     from multimesh.jax.flax import parallelize_step
 
 
-    @nnx.jit
-    def plain_step(m, opt, x):
-        loss, grads = nnx.value_and_grad(lambda m: m(x))(m)
-        opt.update(m, grads)
-        return loss
+    plain_step = nnx.jit(nnx_train_step)
 
     x = jax.random.normal(jax.random.key(1), (16, 16))
     with sliced_stages():
