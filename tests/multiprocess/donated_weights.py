@@ -38,7 +38,7 @@ step = mm.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1, schedule
 compiled = mm.mjit(step, donate_argnums=(0,)).lower(ws, x).compile()
 mine = compiled._exec
 assert mine._skipped_donations, "the weights' donation should be skipped"
-assert any(isinstance(s, steps.Free) for s in mine._steps), [type(s) for s in mine._steps]
+assert any(isinstance(s, steps.Free) for s in mine.steps), [type(s) for s in mine.steps]
 
 placed = [jax.device_put(np.asarray(w), sh) for w, sh in zip(ws, compiled.input_shardings[0][0])]
 value, grads = compiled(placed, x)
