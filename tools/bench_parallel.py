@@ -34,7 +34,7 @@ import json
 import os
 import statistics
 import sys
-import time
+import timeit
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -93,13 +93,11 @@ def _load() -> str:
 
 
 def _timed(fn, args, steps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``steps`` blocked calls of ``fn(*args)``, after one warm-up."""
+    def call():
+        return jax.block_until_ready(fn(*args))
+    call()
+    return statistics.median(timeit.repeat(call, number=1, repeat=steps))
 
 
 def _param_bytes(tree) -> int:
