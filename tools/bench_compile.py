@@ -41,7 +41,8 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools._common import write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (its helpers)
+from _bench_common import write_json  # noqa: E402
 
 VOCAB, D, SEQ, BLOCKS, SUBMESHES, M, MB_SIZE = 8192, 128, 64, 8, 4, 8, 2
 

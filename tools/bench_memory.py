@@ -31,7 +31,8 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools._common import pipelined_transformer, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (its helpers)
+from _bench_common import pipelined_transformer, write_json  # noqa: E402
 
 D, HEADS, BLOCKS, SUBMESHES, BATCH, M = 128, 4, 8, 4, 256, 8
 SCHEDULES = ["gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2", "interleaved-1f1b"]

@@ -26,7 +26,8 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools._common import pipelined_transformer, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (its helpers)
+from _bench_common import pipelined_transformer, write_json  # noqa: E402
 
 D, SEQ, LAYERS, STAGES, MB_SIZE = 256, 128, 8, 2, 2
 

@@ -34,7 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools._common import write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/ (its helpers)
+from _bench_common import write_json  # noqa: E402
 
 LAYERS, SUBMESHES, BATCH, M = 8, 4, 16, 8
 

@@ -1,8 +1,9 @@
 """What several benchmark tools share: the pipelined transformer of ``bench_memory`` and
 ``bench_microbatch``, and writing a tool's results as JSON (``--json PATH``).
 
-A tool imports it as ``tools._common`` after putting the repository root on ``sys.path``,
-so it runs both as ``python tools/X.py`` and as ``PYTHONPATH=. python tools/X.py``.
+A tool imports it as ``_bench_common`` after putting its own folder on ``sys.path`` (not as
+``tools._common``: under pytest the name ``tools`` is ``tests/tools.py``), so it runs as
+``python tools/X.py``, as ``PYTHONPATH=. python tools/X.py`` and loaded by ``tests/tools.py``.
 """
 
 from __future__ import annotations
