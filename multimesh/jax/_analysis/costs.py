@@ -9,6 +9,8 @@ through a roofline :class:`DeviceModel` (:func:`xla_costs`), and real steps
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 import statistics
@@ -46,14 +48,17 @@ class DeviceModel:
     compute_efficiency), bytes / memory_bandwidth)`` seconds (per device; XLA's
     counts are per device: :meth:`roofline_seconds`); moving ``n`` bytes between
     devices takes ``n / link_bandwidth`` seconds (:meth:`transfer_seconds`), and a
-    collective its ring's share of that (:meth:`collective_seconds`). Nothing else
-    in multimesh prices work (tests/test_one_cost_model.py checks).
+    collective its ring's share of that plus ``collective_latency`` per ring step
+    (:meth:`collective_seconds`: the alpha-beta model). Nothing else in multimesh
+    prices work (tests/test_one_cost_model.py checks).
 
     :meth:`for_device` gives the documented defaults: datasheet peaks by device kind
     (which real kernels reach only in part, so they rank plans rather than time
     steps) and a CPU guess. :meth:`calibrate` measures the devices at hand instead
-    (a matmul's achieved flop/s, a copy's bandwidth, one call's dispatch), so
-    predicted steps come near measured ones.
+    (a matmul's achieved flop/s, a copy's bandwidth, one call's dispatch, a chain of
+    tiny all-gathers' latency), so predicted steps come near measured ones.
+    :meth:`to_json` and :meth:`from_json` write and read one (a file without the
+    latency fields reads with their defaults).
     """
 
     peak_flops: float
@@ -68,6 +73,13 @@ class DeviceModel:
     """Bytes per second per device between nodes (None: ``link_bandwidth``)."""
     devices_per_node: int | None = None
     """Devices joined by ``link_bandwidth`` (None: every device)."""
+    collective_latency: float = 0.0
+    """Seconds each step of a ring collective waits besides its bytes (the alpha of
+    the alpha-beta model; 0: bandwidth only). A ring over ``n`` devices runs ``n - 1``
+    steps (an all-reduce ``2 (n - 1)``), so one collective pays ``(n - 1) x`` this."""
+    network_latency: float | None = None
+    """Seconds per ring step of a collective that leaves the node (None:
+    ``collective_latency``)."""
 
     def __post_init__(self):
         if isinstance(self.compute_efficiency, bool) or not isinstance(
@@ -75,14 +87,17 @@ class DeviceModel:
             raise MultimeshValueError(
                 f"DeviceModel: `compute_efficiency` must be a number in (0, 1] (the "
                 f"fraction of peak_flops that matmuls reach), got {self.compute_efficiency!r}.")
-        for name in ("peak_flops", "memory_bandwidth", "overhead"):
+        for name in ("peak_flops", "memory_bandwidth", "overhead", "collective_latency",
+                     "network_latency"):
             v = getattr(self, name)
-            low = 0 if name == "overhead" else None
+            if name == "network_latency" and v is None:
+                continue
+            low = 0 if name in _SECONDS else None
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                     (v >= 0 if low == 0 else v > 0) and v < float("inf")):
                 raise MultimeshValueError(
                     f"DeviceModel: `{name}` must be a finite number "
-                    f"{'>= 0 (seconds per call)' if low == 0 else '> 0 (per second)'}, got "
+                    f"{'>= 0 (' + _SECONDS[name] + ')' if low == 0 else '> 0 (per second)'}, got "
                     f"{v!r}.")
 
     def roofline_seconds(self, flops: float, bytes_accessed: float) -> float:
@@ -115,21 +130,34 @@ class DeviceModel:
         :meth:`collective_seconds` ``("all-reduce", ...)``."""
         return self.collective_seconds("all-reduce", nbytes, devices, across_nodes)
 
+    def latency(self, across_nodes: bool = False) -> float:
+        """Seconds one ring step of a collective waits besides its bytes:
+        ``collective_latency``, or ``network_latency`` when the ring leaves the node."""
+        if across_nodes and self.network_latency is not None:
+            return self.network_latency
+        return self.collective_latency
+
     def collective_seconds(self, op: str, nbytes: float, devices: int,
-                           across_nodes: bool = False) -> float:
-        """THE collective model: seconds of a ring collective over ``devices``
-        devices: ``op`` is ``"all-reduce"`` (each device sends ``2 (n - 1) / n`` of
-        ``nbytes``), ``"all-gather"`` or ``"reduce-scatter"`` (``(n - 1) / n`` of the
-        full ``nbytes``), each step a :meth:`transfer_seconds`. A ring that leaves the
-        node runs at the slower of the link and the network."""
+                           across_nodes: bool = False, count: int = 1) -> float:
+        """THE collective model (alpha-beta, as NCCL's own tuning model prices a
+        ring): seconds of ``count`` ring collectives over ``devices`` devices that
+        move ``nbytes`` in all: ``op`` is ``"all-reduce"`` (``2 (n - 1)`` steps, each
+        device sending ``2 (n - 1) / n`` of ``nbytes``), ``"all-gather"``,
+        ``"reduce-scatter"`` or ``"all-to-all"`` (``n - 1`` steps, ``(n - 1) / n`` of
+        the full ``nbytes``): each collective pays :meth:`latency` per step (alpha),
+        the bytes a :meth:`transfer_seconds` (beta). A ring that leaves the node runs
+        at the slower of the link and the network, each step at the network's
+        latency. ``count``: the collectives the bytes are split over (fsdp gathers
+        each parameter array apart; each pays its steps' latency)."""
         if op not in _RING_FACTOR:
             raise MultimeshValueError(
                 f"DeviceModel.collective_seconds: op={op!r} is not a collective; valid: "
                 f"{sorted(_RING_FACTOR)}.")
-        if devices <= 1:
+        if devices <= 1 or count <= 0:
             return 0.0
-        return self.transfer_seconds(_RING_FACTOR[op] * (devices - 1) / devices * nbytes,
-                                     across_nodes)
+        steps = _RING_FACTOR[op] * (devices - 1)
+        return (count * steps * self.latency(across_nodes)
+                + self.transfer_seconds(steps / devices * nbytes, across_nodes))
 
     def crosses_nodes(self, stride: int, size: int) -> bool:
         """Whether a group of ``size`` devices, ``stride`` apart in device order,
@@ -142,9 +170,33 @@ class DeviceModel:
                if self.compute_efficiency != 1 else "")
         net = (f", {self.network_bandwidth:.3g} B/s per device between nodes of "
                f"{self.devices_per_node}" if self.network_bandwidth is not None else "")
+        lat = (f", {self.collective_latency * 1e6:.3g} us per collective step"
+               if self.collective_latency else "")
+        if self.network_latency is not None:
+            lat += f" ({self.network_latency * 1e6:.3g} us between nodes)"
         return (f"{self.name}: {self.peak_flops:.3g} flop/s{eff}, {self.memory_bandwidth:.3g} "
                 f"B/s memory, {self.link_bandwidth:.3g} B/s between devices{net}, "
-                f"{self.overhead * 1e6:.3g} us per call")
+                f"{self.overhead * 1e6:.3g} us per call{lat}")
+
+    def to_json(self) -> str:
+        """The model as JSON (every field); :meth:`from_json` reads it back."""
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DeviceModel:
+        """The model :meth:`to_json` wrote. A field it lacks takes its default (a
+        file written before the collective latency existed reads with none: 0); a
+        key that is no field is refused."""
+        d = json.loads(text)
+        need = {"peak_flops", "memory_bandwidth"}
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) - names or not need <= set(d):
+            got = sorted(d) if isinstance(d, dict) else d
+            raise MultimeshValueError(
+                f"`DeviceModel.from_json` takes an object with `peak_flops`, "
+                f"`memory_bandwidth` and any of {sorted(names - need)}, got {got!r}. "
+                f"Load the JSON that `DeviceModel.to_json()` wrote.")
+        return cls(**d)
 
     @classmethod
     def from_spec(cls, spec: DeviceSpec, overhead: float = 1e-5) -> DeviceModel:
@@ -154,19 +206,23 @@ class DeviceModel:
                    link_bandwidth=spec.link_bandwidth,
                    compute_efficiency=spec.compute_efficiency,
                    network_bandwidth=spec.network_bandwidth,
-                   devices_per_node=spec.devices_per_node)
+                   devices_per_node=spec.devices_per_node,
+                   collective_latency=spec.link_latency,
+                   network_latency=spec.network_latency)
 
     @classmethod
     def for_device(cls, device) -> DeviceModel:
         """The documented defaults by ``device.device_kind``: the datasheet entry of
         its kind (:data:`DEVICE_KINDS`, the one table ``Cluster`` reads too: dense
         bf16 peak at a published kernel's efficiency, HBM bandwidth, NVLink or ICI
-        between devices) with 10 us per call, else a CPU guess of 100 GFLOP/s,
-        20 GB/s memory, 10 GB/s between devices and 100 us per call."""
+        between devices, NCCL's per-step ring latencies) with 10 us per call, else a
+        CPU guess of 100 GFLOP/s, 20 GB/s memory, 10 GB/s between devices, 100 us per
+        call and 10 us per collective step."""
         kind = kind_of_device(str(getattr(device, "device_kind", "")))
         if kind is not None:
             return cls.from_spec(DEVICE_KINDS[kind])
-        return cls(1e11, 2e10, overhead=1e-4, name="cpu guess", link_bandwidth=1e10)
+        return cls(1e11, 2e10, overhead=1e-4, name="cpu guess", link_bandwidth=1e10,
+                   collective_latency=1e-5)
 
     @classmethod
     def calibrate(cls, devices: Sequence | None = None, *, refresh: bool = False) -> DeviceModel:
@@ -175,7 +231,9 @@ class DeviceModel:
         small ops around them) and the bandwidth of an elementwise op, both run on
         all the devices at once (so devices that share chips or
         cores see their share), the bandwidth of a copy from one device to another,
-        and one small call's dispatch. Cached per device kind and count (``refresh``
+        one small call's dispatch, and the latency of one ring step of a collective
+        (a chain of tiny all-gathers over all the devices, less the dispatch, per
+        all-gather and step). Cached per device kind and count (``refresh``
         measures again)."""
         devices = list(jax.devices() if devices is None else devices)
         key = (devices[0].platform, str(devices[0].device_kind), len(devices))
@@ -185,6 +243,8 @@ class DeviceModel:
 
 
 _RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
+_SECONDS = {"overhead": "seconds per call", "collective_latency": "seconds per collective step",
+            "network_latency": "seconds per collective step"}
 
 _CALIBRATED: dict[tuple, DeviceModel] = {}
 
@@ -230,9 +290,28 @@ def _probes(devices: list) -> dict:
     if n > 1:
         one = jax.device_put(np.ones(4 * 2 ** 20, np.float32), devices[0])  # 16 MiB
         probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 9)
+        probes["gather"] = (_gathers(mesh), (jax.device_put(np.ones((8 * n,), np.float32),
+                                                            rows),), 5)
     for fn, args, _ in probes.values():
         jax.block_until_ready(fn(*args))
     return probes
+
+
+LATENCY_CHAIN = 16
+"""All-gathers in :meth:`DeviceModel.calibrate`'s latency probe, each reading the last."""
+
+
+def _gathers(mesh: Mesh):
+    """A chain of :data:`LATENCY_CHAIN` all-gathers of 32 bytes per device over
+    ``mesh``'s axis, each reading the one before (so XLA can neither combine nor
+    overlap them): their time is the collectives' latency."""
+    def body(x):
+        for _ in range(LATENCY_CHAIN):
+            x = jax.lax.all_gather(x, "d", tiled=True)[:x.shape[0]] * 0.5 + x
+        return x
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
+                                 out_specs=PartitionSpec("d")))
 
 
 def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceModel:
@@ -240,7 +319,9 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     every probe (:func:`_probes`) a few calls in turn, so a burst of load on a
     shared machine touches every figure alike; each figure is the median over the
     rounds, not the best (one lucky run is no figure to plan with). A run's dispatch
-    (the tiny call's median) is taken off the step's and the elementwise op's."""
+    (the tiny call's median) is taken off the step's, the elementwise op's and the
+    all-gather chain's; the chain's rest, per all-gather and ring step (``n - 1``
+    of them), is the collective latency."""
     n = len(devices)
     probes = _probes(devices)
     step_fn, step_args, _ = probes["step"]
@@ -255,7 +336,10 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     achieved = flops / max(t["step"] - overhead, t["step"] / 2)
     memory = 8 * 2 ** 20 / max(t["scale"] - overhead, t["scale"] / 2)  # read + write
     link = 16 * 2 ** 20 / t["copy"] if n > 1 else 1e10
+    latency = (max(t["gather"] - overhead, t["gather"] / 2) / (LATENCY_CHAIN * (n - 1))
+               if n > 1 else 0.0)
     return cls(achieved, memory, overhead=overhead, link_bandwidth=link,
+               collective_latency=latency,
                name=f"calibrated on {n} {devices[0].platform} device(s)")
 
 

@@ -657,7 +657,9 @@ def _costs(profile: Profile, m: Limits, notes: dict) -> tuple[Costs, Limits]:
                   profile.cut_bytes, tuple(wgrad) if split else None,
                   tuple(x.fwd_bytes for x in u) if priced else None,
                   tuple(x.bytes_accessed - x.fwd_bytes for x in u) if priced else None,
-                  tuple(x.work_bytes for x in u), tuple(x.bwd_param_bytes for x in u))
+                  tuple(x.work_bytes for x in u), tuple(x.bwd_param_bytes for x in u),
+                  leaves=tuple(x.param_leaves for x in u),
+                  bwd_leaves=tuple(x.bwd_param_leaves for x in u))
     return costs, m
 
 

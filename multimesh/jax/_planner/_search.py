@@ -58,7 +58,16 @@ class Costs:
     comm_fwd: tuple[float, ...] | None = None
     comm_bwd: tuple[float, ...] | None = None
     """Per unit, seconds of the tensor-parallel collectives its forward and backward
-    run (whole batch, one data replica; None: none)."""
+    run, their bytes' part (whole batch, one data replica; None: none)."""
+    comm_latency_fwd: tuple[float, ...] | None = None
+    comm_latency_bwd: tuple[float, ...] | None = None
+    """Per unit, the latency part of those collectives' seconds: one call's, whatever
+    its microbatch's size (None: none)."""
+    leaves: tuple[int, ...] | None = None
+    bwd_leaves: tuple[int, ...] | None = None
+    """Per unit, the parameter arrays its forward and its backward read: an fsdp stage
+    all-gathers each apart in each pass, and reduce-scatters each one's gradient
+    (None: one collective per stage and pass)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +134,11 @@ class _Prefix:
         self.work = list(costs.work or [0] * len(costs.names))
         self.comm_fwd = [0.0, *acc(costs.comm_fwd or [0.0] * len(costs.names))]
         self.comm_bwd = [0.0, *acc(costs.comm_bwd or [0.0] * len(costs.names))]
+        zero = [0.0] * len(costs.names)
+        self.lat_fwd = [0.0, *acc(costs.comm_latency_fwd or zero)]
+        self.lat_bwd = [0.0, *acc(costs.comm_latency_bwd or zero)]
+        self.leaves = None if costs.leaves is None else [0, *acc(costs.leaves)]
+        self.bwd_leaves = None if costs.bwd_leaves is None else [0, *acc(costs.bwd_leaves)]
         self.cuts = costs.cuts
         self.n = len(costs.names)
 
@@ -178,22 +192,44 @@ def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
     b_fl = p.flops[j] - p.flops[i] - f_fl
     fwd = _compute(m, f_fl / M, (p.fwd_bytes[j] - p.fwd_bytes[i]) / M, w_) + move
     bwd = _compute(m, b_fl / M, (p.bwd_bytes[j] - p.bwd_bytes[i]) / M, w_) + move
-    fwd += (p.comm_fwd[j] - p.comm_fwd[i]) / M / w_  # tensor-parallel collectives
-    bwd += (p.comm_bwd[j] - p.comm_bwd[i]) / M / w_
+    # tensor-parallel collectives: their bytes shrink with the microbatch, not their latency
+    fwd += (p.comm_fwd[j] - p.comm_fwd[i]) / M / w_ + p.lat_fwd[j] - p.lat_fwd[i]
+    bwd += (p.comm_bwd[j] - p.comm_bwd[i]) / M / w_ + p.lat_bwd[j] - p.lat_bwd[i]
     w = _compute(m, (p.wgrad[j] - p.wgrad[i]) / M, 0.0, w_)
-    params = float(p.params[j] - p.params[i])
-    r = lay.replicas  # the data axis: with a model axis, each device's shard of it
-    if lay.fsdp and r > 1:
-        gather = dm.collective_seconds("all-gather", params, r)
-        fwd += gather
-        bwd += gather + dm.collective_seconds("reduce-scatter", params, r)
-    elif w_ > 1:
-        bwd += dm.all_reduce_seconds(params, r)  # the gradients, ring
+    fwd += _data_comm(p, m, lay, i, j, backward=False)
+    bwd += _data_comm(p, m, lay, i, j, backward=True)
     fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
         bwd += m.fragment_overhead
     return fwd, bwd + m.fragment_overhead, w
+
+
+def _data_comm(p: _Prefix, m: Limits, lay: Layout, i: int, j: int, backward: bool) -> float:
+    """Seconds of the data axis's collectives in one microbatch's forward or backward
+    of units ``[i, j)``. With ``fsdp`` the forward all-gathers each parameter array it
+    reads, one collective each, and the backward gathers each it reads and
+    reduce-scatters each array's gradient (XLA gathers a sharded array where it is
+    read; none combines them on XLA:CPU). Data parallel: one all-reduce of the
+    gradients (XLA's all-reduce combiner joins the arrays' into one collective per
+    backward, as the compiled fragments show)."""
+    params = float(p.params[j] - p.params[i])
+    r, dm = lay.replicas, m.model  # the data axis: with a model axis, each device's shard
+    if lay.fsdp and r > 1:
+        fwd = _span(p.leaves, i, j)
+        if not backward:
+            return dm.collective_seconds("all-gather", params, r, count=fwd)
+        bwd = _span(p.bwd_leaves, i, j) if p.bwd_leaves is not None else fwd
+        return (dm.collective_seconds("all-gather", params, r, count=max(bwd, 1))
+                + dm.collective_seconds("reduce-scatter", params, r, count=fwd))
+    if backward and lay.data > 1:
+        return dm.all_reduce_seconds(params, r)  # the gradients, ring
+    return 0.0
+
+
+def _span(sums: list[int] | None, i: int, j: int) -> int:
+    """Units ``[i, j)``'s total of a per-unit count (None: 1, one per stage)."""
+    return 1 if sums is None else max(sums[j] - sums[i], 1)
 
 
 def _stage_params(p: _Prefix, m: Limits, i: int, j: int, lay: Layout) -> float:

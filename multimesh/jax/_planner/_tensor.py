@@ -105,8 +105,11 @@ def _priced(base: Costs, tu: TensorUnits, model: DeviceModel, timed: bool,
     t = tu.size
     across = model.crosses_nodes(1, t)
 
-    seconds = [sum(model.collective_seconds(op, b, t, across) for op, b in unit)
-               for unit in tu.collectives]
+    # each collective's latency (bytes 0) apart: a microbatch's call pays it whole
+    fixed = [sum(model.collective_seconds(op, 0.0, t, across) for op, _ in unit)
+             for unit in tu.collectives]
+    seconds = [sum(model.collective_seconds(op, b, t, across) for op, b in unit) - a
+               for unit, a in zip(tu.collectives, fixed)]
 
     fwd, bwd, wgrad = tu.fwd_flops, tu.bwd_flops, tu.wgrad_flops
     if timed:  # measured seconds on one device, scaled as XLA's per-device flops fall
@@ -126,7 +129,9 @@ def _priced(base: Costs, tu: TensorUnits, model: DeviceModel, timed: bool,
         fwd_bytes=None if base.fwd_bytes is None else tu.fwd_bytes,
         bwd_bytes=None if base.bwd_bytes is None else tu.bwd_bytes,
         comm_fwd=tuple(c * f for c, f in zip(seconds, tu.fwd_share)),
-        comm_bwd=tuple(c * (1 - f) for c, f in zip(seconds, tu.fwd_share)))
+        comm_bwd=tuple(c * (1 - f) for c, f in zip(seconds, tu.fwd_share)),
+        comm_latency_fwd=tuple(a * f for a, f in zip(fixed, tu.fwd_share)),
+        comm_latency_bwd=tuple(a * (1 - f) for a, f in zip(fixed, tu.fwd_share)))
 
 
 def tensor_tables(fun, args, profile: Profile, base: Costs, devices, model: DeviceModel,

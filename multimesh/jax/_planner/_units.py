@@ -52,6 +52,8 @@ class UnitCost:
     work_bytes: int = 0  # the most its backward's own temporaries hold at once
     bwd_param_bytes: int = 0  # the parameter bytes its backward reads
     param_count: int = 0  # the parameter elements its forward reads
+    param_leaves: int = 0  # the parameter arrays its forward reads (fsdp gathers each)
+    bwd_param_leaves: int = 0  # the parameter arrays its backward reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,16 +332,22 @@ def _count(aval) -> int:
     return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
 
 
-def _bwd_param_bytes(eqns, where, params: set, n: int) -> list[int]:
+def _one(aval) -> int:
+    return 1
+
+
+def _bwd_param_bytes(eqns, where, params: set, n: int, size=None) -> list[int]:
     """Per unit, the bytes of the parameters its backward reads (what an fsdp stage's
-    backward reads from its forward, sharded: each microbatch keeps its own)."""
+    backward reads from its forward, sharded: each microbatch keeps its own);
+    ``size``: another measure of each (:func:`_one`: the arrays)."""
+    size = _nbytes if size is None else size
     out = [0] * n
     seen: set = set()
     for e, (u, bwd) in zip(eqns, where):
         for v in e.invars:
             if bwd and isinstance(v, jcore.Var) and v in params and (v, u) not in seen:
                 seen.add((v, u))
-                out[u] += _nbytes(v.aval)
+                out[u] += size(v.aval)
     return out
 
 
@@ -432,6 +440,8 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
     param_bytes = _param_bytes(eqns, where, params, len(names))
     param_count = _param_bytes(eqns, where, params, len(names), _count)
     bwd_params = _bwd_param_bytes(eqns, where, params, len(names))
+    leaves_fwd = _param_bytes(eqns, where, params, len(names), _one)
+    leaves_bwd = _bwd_param_bytes(eqns, where, params, len(names), _one)
     residual, cuts = _flows(eqns, where, len(names))
     cache: dict = {}
     units = []
@@ -446,7 +456,7 @@ def measure_units(fun, args: Sequence, params_argnum: int = 0, min_units: int = 
                                                                        timer(bwd)))
         units.append(UnitCost(name, ff, bf, fb + bb, param_bytes[k], residual[k],
                               min(wf, bf), times, fb, _working_set(bwd), bwd_params[k],
-                              param_count[k]))
+                              param_count[k], leaves_fwd[k], leaves_bwd[k]))
     source = "XLA cost analysis of each unit's equations"
     if timer is not None:
         source = (f"measured time of each unit's equations compiled alone on "
