@@ -2643,6 +2643,24 @@ def _():
     mm.DeviceModel(peak_flops=0, memory_bandwidth=1e12)
 
 
+@error("device-model-negative-latency", SCHEDULES, "A `DeviceModel` with a negative collective latency",
+       MultimeshValueError, r"DeviceModel: `collective_latency` must be a finite number >= 0 "
+       r"\(seconds per collective step\)",
+       """The latency is what each ring step of a collective waits besides its bytes: give
+       seconds >= 0 (0: bandwidth only), or let `DeviceModel.calibrate()` measure it.""")
+def _():
+    mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, collective_latency=-1e-6)
+
+
+@error("device-model-json-bad-keys", SCHEDULES, "`DeviceModel.from_json` with a key that is no field",
+       MultimeshValueError, r"`DeviceModel.from_json` takes an object with `peak_flops`, "
+       r"`memory_bandwidth` and any of",
+       """Load the JSON `DeviceModel.to_json()` wrote; a field it lacks (a file written
+       before the field existed) takes its default.""")
+def _():
+    mm.DeviceModel.from_json('{"peak_flops": 1e12, "memory_bandwidth": 1e12, "alpha": 1e-6}')
+
+
 @error("best-memory-limit-not-positive", SCHEDULES, "`best(memory_limit=nan)`",
        MultimeshValueError, r"memory_limit must be a positive number of bytes per device",
        """Give the limit in bytes per device, or None for no limit.""")

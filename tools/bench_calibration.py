@@ -31,7 +31,8 @@ def _load() -> str:
 
 
 FIGURES = (("peak_flops", "flop/s"), ("memory_bandwidth", "B/s memory"),
-           ("link_bandwidth", "B/s link"), ("overhead", "s per call"))
+           ("link_bandwidth", "B/s link"), ("overhead", "s per call"),
+           ("collective_latency", "s per collective step"))
 
 
 def main(argv=None) -> int:
