@@ -259,3 +259,16 @@ def test_fragment_collectives_are_read_from_the_compiled_program(two_stages):
     got = xla_costs(compiled, DM).seconds["stage0_bwd"]
     assert got == pytest.approx(alone + sum(DM.collective_seconds(*r) for r in ran))
     assert got - alone >= DM.collective_seconds("all-reduce", 2 * 64 * 64 * 4, 4)
+
+
+def test_xla_costs_pay_each_collectives_latency(two_stages):
+    """Each collective instruction of a compiled fragment pays the model's latency per
+    ring step (an all-reduce 2 (n - 1) steps), on top of its bytes."""
+    _, compiled = two_stages
+    slow = dataclasses.replace(DM, collective_latency=1e-3)
+    ran = fragment_collectives(compiled._exec.exes["stage0_bwd"].as_text())
+    assert ran
+    steps = sum((2 if op == "all-reduce" else 1) * (k - 1) for op, _, k in ran)
+    diff = (xla_costs(compiled, slow).seconds["stage0_bwd"]
+            - xla_costs(compiled, DM).seconds["stage0_bwd"])
+    assert diff == pytest.approx(steps * 1e-3)
