@@ -29,13 +29,19 @@ from tests.layouts import work_per_device as _work
 from tests.models import nnx_sharded
 
 RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
-ROWS, WIDTH, HIDDEN = 8, 16, 512  # big weights, a small batch: tensor parallelism pays
+ROWS, WIDTH, HIDDEN = 8, 16, 512
+# big weights, a small batch: tensor parallelism pays (its collectives each pay a
+# latency, so the weights must outweigh them: at 16 x 512 the gradients' one
+# all-reduce is predicted cheaper)
+WIDE = (64, 2048)
 
 
 class Block(nn.Module):
     """An MLP block sharded the flax way: its hidden dimension ``mlp``."""
 
     annotate: bool = True
+    width: int = WIDTH
+    hidden: int = HIDDEN
 
     @nn.compact
     def __call__(self, x):
@@ -45,27 +51,29 @@ class Block(nn.Module):
             return nn.with_logical_partitioning(f, names) if self.annotate else f
 
         x = nn.with_logical_constraint(x, ("batch", "embed"))
-        h = nn.Dense(HIDDEN, kernel_init=boxed(init, ("embed", "mlp")),
+        h = nn.Dense(self.hidden, kernel_init=boxed(init, ("embed", "mlp")),
                      bias_init=boxed(nn.initializers.zeros, ("mlp",)))(x)
         h = jnp.tanh(h)
         if self.annotate:
             h = nn.with_logical_constraint(h, ("batch", "mlp"))
-        return x + nn.Dense(WIDTH, kernel_init=boxed(init, ("mlp", "embed")))(h)
+        return x + nn.Dense(self.width, kernel_init=boxed(init, ("mlp", "embed")))(h)
 
 
 class Net(nn.Module):
     annotate: bool = True
+    width: int = WIDTH
+    hidden: int = HIDDEN
 
     @nn.compact
     def __call__(self, x):
         for k in range(4):
-            x = Block(self.annotate, name=f"b{k}")(x)
+            x = Block(self.annotate, width=self.width, hidden=self.hidden, name=f"b{k}")(x)
         return x
 
 
-def _model(annotate=True):
-    net = Net(annotate)
-    x = jax.random.normal(jax.random.key(1), (ROWS, WIDTH))
+def _model(annotate=True, width=WIDTH, hidden=HIDDEN):
+    net = Net(annotate, width=width, hidden=hidden)
+    x = jax.random.normal(jax.random.key(1), (ROWS, width))
     params = nn.unbox(net.init(jax.random.key(0), x))
 
     def loss(p, x):
@@ -77,6 +85,11 @@ def _model(annotate=True):
 @pytest.fixture(scope="module")
 def tp():
     return _model()
+
+
+@pytest.fixture(scope="module")
+def wide():
+    return _model(width=WIDE[0], hidden=WIDE[1])
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +128,11 @@ def _run_and_check(plan, loss, params, x):
     return [(st.device_flops, work[st.positions[0]]) for st in plan.stages], grads
 
 
-def test_a_model_axis_where_predicted_faster(tp):
+def test_a_model_axis_where_predicted_faster(wide):
     """Wide weights and 8 rows: data parallelism all-reduces the weights' gradients,
     tensor parallelism only the rows' activations; the planner puts the hidden
     dimension on a ``model`` axis, and the plan runs exact, in jax.jit's layout."""
-    loss, params, x = tp
+    loss, params, x = wide
     with nn.logical_axis_rules(RULES):
         plan = mm.plan_pipeline(loss, params, x, num_stages=2, num_microbatches=1)
         data_only = mm.plan_pipeline(loss, params, x, num_stages=2, num_microbatches=1,
@@ -135,7 +148,7 @@ def test_a_model_axis_where_predicted_faster(tp):
     flops, grads = _run_and_check(plan, loss, params, x)
     kernel = grads["params"]["b0"]["Dense_0"]["kernel"]
     assert spec_of(kernel.sharding, 2) == (None, ("model",))  # the hidden dim, split
-    assert kernel.addressable_shards[0].data.shape == (WIDTH, HIDDEN // plan.tensor)
+    assert kernel.addressable_shards[0].data.shape == (WIDE[0], WIDE[1] // plan.tensor)
 
 
 def test_a_memory_limit_only_tensor_parallelism_meets(tp):
@@ -251,9 +264,9 @@ def test_nnx_partition_metadata_plans_a_model_axis():
 
     class Mlp(nnx.Module):
         def __init__(self, rngs):
-            self.l0 = nnx.Linear(WIDTH, HIDDEN, rngs=rngs,
+            self.l0 = nnx.Linear(*WIDE, rngs=rngs,
                                  kernel_init=nnx.with_partitioning(init, (None, "model")))
-            self.l1 = nnx.Linear(HIDDEN, WIDTH, rngs=rngs,
+            self.l1 = nnx.Linear(*WIDE[::-1], rngs=rngs,
                                  kernel_init=nnx.with_partitioning(init, ("model", None)))
 
         def __call__(self, x):
@@ -272,7 +285,7 @@ def test_nnx_partition_metadata_plans_a_model_axis():
                              axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
         model = nnx_sharded(Stack)
-    x = jax.random.normal(jax.random.key(1), (ROWS, WIDTH))
+    x = jax.random.normal(jax.random.key(1), (ROWS, WIDE[0]))
 
     def loss(m, x):
         return m(x)
