@@ -2652,6 +2652,14 @@ def _():
     mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, collective_latency=-1e-6)
 
 
+@error("cluster-negative-latency", API, "`Cluster` with a negative collective latency",
+       MultimeshValueError, r"`Cluster`: `link_latency` must be a number of seconds >= 0",
+       """Give the seconds each ring step of a collective waits inside a node (or
+       `network_latency` between nodes), 0 for none, or leave it to the datasheet.""")
+def _():
+    mm.Cluster("h100", 8, link_latency=-1e-6)
+
+
 @error("device-model-json-bad-keys", SCHEDULES, "`DeviceModel.from_json` with a key that is no field",
        MultimeshValueError, r"`DeviceModel.from_json` takes an object with `peak_flops`, "
        r"`memory_bandwidth` and any of",

@@ -181,3 +181,16 @@ def test_an_fsdp_plans_collectives_grow_with_its_arrays():
     extra = step["many", True] - step["one", True]
     assert extra >= 21 * 3 * 1e-4 * 0.999
     assert step["many", False] == pytest.approx(step["one", False])
+
+
+def test_a_cluster_overrides_the_latencies():
+    c = mm.Cluster("h100", 16, link_latency=1e-6, network_latency=0.0)
+    dm = c.device_model()
+    assert (dm.collective_latency, dm.network_latency) == (1e-6, 0.0)
+    assert "overridden: ['link_latency', 'network_latency']" in c.spec.source
+    assert mm.Cluster(**c.to_dict()) == c
+    old = {k: v for k, v in c.to_dict().items() if "latency" not in k}  # an older plan file
+    assert mm.Cluster(**old).device_model().collective_latency == pytest.approx(3.4e-6)
+    with pytest.raises(MultimeshValueError, match=r"`Cluster`: `link_latency` must be a "
+                                                   r"number of seconds >= 0"):
+        mm.Cluster("h100", 8, link_latency=-1.0)

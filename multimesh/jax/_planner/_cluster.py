@@ -50,6 +50,7 @@ def _positive(value, name: str, integer: bool = False):
 
 _FIGURES = ("peak_flops", "hbm_bytes", "hbm_bandwidth", "link_bandwidth", "network_bandwidth",
             "compute_efficiency")
+_LATENCIES = ("link_latency", "network_latency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,9 @@ class Cluster:
     ``"custom"`` (then give every figure). ``devices``: how many. Any figure may be
     overridden: ``devices_per_node``, ``link_bandwidth`` (bytes/s per device inside
     a node, one way), ``network_bandwidth`` (bytes/s per device between nodes),
-    ``hbm_bytes``, ``hbm_bandwidth``, ``peak_flops``, ``compute_efficiency``.
+    ``hbm_bytes``, ``hbm_bandwidth``, ``peak_flops``, ``compute_efficiency``,
+    ``link_latency`` and ``network_latency`` (seconds per ring step of a collective
+    inside a node and between nodes; 0 prices bandwidth only).
     """
 
     kind: str
@@ -72,6 +75,8 @@ class Cluster:
     hbm_bandwidth: float | None = None
     peak_flops: float | None = None
     compute_efficiency: float | None = None
+    link_latency: float | None = None
+    network_latency: float | None = None
 
     def __post_init__(self):
         _positive(self.devices, "devices", integer=True)
@@ -81,6 +86,13 @@ class Cluster:
             v = getattr(self, name)
             if v is not None:
                 _positive(v, name)
+        for name in _LATENCIES:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                  or not 0 <= float(v) < math.inf):
+                raise MultimeshValueError(
+                    f"`Cluster`: `{name}` must be a number of seconds >= 0 (per ring step "
+                    f"of a collective), got {v!r}.")
         if self.compute_efficiency is not None and self.compute_efficiency > 1:
             raise MultimeshValueError(
                 f"`Cluster`: `compute_efficiency` is the fraction of peak that matmuls "
@@ -107,7 +119,7 @@ class Cluster:
                               "given by the user")
         else:
             base = device_spec(self.kind)
-        given = {n: getattr(self, n) for n in (*_FIGURES, "devices_per_node")
+        given = {n: getattr(self, n) for n in (*_FIGURES, *_LATENCIES, "devices_per_node")
                  if getattr(self, n) is not None}
         if given and base.kind != "custom":
             given["source"] = base.source + f"; overridden: {sorted(given)}"
