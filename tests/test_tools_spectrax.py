@@ -52,9 +52,10 @@ def test_the_table_marks_a_side_that_differs():
            "first_s": {"multimesh": 1.0, "spectrax": 2.0, "jax.jit": 0.5},
            "step_s": {"multimesh": 0.1, "spectrax": 0.2, "jax.jit": 0.05},
            "first_ratio_spectrax": 0.5, "first_ratio_jit": 2.0,
+           "first_cpu_ratio_spectrax": 0.25, "first_cpu_ratio_jit": 1.5,
            "step_ratio_spectrax": 0.5, "step_ratio_jit": 2.0,
            "max_error": {"multimesh": 2e-7, "spectrax": 3e-2},
            "agree": {"multimesh": True, "spectrax": False}, "load": [1.0, 1.5]}
     line = bench.format_table([row]).splitlines()[-1]
-    assert line == ("| gpipe | 4 | 1.00 / 2.00 / 0.50 | 0.50, 2.00 | 100.0 / 200.0 / 50.0 | "
+    assert line == ("| gpipe | 4 | 1.00 / 2.00 / 0.50 | 0.50, 2.00 (0.25, 1.50) | 100.0 / 200.0 / 50.0 | "
                     "0.50, 2.00 | 2.0e-07, 3.0e-02 (**differs**) | 1.0–1.5 |"), line
