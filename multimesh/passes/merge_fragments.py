@@ -48,7 +48,9 @@ class MergeFragmentsPass(ModulePass):
     Inside the microbatch loop, a run's calls merge only where the loop's
     ``mm.schedule`` lets them: the merged call takes the place of the run's last call
     for each microbatch, so no call the schedule runs between the run's first and
-    last may read a result of the run. The schedule's order is rewritten for the
+    last may read a result of the run, and, in a loop over several submeshes, none
+    may run on the run's submesh (the schedule runs the run back to back there: the
+    last stage's forward and backward under 1F1B, not ZB's deferred weight halves). The schedule's order is rewritten for the
     merged body (one unit per merged run and microbatch).
 
     ``scope=one-submesh`` (the default) merges only in a program whose every
@@ -305,10 +307,13 @@ def _merge_loop(module: ir.Module, loop: ir.Operation, body: ir.Operation,
     pos = {u: p for p, u in enumerate(order)}
     calls = _calls(c.entry_block(body))
     index = {op: k for k, op in enumerate(calls)}
+    # one submesh: every order runs its microbatches one after another, and merging a
+    # microbatch's calls only keeps them together; else the schedule's order stands
+    back_to_back = len({cl.devices for cl in info.calls}) > 1
     group = list(range(S))  # body call -> the body call whose merged call runs it
     for run in _runs(c.entry_block(body), merger.funcs):
         ks = [index[op] for op in run]
-        if _in_the_way(ks, units, pos, S, M):
+        if _in_the_way(ks, units, pos, S, M, back_to_back):
             continue
         merger.merge(run, in_loop=True)
         for k in ks:
@@ -337,15 +342,20 @@ def _order(loop: ir.Operation, S: int, M: int) -> list[int]:
     return [pairs[2 * j + 1] * S + pairs[2 * j] for j in range(len(pairs) // 2)]
 
 
-def _in_the_way(ks: list[int], units, pos: dict[int, int], S: int, M: int) -> bool:
+def _in_the_way(ks: list[int], units, pos: dict[int, int], S: int, M: int,
+                back_to_back: bool) -> bool:
     """Whether, for some microbatch, a unit the schedule runs between the run's first
-    and last call reads a result of the run (the merged call comes at the last's place,
-    so those results would come later)."""
+    and last call reads a result of the run (the merged call comes at the last's
+    place, so those results would come later), or, with ``back_to_back``, runs on
+    the run's submesh at all (the merge would reorder that submesh's calls)."""
+    where = units[ks[0]].devices
     for m in range(M):
         members = {m * S + k for k in ks}
         first = min(pos[u] for u in members)
         last = max(pos[u] for u in members)
         for u, p in pos.items():
-            if first < p < last and u not in members and set(units[u].deps) & members:
+            if first < p < last and u not in members and (
+                    set(units[u].deps) & members
+                    or (back_to_back and units[u].devices == where)):
                 return True
     return False

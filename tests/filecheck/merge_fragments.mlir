@@ -170,3 +170,44 @@ module attributes {mm.num_devices = 4 : i64} {
     return %arg0 : tensor<8xf32>
   }
 }
+
+// -----
+
+// The same loop under GPipe, scope=all: b runs its second forward between its first
+// forward and backward (b: F0 F1 B0 B1), so merging would reorder b's calls: nothing
+// merges and the order stands.
+// ALL-LABEL: func.func @main
+// ALL: mm.schedule = {name = "gpipe", order = array<i64: 0, 0, 0, 1, 1, 0, 1, 1, 2, 0, 3, 0, 2, 1, 3, 1>}
+// ALL-LABEL: func.func private @microbatch_loop
+// ALL-NEXT: call @a_fwd(
+// ALL-NEXT: call @b_fwd(
+// ALL-NEXT: call @b_bwd(
+// ALL-NEXT: call @a_bwd(
+// CHECK-LABEL: func.func private @microbatch_loop
+// CHECK-NEXT: call @a_fwd(
+// CHECK-NEXT: call @b_fwd(
+module attributes {mm.num_devices = 4 : i64} {
+  func.func @main(%arg0: tensor<8xf32> {mm.devices = [0, 1]}) -> tensor<8xf32> {
+    %0 = stablehlo.custom_call @mm.microbatch_loop(%arg0, %arg0) {mm.body = @microbatch_loop, mm.num_microbatches = 2 : i64, mm.schedule = {name = "gpipe", order = array<i64: 0, 0, 0, 1, 1, 0, 1, 1, 2, 0, 3, 0, 2, 1, 3, 1>}} : (tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func private @microbatch_loop(%i: tensor<i32>, %acc: tensor<8xf32>, %x: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @a_fwd(%x) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %1 = call @b_fwd(%0) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %2 = call @b_bwd(%1) {mm.fragment} : (tensor<8xf32>) -> tensor<8xf32>
+    %3 = call @a_bwd(%2, %0, %acc) {mm.fragment} : (tensor<8xf32>, tensor<8xf32>, tensor<8xf32>) -> tensor<8xf32>
+    return %3 : tensor<8xf32>
+  }
+  func.func private @a_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.task = {name = "a", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @b_fwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.task = {name = "b", transpose_count = 0 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @b_bwd(%arg0: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [2, 3], mm.task = {name = "b", transpose_count = 1 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @a_bwd(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>, %arg2: tensor<8xf32>) -> tensor<8xf32> attributes {mm.devices = [0, 1], mm.task = {name = "a", transpose_count = 1 : i64, loop = 0 : i64}} {
+    return %arg0 : tensor<8xf32>
+  }
+}
