@@ -61,7 +61,8 @@ def test_a_plain_program_runs_the_default_passes():
      "mm-form-microbatch-loop,mm-schedule-fragments"),
 ])
 def test_each_option_adds_its_pass_in_order(options, middle):
-    assert _text(**options) == f"builtin.module({HEAD},{middle},{TAIL})"
+    tail = TAIL.removeprefix("mm-merge-fragments,") if "remat_tasks" in options else TAIL
+    assert _text(**options) == f"builtin.module({HEAD},{middle},{tail})"
 
 
 def test_merging_fragments_is_an_option(monkeypatch):
@@ -72,6 +73,8 @@ def test_merging_fragments_is_an_option(monkeypatch):
     assert _text(merge_fragments=MergeFragments.OFF) == f"builtin.module({middle},{tail})"
     assert _text(merge_fragments=MergeFragments.ALL) == \
         f"builtin.module({middle},mm-merge-fragments{{scope=all}},{tail})"
+    # a backward that recomputes its forward (remat=True) stays apart from it
+    assert "mm-merge-fragments" not in _text(remat_tasks=("a",))
     monkeypatch.setenv("MULTIMESH_MERGE_FRAGMENTS", "all")
     assert "mm-merge-fragments{scope=all}" in _pipeline.default_pipeline(8)
     monkeypatch.setenv("MULTIMESH_MERGE_FRAGMENTS", "off")

@@ -72,7 +72,8 @@ class PipelineOptions:
     """Form the microbatch loop and schedule it; the schedule's options are the module's
     ``mm.schedule_config``."""
     merge_fragments: MergeFragments = MergeFragments.ONE_SUBMESH
-    """Merge runs of consecutive fragments on one submesh (``mm-merge-fragments``)."""
+    """Merge runs of consecutive fragments on one submesh (``mm-merge-fragments``); not
+    with ``remat_tasks``, whose backwards recompute what merging would share again."""
 
     def __post_init__(self):
         n = self.num_devices
@@ -117,7 +118,9 @@ def build_pipeline(options: PipelineOptions) -> Pipeline:
     steps.append(_new("mm-propagate-shardings"))
     if options.microbatched:
         steps += [_new("mm-form-microbatch-loop"), _new("mm-schedule-fragments")]
-    if options.merge_fragments is not MergeFragments.OFF:
+    # merged with its forward, a backward that recomputes the forward's residuals
+    # (remat=True) would share them again: XLA computes equal values once
+    if options.merge_fragments is not MergeFragments.OFF and not options.remat_tasks:
         steps.append(_new("mm-merge-fragments", scope=options.merge_fragments.value))
     steps += [_new("mm-insert-transfers"), _new("mm-extract-fragments")]
     return parse_pipeline(steps)

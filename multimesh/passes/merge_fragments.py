@@ -59,7 +59,10 @@ class MergeFragmentsPass(ModulePass):
     microbatch, and the loop's initial and final fragments, with a loop).
     ``scope=all`` merges runs in every program, e.g. a pipeline's last stage's
     forward and backward under 1F1B; the identical-fragment compile sharing between
-    stages may then be lost (docs/performance.md measures when it pays).
+    stages may then be lost (docs/performance.md measures when it pays). The
+    pipeline leaves the pass out for a program with ``remat=True`` tasks: their
+    backwards recompute the forward's residuals, and in one XLA program with the
+    forward the recomputed values would be computed once and kept, undoing the remat.
     """
 
     argument = "mm-merge-fragments"
