@@ -1343,6 +1343,25 @@ def _():
         del os.environ["MULTIMESH_RUN_AHEAD"]
 
 
+@error("merge-fragments-env-unknown", API, "`MULTIMESH_MERGE_FRAGMENTS` names no choice",
+       MultimeshValueError,
+       r"MULTIMESH_MERGE_FRAGMENTS must be one of off, one-submesh, all, got 'yes'; for "
+       r"example MULTIMESH_MERGE_FRAGMENTS=all to merge a pipeline's last stage's forward and "
+       r"backward too, or MULTIMESH_MERGE_FRAGMENTS=off to keep every fragment a call of its "
+       r"own\.",
+       """Which consecutive fragments on one submesh `mm-merge-fragments` makes one call,
+       for every program lowered while it is set: `one-submesh` (the default: a program
+       whose fragments all run on one submesh, such as a one-stage plan), `all` (also a
+       pipeline's, e.g. the last stage's forward and backward under 1F1B) or `off`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    os.environ["MULTIMESH_MERGE_FRAGMENTS"] = "yes"
+    try:
+        mm.mjit(grad_fn).lower(ws, x)
+    finally:
+        del os.environ["MULTIMESH_MERGE_FRAGMENTS"]
+
+
 @error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
        MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
        """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a

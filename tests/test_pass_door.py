@@ -16,6 +16,7 @@ from multimesh._src.errors import MultimeshValueError, PipelineError
 from multimesh.jax._stages import pipeline as _pipeline
 from multimesh.jax._trace_notes import TraceNotes
 from multimesh.passes.api import (
+    MergeFragments,
     PipelineOptions,
     Rule,
     SplitBackward,
@@ -26,7 +27,7 @@ from multimesh.passes.base import ModulePass
 
 HEAD = ("mm-import-gspmd,mm-inline-tasks,mm-assign-tasks{num-devices=8},"
         "mm-resolve-logical-shardings,mm-outline-fragments")
-TAIL = "mm-insert-transfers,mm-extract-fragments"
+TAIL = "mm-merge-fragments,mm-insert-transfers,mm-extract-fragments"
 
 
 def _text(**options) -> str:
@@ -60,7 +61,28 @@ def test_a_plain_program_runs_the_default_passes():
      "mm-form-microbatch-loop,mm-schedule-fragments"),
 ])
 def test_each_option_adds_its_pass_in_order(options, middle):
-    assert _text(**options) == f"builtin.module({HEAD},{middle},{TAIL})"
+    tail = TAIL.removeprefix("mm-merge-fragments,") if "remat_tasks" in options else TAIL
+    assert _text(**options) == f"builtin.module({HEAD},{middle},{tail})"
+
+
+def test_merging_fragments_is_an_option(monkeypatch):
+    """``merge_fragments``: the default merges a one-submesh program's fragments; ``ALL``
+    every run, ``OFF`` leaves the pass out; mjit reads ``$MULTIMESH_MERGE_FRAGMENTS``."""
+    tail = TAIL.removeprefix("mm-merge-fragments,")
+    middle = f"{HEAD},mm-propagate-shardings"
+    assert _text(merge_fragments=MergeFragments.OFF) == f"builtin.module({middle},{tail})"
+    assert _text(merge_fragments=MergeFragments.ALL) == \
+        f"builtin.module({middle},mm-merge-fragments{{scope=all}},{tail})"
+    # a backward that recomputes its forward (remat=True) stays apart from it
+    assert "mm-merge-fragments" not in _text(remat_tasks=("a",))
+    monkeypatch.setenv("MULTIMESH_MERGE_FRAGMENTS", "all")
+    assert "mm-merge-fragments{scope=all}" in _pipeline.default_pipeline(8)
+    monkeypatch.setenv("MULTIMESH_MERGE_FRAGMENTS", "off")
+    assert "mm-merge-fragments" not in _pipeline.default_pipeline(8)
+    monkeypatch.setenv("MULTIMESH_MERGE_FRAGMENTS", "sometimes")
+    with pytest.raises(MultimeshValueError, match="must be one of off, one-submesh, all, got "
+                                                  "'sometimes'"):
+        _pipeline.default_pipeline(8)
 
 
 def test_task_rules_run_the_matcher_first():
@@ -76,6 +98,8 @@ def test_task_rules_run_the_matcher_first():
     ({"num_devices": 8, "split_backward": "all"},
      r"split_backward must be a SplitBackward \(NONE, FLAGGED, ALL\), got 'all'"),
     ({"num_devices": 8, "task_rules": ("layer.*",)}, "task_rules must hold"),
+    ({"num_devices": 8, "merge_fragments": "all"},
+     r"merge_fragments must be a MergeFragments \(OFF, ONE_SUBMESH, ALL\), got 'all'"),
 ])
 def test_bad_options_are_rejected_early(kwargs, match):
     with pytest.raises(PipelineError, match=match) as e:

@@ -24,7 +24,7 @@ from .pipeline import VERIFIER, Pipeline, PipelineHooks, parse_pipeline
 from .registry import get_all_passes
 from .schedule_fragments import read_schedule, schedule_from_order
 
-__all__ = ["PipelineOptions", "SplitBackward", "build_pipeline", "Pipeline", "PipelineHooks",
+__all__ = ["PipelineOptions", "SplitBackward", "MergeFragments", "build_pipeline", "Pipeline", "PipelineHooks",
            "VERIFIER", "parse_pipeline", "Rule", "RuleTask", "compile_matcher", "find_matches",
            "read_schedule", "schedule_from_order", "parse_mesh_tensor", "read_topology"]
 
@@ -39,6 +39,18 @@ class SplitBackward(enum.Enum):
     """Only the backwards of tasks with ``split_backprop``."""
     ALL = "all"
     """Every backward (zero-bubble schedules)."""
+
+
+class MergeFragments(enum.Enum):
+    """Which runs of consecutive fragments on one submesh ``mm-merge-fragments`` merges
+    into one fragment call."""
+
+    OFF = "off"
+    """None (the pass does not run)."""
+    ONE_SUBMESH = "one-submesh"
+    """Only in a program whose fragments all run on one submesh (the default)."""
+    ALL = "all"
+    """In every program (a pipeline's last stage's forward and backward, ...)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,9 @@ class PipelineOptions:
     microbatched: bool = False
     """Form the microbatch loop and schedule it; the schedule's options are the module's
     ``mm.schedule_config``."""
+    merge_fragments: MergeFragments = MergeFragments.ONE_SUBMESH
+    """Merge runs of consecutive fragments on one submesh (``mm-merge-fragments``); not
+    with ``remat_tasks``, whose backwards recompute what merging would share again."""
 
     def __post_init__(self):
         n = self.num_devices
@@ -71,6 +86,10 @@ class PipelineOptions:
                 f"({', '.join(s.name for s in SplitBackward)}), got {self.split_backward!r}.")
         for name in ("task_rules", "remat_tasks", "remat_inputs_of"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not isinstance(self.merge_fragments, MergeFragments):
+            raise PipelineError(
+                f"PipelineOptions.merge_fragments must be a MergeFragments "
+                f"({', '.join(s.name for s in MergeFragments)}), got {self.merge_fragments!r}.")
         if any(not isinstance(r, Rule) for r in self.task_rules):
             raise PipelineError("PipelineOptions.task_rules must hold "
                                 "multimesh.passes.api.Rule values.")
@@ -99,5 +118,9 @@ def build_pipeline(options: PipelineOptions) -> Pipeline:
     steps.append(_new("mm-propagate-shardings"))
     if options.microbatched:
         steps += [_new("mm-form-microbatch-loop"), _new("mm-schedule-fragments")]
+    # merged with its forward, a backward that recomputes the forward's residuals
+    # (remat=True) would share them again: XLA computes equal values once
+    if options.merge_fragments is not MergeFragments.OFF and not options.remat_tasks:
+        steps.append(_new("mm-merge-fragments", scope=options.merge_fragments.value))
     steps += [_new("mm-insert-transfers"), _new("mm-extract-fragments")]
     return parse_pipeline(steps)

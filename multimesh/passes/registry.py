@@ -32,6 +32,7 @@ _PASSES: dict[str, str] = {
     "mm-recompute-transfers": "recompute_transfers:RecomputeTransfersPass",
     "mm-propagate-shardings": "propagate_shardings:PropagateShardingsPass",
     "mm-form-microbatch-loop": "form_microbatch_loop:FormMicrobatchLoopPass",
+    "mm-merge-fragments": "merge_fragments:MergeFragmentsPass",
     "mm-insert-transfers": "insert_transfers:InsertTransfersPass",
     "mm-extract-fragments": "extract_fragments:ExtractFragmentsPass",
     "mm-schedule-fragments": "schedule_fragments:ScheduleFragmentsPass",

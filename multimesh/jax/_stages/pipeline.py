@@ -8,16 +8,46 @@ replays it.
 
 from __future__ import annotations
 
+import os
+
+from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._trace_notes import MicrobatchNote, TraceNotes
-from multimesh.passes.api import Pipeline, PipelineOptions, Rule, SplitBackward, build_pipeline
+from multimesh.passes.api import (
+    MergeFragments,
+    Pipeline,
+    PipelineOptions,
+    Rule,
+    SplitBackward,
+    build_pipeline,
+)
 from multimesh.schedules import get_schedule
 
-__all__ = ["program_pipeline", "plain_pipeline", "default_pipeline", "schedule_config_of"]
+__all__ = ["program_pipeline", "plain_pipeline", "default_pipeline", "schedule_config_of",
+           "merge_fragments", "MERGE_ENV"]
+
+MERGE_ENV = "MULTIMESH_MERGE_FRAGMENTS"
+"""Which consecutive fragments on one submesh become one call (``mm-merge-fragments``):
+``one-submesh`` (the default), ``all`` or ``off``."""
+
+
+def merge_fragments() -> MergeFragments:
+    """``$MULTIMESH_MERGE_FRAGMENTS``, checked (docs/performance.md, "Fewer calls")."""
+    raw = os.environ.get(MERGE_ENV, "")
+    env = raw.strip().lower()
+    if not env:
+        return MergeFragments.ONE_SUBMESH
+    for choice in MergeFragments:
+        if env == choice.value:
+            return choice
+    raise MultimeshValueError(
+        f"{MERGE_ENV} must be one of {', '.join(m.value for m in MergeFragments)}, got "
+        f"{raw!r}; for example {MERGE_ENV}=all to merge a pipeline's last stage's forward "
+        f"and backward too, or {MERGE_ENV}=off to keep every fragment a call of its own.")
 
 
 def plain_pipeline(num_devices: int) -> Pipeline:
     """The pipeline of a program with no registered tasks, loop, split or recompute."""
-    return build_pipeline(PipelineOptions(num_devices))
+    return build_pipeline(PipelineOptions(num_devices, merge_fragments=merge_fragments()))
 
 
 def program_pipeline(num_devices: int, notes: TraceNotes, task_rules: tuple[Rule, ...] | None,
@@ -32,7 +62,7 @@ def program_pipeline(num_devices: int, notes: TraceNotes, task_rules: tuple[Rule
         remat_tasks=tuple(sorted(notes.remat_tasks)),
         remat_inputs_of=tuple(sorted(notes.remat_inputs_of)),
         split_backward=_split_backward(notes), recompute_transfers=recompute_transfers,
-        microbatched=mb is not None))
+        microbatched=mb is not None, merge_fragments=merge_fragments()))
 
 
 def _split_backward(notes: TraceNotes) -> SplitBackward:
