@@ -123,6 +123,37 @@ def test_a_failing_fragment_raises_what_serial_compilation_raises(monkeypatch):
     assert errors[1] == errors[4] == "XLA refused s0_fwd"
 
 
+def test_the_longest_compiles_start_first_and_followers_load_next(monkeypatch):
+    """Serially (1 thread), fragments compile in the order of their work (backward
+    before forward: more contractions), and a fragment identical up to its devices
+    loads right after the one it loads from, not after every compile."""
+    order = []
+    real_compile, real_load = jax_compat.compile_module, jax_compat.load_on_devices
+
+    def compile_module(name, *args):
+        order.append(("xla", name))
+        return real_compile(name, *args)
+
+    def load_on_devices(compiled, name, *args):
+        order.append(("load", name))
+        return real_load(compiled, name, *args)
+
+    monkeypatch.setattr(jax_compat, "compile_module", compile_module)
+    monkeypatch.setattr(jax_compat, "load_on_devices", load_on_devices)
+    compiled, loss, ws, x = _compile(1, monkeypatch)
+    _check(compiled(ws, x), _reference(loss, ws, x))
+    frags = {f.name: f for f in compiled._exec.plan.fragments.values()}
+    xla = [n for kind, n in order if kind == "xla"]
+    assert sorted(xla) == sorted(n for n, s in compiled.xla_sources.items() if s == "xla")
+    assert [executor._work(frags[n]) for n in xla] == sorted(
+        (executor._work(frags[n]) for n in xla), reverse=True)
+    assert xla.index("s2_bwd") < xla.index("s1_fwd"), xla
+    for leader, follower in (("s1_fwd", "s2_fwd"), ("s2_bwd", "s1_bwd")):
+        assert compiled.xla_sources[follower] == "identical fragment"
+        i = order.index(("load", follower))
+        assert order[i - 1] == ("xla", leader), order
+
+
 def test_workers_compile_in_the_callers_jax_config(monkeypatch, caplog):
     """``with jax.log_compiles(True)`` is thread-local in jax; the pool's threads see it."""
     monkeypatch.delenv("MULTIMESH_LOG_COMPILES", raising=False)

@@ -1,6 +1,7 @@
-"""Warm restarts: a second process compiles the lm1b 4x2 M=8 step from the persistent caches.
+"""Compile time of the lm1b 4x2 M=8 step against jax.jit: cold, and warm restarts.
 
     python tools/bench_warm.py [--reps 3] [--schedules 1f1b,interleaved] [--json PATH]
+    python tools/bench_warm.py --cold [--reps 3] [--schedules 1f1b,interleaved]
 
 The step (issue 40): flax's lm1b-shaped ``TransformerLM`` (``tests/real_models.py``:
 vocabulary 8192, 8 blocks, embedding 64, 4 heads, MLP 128, sequences of 32), a batch of
@@ -18,6 +19,13 @@ pass pipeline, docs/performance.md "Warm restarts"). Every repetition runs the t
 programs side by side (the machine may be shared: compare ratios within one run);
 figures are medians. ``--no-pipeline-cache`` turns multimesh's cache of the pass
 pipeline off (``MULTIMESH_PIPELINE_CACHE=0``), to see what it saves.
+
+``--cold`` (issue 40, "CSCALE"): every cache cleared. Each measurement is a fresh
+process with jax's persistent cache off and multimesh's pass cache off
+(``MULTIMESH_PIPELINE_CACHE=0``), so XLA compiles every program; the multimesh and
+``jax.jit`` processes alternate (which goes first alternates too). Reported: the whole
+``trace`` + ``lower`` + ``compile`` of each, the ratio per pair and its median, and
+multimesh's phases with every fragment's XLA compile (``compiled.xla_times``).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ def ours(schedule: str) -> dict:
     from jax.sharding import AxisType
 
     import multimesh.jax as mm
+    from multimesh.runtime.parallel import compile_threads
     from tests.real_models import RULES, loss_of
 
     stages, params, batch, name, submesh = model(schedule)
@@ -98,7 +107,10 @@ def ours(schedule: str) -> dict:
             "plan": times.get("plan", 0.0), "xla": times.get("xla", 0.0),
             "pipeline_cache": getattr(compiled, "pipeline_cache", None),
             "fragments": len(compiled.fragments), "xla_compiles": compiled._exec.xla_compiles,
-            "sources": sorted(set(compiled.xla_sources.values()))}
+            "sources": sorted(set(compiled.xla_sources.values())),
+            "fragment_seconds": {k: round(v, 4) for k, v in compiled.xla_times.items()},
+            "fragment_sources": dict(compiled.xla_sources),
+            "threads": compile_threads()}
 
 
 def jit_scan(schedule: str) -> dict:
@@ -143,21 +155,25 @@ _CHILD = """
 import json, os, sys
 sys.path.insert(0, {tools!r})
 import jax
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if sys.argv[1] != "-":  # "-": cold, jax's persistent cache off
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import bench_warm
 fn = bench_warm.jit_scan if sys.argv[3] == "jit" else bench_warm.ours
 print(json.dumps(fn(sys.argv[2])))
 """
 
 
-def fresh(cache: str, schedule: str, what: str, env: dict | None = None) -> dict:
-    """One fresh process compiling ``what`` (``mm`` or ``jit``) with ``cache`` on."""
+def fresh(cache: str | None, schedule: str, what: str, env: dict | None = None) -> dict:
+    """One fresh process compiling ``what`` (``mm`` or ``jit``) with ``cache`` on, or with
+    no persistent cache at all (``cache=None``)."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE")}
     p = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(tools=os.path.dirname(__file__)), cache,
-         schedule, what], capture_output=True, text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+        [sys.executable, "-c", _CHILD.format(tools=os.path.dirname(__file__)),
+         cache or "-", schedule, what], capture_output=True, text=True,
+        env=dict(base, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                  XLA_FLAGS="--xla_force_host_platform_device_count=8", **(env or {})))
     if p.returncode:
         raise RuntimeError(p.stderr[-4000:])
@@ -191,6 +207,47 @@ def run(schedule: str, reps: int, env: dict) -> dict:
             "warm_mm_runs": warm_mm, "warm_jit_runs": warm_jit}
 
 
+def run_cold(schedule: str, reps: int) -> dict:
+    """``reps`` pairs of fresh processes, every cache off; which goes first alternates."""
+    env = {"MULTIMESH_PIPELINE_CACHE": "0"}
+    mm_runs, jit_runs, loads = [], [], []
+    for i in range(reps):
+        loads.append(_load())
+        order = ("mm", "jit") if i % 2 == 0 else ("jit", "mm")
+        got = {w: fresh(None, schedule, w, env if w == "mm" else None) for w in order}
+        mm_runs.append(got["mm"])
+        jit_runs.append(got["jit"])
+    med = {k: statistics.median(r[k] for r in mm_runs)
+           for k in ("total", "cpu", "trace", "lower", "compile", "passes", "plan", "xla")}
+    jmed = {k: statistics.median(r[k] for r in jit_runs)
+            for k in ("total", "cpu", "trace", "lower", "compile")}
+    frags = {n: statistics.median(r["fragment_seconds"].get(n, 0.0) for r in mm_runs)
+             for n in mm_runs[-1]["fragment_seconds"]}
+    ratios = [a["total"] / b["total"] for a, b in zip(mm_runs, jit_runs)]
+    return {"schedule": schedule, "loads": loads, "mm": med, "jit": jmed,
+            "fragments": frags, "sources": mm_runs[-1]["fragment_sources"],
+            "ratio": statistics.median(ratios), "pair_ratios": ratios,
+            "ratio_cpu": statistics.median(a["cpu"] / b["cpu"]
+                                           for a, b in zip(mm_runs, jit_runs)),
+            "mm_runs": mm_runs, "jit_runs": jit_runs}
+
+
+def _print_cold(r: dict) -> None:
+    w, j, s = r["mm"], r["jit"], r["schedule"]
+    last = r["mm_runs"][-1]
+    print(f"{s:12} cold multimesh {w['total']:5.2f} s (trace {w['trace']:.2f}, lower "
+          f"{w['lower']:.2f}, passes {w['passes']:.2f}, plan {w['plan']:.2f}, XLA "
+          f"{w['xla']:.2f}; CPU {w['cpu']:.2f}; {last['xla_compiles']} XLA compiles of "
+          f"{last['fragments']} fragments, {last['threads']} threads)")
+    compiled = [(n, t) for n, t in r["fragments"].items() if r["sources"][n] == "xla"]
+    print(f"{s:12}   XLA compiles: " + ", ".join(f"{n} {t:.2f}" for n, t in compiled)
+          + f" (sum {sum(t for _, t in compiled):.2f} s)")
+    print(f"{s:12} cold jax.jit+scan {j['total']:5.2f} s (trace {j['trace']:.2f}, lower "
+          f"{j['lower']:.2f}, compile {j['compile']:.2f}; CPU {j['cpu']:.2f})")
+    print(f"{s:12} CSCALE {r['ratio']:.2f} (CPU {r['ratio_cpu']:.2f}; per pair "
+          f"{', '.join(f'{x:.2f}' for x in r['pair_ratios'])}; load {' '.join(r['loads'])})")
+
+
 def _print(r: dict) -> None:
     w, j, c = r["warm_mm"], r["warm_jit"], r["cold_mm"]
     last = r["warm_mm_runs"][-1]
@@ -212,13 +269,15 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", default="1f1b,interleaved")
     ap.add_argument("--no-pipeline-cache", action="store_true",
                     help="MULTIMESH_PIPELINE_CACHE=0 in the multimesh processes")
+    ap.add_argument("--cold", action="store_true",
+                    help="every cache off: fresh processes, no persistent cache (CSCALE)")
     ap.add_argument("--json", help="write the results as JSON to this path")
     args = ap.parse_args(argv)
     env = {"MULTIMESH_PIPELINE_CACHE": "0"} if args.no_pipeline_cache else {}
     out = []
     for sched in args.schedules.split(","):
-        r = run(sched, args.reps, env)
-        _print(r)
+        r = run_cold(sched, args.reps) if args.cold else run(sched, args.reps, env)
+        (_print_cold if args.cold else _print)(r)
         out.append(r)
     write_json(args.json, out)
     return 0

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Set
+from typing import Any
 
 import jax
 import numpy as np
@@ -176,31 +177,55 @@ def _xla_compile(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tu
     return exe, PERSISTENT_CACHE if jax_compat.persistent_cache_hits() > hits else XLA
 
 
+_HEAVY_OPS = ("stablehlo.dot_general", "stablehlo.convolution", "stablehlo.reduce",
+              "stablehlo.scatter", "stablehlo.gather", "stablehlo.while")
+
+
+def _work(frag: Fragment) -> tuple[int, int]:
+    """How long XLA takes to compile ``frag``, as an order: the contractions, reductions
+    and loops it emits kernels for, then its length (an optimizer update, elementwise,
+    is long text but a short compile)."""
+    return sum(frag.text.count(op) for op in _HEAVY_OPS), len(frag.text)
+
+
+def _groups(jobs: list[Job], devices: tuple
+            ) -> tuple[dict[tuple, int], dict[tuple, int], dict[int, list[int]]]:
+    """The first job of each executable (by :func:`_fragment_key`), the first of those
+    of each :func:`_shape_key` (its leader, which compiles), and each leader's
+    followers (the jobs that load its executable)."""
+    first: dict[tuple, int] = {}
+    for j, (frag, donors, positions) in enumerate(jobs):
+        first.setdefault(_fragment_key(frag, devices, donors, positions), j)
+    leaders: dict[tuple, int] = {}
+    followers: dict[int, list[int]] = {}
+    for j in first.values():
+        lead = leaders.setdefault(_shape_key(jobs[j][0], jobs[j][1]), j)
+        followers.setdefault(lead, [])
+        if lead != j:
+            followers[lead].append(j)
+    return first, leaders, followers
+
+
 def _compile_all(jobs: list[Job], devices: tuple
                  ) -> list[tuple[jax.stages.Compiled, str, float]]:
     """``(executable, origin, seconds)`` of every job, in order.
 
     Each distinct executable is made once: fragments that differ only in their devices
-    compile once and the others load that executable (:func:`_shape_key`); the ones
-    that compile, compile concurrently (:mod:`.parallel`), then the rest load.
+    compile once and the others load that executable (:func:`_shape_key`). The ones
+    that compile, compile concurrently (:mod:`.parallel`), the longest first
+    (:func:`_work`), so that the pool does not end on one long compile alone; each loads its followers as soon as it is compiled, in its
+    thread, while the other threads still compile. An error is the one the first
+    failing job in order raises, as in a serial loop.
     """
-    first: dict[tuple, int] = {}
-    for j, (frag, donors, positions) in enumerate(jobs):
-        first.setdefault(_fragment_key(frag, devices, donors, positions), j)
-    leaders: dict[tuple, int] = {}
-    for j in first.values():
-        leaders.setdefault(_shape_key(jobs[j][0], jobs[j][1]), j)
-    lead = list(leaders.values())
-    done: dict[int, tuple[jax.stages.Compiled, str, float]] = {}
+    first, leaders, followers = _groups(jobs, devices)
     # Only an executable XLA compiled in this process can be loaded elsewhere (jax
     # 0.10.2's CPU client re-serializes a loaded one without its code); with jax's
     # persistent cache on, the one XLA compiled is also stored for later processes.
     entries, stored = _stored_entries(leaders, jobs, devices)
 
-    def timed(j: int) -> tuple[jax.stages.Compiled, str, float]:
+    def timed(j: int, like) -> tuple[jax.stages.Compiled, str, float]:
         frag, donors, positions = jobs[j]
         shape = _shape_key(frag, donors)
-        like = done.get(leaders[shape])
         t0 = time.perf_counter()
         exe, origin = _compile_one(frag, devices, donors, positions,
                                    like[0] if like and like[1] == XLA else None,
@@ -212,9 +237,24 @@ def _compile_all(jobs: list[Job], devices: tuple
                 fragment_store.write(entries[shape], data, seconds)
         return exe, origin, seconds
 
-    done.update(zip(lead, map_ordered(timed, lead)))
-    rest = [j for j in first.values() if j not in done]
-    done.update(zip(rest, map_ordered(timed, rest)))
+    def group(j: int) -> list[tuple[int, Any]]:
+        """The leader ``j`` then its followers: ``(job, result or the exception)``."""
+        out: list[tuple[int, Any]] = []
+        k = j
+        try:
+            lead = timed(j, None)
+            out.append((j, lead))
+            for k in followers[j]:
+                out.append((k, timed(k, lead)))
+        except Exception as e:  # noqa: BLE001 - raised below, in the jobs' order
+            out.append((k, e))
+        return out
+
+    order = sorted(followers, key=lambda j: _work(jobs[j][0]), reverse=True)
+    done = dict(pair for pairs in map_ordered(group, order) for pair in pairs)
+    failed = sorted(j for j, r in done.items() if isinstance(r, BaseException))
+    if failed:
+        raise done[failed[0]]
     return [done[j] if j in done else (done[first[k]][0], MEMORY, 0.0)
             for j, k in enumerate(_fragment_key(f, devices, d, p) for f, d, p in jobs)]
 
