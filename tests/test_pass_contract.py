@@ -206,7 +206,7 @@ def test_stages_follow_the_pipeline():
         step.run(module)
         seen.append(stage_of(module)[0])
     assert seen == ["front-end", "front-end", "flat", "flat", "flat", "mpmd", "mpmd", "mpmd",
-                    "extracted"]
+                    "mpmd", "extracted"]
     identity = _parse("func.func @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {\n"
                       "  return %arg0 : tensor<8xf32>\n}\n")
     assert stage_of(identity) == (None, None)

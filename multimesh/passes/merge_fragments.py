@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multimesh._src.errors import DiagnosticError
 from multimesh._src.ir_util import attr_entries
 from multimesh._src.mlir import func, ir
 
@@ -342,7 +343,14 @@ def _order(loop: ir.Operation, S: int, M: int) -> list[int]:
     if c.SCHEDULE_ATTR not in loop.attributes:
         return list(range(S * M))
     pairs = list(ir.DenseI64ArrayAttr(ir.DictAttr(loop.attributes[c.SCHEDULE_ATTR])["order"]))
-    return [pairs[2 * j + 1] * S + pairs[2 * j] for j in range(len(pairs) // 2)]
+    order = [pairs[2 * j + 1] * S + pairs[2 * j] for j in range(len(pairs) // 2)]
+    if len(pairs) % 2 or sorted(order) != list(range(S * M)) or any(
+            not 0 <= k < S for k in pairs[::2]):
+        raise DiagnosticError(
+            f"mm-merge-fragments: the loop's `mm.schedule` order must list every (body call, "
+            f"microbatch) pair of its {S} calls and {M} microbatches once, as "
+            f"`mm-schedule-fragments` writes it; got {pairs}.", loop.location)
+    return order
 
 
 def _in_the_way(ks: list[int], units, pos: dict[int, int], S: int, M: int,
