@@ -78,6 +78,9 @@ SPLIT_ATTR = "mm.split"
 """``mm-split-backward``'s half of a backward fragment (``activation`` / ``weight``)."""
 SCHEDULE_ATTR = "mm.schedule"
 """The recorded dispatch order of a microbatch loop (``{name, order}``)."""
+DONOR_ATTR = "jax.buffer_donor"
+"""jax's argument attribute of a buffer a fragment may reuse for an output (a running
+sum's accumulator)."""
 
 # Markers of the front end.
 AXES_ATTR = "mm.axes"

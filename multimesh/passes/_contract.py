@@ -20,6 +20,7 @@ from multimesh._src.ir_contract import (  # noqa: F401  (re-exported for the pas
     DEFAULT_TASK,
     DEVICE_COUNT,
     DEVICES_ATTR,
+    DONOR_ATTR,
     FRAGMENT_ATTR,
     FRAGMENT_CALL_TARGET,
     INDEX_TARGET,

@@ -16,7 +16,6 @@ from .base import ModulePass
 __all__ = ["FormMicrobatchLoopPass", "BODY_NAME"]
 
 BODY_NAME = "microbatch_loop"
-_DONOR = "jax.buffer_donor"
 
 
 @dataclass(frozen=True)
@@ -288,7 +287,7 @@ class _LoopBuilder:
         numbers = []
         for rn, _group in items:
             a = body.add_argument(call.results[rn].type, fn.location)
-            d: dict[str, ir.Attribute] = {_DONOR: ir.BoolAttr.get(True)}
+            d: dict[str, ir.Attribute] = {c.DONOR_ATTR: ir.BoolAttr.get(True)}
             if "sdy.sharding" in res_attrs[rn]:
                 d["sdy.sharding"] = res_attrs[rn]["sdy.sharding"]
             arg_attrs.append(ir.DictAttr.get(d))

@@ -19,7 +19,6 @@ SCOPES = ("one-submesh", "all")
 """``scope``: merge only in a program whose fragments all run on one submesh, or in
 every program (also the last stage's forward and backward of 1F1B, ...)."""
 
-_DONOR = "jax.buffer_donor"
 _KEPT = (c.DEVICES_ATTR, c.MESH_ATTR, c.TASK_ATTR, c.LOOP_DEVICES_ATTR)
 
 
@@ -164,7 +163,7 @@ class _Merger:
     def merge(self, run: Sequence[ir.Operation], *, in_loop: bool = False) -> ir.Operation:
         """Replace ``run`` by one call of a new fragment; the new call. ``in_loop``: the
         new fragment takes the first fragment's ``mm.task`` (else the last's)."""
-        inside = {op for op in run}
+        inside = set(run)
         args, arg_attrs, where = self._arguments(run)
         fn = self._new_function(run, run[0] if in_loop else run[-1])
         block = fn.regions[0].blocks[0]
@@ -179,7 +178,7 @@ class _Merger:
                                      for k, v in enumerate(op.operands)], value)
         outs: list[tuple[ir.Operation, int, ir.Value]] = [
             (op, j, r) for op in run for j, r in enumerate(op.results)
-            if any(u.owner not in inside for u in _uses(r))]
+            if any(u.owner not in inside for u in r.uses)]
         res_attrs = [self._result_attr(op, j) for op, j, _ in outs]
         with ir.InsertionPoint(end), fn.location:
             func.ReturnOp([value[r] for _, _, r in outs])
@@ -273,15 +272,11 @@ class _Merger:
             self.funcs.pop(name).erase()
 
 
-def _uses(v: ir.Value):
-    return [u for u in v.uses]
-
-
 def _without_donor(entry: ir.DictAttr) -> ir.DictAttr:
-    if _DONOR not in entry:
+    if c.DONOR_ATTR not in entry:
         return entry
     kept = (entry[k] for k in range(len(entry)))  # NamedAttributes
-    return ir.DictAttr.get({a.name: a.attr for a in kept if a.name != _DONOR})
+    return ir.DictAttr.get({a.name: a.attr for a in kept if a.name != c.DONOR_ATTR})
 
 
 def _merged_name(names: list[str], funcs: dict[str, ir.Operation]) -> str:

@@ -22,6 +22,7 @@ from jax.core import ShapedArray
 
 from multimesh._src import callbacks, jax_compat
 from multimesh._src.caches import LRUCache
+from multimesh._src.ir_contract import DONOR_ATTR
 from multimesh._src.ir_util import update_attr_dicts
 from multimesh._src.layouts import Placement
 from multimesh._src.log import compile_log_level, logger
@@ -213,8 +214,9 @@ def _compile_all(jobs: list[Job], devices: tuple
     Each distinct executable is made once: fragments that differ only in their devices
     compile once and the others load that executable (:func:`_shape_key`). The ones
     that compile, compile concurrently (:mod:`.parallel`), the longest first
-    (:func:`_work`), so that the pool does not end on one long compile alone; each loads its followers as soon as it is compiled, in its
-    thread, while the other threads still compile. An error is the one the first
+    (:func:`_work`), so that the pool does not end on one long compile alone; each
+    loads its followers as soon as it is compiled, in its thread, while the other
+    threads still compile. An error is the one the first
     failing job in order raises, as in a serial loop.
     """
     first, leaders, followers = _groups(jobs, devices)
@@ -279,7 +281,7 @@ def _mark_donors(module, donors) -> None:
             op = op.operation
             if op.name != "func.func":
                 continue
-            donor = {"jax.buffer_donor": ir.BoolAttr.get(True)}
+            donor = {DONOR_ATTR: ir.BoolAttr.get(True)}
             n_args = len(op.regions[0].blocks[0].arguments)
             update_attr_dicts(op, "arg_attrs", {k: donor for k in donors if k < n_args})
 

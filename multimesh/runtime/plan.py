@@ -21,6 +21,7 @@ from multimesh._src.calls import Call
 from multimesh._src.errors import MultimeshValueError
 from multimesh._src.ir_contract import (
     DEVICES_ATTR,
+    DONOR_ATTR,
     FRAGMENT_CALL_TARGET,
     LOOP_TARGET,
     PREFIX,
@@ -576,7 +577,7 @@ def _fragment(name: str, sub: ir.Operation) -> Fragment:
                 for a in _attr_list(fn, which, n)]
 
     donors = tuple(k for k, a in enumerate(arg_attrs)
-                   if a is not None and "jax.buffer_donor" in a)
+                   if a is not None and DONOR_ATTR in a)
     return Fragment(name, header.task, header.transpose_count, devices, axis_names,
                     axis_sizes, _standalone(sub), layouts("arg_attrs", len(ftype.inputs)),
                     layouts("res_attrs", len(ftype.results)),
