@@ -26,7 +26,9 @@ class Emitter:
 
     A step writes lines with :meth:`line`, :meth:`assign` and :meth:`drop`, names the
     objects it calls with :meth:`const` (one global name per object), and keeps what
-    must carry from one step to a later one in ``state`` (the run-ahead windows).
+    must carry from one step to a later one in ``state`` (the run-ahead windows). A
+    value can be held past its drop (:meth:`hold`, :meth:`release`), as a window holds
+    the output it will wait on.
     """
 
     def __init__(self) -> None:
@@ -35,6 +37,8 @@ class Emitter:
         self.state: dict = {}
         self._names: dict[int, str] = {}
         self._count = 0
+        self._held: set[int] = set()
+        self._dropped: set[int] = set()  # held values already dropped by the program
 
     @staticmethod
     def value(vid: int) -> str:
@@ -74,10 +78,24 @@ class Emitter:
         self.line(f"{self.value(vid)} = {expr}")
 
     def drop(self, vids: Iterable[int]) -> None:
-        """Let go of values: their buffers are freed once the devices are done."""
-        names = self.values(vids)
+        """Let go of values: their buffers are freed once the devices are done (a held
+        value: when it is released)."""
+        vids = list(vids)
+        self._dropped.update(v for v in vids if v in self._held)
+        names = self.values(v for v in vids if v not in self._held)
         if names:
             self.line(f"del {names}")
+
+    def hold(self, vid: int) -> None:
+        """Keep value ``vid`` until :meth:`release`, whatever drops it before."""
+        self._held.add(vid)
+
+    def release(self, vid: int) -> None:
+        """Let go of a held value, if the program dropped it meanwhile."""
+        self._held.discard(vid)
+        if vid in self._dropped:
+            self._dropped.discard(vid)
+            self.drop([vid])
 
 
 def generate(program: Sequence, *, inputs: Sequence[int], outputs: Sequence[int],
@@ -88,7 +106,7 @@ def generate(program: Sequence, *, inputs: Sequence[int], outputs: Sequence[int]
 
     The function calls ``check(args)``, takes ``args`` as the values ``inputs``,
     moves input ``k`` onto ``placements[k]`` with ``place(x, sharding)`` unless it is
-    there already (``x.sharding is`` it), starts from ``constants`` (value id ->
+    there already (``x.sharding`` is it or equals it), starts from ``constants`` (value id ->
     array) and the zeros ``zeros[1]()`` makes for the ids ``zeros[0]``, runs the
     steps, and returns the values ``outputs``. ``fn.source`` is its source.
     """
@@ -100,7 +118,7 @@ def generate(program: Sequence, *, inputs: Sequence[int], outputs: Sequence[int]
         em.line("() = args")
     for k, sharding in placements.items():
         v, sh = em.value(inputs[k]), em.const(sharding, "sharding")
-        em.line(f"if getattr({v}, 'sharding', None) is not {sh}: "
+        em.line(f"if (_s := getattr({v}, 'sharding', None)) is not {sh} and _s != {sh}: "
                 f"{v} = {em.const(place, 'place')}({v}, {sh})")
     for vid, value in constants.items():
         em.line(f"{em.value(vid)} = {em.const(value, 'constant')}")

@@ -454,7 +454,7 @@ class Executor:
         out = []
         for k, (a, sh) in enumerate(zip(args, self.input_shardings)):
             s = getattr(a, "sharding", None)
-            if s is not sh and k not in self._unread:
+            if s is not sh and s != sh and k not in self._unread:  # equal: there already
                 a = st.place(a, sh)
             out.append(a)
         return out

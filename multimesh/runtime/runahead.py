@@ -16,7 +16,8 @@ makes room for allocate, give or take ``limit`` calls.
 
 The generated dispatch function (:mod:`.codegen`) waits at the same points: the
 windows' contents at each call are known when the function is written, so a wait is
-one line (``wait(_w3)``) on the output a holder kept since its call.
+one line (``wait(v12)``) on an output the function holds until then, as the
+window would.
 """
 
 from __future__ import annotations
@@ -111,14 +112,13 @@ class BoundedCall(st.FragmentCall):
     def emit(self, em: Emitter) -> None:
         super().emit(em)
         pending = em.state.setdefault(id(self.window), [])
-        if self.watch is not None:
-            holder = em.fresh("_w")
-            em.line(f"{holder} = {em.value(self.dsts[self.watch])}")
-            pending.append(holder)
+        if self.watch is not None:  # held as the window holds it: until waited on
+            pending.append(self.dsts[self.watch])
+            em.hold(pending[-1])
         while len(pending) > self.window.limit:
-            holder = pending.pop(0)
-            em.line(f"{em.const(wait, 'wait')}({holder})")
-            em.line(f"del {holder}")
+            vid = pending.pop(0)
+            em.line(f"{em.const(wait, 'wait')}({em.value(vid)})")
+            em.release(vid)
 
 
 class Drain(st.Step):
@@ -136,9 +136,9 @@ class Drain(st.Step):
             w.pending.clear()
 
     def emit(self, em: Emitter) -> None:
-        held = [h for w in self.windows for h in em.state.pop(id(w), [])]
-        if held:
-            em.line(f"del {', '.join(held)}")
+        for w in self.windows:
+            for vid in em.state.pop(id(w), []):
+                em.release(vid)
 
     def label(self, devices: tuple, plan) -> tuple[str, str]:
         return "host", "drain"
