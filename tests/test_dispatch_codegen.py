@@ -235,3 +235,24 @@ def test_a_training_loop_passes_its_outputs_back_without_moving_them(monkeypatch
             np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-6)
             assert w.sharding == sh and w.sharding is not sh
     assert counts == [4, 1, 1]
+
+
+def test_mjit_keys_each_call_by_its_own_types():
+    """The `mjit` function remembers its last call's leaf types (by the leaves' avals):
+    calls that alternate shapes, dtypes and kinds of leaves each run the program
+    compiled for their own types, with plain jax's values."""
+    mesh = mm.TaskMesh(devices=(0,), axis_names=("x",), axis_sizes=(1,))
+    t = mm.task(lambda a, b: a * 2 + b, name="t", mesh=mesh)
+    f = mm.mjit(lambda a, b: t(a, b) + 1)
+    calls = [(jnp.arange(4.0), jnp.ones(4)), (jnp.arange(8.0), jnp.ones(8)),
+             (jnp.arange(4.0), jnp.ones(4)), (np.arange(8.0, dtype=np.float32), jnp.ones(8)),
+             (jnp.arange(4), jnp.ones(4, jnp.int32)), (jnp.arange(4.0), 1.0)]
+    for a, b in calls * 2:
+        out = f(a, b)
+        want = np.asarray(a) * 2 + np.asarray(b) + 1
+        np.testing.assert_array_equal(out, want)
+        assert out.dtype == jnp.result_type(a, b) and sorted(d.id for d in out.devices()) == [0]
+    fed = jnp.arange(4.0)
+    for _ in range(3):  # outputs passed back: the same avals, step after step
+        fed = f(fed, jnp.ones(4))
+    np.testing.assert_array_equal(fed, ((np.arange(4.0) * 2 + 2) * 2 + 2) * 2 + 2)
