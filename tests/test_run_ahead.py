@@ -14,7 +14,7 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh._src.errors import MultimeshValueError
-from multimesh.runtime import runahead
+from multimesh.runtime import runahead, steps
 from tests.models import tanh_chain
 
 M, ROWS = 4, 8
@@ -55,38 +55,81 @@ def test_default_per_backend_and_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("schedule,remat", [("gpipe", None), ("1f1b", None),
                                             ("zero-bubble-h1", True), ("1f1b", True)])
 def test_the_bound_holds_and_values_equal_plain_jax(schedule, remat, monkeypatch):
+    """Every fragment call and every wait of a real call (the generated dispatch
+    function) is logged and replayed against the windows: the host waits on its
+    submesh's oldest call, and never lets more than ``limit`` run. The interpreted
+    program (the steps' ``run``) dispatches and waits in the same order."""
     compiled, ws, x, ref = _program(schedule, remat)
     assert compiled.run_ahead == runahead.default_run_ahead("cpu") == 2
-    most = {"in flight": 0, "calls": 0}
-    plain_run = runahead.BoundedCall.run
-
-    def run(self, env):
-        plain_run(self, env)
-        most["calls"] += 1
-        most["in flight"] = max(most["in flight"], len(self.window.pending))
-        # what the host let go of had finished: only the last `limit` may still run
-        assert len(self.window.pending) <= self.window.limit
-
-    monkeypatch.setattr(runahead.BoundedCall, "run", run)
+    log, made_by = _logged(compiled, monkeypatch)
+    flat = compiled.convention.inputs((ws, x), {})
     for limit in (None, 1, 3):
-        compiled.run_ahead = limit  # rebuilds the dispatch program with the patched run
+        compiled.run_ahead = limit  # rebuilds the dispatch program with the logged calls
+        log.clear()
         value, grads = compiled(ws, x)
         np.testing.assert_allclose(value, ref[0], rtol=1e-5)
         for g, r in zip(grads, ref[1]):
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-        if limit is not None:
-            assert most["in flight"] == limit
-            assert most["calls"] == len(compiled.plan_data.calls())
-        else:
-            assert most["calls"] == 0  # no bound: the plain dispatch program
-        most.update({"in flight": 0, "calls": 0})
-    # a run lets go of the outputs it watched
-    compiled.run_ahead = 2
-    compiled(ws, x)
-    windows = {id(s.window): s.window for s in _bounded(compiled)}
-    assert windows and all(not w.pending for w in windows.values())
+        bounded = [s for s in compiled._exec._bounded if isinstance(s, steps.FragmentCall)]
+        assert [e for e in log if e[0] == "call"] == [("call", k) for k in range(len(bounded))]
+        generated = list(log)
+        if limit is None:
+            assert not any(e[0] == "wait" for e in generated)  # the plain program
+            continue
+        assert _most_in_flight(generated, bounded, made_by) == limit
+        log.clear()
+        exe = compiled._exec
+        steps.run_program(exe._runs, exe.start(flat))
+        assert _named(log, made_by) == _named(generated, made_by)
+        # the interpreted run lets go of the outputs it watched
+        assert all(not s.window.pending for s in bounded)
 
 
-def _bounded(compiled):
-    return [r.__self__ for r in compiled._exec._runs
-            if isinstance(getattr(r, "__self__", None), runahead.BoundedCall)]
+def _logged(compiled, monkeypatch):
+    """Log each fragment call (``("call", k)``, the k-th of the run) and each wait of the
+    run-ahead bound (``("wait", array)``); ``made_by``: id of an output -> its call."""
+    log: list = []
+    made_by: dict[int, int] = {}
+    keep: list = []  # the outputs stay alive: their ids stay theirs
+
+    def logged(fn):
+        def call(*args):
+            k = sum(1 for e in log if e[0] == "call")
+            log.append(("call", k))
+            outs = fn(*args)
+            keep.extend(outs)
+            made_by.update({id(o): k for o in outs})
+            return outs
+        return call
+
+    for s in compiled._exec._program:
+        if isinstance(s, steps.FragmentCall):
+            s.fn = logged(s.fn)
+    real_wait = runahead.wait
+
+    def wait(x):
+        log.append(("wait", x))
+        real_wait(x)
+    monkeypatch.setattr(runahead, "wait", wait)
+    return log, made_by
+
+
+def _named(log, made_by):
+    return [e if e[0] == "call" else ("wait", made_by[id(e[1])]) for e in log]
+
+
+def _most_in_flight(log, bounded, made_by) -> int:
+    """Replay ``log`` against the windows of the ``bounded`` calls: each wait is on its
+    submesh's oldest watched call not waited on yet. The most watched calls of one
+    submesh not waited on, before a call is dispatched and at the end."""
+    pending: dict[int, list[int]] = {}
+    most = 0
+    for kind, what in [*log, ("end", None)]:
+        if kind == "wait":
+            k = made_by[id(what)]
+            assert k == pending[id(bounded[k].window)].pop(0)
+            continue
+        most = max([most, *map(len, pending.values())])
+        if kind == "call" and bounded[what].watch is not None:
+            pending.setdefault(id(bounded[what].window), []).append(what)
+    return most

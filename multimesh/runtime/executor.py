@@ -27,7 +27,7 @@ from multimesh._src.ir_util import update_attr_dicts
 from multimesh._src.layouts import Placement
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, ir, make_context, parse_module
-from multimesh.runtime import fragment_store, runahead
+from multimesh.runtime import codegen, fragment_store, runahead
 from multimesh.runtime import steps as st
 from multimesh.runtime.distributed import ProcessPlan, Route
 from multimesh.runtime.guards import check_args
@@ -358,7 +358,28 @@ class Executor:
         program = self._program or self.steps
         if self._program is not None:
             program = runahead.bounded(program, self.plan, limit, self._consumed)
+        self._bounded = program
         self._runs = [s.run for s in program]
+        self._dispatch: Any = None  # written on the next call (:meth:`dispatch_function`)
+
+    def dispatch_function(self):
+        """The function an ordinary call runs in one process: the dispatch program,
+        run-ahead waits included, as one straight-line function (:mod:`.codegen`;
+        ``.source`` is its source). Written on first use and whenever
+        :meth:`set_run_ahead` changes the program. None under jax.distributed (steps
+        are dispatched one by one there)."""
+        if self._dispatch is None and self._program is not None:
+            self._dispatch = codegen.generate(
+                self._bounded, inputs=self.plan.input_ids, outputs=self.plan.outputs,
+                placements={k: sh for k, sh in enumerate(self.input_shardings)
+                            if k not in self._unread},
+                place=st.place, check=self._check,
+                constants={v: a for v, a in enumerate(self._env_template) if a is not None},
+                zeros=(self._zeros.ids, self._zeros.make))
+        return self._dispatch
+
+    def _check(self, args) -> None:
+        check_args(args, self.donated, self._leaf_name)
 
     def _constants(self) -> list:
         """The value list every run starts from: the microbatch indices in place."""
@@ -433,8 +454,8 @@ class Executor:
         out = []
         for k, (a, sh) in enumerate(zip(args, self.input_shardings)):
             s = getattr(a, "sharding", None)
-            if s is not sh and k not in self._unread:
-                a = st.move(a, sh) if isinstance(a, jax.Array) else jax.device_put(a, sh)
+            if s is not sh and s != sh and k not in self._unread:  # equal: there already
+                a = st.place(a, sh)
             out.append(a)
         return out
 
@@ -444,7 +465,7 @@ class Executor:
         Values live in a flat list indexed by value id; a slot is cleared after the
         value's last use so its buffer can be freed while the step still runs.
         """
-        check_args(args, self.donated, self._leaf_name)
+        self._check(args)
         env = self._env_template.copy()
         if self._zeros.ids:
             for i, z in zip(self._zeros.ids, self._zeros.make()):
@@ -454,6 +475,9 @@ class Executor:
         return env
 
     def __call__(self, *args):
+        fn = self._dispatch or self.dispatch_function()
+        if fn is not None:
+            return fn(args)
         return self.finish(st.run_program(self._runs, self.start(args)))
 
     def finish(self, env) -> list:

@@ -13,6 +13,11 @@ makes room for allocate, give or take ``limit`` calls.
 ``$MULTIMESH_RUN_AHEAD`` sets the default for every program (a positive integer, or
 ``none`` for no bound); without it the default depends on the backend
 (:data:`DEFAULTS`); ``MpmdCompiled.run_ahead`` sets one program's.
+
+The generated dispatch function (:mod:`.codegen`) waits at the same points: the
+windows' contents at each call are known when the function is written, so a wait is
+one line (``wait(v12)``) on an output the function holds until then, as the
+window would.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from __future__ import annotations
 import os
 from collections import deque
 
+from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshValueError
 from multimesh.runtime import steps as st
+from multimesh.runtime.codegen import Emitter
 from multimesh.runtime.plan import Plan
 
-__all__ = ["RUN_AHEAD_ENV", "DEFAULTS", "default_run_ahead", "check_run_ahead", "bounded"]
+__all__ = ["RUN_AHEAD_ENV", "DEFAULTS", "default_run_ahead", "check_run_ahead", "bounded",
+           "wait"]
 
 RUN_AHEAD_ENV = "MULTIMESH_RUN_AHEAD"
 DEFAULTS: dict[str, int | None] = {"cpu": 2}
@@ -63,6 +71,11 @@ def default_run_ahead(platform: str) -> int | None:
     return n
 
 
+wait = jax_compat.array_impl_type().block_until_ready
+"""How the host waits for a call in flight: ``wait(output)`` blocks until the array is
+ready (``jax.Array.block_until_ready``, unbound: the same C++ call)."""
+
+
 class _Window:
     """The calls of one submesh in flight: an output of each, oldest first."""
 
@@ -94,7 +107,18 @@ class BoundedCall(st.FragmentCall):
         if self.watch is not None:
             w.pending.append(outs[self.watch])
         while len(w.pending) > w.limit:
-            w.pending.popleft().block_until_ready()
+            wait(w.pending.popleft())
+
+    def emit(self, em: Emitter) -> None:
+        super().emit(em)
+        pending = em.state.setdefault(id(self.window), [])
+        if self.watch is not None:  # held as the window holds it: until waited on
+            pending.append(self.dsts[self.watch])
+            em.hold(pending[-1])
+        while len(pending) > self.window.limit:
+            vid = pending.pop(0)
+            em.line(f"{em.const(wait, 'wait')}({em.value(vid)})")
+            em.release(vid)
 
 
 class Drain(st.Step):
@@ -110,6 +134,11 @@ class Drain(st.Step):
     def run(self, env: list) -> None:
         for w in self.windows:
             w.pending.clear()
+
+    def emit(self, em: Emitter) -> None:
+        for w in self.windows:
+            for vid in em.state.pop(id(w), []):
+                em.release(vid)
 
     def label(self, devices: tuple, plan) -> tuple[str, str]:
         return "host", "drain"

@@ -7,8 +7,9 @@ devices are done with them. :func:`run_program` is the one dispatch loop;
 :func:`traced` and ``memory.measure_step`` wrap each step's ``run`` and hand the
 wrappers to the same loop. :func:`route` is the one place that decides how a value moves.
 
-Steps use ``__slots__`` and do their work in one method: the loop costs one
-attribute lookup and one call per step on top of jax's own dispatch.
+Each step also writes its ``run`` as lines of a generated function (``emit``,
+:mod:`.codegen`): an ordinary call runs the whole program as one straight-line
+function, values in its locals, without a method call or list per step.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src import jax_compat
 from multimesh._src.layouts import Placement
+from multimesh.runtime.codegen import Emitter
 from multimesh.runtime.plan import Call, Transfer
 
 __all__ = ["Step", "FragmentCall", "BatchedCopy", "Move", "FreshCopy", "CrossProcess",
-           "Free", "route", "run_program", "traced", "layout_sharding", "move", "copy",
+           "Free", "route", "run_program", "traced", "layout_sharding", "move", "copy", "place",
            "PLAIN_COPY", "MOVE", "FRESH_COPY", "CROSS_PROCESS"]
 
 
@@ -56,6 +58,12 @@ def copy(x, sharding):
     (whatever the copy semantics), so the moved array is copied once more.
     """
     return _shard_args([sharding], _NO_LAYOUT, _COPY, [move(x, sharding)])[0]
+
+
+def place(x, sharding):
+    """An argument onto its input sharding: :func:`move` for a jax.Array, else
+    ``jax.device_put`` (a NumPy array, a Python scalar)."""
+    return move(x, sharding) if isinstance(x, jax.Array) else jax.device_put(x, sharding)
 
 
 # --------------------------------------------------------------------------- routes
@@ -104,6 +112,10 @@ class Step:
     def run(self, env: list) -> None:
         raise NotImplementedError
 
+    def emit(self, em: Emitter) -> None:
+        """Write what ``run`` does as lines of a generated function (:mod:`.codegen`)."""
+        raise NotImplementedError
+
     def label(self, devices: tuple, plan) -> tuple[str, str]:
         """(track, name) of this step in a trace."""
         t = self.origin
@@ -126,6 +138,10 @@ class FragmentCall(Step):
             env[d] = o
         for d in self.drop:
             env[d] = None
+
+    def emit(self, em: Emitter) -> None:
+        em.assign(self.dsts, f"{em.const(self.fn, 'call')}({em.values(self.srcs)})")
+        em.drop(self.drop)
 
     def label(self, devices: tuple, plan) -> tuple[str, str]:
         where = plan.call_devices(self.origin)
@@ -150,6 +166,12 @@ class BatchedCopy(Step):
         for d in self.drop:
             env[d] = None
 
+    def emit(self, em: Emitter) -> None:
+        rest = ", ".join(em.const(a, "copy_arg") for a in self.args)
+        em.assign(self.dsts, f"{em.const(jax_compat.batched_copy, 'batched_copy')}"
+                             f"([{em.values(self.srcs)}], {rest})")
+        em.drop(self.drop)
+
     def label(self, devices: tuple, plan) -> tuple[str, str]:
         return "transfers", "copy " + ",".join(f"%{s}" for s in self.srcs)
 
@@ -168,6 +190,14 @@ class Move(Step):
         for d in self.drop:
             env[d] = None
 
+    def emit(self, em: Emitter) -> None:
+        self._emit(em, move)
+
+    def _emit(self, em: Emitter, how) -> None:
+        em.set(self.dsts[0], f"{em.const(how, how.__name__)}({em.value(self.srcs[0])}, "
+                           f"{em.const(self.sharding, 'sharding')})")
+        em.drop(self.drop)
+
 
 class FreshCopy(Move):
     """:class:`Move` into fresh buffers (:data:`FRESH_COPY`)."""
@@ -178,6 +208,9 @@ class FreshCopy(Move):
         env[self.dsts[0]] = copy(env[self.srcs[0]], self.sharding)
         for d in self.drop:
             env[d] = None
+
+    def emit(self, em: Emitter) -> None:
+        self._emit(em, copy)
 
 
 class CrossProcess(Step):
@@ -195,6 +228,10 @@ class CrossProcess(Step):
         for d in self.drop:
             env[d] = None
 
+    def emit(self, em: Emitter) -> None:
+        em.set(self.dsts[0], f"{em.const(self.fn, 'cross')}({em.value(self.srcs[0])})")
+        em.drop(self.drop)
+
 
 class Free(Step):
     """Delete donated inputs whose call's executable could not reuse their buffers
@@ -210,6 +247,11 @@ class Free(Step):
         for d in self.srcs:
             env[d].delete()
             env[d] = None
+
+    def emit(self, em: Emitter) -> None:
+        for d in self.srcs:
+            em.line(f"{em.value(d)}.delete()")
+        em.drop(self.srcs)
 
     def label(self, devices: tuple, plan) -> tuple[str, str]:
         return "host", "free " + ",".join(f"%{s}" for s in self.srcs)

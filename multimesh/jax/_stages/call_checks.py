@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from multimesh._src import jax_compat
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 
 __all__ = ["check_call", "check_leaf_types", "check_distinct_devices", "check_unsupported",
@@ -60,16 +61,32 @@ def check_leaf_types(flat, in_avals, args, kwargs) -> None:
         f"call the `mjit` function, which compiles for each new set of types.")
 
 
-def check_call(in_tree, in_avals, args, kwargs) -> list:
+_ArrayImpl = jax_compat.array_impl_type()
+
+
+def check_call(in_tree, in_avals, args, kwargs, seen: list | None = None) -> list:
     """The leaves of a compiled program's arguments, checked against what it was
-    compiled for (structure, shapes and dtypes)."""
+    compiled for (structure, shapes and dtypes).
+
+    ``seen``: a one-slot list where the check remembers the types of the last call
+    that passed, as jax's C++ dispatch remembers its last signature: whether 64-bit
+    types were enabled and each leaf's aval. A call whose leaves are ``jax.Array`` s
+    with avals equal to those (the very objects, step after step, when they are the
+    outputs of the same executables) passed the same check and skips it; any other
+    leaf (a NumPy array, a scalar) never matches and is checked in full."""
     flat, tree = jax.tree.flatten((args, kwargs))
     if tree != in_tree:
         raise MultimeshValueError(
             f"Compiled function called with arguments of structure {tree}, but it was "
             f"compiled for {in_tree}.")
-    if in_avals is not None:
+    if in_avals is None:
+        return flat
+    sig = (jax.config.read("jax_enable_x64"),
+           *[x.aval if type(x) is _ArrayImpl else object() for x in flat])
+    if seen is None or sig != seen[0]:
         check_leaf_types(flat, in_avals, args, kwargs)
+        if seen is not None:
+            seen[0] = sig
     return flat
 
 

@@ -63,6 +63,8 @@ class CallConvention:
     place: Callable[[Any, Any], Any] | None = None
     in_shardings: tuple = ()
     """The fast path: each leaf goes through ``place(leaf, sharding)`` first."""
+    seen: list = dataclasses.field(default_factory=lambda: [None], compare=False, repr=False)
+    """The types of the last call that passed ``check_call`` (its ``seen``)."""
 
     @classmethod
     def for_runtime(cls, record: LoweredProgram, output_shardings: Sequence
@@ -91,7 +93,7 @@ class CallConvention:
     def inputs(self, args: tuple, kwargs: dict) -> list:
         """The call's arguments as the runtime takes them: checked, the leaves the
         program takes, typed keys as their data, placed (the fast path)."""
-        flat = check_call(self.in_tree, self.in_avals, args, kwargs)
+        flat = check_call(self.in_tree, self.in_avals, args, kwargs, self.seen)
         if self.taken is not None:
             flat = [flat[i] for i in self.taken]
         if self.key_inputs:  # typed PRNG keys travel as their raw uint32 data

@@ -106,6 +106,7 @@ class _MJit(ProgramCaches):
         self.keep_unused = bool(keep_unused)
         self._cache = LRUCache("multimesh mjit programs")
         self._placed = LRUCache("multimesh mjit programs for committed inputs")
+        self._seen: list = [None]  # the last call's leaf types (_leaf_types)
         # Pin committed inputs even where the program constrains them (parallelize's
         # initial_batch); see multimesh.jax._stages.inputs.
         self.pin_committed = False
@@ -229,8 +230,7 @@ class _MJit(ProgramCaches):
             return handler.call(self, bound)
         dyn, dkw = bound.dyn_args, bound.dyn_kwargs
         leaves, tree = jax.tree.flatten((dyn, dkw))
-        signature = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
-                                  bool(getattr(x, "weak_type", False))) for x in leaves),
+        signature = (tree, _leaf_types(leaves, self._seen),
                      typed_specs(leaves))  # explicit mode: the types' shardings too
         placed = _inputs.committed_key(leaves)
         if any(p is not None for p in placed):  # committed inputs are physical shardings
@@ -277,6 +277,26 @@ class _MJit(ProgramCaches):
         """Forget the programs compiled for this function (``jax.jit``'s ``clear_cache``)."""
         self._cache.cache_clear()
         self._placed.cache_clear()
+
+
+_ArrayImpl = jax_compat.array_impl_type()
+
+
+def _leaf_types(leaves, seen: list) -> tuple:
+    """Per leaf, (shape, dtype name, weak type): the types in ``mjit``'s cache key.
+
+    ``seen`` remembers the last call's: leaves that are arrays with avals equal to
+    the last call's (the very objects, step after step, when they are the outputs of
+    the same executables) have its types, without reading each leaf again; any other
+    leaf (a NumPy array, a scalar) never matches."""
+    avals = [x.aval if type(x) is _ArrayImpl else object() for x in leaves]
+    last = seen[0]
+    if last is not None and last[0] == avals:
+        return last[1]
+    types = tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
+                   bool(getattr(x, "weak_type", False))) for x in leaves)
+    seen[0] = (avals, types)
+    return types
 
 
 def _explicit_context_mesh() -> Mesh | None:
