@@ -374,7 +374,8 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     them), is the collective latency; what the chain of layers with all-gathers
     takes beyond the layers alone and the bare all-gathers, over the layers' own
     compute, is the rendezvous (the share of the compute between collectives that
-    each collective waits for; 0 where it is not above them)."""
+    each collective waits for: per round, as the three chains ran one after the
+    other, then the median; 0 where it is not above them)."""
     n = len(devices)
     probes = _probes(devices)
     step_fn, step_args, _ = probes["step"]
@@ -396,7 +397,10 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     if n > 1:
         link = 16 * 2 ** 20 / t["copy"]
         latency = net("gather") / (LATENCY_CHAIN * (n - 1))
-        rendezvous = max(t["between"] - t["layers"] - net("gather"), 0.0) / net("layers")
+        # per round (the three chains ran one after the other), then the median
+        rendezvous = max(statistics.median(
+            (b - a - max(g - c, g / 2)) / max(a - c, a / 2) for a, b, g, c in
+            zip(seen["layers"], seen["between"], seen["gather"], seen["call"])), 0.0)
     return cls(achieved, memory, overhead=overhead, link_bandwidth=link,
                collective_latency=latency, rendezvous=rendezvous,
                name=f"calibrated on {n} {devices[0].platform} device(s)")
