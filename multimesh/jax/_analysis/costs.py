@@ -56,7 +56,9 @@ class DeviceModel:
     (which real kernels reach only in part, so they rank plans rather than time
     steps) and a CPU guess. :meth:`calibrate` measures the devices at hand instead
     (a matmul's achieved flop/s, a copy's bandwidth, one call's dispatch, a chain of
-    tiny all-gathers' latency), so predicted steps come near measured ones.
+    tiny all-gathers' latency, and on a host whose device threads share its cores the
+    share of a call's compute that its collectives wait for: ``rendezvous``), so
+    predicted steps come near measured ones.
     :meth:`to_json` and :meth:`from_json` write and read one (a file without the
     latency fields reads with their defaults).
     """
@@ -245,15 +247,17 @@ class DeviceModel:
 
     @classmethod
     def calibrate(cls, devices: Sequence | None = None, *, refresh: bool = False) -> DeviceModel:
-        """A model measured on ``devices`` (default ``jax.devices()``) in a second or
-        two: the achieved flop/s of a small layer's training step (matmuls and the
-        small ops around them) and the bandwidth of an elementwise op, both run on
-        all the devices at once (so devices that share chips or
-        cores see their share), the bandwidth of a copy from one device to another,
-        one small call's dispatch, and the latency of one ring step of a collective
-        (a chain of tiny all-gathers over all the devices, less the dispatch, per
-        all-gather and step). Cached per device kind and count (``refresh``
-        measures again)."""
+        """A model measured on ``devices`` (default ``jax.devices()``) in a few
+        seconds: the achieved flop/s of a small layer's training step (matmuls and the
+        small ops around them; each device its own, with no collective) and the
+        bandwidth of an elementwise op, both run on all the devices at once (so
+        devices that share chips or cores see their share), the bandwidth of a copy
+        from one device to another, one small call's dispatch, the latency of one
+        ring step of a collective (a chain of tiny all-gathers over all the devices,
+        less the dispatch, per all-gather and step), and the ``rendezvous`` (a chain
+        of small layers with an all-gather after each, against the layers and the
+        all-gathers alone). Cached per device kind and count (``refresh`` measures
+        again)."""
         devices = list(jax.devices() if devices is None else devices)
         key = (devices[0].platform, str(devices[0].device_kind), len(devices))
         if refresh or key not in _CALIBRATED:
