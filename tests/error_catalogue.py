@@ -2671,6 +2671,16 @@ def _():
     mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, collective_latency=-1e-6)
 
 
+@error("device-model-negative-rendezvous", SCHEDULES, "A `DeviceModel` with a negative rendezvous",
+       MultimeshValueError, r"DeviceModel: `rendezvous` must be a finite number >= 0 "
+       r"\(the fraction of a call's compute its collectives add\)",
+       """The rendezvous is the share of a call's compute that its collectives wait for where
+       the devices' threads outnumber the host's cores (XLA:CPU): give a fraction >= 0 (0:
+       none, as on accelerators), or let `DeviceModel.calibrate()` measure it.""")
+def _():
+    mm.DeviceModel(peak_flops=1e12, memory_bandwidth=1e12, rendezvous=-0.5)
+
+
 @error("cluster-negative-latency", API, "`Cluster` with a negative collective latency",
        MultimeshValueError, r"`Cluster`: `link_latency` must be a number of seconds >= 0",
        """Give the seconds each ring step of a collective waits inside a node (or

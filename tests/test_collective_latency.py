@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import multimesh.jax as mm
@@ -22,7 +24,7 @@ from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._analysis import costs as _costs
 from multimesh.jax._analysis.devices import DEVICE_KINDS
 from multimesh.jax._planner import _search
-from multimesh.jax._planner._units import measure_units
+from multimesh.jax._planner._units import hlo_collectives, measure_units
 
 AB = mm.DeviceModel(peak_flops=1e9, memory_bandwidth=1e9, overhead=0.0,
                     link_bandwidth=1e6, collective_latency=2e-3,
@@ -194,3 +196,117 @@ def test_a_cluster_overrides_the_latencies():
     with pytest.raises(MultimeshValueError, match=r"`Cluster`: `link_latency` must be a "
                                                    r"number of seconds >= 0"):
         mm.Cluster("h100", 8, link_latency=-1.0)
+
+
+# ----------------------------------------------------------------------------- the rendezvous
+
+RV = dataclasses.replace(AB, rendezvous=0.5)
+
+
+def test_a_calls_collectives_wait_for_its_compute():
+    """The rendezvous adds its share of a call's compute where the call runs any
+    collective, nothing where it runs none; ``call_seconds`` is seconds + the
+    collectives + that wait, as ``xla_costs`` prices a fragment."""
+    assert RV.rendezvous_seconds(2.0, 3) == pytest.approx(1.0)
+    assert RV.rendezvous_seconds(2.0, 1) == pytest.approx(1.0)
+    assert RV.rendezvous_seconds(2.0, 0) == 0.0
+    assert AB.rendezvous_seconds(2.0, 3) == 0.0
+    ran = [("all-gather", 1e6, 4), ("all-reduce", 4e3, 2)]
+    compute = RV.roofline_seconds(3e9, 1e8)
+    assert _costs.call_seconds(RV, 3e9, 1e8, ran) == pytest.approx(
+        RV.seconds(3e9, 1e8) + sum(RV.collective_seconds(*r) for r in ran) + 0.5 * compute)
+    assert _costs.call_seconds(RV, 3e9, 1e8) == pytest.approx(RV.seconds(3e9, 1e8))
+    assert "collectives wait 50% of a call's compute" in RV.describe()
+    assert "collectives wait" not in AB.describe()
+
+
+def test_datasheet_devices_have_no_rendezvous():
+    """Accelerators' collectives run on their own links: the datasheet kinds, a
+    described cluster and the CPU guess keep NCCL's alpha-beta model unchanged."""
+    for spec in DEVICE_KINDS.values():
+        assert mm.DeviceModel.from_spec(spec).rendezvous == 0.0
+    assert mm.Cluster("h100", 16).device_model().rendezvous == 0.0
+    assert mm.DeviceModel.for_device(jax.devices()[0]).rendezvous == 0.0
+    with pytest.raises(MultimeshValueError, match=r"`rendezvous` must be a finite number "
+                                                   r">= 0 \(the fraction of a call's compute"):
+        mm.DeviceModel(1e9, 1e9, rendezvous=-0.1)
+    with pytest.raises(MultimeshValueError, match=r"`rendezvous` must be a finite number"):
+        mm.DeviceModel(1e9, 1e9, rendezvous=float("inf"))
+
+
+def test_json_round_trip_with_and_without_the_rendezvous():
+    assert mm.DeviceModel.from_json(RV.to_json()) == RV
+    assert json.loads(RV.to_json())["rendezvous"] == 0.5
+    old = json.loads(RV.to_json())
+    del old["rendezvous"]  # a file written before the field existed
+    got = mm.DeviceModel.from_json(json.dumps(old))
+    assert got == AB and got.rendezvous == 0.0
+
+
+def test_calibrate_measures_collectives_between_compute():
+    """The probes are what they say: the compute probe runs no collective (its rate is
+    the compute alone), the chain of layers none, the same chain with all-gathers one
+    after each layer. With more device threads than cores a collective between
+    layers costs more than one alone: the rendezvous is above 0."""
+    devices = jax.devices()
+    probes = _costs._probes(devices)
+
+    def ran(name):
+        fn, args, _ = probes[name]
+        return _costs.fragment_collectives(fn.lower(*args).compile().as_text())
+
+    assert ran("step") == [] and ran("layers") == []
+    assert [(op, k) for op, _, k in ran("between")] == [("all-gather", 8)] * \
+        _costs.LATENCY_CHAIN
+    dm = _costs._measure(mm.DeviceModel, devices, rounds=3)
+    assert dm.rendezvous >= 0.0
+    if (os.cpu_count() or 1) < len(devices):  # oversubscribed: the rendezvous waits
+        assert dm.rendezvous > 0.0
+    assert _costs._measure(mm.DeviceModel, devices[:1], rounds=1).rendezvous == 0.0
+
+
+def test_the_planner_charges_the_rendezvous_where_a_pass_runs_collectives():
+    """fsdp's forward and backward, a data-parallel backward and a tensor-parallel
+    stage wait for their compute; a data-parallel forward and a one-device stage do
+    not."""
+    flat = _search.Limits(AB, num_devices=4, memory_limit=None, optimizer_state_factor=0.0)
+    m = dataclasses.replace(flat, model=RV)
+    p = _search._Prefix(_costs_with(3))
+
+    def extra(lay):
+        got = _search._stage_times(p, m, lay, 2, 0, 2)
+        base = _search._stage_times(p, flat, lay, 2, 0, 2)
+        return got[0] - base[0], got[1] - base[1]
+
+    def compute(lay, backward):
+        fl = (p.flops[2] - p.fwd[2]) if backward else p.fwd[2]
+        return RV.roofline_seconds(fl / 2 / lay.data, 0.0)
+
+    data, fsdp = _search.Layout(4, 4), _search.Layout(4, 4, True)
+    assert extra(data) == pytest.approx((0.0, 0.5 * compute(data, True)))
+    assert extra(fsdp) == pytest.approx((0.5 * compute(fsdp, False), 0.5 * compute(fsdp, True)))
+    assert extra(_search.Layout(1, 1)) == (0.0, 0.0)
+    tensor = _search.Layout(4, 2, model=2)
+    assert extra(tensor) == pytest.approx((0.5 * compute(tensor, False),
+                                           0.5 * compute(tensor, True)))
+
+
+def test_a_long_tuples_collective_is_read():
+    """XLA prints a tuple of more than five arrays with index comments
+    (``/*index=5*/``); a data-parallel step's combined gradient all-reduce is one."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("d",))
+    params = [jnp.full((16, 16), 0.1 * k) for k in range(7)]
+    x = jax.device_put(jnp.ones((8, 16)), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("d")))
+
+    def loss(ps, x):
+        for w in ps:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    assert "/*index=5*/" in hlo
+    ran = _costs.fragment_collectives(hlo)
+    assert sum(n for op, n, k in ran if op == "all-reduce" and k == 8) == 7 * 16 * 16 * 4
+    assert sum(n for op, n in hlo_collectives(hlo, 8) if op == "all-reduce") == \
+        7 * 16 * 16 * 4

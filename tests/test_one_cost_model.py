@@ -272,3 +272,17 @@ def test_xla_costs_pay_each_collectives_latency(two_stages):
     diff = (xla_costs(compiled, slow).seconds["stage0_bwd"]
             - xla_costs(compiled, DM).seconds["stage0_bwd"])
     assert diff == pytest.approx(steps * 1e-3)
+
+
+def test_xla_costs_pay_the_rendezvous_of_fragments_with_collectives(two_stages):
+    """A fragment that runs collectives waits in them for its compute (the model's
+    ``rendezvous`` share of its roofline); one that runs none does not."""
+    _, compiled = two_stages
+    waits = dataclasses.replace(DM, rendezvous=0.25)
+    per = compiled.cost_analysis(by_fragment=True)
+    with_it, without = xla_costs(compiled, waits).seconds, xla_costs(compiled, DM).seconds
+    runs = {f: bool(fragment_collectives(compiled._exec.exes[f].as_text())) for f in per}
+    assert any(runs.values()) and not all(runs.values())
+    for f, d in per.items():
+        wait = 0.25 * DM.roofline_seconds(d["flops"], d["bytes accessed"]) if runs[f] else 0.0
+        assert with_it[f] - without[f] == pytest.approx(wait)

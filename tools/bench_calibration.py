@@ -32,7 +32,8 @@ def _load() -> str:
 
 FIGURES = (("peak_flops", "flop/s"), ("memory_bandwidth", "B/s memory"),
            ("link_bandwidth", "B/s link"), ("overhead", "s per call"),
-           ("collective_latency", "s per collective step"))
+           ("collective_latency", "s per collective step"),
+           ("rendezvous", "of a call's compute waited in its collectives"))
 
 
 def main(argv=None) -> int:
@@ -56,15 +57,16 @@ def main(argv=None) -> int:
               + f"  ({took:.2f} s)")
     print(f"load average after: {_load()}; {len(jax.devices())} "
           f"{jax.devices()[0].platform} devices")
-    print(f"{'figure':<18}{'median':>11}{'min':>11}{'max':>11}{'max/min':>9}"
+    print(f"{'figure':<19}{'median':>11}{'min':>11}{'max':>11}{'max/min':>9}"
           f"{'worst vs median':>17}")
     worst_all = 0.0
     for f, _ in FIGURES:
         v = [getattr(dm, f) for dm in runs]
         med = statistics.median(v)
-        worst = max(abs(x / med - 1) for x in v)
+        worst = max(abs(x / med - 1) for x in v) if med else float(max(v) > 0)
         worst_all = max(worst_all, worst)
-        print(f"{f:<18}{med:>11.3g}{min(v):>11.3g}{max(v):>11.3g}{max(v) / min(v):>9.2f}"
+        ratio = max(v) / min(v) if min(v) else float("inf")
+        print(f"{f:<19}{med:>11.3g}{min(v):>11.3g}{max(v):>11.3g}{ratio:>9.2f}"
               f"{worst:>16.0%}")
     print(f"every run within {worst_all:.0%} of the median "
           f"({'within' if worst_all <= 0.2 else 'NOT within'} the issue's 20%)")

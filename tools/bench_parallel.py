@@ -124,13 +124,14 @@ def mpmd_flops(compiled) -> float:
 def jit_predicted(compiled, device_model) -> float:
     """A ``jax.jit`` step priced by the one cost model, as ``xla_costs`` prices a
     fragment: XLA's per-device flops and bytes through ``DeviceModel.seconds``, plus
-    the collectives its compiled HLO runs (``DeviceModel.collective_seconds``)."""
-    from multimesh.jax._analysis.costs import fragment_collectives
+    the collectives its compiled HLO runs (``DeviceModel.collective_seconds``) and
+    their wait for its compute (``DeviceModel.rendezvous_seconds``): ``call_seconds``."""
+    from multimesh.jax._analysis.costs import call_seconds, fragment_collectives
 
     ca = compiled.cost_analysis() or {}
-    return (device_model.seconds(float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0)))
-            + sum(device_model.collective_seconds(*c)
-                  for c in fragment_collectives(compiled.as_text())))
+    return call_seconds(device_model, float(ca.get("flops", 0.0)),
+                        float(ca.get("bytes accessed", 0.0)),
+                        fragment_collectives(compiled.as_text()))
 
 
 def jit_rows(model, params, tokens, steps: int, device_model=None) -> list[dict]:

@@ -4,8 +4,10 @@
 
 On XLA:CPU a collective is a rendezvous of the devices' threads. With more device
 threads than cores, it waits for every thread's compute before it, so its cost grows
-with the work between collectives; ``DeviceModel.calibrate``'s probe (a chain of bare
-all-gathers) measures it with no work between. For 4 and 8 devices and matmul widths
+with the work between collectives; ``DeviceModel.calibrate``'s latency probe (a chain
+of bare all-gathers) measures it with no work between, its ``rendezvous`` (a chain of
+small layers with and without an all-gather after each) the share of the compute
+between that each collective waits for. For 4 and 8 devices and matmul widths
 0 (none), 64 and 256, this times 16 chained steps of ``x = tanh(x @ w)`` (32 rows a
 device) with and without an all-gather after each, and prints the difference per
 all-gather and per ring step (docs/performance.md, issue 38).

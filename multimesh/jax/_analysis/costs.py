@@ -33,7 +33,7 @@ from multimesh.schedules.costs import FragmentCosts, ScheduleComparison, compare
 from multimesh.schedules.simulator import Timeline
 
 __all__ = ["DeviceModel", "xla_costs", "residual_bytes", "StepProfile", "compare_schedules",
-           "edge_bytes", "transfer_costs", "fragment_collectives",
+           "edge_bytes", "transfer_costs", "fragment_collectives", "call_seconds",
            "ScheduleComparison",
            "check_step_profile", "profile_from_times", "NO_TASKS"]
 
@@ -56,7 +56,9 @@ class DeviceModel:
     (which real kernels reach only in part, so they rank plans rather than time
     steps) and a CPU guess. :meth:`calibrate` measures the devices at hand instead
     (a matmul's achieved flop/s, a copy's bandwidth, one call's dispatch, a chain of
-    tiny all-gathers' latency), so predicted steps come near measured ones.
+    tiny all-gathers' latency, and on a host whose device threads share its cores the
+    share of a call's compute that its collectives wait for: ``rendezvous``), so
+    predicted steps come near measured ones.
     :meth:`to_json` and :meth:`from_json` write and read one (a file without the
     latency fields reads with their defaults).
     """
@@ -80,6 +82,13 @@ class DeviceModel:
     network_latency: float | None = None
     """Seconds per ring step of a collective that leaves the node (None:
     ``collective_latency``)."""
+    rendezvous: float = 0.0
+    """The fraction of a call's compute that its collectives add by waiting for it
+    (:meth:`rendezvous_seconds`; 0: none). On XLA:CPU a collective is a rendezvous of
+    the devices' threads, and where they outnumber the host's cores it waits for
+    every thread's compute since the collective before, so it costs more the more
+    work lies between collectives. Only :meth:`calibrate` measures it; an
+    accelerator's collective runs on its own links and the datasheet kinds have none."""
 
     def __post_init__(self):
         if isinstance(self.compute_efficiency, bool) or not isinstance(
@@ -88,7 +97,7 @@ class DeviceModel:
                 f"DeviceModel: `compute_efficiency` must be a number in (0, 1] (the "
                 f"fraction of peak_flops that matmuls reach), got {self.compute_efficiency!r}.")
         for name in ("peak_flops", "memory_bandwidth", "overhead", "collective_latency",
-                     "network_latency"):
+                     "network_latency", "rendezvous"):
             v = getattr(self, name)
             if name == "network_latency" and v is None:
                 continue
@@ -159,6 +168,16 @@ class DeviceModel:
         return (count * steps * self.latency(across_nodes)
                 + self.transfer_seconds(steps / devices * nbytes, across_nodes))
 
+    def rendezvous_seconds(self, compute_seconds: float, collectives: int) -> float:
+        """Seconds that a call computing ``compute_seconds`` (its roofline, per
+        device) waits in its ``collectives`` collectives besides their latency and
+        bytes: ``rendezvous x compute_seconds`` if it runs any, else 0. Each
+        collective waits for the compute since the one before it; summed over the
+        call, that is its compute up to its last collective, taken as all of it (a
+        data-parallel backward's gradient all-reduce comes at its end, fsdp's and
+        tensor parallelism's collectives between its layers)."""
+        return self.rendezvous * compute_seconds if collectives > 0 else 0.0
+
     def crosses_nodes(self, stride: int, size: int) -> bool:
         """Whether a group of ``size`` devices, ``stride`` apart in device order,
         spans more than one node."""
@@ -174,6 +193,8 @@ class DeviceModel:
                if self.collective_latency else "")
         if self.network_latency is not None:
             lat += f" ({self.network_latency * 1e6:.3g} us between nodes)"
+        if self.rendezvous:
+            lat += f", collectives wait {self.rendezvous:.0%} of a call's compute"
         return (f"{self.name}: {self.peak_flops:.3g} flop/s{eff}, {self.memory_bandwidth:.3g} "
                 f"B/s memory, {self.link_bandwidth:.3g} B/s between devices{net}, "
                 f"{self.overhead * 1e6:.3g} us per call{lat}")
@@ -226,15 +247,17 @@ class DeviceModel:
 
     @classmethod
     def calibrate(cls, devices: Sequence | None = None, *, refresh: bool = False) -> DeviceModel:
-        """A model measured on ``devices`` (default ``jax.devices()``) in a second or
-        two: the achieved flop/s of a small layer's training step (matmuls and the
-        small ops around them) and the bandwidth of an elementwise op, both run on
-        all the devices at once (so devices that share chips or
-        cores see their share), the bandwidth of a copy from one device to another,
-        one small call's dispatch, and the latency of one ring step of a collective
-        (a chain of tiny all-gathers over all the devices, less the dispatch, per
-        all-gather and step). Cached per device kind and count (``refresh``
-        measures again)."""
+        """A model measured on ``devices`` (default ``jax.devices()``) in a few
+        seconds: the achieved flop/s of a small layer's training step (matmuls and the
+        small ops around them; each device its own, with no collective) and the
+        bandwidth of an elementwise op, both run on all the devices at once (so
+        devices that share chips or cores see their share), the bandwidth of a copy
+        from one device to another, one small call's dispatch, the latency of one
+        ring step of a collective (a chain of tiny all-gathers over all the devices,
+        less the dispatch, per all-gather and step), and the ``rendezvous`` (a chain
+        of small layers with an all-gather after each, against the layers and the
+        all-gathers alone). Cached per device kind and count (``refresh`` measures
+        again)."""
         devices = list(jax.devices() if devices is None else devices)
         key = (devices[0].platform, str(devices[0].device_kind), len(devices))
         if refresh or key not in _CALIBRATED:
@@ -244,7 +267,8 @@ class DeviceModel:
 
 _RING_FACTOR = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
 _SECONDS = {"overhead": "seconds per call", "collective_latency": "seconds per collective step",
-            "network_latency": "seconds per collective step"}
+            "network_latency": "seconds per collective step",
+            "rendezvous": "the fraction of a call's compute its collectives add"}
 
 _CALIBRATED: dict[tuple, DeviceModel] = {}
 
@@ -267,9 +291,12 @@ def _probes(devices: list) -> dict:
     """The calibration's programs, compiled and warmed up: name -> (fn, args, calls).
     ``step``: a small layer's training step (two matmuls, a GELU and a softmax,
     forward and backward; the mix of matmuls and small ops a model's fragments run,
-    rather than one large matmul's peak), its rows split over every device;
-    ``scale``: an elementwise op over 4 MiB per device; ``copy``: 16 MiB from one
-    device to another; ``call``: one tiny call (the dispatch)."""
+    rather than one large matmul's peak), one on every device at once, each on its
+    own rows and weights (no collective: the compute alone); ``scale``: an
+    elementwise op over 4 MiB per device; ``copy``: 16 MiB from one device to
+    another; ``call``: one tiny call (the dispatch); ``gather``: a chain of tiny
+    all-gathers (:func:`_gathers`); ``layers`` and ``between``: a chain of small
+    layers, without and with an all-gather after each (:func:`_layers`)."""
     n = len(devices)
     mesh = Mesh(np.asarray(devices), ("d",))
     rows = NamedSharding(mesh, PartitionSpec("d"))
@@ -278,13 +305,18 @@ def _probes(devices: list) -> dict:
         h = jax.nn.gelu(x @ w[0])
         return jnp.mean(jax.nn.log_softmax(h @ w[1]))
 
-    w = jax.device_put((np.full((128, 256), 0.01, np.float32),
-                        np.full((256, 128), 0.01, np.float32)),
-                       NamedSharding(mesh, PartitionSpec()))
+    def local_step(w, x):
+        value, grads = jax.value_and_grad(loss)(w, x)
+        return value[None], grads
+
+    w = jax.device_put((np.full((128 * n, 256), 0.01, np.float32),
+                        np.full((256 * n, 128), 0.01, np.float32)), rows)
     x = jax.device_put(np.ones((64 * n, 128), np.float32), rows)
+    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=PartitionSpec("d"),
+                                 out_specs=PartitionSpec("d")))
     probes: dict[str, tuple] = {"call": (jax.jit(lambda v: v + 1.0),
                        (jax.device_put(np.ones((n,), np.float32), rows),), 31),
-              "step": (jax.jit(jax.value_and_grad(loss)), (w, x), 3),
+              "step": (step, (w, x), 3),
               "scale": (jax.jit(lambda v: v * 2.0),
                         (jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows),), 5)}
     if n > 1:
@@ -292,13 +324,18 @@ def _probes(devices: list) -> dict:
         probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 9)
         probes["gather"] = (_gathers(mesh), (jax.device_put(np.ones((8 * n,), np.float32),
                                                             rows),), 5)
+        layer = (jax.device_put(np.ones((64 * n, 128), np.float32), rows),
+                 jax.device_put(np.full((128, 128), 0.01, np.float32),
+                                NamedSharding(mesh, PartitionSpec())))
+        probes["layers"] = (_layers(mesh, gather=False), layer, 3)
+        probes["between"] = (_layers(mesh, gather=True), layer, 3)
     for fn, args, _ in probes.values():
         jax.block_until_ready(fn(*args))
     return probes
 
 
 LATENCY_CHAIN = 16
-"""All-gathers in :meth:`DeviceModel.calibrate`'s latency probe, each reading the last."""
+"""All-gathers in :meth:`DeviceModel.calibrate`'s latency probes, each reading the last."""
 
 
 def _gathers(mesh: Mesh):
@@ -314,14 +351,35 @@ def _gathers(mesh: Mesh):
                                  out_specs=PartitionSpec("d")))
 
 
+def _layers(mesh: Mesh, gather: bool):
+    """A chain of :data:`LATENCY_CHAIN` small layers (``tanh(x @ w)``, 64 x 128 rows
+    by 128 x 128 on each device), with ``gather`` an all-gather of the layer's output
+    after each, read by the next layer: the collectives as programs run them,
+    between compute."""
+    def body(x, w):
+        for _ in range(LATENCY_CHAIN):
+            x = jnp.tanh(x @ w)
+            if gather:
+                x = jax.lax.all_gather(x, "d", tiled=True)[:x.shape[0]] * 0.5 + x
+        return x
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("d"),
+                                                            PartitionSpec()),
+                                 out_specs=PartitionSpec("d")))
+
+
 def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceModel:
     """:meth:`DeviceModel.calibrate`'s measurements: ``rounds`` rounds, each timing
     every probe (:func:`_probes`) a few calls in turn, so a burst of load on a
     shared machine touches every figure alike; each figure is the median over the
     rounds, not the best (one lucky run is no figure to plan with). A run's dispatch
     (the tiny call's median) is taken off the step's, the elementwise op's and the
-    all-gather chain's; the chain's rest, per all-gather and ring step (``n - 1``
-    of them), is the collective latency."""
+    chains'. The all-gather chain's rest, per all-gather and ring step (``n - 1`` of
+    them), is the collective latency; what the chain of layers with all-gathers
+    takes beyond the layers alone and the bare all-gathers, over the layers' own
+    compute, is the rendezvous (the share of the compute between collectives that
+    each collective waits for: per round, as the three chains ran one after the
+    other, then the median; 0 where it is not above them)."""
     n = len(devices)
     probes = _probes(devices)
     step_fn, step_args, _ = probes["step"]
@@ -333,13 +391,22 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
             seen[name].append(_timed(fn, *args, calls=calls))
     t = {k: statistics.median(v) for k, v in seen.items()}
     overhead = t["call"]
-    achieved = flops / max(t["step"] - overhead, t["step"] / 2)
-    memory = 8 * 2 ** 20 / max(t["scale"] - overhead, t["scale"] / 2)  # read + write
-    link = 16 * 2 ** 20 / t["copy"] if n > 1 else 1e10
-    latency = (max(t["gather"] - overhead, t["gather"] / 2) / (LATENCY_CHAIN * (n - 1))
-               if n > 1 else 0.0)
+
+    def net(name: str) -> float:  # a probe's time less the dispatch (at least half)
+        return max(t[name] - overhead, t[name] / 2)
+
+    achieved = flops / net("step")
+    memory = 8 * 2 ** 20 / net("scale")  # read + write
+    link, latency, rendezvous = 1e10, 0.0, 0.0
+    if n > 1:
+        link = 16 * 2 ** 20 / t["copy"]
+        latency = net("gather") / (LATENCY_CHAIN * (n - 1))
+        # per round (the three chains ran one after the other), then the median
+        rendezvous = max(statistics.median(
+            (b - a - max(g - c, g / 2)) / max(a - c, a / 2) for a, b, g, c in
+            zip(seen["layers"], seen["between"], seen["gather"], seen["call"])), 0.0)
     return cls(achieved, memory, overhead=overhead, link_bandwidth=link,
-               collective_latency=latency,
+               collective_latency=latency, rendezvous=rendezvous,
                name=f"calibrated on {n} {devices[0].platform} device(s)")
 
 
@@ -374,7 +441,8 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
     through ``device_model`` (default: :meth:`DeviceModel.for_device` of the
     program's first device), plus the collectives the fragment's compiled program runs
     (:func:`fragment_collectives`, each :meth:`DeviceModel.collective_seconds`; not
-    overlapped with its compute)."""
+    overlapped with its compute) and their wait for it
+    (:meth:`DeviceModel.rendezvous_seconds`): :func:`call_seconds`."""
     c = _mpmd(compiled)
     if device_model is not None and not isinstance(device_model, DeviceModel):
         raise MultimeshTypeError(
@@ -384,11 +452,23 @@ def xla_costs(compiled, device_model: DeviceModel | None = None) -> FragmentCost
             f"{device_model!r}.")
     model = device_model or DeviceModel.for_device(c.record.devices[0])
     per = c.cost_analysis(by_fragment=True)
-    secs = {name: model.seconds(float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0)))
-            + sum(model.collective_seconds(op, n, k) for op, n, k in
-                  fragment_collectives(c.as_text(name)))
+    secs = {name: call_seconds(model, float(d.get("flops", 0.0)),
+                               float(d.get("bytes accessed", 0.0)),
+                               fragment_collectives(c.as_text(name)))
             for name, d in per.items()}
     return FragmentCosts(secs, "xla")
+
+
+def call_seconds(model: DeviceModel, flops: float, bytes_accessed: float,
+                 collectives: Sequence[tuple[str, int, int]] = ()) -> float:
+    """Seconds of one compiled call through ``model``: :meth:`DeviceModel.seconds` of
+    its per-device flops and bytes, each of its ``collectives`` (``(op, bytes,
+    devices)``, :func:`fragment_collectives`) :meth:`DeviceModel.collective_seconds`,
+    and their wait for its compute (:meth:`DeviceModel.rendezvous_seconds`)."""
+    return (model.seconds(flops, bytes_accessed)
+            + sum(model.collective_seconds(op, n, k) for op, n, k in collectives)
+            + model.rendezvous_seconds(model.roofline_seconds(flops, bytes_accessed),
+                                       len(collectives)))
 
 
 _COLLECTIVE = re.compile(
@@ -396,6 +476,7 @@ _COLLECTIVE = re.compile(
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\((?P<rest>.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def _type_bytes(text: str) -> int:
@@ -431,7 +512,8 @@ def fragment_collectives(hlo_text: str) -> list[tuple[str, int, int]]:
     collective-permute is one transfer (an ``all-to-all`` of 2)."""
     out = []
     for line in hlo_text.splitlines():
-        m = _COLLECTIVE.search(line)
+        # a long tuple's type carries index comments (``/*index=5*/``): not its '='
+        m = _COLLECTIVE.search(_COMMENT.sub("", line) if "/*" in line else line)
         if m is None:
             continue
         op, kind = m.group("op"), m.group("type")

@@ -183,26 +183,39 @@ def _stage_times(p: _Prefix, m: Limits, d: int | Layout, M: int, i: int, j: int,
     microbatch; ``split``: the weight-gradient part is a fragment call of its own.
     Data parallelism adds the gradients' all-reduce over the stage's devices to each
     backward; sharded parameters (``fsdp``) an all-gather to the forward, and an
-    all-gather and a reduce-scatter to the backward, instead."""
+    all-gather and a reduce-scatter to the backward, instead. A pass that runs any
+    collective also waits in them for its compute
+    (:meth:`~multimesh.jax.DeviceModel.rendezvous_seconds`)."""
     lay = d if isinstance(d, Layout) else Layout(d, d)
     w_, dm = lay.data, m.model
     # what one device receives: its share of the microbatch's activations
     move = dm.transfer_seconds((p.cut(i) + p.cut(j)) / M / _spread(lay))
     f_fl = p.fwd[j] - p.fwd[i]
     b_fl = p.flops[j] - p.flops[i] - f_fl
-    fwd = _compute(m, f_fl / M, (p.fwd_bytes[j] - p.fwd_bytes[i]) / M, w_) + move
-    bwd = _compute(m, b_fl / M, (p.bwd_bytes[j] - p.bwd_bytes[i]) / M, w_) + move
+    f_c = _compute(m, f_fl / M, (p.fwd_bytes[j] - p.fwd_bytes[i]) / M, w_)
+    b_c = _compute(m, b_fl / M, (p.bwd_bytes[j] - p.bwd_bytes[i]) / M, w_)
     # tensor-parallel collectives: their bytes shrink with the microbatch, not their latency
-    fwd += (p.comm_fwd[j] - p.comm_fwd[i]) / M / w_ + p.lat_fwd[j] - p.lat_fwd[i]
-    bwd += (p.comm_bwd[j] - p.comm_bwd[i]) / M / w_ + p.lat_bwd[j] - p.lat_bwd[i]
+    tp_f = (p.comm_fwd[j] - p.comm_fwd[i]) / M / w_ + p.lat_fwd[j] - p.lat_fwd[i]
+    tp_b = (p.comm_bwd[j] - p.comm_bwd[i]) / M / w_ + p.lat_bwd[j] - p.lat_bwd[i]
     w = _compute(m, (p.wgrad[j] - p.wgrad[i]) / M, 0.0, w_)
-    fwd += _data_comm(p, m, lay, i, j, backward=False)
-    bwd += _data_comm(p, m, lay, i, j, backward=True)
+    d_f = _data_comm(p, m, lay, i, j, backward=False)
+    d_b = _data_comm(p, m, lay, i, j, backward=True)
+    # a pass that runs collectives waits in them for its compute (a rendezvous)
+    fwd = f_c + move + tp_f + d_f + dm.rendezvous_seconds(f_c, _collectives(lay, False))
+    bwd = b_c + move + tp_b + d_b + dm.rendezvous_seconds(b_c, _collectives(lay, True))
     fwd += m.fragment_overhead
     if split:
         w += m.fragment_overhead
         bwd += m.fragment_overhead
     return fwd, bwd + m.fragment_overhead, w
+
+
+def _collectives(lay: Layout, backward: bool) -> int:
+    """Whether a stage's forward or backward in layout ``lay`` runs collectives (1) or
+    not (0): tensor parallelism's, fsdp's gathers (and scatters), a data-parallel
+    backward's gradient all-reduce."""
+    data = lay.replicas > 1 and (lay.fsdp or (backward and lay.data > 1))
+    return int(lay.model > 1 or data)
 
 
 def _data_comm(p: _Prefix, m: Limits, lay: Layout, i: int, j: int, backward: bool) -> float:

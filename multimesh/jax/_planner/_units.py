@@ -514,7 +514,8 @@ def hlo_collectives(hlo: str, size: int) -> tuple[tuple[str, float], ...]:
     all-gather of it)."""
     out = []
     for line in hlo.splitlines():
-        m = _HLO_COLLECTIVE.search(line)
+        # a long tuple's type carries index comments (``/*index=5*/``): not its '='
+        m = _HLO_COLLECTIVE.search(re.sub(r"/\*.*?\*/", "", line) if "/*" in line else line)
         if m is None or "-done(" in line:
             continue
         op, nbytes = m.group(2), _hlo_bytes(m.group(1))
