@@ -14,6 +14,7 @@ import ast
 import builtins
 import importlib.util
 import inspect
+import io
 import re
 import sys
 import tempfile
@@ -132,6 +133,18 @@ def catalogue_definitions(path: Path = CATALOGUE) -> dict[str, tuple[int, str]]:
     """Top-level name of the catalogue -> (line, source of the statement that defines it):
     its functions, classes and constants, and one import line per imported name."""
     source = path.read_text(encoding="utf-8")
+    lines = io.StringIO(source, newline="").readlines()  # split as ast splits, once
+
+    def segment(node: ast.stmt) -> str:
+        """``ast.get_source_segment(source, node)``, without splitting ``source`` again
+        for every statement (that made this function take seconds)."""
+        first, last = node.lineno - 1, node.end_lineno - 1
+        start, end = node.col_offset, node.end_col_offset
+        if first == last:
+            return lines[first].encode()[start:end].decode()
+        return (lines[first].encode()[start:].decode() + "".join(lines[first + 1:last])
+                + lines[last].encode()[:end].decode())
+
     out = {}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -143,14 +156,14 @@ def catalogue_definitions(path: Path = CATALOGUE) -> dict[str, tuple[int, str]]:
                     line = f"import {a.name}"
                 out[name] = (0, line + (f" as {a.asname}" if a.asname else ""))
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "_":
-            out[node.name] = (node.lineno, ast.get_source_segment(source, node))
+            out[node.name] = (node.lineno, segment(node))
         else:
             targets = (node.targets if isinstance(node, ast.Assign)
                        else [node.target] if isinstance(node, ast.AnnAssign) else [])
             for t in targets:  # NAME = ... (a, b = ... defines both)
                 for name in (t.elts if isinstance(t, ast.Tuple) else [t]):
                     if isinstance(name, ast.Name):
-                        out[name.id] = (node.lineno, ast.get_source_segment(source, node))
+                        out[name.id] = (node.lineno, segment(node))
     return out
 
 
