@@ -421,8 +421,9 @@ class Executor:
                                and s.args.count(a) == 1 and k not in frag.donors)
                 wants.setdefault((s.fragment, s.devices), []).append((i, donors))
         exes: dict[int, jax.stages.Compiled] = {}
-        self.exes: dict[str, jax.stages.Compiled] = {}
-        """Fragment name -> one of its executables (for cost and memory analysis)."""
+        self.exes: dict[str, Any] = {}
+        """Fragment name -> one of its executables (for cost and memory analysis): a
+        ``jax.stages.Compiled``, or a split fragment's :class:`~.shared_blocks.SplitExecutable`."""
         self.xla_seconds: dict[str, float] = {}
         """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
         self._skipped_donations: dict[int, list[int]] = {}

@@ -136,11 +136,33 @@ def _module_parts(module) -> tuple[list, Any] | None:
     return (meshes, funcs[0]) if len(funcs) == 1 else None
 
 
-def _sig(op, mesh_index: dict[str, str]) -> str:
-    text = str(op.get_asm(print_generic_op_form=True, use_local_scope=True))
+def _sig(text: str, mesh_index: dict[str, str]) -> str:
+    """An op's printed text with its values renamed by first appearance and its
+    meshes by declaration order."""
     names: dict[str, str] = {}
     text = _SSA.sub(lambda m: names.setdefault(m[0], f"%{len(names)}"), text)
     return _SYMBOL.sub(lambda m: "@" + mesh_index.get(m[1], m[1]), text)
+
+
+def _op_texts(text: str, ops: list) -> list[str]:
+    """Each op of the function as printed: the fragment's own lines, one op from each
+    line indented four spaces to the next (its regions' lines between); each op
+    printed on its own where the lines do not fall into as many ops."""
+    body = text[text.index("func.func"):].split("\n")[1:]
+    chunks: list[list[str]] = []
+    for line in body:
+        if line.startswith("    ") and line[4:5] not in (" ", "}", "^", ")", ""):
+            chunks.append([line])
+        elif line.startswith("     ") or line.startswith("    }") or \
+                line.startswith("    ^") or line.startswith("    )"):
+            if not chunks:
+                break
+            chunks[-1].append(line)
+        elif line.strip():
+            break
+    if len(chunks) == len(ops) and "\n#" not in text and "\n!" not in text:
+        return ["\n".join(c) for c in chunks]
+    return [str(op.get_asm(print_generic_op_form=True, use_local_scope=True)) for op in ops]
 
 
 def _named(attrs) -> list:
@@ -184,9 +206,8 @@ def _attrs(fn, which: str, n: int) -> list[dict[str, str]] | None:
     return out
 
 
-def _graph(text: str) -> _Graph | None:
+def _graph(text: str, ctx) -> _Graph | None:
     """The value graph of a fragment's text; None where no split can apply."""
-    ctx = make_context()
     module = parse_module(text, ctx)
     with ctx:
         parts = _module_parts(module)
@@ -203,18 +224,18 @@ def _graph(text: str) -> _Graph | None:
         res_attrs = _attrs(fn, "res_attrs", len(ftype.results))
         if arg_attrs is None or res_attrs is None or ops[-1].name != "func.return":
             return None
-        return _fill(ops, block, index, arg_attrs, res_attrs,
+        return _fill(ops, _op_texts(text, ops), block, index, arg_attrs, res_attrs,
                      [(n, str(m.attributes["mesh"])) for n, m in zip(mesh_names, meshes)],
                      {a.name: str(a.attr) for a in _named(fn.attributes)})
 
 
-def _fill(ops, block, index, arg_attrs, res_attrs, meshes, fn_attrs) -> _Graph:
+def _fill(ops, texts, block, index, arg_attrs, res_attrs, meshes, fn_attrs) -> _Graph:
     key: dict = {a: (-1, a.arg_number) for a in block.arguments}
     types: dict[Key, str] = {(-1, a.arg_number): str(a.type) for a in block.arguments}
     g = _Graph([], [], [], [], [], [], types, [a["sdy.sharding"] for a in arg_attrs],
                [a["sdy.sharding"] for a in res_attrs], meshes, fn_attrs)
     for i, op in enumerate(ops[:-1]):
-        g.sigs.append(_sig(op, index))
+        g.sigs.append(_sig(texts[i], index))
         g.operands.append(tuple(key[v] for v in op.operands))
         g.n_results.append(len(op.results))
         g.free.append(not len(op.operands) and not len(op.regions))
@@ -516,9 +537,8 @@ def _input(m: _Match, cut: _Cut, ports: _Ports, w: _Wiring, piece: _Piece, ak: K
 # ----------------------------------------------------------------------------- emitting
 
 
-def _emit(text: str, g: _Graph, piece: _Piece) -> str:
+def _emit(text: str, g: _Graph, piece: _Piece, ctx) -> str:
     """``piece`` as a module of its own: A's module with a new ``main`` of its ops."""
-    ctx = make_context()
     module = parse_module(text, ctx)
     with ctx, ir.Location.unknown():
         parts = _module_parts(module)
@@ -662,7 +682,7 @@ def _piece_fragment(a: Fragment, piece: _Piece, text: str) -> Fragment:
                     [p[2] for _, p in piece.outputs], a.loop_devices, ())
 
 
-def _split(job: Job, ga: _Graph, b_job: Job, gb: _Graph) -> Split | None:
+def _split(job: Job, ga: _Graph, b_job: Job, gb: _Graph, ctx) -> Split | None:
     """A's job split around B's program, or None where it cannot be."""
     a, donors, positions = job
     b = b_job[0]
@@ -682,7 +702,7 @@ def _split(job: Job, ga: _Graph, b_job: Job, gb: _Graph) -> Split | None:
             jobs.append((s, d, positions))
             wires.append(w.s_args)
         elif not piece.empty:
-            jobs.append((_piece_fragment(a, piece, _emit(a.text, ga, piece)), d, positions))
+            jobs.append((_piece_fragment(a, piece, _emit(a.text, ga, piece, ctx)), d, positions))
             wires.append([x for _, _, x in piece.inputs])
         else:
             continue
@@ -791,7 +811,7 @@ def plan_splits(jobs: Sequence[Job], shape_key: Callable) -> dict[int, Split]:
         if _eligible(frag):
             leaders.setdefault(shape_key(frag, donors), j)
     order = sorted(leaders.values(), key=lambda j: sum(_op_counts(jobs[j][0].text).values()))
-    graphs: dict[int, _Graph | None] = {}
+    graphs = _Graphs(jobs)
     whole: list[int] = []  # distinct fragments kept whole so far (the ones to share)
     found: dict = {}  # A's shape key -> B's job
     out: dict[int, Split] = {}
@@ -812,18 +832,32 @@ def plan_splits(jobs: Sequence[Job], shape_key: Callable) -> dict[int, Split]:
     return out
 
 
-def _split_job(j: int, bj: int, jobs: Sequence[Job], graphs: dict) -> Split | None:
-    ga, gb = _graph_of(j, jobs, graphs), _graph_of(bj, jobs, graphs)
-    return _split(jobs[j], ga, jobs[bj], gb) if ga is not None and gb is not None else None
+class _Graphs:
+    """The jobs' fragments' graphs, read once each, in one MLIR context."""
+
+    def __init__(self, jobs: Sequence[Job]):
+        self.jobs = jobs
+        self._graphs: dict[int, _Graph | None] = {}
+        self._ctx: Any = None
+
+    @property
+    def ctx(self):
+        if self._ctx is None:
+            self._ctx = make_context()
+        return self._ctx
+
+    def __getitem__(self, j: int) -> _Graph | None:
+        if j not in self._graphs:
+            self._graphs[j] = _graph(self.jobs[j][0].text, self.ctx)
+        return self._graphs[j]
 
 
-def _graph_of(j: int, jobs: Sequence[Job], graphs: dict) -> _Graph | None:
-    if j not in graphs:
-        graphs[j] = _graph(jobs[j][0].text)
-    return graphs[j]
+def _split_job(j: int, bj: int, jobs: Sequence[Job], graphs: _Graphs) -> Split | None:
+    ga, gb = graphs[j], graphs[bj]
+    return _split(jobs[j], ga, jobs[bj], gb, graphs.ctx) if ga and gb else None
 
 
-def _find(j: int, jobs: Sequence[Job], whole: list[int], graphs: dict
+def _find(j: int, jobs: Sequence[Job], whole: list[int], graphs: _Graphs
           ) -> tuple[int, Split] | None:
     """The largest distinct fragment kept whole whose program job ``j`` holds, and
     job ``j`` split around it."""
@@ -832,10 +866,10 @@ def _find(j: int, jobs: Sequence[Job], whole: list[int], graphs: dict
         b = jobs[bj][0]
         if not _may_contain(a, b):
             continue
-        ga, gb = _graph_of(j, jobs, graphs), _graph_of(bj, jobs, graphs)
+        ga, gb = graphs[j], graphs[bj]
         if ga is None or gb is None or gb.size < MIN_SHARED_OPS:
             continue
-        split = _split(jobs[j], ga, jobs[bj], gb) \
+        split = _split(jobs[j], ga, jobs[bj], gb, graphs.ctx) \
             if [m for _, m in ga.meshes] == [m for _, m in gb.meshes] else None
         if split is not None:
             return bj, split
