@@ -51,7 +51,7 @@ from multimesh._src.mlir import func, ir, make_context, parse_module, print_modu
 from multimesh.runtime.memory import shard_bytes
 from multimesh.runtime.plan import Fragment
 
-__all__ = ["SHARE_ENV", "MIN_SHARED_OPS", "share_blocks", "Split", "SplitExecutable",
+__all__ = ["SHARE_ENV", "MIN_SHARED_OPS", "share_blocks", "SplitFragment", "SplitExecutable",
            "plan_splits"]
 
 SHARE_ENV = "MULTIMESH_SHARE_BLOCKS"
@@ -338,7 +338,7 @@ def _match(a: _Graph, b: _Graph) -> _Match | None:
 
 
 @dataclass
-class _Cut:
+class _BlockCut:
     """A's ops in three parts: ``pre`` (before B's program), the matched ones, ``post``."""
 
     pre: list[int]
@@ -348,7 +348,7 @@ class _Cut:
     """A value -> the B result it is."""
 
 
-def _cut(m: _Match) -> _Cut | None:
+def _cut(m: _Match) -> _BlockCut | None:
     a, b = m.a, m.b
     shared = {i for i in m.op_images if not a.free[i]}
     outs: dict[Key, int] = {}
@@ -369,7 +369,7 @@ def _cut(m: _Match) -> _Cut | None:
             if i not in pre and i not in shared and not a.free[i]]
     if any(a.captures[i] for i in (*pre, *post)):
         return None
-    return _Cut(sorted(pre), shared, post, outs)
+    return _BlockCut(sorted(pre), shared, post, outs)
 
 
 def _ancestors(a: _Graph, values: Sequence[Key]) -> set[int]:
@@ -471,7 +471,7 @@ def _shape_dtype(mlir_type: str) -> tuple[tuple[int, ...], str]:
 PRE, S, POST = 1, 2, 3  # the pieces' slots in a SplitExecutable run
 
 
-def _wire(m: _Match, cut: _Cut, ports: _Ports, name: str) -> _Wiring | None:
+def _wire(m: _Match, cut: _BlockCut, ports: _Ports, name: str) -> _Wiring | None:
     """Which piece computes each value that crosses, and with which sharding; None
     where a value ``pre`` hands to ``post`` has no sharding to take."""
     a = m.a
@@ -496,7 +496,7 @@ def _wire(m: _Match, cut: _Cut, ports: _Ports, name: str) -> _Wiring | None:
     return w if _inputs(m, cut, ports, w) else None
 
 
-def _inputs(m: _Match, cut: _Cut, ports: _Ports, w: _Wiring) -> bool:
+def _inputs(m: _Match, cut: _BlockCut, ports: _Ports, w: _Wiring) -> bool:
     """Fill ``pre``'s and ``post``'s inputs; False where ``post`` reads a value of
     ``pre`` that crosses with no known sharding."""
     a = m.a
@@ -515,7 +515,7 @@ def _inputs(m: _Match, cut: _Cut, ports: _Ports, w: _Wiring) -> bool:
     return True
 
 
-def _input(m: _Match, cut: _Cut, ports: _Ports, w: _Wiring, piece: _Piece, ak: Key,
+def _input(m: _Match, cut: _BlockCut, ports: _Ports, w: _Wiring, piece: _Piece, ak: Key,
            pre_set: set[int]) -> bool:
     a = m.a
     if ak[0] < 0:
@@ -632,7 +632,7 @@ Job = tuple[Fragment, tuple[int, ...], tuple[int, ...] | None]
 
 
 @dataclass
-class Split:
+class SplitFragment:
     """A fragment run as up to three programs: its jobs and how their results combine."""
 
     fragment: Fragment
@@ -682,7 +682,7 @@ def _piece_fragment(a: Fragment, piece: _Piece, text: str) -> Fragment:
                     [p[2] for _, p in piece.outputs], a.loop_devices, ())
 
 
-def _split(job: Job, ga: _Graph, b_job: Job, gb: _Graph, ctx) -> Split | None:
+def _split(job: Job, ga: _Graph, b_job: Job, gb: _Graph, ctx) -> SplitFragment | None:
     """A's job split around B's program, or None where it cannot be."""
     a, donors, positions = job
     b = b_job[0]
@@ -707,7 +707,7 @@ def _split(job: Job, ga: _Graph, b_job: Job, gb: _Graph, ctx) -> Split | None:
         else:
             continue
         slots.append(slot)
-    return Split(a, b.name, jobs, slots, wires, w.results, frozenset(don[3]))
+    return SplitFragment(a, b.name, jobs, slots, wires, w.results, frozenset(don[3]))
 
 
 
@@ -715,7 +715,7 @@ class SplitExecutable:
     """A split fragment's executable: its pieces' executables called in turn (a
     ``FragmentCall``'s ``fn``), with XLA's analyses combined over them."""
 
-    def __init__(self, split: Split, exes: list, pieces: list[tuple[str, str, float]]):
+    def __init__(self, split: SplitFragment, exes: list, pieces: list[tuple[str, str, float]]):
         self.split = split
         self.exes = exes
         self.pieces = pieces
@@ -800,8 +800,8 @@ def _may_contain(a: Fragment, b: Fragment) -> bool:
     return sum(cb.values()) >= MIN_SHARED_OPS and all(ca[k] >= n for k, n in cb.items())
 
 
-def plan_splits(jobs: Sequence[Job], shape_key: Callable) -> dict[int, Split]:
-    """Job index -> its :class:`Split`, for each job whose fragment holds the program of
+def plan_splits(jobs: Sequence[Job], shape_key: Callable) -> dict[int, SplitFragment]:
+    """Job index -> its :class:`SplitFragment`, for each job whose fragment holds the program of
     another distinct fragment of ``jobs`` (``shape_key``: the executor's test for
     fragments identical up to their devices); empty when :func:`share_blocks` is off."""
     if not share_blocks():
@@ -814,7 +814,7 @@ def plan_splits(jobs: Sequence[Job], shape_key: Callable) -> dict[int, Split]:
     graphs = _Graphs(jobs)
     whole: list[int] = []  # distinct fragments kept whole so far (the ones to share)
     found: dict = {}  # A's shape key -> B's job
-    out: dict[int, Split] = {}
+    out: dict[int, SplitFragment] = {}
     for j in order:
         hit = _find(j, jobs, whole, graphs)
         if hit is None:
@@ -852,13 +852,13 @@ class _Graphs:
         return self._graphs[j]
 
 
-def _split_job(j: int, bj: int, jobs: Sequence[Job], graphs: _Graphs) -> Split | None:
+def _split_job(j: int, bj: int, jobs: Sequence[Job], graphs: _Graphs) -> SplitFragment | None:
     ga, gb = graphs[j], graphs[bj]
     return _split(jobs[j], ga, jobs[bj], gb, graphs.ctx) if ga and gb else None
 
 
 def _find(j: int, jobs: Sequence[Job], whole: list[int], graphs: _Graphs
-          ) -> tuple[int, Split] | None:
+          ) -> tuple[int, SplitFragment] | None:
     """The largest distinct fragment kept whole whose program job ``j`` holds, and
     job ``j`` split around it."""
     a = jobs[j][0]
@@ -876,7 +876,7 @@ def _find(j: int, jobs: Sequence[Job], whole: list[int], graphs: _Graphs
     return None
 
 
-def _log(split: Split) -> None:
+def _log(split: SplitFragment) -> None:
     level = compile_log_level()
     if logger.isEnabledFor(level):
         logger.log(level, "multimesh: fragment %s runs as %s (sharing %s's program)",
