@@ -1362,6 +1362,24 @@ def _():
         del os.environ["MULTIMESH_MERGE_FRAGMENTS"]
 
 
+@error("share-blocks-env-unknown", API, "`MULTIMESH_SHARE_BLOCKS` is neither on nor off",
+       MultimeshValueError,
+       r"MULTIMESH_SHARE_BLOCKS must be on or off, got 'yes'; for example "
+       r"MULTIMESH_SHARE_BLOCKS=off to compile every distinct fragment whole, even where it "
+       r"contains another fragment's program\.",
+       """Whether a fragment that holds another distinct fragment's program (a first
+       stage's embedding then the same blocks as the next stage) runs that program's
+       executable for the part they share instead of compiling it again, read when a
+       program compiles: `on` (the default) or `off`.""")
+def _():
+    grad_fn, ws, x = two_stage()
+    os.environ["MULTIMESH_SHARE_BLOCKS"] = "yes"
+    try:
+        mm.mjit(grad_fn).lower(ws, x).compile()
+    finally:
+        del os.environ["MULTIMESH_SHARE_BLOCKS"]
+
+
 @error("schedule-residual-bytes-wrong-type", SCHEDULES, "Residual sizes of the wrong type",
        MultimeshValueError, r"residual_bytes must be \{forward fragment: bytes\}",
        """Pass `mm.residual_bytes(compiled)`, a `compiled.memory_profile(...)`, or a

@@ -108,9 +108,22 @@ def ours(schedule: str) -> dict:
             "pipeline_cache": getattr(compiled, "pipeline_cache", None),
             "fragments": len(compiled.fragments), "xla_compiles": compiled._exec.xla_compiles,
             "sources": sorted(set(compiled.xla_sources.values())),
-            "fragment_seconds": {k: round(v, 4) for k, v in compiled.xla_times.items()},
-            "fragment_sources": dict(compiled.xla_sources),
+            **_per_compile(compiled),
+            "split": {k: v[0] for k, v in compiled.split_fragments.items()},
             "threads": compile_threads()}
+
+
+def _per_compile(compiled) -> dict:
+    """Seconds and origin of each fragment, a split fragment's pieces in its place
+    (``compiled.split_fragments``: the pieces XLA compiles, and the shared program
+    it loads)."""
+    seconds, sources = {}, {}
+    for name, t in compiled.xla_times.items():
+        pieces = compiled.split_fragments.get(name, (None, [(name, None, t)]))[1]
+        for piece, origin, secs in pieces:
+            seconds[piece] = round(secs, 4)
+            sources[piece] = origin or compiled.xla_sources[name]
+    return {"fragment_seconds": seconds, "fragment_sources": sources}
 
 
 def jit_scan(schedule: str) -> dict:
@@ -242,6 +255,9 @@ def _print_cold(r: dict) -> None:
     compiled = [(n, t) for n, t in r["fragments"].items() if r["sources"][n] == "xla"]
     print(f"{s:12}   XLA compiles: " + ", ".join(f"{n} {t:.2f}" for n, t in compiled)
           + f" (sum {sum(t for _, t in compiled):.2f} s)")
+    if last.get("split"):
+        print(f"{s:12}   split around a shared program: " + ", ".join(
+            f"{n} (shares {b})" for n, b in last["split"].items()))
     print(f"{s:12} cold jax.jit+scan {j['total']:5.2f} s (trace {j['trace']:.2f}, lower "
           f"{j['lower']:.2f}, compile {j['compile']:.2f}; CPU {j['cpu']:.2f})")
     print(f"{s:12} CSCALE {r['ratio']:.2f} (CPU {r['ratio_cpu']:.2f}; per pair "

@@ -27,7 +27,7 @@ from multimesh._src.ir_util import update_attr_dicts
 from multimesh._src.layouts import Placement
 from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import element_dtype, ir, make_context, parse_module
-from multimesh.runtime import codegen, fragment_store, runahead
+from multimesh.runtime import codegen, fragment_store, runahead, shared_blocks
 from multimesh.runtime import steps as st
 from multimesh.runtime.distributed import ProcessPlan, Route
 from multimesh.runtime.guards import check_args
@@ -207,8 +207,33 @@ def _groups(jobs: list[Job], devices: tuple
     return first, leaders, followers
 
 
-def _compile_all(jobs: list[Job], devices: tuple
-                 ) -> list[tuple[jax.stages.Compiled, str, float]]:
+def _compile_all(jobs: list[Job], devices: tuple) -> list[tuple[Any, str, float]]:
+    """``(executable, origin, seconds)`` of every job, in order; a fragment that holds
+    another distinct fragment's program runs as pieces, that program's executable
+    shared (:mod:`.shared_blocks`: a :class:`~.shared_blocks.SplitExecutable`)."""
+    splits = shared_blocks.plan_splits(jobs, _shape_key)
+    if not splits:
+        return _compile_jobs(jobs, devices)
+    flat: list[Job] = []
+    spans = []
+    for j, job in enumerate(jobs):
+        start = len(flat)
+        flat.extend(splits[j].jobs if j in splits else [job])
+        spans.append((start, len(flat)))
+    got = _compile_jobs(flat, devices)
+    out: list[tuple[Any, str, float]] = []
+    for j, (lo, hi) in enumerate(spans):
+        if j in splits:
+            exe, seconds = splits[j].assemble(got[lo:hi])
+            out.append((exe, min((o for _, o, _ in got[lo:hi]), key=_ORIGINS.index),
+                        seconds))
+        else:
+            out.append(got[lo])
+    return out
+
+
+def _compile_jobs(jobs: list[Job], devices: tuple
+                  ) -> list[tuple[jax.stages.Compiled, str, float]]:
     """``(executable, origin, seconds)`` of every job, in order.
 
     Each distinct executable is made once: fragments that differ only in their devices
@@ -417,8 +442,9 @@ class Executor:
                                and s.args.count(a) == 1 and k not in frag.donors)
                 wants.setdefault((s.fragment, s.devices), []).append((i, donors))
         exes: dict[int, jax.stages.Compiled] = {}
-        self.exes: dict[str, jax.stages.Compiled] = {}
-        """Fragment name -> one of its executables (for cost and memory analysis)."""
+        self.exes: dict[str, Any] = {}
+        """Fragment name -> one of its executables (for cost and memory analysis): a
+        ``jax.stages.Compiled``, or a split fragment's :class:`~.shared_blocks.SplitExecutable`."""
         self.xla_seconds: dict[str, float] = {}
         """Fragment name -> seconds spent getting its executables (XLA, or the cache)."""
         self._skipped_donations: dict[int, list[int]] = {}
@@ -431,13 +457,12 @@ class Executor:
         """Fragment name -> where its executables came from (the first of
         :data:`_ORIGINS` that any of them came from: :data:`XLA`, ...)."""
         results = _compile_all(jobs, self.devices)
+        self.split_pieces: dict[str, list[tuple[str, str, float]]] = {}
+        """Fragment name -> ``(piece, origin, seconds)`` of each program it runs as,
+        for a fragment split around another's program (:mod:`.shared_blocks`)."""
         for ((name, _), calls), (frag, common_t, _), (exe, origin, secs) in zip(
                 wants.items(), jobs, results):
-            common = set(common_t)
-            self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + secs
-            self.xla_sources[name] = min(self.xla_sources.get(name, MEMORY), origin,
-                                         key=_ORIGINS.index)
-            self.exes.setdefault(name, exe)
+            common = self._record(name, exe, origin, secs, set(common_t))
             for i, donors in calls:
                 exes[i] = exe
                 skipped = [plan.steps[i].args[k] for k in donors if k not in common]
@@ -447,6 +472,18 @@ class Executor:
                 self._consumed[i] = {args[k] for k in donors} | {
                     args[k] for k in frag.donors}
         return exes
+
+    def _record(self, name: str, exe, origin: str, secs: float, common: set[int]
+                ) -> set[int]:
+        """Note one job's executable; the donations it makes (of ``common``)."""
+        self.xla_seconds[name] = self.xla_seconds.get(name, 0.0) + secs
+        self.xla_sources[name] = min(self.xla_sources.get(name, MEMORY), origin,
+                                     key=_ORIGINS.index)
+        self.exes.setdefault(name, exe)
+        if isinstance(exe, shared_blocks.SplitExecutable):
+            self.split_pieces.setdefault(name, exe.pieces)
+            return common & exe.donated
+        return common
 
     def place_inputs(self, args):
         if self.process_plan is not None:  # Hook: inputs may live on other processes

@@ -20,7 +20,8 @@ from multimesh.runtime import steps
 from multimesh.runtime.plan import Call, Plan, Transfer
 
 
-def _shard_bytes(shape, dtype: str, layout) -> int:
+def shard_bytes(shape, dtype: str, layout) -> int:
+    """Bytes of one device's shard of a ``shape``/``dtype`` array laid out as ``layout``."""
     _, names, sizes, dims = layout
     size_of = dict(zip(names, sizes))
     n = 1
@@ -58,7 +59,7 @@ class _LiveBytes:
         self.own: dict[int, int] = {}  # device position -> largest fragment peak
 
     def add(self, vid: int, shape, dtype, lay, sign: int = 1) -> None:
-        b = _shard_bytes(shape, dtype, lay)
+        b = shard_bytes(shape, dtype, lay)
         for p in lay[0]:
             self.live[p] = self.live.get(p, 0) + sign * b
         if sign > 0:

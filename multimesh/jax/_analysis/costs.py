@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh._src.errors import MultimeshTypeError, MultimeshValueError
 from multimesh.jax._analysis.devices import DEVICE_KINDS, DeviceSpec, kind_of_device
-from multimesh.runtime.memory import _shard_bytes as shard_bytes
+from multimesh.runtime.memory import shard_bytes
 from multimesh.runtime.plan import Call
 from multimesh.runtime.timing import StepTime
 from multimesh.schedules import Schedule

@@ -67,7 +67,16 @@ class MpmdCompiled(ProgramStage):
         """Fragment name -> where its executable came from: ``"xla"`` (compiled now),
         ``"persistent cache"`` (jax's ``jax_compilation_cache_dir``), ``"identical
         fragment"`` (loaded from a fragment that differs only in its devices) or
-        ``"memory"`` (compiled earlier in this process)."""
+        ``"memory"`` (compiled earlier in this process). For a split fragment
+        (:attr:`split_fragments`), the first of these any of its pieces came from."""
+        self.split_fragments = {
+            name: (self._exec.exes[name].split.shares, list(pieces))
+            for name, pieces in self._exec.split_pieces.items()}
+        """Fragment name -> ``(the fragment whose program it shares, [(piece, where its
+        executable came from, seconds)])`` for each fragment that holds another
+        distinct fragment's program and runs as pieces around that program's
+        executable (``MULTIMESH_SHARE_BLOCKS``, docs/performance.md "Cold compile of the
+        lm1b step"); ``xla_times`` gives such a fragment its pieces' seconds summed."""
         log_phase(lowered.label, "compiled the fragments with XLA", self.compile_times["xla"],
                    f"{self._exec.xla_compiles} XLA compilations")
         log_phase(lowered.label, "finished compiling", sum(self.compile_times.values()),
