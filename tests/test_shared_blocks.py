@@ -219,3 +219,42 @@ def test_share_blocks_env_is_checked(monkeypatch):
     assert not shared_blocks.share_blocks()
     monkeypatch.delenv(shared_blocks.SHARE_ENV)
     assert shared_blocks.share_blocks()
+
+
+def test_a_restarted_process_reads_the_split_plan(monkeypatch, tmp_path):
+    """With jax's persistent cache on, the split plan is stored beside the fragments'
+    executables: the next compile of the program reads it instead of matching the
+    fragments again, and a damaged entry is planned again."""
+    import zlib
+
+    from multimesh.runtime import fragment_store
+
+    monkeypatch.setattr(fragment_store, "directory", lambda: tmp_path)
+    prev = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        loss, params, x = _loss(), _params(), _x()
+        with mm.ignore_transforms():
+            ref = jax.value_and_grad(loss)(params, x)
+        f = _grad_fn(loss)
+        first, _ = _compile(f, (params, x), monkeypatch, "on")
+        stored = list(tmp_path.iterdir())
+        assert len(stored) == 1
+        planned: list[int] = []
+        real = shared_blocks._plan_splits
+        monkeypatch.setattr(shared_blocks, "_plan_splits",
+                            lambda *a: planned.append(1) or real(*a))
+        second, _ = _compile(f, (params, x), monkeypatch, "on")
+        assert planned == []
+        assert set(second._exec.split_pieces) == set(first._exec.split_pieces) == {
+            "s0_fwd", "s3_fwd", "s0_bwd", "s3_bwd"}
+        out = second(params, x)
+        _same(out, ref)
+        _placed_alike(out, first(params, x))
+        stored[0].write_bytes(zlib.compress(b"not a plan"))
+        third, _ = _compile(f, (params, x), monkeypatch, "on")
+        assert planned == [1]
+        assert set(third._exec.split_pieces) == set(first._exec.split_pieces)
+        _same(third(params, x), ref)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", prev)

@@ -211,7 +211,7 @@ def _compile_all(jobs: list[Job], devices: tuple) -> list[tuple[Any, str, float]
     """``(executable, origin, seconds)`` of every job, in order; a fragment that holds
     another distinct fragment's program runs as pieces, that program's executable
     shared (:mod:`.shared_blocks`: a :class:`~.shared_blocks.SplitExecutable`)."""
-    splits = shared_blocks.plan_splits(jobs, _shape_key)
+    splits = shared_blocks.plan_splits(jobs, _shape_key, devices[0] if devices else None)
     if not splits:
         return _compile_jobs(jobs, devices)
     flat: list[Job] = []

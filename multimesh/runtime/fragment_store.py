@@ -9,6 +9,8 @@ written here once, keyed by what the fragments share (the executor's ``_shape_ke
 the text with mesh names made canonical, the donations, the layouts relative to the
 fragment's devices) and by the jax, jaxlib and device kind that compiled it; a later
 process reads that one entry and loads it onto every submesh that runs the program.
+The shared-blocks plan (:mod:`.shared_blocks`: which fragments run as pieces) is kept
+here too, so a restarted process does not match the fragments again.
 
 Entries live in ``<jax_compilation_cache_dir>/multimesh/``, written atomically, only
 where jax's cache is on, the directory is local, and XLA took at least
@@ -31,13 +33,14 @@ import jaxlib.version as jaxlib_version
 
 from multimesh._src import jax_compat
 
-__all__ = ["entry_key", "read", "write", "reads", "writes"]
+__all__ = ["directory", "entry_key", "read", "write", "reads", "writes"]
 
 _counts = {"reads": 0, "writes": 0}
 _lock = threading.Lock()
 
 
-def _directory() -> Path | None:
+def directory() -> Path | None:
+    """Where entries live, or None when jax's persistent cache is off or not local."""
     if not jax_compat.persistent_cache_on():
         return None
     root, _ = jax_compat.persistent_cache_settings()
@@ -55,7 +58,7 @@ def entry_key(shape_key: tuple, device) -> str:
 
 def read(key: str) -> bytes | None:
     """The executable stored under ``key``, or None."""
-    d = _directory()
+    d = directory()
     if d is None:
         return None
     try:
@@ -69,7 +72,7 @@ def read(key: str) -> bytes | None:
 
 def write(key: str, executable: bytes, compile_seconds: float) -> None:
     """Store ``executable`` under ``key`` (atomically); failures are ignored."""
-    d = _directory()
+    d = directory()
     _, min_seconds = jax_compat.persistent_cache_settings()
     if d is None or compile_seconds < min_seconds or jax.process_index() != 0:
         return
