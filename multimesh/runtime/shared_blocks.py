@@ -218,8 +218,9 @@ def _graph(text: str, ctx) -> _Graph | None:
             return None
         meshes, fn = parts
         mesh_names = [ir.StringAttr(m.attributes["sym_name"]).value for m in meshes]
-        index = {n: f"mm.mesh{i}" for i, n in enumerate(mesh_names)}
-        index.update({f'"{n}"': f"mm.mesh{i}" for i, n in enumerate(mesh_names)})
+        # Each mesh's name made canonical (no symbol name holds "<" or a space).
+        index = {n: f"<mesh {i}>" for i, n in enumerate(mesh_names)}
+        index.update({f'"{n}"': f"<mesh {i}>" for i, n in enumerate(mesh_names)})
         block = fn.regions[0].blocks[0]
         ops = [o.operation for o in block.operations]
         ftype = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
