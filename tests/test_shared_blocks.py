@@ -229,7 +229,8 @@ def test_a_restarted_process_reads_the_split_plan(monkeypatch, tmp_path):
 
     from multimesh.runtime import fragment_store
 
-    monkeypatch.setattr(fragment_store, "directory", lambda: tmp_path)
+    monkeypatch.setattr(fragment_store, "directory",
+                        lambda folder=fragment_store.EXECUTABLES: tmp_path / folder)
     prev = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
@@ -238,8 +239,9 @@ def test_a_restarted_process_reads_the_split_plan(monkeypatch, tmp_path):
             ref = jax.value_and_grad(loss)(params, x)
         f = _grad_fn(loss)
         first, _ = _compile(f, (params, x), monkeypatch, "on")
-        stored = list(tmp_path.iterdir())
+        stored = list((tmp_path / fragment_store.SPLIT_PLANS).iterdir())
         assert len(stored) == 1
+        assert not (tmp_path / fragment_store.EXECUTABLES).exists()  # (jax's cache is off)
         planned: list[int] = []
         real = shared_blocks._plan_splits
         monkeypatch.setattr(shared_blocks, "_plan_splits",

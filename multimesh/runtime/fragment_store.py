@@ -10,7 +10,8 @@ the text with mesh names made canonical, the donations, the layouts relative to 
 fragment's devices) and by the jax, jaxlib and device kind that compiled it; a later
 process reads that one entry and loads it onto every submesh that runs the program.
 The shared-blocks plan (:mod:`.shared_blocks`: which fragments run as pieces) is kept
-here too, so a restarted process does not match the fragments again.
+likewise, in a folder of its own (:data:`SPLIT_PLANS`), so a restarted process does not
+match the fragments again.
 
 Entries live in ``<jax_compilation_cache_dir>/multimesh/``, written atomically, only
 where jax's cache is on, the directory is local, and XLA took at least
@@ -33,20 +34,24 @@ import jaxlib.version as jaxlib_version
 
 from multimesh._src import jax_compat
 
-__all__ = ["directory", "entry_key", "read", "write", "reads", "writes"]
+__all__ = ["EXECUTABLES", "SPLIT_PLANS", "directory", "entry_key", "read", "write", "reads", "writes"]
 
-_counts = {"reads": 0, "writes": 0}
+EXECUTABLES, SPLIT_PLANS = "multimesh", "multimesh-split-plans"
+"""The folders under jax's cache directory: fragments' executables, and the shared-blocks
+plans (:mod:`.shared_blocks`: which fragments run as pieces)."""
+_counts = {(EXECUTABLES, "reads"): 0, (EXECUTABLES, "writes"): 0,
+           (SPLIT_PLANS, "reads"): 0, (SPLIT_PLANS, "writes"): 0}
 _lock = threading.Lock()
 
 
-def directory() -> Path | None:
+def directory(folder: str = EXECUTABLES) -> Path | None:
     """Where entries live, or None when jax's persistent cache is off or not local."""
     if not jax_compat.persistent_cache_on():
         return None
     root, _ = jax_compat.persistent_cache_settings()
     if "://" in root:  # gs://, ...: jax's own entries only
         return None
-    return Path(root) / "multimesh"
+    return Path(root) / folder
 
 
 def entry_key(shape_key: tuple, device) -> str:
@@ -56,9 +61,9 @@ def entry_key(shape_key: tuple, device) -> str:
     return hashlib.sha256(repr(what).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def read(key: str) -> bytes | None:
+def read(key: str, folder: str = EXECUTABLES) -> bytes | None:
     """The executable stored under ``key``, or None."""
-    d = directory()
+    d = directory(folder)
     if d is None:
         return None
     try:
@@ -66,13 +71,14 @@ def read(key: str) -> bytes | None:
     except (OSError, zlib.error):
         return None
     with _lock:
-        _counts["reads"] += 1
+        _counts[folder, "reads"] += 1
     return data
 
 
-def write(key: str, executable: bytes, compile_seconds: float) -> None:
+def write(key: str, executable: bytes, compile_seconds: float,
+          folder: str = EXECUTABLES) -> None:
     """Store ``executable`` under ``key`` (atomically); failures are ignored."""
-    d = directory()
+    d = directory(folder)
     _, min_seconds = jax_compat.persistent_cache_settings()
     if d is None or compile_seconds < min_seconds or jax.process_index() != 0:
         return
@@ -89,14 +95,14 @@ def write(key: str, executable: bytes, compile_seconds: float) -> None:
                 os.unlink(tmp)
         return
     with _lock:
-        _counts["writes"] += 1
+        _counts[folder, "writes"] += 1
 
 
-def reads() -> int:
+def reads(folder: str = EXECUTABLES) -> int:
     """Entries read by this process so far (tests and benchmarks)."""
-    return _counts["reads"]
+    return _counts[folder, "reads"]
 
 
-def writes() -> int:
+def writes(folder: str = EXECUTABLES) -> int:
     """Entries written by this process so far."""
-    return _counts["writes"]
+    return _counts[folder, "writes"]

@@ -52,7 +52,7 @@ from multimesh._src.log import compile_log_level, logger
 from multimesh._src.mlir import func, ir, make_context, parse_module, print_module
 from multimesh.runtime import fragment_store
 from multimesh.runtime.memory import shard_bytes
-from multimesh.runtime.plan import Fragment
+from multimesh.runtime.plan import Fragment, moved
 
 __all__ = ["SHARE_ENV", "MIN_SHARED_OPS", "share_blocks", "SplitFragment", "SplitExecutable",
            "plan_splits"]
@@ -658,11 +658,6 @@ class SplitFragment:
         return exe, sum(s for _, _, s in got)
 
 
-def _placement(lay: tuple, home: tuple, there: tuple) -> tuple:
-    """``lay`` (a placement on devices ``home``) moved onto ``there``, position by position."""
-    return (tuple(there[home.index(p)] if p in home else p for p in lay[0]), *lay[1:])
-
-
 def _renamer(ga: _Graph, gb: _Graph) -> Callable[[str], str]:
     table = {}
     for (bn, _), (an, _) in zip(gb.meshes, ga.meshes):
@@ -673,7 +668,7 @@ def _renamer(ga: _Graph, gb: _Graph) -> Callable[[str], str]:
 def _middle(a: Fragment, b: Fragment) -> Fragment:
     """B's program on A's devices."""
     def move(lays):
-        return [_placement(lay, b.devices, a.devices) for lay in lays]
+        return [moved(lay, b.devices, a.devices) for lay in lays]
     return dataclasses.replace(b, name=f"{a.name}.{b.name}", devices=a.devices,
                                in_layouts=move(b.in_layouts), out_layouts=move(b.out_layouts),
                                loop_devices=a.loop_devices)
@@ -804,6 +799,10 @@ def _may_contain(a: Fragment, b: Fragment) -> bool:
     return sum(cb.values()) >= MIN_SHARED_OPS and all(ca[k] >= n for k, n in cb.items())
 
 
+PLANS = fragment_store.SPLIT_PLANS
+"""The fragment store's folder for split plans."""
+
+
 def plan_splits(jobs: Sequence[Job], shape_key: Callable, device=None
                 ) -> dict[int, SplitFragment]:
     """Job index -> its :class:`SplitFragment`, for each job whose fragment holds the program of
@@ -816,7 +815,7 @@ def plan_splits(jobs: Sequence[Job], shape_key: Callable, device=None
     if not share_blocks():
         return {}
     key = fragment_store.entry_key(("shared-blocks plan", repr(list(jobs))), device) \
-        if device is not None and fragment_store.directory() is not None else None
+        if device is not None and fragment_store.directory(PLANS) is not None else None
     stored = _read_plan(key, len(jobs))
     if stored is not None:
         for j in sorted(stored):
@@ -825,13 +824,13 @@ def plan_splits(jobs: Sequence[Job], shape_key: Callable, device=None
     t0 = time.perf_counter()
     out = _plan_splits(jobs, shape_key)
     if key is not None:
-        fragment_store.write(key, pickle.dumps(out), time.perf_counter() - t0)
+        fragment_store.write(key, pickle.dumps(out), time.perf_counter() - t0, PLANS)
     return out
 
 
 def _read_plan(key: str | None, n_jobs: int) -> dict[int, SplitFragment] | None:
     """A stored plan, or None (none stored, or one that cannot be read: planned again)."""
-    data = fragment_store.read(key) if key is not None else None
+    data = fragment_store.read(key, PLANS) if key is not None else None
     if data is None:
         return None
     try:
