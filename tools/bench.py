@@ -34,7 +34,9 @@ P11 dispatch-bound pipeline: 8 stages of 1 device, 32 microbatches, d=32, 1F1B
     value_and_grad; our step time / jax.jit of the same math as a 32-step Python
     loop on one device, with fragment calls, transfers, batched copy calls, host us per
     call and per transferred array, and per call over one bare jitted call of a
-    stage's forward.
+    stage's forward. P11_one_program: the floor of any dispatch, the same pipeline as
+    ONE jax.jit executable over the 8 devices (shard_map, a ppermute per tick, GPipe
+    order: no host dispatch at all) / the same jax.jit loop.
 
 P10 moving a 4 MB / 64 MB float32 array from a 4-device submesh to another: between two
     processes (2 x 4 devices under jax.distributed, multimesh.launch; the union-mesh
@@ -301,6 +303,40 @@ def _p4(num_ops: int, reps: int = 1) -> dict[str, float]:
     return out
 
 
+def _one_program_pipeline(stage, stages: int, micro: int):
+    """P11's pipeline as one SPMD executable over ``stages`` devices (stage k's weight
+    on device k; a ``lax.scan`` over the ``micro + stages - 1`` ticks, each device
+    runs its stage and hands the result on with a ``ppermute``): what the step costs
+    with no host dispatch at all, every hop a collective inside one program."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:stages]), ("s",))
+    ring = [(i, (i + 1) % stages) for i in range(stages)]
+
+    def local(w, xs):  # w: this device's (1, D, D); xs: (micro, rows, D), replicated
+        k = jax.lax.axis_index("s")
+
+        def tick(carry, t):
+            buf, total = carry
+            y = stage(w[0], jnp.where(k == 0, xs[jnp.clip(t, 0, micro - 1)], buf))
+            last = (k == stages - 1) & (t >= stages - 1)
+            return (jax.lax.ppermute(y, "s", ring), total + jnp.where(last, (y ** 2).mean(), 0.0)), None
+
+        zero = jax.lax.pcast(jnp.zeros(xs.shape[1:], xs.dtype), "s", to="varying")
+        tot0 = jax.lax.pcast(jnp.zeros((), xs.dtype), "s", to="varying")
+        (_, total), _ = jax.lax.scan(tick, (zero, tot0), jnp.arange(micro + stages - 1))
+        return jax.lax.psum(total, "s")[None]
+
+    def loss(w, xs):
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("s"), P()), out_specs=P("s"))(w, xs)[0]
+
+    return jax.jit(jax.value_and_grad(loss)), mesh
+
+
 def _p11(reps: int) -> dict[str, float]:
     """The dispatch-bound case: host cost of many small fragments and transfers."""
     import jax
@@ -343,16 +379,25 @@ def _p11(reps: int) -> dict[str, float]:
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    one, mesh = _one_program_pipeline(stage, S, M)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    wst = jax.device_put(jnp.stack(ws), NamedSharding(mesh, P("s")))
+    xst = jax.device_put(x.reshape(M, MB, D), NamedSharding(mesh, P()))
+    got1 = one(wst, xst)
+    np.testing.assert_allclose(got1[0], want[0], rtol=1e-4)
+    np.testing.assert_allclose(got1[1], jnp.stack(want[1]), rtol=1e-4, atol=1e-5)
     bare = jax.jit(stage)
     w1, h = ws0[0], x0[:MB]
     jax.block_until_ready(bare(w1, h))
     ex = ours._exec
     flat = jax.tree.leaves((wsp, xp))
     detail = getattr(ex, "_program", None) is not None  # (an older tree: step times only)
-    a, b, calls_s, copies_s, bare_s = [], [], [], [], []
+    a, b, c, calls_s, copies_s, bare_s = [], [], [], [], [], []
     for _ in range(reps):
         a.append(_seconds(ours, wsp, xp))
         b.append(_seconds(theirs, ws0, x0))
+        c.append(_seconds(one, wst, xst))
         tc, tt = _timed_dispatch(ex, flat) if detail else (float("nan"),) * 2
         calls_s.append(tc)
         copies_s.append(tt)
@@ -366,7 +411,8 @@ def _p11(reps: int) -> dict[str, float]:
     med = statistics.median
     per_call = med(calls_s) / n_calls
     return {"P11": med(a) / med(b), "P11_step_ms": 1e3 * med(a),
-            "P11_jit_loop_ms": 1e3 * med(b), "P11_calls": n_calls, "P11_transfers": n_moves,
+            "P11_jit_loop_ms": 1e3 * med(b), "P11_one_program": med(c) / med(b),
+            "P11_one_program_ms": 1e3 * med(c), "P11_calls": n_calls, "P11_transfers": n_moves,
             "P11_copy_calls": getattr(ex, "batched_transfers", n_moves),
             "P11_us_per_call": 1e6 * per_call,
             "P11_us_per_transfer": 1e6 * med(copies_s) / n_moves,
