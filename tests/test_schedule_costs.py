@@ -13,7 +13,13 @@ import pytest
 
 import multimesh.jax as mm
 from multimesh.schedules import ScheduleError, all_schedules, build_schedule, pipeline_units
-from multimesh.schedules.costs import FragmentCosts, compare, reshape_units, simulate_stages
+from multimesh.schedules.costs import (
+    FragmentCosts,
+    compare,
+    reshape_units,
+    simulate_stages,
+    textbook_schedule,
+)
 
 P_, M_ = 4, 4
 
@@ -175,6 +181,25 @@ def test_simulate_stages_with_unit_costs_is_the_theory(name):
     assert math.isclose(pred.bubble, want.bubble_fraction())
     assert list(pred.peak_microbatches) == want.live_activations()
     assert pred.peak_activation_bytes == tuple(100 * n for n in pred.peak_microbatches)
+
+
+@pytest.mark.parametrize("name,P,V", [("1f1b", 4, 1), ("interleaved-1f1b", 2, 2),
+                                      ("zero-bubble-h1", 4, 1), ("dualpipe-v", 2, 2)])
+def test_textbook_schedules_are_built_once_and_are_the_built_ones(name, P, V):
+    """The planner asks for the same schedule for each of its candidate cuts: it is
+    built once per shape, and is the schedule ``build_schedule`` makes of the units."""
+    from multimesh.schedules import get_schedule, v_shape_units
+
+    algo = get_schedule(name)
+    units = (v_shape_units(P, 8, split_backward=algo.splits_backward)
+             if algo.placement == "v-shape"
+             else pipeline_units(P, 8, interleave=V, split_backward=algo.splits_backward))
+    got = textbook_schedule(name, P, V, 8)
+    assert got == build_schedule(units, name)
+    assert textbook_schedule(name, P, V, 8) is got
+    assert textbook_schedule(name, P, V, 4) is not got
+    with pytest.raises(ScheduleError):
+        textbook_schedule("dualpipe-v", 4, 1, 3)  # needs at least 2P microbatches
 
 
 def test_simulate_stages_with_a_slow_stage():

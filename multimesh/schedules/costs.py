@@ -16,6 +16,7 @@ zero-bubble paper's B = W), and ``f+g`` is ``f`` followed by ``g``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -36,7 +37,7 @@ from .simulator import (
 )
 
 __all__ = ["FragmentCosts", "Prediction", "predict", "reshape_units", "simulate_stages",
-           "ScheduleComparison", "compare"]
+           "textbook_schedule", "ScheduleComparison", "compare"]
 
 
 # ----------------------------------------------------------------------------- reshaping
@@ -118,27 +119,41 @@ def simulate_stages(schedule: str, forward: Sequence[float], backward: Sequence[
     P = S if num_meshes is None else num_meshes
     _check_stages(schedule, forward, backward, weight_gradient, activation_bytes, S, P)
     algo = get_schedule(schedule)
-    if algo.placement == "v-shape":
-        if S != 2 * P:
-            raise ScheduleError(f"schedule '{algo.name}' places 2 stages per submesh in a V: "
-                                f"{S} stages need num_meshes={S // 2}, got {P}")
-        units = v_shape_units(P, num_microbatches, split_backward=algo.splits_backward)
-    else:
-        units = pipeline_units(P, num_microbatches, interleave=S // P,
-                               split_backward=algo.splits_backward)
+    if algo.placement == "v-shape" and S != 2 * P:
+        raise ScheduleError(f"schedule '{algo.name}' places 2 stages per submesh in a V: "
+                            f"{S} stages need num_meshes={S // 2}, got {P}")
     w = list(weight_gradient) if weight_gradient is not None else [b / 2 for b in backward]
     secs: dict[str, float] = {}
     for s in range(S):
         secs[f"stage{s}_fwd"] = forward[s]
         secs[f"stage{s}_bwd"] = backward[s] - w[s] if algo.splits_backward else backward[s]
         secs[f"stage{s}_bwd_w"] = w[s]
-    sched = build_schedule(units, algo.name)
+    sched = textbook_schedule(schedule, P, S // P, num_microbatches)
     res = None if activation_bytes is None else (lambda k: int(activation_bytes[k[1]]))
 
     def cost(u: Unit) -> float:
         return secs[f"stage{u.stage}_{u.kind}"]
 
     return predict(sched, cost, residual_bytes=res, comm=comm)
+
+
+def textbook_schedule(name: str, num_meshes: int, interleave: int, num_microbatches: int):
+    """The named schedule of a textbook pipeline: ``num_meshes`` submeshes, each with
+    ``interleave`` stages (two in a V for a ``v-shape`` schedule), ``num_microbatches``
+    microbatches. Built once per registered algorithm and shape: the planner asks for
+    the same few schedules for each of its hundreds of candidate cuts, and a schedule
+    is immutable. Raises :class:`ScheduleError` where the schedule refuses the shape."""
+    return _textbook(get_schedule(name), num_meshes, interleave, num_microbatches)
+
+
+@functools.lru_cache(maxsize=256)
+def _textbook(algo, P: int, V: int, M: int):
+    """:func:`textbook_schedule`, keyed by the algorithm object (a schedule registered
+    again under its name is a new key)."""
+    split = algo.splits_backward
+    units = (v_shape_units(P, M, split_backward=split) if algo.placement == "v-shape"
+             else pipeline_units(P, M, interleave=V, split_backward=split))
+    return build_schedule(units, algo.name)
 
 
 def _check_stages(schedule, forward, backward, weight_gradient, activation_bytes,

@@ -22,13 +22,10 @@ from multimesh._src.errors import MultimeshValueError
 from multimesh.jax._analysis.costs import DeviceModel
 from multimesh.schedules import (
     ScheduleError,
-    build_schedule,
     get_schedule,
     live_activations,
-    pipeline_units,
-    v_shape_units,
 )
-from multimesh.schedules.costs import simulate_stages
+from multimesh.schedules.costs import simulate_stages, textbook_schedule
 
 __all__ = ["Costs", "Limits", "Choice", "Layout", "search", "best_cut", "mesh_of", "data_ways"]
 
@@ -318,12 +315,8 @@ def best_cut(n: int, S: int, cost: Callable[[int, int], float],
 
 def _live(P: int, V: int, M: int, name: str) -> tuple[int, ...] | None:
     """Peak live microbatches per submesh; None where the schedule refuses ``M``."""
-    algo = get_schedule(name)
-    split = algo.splits_backward
-    units = (v_shape_units(P, M, split_backward=split) if algo.placement == "v-shape"
-             else pipeline_units(P, M, interleave=V, split_backward=split))
     try:
-        sched = build_schedule(units, name)
+        sched = textbook_schedule(name, P, V, M)
     except ScheduleError:  # e.g. kimi-k2 needs rounds of P microbatches
         return None
     return tuple(max(v, 1) for v in live_activations(sched))
