@@ -340,11 +340,23 @@ def test_an_early_exit_with_code_0_is_named_within_10_s(tmp_path):
 
 
 def test_launcher_timeout(tmp_path):
-    # 20 s: time for both processes to start and print their pids on a loaded machine
-    proc = _run_launcher(tmp_path, SLEEPER, "-n", "2", "--timeout", "20")
-    assert proc.returncode == 124 and "timed out after 20 s" in proc.stderr
-    assert proc.elapsed < 80  # not the 120 s SLEEPER sleeps
-    _assert_gone(_pids(proc.stdout))
+    # The timeout must fire once both processes have printed their pids (2 workers and
+    # their children), so that the test sees it reap all four. The sleepers import no
+    # jax: 3 s is enough on an idle machine; a loaded one that starts them later gets
+    # the run again with twice the timeout (up to 24 s, more than the fixed 20 s this
+    # test used to wait).
+    for timeout in (3, 6, 12, 24):
+        proc = _run_launcher(tmp_path, SLEEPER, "-n", "2", "--timeout", str(timeout))
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 124 and f"timed out after {timeout} s" in proc.stderr, out
+        assert proc.elapsed < timeout + 60, out  # not the 120 s SLEEPER sleeps
+        pids = [int(p) for line in re.findall(r"^\[\d+\] pids ([\d ]+)$", proc.stdout, re.M)
+                for p in line.split()]
+        _assert_gone(pids)
+        if len(pids) == 4:
+            break
+    else:
+        pytest.fail(f"the sleepers did not print their pids within 24 s:\n{out}")
 
 
 def test_launcher_port_in_use_is_named(tmp_path):
