@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import functools
 import io
 import json
 import os
@@ -430,11 +431,23 @@ def run_in_process(case: Case, workdir: str) -> Result:
     return Result(rc, o.getvalue(), e.getvalue(), wrote, reparses, dt)
 
 
+@functools.cache
+def _probe_context():
+    """One single-threaded context per process for this file's own parse checks (does a
+    case parse, does an output reparse): a fresh context costs about 9 ms, as much as a
+    case, and a parse leaves nothing in it that changes whether the next one parses
+    (the same answers as a fresh context for all N_IN_PROCESS cases; mm-opt itself
+    still gets a fresh context per run)."""
+    from multimesh._src.mlir import make_context
+
+    return make_context()  # multithreading off
+
+
 def _reparses(path: str) -> bool:
-    from multimesh._src.mlir import ir, make_context
+    from multimesh._src.mlir import ir
 
     try:
-        with make_context():
+        with _probe_context():
             ir.Module.parse(Path(path).read_text())
         return True
     except Exception:  # noqa: BLE001
@@ -693,12 +706,10 @@ _SECONDARY = ("exit 1 without an error diagnostic", "python traceback")
 
 def parses_single_threaded(text: str) -> bool:
     """Whether ``text`` parses in a context with MLIR multithreading off (never hangs)."""
-    from multimesh._src.mlir import ir, make_context
+    from multimesh._src.mlir import ir
 
-    ctx = make_context()
-    ctx.enable_multithreading(False)
     try:
-        with ctx:
+        with _probe_context():
             ir.Module.parse(text)
         return True
     except Exception:  # noqa: BLE001
