@@ -316,7 +316,7 @@ def _probes(devices: list) -> dict:
     step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=PartitionSpec("d"),
                                  out_specs=PartitionSpec("d")))
     probes: dict[str, tuple] = {"call": (jax.jit(lambda v: v + 1.0),
-                       (jax.device_put(np.ones((n,), np.float32), rows),), 61),
+                       (jax.device_put(np.ones((n,), np.float32), rows),), 31),
               "step": (step, (w, x), 3),
               "scale": (jax.jit(lambda v: v * 2.0),
                         (jax.device_put(np.ones((n * 2 ** 20,), np.float32), rows),), 5)}
