@@ -258,11 +258,73 @@ def test_calibrate_measures_collectives_between_compute():
     assert ran("step") == [] and ran("layers") == []
     assert [(op, k) for op, _, k in ran("between")] == [("all-gather", 8)] * \
         _costs.LATENCY_CHAIN
+    # each device's layers are 64 x LAYER_WIDTH by LAYER_WIDTH x LAYER_WIDTH
+    x, w = probes["layers"][1]
+    assert x.sharding.shard_shape(x.shape) == (64, _costs.LAYER_WIDTH)
+    assert w.shape == (_costs.LAYER_WIDTH, _costs.LAYER_WIDTH)
+    assert probes["layers"][2] == probes["between"][2] == _costs.RENDEZVOUS_PAIRS
     dm = _costs._measure(mm.DeviceModel, devices, rounds=3)
     assert dm.rendezvous >= 0.0
     if (os.cpu_count() or 1) < len(devices):  # oversubscribed: the rendezvous waits
         assert dm.rendezvous > 0.0
     assert _costs._measure(mm.DeviceModel, devices[:1], rounds=1).rendezvous == 0.0
+
+
+def _pairs_with(rendezvous: float, rounds: int = 14, per_round: int = 3, *, layers=8e-3,
+                gather=2e-3, overhead=1e-4, jitter=0.0):
+    """Synthetic calibration timings of a host whose collectives wait ``rendezvous`` of
+    the layers' compute: per round ``per_round`` (layers, with all-gathers) pairs and
+    the bare all-gathers' seconds; ``jitter`` spreads the pairs' waits evenly over
+    that share up and down (7 levels, as many of each over 14 rounds of 3)."""
+    pairs, gathers = [], []
+    for r in range(rounds):
+        rp = []
+        for k in range(per_round):
+            a = layers + overhead
+            spread = 1 + jitter * ((r * per_round + k) % 7 - 3) / 3
+            rp.append((a, a + (gather - overhead) + rendezvous * spread * layers))
+        pairs.append(rp)
+        gathers.append(gather)
+    return pairs, gathers
+
+
+def test_the_rendezvous_estimator_on_synthetic_timings():
+    """``_rendezvous`` reads back the share that the synthetic timings were made with
+    (the all-gathers and the dispatch taken off), is the median over every pair (a
+    slow round, one pair in it, or one round whose all-gathers were slow moves it
+    little), and is 0 where the chain with all-gathers is no slower."""
+    pairs, gathers = _pairs_with(0.6)
+    assert _costs._rendezvous(pairs, gathers, 1e-4) == pytest.approx(0.6)
+    noisy, gathers = _pairs_with(0.6, jitter=0.3)
+    assert _costs._rendezvous(noisy, gathers, 1e-4) == pytest.approx(0.6, rel=0.05)
+    # one round caught in a burst: every call of it 3x slower, its all-gathers too
+    burst = [list(rp) for rp in noisy]
+    burst[4] = [(3 * a, 3 * b) for a, b in burst[4]]
+    slow_g = list(gathers)
+    slow_g[7] = 10 * gathers[7]
+    got = _costs._rendezvous(burst, slow_g, 1e-4)
+    assert got == pytest.approx(0.6, rel=0.05)
+    # the mean over the pairs would have been moved by them
+    ratios = [(b - a - (g - 1e-4)) / (a - 1e-4) for rp, g in zip(burst, slow_g)
+              for a, b in rp]
+    assert abs(float(np.mean(ratios)) - 0.6) > 0.1
+    # no wait: 0, never negative
+    none, gathers = _pairs_with(-0.2)
+    assert _costs._rendezvous(none, gathers, 1e-4) == 0.0
+    assert _costs._rendezvous([], [], 1e-4) == 0.0
+
+
+def test_the_rendezvous_probes_run_in_alternating_pairs():
+    """``_paired`` times one call of each chain in turn, the chain alone first in
+    every other pair, and reports each pair as (alone, with all-gathers)."""
+    order = []
+
+    def probe(name):
+        return (lambda: order.append(name) or jnp.zeros(()), (), 4)
+
+    got = _costs._paired(probe("layers"), probe("between"))
+    assert order == ["layers", "between", "between", "layers"] * 2
+    assert len(got) == 4 and all(a > 0 and b > 0 for a, b in got)
 
 
 def test_the_planner_charges_the_rendezvous_where_a_pass_runs_collectives():

@@ -256,8 +256,8 @@ class DeviceModel:
         ring step of a collective (a chain of tiny all-gathers over all the devices,
         less the dispatch, per all-gather and step), and the ``rendezvous`` (a chain
         of small layers with an all-gather after each, against the layers and the
-        all-gathers alone). Cached per device kind and count (``refresh`` measures
-        again)."""
+        all-gathers alone, timed in pairs of one call of each chain; the median over
+        the pairs). Cached per device kind and count (``refresh`` measures again)."""
         devices = list(jax.devices() if devices is None else devices)
         key = (devices[0].platform, str(devices[0].device_kind), len(devices))
         if refresh or key not in _CALIBRATED:
@@ -296,7 +296,8 @@ def _probes(devices: list) -> dict:
     elementwise op over 4 MiB per device; ``copy``: 16 MiB from one device to
     another; ``call``: one tiny call (the dispatch); ``gather``: a chain of tiny
     all-gathers (:func:`_gathers`); ``layers`` and ``between``: a chain of small
-    layers, without and with an all-gather after each (:func:`_layers`)."""
+    layers, without and with an all-gather after each (:func:`_layers`), timed in
+    pairs, one call of each in turn (:func:`_paired`)."""
     n = len(devices)
     mesh = Mesh(np.asarray(devices), ("d",))
     rows = NamedSharding(mesh, PartitionSpec("d"))
@@ -324,11 +325,11 @@ def _probes(devices: list) -> dict:
         probes["copy"] = (lambda v: jax.device_put(v, devices[1]), (one,), 9)
         probes["gather"] = (_gathers(mesh), (jax.device_put(np.ones((8 * n,), np.float32),
                                                             rows),), 5)
-        layer = (jax.device_put(np.ones((64 * n, 128), np.float32), rows),
-                 jax.device_put(np.full((128, 128), 0.01, np.float32),
+        layer = (jax.device_put(np.ones((64 * n, LAYER_WIDTH), np.float32), rows),
+                 jax.device_put(np.full((LAYER_WIDTH, LAYER_WIDTH), 0.01, np.float32),
                                 NamedSharding(mesh, PartitionSpec())))
-        probes["layers"] = (_layers(mesh, gather=False), layer, 3)
-        probes["between"] = (_layers(mesh, gather=True), layer, 3)
+        probes["layers"] = (_layers(mesh, gather=False), layer, RENDEZVOUS_PAIRS)
+        probes["between"] = (_layers(mesh, gather=True), layer, RENDEZVOUS_PAIRS)
     for fn, args, _ in probes.values():
         jax.block_until_ready(fn(*args))
     return probes
@@ -351,11 +352,20 @@ def _gathers(mesh: Mesh):
                                  out_specs=PartitionSpec("d")))
 
 
+LAYER_WIDTH = 256
+"""Columns of the rendezvous probes' layers (64 rows by ``LAYER_WIDTH`` columns times
+``LAYER_WIDTH`` x ``LAYER_WIDTH`` on each device)."""
+
+RENDEZVOUS_PAIRS = 3
+"""Pairs of calls (the chain of layers alone, the same chain with all-gathers) that
+each round of :meth:`DeviceModel.calibrate` times for the rendezvous."""
+
+
 def _layers(mesh: Mesh, gather: bool):
-    """A chain of :data:`LATENCY_CHAIN` small layers (``tanh(x @ w)``, 64 x 128 rows
-    by 128 x 128 on each device), with ``gather`` an all-gather of the layer's output
-    after each, read by the next layer: the collectives as programs run them,
-    between compute."""
+    """A chain of :data:`LATENCY_CHAIN` small layers (``tanh(x @ w)``, 64 x
+    :data:`LAYER_WIDTH` rows by :data:`LAYER_WIDTH` x :data:`LAYER_WIDTH` on each
+    device), with ``gather`` an all-gather of the layer's output after each, read by
+    the next layer: the collectives as programs run them, between compute."""
     def body(x, w):
         for _ in range(LATENCY_CHAIN):
             x = jnp.tanh(x @ w)
@@ -368,27 +378,72 @@ def _layers(mesh: Mesh, gather: bool):
                                  out_specs=PartitionSpec("d")))
 
 
+PAIRED = ("layers", "between")
+"""The probes that :func:`_measure` times in pairs (:func:`_paired`)."""
+
+
+def _paired(first: tuple, second: tuple) -> list[tuple[float, float]]:
+    """``calls`` pairs of one call of each of two probes (``(fn, args, calls)``), one
+    after the other, the first first in every other pair: per pair, the seconds of
+    each. A pair runs within milliseconds, under one load."""
+    (fa, aa, calls), (fb, ab, _) = first, second
+    pairs = []
+    for k in range(calls):
+        if k % 2:
+            b, a = _timed(fb, *ab), _timed(fa, *aa)
+        else:
+            a, b = _timed(fa, *aa), _timed(fb, *ab)
+        pairs.append((a, b))
+    return pairs
+
+
+def _rendezvous(pairs: Sequence[Sequence[tuple[float, float]]], gathers: Sequence[float],
+                overhead: float) -> float:
+    """The rendezvous from the calibration's timings: ``pairs[r]``, round ``r``'s pairs
+    of calls of the chain of layers alone (``a`` seconds) and with an all-gather after
+    each layer (``b``); ``gathers[r]``, that round's bare chain of all-gathers
+    (``g``). Per pair, what the chain with all-gathers takes beyond the layers and the
+    bare all-gathers, over the layers' own time (each less the dispatch, at most
+    half): ``(b - a - g) / a``; the median over every pair of every round (one slow
+    round or pair moves it little), 0 where it is not above 0."""
+    ratios = [(b - a - max(g - overhead, g / 2)) / max(a - overhead, a / 2)
+              for rp, g in zip(pairs, gathers) for a, b in rp]
+    return max(statistics.median(ratios), 0.0) if ratios else 0.0
+
+
+def _rounds(probes: dict, rounds: int) -> tuple[dict, list]:
+    """``rounds`` rounds, each timing every probe its calls in turn, the
+    :data:`PAIRED` ones last, in pairs: per probe, each round's median; each round's
+    pairs."""
+    seen: dict[str, list[float]] = {k: [] for k in probes if k not in PAIRED}
+    pairs: list[list[tuple[float, float]]] = []
+    for _ in range(rounds):
+        for name in seen:
+            fn, args, calls = probes[name]
+            seen[name].append(_timed(fn, *args, calls=calls))
+        if all(k in probes for k in PAIRED):
+            pairs.append(_paired(*(probes[k] for k in PAIRED)))
+    return seen, pairs
+
+
 def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceModel:
     """:meth:`DeviceModel.calibrate`'s measurements: ``rounds`` rounds, each timing
-    every probe (:func:`_probes`) a few calls in turn, so a burst of load on a
-    shared machine touches every figure alike; each figure is the median over the
-    rounds, not the best (one lucky run is no figure to plan with). A run's dispatch
-    (the tiny call's median) is taken off the step's, the elementwise op's and the
-    chains'. The all-gather chain's rest, per all-gather and ring step (``n - 1`` of
-    them), is the collective latency; what the chain of layers with all-gathers
-    takes beyond the layers alone and the bare all-gathers, over the layers' own
-    compute, is the rendezvous (the share of the compute between collectives that
-    each collective waits for: per round, as the three chains ran one after the
-    other, then the median; 0 where it is not above them)."""
+    every probe (:func:`_probes`) a few calls in turn (:func:`_rounds`), so a burst of
+    load on a shared machine touches every figure alike; each figure is the median
+    over the rounds, not the best (one lucky run is no figure to plan with). A run's
+    dispatch (the tiny call's median) is taken off the step's, the elementwise op's
+    and the chains'. The all-gather chain's rest, per all-gather and ring step
+    (``n - 1`` of them), is the collective latency. The rendezvous (the share of the compute between
+    collectives that each collective waits for) comes from pairs of calls, the chain
+    of layers alone and with all-gathers one after the other: what the second takes
+    beyond the first and the round's bare all-gathers, over the first's compute; the
+    median over every pair (:func:`_rendezvous`; 0 where it is not above 0)."""
     n = len(devices)
     probes = _probes(devices)
     step_fn, step_args, _ = probes["step"]
     flops = float((step_fn.lower(*step_args).compile().cost_analysis() or {}).get(
         "flops", 0.0))
-    seen: dict[str, list[float]] = {k: [] for k in probes}
-    for _ in range(rounds):
-        for name, (fn, args, calls) in probes.items():
-            seen[name].append(_timed(fn, *args, calls=calls))
+    seen, pairs = _rounds(probes, rounds)
     t = {k: statistics.median(v) for k, v in seen.items()}
     overhead = t["call"]
 
@@ -401,10 +456,7 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     if n > 1:
         link = 16 * 2 ** 20 / t["copy"]
         latency = net("gather") / (LATENCY_CHAIN * (n - 1))
-        # per round (the three chains ran one after the other), then the median
-        rendezvous = max(statistics.median(
-            (b - a - max(g - c, g / 2)) / max(a - c, a / 2) for a, b, g, c in
-            zip(seen["layers"], seen["between"], seen["gather"], seen["call"])), 0.0)
+        rendezvous = _rendezvous(pairs, seen["gather"], overhead)
     return cls(achieved, memory, overhead=overhead, link_bandwidth=link,
                collective_latency=latency, rendezvous=rendezvous,
                name=f"calibrated on {n} {devices[0].platform} device(s)")
