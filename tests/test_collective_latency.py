@@ -266,7 +266,13 @@ def test_calibrate_measures_collectives_between_compute():
     dm = _costs._measure(mm.DeviceModel, devices, rounds=3)
     assert dm.rendezvous >= 0.0
     if (os.cpu_count() or 1) < len(devices):  # oversubscribed: the rendezvous waits
-        assert dm.rendezvous > 0.0
+        # A 3-round calibration is a sample: in a suite whose other worker holds a
+        # core it once read 0 (the chains shared the cores unevenly). The wait is
+        # there if any of three such samples sees it.
+        seen = [dm.rendezvous]
+        while max(seen) == 0.0 and len(seen) < 3:
+            seen.append(_costs._measure(mm.DeviceModel, devices, rounds=3).rendezvous)
+        assert max(seen) > 0.0, seen
     assert _costs._measure(mm.DeviceModel, devices[:1], rounds=1).rendezvous == 0.0
 
 
