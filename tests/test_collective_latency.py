@@ -320,6 +320,20 @@ def test_the_rendezvous_estimator_on_synthetic_timings():
     assert _costs._rendezvous([], [], 1e-4) == 0.0
 
 
+def test_a_rounds_copy_is_its_fastest_and_the_others_their_median(monkeypatch):
+    """A copy's destination is sometimes fresh pages from the operating system, twice as
+    slow; each round keeps the copy's fastest call (the link's bandwidth) and every
+    other probe's median, and the figure is still the median over the rounds."""
+    waits = iter([3.0, 1.0, 2.0] * 4)  # each probe's three calls: slow, fast, middle
+    elapsed: list[float] = []  # a fake clock: a call takes its wait
+    monkeypatch.setattr(_costs.time, "perf_counter", lambda: sum(elapsed))
+    monkeypatch.setattr(_costs.jax, "block_until_ready", lambda x: elapsed.append(next(waits)))
+    probe = (lambda: None, (), 3)
+    seen, pairs = _costs._rounds({"copy": probe, "scale": probe}, 2)
+    assert seen == {"copy": [1.0, 1.0], "scale": [2.0, 2.0]} and pairs == []
+    assert "copy" in _costs.FASTEST_IN_ROUND and "call" not in _costs.FASTEST_IN_ROUND
+
+
 def test_the_rendezvous_probes_run_in_alternating_pairs():
     """``_paired`` times one call of each chain in turn, the chain alone first in
     every other pair, and reports each pair as (alone, with all-gathers)."""
