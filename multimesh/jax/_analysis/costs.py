@@ -447,11 +447,12 @@ def _measure(cls, devices: list, rounds: int = CALIBRATION_ROUNDS) -> DeviceMode
     over the rounds, not the best (one lucky run is no figure to plan with). A run's
     dispatch (the tiny call's median) is taken off the step's, the elementwise op's
     and the chains'. The all-gather chain's rest, per all-gather and ring step
-    (``n - 1`` of them), is the collective latency. The rendezvous (the share of the compute between
-    collectives that each collective waits for) comes from pairs of calls, the chain
-    of layers alone and with all-gathers one after the other: what the second takes
-    beyond the first and the round's bare all-gathers, over the first's compute; the
-    median over every pair (:func:`_rendezvous`; 0 where it is not above 0)."""
+    (``n - 1`` of them), is the collective latency. The rendezvous (the share of the
+    compute between collectives that each collective waits for) comes from pairs of
+    calls, the chain of layers alone and with all-gathers one after the other: what
+    the second takes beyond the first and the round's bare all-gathers, over the
+    first's compute; the median over every pair (:func:`_rendezvous`; 0 where it is
+    not above 0)."""
     n = len(devices)
     probes = _probes(devices)
     step_fn, step_args, _ = probes["step"]
