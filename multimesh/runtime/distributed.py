@@ -599,14 +599,30 @@ class _Watchdog:
         self.seen: dict[int, tuple[str, float]] = {}
         self.beat = 0
         self.exiting = False  # set at interpreter exit: RPC errors then mean shutdown
+        self.stopped = threading.Event()  # set at interpreter exit: the thread returns
         self.thread = threading.Thread(target=self._run, name="multimesh-watchdog", daemon=True)
+
+    def leave(self) -> None:
+        """At interpreter exit, before jax's shutdown: stop the thread and tell the peers
+        that this process is exiting, so that none counts its silence (it may wait in
+        jax's shutdown barrier for slower peers) as death. The thread must not be inside
+        one of jaxlib's calls when the interpreter finalizes: a daemon thread that
+        takes the GIL back then is unwound through C++ that cannot unwind, and the
+        process aborts (exit 134, "FATAL: exception not rethrown") after its work."""
+        self.exiting = True
+        self.stopped.set()
+        self.thread.join(timeout=max(10.0, 2 * self.period))
+        try:
+            self.client.key_value_set(f"{_ALIVE}{self.me}", _EXITING, allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the coordination service is already gone
+            pass
 
     def _alive(self) -> bool:
         return jax_compat.distributed_client() is self.client
 
     def _run(self) -> None:
-        prefix = "multimesh/alive/"
-        while self._alive():
+        prefix = _ALIVE
+        while self._alive() and not self.stopped.is_set():
             now = time.monotonic()
             try:
                 self.beat += 1
@@ -614,7 +630,7 @@ class _Watchdog:
                                           allow_overwrite=True)
                 entries = dict(self.client.key_value_dir_get("multimesh/"))
             except Exception as e:  # shutting down, or the coordination service is gone
-                time.sleep(self.period)
+                self.stopped.wait(self.period)
                 if self.exiting or not self._alive():
                     return
                 self._stop(f"it lost the jax.distributed coordination service, hosted by "
@@ -630,8 +646,8 @@ class _Watchdog:
                 return
             for k in range(self.n):
                 val = entries.get(f"{prefix}{k}")
-                if k == self.me or val is None:  # a peer is judged after its first beat
-                    continue
+                if k == self.me or val is None or val == _EXITING:  # judged after its
+                    continue  # first beat, and no longer once it exits
                 last = self.seen.get(k)
                 if last is None or last[0] != val:
                     self.seen[k] = (val, now)
@@ -639,7 +655,7 @@ class _Watchdog:
                     self._stop(f"process {k} of {self.n} sent no heartbeat for "
                                f"{now - last[1]:.0f} s (it has died or hangs)", [k])
                     return
-            time.sleep(self.period)
+            self.stopped.wait(self.period)
 
     def _stop(self, why: str, peers: list[int]) -> None:
         devs = [i for k in peers for i in self.devices_of.get(k, [])]
@@ -655,6 +671,9 @@ class _Watchdog:
 
 
 _WATCHDOG: _Watchdog | None = None
+_ALIVE, _EXITING = "multimesh/alive/", "exiting"
+"""The heartbeats' keys in jax's key-value store, and the value a process leaves there
+as it exits (:meth:`_Watchdog.leave`)."""
 
 
 def peer_timeout() -> float:
@@ -685,7 +704,7 @@ def start_watchdog(timeout: float | None = None, period: float = 1.0) -> None:
     if timeout is None:
         timeout = peer_timeout()
     _WATCHDOG = w = _Watchdog(client, timeout, period)
-    atexit.register(lambda: setattr(w, "exiting", True))  # runs before jax's shutdown
+    atexit.register(w.leave)  # runs before jax's shutdown (registered when jax was imported)
     previous = sys.excepthook
 
     def excepthook(tp, value, tb):
