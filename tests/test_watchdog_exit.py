@@ -29,9 +29,9 @@ class _Store:
             return [(k, v) for k, v in self.entries.items() if k.startswith(prefix)]
 
 
-def _watchdog(monkeypatch, entries, timeout=0.05):
+def _watchdog(monkeypatch, entries, silent_after=0.05):
     store = _Store(entries)
-    w = distributed._Watchdog(store, timeout=timeout, period=0.01)
+    w = distributed._Watchdog(store, silent_after, 0.01)
     w.n, w.me = 2, 0
     monkeypatch.setattr(distributed._Watchdog, "_alive", lambda self: True)
     stopped = []
@@ -41,7 +41,7 @@ def _watchdog(monkeypatch, entries, timeout=0.05):
 
 
 def test_leave_stops_the_thread_and_marks_this_process_exiting(monkeypatch):
-    w, store, stopped = _watchdog(monkeypatch, {"multimesh/alive/1": "1"}, timeout=60)
+    w, store, stopped = _watchdog(monkeypatch, {"multimesh/alive/1": "1"}, silent_after=60)
     w.thread.start()
     while store.calls < 3:  # it beats
         pass
