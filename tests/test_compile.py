@@ -58,6 +58,7 @@ def _compile(threads, monkeypatch):
     return mm.mjit(step).lower(ws, x).compile(), loss, ws, x
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_threads_change_nothing_but_the_time(monkeypatch):
     """1 thread and 4 threads: the same fragments, calls, sources and values."""
     runs = {}
@@ -85,6 +86,7 @@ def test_a_second_compile_is_served_from_memory(monkeypatch):
     _check(again(ws, x), _reference(loss, ws, x))
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_fragments_that_differ_only_in_their_devices_compile_once(monkeypatch):
     """The middle stages run the same block on other submeshes: one of them compiles,
     the others load its executable onto their devices (no XLA compile), and every
@@ -123,6 +125,7 @@ def test_a_failing_fragment_raises_what_serial_compilation_raises(monkeypatch):
     assert errors[1] == errors[4] == "XLA refused s0_fwd"
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_the_longest_compiles_start_first_and_followers_load_next(monkeypatch):
     """Serially (1 thread), fragments compile in the order of their work (backward
     before forward: more contractions), and a fragment identical up to its devices
@@ -154,6 +157,7 @@ def test_the_longest_compiles_start_first_and_followers_load_next(monkeypatch):
         assert order[i - 1] == ("xla", leader), order
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_workers_compile_in_the_callers_jax_config(monkeypatch, caplog):
     """``with jax.log_compiles(True)`` is thread-local in jax; the pool's threads see it."""
     monkeypatch.delenv("MULTIMESH_LOG_COMPILES", raising=False)

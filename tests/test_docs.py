@@ -157,13 +157,20 @@ def _id(path: Path) -> str:
     return path.relative_to(DOCS).as_posix()
 
 
+READS_COMPILES = ("xla_sources", "xla_compiles", "pipeline_cache")
+"""A page that prints these runs with the suite's compilation cache off (root
+``conftest.py``): it shows what a fresh process compiles."""
+
+
 @pytest.mark.parametrize("page", _pages(), ids=_id)
-def test_doc_page(page: Path):
+def test_doc_page(page: Path, request):
     """The page's python blocks run, and print what its output blocks show."""
     text = page.read_text()
     first = text.lstrip("\ufeff").splitlines()[0].strip() if text.strip() else ""
     if first == NO_EXEC:
         pytest.skip(f"{_id(page)} opts out of execution ({NO_EXEC})")
+    if any(name in text for name in READS_COMPILES):
+        request.getfixturevalue("fresh_xla_compiles")  # it prints how programs compiled
     shown = outputs(text)
     name = f"docs.{_id(page)}"
     module = types.ModuleType(name)

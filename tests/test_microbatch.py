@@ -94,6 +94,7 @@ def test_live_activations_bounds():
     assert max(live["gpipe"]) == 8
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_each_fragment_compiles_once_and_runs_per_microbatch():
     from multimesh.runtime import executor
 
@@ -382,6 +383,7 @@ def test_custom_schedule_is_checked_when_microbatch_is_called():
     assert all(type(mb) is int for row in rows for mb, _ in row)
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_fragments_that_compute_nothing_are_not_compiled():
     """``in_shardings`` constraints outside the loop are pass-through fragments and the
     running sums' ``*_acc_init`` are zeros: both stay in the IR, neither compiles."""

@@ -181,9 +181,9 @@ def test_in_one_process_a_hit_equals_plain_jax_and_the_env_turns_it_off(
     assert disk_cache.directory() is None
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_off_without_jax_persistent_cache():
-    if jax_compat.persistent_cache_on():
-        pytest.skip("jax's persistent cache is on in this process")
+    assert not jax_compat.persistent_cache_on()
     assert disk_cache.directory() is None
     assert _lowered()[3].compile().pipeline_cache == disk_cache.OFF
 

@@ -170,6 +170,7 @@ def test_mm_opt_verify_each_and_timing(tmp_path, capsys):
     assert "Verifier" not in capsys.readouterr().err  # verified inside each pass's time
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_compile_phases_are_logged(caplog):
     """Every phase of a compile is logged on the ``multimesh`` logger: DEBUG records
     normally, WARNING ones under ``jax_log_compiles`` (like jax's own)."""

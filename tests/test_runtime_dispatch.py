@@ -92,6 +92,7 @@ def test_batched_program_reads_every_value_after_it_is_made():
     assert set(plan.outputs) <= alive
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_a_fragment_compiles_once_when_only_its_last_call_could_donate():
     """A donated weight read by every microbatch could only be donated at the last
     one, which would need a second executable: the fragment compiles once, without
@@ -112,6 +113,7 @@ def test_a_fragment_compiles_once_when_only_its_last_call_could_donate():
     _check(got, _summed(loss, ws, x, 8))
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_donated_input_read_once_is_donated_to_xla():
     """Outside a loop the donating call is the fragment's only call: one executable,
     with the buffer donor, and no plain variant compiled beside it."""

@@ -133,6 +133,7 @@ def _shared_once(compiled):
         assert group.count("xla") == 1, (shares, group)
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_forward_and_backward_share_the_blocks(monkeypatch):
     loss, params, x = _loss(), _params(), _x()
     with mm.ignore_transforms():
@@ -163,6 +164,7 @@ def test_forward_and_backward_share_the_blocks(monkeypatch):
     assert on.calls == off.calls
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_optimizer_updates_share_on_a_superset_of_parameters(monkeypatch):
     loss, params, x = _loss(), _params(), _x()
     opt = optax.adam(1e-2)
@@ -221,6 +223,7 @@ def test_share_blocks_env_is_checked(monkeypatch):
     assert shared_blocks.share_blocks()
 
 
+@pytest.mark.usefixtures("fresh_xla_compiles")
 def test_a_restarted_process_reads_the_split_plan(monkeypatch, tmp_path):
     """With jax's persistent cache on, the split plan is stored beside the fragments'
     executables: the next compile of the program reads it instead of matching the
