@@ -111,17 +111,21 @@ def _stream(data: bytes = b"") -> io.TextIOWrapper:
 
 
 def _run_tool(argv: list[str]) -> int:
-    """One stage on the current ``sys.std*``: its exit code."""
-    if argv[0] == "mm-opt":
-        from multimesh.tools.mm_opt import main  # fresh MLIR context per call
-        return main(argv[1:])
-    from filecheck.matcher import Matcher
-    from filecheck.options import parse_argv_options
+    """One stage on the current ``sys.std*``: its exit code (argparse's exit on a bad
+    flag included, as the console script would give it)."""
     try:
-        return Matcher.from_opts(parse_argv_options(list(argv))).run()
-    except Exception as e:  # what the console script would die of: a traceback, code 1
-        sys.stderr.write(f"filecheck: {type(e).__name__}: {e}\n")
-        return 1
+        if argv[0] == "mm-opt":
+            from multimesh.tools.mm_opt import main  # fresh MLIR context per call
+            return main(argv[1:])
+        from filecheck.matcher import Matcher
+        from filecheck.options import parse_argv_options
+        try:
+            return Matcher.from_opts(parse_argv_options(list(argv))).run()
+        except Exception as e:  # what the console script would die of: a traceback, code 1
+            sys.stderr.write(f"filecheck: {type(e).__name__}: {e}\n")
+            return 1
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
 
 def run_in_process(stages: list[list[str]]) -> tuple[int, str, str]:
