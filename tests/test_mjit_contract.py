@@ -342,6 +342,40 @@ def test_mjit_takes_nnx_objects_without_the_flax_wing_imported():
     assert lines[3].startswith("Task"), out.stdout
 
 
+def test_linen_apply_tasks_do_not_load_the_flax_wing():
+    """A linen program whose tasks are ``module.apply`` (plain functions) never loads
+    the flax wing, nor ``flax.nnx`` with it (a restart would pay for importing them);
+    a linen class given to ``task`` still loads it and is the Flax task."""
+    pytest.importorskip("flax")
+    code = textwrap.dedent("""
+        import os, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, jax.numpy as jnp
+        from flax import linen as nn
+        import multimesh.jax as mm
+        class Dense(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(2)(x)
+        d = Dense()
+        p = d.init(jax.random.key(0), jnp.ones((4, 3)))
+        mesh = mm.TaskMesh(devices=(0, 1), axis_names=("x",), axis_sizes=(2,))
+        t = mm.task(d.apply, name="t", mesh=mesh)
+        loss = lambda p, x: t(p, x).sum()
+        got = mm.mjit(jax.grad(loss))(p, jnp.ones((4, 3)))
+        want = jax.grad(lambda p, x: d.apply(p, x).sum())(p, jnp.ones((4, 3)))
+        print(bool(jax.tree.all(jax.tree.map(jnp.allclose, got, want))),
+              "flax.nnx" in sys.modules, "multimesh.jax.flax" in sys.modules)
+        print(mm.task(Dense, name="d").__name__, "multimesh.jax.flax" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0] == "True False False", out.stdout
+    assert lines[1].startswith("Task") and lines[1].endswith("True"), out.stdout
+
+
 # --------------------------------------------------------------------------- NNX: one mjit
 
 

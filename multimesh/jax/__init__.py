@@ -53,4 +53,5 @@ def _flax_handler() -> _handlers.ArgumentHandler:
     return HANDLER
 
 
-_handlers.register(_flax_handler, arguments=("flax.nnx",), tasks=("flax.linen", "flax.nnx"))
+_handlers.register(_flax_handler, arguments=("flax.nnx",),
+                   tasks=("flax.linen.Module", "flax.nnx.Module"))

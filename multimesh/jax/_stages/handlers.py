@@ -4,8 +4,10 @@ know (NNX graph objects, Flax modules), from a wing that ``multimesh.jax`` never
 A wing offers one ``ArgumentHandler``. It is registered (``register``) with a loader
 and the modules whose import makes it needed: a handler for arguments is looked for
 only once one of its ``arguments`` modules is in ``sys.modules`` (an NNX object exists
-only once the program imported ``flax.nnx`` itself), one for tasks once one of its
-``tasks`` modules is; it is loaded at the first question asked then. So ``import
+only once the program imported ``flax.nnx`` itself), one for tasks only for a function
+that is one of its ``tasks`` classes (or an instance of one) whose module is imported;
+it is loaded at the first question asked then. So a linen program whose tasks are
+plain functions (``module.apply``) never loads the wing, nor ``flax.nnx`` with it. So ``import
 multimesh.jax`` imports no wing, and a wing needs no import by the user: the
 composition root, ``multimesh/jax/__init__.py``, registers the flax wing's handler.
 
@@ -71,7 +73,7 @@ class ArgumentHandler(Protocol):
 class _Registration:
     load: Callable[[], ArgumentHandler]
     arguments: tuple[str, ...]
-    tasks: tuple[str, ...]
+    tasks: tuple[str, ...]  # dotted class paths, ``flax.linen.Module``
 
 
 _REGISTERED: list[_Registration] = []
@@ -81,17 +83,34 @@ _LOADED: dict[int, ArgumentHandler] = {}  # registration index -> its handler
 def register(load: Callable[[], ArgumentHandler], *, arguments: tuple[str, ...] = (),
              tasks: tuple[str, ...] = ()) -> None:
     """Register the handler ``load()`` returns: asked about arguments once a module of
-    ``arguments`` is imported, about tasks once one of ``tasks`` is."""
+    ``arguments`` is imported, about a task's function when it is one of the classes
+    ``tasks`` names (``"flax.linen.Module"``), or an instance of one."""
     _REGISTERED.append(_Registration(load, tuple(arguments), tuple(tasks)))
 
 
 def _active(kind: str) -> Iterator[ArgumentHandler]:
     for i, reg in enumerate(_REGISTERED):
         if any(m in sys.modules for m in getattr(reg, kind)):
-            handler = _LOADED.get(i)
-            if handler is None:
-                handler = _LOADED[i] = reg.load()
-            yield handler
+            yield _loaded(i, reg)
+
+
+def _loaded(i: int, reg: _Registration) -> ArgumentHandler:
+    handler = _LOADED.get(i)
+    if handler is None:
+        handler = _LOADED[i] = reg.load()
+    return handler
+
+
+def _is_one_of(fun, paths: tuple[str, ...]) -> bool:
+    """Whether ``fun`` is one of the classes ``paths`` names, or an instance of one,
+    looking only in modules already imported (a class not imported has no instances)."""
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and (isinstance(fun, cls) or (
+                isinstance(fun, type) and issubclass(fun, cls))):
+            return True
+    return False
 
 
 def may_claim_arguments() -> bool:
@@ -108,7 +127,8 @@ def for_arguments(tree) -> ArgumentHandler | None:
 
 def for_task(fun) -> ArgumentHandler | None:
     """The handler whose task ``task(fun)`` must be, if any."""
-    return next((h for h in _active("tasks") if h.wraps_task(fun)), None)
+    return next((h for i, reg in enumerate(_REGISTERED) if _is_one_of(fun, reg.tasks)
+                 for h in (_loaded(i, reg),) if h.wraps_task(fun)), None)
 
 
 def module_names(*roots) -> AbstractContextManager[None]:
