@@ -149,6 +149,7 @@ REACHED_BY = {
     "mesh_scope": "tests/test_jax_compat.py",
     "many_meshes": "tests/test_jax_compat.py",
     "unused_inputs": "tests/test_jax_compat.py",
+    "linearize_call": "tests/test_jax_compat.py",
     "lowered_callbacks": "tests/test_jax_compat.py",
     "trace_context": "tests/test_jax_compat.py",
     "persistent_cache_on": "tests/test_jax_compat.py",
@@ -183,6 +184,77 @@ REACHED_BY = {
 def _subset() -> list[str]:
     lines = SUBSET.read_text().splitlines()
     return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
+
+
+DIRECT = jax_compat.JAX_VERSION < (0, 11)  # jax 0.10: a task linearized as it traces
+
+
+def _spy_linearize(monkeypatch) -> list[bool]:
+    """Whether each task bound under ``grad`` was linearized as it was traced."""
+    got: list[bool] = []
+    real = jax_compat.linearize_call
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        got.append(out is not None)
+        return out
+    monkeypatch.setattr(jax_compat, "linearize_call", spy)
+    return got
+
+
+def _two_submeshes():
+    a = mm.TaskMesh(devices=(0, 1), axis_names=("x",), axis_sizes=(2,))
+    b = mm.TaskMesh(devices=(2, 3), axis_names=("x",), axis_sizes=(2,))
+    return a, b
+
+
+def test_a_task_under_grad_is_traced_once_into_forward_and_tangent(monkeypatch):
+    """Under ``grad`` on jax 0.10 a task's body is traced straight into its forward
+    and tangent jaxprs (``jax_compat.linearize_call``), not traced and then evaluated
+    again: values, gradients and where they live are plain jax's. A constant the
+    body closes over (``scale``) reaches the backward as a constant."""
+    got = _spy_linearize(monkeypatch)
+    a, b = _two_submeshes()
+    scale = np.linspace(0.5, 1.5, 8, dtype=np.float32)
+
+    def layer(w, x):
+        return jnp.sin(x @ w) * scale
+
+    def loss_of(f1, f2):
+        def loss(ws, x):
+            return jnp.sum(f2(ws[1], f1(ws[0], x)) ** 2)
+        return loss
+    t1, t2 = mm.task(layer, name="l1", mesh=a), mm.task(layer, name="l2", mesh=b)
+    ws = [jnp.eye(8) * 0.3 + 0.01 * k for k in range(2)]
+    x = jnp.arange(32.0).reshape(4, 8) / 32
+    loss, grads = mm.mjit(jax.value_and_grad(loss_of(t1, t2)))(ws, x)
+    want_loss, want = jax.value_and_grad(loss_of(layer, layer))(ws, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert got == [DIRECT, DIRECT]
+    assert {d.id for d in grads[0].devices()} <= {0, 1}
+    assert {d.id for d in grads[1].devices()} <= {2, 3}
+
+
+def test_a_task_closing_over_a_traced_value_is_traced_plainly(monkeypatch):
+    """A body that closes over a value of the trace around it (``w``, a parameter the
+    gradient is taken of) takes the plain path, so that value's tangent is kept: the
+    gradient is plain jax's, not zero."""
+    got = _spy_linearize(monkeypatch)
+    a, _ = _two_submeshes()
+
+    def loss(w, x):
+        t = mm.task(lambda x: jnp.tanh(x @ w), name="closes", mesh=a)
+        return jnp.sum(t(x) ** 2)
+
+    def plain(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+    w, x = jnp.eye(4) * 0.5, jnp.arange(8.0).reshape(2, 4) / 8
+    g = mm.mjit(jax.grad(loss))(w, x)
+    np.testing.assert_allclose(g, jax.grad(plain)(w, x), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(g).sum()) > 0
+    assert got == [False]
 
 
 def test_the_private_attribute_shims_agree_with_public_jax():

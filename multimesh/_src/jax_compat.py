@@ -68,7 +68,7 @@ __all__ = [
     "persistent_cache_on", "serialized_executable", "persistent_cache_settings", "staging",
     "mesh_scope", "mesh_scope_depth", "name_scope_hook", "unbound_collective",
     "shard_map_mesh_refused", "many_meshes", "backends_initialized",
-    "unused_inputs",
+    "unused_inputs", "linearize_call",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -235,6 +235,110 @@ def _partial_eval_010(prim, trace, *in_tracers, call_jaxpr, **params):
     for t in unknown_out:
         t.recipe = eqn
     return _util.merge_lists(unknown_outs, known_out, unknown_out)
+
+
+def linearize_call(prim: Primitive, params: dict, fun, in_avals, args_flat) -> list | None:
+    """``prim.bind(*args_flat, call_jaxpr=<fun traced>, **params)`` under ``jax.grad``,
+    with ``fun`` traced once, straight into its forward and tangent jaxprs.
+
+    Under jax's ``LinearizeTrace`` (``grad``, ``vjp``, ``value_and_grad``) a call
+    primitive is traced to a jaxpr, and then its linearization rule evaluates that
+    jaxpr again into a forward and a tangent jaxpr (``ad.linearize_jaxpr``). This does
+    what the rule and ``LinearizeTrace.process_primitive`` do, but evaluates ``fun``
+    (a flat ``lu.WrappedFun``) itself, as ``jax.jit``'s trace of a whole step does:
+    one trace of the body in place of two (a third of a restart's tracing).
+
+    Returns the outputs (``LinearizeTracer``s), or None where the ordinary path must
+    run: jax >= 0.11 (its linearization rule differs), no ``LinearizeTrace`` current,
+    no nonzero tangent in, a reference input, or a body that closed over another
+    trace's values (their tangents would be lost; the plain trace turns them into
+    arguments).
+    """
+    if _call_rules_module() is not None:
+        return None
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _ad.LinearizeTrace or any(
+            isinstance(a, _ad.AbstractRef) for a in in_avals):
+        return None
+    primals, tangents = _util.unzip2(map(trace.to_primal_tangent_pair, args_flat))
+    nzs = tuple(type(t) is not _ad.Zero for t in tangents)
+    if not any(nzs):
+        return None
+    got = _linearize_fun(fun, tuple(in_avals), nzs, trace.is_vjp)
+    if got is None:
+        return None
+    primal_jaxpr, residual_src, nzs_out, tangent_jaxpr, out_avals = got
+    with _core.set_current_trace(trace.parent_trace):
+        ans = prim.bind(*primals, call_jaxpr=primal_jaxpr, **params)
+    primal_ans, computed = _util.split_list(ans, [len(out_avals)])
+    computed_it = iter(computed)
+    residuals = [next(computed_it) if src is None else
+                 (primals[src] if isinstance(src, int) else src[0]) for src in residual_src]
+    with (_core.set_current_trace(trace.tangent_trace),
+          source_info_util.set_name_stack(trace._name_stack_suffix())):
+        tangents_nz = [t for nz, t in zip(nzs, tangents) if nz]
+        outs = iter(prim.bind(*residuals, *tangents_nz, call_jaxpr=tangent_jaxpr, **params))
+        tangent_out = [next(outs) if nz else _ad.Zero(a.to_tangent_aval())
+                       for nz, a in zip(nzs_out, out_avals)]
+    return [_ad.maybe_linearize_tracer(trace, x, nz, t)
+            for x, nz, t in zip(primal_ans, nzs_out, tangent_out)]
+
+
+@_siu.reset_name_stack()
+def _linearize_fun(fun, in_avals, nzs, is_vjp):
+    """jax 0.10's ``ad._linearize_jaxpr`` with ``fun`` called where it evaluates a
+    jaxpr: ``(primal jaxpr, where each residual comes from, nonzero tangents out,
+    tangent jaxpr, out avals)``, or None (a value closed over from another trace).
+
+    A residual comes from the forward's outputs after its primal outputs (None), from
+    input ``i`` (an ``int``: not computed again), or is a constant (``(value,)``)."""
+    dbg = fun.debug_info
+    primal_trace = _pe.DynamicJaxprTrace(dbg)
+    tangent_trace = _pe.DynamicJaxprTrace(dbg, auto_dce=True)
+    tangent_trace.tag = _core.TraceTag()
+    lin_trace = _ad.LinearizeTrace(primal_trace, tangent_trace, is_vjp=is_vjp)
+    src = source_info_util.current()
+
+    def new_arg(aval, nz):
+        primal = primal_trace.new_arg(aval, src)
+        tangent_aval = aval.to_tangent_aval()
+        tangent = tangent_trace.new_arg(tangent_aval, src) if nz else _ad.Zero(tangent_aval)
+        return _ad.LinearizeTracer(lin_trace, primal, tangent)
+
+    tracers = [new_arg(a, nz) for a, nz in zip(in_avals, nzs)]
+    in_primals = [t.primal for t in tracers]
+    with _core.set_current_trace(lin_trace, check_leaks=True):
+        ans = fun.call_wrapped(*tracers)
+        out_primals, out_tangents = _util.unzip2(map(lin_trace.to_primal_tangent_pair, ans))
+        del lin_trace, ans, tracers
+    out_avals = [_core.typeof(x) for x in out_primals]
+    nzs_out = [type(t) is not _ad.Zero for t in out_tangents]
+    out_tangents = [tangent_trace.to_jaxpr_tracer(t, src)
+                    for nz, t in zip(nzs_out, out_tangents) if nz]
+    tangent_jaxpr, tangent_consts = tangent_trace.to_jaxpr(
+        out_tangents, dbg.with_unknown_names(), src)
+    tangent_trace.invalidate()
+    tangent_jaxpr, tangent_consts = _ad._dce_consts(tangent_jaxpr, tangent_consts)
+    tangent_jaxpr = _pe.close_jaxpr(_pe.convert_constvars_jaxpr(tangent_jaxpr))
+    inputs = {id(x): i for i, x in enumerate(in_primals)}
+    residual_src: list = []
+    computed = []
+    for c in tangent_consts:
+        if id(c) in inputs:
+            residual_src.append(inputs[id(c)])
+        elif not isinstance(c, _core.Tracer):
+            residual_src.append((c,))
+        else:
+            residual_src.append(None)
+            computed.append(c)
+    outs = [primal_trace.to_jaxpr_tracer(x, src) for x in (*out_primals, *computed)]
+    primal_jaxpr, primal_consts = primal_trace.to_jaxpr(outs, dbg.with_unknown_names(), src)
+    primal_trace.invalidate()
+    if any(isinstance(c, _core.Tracer) for c in primal_consts):
+        return None  # closed over another trace's value: the plain trace's way
+    primal_jaxpr, primal_consts = _ad._dce_consts(primal_jaxpr, primal_consts)
+    return (ClosedJaxpr(primal_jaxpr, primal_consts), residual_src, nzs_out, tangent_jaxpr,
+            out_avals)
 
 
 @_util.weakref_lru_cache

@@ -154,6 +154,13 @@ def bind_task(info: TaskInfo, jaxpr: ClosedJaxpr, consts, args):
     return task_p.bind(*consts, *args, call_jaxpr=jaxpr, info=info)
 
 
+def linearize_task(info: TaskInfo, fun, in_avals, args) -> list | None:
+    """``bind_task`` under ``grad``, the body ``fun`` (flat) traced once, straight into
+    its forward and tangent tasks; None where the plain trace must run
+    (``jax_compat.linearize_call``)."""
+    return jax_compat.linearize_call(task_p, {"info": info}, fun, in_avals, args)
+
+
 def _lowering(ctx, *args, call_jaxpr, info):
     st = _contexts.state
     if not (info.unplaced_ok or st.ignore_transforms or _contexts.traced_by_multimesh()):

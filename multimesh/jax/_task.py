@@ -34,7 +34,8 @@ from multimesh._src.errors import (
 )
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import slice_global_mesh
-from multimesh.jax._primitives import TaskInfo, bind_logical, bind_task, body_scope, warn_unplaced
+from multimesh.jax._primitives import (
+    TaskInfo, bind_logical, bind_task, body_scope, linearize_task, warn_unplaced)
 from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
@@ -456,10 +457,16 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
             # jax keeps the task's inputs as residuals; the pass reads them in place
             _contexts.state.trace_notes.remat_inputs_of.add(task_name)
         info, tmesh = _with_body_mesh(spec, info)
+        body = rematted(fun, remat)
         with _contexts.autoshard(True), jax_constraint_hint(
                 f"inside task {task_name!r}", info.logical_axes, tmesh), \
                 body_scope({"info": info}):
-            jaxpr, out_tree = _trace(rematted(fun, remat), in_avals, in_tree, dbg)
+            # under grad: the body traced once, into its forward and tangent jaxprs
+            f, out_tree_of = flatten_fun(lu.wrap_init(body, debug_info=dbg), in_tree)
+            outs = linearize_task(info, f, in_avals, args_flat)
+            if outs is not None:
+                return jax.tree.unflatten(out_tree_of(), outs)
+            jaxpr, out_tree = _trace(body, in_avals, in_tree, dbg)
         if any(isinstance(c, Tracer) for c in jaxpr.consts):
             jaxpr, consts = jax_compat.separate_consts(jaxpr)
         else:
