@@ -181,8 +181,11 @@ print(json.dumps(fn(sys.argv[2])))
 def fresh(cache: str | None, schedule: str, what: str, env: dict | None = None) -> dict:
     """One fresh process compiling ``what`` (``mm`` or ``jit``) with ``cache`` on, or with
     no persistent cache at all (``cache=None``)."""
+    # PYTHONDONTWRITEBYTECODE dropped: a user's restart imports compiled modules
+    # (the first process writes them), and this environment may forbid writing them
     base = {k: v for k, v in os.environ.items()
-            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE")}
+            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE",
+                         "PYTHONDONTWRITEBYTECODE")}
     p = subprocess.run(
         [sys.executable, "-c", _CHILD.format(tools=os.path.dirname(__file__)),
          cache or "-", schedule, what], capture_output=True, text=True,

@@ -10,6 +10,7 @@ done with them.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
@@ -98,12 +99,14 @@ def _shape_key(frag: Fragment, donors: tuple[int, ...]) -> tuple:
 
 def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
                  positions: tuple[int, ...] | None = None, like=None,
-                 stored: bytes | None = None) -> tuple[jax.stages.Compiled, str]:
+                 stored: bytes | None = None, session: int | None = None
+                 ) -> tuple[jax.stages.Compiled, str]:
     """:func:`compile_fragment`, and where the executable came from (:data:`XLA`, ...).
 
     ``like``: the executable of a fragment with the same :func:`_shape_key` on other
     devices; loaded onto these devices instead of compiling, where jax can.
-    ``stored``: such an executable from :mod:`.fragment_store`, loaded likewise.
+    ``stored``: such an executable from :mod:`.fragment_store`, loaded likewise (parsed
+    into the thread's context of compile ``session``, :func:`_session_context`).
     """
     home = frag.devices
     positions = positions or home
@@ -120,7 +123,7 @@ def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
     exe = like and jax_compat.load_on_devices(like, frag.name, in_sh, out_sh, sub)
     origin = IDENTICAL
     if exe is None and stored is not None:
-        exe, origin = _load_stored(frag, donors, in_sh, out_sh, sub, stored)
+        exe, origin = _load_stored(frag, donors, in_sh, out_sh, sub, stored, session)
     if exe is None:
         exe, origin = _xla_compile(frag, donors, in_sh, out_sh, sub)
     level = compile_log_level()
@@ -138,10 +141,28 @@ _SAY = {XLA: "XLA compiled", PERSISTENT_CACHE: "loaded from jax's persistent cac
         IDENTICAL: "loaded an identical fragment's executable for"}
 
 
+_THREAD = threading.local()  # .context: (session, ir.Context) of this thread's compiles
+_SESSIONS = itertools.count()
+
+
+def _session_context(session: int | None) -> ir.Context:
+    """The MLIR context that fragments are parsed into: one per thread and compile
+    session (:func:`_compile_jobs`), as jax lowers its programs into one context,
+    since making a context takes 5-10 ms (every dialect registered) and a program
+    loads tens of fragments. None: a context of its own."""
+    if session is None:
+        return make_context()
+    got = getattr(_THREAD, "context", None)
+    if got is None or got[0] != session:
+        got = _THREAD.context = (session, make_context())
+    return got[1]
+
+
 def _load_stored(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple,
-                 stored: bytes) -> tuple[jax.stages.Compiled | None, str]:
+                 stored: bytes, session: int | None = None
+                 ) -> tuple[jax.stages.Compiled | None, str]:
     """A :mod:`.fragment_store` entry loaded onto ``sub``; None where it cannot be."""
-    module = parse_module(frag.text, make_context())
+    module = parse_module(frag.text, _session_context(session))
     if donors:
         _mark_donors(module, donors)
     try:
@@ -249,6 +270,7 @@ def _compile_jobs(jobs: list[Job], devices: tuple
     # 0.10.2's CPU client re-serializes a loaded one without its code); with jax's
     # persistent cache on, the one XLA compiled is also stored for later processes.
     entries, stored = _stored_entries(leaders, jobs, devices)
+    session = next(_SESSIONS)
 
     def timed(j: int, like) -> tuple[jax.stages.Compiled, str, float]:
         frag, donors, positions = jobs[j]
@@ -256,7 +278,7 @@ def _compile_jobs(jobs: list[Job], devices: tuple
         t0 = time.perf_counter()
         exe, origin = _compile_one(frag, devices, donors, positions,
                                    like[0] if like and like[1] == XLA else None,
-                                   stored.get(shape))
+                                   stored.get(shape), session)
         seconds = time.perf_counter() - t0
         if origin == XLA and shape in entries and stored.get(shape) is None:
             data = jax_compat.serialized_executable(exe)
@@ -278,7 +300,10 @@ def _compile_jobs(jobs: list[Job], devices: tuple
         return out
 
     order = sorted(followers, key=lambda j: _work(jobs[j][0]), reverse=True)
-    done = dict(pair for pairs in map_ordered(group, order) for pair in pairs)
+    try:
+        done = dict(pair for pairs in map_ordered(group, order) for pair in pairs)
+    finally:  # the pool's threads took theirs with them; a serial run's is this thread's
+        vars(_THREAD).pop("context", None)
     failed = sorted(j for j, r in done.items() if isinstance(r, BaseException))
     if failed:
         raise done[failed[0]]
