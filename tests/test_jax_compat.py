@@ -237,6 +237,41 @@ def test_a_task_under_grad_is_traced_once_into_forward_and_tangent(monkeypatch):
     assert {d.id for d in grads[1].devices()} <= {2, 3}
 
 
+@pytest.mark.parametrize("transform", ["grad of grad", "vmap of grad"])
+def test_tasks_traced_once_keep_every_kind_of_output(monkeypatch, transform):
+    """A task linearized as it traces, with an integer output, an input passed through
+    and a constant output, under a second transformation around ``grad``: values as
+    plain jax's."""
+    got = _spy_linearize(monkeypatch)
+    a, b = _two_submeshes()
+
+    def body(w, x, n):
+        return jnp.sin(x @ w), n + 1, x, jnp.ones(3)
+
+    def head(y):
+        return (y ** 3).sum()
+
+    def loss_of(f, g):
+        def loss(w, x):
+            y, n, same, c = f(w, x, jnp.int32(3))
+            return g(y) + (same * 0.5).sum() + c.sum() * n
+        return loss
+
+    if transform == "grad of grad":
+        def wrap(f):
+            return jax.grad(lambda w, x: jax.grad(f)(w, x).sum())
+    else:
+        def wrap(f):
+            return jax.vmap(jax.grad(f), in_axes=(None, 0))
+    w = jnp.eye(4) * 0.7 + 0.05
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    x = x if transform == "grad of grad" else jnp.stack([x, 2 * x])
+    ours = mm.mjit(wrap(loss_of(mm.task(body, name="a", mesh=a),
+                                 mm.task(head, name="b", mesh=b))))(w, x)
+    np.testing.assert_allclose(ours, wrap(loss_of(body, head))(w, x), rtol=1e-5, atol=1e-6)
+    assert got == [DIRECT, DIRECT]
+
+
 def test_a_task_closing_over_a_traced_value_is_traced_plainly(monkeypatch):
     """A body that closes over a value of the trace around it (``w``, a parameter the
     gradient is taken of) takes the plain path, so that value's tangent is kept: the
