@@ -13,6 +13,7 @@ import io
 import os
 import re
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -28,7 +29,7 @@ from multimesh._src.jax_compat import fresh_ir_context
 
 __all__ = [
     "ir", "passmanager", "func", "mpmd", "sdy", "stablehlo",
-    "make_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module",
+    "make_context", "reused_context", "parse_module", "zero_sub_axis", "sub_axis_at", "print_module",
     "module_bytecode", "clone_module", "unchanged_on_error", "probe_bytecode",
     "walk", "top_level_ops", "str_attr", "int_attr", "dict_attr",
     "get_attr", "set_attr", "del_attr", "location_of", "file_line_col",
@@ -45,6 +46,25 @@ def make_context() -> ir.Context:
     ctx = fresh_ir_context()
     ctx.enable_multithreading(False)
     return ctx
+
+
+_REUSES = 10  # callers one thread's context serves before it is replaced
+_THREAD = threading.local()
+
+
+def reused_context() -> ir.Context:
+    """:func:`make_context`, but one context per thread serves up to 10 callers, as jax
+    >= 0.11's own lowering hands its context out: making one costs 3-10 ms (every
+    dialect registered), and a compile parses every fragment it compiles or loads. For
+    modules dropped once used (a fragment, once compiled): a context keeps what its
+    modules uniqued (attributes, types) until it goes, so it is replaced after 10 uses,
+    and a program that keeps its module (the lowered program) takes a context of its
+    own, freed with it. A thread's context is its own (multithreading is off)."""
+    got = getattr(_THREAD, "context", None)
+    if got is None or got[1] >= _REUSES:
+        got = _THREAD.context = [make_context(), 0]
+    got[1] += 1
+    return got[0]
 
 
 def probe_bytecode(data: bytes, patience_s: float = 60.0) -> str | None:

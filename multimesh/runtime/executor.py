@@ -10,7 +10,6 @@ done with them.
 
 from __future__ import annotations
 
-import itertools
 import re
 import threading
 import time
@@ -27,7 +26,7 @@ from multimesh._src.ir_contract import DONOR_ATTR
 from multimesh._src.ir_util import update_attr_dicts
 from multimesh._src.layouts import Placement
 from multimesh._src.log import compile_log_level, logger
-from multimesh._src.mlir import element_dtype, ir, make_context, parse_module
+from multimesh._src.mlir import element_dtype, ir, parse_module, reused_context
 from multimesh.runtime import codegen, fragment_store, runahead, shared_blocks
 from multimesh.runtime import steps as st
 from multimesh.runtime.distributed import ProcessPlan, Route
@@ -99,14 +98,12 @@ def _shape_key(frag: Fragment, donors: tuple[int, ...]) -> tuple:
 
 def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
                  positions: tuple[int, ...] | None = None, like=None,
-                 stored: bytes | None = None, session: int | None = None
-                 ) -> tuple[jax.stages.Compiled, str]:
+                 stored: bytes | None = None) -> tuple[jax.stages.Compiled, str]:
     """:func:`compile_fragment`, and where the executable came from (:data:`XLA`, ...).
 
     ``like``: the executable of a fragment with the same :func:`_shape_key` on other
     devices; loaded onto these devices instead of compiling, where jax can.
-    ``stored``: such an executable from :mod:`.fragment_store`, loaded likewise (parsed
-    into the thread's context of compile ``session``, :func:`_session_context`).
+    ``stored``: such an executable from :mod:`.fragment_store`, loaded likewise.
     """
     home = frag.devices
     positions = positions or home
@@ -123,7 +120,7 @@ def _compile_one(frag: Fragment, devices: tuple, donors: tuple[int, ...] = (),
     exe = like and jax_compat.load_on_devices(like, frag.name, in_sh, out_sh, sub)
     origin = IDENTICAL
     if exe is None and stored is not None:
-        exe, origin = _load_stored(frag, donors, in_sh, out_sh, sub, stored, session)
+        exe, origin = _load_stored(frag, donors, in_sh, out_sh, sub, stored)
     if exe is None:
         exe, origin = _xla_compile(frag, donors, in_sh, out_sh, sub)
     level = compile_log_level()
@@ -141,28 +138,10 @@ _SAY = {XLA: "XLA compiled", PERSISTENT_CACHE: "loaded from jax's persistent cac
         IDENTICAL: "loaded an identical fragment's executable for"}
 
 
-_THREAD = threading.local()  # .context: (session, ir.Context) of this thread's compiles
-_SESSIONS = itertools.count()
-
-
-def _session_context(session: int | None) -> ir.Context:
-    """The MLIR context that fragments are parsed into: one per thread and compile
-    session (:func:`_compile_jobs`), as jax lowers its programs into one context,
-    since making a context takes 5-10 ms (every dialect registered) and a program
-    loads tens of fragments. None: a context of its own."""
-    if session is None:
-        return make_context()
-    got = getattr(_THREAD, "context", None)
-    if got is None or got[0] != session:
-        got = _THREAD.context = (session, make_context())
-    return got[1]
-
-
 def _load_stored(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple,
-                 stored: bytes, session: int | None = None
-                 ) -> tuple[jax.stages.Compiled | None, str]:
+                 stored: bytes) -> tuple[jax.stages.Compiled | None, str]:
     """A :mod:`.fragment_store` entry loaded onto ``sub``; None where it cannot be."""
-    module = parse_module(frag.text, _session_context(session))
+    module = parse_module(frag.text, reused_context())
     if donors:
         _mark_donors(module, donors)
     try:
@@ -176,7 +155,7 @@ def _load_stored(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tu
 
 def _xla_compile(frag: Fragment, donors: tuple[int, ...], in_sh, out_sh, sub: tuple
                  ) -> tuple[jax.stages.Compiled, str]:
-    module = parse_module(frag.text, make_context())
+    module = parse_module(frag.text, reused_context())
     calls_back = callbacks.may_call_back(frag.text)
     host_callbacks = callbacks.take(module, frag.name) if calls_back else []
     if donors:
@@ -270,7 +249,6 @@ def _compile_jobs(jobs: list[Job], devices: tuple
     # 0.10.2's CPU client re-serializes a loaded one without its code); with jax's
     # persistent cache on, the one XLA compiled is also stored for later processes.
     entries, stored = _stored_entries(leaders, jobs, devices)
-    session = next(_SESSIONS)
 
     def timed(j: int, like) -> tuple[jax.stages.Compiled, str, float]:
         frag, donors, positions = jobs[j]
@@ -278,7 +256,7 @@ def _compile_jobs(jobs: list[Job], devices: tuple
         t0 = time.perf_counter()
         exe, origin = _compile_one(frag, devices, donors, positions,
                                    like[0] if like and like[1] == XLA else None,
-                                   stored.get(shape), session)
+                                   stored.get(shape))
         seconds = time.perf_counter() - t0
         if origin == XLA and shape in entries and stored.get(shape) is None:
             data = jax_compat.serialized_executable(exe)
@@ -300,10 +278,7 @@ def _compile_jobs(jobs: list[Job], devices: tuple
         return out
 
     order = sorted(followers, key=lambda j: _work(jobs[j][0]), reverse=True)
-    try:
-        done = dict(pair for pairs in map_ordered(group, order) for pair in pairs)
-    finally:  # the pool's threads took theirs with them; a serial run's is this thread's
-        vars(_THREAD).pop("context", None)
+    done = dict(pair for pairs in map_ordered(group, order) for pair in pairs)
     failed = sorted(j for j, r in done.items() if isinstance(r, BaseException))
     if failed:
         raise done[failed[0]]
