@@ -299,24 +299,24 @@ def _linearize_fun(fun, in_avals, nzs, is_vjp):
     lin_trace = _ad.LinearizeTrace(primal_trace, tangent_trace, is_vjp=is_vjp)
     src = source_info_util.current()
 
-    def new_arg(aval, nz):
+    def new_arg(trace, aval, nz):
         primal = primal_trace.new_arg(aval, src)
         tangent_aval = aval.to_tangent_aval()
         tangent = tangent_trace.new_arg(tangent_aval, src) if nz else _ad.Zero(tangent_aval)
-        return _ad.LinearizeTracer(lin_trace, primal, tangent)
+        return _ad.LinearizeTracer(trace, primal, tangent)
 
-    tracers = [new_arg(a, nz) for a, nz in zip(in_avals, nzs)]
+    tracers = [new_arg(lin_trace, a, nz) for a, nz in zip(in_avals, nzs)]
     in_primals = [t.primal for t in tracers]
     with _core.set_current_trace(lin_trace, check_leaks=True):
         ans = fun.call_wrapped(*tracers)
         out_primals, out_tangents = _util.unzip2(map(lin_trace.to_primal_tangent_pair, ans))
-        del lin_trace, ans, tracers
+        del lin_trace, ans, tracers  # no reference left for jax's leak check
     out_avals = [_core.typeof(x) for x in out_primals]
     nzs_out = [type(t) is not _ad.Zero for t in out_tangents]
-    out_tangents = [tangent_trace.to_jaxpr_tracer(t, src)
-                    for nz, t in zip(nzs_out, out_tangents) if nz]
+    nz_tangents = [tangent_trace.to_jaxpr_tracer(t, src)
+                   for nz, t in zip(nzs_out, out_tangents) if nz]
     tangent_jaxpr, tangent_consts = tangent_trace.to_jaxpr(
-        out_tangents, dbg.with_unknown_names(), src)
+        nz_tangents, dbg.with_unknown_names(), src)
     tangent_trace.invalidate()
     tangent_jaxpr, tangent_consts = _ad._dce_consts(tangent_jaxpr, tangent_consts)
     tangent_jaxpr = _pe.close_jaxpr(_pe.convert_constvars_jaxpr(tangent_jaxpr))

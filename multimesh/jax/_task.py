@@ -35,7 +35,13 @@ from multimesh._src.errors import (
 from multimesh.jax import _checks, _contexts
 from multimesh.jax._global_mesh import slice_global_mesh
 from multimesh.jax._primitives import (
-    TaskInfo, bind_logical, bind_task, body_scope, linearize_task, warn_unplaced)
+    TaskInfo,
+    bind_logical,
+    bind_task,
+    body_scope,
+    linearize_task,
+    warn_unplaced,
+)
 from multimesh.jax._trace_notes import TraceNotes
 
 __all__ = ["TaskMesh", "Task", "task", "with_sharding_constraint", "logical_axes_of",
@@ -457,21 +463,11 @@ def task(fun: Callable, name: str | None = None, *, task: Task | None = None, **
             # jax keeps the task's inputs as residuals; the pass reads them in place
             _contexts.state.trace_notes.remat_inputs_of.add(task_name)
         info, tmesh = _with_body_mesh(spec, info)
-        body = rematted(fun, remat)
         with _contexts.autoshard(True), jax_constraint_hint(
                 f"inside task {task_name!r}", info.logical_axes, tmesh), \
                 body_scope({"info": info}):
-            # under grad: the body traced once, into its forward and tangent jaxprs
-            f, out_tree_of = flatten_fun(lu.wrap_init(body, debug_info=dbg), in_tree)
-            outs = linearize_task(info, f, in_avals, args_flat)
-            if outs is not None:
-                return jax.tree.unflatten(out_tree_of(), outs)
-            jaxpr, out_tree = _trace(body, in_avals, in_tree, dbg)
-        if any(isinstance(c, Tracer) for c in jaxpr.consts):
-            jaxpr, consts = jax_compat.separate_consts(jaxpr)
-        else:
-            consts = []
-        outs = bind_task(info, jaxpr, consts, args_flat)
+            outs, out_tree = _bind_body(info, rematted(fun, remat), args_flat, in_avals,
+                                        in_tree, dbg)
         return jax.tree.unflatten(out_tree, outs)
 
     wrapped.__name__ = task_name
@@ -642,6 +638,23 @@ def jax_constraint_hint(where: str, mapping=(), mesh: AbstractMesh | None = None
             f"logical names that each task maps to its own mesh axes{maps}. Use "
             f"`multimesh.jax.with_sharding_constraint(x, spec)` instead, or enter a mesh "
             f"(`jax.set_mesh`) or give the task a `mesh` whose axes the spec names.") from e
+
+
+def _bind_body(info: TaskInfo, body, args_flat, in_avals, in_tree, dbg):
+    """``(outputs, their tree)`` of the task ``info`` binding ``body`` on ``args_flat``.
+
+    Under ``grad`` the body is traced once, straight into its forward and tangent
+    jaxprs (:func:`linearize_task`); elsewhere it is traced to a jaxpr, and the
+    tracers it closed over become leading arguments."""
+    f, out_tree_of = flatten_fun(lu.wrap_init(body, debug_info=dbg), in_tree)
+    outs = linearize_task(info, f, in_avals, args_flat)
+    if outs is not None:
+        return outs, out_tree_of()
+    jaxpr, out_tree = _trace(body, in_avals, in_tree, dbg)
+    consts: list = []
+    if any(isinstance(c, Tracer) for c in jaxpr.consts):
+        jaxpr, consts = jax_compat.separate_consts(jaxpr)
+    return bind_task(info, jaxpr, consts, args_flat), out_tree
 
 
 def _trace(fun, in_avals, in_tree, dbg):
