@@ -145,8 +145,10 @@ def _scoped(rule, scope, *args, **kwargs):
         return rule(*args, **kwargs)
 
 
+@functools.cache
 def _call_rules_module() -> ModuleType | None:
-    """jax >= 0.11's module of call-primitive rules; None on 0.10, which has none."""
+    """jax >= 0.11's module of call-primitive rules; None on 0.10, which has none
+    (asked once: a failed import searches the path again each time)."""
     try:
         mod = importlib.import_module("jax._src.lax.eval_jaxpr")
     except ImportError:

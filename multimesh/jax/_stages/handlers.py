@@ -5,9 +5,9 @@ A wing offers one ``ArgumentHandler``. It is registered (``register``) with a lo
 and the modules whose import makes it needed: a handler for arguments is looked for
 only once one of its ``arguments`` modules is in ``sys.modules`` (an NNX object exists
 only once the program imported ``flax.nnx`` itself), one for tasks only for a function
-that is one of its ``tasks`` classes (or an instance of one) whose module is imported;
-it is loaded at the first question asked then. So a linen program whose tasks are
-plain functions (``module.apply``) never loads the wing, nor ``flax.nnx`` with it. So ``import
+that is one of its ``tasks`` classes (or an instance of one) whose module is imported
+(a linen program whose tasks are ``module.apply`` never loads the wing, nor
+``flax.nnx`` with it); it is loaded at the first question asked then. So ``import
 multimesh.jax`` imports no wing, and a wing needs no import by the user: the
 composition root, ``multimesh/jax/__init__.py``, registers the flax wing's handler.
 
@@ -88,9 +88,10 @@ def register(load: Callable[[], ArgumentHandler], *, arguments: tuple[str, ...] 
     _REGISTERED.append(_Registration(load, tuple(arguments), tuple(tasks)))
 
 
-def _active(kind: str) -> Iterator[ArgumentHandler]:
+def _argument_handlers() -> Iterator[ArgumentHandler]:
+    """The handlers one of whose ``arguments`` modules is imported."""
     for i, reg in enumerate(_REGISTERED):
-        if any(m in sys.modules for m in getattr(reg, kind)):
+        if any(m in sys.modules for m in reg.arguments):
             yield _loaded(i, reg)
 
 
@@ -122,7 +123,7 @@ def for_arguments(tree) -> ArgumentHandler | None:
     """The handler that claims ``tree``, if any."""
     if not may_claim_arguments():
         return None
-    return next((h for h in _active("arguments") if h.claims(tree)), None)
+    return next((h for h in _argument_handlers() if h.claims(tree)), None)
 
 
 def for_task(fun) -> ArgumentHandler | None:
@@ -135,7 +136,7 @@ def module_names(*roots) -> AbstractContextManager[None]:
     """Every active handler's ``module_names(*roots)`` block, entered together."""
     if not may_claim_arguments():
         return contextlib.nullcontext()
-    blocks = [h.module_names(*roots) for h in _active("arguments")]
+    blocks = [h.module_names(*roots) for h in _argument_handlers()]
     return blocks[0] if len(blocks) == 1 else _together(blocks)
 
 
