@@ -207,10 +207,11 @@ def test_the_generated_function_runs_each_step_once_in_order():
 
 
 def test_a_training_loop_passes_its_outputs_back_without_moving_them(monkeypatch):
-    """A step's outputs carry shardings equal to (not the same objects as) the input
-    shardings of the next step: they are where the program wants them, so no input is
-    moved for them (a move that changes nothing costs ~10 µs of host time per array).
-    Values match plain jax's SGD loop; the batch, a host array, is placed every step."""
+    """A step's outputs carry the input shardings of the next step (the same objects
+    since the fragments' layout shardings are cached): they are where the program wants
+    them, so no input is moved for them (a move that changes nothing costs ~10 µs of
+    host time per array). Values match plain jax's SGD loop; the batch, a host array,
+    is placed every step."""
     moved: list = []
     real = steps.place
 
@@ -233,7 +234,7 @@ def test_a_training_loop_passes_its_outputs_back_without_moving_them(monkeypatch
         np.testing.assert_allclose(value, want_value, rtol=1e-5)
         for w, r, sh in zip(ws, want_ws, compiled.input_shardings[0][0]):
             np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-6)
-            assert w.sharding == sh and w.sharding is not sh
+            assert w.sharding == sh
     assert counts == [4, 1, 1]
 
 
