@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mm
@@ -236,6 +237,15 @@ def test_a_training_loop_passes_its_outputs_back_without_moving_them(monkeypatch
             np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-6)
             assert w.sharding == sh
     assert counts == [4, 1, 1]
+    # equal shardings of the caller's own (not the program's objects) move nothing either
+    own = [jax.device_put(np.asarray(w), NamedSharding(
+               Mesh(sh.mesh.devices, sh.mesh.axis_names), sh.spec))
+           for w, sh in zip(ws, compiled.input_shardings[0][0])]
+    assert all(w.sharding == sh and w.sharding is not sh
+               for w, sh in zip(own, compiled.input_shardings[0][0]))
+    moved.clear()
+    compiled(own, x)
+    assert len(moved) == 1
 
 
 def test_mjit_keys_each_call_by_its_own_types():
